@@ -1,0 +1,17 @@
+//! tilefs-image: the composefs image format.
+//!
+//! - [`tree`]: the in-memory tree model every input and output goes through;
+//! - [`dump`]: the composefs-dump(5) text format, parsed and printed;
+//! - [`erofs`]: the EROFS metadata image in the composefs layout, written
+//!   byte for byte as the reference `mkcomposefs` does, and read back with
+//!   every offset checked;
+//! - [`verity`]: fs-verity SHA-256 digests, which name objects in the store;
+//! - [`source`]: building a tree from a directory on disk.
+
+pub mod dump;
+pub mod erofs;
+pub mod source;
+pub mod tree;
+pub mod verity;
+
+pub use tree::{Entry, FileType, Inode, InodeId, Timespec, Tree, TreeError, Xattr, ROOT};
