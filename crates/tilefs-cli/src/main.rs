@@ -1,1 +1,60 @@
-fn main() {}
+//! `tilefs`: build, inspect, store and mount composefs-compatible images.
+
+mod build;
+mod digest;
+mod inspect;
+mod output;
+
+use clap::{Parser, Subcommand};
+use std::process::ExitCode;
+
+#[derive(Parser)]
+#[command(
+    name = "tilefs",
+    version,
+    about = "Build, inspect and mount composefs-compatible file tree images",
+    long_about = "tilefs stores file trees as small reproducible EROFS metadata images plus a shared, \
+                  content-addressed object store, compatible byte for byte with composefs."
+)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Build an image from a directory or a composefs-dump(5) file
+    Build(build::BuildArgs),
+    /// Print an image as composefs-dump(5) text
+    Dump(inspect::DumpArgs),
+    /// Summarise an image: version, counts by file type, sizes, objects
+    Info(inspect::InfoArgs),
+    /// List the object paths (XX/YYYY...) an image references, one a line
+    Objects(inspect::ObjectsArgs),
+    /// Print the fs-verity SHA-256 digest of files, as `fsverity digest` does
+    Digest(digest::DigestArgs),
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    let result = match cli.command {
+        Command::Build(a) => build::run(a),
+        Command::Dump(a) => inspect::dump(a),
+        Command::Info(a) => inspect::info(a),
+        Command::Objects(a) => inspect::objects(a),
+        Command::Digest(a) => digest::run(a),
+    };
+    match result {
+        Ok(code) => code,
+        Err(e) => {
+            // A closed pipe (`tilefs dump img | head`) is not an error.
+            if let Some(io) = e.downcast_ref::<std::io::Error>() {
+                if io.kind() == std::io::ErrorKind::BrokenPipe {
+                    return ExitCode::SUCCESS;
+                }
+            }
+            eprintln!("tilefs: {e:#}");
+            ExitCode::FAILURE
+        }
+    }
+}

@@ -11,6 +11,7 @@
 pub mod dump;
 pub mod erofs;
 pub mod source;
+pub mod summary;
 pub mod tree;
 pub mod verity;
 

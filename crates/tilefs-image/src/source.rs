@@ -1,8 +1,37 @@
 //! Builds a tree from a directory on disk, as the reference `mkcomposefs`
 //! does from a directory.
+//!
+//! Every entry is read with `lstat` semantics (symlinks are never
+//! followed) and becomes its own inode: like the reference, a directory
+//! build does not look for hardlinks, so every non-directory has nlink 1.
+//! Regular files get their fs-verity digest and object path; files of at
+//! most [`RECOMMENDED_INLINE_MAX`] bytes also keep their contents inline.
+//!
+//! The walk is parallel: each directory is one task on a rayon pool, its
+//! entries are examined (stat, xattrs, symlink target, contents and
+//! digest) in parallel, and each subdirectory becomes a new task. Tasks
+//! open everything relative to their directory's descriptor, so no path is
+//! walked twice and no depth limit applies. The tree is assembled at the
+//! end on one thread, in name order, so the result does not depend on the
+//! order the work happened in.
 
-use crate::tree::{InodeId, Tree};
+use crate::tree::{
+    digest_object_path, FileType, Inode, InodeId, Timespec, Tree, Xattr, EXTERNAL_XATTR_BUDGET, MAX_NAME_LEN,
+    RECOMMENDED_INLINE_MAX, ROOT,
+};
+use crate::verity;
+use rayon::prelude::*;
+use rustix::fd::{AsFd, BorrowedFd, OwnedFd};
+use rustix::fs::{AtFlags, Mode, OFlags, RawDir, Stat};
+use rustix::io::Errno;
+use std::cell::RefCell;
+use std::collections::VecDeque;
+use std::ffi::{CStr, CString, OsStr};
+use std::mem::MaybeUninit;
+use std::os::unix::ffi::OsStrExt;
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
 
 /// What to read from the directory.
 #[derive(Debug, Clone, Default)]
@@ -34,8 +63,582 @@ pub struct SourceError {
     pub reason: String,
 }
 
+impl SourceError {
+    fn new(path: impl Into<PathBuf>, reason: impl Into<String>) -> SourceError {
+        SourceError {
+            path: path.into(),
+            reason: reason.into(),
+        }
+    }
+
+    fn os(path: impl Into<PathBuf>, what: &str, err: Errno) -> SourceError {
+        let err = std::io::Error::from(err);
+        SourceError::new(path, format!("{what}: {err}"))
+    }
+}
+
+/// Read buffer for file contents, one per thread.
+const READ_BUF_SIZE: usize = 256 * 1024;
+/// Files at least this large are announced to the kernel as read
+/// sequentially (more readahead when the cache is cold).
+const FADVISE_MIN: u64 = 1 << 20;
+/// Files at least this large are read and hashed in segments, in parallel.
+const PARALLEL_MIN: u64 = 16 << 20;
+/// Segment size for that (a whole number of blocks and of read buffers).
+const SEGMENT: u64 = 4 << 20;
+/// Longest path the path-based xattr calls accept (PATH_MAX with its NUL).
+const PATH_MAX: usize = 4096;
+
+thread_local! {
+    static READ_BUF: RefCell<Vec<u8>> = const { RefCell::new(Vec::new()) };
+}
+
 /// Scans `root` (a directory) into a tree, with fs-verity digests and
 /// object paths for external files and contents for small ones.
-pub fn scan(_root: &Path, _opts: &ScanOptions) -> Result<Scan, SourceError> {
-    todo!("directory scan")
+pub fn scan(root: &Path, opts: &ScanOptions) -> Result<Scan, SourceError> {
+    let st = rustix::fs::lstat(root).map_err(|e| SourceError::os(root, "cannot stat", e))?;
+    if FileType::from_mode(st.st_mode as u32) != Some(FileType::Directory) {
+        return Err(SourceError::new(root, "not a directory"));
+    }
+    let root_inode = inode_from_stat(&st, opts);
+
+    let pool = rayon::ThreadPoolBuilder::new()
+        .num_threads(opts.jobs)
+        .thread_name(|i| format!("tilefs-scan-{i}"))
+        .build()
+        .map_err(|e| SourceError::new(root, format!("cannot start worker threads: {e}")))?;
+
+    let walk = Walk {
+        opts,
+        next_dir: AtomicUsize::new(1),
+        dirs: Mutex::new(Vec::new()),
+        failed: AtomicBool::new(false),
+        error: Mutex::new(None),
+    };
+    pool.install(|| {
+        rayon::scope(|s| {
+            walk.dir_task(s, DirRef::Root, root.to_path_buf(), 0);
+        })
+    });
+
+    if let Some(err) = walk.error.into_inner().unwrap_or_else(|e| e.into_inner()) {
+        return Err(err);
+    }
+    let dirs = walk.dirs.into_inner().unwrap_or_else(|e| e.into_inner());
+    assemble(root_inode, dirs)
+}
+
+/// A scanned directory: its own xattrs and its entries, sorted by name.
+struct DirScan {
+    path: PathBuf,
+    xattrs: Vec<Xattr>,
+    entries: Vec<Scanned>,
+}
+
+/// One entry of a scanned directory.
+struct Scanned {
+    name: CString,
+    inode: Inode,
+    /// For a directory: the index of its own [`DirScan`].
+    subdir: Option<usize>,
+}
+
+/// How a directory task finds its directory.
+enum DirRef {
+    Root,
+    /// A name in a parent directory, kept open until its children have
+    /// opened theirs.
+    Child(Arc<OwnedFd>, CString),
+}
+
+/// State shared by all the tasks of one scan.
+struct Walk<'a> {
+    opts: &'a ScanOptions,
+    /// Index of the next directory found (the root is 0).
+    next_dir: AtomicUsize,
+    /// Scanned directories by index.
+    dirs: Mutex<Vec<Option<DirScan>>>,
+    /// Set on the first error: remaining tasks stop early.
+    failed: AtomicBool,
+    error: Mutex<Option<SourceError>>,
+}
+
+impl<'a> Walk<'a> {
+    fn fail(&self, err: SourceError) {
+        let mut slot = self.error.lock().unwrap_or_else(|e| e.into_inner());
+        if slot.is_none() {
+            *slot = Some(err);
+        }
+        self.failed.store(true, Ordering::Relaxed);
+    }
+
+    /// Scans one directory and spawns a task for each subdirectory.
+    fn dir_task<'s>(&'s self, scope: &rayon::Scope<'s>, dir: DirRef, path: PathBuf, index: usize)
+    where
+        'a: 's,
+    {
+        if self.failed.load(Ordering::Relaxed) {
+            return;
+        }
+        match self.scan_dir(dir, &path) {
+            Ok((fd, mut scan)) => {
+                let fd = Arc::new(fd);
+                for entry in scan.entries.iter_mut() {
+                    if !entry.inode.is_dir() {
+                        continue;
+                    }
+                    let sub = self.next_dir.fetch_add(1, Ordering::Relaxed);
+                    entry.subdir = Some(sub);
+                    let child_path = path.join(OsStr::from_bytes(entry.name.to_bytes()));
+                    let child = DirRef::Child(fd.clone(), entry.name.clone());
+                    scope.spawn(move |s| self.dir_task(s, child, child_path, sub));
+                }
+                scan.path = path;
+                let mut dirs = self.dirs.lock().unwrap_or_else(|e| e.into_inner());
+                if dirs.len() <= index {
+                    dirs.resize_with(index + 1, || None);
+                }
+                dirs[index] = Some(scan);
+            }
+            Err(e) => self.fail(e),
+        }
+    }
+
+    /// Opens and reads one directory: its xattrs, its entries (each
+    /// examined in parallel), sorted by name.
+    fn scan_dir(&self, dir: DirRef, path: &Path) -> Result<(OwnedFd, DirScan), SourceError> {
+        let flags = OFlags::RDONLY | OFlags::DIRECTORY | OFlags::NOFOLLOW | OFlags::CLOEXEC;
+        let fd = match dir {
+            DirRef::Root => rustix::fs::open(path, flags, Mode::empty()),
+            DirRef::Child(parent, name) => rustix::fs::openat(&*parent, name.as_c_str(), flags, Mode::empty()),
+        }
+        .map_err(|e| SourceError::os(path, "cannot open directory", e))?;
+
+        let xattrs = if self.opts.skip_xattrs {
+            Vec::new()
+        } else {
+            read_xattrs(XattrSource::Fd(fd.as_fd()), self.opts.user_xattrs).map_err(|e| e.at(path))?
+        };
+
+        let names = list_dir(fd.as_fd()).map_err(|e| SourceError::os(path, "cannot read directory", e))?;
+        let dirfd = fd.as_fd();
+        let scanned: Vec<Option<Scanned>> = names
+            .par_iter()
+            .map(|name| {
+                if self.failed.load(Ordering::Relaxed) {
+                    return Ok(None);
+                }
+                scan_entry(dirfd, path, name, self.opts)
+            })
+            .collect::<Result<_, SourceError>>()?;
+        let mut entries: Vec<Scanned> = scanned.into_iter().flatten().collect();
+        entries.sort_unstable_by(|a, b| a.name.cmp(&b.name));
+        Ok((
+            fd,
+            DirScan {
+                path: PathBuf::new(),
+                xattrs,
+                entries,
+            },
+        ))
+    }
+}
+
+/// The names in a directory, without `.` and `..`.
+fn list_dir(fd: BorrowedFd<'_>) -> Result<Vec<CString>, Errno> {
+    let mut buf: Vec<MaybeUninit<u8>> = Vec::with_capacity(32 * 1024);
+    buf.resize(32 * 1024, MaybeUninit::uninit());
+    let mut dir = RawDir::new(fd, &mut buf);
+    let mut names = Vec::new();
+    while let Some(entry) = dir.next() {
+        let entry = entry?;
+        let name = entry.file_name();
+        let bytes = name.to_bytes();
+        if bytes == b"." || bytes == b".." {
+            continue;
+        }
+        names.push(name.to_owned());
+    }
+    Ok(names)
+}
+
+/// The inode fields that come from `lstat`.
+#[allow(clippy::unnecessary_cast)]
+fn inode_from_stat(st: &Stat, opts: &ScanOptions) -> Inode {
+    let mut inode = Inode::new(st.st_mode as u32);
+    inode.uid = st.st_uid as u32;
+    inode.gid = st.st_gid as u32;
+    // The 32-bit kernel encoding is the low half of the 64-bit one.
+    inode.rdev = st.st_rdev as u64 as u32;
+    inode.size = st.st_size as u64;
+    if !opts.use_epoch {
+        inode.mtime = Timespec {
+            sec: st.st_mtime as i64,
+            nsec: st.st_mtime_nsec as u32,
+        };
+    }
+    inode
+}
+
+/// Examines one entry of a directory; `None` if it is left out.
+fn scan_entry(
+    dirfd: BorrowedFd<'_>,
+    dir: &Path,
+    name: &CStr,
+    opts: &ScanOptions,
+) -> Result<Option<Scanned>, SourceError> {
+    let name_bytes = name.to_bytes();
+    let path = || dir.join(OsStr::from_bytes(name_bytes));
+    if name_bytes.len() > MAX_NAME_LEN {
+        return Err(SourceError::new(
+            path(),
+            format!(
+                "file name is {} bytes, longer than the {MAX_NAME_LEN} the format holds",
+                name_bytes.len()
+            ),
+        ));
+    }
+    let st = rustix::fs::statat(dirfd, name, AtFlags::SYMLINK_NOFOLLOW)
+        .map_err(|e| SourceError::os(path(), "cannot stat", e))?;
+    let Some(ftype) = FileType::from_mode(st.st_mode as u32) else {
+        return Err(SourceError::new(
+            path(),
+            format!("unknown file type (mode {:o})", st.st_mode),
+        ));
+    };
+    if opts.skip_devices && matches!(ftype, FileType::BlockDevice | FileType::CharDevice) {
+        return Ok(None);
+    }
+    let mut inode = inode_from_stat(&st, opts);
+    let mut xattrs_from_path = !opts.skip_xattrs;
+    match ftype {
+        // Its own task reads its xattrs, through its descriptor.
+        FileType::Directory => xattrs_from_path = false,
+        FileType::Regular if inode.size > 0 => {
+            read_regular(dirfd, name, &mut inode, opts).map_err(|e| e.at(&path()))?;
+            xattrs_from_path = false;
+        }
+        FileType::Symlink => {
+            let target = rustix::fs::readlinkat(dirfd, name, Vec::new())
+                .map_err(|e| SourceError::os(path(), "cannot read symlink", e))?
+                .into_bytes();
+            inode.size = target.len() as u64;
+            inode.payload = Some(target);
+        }
+        _ => {}
+    }
+    if xattrs_from_path {
+        let xattrs = read_xattrs_at(dirfd, dir, name, opts.user_xattrs).map_err(|e| e.at(&path()))?;
+        inode.xattrs = xattrs;
+    }
+    Ok(Some(Scanned {
+        name: name.to_owned(),
+        inode,
+        subdir: None,
+    }))
+}
+
+/// An error tied to the entry being examined, before its path is known.
+enum EntryError {
+    Os(&'static str, Errno),
+    Other(String),
+}
+
+impl EntryError {
+    fn at(self, path: &Path) -> SourceError {
+        match self {
+            EntryError::Os(what, e) => SourceError::os(path, what, e),
+            EntryError::Other(reason) => SourceError::new(path, reason),
+        }
+    }
+}
+
+/// Reads a non-empty regular file: digest, object path, inline contents
+/// for small files, and xattrs through the open descriptor.
+fn read_regular(dirfd: BorrowedFd<'_>, name: &CStr, inode: &mut Inode, opts: &ScanOptions) -> Result<(), EntryError> {
+    // NOFOLLOW and NONBLOCK: if the entry was swapped for a symlink or a
+    // fifo since it was examined, fail rather than follow or hang.
+    let flags = OFlags::RDONLY | OFlags::NOFOLLOW | OFlags::NONBLOCK | OFlags::NOCTTY | OFlags::CLOEXEC;
+    let fd = rustix::fs::openat(dirfd, name, flags, Mode::empty()).map_err(|e| EntryError::Os("cannot open", e))?;
+    let size = inode.size;
+    if size >= FADVISE_MIN {
+        // Only a hint: failure changes nothing.
+        let _ = rustix::fs::fadvise(&fd, 0, None, rustix::fs::Advice::Sequential);
+    }
+    let digest = if size >= PARALLEL_MIN && rayon::current_num_threads() > 1 {
+        digest_in_segments(fd.as_fd(), size)?
+    } else {
+        let (digest, content) = digest_sequentially(fd.as_fd(), size)?;
+        inode.content = content;
+        digest
+    };
+    inode.digest = Some(digest);
+    inode.payload = Some(digest_object_path(&digest).into_bytes());
+    if !opts.skip_xattrs {
+        inode.xattrs = read_xattrs(XattrSource::Fd(fd.as_fd()), opts.user_xattrs)?;
+    }
+    Ok(())
+}
+
+fn size_changed(size: u64, read: &str) -> EntryError {
+    EntryError::Other(format!(
+        "file changed size while being read ({size} bytes when examined, {read} read)"
+    ))
+}
+
+/// Runs `f` with this thread's read buffer.
+fn with_read_buf<T>(f: impl FnOnce(&mut [u8]) -> T) -> T {
+    READ_BUF.with(|buf| {
+        let mut buf = buf.borrow_mut();
+        if buf.len() < READ_BUF_SIZE {
+            buf.resize(READ_BUF_SIZE, 0);
+        }
+        f(&mut buf[..])
+    })
+}
+
+/// Reads a file from its current offset to the end, hashing as it goes;
+/// also returns the contents of a file small enough to be inline.
+fn digest_sequentially(fd: BorrowedFd<'_>, size: u64) -> Result<([u8; 32], Option<Vec<u8>>), EntryError> {
+    let inline = size <= RECOMMENDED_INLINE_MAX;
+    let mut content = Vec::new();
+    let mut hasher = verity::Hasher::new();
+    let mut total: u64 = 0;
+    with_read_buf(|buf| -> Result<(), EntryError> {
+        loop {
+            let n = match rustix::io::read(fd, &mut *buf) {
+                Ok(n) => n,
+                Err(Errno::INTR) => continue,
+                Err(e) => return Err(EntryError::Os("cannot read", e)),
+            };
+            if n == 0 {
+                return Ok(());
+            }
+            let data = &buf[..n];
+            hasher.update(data);
+            if inline && content.len() <= RECOMMENDED_INLINE_MAX as usize {
+                let room = RECOMMENDED_INLINE_MAX as usize + 1 - content.len();
+                content.extend_from_slice(&data[..n.min(room)]);
+            }
+            total += n as u64;
+            if total > size {
+                return Err(size_changed(size, &format!("at least {total}")));
+            }
+            // A read cut short exactly at the size stat gave is the end
+            // of the file: spare the read that would return 0.
+            if total == size && n < buf.len() {
+                return Ok(());
+            }
+        }
+    })?;
+    if total != size {
+        return Err(size_changed(size, &total.to_string()));
+    }
+    Ok((hasher.finalize(), inline.then_some(content)))
+}
+
+/// Digest of a large file, its segments read and hashed in parallel.
+fn digest_in_segments(fd: BorrowedFd<'_>, size: u64) -> Result<[u8; 32], EntryError> {
+    let segments = size.div_ceil(SEGMENT);
+    // A few segments per thread at a time: keeps every thread busy while
+    // holding the hashes of only a bounded part of the file.
+    let batch = rayon::current_num_threads() as u64 * 4;
+    let mut hasher = verity::Hasher::new();
+    let mut first = 0;
+    while first < segments {
+        let end = (first + batch).min(segments);
+        let hashes: Vec<Result<Vec<[u8; 32]>, EntryError>> = (first..end)
+            .into_par_iter()
+            .map(|i| {
+                let offset = i * SEGMENT;
+                hash_segment(fd, offset, SEGMENT.min(size - offset), size)
+            })
+            .collect();
+        for (i, h) in (first..end).zip(hashes) {
+            let offset = i * SEGMENT;
+            hasher.update_block_hashes(SEGMENT.min(size - offset), &h?);
+        }
+        first = end;
+    }
+    // The file must end where stat said.
+    let mut probe = [0u8; 1];
+    loop {
+        match rustix::io::pread(fd, &mut probe, size) {
+            Ok(0) => break,
+            Ok(_) => return Err(size_changed(size, &format!("at least {}", size + 1))),
+            Err(Errno::INTR) => continue,
+            Err(e) => return Err(EntryError::Os("cannot read", e)),
+        }
+    }
+    Ok(hasher.finalize())
+}
+
+/// Hashes of the blocks of `len` bytes at `offset` (a block boundary).
+fn hash_segment(fd: BorrowedFd<'_>, offset: u64, len: u64, size: u64) -> Result<Vec<[u8; 32]>, EntryError> {
+    with_read_buf(|buf| {
+        let mut hashes = Vec::with_capacity(len.div_ceil(verity::BLOCK_SIZE as u64) as usize);
+        let mut done = 0u64;
+        while done < len {
+            // Fill the buffer (a whole number of blocks) before hashing.
+            let want = (len - done).min(buf.len() as u64) as usize;
+            let mut filled = 0;
+            while filled < want {
+                let at = offset + done + filled as u64;
+                match rustix::io::pread(fd, &mut buf[filled..want], at) {
+                    Ok(0) => return Err(size_changed(size, &format!("only {at}"))),
+                    Ok(n) => filled += n,
+                    Err(Errno::INTR) => continue,
+                    Err(e) => return Err(EntryError::Os("cannot read", e)),
+                }
+            }
+            verity::block_hashes(&buf[..want], &mut hashes);
+            done += want as u64;
+        }
+        Ok(hashes)
+    })
+}
+
+/// Where to read xattrs from.
+#[derive(Clone, Copy)]
+enum XattrSource<'a> {
+    /// An open file or directory.
+    Fd(BorrowedFd<'a>),
+    /// A path, not followed if it is a symlink.
+    Path(&'a CStr),
+}
+
+impl XattrSource<'_> {
+    fn list(self, buf: &mut [u8]) -> Result<usize, Errno> {
+        match self {
+            XattrSource::Fd(fd) => rustix::fs::flistxattr(fd, buf),
+            XattrSource::Path(p) => rustix::fs::llistxattr(p, buf),
+        }
+    }
+
+    fn get(self, name: &CStr, buf: &mut [u8]) -> Result<usize, Errno> {
+        match self {
+            XattrSource::Fd(fd) => rustix::fs::fgetxattr(fd, name, buf),
+            XattrSource::Path(p) => rustix::fs::lgetxattr(p, name, buf),
+        }
+    }
+}
+
+/// Calls `f` with ever larger buffers until the answer fits (xattrs can
+/// grow between a size query and the read).
+fn with_growing_buf(mut f: impl FnMut(&mut [u8]) -> Result<usize, Errno>) -> Result<Vec<u8>, Errno> {
+    let mut buf = vec![0u8; 1024];
+    loop {
+        match f(&mut buf) {
+            Ok(n) => {
+                buf.truncate(n);
+                return Ok(buf);
+            }
+            Err(Errno::RANGE) => {
+                let need = f(&mut [])?;
+                buf.resize(need.max(buf.len() * 2), 0);
+            }
+            Err(Errno::INTR) => continue,
+            Err(e) => return Err(e),
+        }
+    }
+}
+
+/// Reads the xattrs of an entry of a directory, without following it.
+fn read_xattrs_at(dirfd: BorrowedFd<'_>, dir: &Path, name: &CStr, user_only: bool) -> Result<Vec<Xattr>, EntryError> {
+    let dir_bytes = dir.as_os_str().as_bytes();
+    let name_bytes = name.to_bytes();
+    let mut path = Vec::with_capacity(dir_bytes.len() + name_bytes.len() + 2);
+    if dir_bytes.len() + name_bytes.len() + 2 <= PATH_MAX {
+        path.extend_from_slice(dir_bytes);
+    } else {
+        // Too long for the path-based calls: reach the directory through
+        // its descriptor instead.
+        let fd_num = {
+            use std::os::fd::AsRawFd;
+            dirfd.as_raw_fd()
+        };
+        path.extend_from_slice(format!("/proc/self/fd/{fd_num}").as_bytes());
+    }
+    path.push(b'/');
+    path.extend_from_slice(name_bytes);
+    let path = CString::new(path).map_err(|_| EntryError::Other("path contains a NUL byte".into()))?;
+    read_xattrs(XattrSource::Path(&path), user_only)
+}
+
+/// Reads all xattrs (or only `user.*` ones), checked against the budget of
+/// an inode, sorted by name.
+fn read_xattrs(src: XattrSource<'_>, user_only: bool) -> Result<Vec<Xattr>, EntryError> {
+    // Most files have none: one call with a small buffer says so.
+    let mut small = [0u8; 256];
+    let list = match src.list(&mut small) {
+        Ok(0) => return Ok(Vec::new()),
+        Ok(n) => small[..n].to_vec(),
+        Err(Errno::RANGE) => with_growing_buf(|b| src.list(b)).map_err(|e| EntryError::Os("cannot list xattrs", e))?,
+        // A filesystem without xattrs has none to give.
+        Err(Errno::OPNOTSUPP) => return Ok(Vec::new()),
+        Err(e) => return Err(EntryError::Os("cannot list xattrs", e)),
+    };
+    let mut holder = Inode::default();
+    for key in list.split_inclusive(|&b| b == 0) {
+        let Ok(key) = CStr::from_bytes_with_nul(key) else {
+            continue;
+        };
+        let key_bytes = key.to_bytes();
+        if key_bytes.is_empty() || (user_only && !key_bytes.starts_with(b"user.")) {
+            continue;
+        }
+        let value = match with_growing_buf(|b| src.get(key, b)) {
+            Ok(v) => v,
+            // Removed since it was listed.
+            Err(Errno::NODATA) => continue,
+            Err(e) => {
+                return Err(EntryError::Other(format!(
+                    "cannot read xattr {}: {}",
+                    key.to_string_lossy(),
+                    std::io::Error::from(e)
+                )))
+            }
+        };
+        holder
+            .set_xattr(key_bytes, &value, EXTERNAL_XATTR_BUDGET)
+            .map_err(|e| EntryError::Other(format!("cannot store xattr {}: {e}", key.to_string_lossy())))?;
+    }
+    holder.xattrs.sort_unstable_by(|a, b| a.key.cmp(&b.key));
+    Ok(holder.xattrs)
+}
+
+/// Builds the tree from the scanned directories, breadth first in name
+/// order, on one thread.
+fn assemble(root: Inode, mut dirs: Vec<Option<DirScan>>) -> Result<Scan, SourceError> {
+    let mut take = |i: usize| -> Result<DirScan, SourceError> {
+        dirs.get_mut(i)
+            .and_then(Option::take)
+            .ok_or_else(|| SourceError::new("", format!("internal error: directory {i} was not scanned")))
+    };
+    let first = take(0)?;
+    let mut tree = Tree::new(root);
+    let mut sources = Vec::new();
+    let mut queue = VecDeque::new();
+    queue.push_back((first, ROOT));
+    while let Some((dir, id)) = queue.pop_front() {
+        let subdirs = dir.entries.iter().filter(|e| e.inode.is_dir()).count();
+        {
+            let inode = tree.inode_mut(id);
+            inode.xattrs = dir.xattrs;
+            inode.nlink = u32::try_from(subdirs + 2).unwrap_or(u32::MAX);
+        }
+        for entry in dir.entries {
+            let name = entry.name.to_bytes();
+            let external = entry.inode.is_external();
+            let child = tree
+                .add_child(id, name, entry.inode)
+                .map_err(|e| SourceError::new(dir.path.join(OsStr::from_bytes(name)), e.to_string()))?;
+            if let Some(sub) = entry.subdir {
+                queue.push_back((take(sub)?, child));
+            } else if external {
+                sources.push((child, dir.path.join(OsStr::from_bytes(name))));
+            }
+        }
+    }
+    Ok(Scan { tree, sources })
 }

@@ -164,18 +164,7 @@ impl Inode {
     /// Sets (or replaces) an xattr, refusing it if the inode's xattrs would
     /// then exceed `budget` bytes as EROFS counts them (worst case).
     pub fn set_xattr(&mut self, key: &[u8], value: &[u8], budget: usize) -> Result<(), TreeError> {
-        if key.is_empty() {
-            return Err(TreeError::EmptyXattrName);
-        }
-        if key.len() > MAX_XATTR_NAME_LEN {
-            return Err(TreeError::XattrNameTooLong(key.len()));
-        }
-        if key.contains(&0) {
-            return Err(TreeError::XattrNameNul);
-        }
-        if value.len() > u16::MAX as usize {
-            return Err(TreeError::XattrValueTooLong(value.len()));
-        }
+        check_xattr(key, value)?;
         self.xattrs.retain(|x| x.key != key);
         let used = xattr_budget(self.xattrs.iter().map(|x| (x.key.len(), x.value.len())))
             + xattr_entry_budget(key.len(), value.len())
@@ -188,6 +177,67 @@ impl Inode {
             value: value.to_vec(),
         });
         Ok(())
+    }
+
+    /// Sets several xattrs, with exactly the result and errors of calling
+    /// [`set_xattr`](Self::set_xattr) for each in turn (a repeated key
+    /// replaces the earlier value and moves to the end; on error, the ones
+    /// before the failing one stay set), in time linear in their number
+    /// rather than quadratic.
+    pub fn set_xattrs<K: AsRef<[u8]>, V: AsRef<[u8]>>(
+        &mut self,
+        xattrs: impl IntoIterator<Item = (K, V)>,
+        budget: usize,
+    ) -> Result<(), TreeError> {
+        use std::collections::HashMap;
+        // Below this many xattrs a linear scan beats hashing.
+        const INDEX_FROM: usize = 16;
+        let mut slots: Vec<Option<Xattr>> = std::mem::take(&mut self.xattrs).into_iter().map(Some).collect();
+        let mut total: usize = slots
+            .iter()
+            .flatten()
+            .map(|x| xattr_entry_budget(x.key.len(), x.value.len()))
+            .sum();
+        let mut index: Option<HashMap<Vec<u8>, usize>> = None;
+        let mut result = Ok(());
+        for (key, value) in xattrs {
+            let (key, value) = (key.as_ref(), value.as_ref());
+            if let Err(e) = check_xattr(key, value) {
+                result = Err(e);
+                break;
+            }
+            if index.is_none() && slots.len() >= INDEX_FROM {
+                let map = slots
+                    .iter()
+                    .enumerate()
+                    .filter_map(|(i, s)| Some((s.as_ref()?.key.clone(), i)))
+                    .collect();
+                index = Some(map);
+            }
+            let old = match &index {
+                Some(map) => map.get(key).copied(),
+                None => slots.iter().position(|s| s.as_ref().is_some_and(|x| x.key == key)),
+            };
+            if let Some(old) = old {
+                let x = slots[old].take().expect("indexed xattr is present");
+                total -= xattr_entry_budget(x.key.len(), x.value.len());
+            }
+            let used = total + xattr_entry_budget(key.len(), value.len()) + XATTR_HEADER_BUDGET;
+            if used > budget {
+                result = Err(TreeError::XattrsTooLarge { used, budget });
+                break;
+            }
+            total = used - XATTR_HEADER_BUDGET;
+            if let Some(map) = &mut index {
+                map.insert(key.to_vec(), slots.len());
+            }
+            slots.push(Some(Xattr {
+                key: key.to_vec(),
+                value: value.to_vec(),
+            }));
+        }
+        self.xattrs = slots.into_iter().flatten().collect();
+        result
     }
 
     /// Removes an xattr; true if it was there.
@@ -208,6 +258,23 @@ impl Inode {
 }
 
 const XATTR_HEADER_BUDGET: usize = 12;
+
+/// The checks [`Inode::set_xattr`] makes on one xattr by itself.
+fn check_xattr(key: &[u8], value: &[u8]) -> Result<(), TreeError> {
+    if key.is_empty() {
+        return Err(TreeError::EmptyXattrName);
+    }
+    if key.len() > MAX_XATTR_NAME_LEN {
+        return Err(TreeError::XattrNameTooLong(key.len()));
+    }
+    if key.contains(&0) {
+        return Err(TreeError::XattrNameNul);
+    }
+    if value.len() > u16::MAX as usize {
+        return Err(TreeError::XattrValueTooLong(value.len()));
+    }
+    Ok(())
+}
 
 // Worst case per entry: a 4-byte header, the name and value, and up to 3
 // bytes of alignment.

@@ -1,7 +1,47 @@
 //! composefs-dump(5) parser.
+//!
+//! Each line is `PATH SIZE MODE NLINK UID GID RDEV MTIME PAYLOAD CONTENT
+//! DIGEST [KEY=VALUE]...`, fields separated by single spaces. Text fields
+//! use `\\`, `\n`, `\r`, `\t` and `\xHH` escapes; optional fields hold `-`
+//! when absent. A mode starting with `@` makes the line a hardlink to the
+//! path in PAYLOAD (which may come later in the dump); every other field
+//! of such a line is ignored.
+//!
+//! The input is read line by line into one reused buffer; directory
+//! lookups are binary searches, so the cost is linear in the input even for
+//! unsorted dumps (names arriving out of order go to a per-directory side
+//! map that is merged in at the end). Inodes are numbered in depth-first
+//! name order at the end, so the tree does not depend on line order.
+//!
+//! What is accepted follows the reference `mkcomposefs --from-file`
+//! (lenient by default, its `CFS_PARSE_STRICT` mode with
+//! [`ParseOptions::strict`]), except where the reference would go on with
+//! garbage; those inputs are refused here:
+//! - numbers must be plain decimal (octal for MODE) digits that fit: no
+//!   sign, space or overflow, NLINK/UID/GID/MODE at most 32 bits (the
+//!   reference truncates). MTIME seconds may be negative, as
+//!   `composefs-info` prints them; RDEV and nanoseconds are truncated to 32
+//!   bits as in the image;
+//! - an invalid GID or RDEV is an error (the reference checks the wrong
+//!   variable and takes them as 0 when the UID is not 0);
+//! - DIGEST must be 64 hex digits (or `-`, or empty when the line ends
+//!   early);
+//! - a NUL byte (as `\x00`) in a path, symlink target, payload, hardlink
+//!   target or xattr name is refused, not cut off there;
+//! - hardlinks to directories (through an `@` line with a non-directory
+//!   mode) and cycles of hardlinks are refused;
+//! - a regular file too large for the image's chunk table is refused here,
+//!   where the reference fails only when writing the image;
+//! - lines longer than [`MAX_LINE_LEN`] are refused.
 
-use crate::tree::Tree;
-use std::io::BufRead;
+use super::print::{escaped, Escape};
+use crate::erofs::format::{chunk_count, MAX_EXTERNAL_CHUNKS};
+use crate::tree::{
+    validate_name, Entry, FileType, Inode, InodeId, Timespec, Tree, EXTERNAL_XATTR_BUDGET, MAX_INLINE_CONTENT,
+    MAX_PAYLOAD_LEN, ROOT,
+};
+use std::collections::{BTreeMap, HashMap};
+use std::io::{BufRead, Read};
 
 /// How strictly to parse.
 #[derive(Debug, Clone, Copy, Default)]
@@ -19,7 +59,1232 @@ pub struct DumpError {
     pub reason: String,
 }
 
+/// Longest line we read. The format's own limits keep real lines far
+/// shorter (64 KiB of xattr text, 5000 bytes of content, 4095 of payload,
+/// each at most four times longer escaped); this bounds memory for hostile
+/// input, e.g. a hardlink line whose ignored fields go on forever.
+const MAX_LINE_LEN: usize = 1 << 20;
+
+/// Most xattr text (everything after DIGEST) a line may carry.
+const MAX_XATTR_TEXT: usize = u16::MAX as usize;
+
+/// Entries of hardlink lines point at `PENDING | fixup index` until the
+/// targets are resolved at the end of the input.
+const PENDING: InodeId = 1 << 31;
+
+const FIELD_NAMES: [&str; 11] = [
+    "PATH", "SIZE", "MODE", "NLINK", "UID", "GID", "RDEV", "MTIME", "PAYLOAD", "CONTENT", "DIGEST",
+];
+const PATH: usize = 0;
+const SIZE: usize = 1;
+const MODE: usize = 2;
+const NLINK: usize = 3;
+const UID: usize = 4;
+const GID: usize = 5;
+const RDEV: usize = 6;
+const MTIME: usize = 7;
+const PAYLOAD: usize = 8;
+const CONTENT: usize = 9;
+const DIGEST: usize = 10;
+
 /// Parses a whole dump into a tree.
-pub fn parse(_input: impl BufRead, _opts: ParseOptions) -> Result<Tree, DumpError> {
-    todo!("dump parser")
+///
+/// The first line must be the root directory `/`, and every other entry's
+/// parent directory must come before it. Errors carry the 1-based line
+/// number; errors about the dump as a whole (it is empty) carry line 0.
+pub fn parse(mut input: impl BufRead, opts: ParseOptions) -> Result<Tree, DumpError> {
+    let mut parser = Parser::new(opts);
+    let mut buf = Vec::with_capacity(4096);
+    let mut line_no = 0usize;
+    loop {
+        buf.clear();
+        line_no += 1;
+        let n = Read::take(&mut input, MAX_LINE_LEN as u64 + 1)
+            .read_until(b'\n', &mut buf)
+            .map_err(|e| DumpError {
+                line: line_no,
+                reason: format!("read error: {e}"),
+            })?;
+        if n == 0 {
+            break;
+        }
+        let line = match buf.split_last() {
+            Some((b'\n', line)) => line,
+            _ if buf.len() > MAX_LINE_LEN => {
+                return Err(DumpError {
+                    line: line_no,
+                    reason: format!("line is longer than {MAX_LINE_LEN} bytes"),
+                })
+            }
+            _ if opts.strict => {
+                return Err(DumpError {
+                    line: line_no,
+                    reason: "missing newline at the end of the last line".into(),
+                })
+            }
+            _ => &buf[..],
+        };
+        parser
+            .line(line, line_no)
+            .map_err(|reason| DumpError { line: line_no, reason })?;
+    }
+    parser.finish()
+}
+
+/// A hardlink line waiting for the end of the input, when all its possible
+/// targets are known.
+struct Fixup {
+    dir: InodeId,
+    /// The link's own path; its last component is the entry's name.
+    path: Vec<u8>,
+    target: Vec<u8>,
+    line: usize,
+}
+
+#[derive(Clone, Copy)]
+enum Resolution {
+    Unvisited,
+    InProgress,
+    Done(InodeId),
+}
+
+struct Parser {
+    strict: bool,
+    tree: Option<Tree>,
+    /// Entries that arrived out of name order, per directory: every name
+    /// here sorts before the directory's last entry in the tree.
+    late: HashMap<InodeId, BTreeMap<Vec<u8>, Entry>>,
+    fixups: Vec<Fixup>,
+    /// The parent path of the previous line and the directory it named:
+    /// dumps list siblings together, so most lines reuse it.
+    last_parent: Option<(Vec<u8>, InodeId)>,
+}
+
+/// Splits the next space-separated field off `rest`. Past the end of the
+/// line, fields are empty.
+fn next_field<'a>(rest: &mut &'a [u8]) -> &'a [u8] {
+    let s = *rest;
+    match s.iter().position(|&c| c == b' ') {
+        Some(i) => {
+            *rest = &s[i + 1..];
+            &s[..i]
+        }
+        None => {
+            *rest = &[];
+            s
+        }
+    }
+}
+
+fn show(s: &[u8]) -> String {
+    escaped(s, Escape::Path)
+}
+
+fn hex_digit(c: u8) -> Option<u8> {
+    match c {
+        b'0'..=b'9' => Some(c - b'0'),
+        b'a'..=b'f' => Some(c - b'a' + 10),
+        b'A'..=b'F' => Some(c - b'A' + 10),
+        _ => None,
+    }
+}
+
+/// Decodes the escapes of a text field.
+fn unescape(s: &[u8]) -> Result<Vec<u8>, String> {
+    let mut out = Vec::with_capacity(s.len());
+    let mut rest = s;
+    while let Some(i) = rest.iter().position(|&c| c == b'\\') {
+        out.extend_from_slice(&rest[..i]);
+        let (c, len) = match rest.get(i + 1) {
+            None => return Err("'\\' at the end of the field".into()),
+            Some(b'\\') => (b'\\', 2),
+            Some(b'n') => (b'\n', 2),
+            Some(b'r') => (b'\r', 2),
+            Some(b't') => (b'\t', 2),
+            Some(b'x') => match (rest.get(i + 2), rest.get(i + 3)) {
+                (Some(&h), Some(&l)) => match (hex_digit(h), hex_digit(l)) {
+                    (Some(h), Some(l)) => (h << 4 | l, 4),
+                    _ => return Err(format!("invalid hex escape {}", show(&rest[i..i + 4]))),
+                },
+                _ => return Err("'\\x' escape without two hex digits".into()),
+            },
+            Some(&c) => return Err(format!("unknown escape {}", show(&[b'\\', c]))),
+        };
+        out.push(c);
+        rest = &rest[i + len..];
+    }
+    out.extend_from_slice(rest);
+    Ok(out)
+}
+
+/// Decodes field `idx` of `f`, naming the field in errors.
+fn text_field(f: &[&[u8]; 11], idx: usize) -> Result<Vec<u8>, String> {
+    unescape(f[idx]).map_err(|e| format!("{}: {e}", FIELD_NAMES[idx]))
+}
+
+/// Decodes an optional field: `None` for `-`.
+fn optional_field(f: &[&[u8]; 11], idx: usize) -> Result<Option<Vec<u8>>, String> {
+    if f[idx] == b"-" {
+        Ok(None)
+    } else {
+        text_field(f, idx).map(Some)
+    }
+}
+
+/// An unsigned number: one or more digits of `radix`, no sign, no spaces,
+/// no overflow.
+fn number(s: &[u8], radix: u32) -> Option<u64> {
+    if s.is_empty() {
+        return None;
+    }
+    s.iter().try_fold(0u64, |acc, &c| {
+        let d = (c as char).to_digit(radix)?;
+        acc.checked_mul(radix.into())?.checked_add(d.into())
+    })
+}
+
+fn invalid(f: &[&[u8]; 11], idx: usize, what: &str) -> String {
+    format!("invalid {} '{}': {what}", FIELD_NAMES[idx], show(f[idx]))
+}
+
+fn dec_u64(f: &[&[u8]; 11], idx: usize) -> Result<u64, String> {
+    number(f[idx], 10).ok_or_else(|| invalid(f, idx, "expected a decimal number"))
+}
+
+fn dec_u32(f: &[&[u8]; 11], idx: usize) -> Result<u32, String> {
+    // The reference silently truncates these to 32 bits; a value that does
+    // not fit is refused here instead.
+    let v = dec_u64(f, idx)?;
+    u32::try_from(v).map_err(|_| invalid(f, idx, "larger than 4294967295"))
+}
+
+/// `SECONDS.NANOSECONDS`. The reference reads the seconds as an unsigned
+/// 64-bit number (where `-N` wraps around) and stores them signed, and
+/// `composefs-info` prints negative times with a `-`: accept that sign so
+/// that such times survive a round trip. Nanoseconds are truncated to 32
+/// bits like the reference's.
+fn mtime(f: &[&[u8]; 11]) -> Result<Timespec, String> {
+    let s = f[MTIME];
+    let bad = || invalid(f, MTIME, "expected SECONDS.NANOSECONDS");
+    let dot = s.iter().position(|&c| c == b'.').ok_or_else(bad)?;
+    let (sec, nsec) = (&s[..dot], &s[dot + 1..]);
+    let sec = match sec.strip_prefix(b"-") {
+        Some(abs) => 0u64.wrapping_sub(number(abs, 10).ok_or_else(bad)?),
+        None => number(sec, 10).ok_or_else(bad)?,
+    };
+    let nsec = number(nsec, 10).ok_or_else(bad)?;
+    Ok(Timespec {
+        sec: sec as i64,
+        nsec: nsec as u32,
+    })
+}
+
+fn digest(f: &[&[u8]; 11]) -> Result<Option<[u8; 32]>, String> {
+    let Some(text) = optional_field(f, DIGEST)? else {
+        return Ok(None);
+    };
+    // The reference decodes whatever hex is there and leaves the rest of
+    // the digest undefined. An empty field (a line that stops early, as in
+    // a fuzzer-made vector it accepts) is taken as no digest; anything else
+    // must be a full digest.
+    if text.is_empty() {
+        return Ok(None);
+    }
+    let mut raw = [0u8; 32];
+    hex::decode_to_slice(&text, &mut raw)
+        .map_err(|_| invalid(f, DIGEST, "expected 64 hex digits (a SHA-256 fs-verity digest)"))?;
+    Ok(Some(raw))
+}
+
+impl Parser {
+    fn new(opts: ParseOptions) -> Parser {
+        Parser {
+            strict: opts.strict,
+            tree: None,
+            late: HashMap::new(),
+            fixups: Vec::new(),
+            last_parent: None,
+        }
+    }
+
+    fn line(&mut self, line: &[u8], line_no: usize) -> Result<(), String> {
+        // (`contains` on bytes is a fast memchr; find the column only when
+        // there is one.)
+        if line.contains(&0) {
+            let pos = line.iter().position(|&c| c == 0).unwrap_or(0);
+            return Err(format!("NUL byte at column {} (write it as \\x00)", pos + 1));
+        }
+        let mut rest = line;
+        let f: [&[u8]; 11] = std::array::from_fn(|_| next_field(&mut rest));
+        let xattr_text = rest;
+
+        let path = text_field(&f, PATH)?;
+        if path.is_empty() {
+            return Err("empty path".into());
+        }
+        if path.contains(&0) {
+            return Err(format!("path {} contains a NUL byte", show(&path)));
+        }
+        let (is_hardlink, mode_text) = match f[MODE].strip_prefix(b"@") {
+            Some(m) => (true, m),
+            None => (false, f[MODE]),
+        };
+        let mode = number(mode_text, 8)
+            .and_then(|m| u32::try_from(m).ok())
+            .ok_or_else(|| invalid(&f, MODE, "expected an octal number"))?;
+        let ftype = FileType::from_mode(mode)
+            .ok_or_else(|| format!("{}: invalid mode {mode:o}: unknown file type", show(&path)))?;
+
+        if path == b"/" {
+            if self.tree.is_some() {
+                return Err("second line for the root directory /".into());
+            }
+            if ftype != FileType::Directory {
+                return Err(format!("the root / must be a directory, not a {ftype}"));
+            }
+            if is_hardlink {
+                return Err("the root / cannot be a hardlink".into());
+            }
+            let root = self.inode(&path, &f, mode, ftype, xattr_text)?;
+            self.tree = Some(Tree::new(root));
+            return Ok(());
+        }
+        if self.tree.is_none() {
+            return Err(format!("{}: the first line must be the root directory /", show(&path)));
+        }
+
+        let (dir, name) = self.place(&path)?;
+        if is_hardlink {
+            if ftype == FileType::Directory {
+                return Err(format!("{}: directories cannot be hardlinked", show(&path)));
+            }
+            let target = optional_field(&f, PAYLOAD)?
+                .ok_or_else(|| format!("{}: hardlink without a target path in PAYLOAD", show(&path)))?;
+            if target.contains(&0) {
+                return Err(format!("{}: hardlink target contains a NUL byte", show(&path)));
+            }
+            let idx = self.fixups.len() as InodeId;
+            if idx >= PENDING {
+                return Err("too many hardlinks".into());
+            }
+            self.insert(dir, name, PENDING | idx, true)?;
+            self.fixups.push(Fixup {
+                dir,
+                path,
+                target,
+                line: line_no,
+            });
+            return Ok(());
+        }
+        let inode = self.inode(&path, &f, mode, ftype, xattr_text)?;
+        let tree = self.tree.as_mut().expect("root checked above");
+        if tree.inodes.len() >= PENDING as usize {
+            return Err("too many files".into());
+        }
+        let is_dir = inode.is_dir();
+        let id = tree.add_inode(inode);
+        self.insert(dir, name, id, false)?;
+        if is_dir {
+            // The next lines are most likely this directory's children.
+            let (mut p, _) = self.last_parent.take().unwrap_or_default();
+            p.clear();
+            p.extend_from_slice(&path);
+            self.last_parent = Some((p, id));
+        }
+        Ok(())
+    }
+
+    /// The entry `name` in directory `dir`, as stored so far (possibly a
+    /// pending hardlink).
+    fn child(&self, dir: InodeId, name: &[u8]) -> Option<InodeId> {
+        let tree = self.tree.as_ref()?;
+        if let Some(e) = tree.inode(dir).entry(name) {
+            return Some(e.inode);
+        }
+        self.late.get(&dir)?.get(name).map(|e| e.inode)
+    }
+
+    /// Finds the parent directory of `path` and checks that its last
+    /// component can be added there.
+    fn place<'p>(&mut self, path: &'p [u8]) -> Result<(InodeId, &'p [u8]), String> {
+        let (prefix, name) = match path.iter().rposition(|&c| c == b'/') {
+            Some(i) => (&path[..i], &path[i + 1..]),
+            None => (&path[..0], path),
+        };
+        let dir = match &self.last_parent {
+            Some((p, id)) if p.as_slice() == prefix => *id,
+            _ => {
+                let id = self.resolve_dir(path, prefix)?;
+                let (mut p, _) = self.last_parent.take().unwrap_or_default();
+                p.clear();
+                p.extend_from_slice(prefix);
+                self.last_parent = Some((p, id));
+                id
+            }
+        };
+        validate_name(name).map_err(|e| format!("{}: {e}", show(path)))?;
+        // A name after the directory's last one is new (the common case);
+        // only others need a search.
+        let tree = self.tree.as_ref().expect("root is present");
+        let after_last = match tree.inode(dir).entries.last() {
+            Some(last) => last.name.as_slice() < name,
+            None => true,
+        };
+        if !after_last && self.child(dir, name).is_some() {
+            return Err(format!("{} is already in the dump", show(path)));
+        }
+        Ok((dir, name))
+    }
+
+    /// The directory named by `prefix`, the parent path of `path`.
+    fn resolve_dir(&self, path: &[u8], prefix: &[u8]) -> Result<InodeId, String> {
+        let tree = self.tree.as_ref().expect("root is present");
+        let not_dir = || format!("{}: parent {} is not a directory", show(path), show(prefix));
+        let mut cur = ROOT;
+        for comp in prefix.split(|&c| c == b'/').filter(|c| !c.is_empty()) {
+            cur = self
+                .child(cur, comp)
+                .ok_or_else(|| format!("{}: parent directory {} is missing", show(path), show(prefix)))?;
+            // A pending hardlink is never a directory.
+            if cur & PENDING != 0 || !tree.inode(cur).is_dir() {
+                return Err(not_dir());
+            }
+        }
+        Ok(cur)
+    }
+
+    /// Adds the entry `name` -> `id` to `dir`, which does not have it yet.
+    fn insert(&mut self, dir: InodeId, name: &[u8], id: InodeId, hardlink: bool) -> Result<(), String> {
+        let tree = self.tree.as_mut().expect("root is present");
+        let in_order = match tree.inode(dir).entries.last() {
+            Some(last) => last.name.as_slice() < name,
+            None => true,
+        };
+        if in_order {
+            // Appends: no entries move.
+            return tree.link(dir, name, id, hardlink).map_err(|e| e.to_string());
+        }
+        validate_name(name).map_err(|e| e.to_string())?;
+        let entry = Entry {
+            name: name.to_vec(),
+            inode: id,
+            hardlink,
+        };
+        self.late.entry(dir).or_default().insert(name.to_vec(), entry);
+        Ok(())
+    }
+
+    /// Builds the inode of a (non-hardlink) line.
+    fn inode(
+        &self,
+        path: &[u8],
+        f: &[&[u8]; 11],
+        mode: u32,
+        ftype: FileType,
+        xattr_text: &[u8],
+    ) -> Result<Inode, String> {
+        let at = |e: String| format!("{}: {e}", show(path));
+        let size = dec_u64(f, SIZE)?;
+        let mut inode = Inode::new(mode);
+        inode.nlink = dec_u32(f, NLINK)?;
+        inode.uid = dec_u32(f, UID)?;
+        inode.gid = dec_u32(f, GID)?;
+        // The image holds a 32-bit device number, as the reference's does.
+        let rdev = dec_u64(f, RDEV)?;
+        inode.mtime = mtime(f)?;
+        let payload = optional_field(f, PAYLOAD)?;
+        let content = optional_field(f, CONTENT)?;
+        if let Some(c) = &content {
+            if c.len() as u64 != size {
+                return Err(at(format!("CONTENT is {} bytes but SIZE is {size}", c.len())));
+            }
+        }
+        inode.digest = digest(f)?;
+
+        match ftype {
+            FileType::CharDevice | FileType::BlockDevice => inode.rdev = rdev as u32,
+            _ if self.strict && rdev != 0 => return Err(at(format!("RDEV is {rdev} but a {ftype} has none"))),
+            _ => {}
+        }
+
+        if ftype == FileType::Symlink {
+            let target = match payload {
+                Some(t) if !t.is_empty() => t,
+                _ => return Err(at("a symlink needs a target in PAYLOAD".into())),
+            };
+            if target.len() > MAX_PAYLOAD_LEN {
+                return Err(at(format!(
+                    "symlink target is {} bytes, longer than {MAX_PAYLOAD_LEN}",
+                    target.len()
+                )));
+            }
+            if target.contains(&0) {
+                return Err(at("symlink target contains a NUL byte".into()));
+            }
+            if self.strict {
+                if size != target.len() as u64 {
+                    return Err(at(format!(
+                        "SIZE is {size} but the symlink target is {} bytes",
+                        target.len()
+                    )));
+                }
+                if content.as_ref().is_some_and(|c| !c.is_empty()) {
+                    return Err(at("a symlink cannot have CONTENT".into()));
+                }
+            }
+            // A symlink's size is its target's length, whatever SIZE says;
+            // any content is dropped.
+            inode.size = target.len() as u64;
+            inode.payload = Some(target);
+        } else {
+            inode.size = size;
+            if let Some(p) = &payload {
+                if p.len() > MAX_PAYLOAD_LEN {
+                    return Err(at(format!(
+                        "PAYLOAD is {} bytes, longer than {MAX_PAYLOAD_LEN}",
+                        p.len()
+                    )));
+                }
+                if p.contains(&0) {
+                    return Err(at("PAYLOAD contains a NUL byte".into()));
+                }
+            }
+            // An empty payload means nothing (the reference ignores it).
+            inode.payload = payload.filter(|p| !p.is_empty());
+            if let Some(c) = &content {
+                if c.len() > MAX_INLINE_CONTENT {
+                    return Err(at(format!(
+                        "inline CONTENT is {} bytes, more than {MAX_INLINE_CONTENT}",
+                        c.len()
+                    )));
+                }
+            }
+            // Empty content is no content (size 0), as in the reference.
+            inode.content = content.filter(|c| !c.is_empty());
+            if ftype == FileType::Regular
+                && size > 0
+                && inode.content.is_none()
+                && chunk_count(size) > MAX_EXTERNAL_CHUNKS
+            {
+                // The reference accepts this line and fails when writing.
+                return Err(at(format!("file of {size} bytes is too large for the image format")));
+            }
+        }
+
+        // The reference caps the xattr text to keep its quadratic duplicate
+        // check bounded; the cap is part of the format now.
+        if xattr_text.len() > MAX_XATTR_TEXT {
+            return Err(at(format!(
+                "too many xattrs: {} bytes of xattr text, more than {MAX_XATTR_TEXT}",
+                xattr_text.len()
+            )));
+        }
+        let mut xattrs = Vec::new();
+        let mut rest = xattr_text;
+        while !rest.is_empty() {
+            let x = next_field(&mut rest);
+            let eq = x
+                .iter()
+                .position(|&c| c == b'=')
+                .ok_or_else(|| at(format!("xattr '{}' has no '='", show(x))))?;
+            let key = unescape(&x[..eq]).map_err(|e| at(format!("xattr name: {e}")))?;
+            let value = unescape(&x[eq + 1..]).map_err(|e| at(format!("xattr {}: {e}", show(&key))))?;
+            xattrs.push((key, value));
+        }
+        // Set in order: a repeated name replaces the earlier value.
+        if let Err(e) = inode.set_xattrs(xattrs.iter().map(|(k, v)| (k, v)), EXTERNAL_XATTR_BUDGET) {
+            // Name the xattr when it is wrong by itself.
+            let alone = |(k, v): &&(Vec<u8>, Vec<u8>)| Inode::new(mode).set_xattr(k, v, usize::MAX).err();
+            return Err(match xattrs.iter().find(|x| alone(x).as_ref() == Some(&e)) {
+                Some((k, _)) => at(format!("xattr '{}': {e}", escaped(k, Escape::Xattr))),
+                None => at(e.to_string()),
+            });
+        }
+        Ok(inode)
+    }
+
+    fn finish(mut self) -> Result<Tree, DumpError> {
+        let mut tree = self.tree.take().ok_or_else(|| DumpError {
+            line: 0,
+            reason: "empty dump: no root directory".into(),
+        })?;
+        // Merge the out-of-order entries into their directories.
+        for (dir, late) in std::mem::take(&mut self.late) {
+            let entries = std::mem::take(&mut tree.inode_mut(dir).entries);
+            let mut merged = Vec::with_capacity(entries.len() + late.len());
+            let mut a = entries.into_iter().peekable();
+            let mut b = late.into_values().peekable();
+            loop {
+                let take_a = match (a.peek(), b.peek()) {
+                    (Some(x), Some(y)) => x.name < y.name,
+                    (Some(_), None) => true,
+                    (None, Some(_)) => false,
+                    (None, None) => break,
+                };
+                merged.extend(if take_a { a.next() } else { b.next() });
+            }
+            tree.inode_mut(dir).entries = merged;
+        }
+        self.resolve_hardlinks(&mut tree)?;
+        renumber(&mut tree);
+        Ok(tree)
+    }
+
+    /// Points every hardlink entry at its target's inode. A target may be
+    /// another hardlink (followed to its end), never a directory, never
+    /// the link itself or a cycle of links.
+    fn resolve_hardlinks(&self, tree: &mut Tree) -> Result<(), DumpError> {
+        let mut state = vec![Resolution::Unvisited; self.fixups.len()];
+        let mut chain = Vec::new();
+        for start in 0..self.fixups.len() {
+            chain.clear();
+            let mut cur = start;
+            let target = loop {
+                let fx = &self.fixups[cur];
+                let err = |what: String| DumpError {
+                    line: fx.line,
+                    reason: format!("{}: {what}", show(&fx.path)),
+                };
+                match state[cur] {
+                    Resolution::Done(id) => break id,
+                    Resolution::InProgress => {
+                        return Err(err(format!(
+                            "hardlink to {} is part of a cycle of hardlinks",
+                            show(&fx.target)
+                        )))
+                    }
+                    Resolution::Unvisited => {}
+                }
+                state[cur] = Resolution::InProgress;
+                chain.push(cur);
+                let id = lookup(tree, &fx.target)
+                    .ok_or_else(|| err(format!("hardlink target {} is not in the dump", show(&fx.target))))?;
+                if id & PENDING != 0 {
+                    let next = (id & !PENDING) as usize;
+                    if next == cur {
+                        return Err(err("hardlink to itself".into()));
+                    }
+                    cur = next;
+                    continue;
+                }
+                if tree.inode(id).is_dir() {
+                    return Err(err(format!(
+                        "hardlink target {} is a directory; directories cannot be hardlinked",
+                        show(&fx.target)
+                    )));
+                }
+                break id;
+            };
+            for &c in &chain {
+                state[c] = Resolution::Done(target);
+            }
+        }
+        for (fx, st) in self.fixups.iter().zip(&state) {
+            let Resolution::Done(id) = *st else {
+                unreachable!("every hardlink was resolved")
+            };
+            let dir = tree.inode_mut(fx.dir);
+            let name = fx.path.rsplit(|&c| c == b'/').next().unwrap_or_default();
+            let i = dir.find_entry(name).expect("hardlink entry was inserted");
+            dir.entries[i].inode = id;
+        }
+        Ok(())
+    }
+}
+
+/// Numbers the inodes in the order their primary entries come in a
+/// depth-first walk in name order, the order `print` writes them in: the
+/// tree of a dump then does not depend on the order of its lines, and
+/// printing and parsing it again gives the same tree. Dumps usually come in
+/// that order already, and then nothing moves.
+fn renumber(tree: &mut Tree) {
+    const UNSEEN: InodeId = InodeId::MAX;
+    let n = tree.inodes.len();
+    let mut new_id = vec![UNSEEN; n];
+    let mut order: Vec<InodeId> = Vec::with_capacity(n);
+    let mut visit = |id: InodeId| {
+        let slot = &mut new_id[id as usize];
+        if *slot == UNSEEN {
+            *slot = order.len() as InodeId;
+            order.push(id);
+        }
+    };
+    visit(ROOT);
+    // (directory, index of its next entry); no recursion, for deep trees.
+    let mut stack = vec![(ROOT, 0usize)];
+    while let Some(top) = stack.last_mut() {
+        let (dir, i) = *top;
+        let Some(e) = tree.inode(dir).entries.get(i) else {
+            stack.pop();
+            continue;
+        };
+        top.1 += 1;
+        if !e.hardlink {
+            visit(e.inode);
+            if tree.inode(e.inode).is_dir() {
+                stack.push((e.inode, 0));
+            }
+        }
+    }
+    // Every inode the parser made has a primary entry, so `order` holds
+    // them all.
+    debug_assert_eq!(order.len(), n);
+    if order.iter().enumerate().all(|(i, &id)| i == id as usize) {
+        return;
+    }
+    let mut old = std::mem::take(&mut tree.inodes);
+    tree.inodes = order.iter().map(|&id| std::mem::take(&mut old[id as usize])).collect();
+    for inode in &mut tree.inodes {
+        for e in &mut inode.entries {
+            e.inode = new_id[e.inode as usize];
+        }
+    }
+}
+
+/// Resolves a path during hardlink resolution, where entries may still be
+/// pending hardlinks (never followed as directories). Empty components are
+/// skipped, so `""` and `/` name the root.
+fn lookup(tree: &Tree, path: &[u8]) -> Option<InodeId> {
+    let mut cur = ROOT;
+    for comp in path.split(|&c| c == b'/').filter(|c| !c.is_empty()) {
+        if cur & PENDING != 0 {
+            return None;
+        }
+        let inode = tree.inode(cur);
+        if !inode.is_dir() {
+            return None;
+        }
+        cur = inode.entry(comp)?.inode;
+    }
+    Some(cur)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::tree::{Xattr, S_IFBLK, S_IFCHR, S_IFDIR, S_IFREG};
+
+    const ROOT_LINE: &str = "/ 4096 40755 2 0 0 0 0.0 - - -\n";
+
+    fn parse_str(s: &str, strict: bool) -> Result<Tree, DumpError> {
+        parse(s.as_bytes(), ParseOptions { strict })
+    }
+
+    fn ok(s: &str) -> Tree {
+        let t = parse_str(s, true).unwrap_or_else(|e| panic!("strict: {e}"));
+        assert_eq!(parse_str(s, false).unwrap(), t);
+        t
+    }
+
+    /// Fails in both modes, on `line`, with a reason containing `what`.
+    fn fails(s: &str, line: usize, what: &str) {
+        for strict in [false, true] {
+            let e = parse_str(s, strict).expect_err(s);
+            assert_eq!(e.line, line, "{e} (strict {strict})");
+            assert!(e.reason.contains(what), "{e:?} should mention {what:?}");
+        }
+    }
+
+    fn with_root(rest: &str) -> String {
+        format!("{ROOT_LINE}{rest}")
+    }
+
+    #[test]
+    fn basic_fields() {
+        let d = "35d02f81325122d77ec1d11baba655bc9bf8a891ab26119a41c50fa03ddfb408";
+        let t = ok(&with_root(&format!(
+            "/a\\x20dir 27 40700 2 1000 1001 0 1694598852.869646118 - - - user.x=1\n\
+             /a\\x20dir/file 259 100644 1 5 6 0 1.2 35/d02f - {d} security.selinux=a\\x00 user.k\\x3d=v=w\n\
+             /blk 0 60600 1 0 0 2049 0.0 - - -\n\
+             /inline 10 100644 1 0 0 0 0.0 - some-text\\n -\n"
+        )));
+        let dir = t.inode(t.lookup_path(b"/a dir").unwrap());
+        assert_eq!(dir.mode, S_IFDIR | 0o700);
+        assert_eq!((dir.nlink, dir.uid, dir.gid, dir.size), (2, 1000, 1001, 27));
+        assert_eq!(
+            dir.mtime,
+            Timespec {
+                sec: 1694598852,
+                nsec: 869646118
+            }
+        );
+        assert_eq!(
+            dir.xattrs,
+            vec![Xattr {
+                key: b"user.x".to_vec(),
+                value: b"1".to_vec()
+            }]
+        );
+        let f = t.inode(t.lookup_path(b"/a dir/file").unwrap());
+        assert_eq!(f.size, 259);
+        assert_eq!(f.payload.as_deref(), Some(&b"35/d02f"[..]));
+        assert_eq!(hex::encode(f.digest.unwrap()), d);
+        assert_eq!(f.xattr(b"security.selinux"), Some(&b"a\0"[..]));
+        assert_eq!(f.xattr(b"user.k="), Some(&b"v=w"[..]));
+        let b = t.inode(t.lookup_path(b"/blk").unwrap());
+        assert_eq!((b.mode, b.rdev), (S_IFBLK | 0o600, 2049));
+        let i = t.inode(t.lookup_path(b"/inline").unwrap());
+        assert_eq!(i.content.as_deref(), Some(&b"some-text\n"[..]));
+        // Lenient about the symlink size field.
+        let t = parse_str(&with_root("/link 99 120777 1 0 0 0 0.0 target - -\n"), false).unwrap();
+        let l = t.inode(t.lookup_path(b"/link").unwrap());
+        assert_eq!((l.size, l.payload.as_deref()), (6, Some(&b"target"[..])));
+    }
+
+    #[test]
+    fn optional_fields() {
+        let t = ok(&with_root(
+            "/dash 1 100644 1 0 0 0 0.0 \\x2d \\x2d -\n/empty 0 100644 1 0 0 0 0.0 - - -\n/z 0 100644 1 0 0 0 0.0  - -\n",
+        ));
+        let d = t.inode(t.lookup_path(b"/dash").unwrap());
+        assert_eq!(d.payload.as_deref(), Some(&b"-"[..]));
+        assert_eq!(d.content.as_deref(), Some(&b"-"[..]));
+        let e = t.inode(t.lookup_path(b"/empty").unwrap());
+        assert_eq!((e.payload.as_ref(), e.content.as_ref(), e.digest), (None, None, None));
+        // An empty PAYLOAD field is no payload.
+        assert_eq!(t.inode(t.lookup_path(b"/z").unwrap()).payload, None);
+    }
+
+    #[test]
+    fn trailing_space_and_missing_fields() {
+        ok(&with_root("/a 0 100644 1 0 0 0 0.0 - - - \n"));
+        ok(&with_root("/a 0 100644 1 0 0 0 0.0 - - - user.a=b \n"));
+        fails(&with_root("/a 0 100644 1 0 0 0 0.0 - - -  user.a=b\n"), 2, "has no '='");
+        fails(&with_root("/a 0 100644 1 0 0 0 0.0 - - - user.a\n"), 2, "has no '='");
+        // Missing optional fields at the end are absent.
+        let t = ok(&with_root("/a 0 100644 1 0 0 0 0.0\n"));
+        assert_eq!(t.inode(1), &Inode::new(S_IFREG | 0o644));
+        // A missing CONTENT is empty, which must match SIZE.
+        fails(&with_root("/a 1 100644 1 0 0 0 0.0 x\n"), 2, "CONTENT is 0 bytes");
+        let t = parse_str(&with_root("/l 0 120777 1 0 0 0 0.0 x\n"), false).unwrap();
+        assert_eq!((t.inode(1).payload.as_deref(), t.inode(1).size), (Some(&b"x"[..]), 1));
+        fails(&with_root("/a 0 100644 1 0 0 0\n"), 2, "MTIME");
+        fails(&with_root("/a 0 100644\n"), 2, "NLINK");
+    }
+
+    #[test]
+    fn numbers() {
+        let t = ok(&with_root(
+            "/c 0 20644 4294967295 4294967295 4294967295 18446744073709551615 -1.4294967297 - - -\n",
+        ));
+        let c = t.inode(t.lookup_path(b"/c").unwrap());
+        assert_eq!(
+            (c.nlink, c.uid, c.gid, c.rdev),
+            (u32::MAX, u32::MAX, u32::MAX, u32::MAX)
+        );
+        assert_eq!(c.mtime, Timespec { sec: -1, nsec: 1 });
+        let t = ok(&with_root("/c 0 20644 1 0 0 0 18446744073709551615.0 - - -\n"));
+        assert_eq!(t.inode(1).mtime.sec, -1);
+        for bad in [
+            "/c 0 20644 4294967296 0 0 0 0.0 - - -",
+            "/c 0 20644 1 -1 0 0 0.0 - - -",
+            "/c 0 20644 1 0 +1 0 0.0 - - -",
+            "/c 0 20644 1 0 x 0 0.0 - - -",
+            // The reference misses these two when UID is not 0.
+            "/c 0 20644 1 5 x 0 0.0 - - -",
+            "/c 0 20644 1 5 0 x 0.0 - - -",
+            "/c 0 20644 1 0 0 1x 0.0 - - -",
+            "/c 0 20644 1 0 0 18446744073709551616 0.0 - - -",
+            "/c x 20644 1 0 0 0 0.0 - - -",
+            "/c 0 20648 1 0 0 0 0.0 - - -",
+            "/c 0 @ 1 0 0 0 0.0 - - -",
+            "/c 0 20644 1 0 0 0 0 - - -",
+            "/c 0 20644 1 0 0 0 .0 - - -",
+            "/c 0 20644 1 0 0 0 1. - - -",
+            "/c 0 20644 1 0 0 0 1.-1 - - -",
+        ] {
+            let e = parse_str(&with_root(&format!("{bad}\n")), false).expect_err(bad);
+            assert_eq!(e.line, 2);
+            assert!(e.reason.contains("invalid"), "{e}");
+        }
+    }
+
+    #[test]
+    fn modes() {
+        fails(&with_root("/x 0 644 1 0 0 0 0.0 - - -\n"), 2, "unknown file type");
+        fails(&with_root("/x 0 170644 1 0 0 0 0.0 - - -\n"), 2, "unknown file type");
+        // Bits above the file type are kept (the image keeps 16 of them).
+        let t = ok(&with_root("/x 1 20120777 1 0 0 0 0.0 a - -\n"));
+        assert_eq!(t.inode(1).mode, 0o20120777);
+        assert_eq!(t.inode(1).file_type(), Some(FileType::Symlink));
+    }
+
+    #[test]
+    fn root_rules() {
+        fails("/a 0 100644 1 0 0 0 0.0 - - -\n", 1, "first line must be the root");
+        fails("/ 0 100644 1 0 0 0 0.0 - - -\n", 1, "must be a directory");
+        fails("/ 0 @40755 1 0 0 0 0.0 - - -\n", 1, "cannot be a hardlink");
+        fails(&with_root(ROOT_LINE), 2, "root");
+        fails("", 0, "empty");
+        fails("\n", 1, "empty path");
+        fails(&with_root("\n"), 2, "empty path");
+    }
+
+    #[test]
+    fn path_rules() {
+        fails(&with_root("/a/b 0 100644 1 0 0 0 0.0 - - -\n"), 2, "missing");
+        fails(
+            &with_root("/f 0 100644 1 0 0 0 0.0 - - -\n/f/b 0 100644 1 0 0 0 0.0 - - -\n"),
+            3,
+            "not a directory",
+        );
+        fails(&with_root("/. 0 100644 1 0 0 0 0.0 - - -\n"), 2, "'.'");
+        fails(
+            &with_root("/d 0 40755 1 0 0 0 0.0 - - -\n/d/.. 0 40755 1 0 0 0 0.0 - - -\n"),
+            3,
+            "'..'",
+        );
+        fails(&with_root("// 0 40755 1 0 0 0 0.0 - - -\n"), 2, "empty file name");
+        fails(&with_root("/d/ 0 40755 1 0 0 0 0.0 - - -\n"), 2, "missing");
+        fails(
+            &with_root("/a 0 100644 1 0 0 0 0.0 - - -\n/a 0 100644 1 0 0 0 0.0 - - -\n"),
+            3,
+            "already",
+        );
+        fails(&with_root("/a\\x00b 0 100644 1 0 0 0 0.0 - - -\n"), 2, "NUL");
+        fails(
+            &with_root("/a\0b 0 100644 1 0 0 0 0.0 - - -\n"),
+            2,
+            "NUL byte at column 3",
+        );
+        fails(
+            &with_root(&format!("/{} 0 100644 1 0 0 0 0.0 - - -\n", "n".repeat(256))),
+            2,
+            "255",
+        );
+        ok(&with_root(&format!(
+            "/{} 0 100644 1 0 0 0 0.0 - - -\n",
+            "n".repeat(255)
+        )));
+        // Repeated slashes and a missing leading slash are accepted.
+        let t = ok(&with_root(
+            "/d 0 40755 1 0 0 0 0.0 - - -\n//d//x 0 100644 1 0 0 0 0.0 - - -\nd/y 0 100644 1 0 0 0 0.0 - - -\n",
+        ));
+        assert!(t.lookup_path(b"/d/x").is_some() && t.lookup_path(b"/d/y").is_some());
+    }
+
+    #[test]
+    fn escapes() {
+        let t = ok(&with_root("/a\\\\\\n\\r\\t\\xFf\\x7e 0 100644 1 0 0 0 0.0 - - -\n"));
+        assert_eq!(t.root().entries[0].name, b"a\\\n\r\t\xff~");
+        fails(&with_root("/a\\ 0 100644 1 0 0 0 0.0 - - -\n"), 2, "end of the field");
+        fails(&with_root("/a\\x4 0 100644 1 0 0 0 0.0 - - -\n"), 2, "two hex digits");
+        fails(
+            &with_root("/a\\x4g 0 100644 1 0 0 0 0.0 - - -\n"),
+            2,
+            "invalid hex escape",
+        );
+        fails(&with_root("/a\\q 0 100644 1 0 0 0 0.0 - - -\n"), 2, "unknown escape");
+        fails(
+            &with_root("/a 0 100644 1 0 0 0 0.0 - - - user.a\\q=b\n"),
+            2,
+            "xattr name",
+        );
+    }
+
+    #[test]
+    fn content_and_payload() {
+        fails(
+            &with_root("/a 3 100644 1 0 0 0 0.0 - ab -\n"),
+            2,
+            "CONTENT is 2 bytes but SIZE is 3",
+        );
+        let big = "x".repeat(5001);
+        fails(
+            &with_root(&format!("/a 5001 100644 1 0 0 0 0.0 - {big} -\n")),
+            2,
+            "more than 5000",
+        );
+        ok(&with_root(&format!(
+            "/a 5000 100644 1 0 0 0 0.0 - {} -\n",
+            &big[..5000]
+        )));
+        let p = "p".repeat(4096);
+        fails(
+            &with_root(&format!("/a 1 100644 1 0 0 0 0.0 {p} - -\n")),
+            2,
+            "longer than 4095",
+        );
+        ok(&with_root(&format!("/a 1 100644 1 0 0 0 0.0 {} - -\n", &p[..4095])));
+        fails(&with_root("/a 1 100644 1 0 0 0 0.0 a\\x00 - -\n"), 2, "NUL");
+        // Content may hold any byte.
+        let t = ok(&with_root("/a 2 100644 1 0 0 0 0.0 - \\x00\\x20 -\n"));
+        assert_eq!(t.inode(1).content.as_deref(), Some(&b"\0 "[..]));
+        // Too big for an external file in the image.
+        fails(
+            &with_root("/a 9500000000000000 100644 1 0 0 0 0.0 - - -\n"),
+            2,
+            "too large",
+        );
+        ok(&with_root(&format!("/a {} 100644 1 0 0 0 0.0 - - -\n", 1u64 << 53)));
+        fails(
+            &with_root(&format!("/a {} 100644 1 0 0 0 0.0 - - -\n", (1u64 << 53) + 1)),
+            2,
+            "too large",
+        );
+    }
+
+    #[test]
+    fn digests() {
+        let d = "AB".repeat(32);
+        let t = ok(&with_root(&format!("/a 0 100644 1 0 0 0 0.0 - - {d}\n")));
+        assert_eq!(t.inode(1).digest, Some([0xab; 32]));
+        for bad in ["ab", &"ab".repeat(33), &"zz".repeat(32), "\\x00"] {
+            let s = with_root(&format!("/a 0 100644 1 0 0 0 0.0 - - {bad}\n"));
+            let e = parse_str(&s, false).expect_err(bad);
+            assert!(e.line == 2 && e.reason.contains("DIGEST"), "{e}");
+        }
+    }
+
+    #[test]
+    fn symlinks() {
+        fails(&with_root("/l 0 120777 1 0 0 0 0.0 - - -\n"), 2, "needs a target");
+        fails(&with_root("/l 0 120777 1 0 0 0 0.0  - -\n"), 2, "needs a target");
+        let long = "a".repeat(4096);
+        fails(
+            &with_root(&format!("/l 4096 120777 1 0 0 0 0.0 {long} - -\n")),
+            2,
+            "longer than 4095",
+        );
+        ok(&with_root(&format!(
+            "/l 4095 120777 1 0 0 0 0.0 {} - -\n",
+            &long[..4095]
+        )));
+        fails(&with_root("/l 3 120777 1 0 0 0 0.0 a\\x00b - -\n"), 2, "NUL");
+        // Strict only.
+        for (s, what) in [
+            ("/l 2 120777 1 0 0 0 0.0 abc - -\n", "SIZE is 2"),
+            ("/l 3 120777 1 0 0 0 0.0 abc abc -\n", "cannot have CONTENT"),
+            ("/l 3 120777 1 0 0 5 0.0 abc - -\n", "RDEV"),
+        ] {
+            let s = with_root(s);
+            let t = parse_str(&s, false).unwrap();
+            let l = t.inode(1);
+            assert_eq!((l.size, l.content.as_ref(), l.rdev), (3, None, 0));
+            let e = parse_str(&s, true).unwrap_err();
+            assert!(e.line == 2 && e.reason.contains(what), "{e}");
+        }
+    }
+
+    #[test]
+    fn rdev() {
+        let s = with_root("/f 0 100644 1 0 0 7 0.0 - - -\n/c 0 20644 1 0 0 4294967302 0.0 - - -\n");
+        let t = parse_str(&s, false).unwrap();
+        assert_eq!(t.inode(t.lookup_path(b"/f").unwrap()).rdev, 0);
+        assert_eq!(t.inode(t.lookup_path(b"/c").unwrap()).rdev, 6);
+        assert!(parse_str(&s, true).unwrap_err().reason.contains("RDEV is 7"));
+    }
+
+    #[test]
+    fn no_trailing_newline() {
+        let s = format!("{ROOT_LINE}/a 0 100644 1 0 0 0 0.0 - - -");
+        let t = parse_str(&s, false).unwrap();
+        assert!(t.lookup_path(b"/a").is_some());
+        let e = parse_str(&s, true).unwrap_err();
+        assert_eq!(e.line, 2);
+        assert!(e.reason.contains("newline"));
+    }
+
+    #[test]
+    fn xattrs() {
+        let t = ok(&with_root(
+            "/a 0 100644 1 0 0 0 0.0 - - - user.b=1 user.a=2 user.b=3 user.e=\n",
+        ));
+        let keys: Vec<_> = t
+            .inode(1)
+            .xattrs
+            .iter()
+            .map(|x| (x.key.clone(), x.value.clone()))
+            .collect();
+        assert_eq!(
+            keys,
+            vec![
+                (b"user.a".to_vec(), b"2".to_vec()),
+                (b"user.b".to_vec(), b"3".to_vec()),
+                (b"user.e".to_vec(), vec![])
+            ]
+        );
+        fails(&with_root("/a 0 100644 1 0 0 0 0.0 - - - =v\n"), 2, "empty xattr name");
+        fails(&with_root("/a 0 100644 1 0 0 0 0.0 - - - a\\x00b=v\n"), 2, "NUL");
+        let long = "k".repeat(256);
+        fails(
+            &with_root(&format!("/a 0 100644 1 0 0 0 0.0 - - - {long}=v\n")),
+            2,
+            "longer than 255",
+        );
+        let many: String = (0..3000).map(|i| format!(" user.{i:05}=0123456789")).collect();
+        fails(
+            &with_root(&format!("/a 0 100644 1 0 0 0 0.0 - - -{many}\n")),
+            2,
+            "too many xattrs",
+        );
+        let big = "v".repeat(40000);
+        fails(
+            &with_root(&format!("/a 0 100644 1 0 0 0 0.0 - - - user.a={big}\n")),
+            2,
+            "more than",
+        );
+    }
+
+    #[test]
+    fn set_xattrs_matches_set_xattr() {
+        // Many keys (past the point where the helper indexes them), with
+        // repeats, ending in a budget failure.
+        let mut pairs: Vec<(Vec<u8>, Vec<u8>)> = Vec::new();
+        for i in 0..400u32 {
+            let k = format!("user.k{}", i % 37).into_bytes();
+            pairs.push((k, vec![b'v'; (i as usize * 7) % 300]));
+        }
+        for n in [0, 1, 5, 16, 17, 40, 100, 400] {
+            for budget in [EXTERNAL_XATTR_BUDGET, 2000, 30] {
+                let mut a = Inode::new(S_IFREG);
+                a.set_xattr(b"user.k3", b"pre", usize::MAX).unwrap();
+                let mut b = a.clone();
+                let ra = pairs[..n].iter().try_for_each(|(k, v)| a.set_xattr(k, v, budget));
+                let rb = b.set_xattrs(pairs[..n].iter().map(|(k, v)| (k, v)), budget);
+                assert_eq!(ra, rb, "n={n} budget={budget}");
+                assert_eq!(a.xattrs, b.xattrs, "n={n} budget={budget}");
+            }
+        }
+        let mut a = Inode::new(S_IFREG);
+        let bad = [(&b"user.a"[..], &b"1"[..]), (b"", b"2"), (b"user.b", b"3")];
+        assert_eq!(a.set_xattrs(bad, usize::MAX), Err(crate::TreeError::EmptyXattrName));
+        assert_eq!(a.xattrs.len(), 1);
+    }
+
+    #[test]
+    fn hardlinks() {
+        // Forward and backward references, a chain through another link,
+        // and the target's nlink kept from its own line.
+        let t = ok(&with_root(
+            "/a 0 @100644 1 0 0 0 0.0 /d/f - -\n\
+             /b 0 @120777 9 9 9 9 garbage /a - - garbage\n\
+             /d 0 40755 2 0 0 0 0.0 - - -\n\
+             /d/f 5 100644 3 0 0 0 0.0 - hello -\n\
+             /e 0 @100644 1 0 0 0 0.0 //d//f - -\n",
+        ));
+        let f = t.lookup_path(b"/d/f").unwrap();
+        for n in [&b"a"[..], b"b", b"e"] {
+            let e = t.root().entry(n).unwrap();
+            assert_eq!((e.inode, e.hardlink), (f, true));
+        }
+        assert!(!t.inode(t.lookup_path(b"/d").unwrap()).entries[0].hardlink);
+        assert_eq!(t.inode(f).nlink, 3);
+        assert_eq!(t.inodes.len(), 3);
+
+        fails(
+            &with_root("/a 0 @40755 1 0 0 0 0.0 / - -\n"),
+            2,
+            "directories cannot be hardlinked",
+        );
+        fails(
+            &with_root("/d 0 40755 1 0 0 0 0.0 - - -\n/a 0 @100644 1 0 0 0 0.0 /d - -\n"),
+            3,
+            "is a directory",
+        );
+        fails(&with_root("/a 0 @100644 1 0 0 0 0.0 /a - -\n"), 2, "hardlink to itself");
+        fails(&with_root("/a 0 @100644 1 0 0 0 0.0 /nope - -\n"), 2, "not in the dump");
+        fails(&with_root("/a 0 @100644 1 0 0 0 0.0 - - -\n"), 2, "without a target");
+        fails(
+            &with_root("/a 0 @100644 1 0 0 0 0.0 /b - -\n/b 0 @100644 1 0 0 0 0.0 /a - -\n"),
+            2,
+            "cycle",
+        );
+        fails(
+            &with_root("/a 0 @100644 1 0 0 0 0.0 /f - -\n/a/x 0 100644 1 0 0 0 0.0 - - -\n"),
+            3,
+            "not a directory",
+        );
+        fails(
+            &with_root("/a 0 @100644 1 0 0 0 0.0 /f - -\n/a 0 100644 1 0 0 0 0.0 - - -\n"),
+            3,
+            "already",
+        );
+        // A path through a hardlink does not resolve.
+        fails(
+            &with_root(
+                "/f 0 100644 1 0 0 0 0.0 - - -\n/a 0 @100644 1 0 0 0 0.0 /f - -\n/b 0 @100644 1 0 0 0 0.0 /a/x - -\n",
+            ),
+            4,
+            "not in the dump",
+        );
+    }
+
+    #[test]
+    fn unsorted_input() {
+        let mut s = String::from(ROOT_LINE);
+        s.push_str("/d 0 40755 2 0 0 0 0.0 - - -\n");
+        for i in (0..2000).rev() {
+            s.push_str(&format!("/d/f{i:04} 0 100644 1 0 0 0 0.0 - - -\n"));
+            if i % 7 == 0 {
+                s.push_str(&format!("/d/h{i:04} 0 @100644 1 0 0 0 0.0 /d/f{i:04} - -\n"));
+            }
+        }
+        s.push_str("/c 0 100644 1 0 0 0 0.0 - - -\n/a 0 @100644 1 0 0 0 0.0 /d/h0007 - -\n");
+        fails(
+            &format!("{s}/d/f1000 0 100644 1 0 0 0 0.0 - - -\n"),
+            s.lines().count() + 1,
+            "already",
+        );
+        let t = ok(&s);
+        let d = t.inode(t.lookup_path(b"/d").unwrap());
+        assert_eq!(d.entries.len(), 2000 + 286);
+        assert!(d.entries.windows(2).all(|w| w[0].name < w[1].name));
+        let names: Vec<_> = t.root().entries.iter().map(|e| e.name.clone()).collect();
+        assert_eq!(names, vec![b"a".to_vec(), b"c".to_vec(), b"d".to_vec()]);
+        assert_eq!(t.root().entries[0].inode, t.lookup_path(b"/d/f0007").unwrap());
+        let h = d.entry(b"h0014").unwrap();
+        assert!(h.hardlink && h.inode == t.lookup_path(b"/d/f0014").unwrap());
+    }
+
+    #[test]
+    fn line_order_does_not_matter() {
+        let sorted = with_root(
+            "/a 0 40755 1 0 0 0 0.0 - - -\n/a/x 1 100644 2 0 0 0 0.0 - x -\n/b 0 @100644 1 0 0 0 0.0 /a/x - -\n\
+             /c 0 40755 1 0 0 0 0.0 - - -\n/c/y 0 100644 1 0 0 0 0.0 - - -\n",
+        );
+        let shuffled = with_root(
+            "/b 0 @100644 1 0 0 0 0.0 /a/x - -\n/c 0 40755 1 0 0 0 0.0 - - -\n/a 0 40755 1 0 0 0 0.0 - - -\n\
+             /c/y 0 100644 1 0 0 0 0.0 - - -\n/a/x 1 100644 2 0 0 0 0.0 - x -\n",
+        );
+        let t = ok(&sorted);
+        assert_eq!(ok(&shuffled), t);
+        let names: Vec<_> = (0..t.inodes.len() as InodeId)
+            .map(|id| {
+                let mut path = None;
+                t.walk(|p, e, i| {
+                    if i == id && !e.is_some_and(|e| e.hardlink) {
+                        path = Some(p.to_vec())
+                    }
+                });
+                path.unwrap()
+            })
+            .collect();
+        assert_eq!(names, [&b"/"[..], b"/a", b"/a/x", b"/c", b"/c/y"]);
+    }
+
+    #[test]
+    fn long_lines_are_bounded() {
+        let s = with_root(&format!(
+            "/a 0 @100644 1 0 0 0 0.0 /b - - {}\n",
+            "x".repeat(MAX_LINE_LEN)
+        ));
+        fails(&s, 2, "longer than");
+        // Ignored fields of a hardlink line may be long, within the bound.
+        ok(&with_root(&format!(
+            "/b 0 100644 1 0 0 0 0.0 - - -\n/a 0 @100644 1 0 0 0 0.0 /b - - {}\n",
+            "x".repeat(100_000)
+        )));
+    }
+
+    #[test]
+    fn device_and_types() {
+        let t = ok(&with_root(
+            "/c 0 20600 1 0 0 1 0.0 - - -\n/f 0 10600 1 0 0 0 0.0 - - -\n/s 0 140600 1 0 0 0 0.0 - - -\n",
+        ));
+        assert_eq!(t.inode(1).mode, S_IFCHR | 0o600);
+        assert_eq!(t.inode(1).rdev, 1);
+        assert_eq!(t.inode(2).file_type(), Some(FileType::Fifo));
+        assert_eq!(t.inode(3).file_type(), Some(FileType::Socket));
+    }
 }

@@ -27,6 +27,24 @@ pub const FEATURE_COMPAT_SB_CHKSUM: u32 = 0x1;
 pub const FEATURE_COMPAT_MTIME: u32 = 0x2;
 pub const FEATURE_COMPAT_XATTR_FILTER: u32 = 0x4;
 
+/// Incompatible feature: 0-padded compressed data (meaningless without
+/// compression; set by some EROFS writers regardless).
+pub const FEATURE_INCOMPAT_ZERO_PADDING: u32 = 0x1;
+/// Incompatible feature: chunk-based inodes.
+pub const FEATURE_INCOMPAT_CHUNKED_FILE: u32 = 0x4;
+/// The incompatible features the reader accepts (composefs sets none).
+pub const FEATURE_INCOMPAT_KNOWN: u32 = FEATURE_INCOMPAT_ZERO_PADDING | FEATURE_INCOMPAT_CHUNKED_FILE;
+
+/// composefs header field offsets (each a little-endian u32).
+pub mod header {
+    pub const MAGIC: usize = 0;
+    /// Header format version ([`super::COMPOSEFS_HEADER_VERSION`]).
+    pub const VERSION: usize = 4;
+    pub const FLAGS: usize = 8;
+    /// The image's composefs version (0 or 1).
+    pub const COMPOSEFS_VERSION: usize = 12;
+}
+
 // Superblock field offsets, relative to EROFS_SUPER_OFFSET.
 pub mod sb {
     pub const MAGIC: usize = 0;
@@ -51,8 +69,14 @@ pub mod sb {
 pub const I_VERSION_BIT: u16 = 0;
 pub const I_DATALAYOUT_BIT: u16 = 1;
 pub const LAYOUT_FLAT_PLAIN: u16 = 0;
+pub const LAYOUT_COMPRESSED_FULL: u16 = 1;
 pub const LAYOUT_FLAT_INLINE: u16 = 2;
+pub const LAYOUT_COMPRESSED_COMPACT: u16 = 3;
 pub const LAYOUT_CHUNK_BASED: u16 = 4;
+/// Mask of the data layout once shifted down by [`I_DATALAYOUT_BIT`].
+pub const I_DATALAYOUT_MASK: u16 = 0x7;
+/// All defined i_format bits (version and layout); others must be zero.
+pub const I_FORMAT_ALL: u16 = 0xf;
 pub const CHUNK_FORMAT_BLKBITS_MASK: u16 = 0x1f;
 pub const CHUNK_FORMAT_INDEXES: u16 = 0x20;
 /// A chunk address that maps nothing (reads as a hole).
