@@ -72,7 +72,8 @@ pub fn run(a: BuildArgs) -> Result<ExitCode> {
         min_version: a.min_version,
         max_version: a.max_version,
     };
-    let image = erofs::write_image(&tree, &opts).with_context(|| format!("cannot build from {}", a.source.display()))?;
+    let image =
+        erofs::write_image(&tree, &opts).with_context(|| format!("cannot build from {}", a.source.display()))?;
     if let Some(path) = a.image.as_deref().filter(|_| !a.print_digest_only) {
         output::write_atomic(path, &image.bytes)?;
     }

@@ -42,9 +42,9 @@ pub struct ScanOptions {
     pub skip_devices: bool,
     /// Store no xattrs.
     pub skip_xattrs: bool,
-    /// Store only user.* xattrs.
+    /// Store only user.* xattrs (`skip_xattrs` wins if both are set).
     pub user_xattrs: bool,
-    /// Worker threads for digests (0: one per core).
+    /// Worker threads for the walk and the digests (0: one per core).
     pub jobs: usize,
 }
 
@@ -105,6 +105,9 @@ pub fn scan(root: &Path, opts: &ScanOptions) -> Result<Scan, SourceError> {
     let pool = rayon::ThreadPoolBuilder::new()
         .num_threads(opts.jobs)
         .thread_name(|i| format!("tilefs-scan-{i}"))
+        // A thread waiting inside one directory's parallel loop may run
+        // other directories' tasks meanwhile: leave room for that nesting.
+        .stack_size(8 << 20)
         .build()
         .map_err(|e| SourceError::new(root, format!("cannot start worker threads: {e}")))?;
 

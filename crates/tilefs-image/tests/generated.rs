@@ -21,20 +21,20 @@ impl Rng {
     pub fn new(seed: u64) -> Rng {
         Rng(seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1)
     }
-    pub fn next(&mut self) -> u64 {
+    pub fn next_u64(&mut self) -> u64 {
         self.0 ^= self.0 >> 12;
         self.0 ^= self.0 << 25;
         self.0 ^= self.0 >> 27;
         self.0.wrapping_mul(0x2545_F491_4F6C_DD1D)
     }
     pub fn below(&mut self, n: u64) -> u64 {
-        self.next() % n
+        self.next_u64() % n
     }
     pub fn chance(&mut self, percent: u64) -> bool {
         self.below(100) < percent
     }
     pub fn bytes(&mut self, n: usize) -> Vec<u8> {
-        (0..n).map(|_| self.next() as u8).collect()
+        (0..n).map(|_| self.next_u64() as u8).collect()
     }
 }
 
@@ -83,12 +83,22 @@ impl Gen {
         if self.rng.chance(60) {
             format!("{}.0", self.base_time)
         } else {
-            format!("{}.{}", self.base_time + self.rng.below(1 << 33), self.rng.below(1_000_000_000))
+            format!(
+                "{}.{}",
+                self.base_time + self.rng.below(1 << 33),
+                self.rng.below(1_000_000_000)
+            )
         }
     }
 
     fn ids(&mut self) -> (u64, u64) {
-        let mut id = || if self.rng.chance(20) { 65536 + self.rng.below(1 << 31) } else { self.rng.below(1000) };
+        let mut id = || {
+            if self.rng.chance(20) {
+                65536 + self.rng.below(1 << 31)
+            } else {
+                self.rng.below(1000)
+            }
+        };
         (id(), id())
     }
 
@@ -137,13 +147,27 @@ impl Gen {
         s
     }
 
-    fn line(&mut self, path: &[u8], size: u64, mode: u32, nlink: u64, rdev: u64, payload: &str, content: &str, digest: &str) {
+    #[allow(clippy::too_many_arguments)]
+    fn line(
+        &mut self,
+        path: &[u8],
+        size: u64,
+        mode: u32,
+        nlink: u64,
+        rdev: u64,
+        payload: &str,
+        content: &str,
+        digest: &str,
+    ) {
         let (uid, gid) = self.ids();
         let mtime = self.mtime();
         let xattrs = self.xattrs();
         let mut s = String::new();
         esc(&mut s, path);
-        let _ = write!(s, " {size} {mode:o} {nlink} {uid} {gid} {rdev} {mtime} {payload} {content} {digest}{xattrs}\n");
+        let _ = writeln!(
+            s,
+            " {size} {mode:o} {nlink} {uid} {gid} {rdev} {mtime} {payload} {content} {digest}{xattrs}"
+        );
         self.out.push_str(&s);
     }
 
@@ -185,7 +209,11 @@ impl Gen {
                     self.out.push_str(&s);
                 }
                 18..=27 => {
-                    let len = if self.rng.chance(10) { 4000 + self.rng.below(96) } else { 1 + self.rng.below(100) };
+                    let len = if self.rng.chance(10) {
+                        4000 + self.rng.below(96)
+                    } else {
+                        1 + self.rng.below(100)
+                    };
                     let target: Vec<u8> = (0..len).map(|_| b'a' + self.rng.below(26) as u8).collect();
                     let mut t = String::new();
                     esc(&mut t, &target);
@@ -230,7 +258,11 @@ impl Gen {
                     };
                     let d = self.rng.bytes(32);
                     let h: String = d.iter().map(|b| format!("{b:02x}")).collect();
-                    let payload = if self.rng.chance(90) { format!("{}/{}", &h[..2], &h[2..]) } else { "-".into() };
+                    let payload = if self.rng.chance(90) {
+                        format!("{}/{}", &h[..2], &h[2..])
+                    } else {
+                        "-".into()
+                    };
                     let digest = if self.rng.chance(90) { h.clone() } else { "-".into() };
                     let nlink = 1 + self.rng.below(3);
                     let mode = 0o100000 | self.perm();
@@ -325,7 +357,11 @@ fn generated_trees_match_reference() {
             let want = match &reference {
                 Some(r) => {
                     let h = reference_hash(r, &text, version);
-                    if h.starts_with("error") { "error".to_string() } else { h }
+                    if h.starts_with("error") {
+                        "error".to_string()
+                    } else {
+                        h
+                    }
                 }
                 None => recorded
                     .lines()
@@ -336,7 +372,10 @@ fn generated_trees_match_reference() {
             if ours != want {
                 let p = std::env::temp_dir().join(format!("tilefs-generated-{seed}.dump"));
                 std::fs::write(&p, &text).unwrap();
-                panic!("seed {seed} version {version:?}: ours {ours}, reference {want} (dump saved to {})", p.display());
+                panic!(
+                    "seed {seed} version {version:?}: ours {ours}, reference {want} (dump saved to {})",
+                    p.display()
+                );
             }
             lines.push(format!("{key} {want}"));
             compared += (want != "error") as usize;
@@ -354,11 +393,26 @@ fn generated_trees_match_reference() {
 #[test]
 fn generator_covers_the_format() {
     let all: String = SEEDS.map(|s| generate_dump(s, 1500)).collect();
-    for needle in [" @100644 ", " 120777 ", " 10644 ", " 140755 ", "\\x0a", "\\x3d", "\\x20", "trusted.overlay", "user.shared0"] {
+    for needle in [
+        " @100644 ",
+        " 120777 ",
+        " 10644 ",
+        " 140755 ",
+        "\\x0a",
+        "\\x3d",
+        "\\x20",
+        "trusted.overlay",
+        "user.shared0",
+    ] {
         assert!(all.contains(needle), "generator never produced {needle:?}");
     }
     let trees: Vec<_> = SEEDS
-        .map(|s| dump::parse(BufReader::new(generate_dump(s, 1500).as_bytes()), ParseOptions::default()))
+        .map(|s| {
+            dump::parse(
+                BufReader::new(generate_dump(s, 1500).as_bytes()),
+                ParseOptions::default(),
+            )
+        })
         .filter_map(Result::ok)
         .collect();
     assert!(trees.len() * 2 > SEEDS.count(), "most generated dumps must parse");

@@ -39,7 +39,9 @@ fn vectors_build_reference_bytes() {
     for entry in fs::read_dir(&dir).unwrap() {
         let p = entry.unwrap().path();
         let name = p.file_name().unwrap().to_str().unwrap().to_string();
-        let Some(dump_name) = name.strip_suffix(".sha256") else { continue };
+        let Some(dump_name) = name.strip_suffix(".sha256") else {
+            continue;
+        };
         let dump_path = dir.join(dump_name);
         if !dump_path.exists() {
             eprintln!("skipping {dump_name}: the dump itself is not among the assets");

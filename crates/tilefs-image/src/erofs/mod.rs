@@ -4,5 +4,5 @@ pub mod format;
 pub mod reader;
 pub mod writer;
 
-pub use reader::{read_image, ImageError, ImageInfo};
+pub use reader::{image_version, read_image, read_info, ImageError, ImageInfo};
 pub use writer::{write_image, WriteError, WriteOptions};

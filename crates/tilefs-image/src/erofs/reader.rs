@@ -432,6 +432,9 @@ impl<'a> Reader<'a> {
             return Ok(i);
         }
         self.spend(COST_NODE)?;
+        if self.nodes.len() >= u32::MAX as usize {
+            return Err(ImageError::TooLarge("more inodes than a tree holds".into()));
+        }
         let node = self.read_inode(nid)?;
         let i = self.nodes.len();
         self.nodes.push(node);
@@ -1724,6 +1727,10 @@ mod tests {
         assert_eq!(t.len(), MAX_DEPTH + 1);
         let path = vec![&b"d"[..]; MAX_DEPTH].join(&b'/');
         assert!(t.lookup_path(&path).is_some());
+        // Recursive walks manage that depth (on a test thread's small stack).
+        let mut n = 0;
+        t.walk(|_, _, _| n += 1);
+        assert_eq!(n, MAX_DEPTH + 1);
         let e = read(&chain(MAX_DEPTH as u64 + 1)).unwrap_err();
         assert!(matches!(e, ImageError::Unsupported(_)), "{e}");
     }

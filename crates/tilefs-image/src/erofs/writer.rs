@@ -157,9 +157,10 @@ impl<'a> Writer<'a> {
                     if e.hardlink {
                         continue;
                     }
-                    let child = tree.inodes.get(e.inode as usize).ok_or_else(|| {
-                        invalid(&join(&paths[i], &e.name), "entry points to a missing inode")
-                    })?;
+                    let child = tree
+                        .inodes
+                        .get(e.inode as usize)
+                        .ok_or_else(|| invalid(&join(&paths[i], &e.name), "entry points to a missing inode"))?;
                     if index_of[e.inode as usize] != u32::MAX {
                         return Err(invalid(
                             &join(&paths[i], &e.name),
@@ -347,7 +348,10 @@ impl<'a> Writer<'a> {
             }
         }
         let mut old: Vec<Option<Node<'a>>> = old.into_iter().map(Some).collect();
-        let mut whiteout_names = root_children.iter().filter(|(_, t)| t.is_none()).map(|(n, _)| n.clone());
+        let mut whiteout_names = root_children
+            .iter()
+            .filter(|(_, t)| t.is_none())
+            .map(|(n, _)| n.clone());
         let mut nodes = Vec::with_capacity(order.len());
         let mut root_whiteouts = Vec::new();
         for slot in order {
@@ -418,8 +422,10 @@ impl<'a> Writer<'a> {
             off += xattr_entry_size(k, v);
         }
         self.shared_size = off;
-        let shared_owned: Vec<(Bytes<'a>, Bytes<'a>)> =
-            shared.iter().map(|&(k, v)| (Cow::Owned(k.to_vec()), Cow::Owned(v.to_vec()))).collect();
+        let shared_owned: Vec<(Bytes<'a>, Bytes<'a>)> = shared
+            .iter()
+            .map(|&(k, v)| (Cow::Owned(k.to_vec()), Cow::Owned(v.to_vec())))
+            .collect();
         let per_node: Vec<Vec<Option<u32>>> = self
             .nodes
             .iter()

@@ -1,0 +1,772 @@
+"""Shared machinery of the tilefs benchmarks (Python 3.11 standard library only).
+
+A section (bench/sections/NAME.py) receives a `Bench` and calls
+`bench.compare(...)` for each tilefs-versus-reference measurement,
+`bench.info(...)` for a single reference figure and `bench.skip(...)` for a
+row it cannot measure here. `bench/run` collects the rows and writes the
+results; see bench/README.md.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import filecmp
+import json
+import os
+import platform
+import re
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Callable, Sequence
+
+BENCH_DIR = Path(__file__).resolve().parent
+REPO = BENCH_DIR.parent
+
+
+class Interrupted(Exception):
+    """Raised on SIGTERM/SIGHUP (SIGINT raises KeyboardInterrupt)."""
+
+
+def log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def warn(msg: str) -> None:
+    log(f"bench: warning: {msg}")
+
+
+def env_int(name: str, default: int, minimum: int = 1) -> int:
+    raw = os.environ.get(name, "").strip()
+    if not raw:
+        return default
+    try:
+        value = int(raw)
+    except ValueError:
+        warn(f"{name}={raw!r} is not an integer; using {default}")
+        return default
+    if value < minimum:
+        warn(f"{name}={value} is below {minimum}; using {minimum}")
+        return minimum
+    return value
+
+
+# ---------------------------------------------------------------------------
+# Running one command: wall time, CPU time and peak RSS of exactly that child.
+# ---------------------------------------------------------------------------
+
+_current_child: subprocess.Popen | None = None
+_gnu_time: str | None | bool = False  # False: not probed yet
+
+
+def gnu_time() -> str | None:
+    """Path of GNU time if installed (its %M is the peak RSS of the command alone)."""
+    global _gnu_time
+    if _gnu_time is False:
+        _gnu_time = None
+        for cand in ("/usr/bin/time", shutil.which("gnutime"), shutil.which("gtime")):
+            if cand and os.access(cand, os.X_OK):
+                v = subprocess.run([cand, "--version"], capture_output=True, text=True, stdin=subprocess.DEVNULL)
+                if "GNU" in v.stdout + v.stderr:
+                    _gnu_time = cand
+                    break
+    return _gnu_time
+
+
+def rss_method() -> str:
+    if gnu_time():
+        return f"GNU time %M ({gnu_time()})"
+    return "wait4 rusage of the child (GNU time not installed: floor is the harness's own RSS)"
+
+
+@dataclasses.dataclass
+class Sample:
+    wall: float  # seconds
+    user: float  # seconds of user CPU
+    sys: float  # seconds of system CPU
+    maxrss_kib: int  # peak resident set size of the command
+    rc: int
+    timed_out: bool = False
+    stderr_tail: str = ""
+    stdout: bytes = b""
+
+    @property
+    def cpu(self) -> float:
+        return self.user + self.sys
+
+    @property
+    def ok(self) -> bool:
+        return self.rc == 0 and not self.timed_out
+
+
+def kill_current_child() -> None:
+    p = _current_child
+    if p is not None and p.returncode is None:
+        try:
+            os.killpg(p.pid, signal.SIGKILL)  # the command and, under GNU time, its child
+        except OSError:
+            pass
+
+
+def run_once(
+    argv: Sequence[str],
+    *,
+    timeout: float | None = None,
+    capture_stdout: bool = False,
+    cwd: str | os.PathLike | None = None,
+) -> Sample:
+    """Runs argv once: wall time by perf_counter, CPU time by wait4, peak RSS.
+
+    Peak RSS comes from GNU time's %M when installed. A child forked from this
+    Python process would otherwise inherit Python's own RSS as its max-RSS
+    floor (Linux carries the pre-exec high-water mark across exec); GNU time is
+    small (~1 MiB). Without it, the child's wait4 rusage is used as is.
+    The command runs in its own process group so a timeout or Ctrl-C kills all of it.
+    """
+    global _current_child
+    argv = [str(a) for a in argv]
+    gt = gnu_time()
+    with tempfile.TemporaryFile() as err, tempfile.TemporaryFile() as out, \
+            tempfile.NamedTemporaryFile(prefix="tilefs-bench-rss-") as rssf:
+        full = [gt, "-f", "%M", "-o", rssf.name, "--", *argv] if gt else argv
+        if gt and not shutil.which(argv[0]):
+            return Sample(0.0, 0.0, 0.0, 0, 127, stderr_tail=f"cannot run {argv[0]}: not found or not executable")
+        t0 = time.perf_counter()
+        try:
+            p = subprocess.Popen(
+                full,
+                stdin=subprocess.DEVNULL,
+                stdout=out if capture_stdout else subprocess.DEVNULL,
+                stderr=err,
+                cwd=cwd,
+                process_group=0,
+            )
+        except OSError as e:
+            return Sample(0.0, 0.0, 0.0, 0, 127, stderr_tail=f"cannot run {argv[0]}: {e}")
+        _current_child = p
+        fired = threading.Event()
+
+        def on_timeout() -> None:
+            fired.set()
+            kill_current_child()
+
+        timer = threading.Timer(timeout, on_timeout) if timeout else None
+        if timer:
+            timer.daemon = True
+            timer.start()
+        try:
+            _, status, ru = os.wait4(p.pid, 0)
+            wall = time.perf_counter() - t0
+            p.returncode = os.waitstatus_to_exitcode(status)
+        except BaseException:
+            # Ctrl-C or SIGTERM while the command runs: never leave it behind.
+            kill_current_child()
+            try:
+                p.wait(timeout=10)
+            except Exception:
+                pass
+            raise
+        finally:
+            if timer:
+                timer.cancel()
+            _current_child = None
+        maxrss = ru.ru_maxrss
+        if gt:
+            lines = Path(rssf.name).read_text(errors="replace").split()
+            maxrss = int(lines[-1]) if lines and lines[-1].isdigit() else 0
+        err.seek(0)
+        tail = err.read()[-4000:].decode("utf-8", "replace").strip()
+        stdout = b""
+        if capture_stdout:
+            out.seek(0)
+            stdout = out.read(1 << 20)
+    return Sample(
+        wall=wall,
+        user=ru.ru_utime,
+        sys=ru.ru_stime,
+        maxrss_kib=maxrss,
+        rc=p.returncode,
+        timed_out=fired.is_set(),
+        stderr_tail=tail,
+        stdout=stdout,
+    )
+
+
+def describe_failure(s: Sample, timeout: float | None) -> str:
+    if s.timed_out:
+        return f"timed out after {timeout:g} s"
+    if s.rc < 0:
+        what = f"killed by signal {-s.rc}"
+    else:
+        what = f"exit {s.rc}"
+    lines = [ln for ln in s.stderr_tail.splitlines() if ln.strip()]
+    return f"{what}: {lines[-1]}" if lines else what
+
+
+# ---------------------------------------------------------------------------
+# Series of runs and result rows.
+# ---------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class Series:
+    """Repeated runs of one tool in one benchmark."""
+
+    tool: str
+    argv: list[str]
+    samples: list[Sample] = dataclasses.field(default_factory=list)
+    error: str | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None and bool(self.samples)
+
+    def median(self) -> float:
+        return statistics.median(s.wall for s in self.samples)
+
+    def spread(self) -> float:
+        """Half the min..max range, relative to the median (0.03 = +-3%)."""
+        walls = [s.wall for s in self.samples]
+        m = statistics.median(walls)
+        return (max(walls) - min(walls)) / 2 / m if m > 0 else 0.0
+
+    def cpu_median(self) -> float:
+        return statistics.median(s.cpu for s in self.samples)
+
+    def maxrss_kib(self) -> int:
+        return max(s.maxrss_kib for s in self.samples)
+
+    def to_json(self, nbytes: int | None) -> dict:
+        d: dict = {"tool": self.tool, "argv": self.argv, "ok": self.ok, "error": self.error}
+        if self.samples:
+            d.update(
+                runs=len(self.samples),
+                wall_s=[round(s.wall, 6) for s in self.samples],
+                cpu_s=[round(s.cpu, 6) for s in self.samples],
+                maxrss_kib=[s.maxrss_kib for s in self.samples],
+            )
+        if self.ok:
+            d.update(
+                median_s=round(self.median(), 6),
+                spread=round(self.spread(), 4),
+                cpu_median_s=round(self.cpu_median(), 6),
+                peak_rss_kib=self.maxrss_kib(),
+            )
+            if nbytes:
+                d["mb_per_s"] = round(nbytes / self.median() / 1e6, 1)
+        return d
+
+
+@dataclasses.dataclass
+class Row:
+    section: str
+    id: str
+    title: str
+    kind: str = "compare"  # compare | info | skip
+    tilefs: Series | None = None
+    ref: Series | None = None
+    ref_tool: str | None = None
+    goal: float | None = None  # wanted: ratio <= goal
+    nbytes: int | None = None  # set for throughput rows
+    identical: bool | None = None
+    value: str | None = None  # info rows: the figure, already formatted
+    value_json: dict | None = None
+    cold: bool = False
+    notes: list[str] = dataclasses.field(default_factory=list)
+
+    def ratio(self) -> float | None:
+        if self.tilefs and self.ref and self.tilefs.ok and self.ref.ok and self.ref.median() > 0:
+            return self.tilefs.median() / self.ref.median()
+        return None
+
+    def goal_met(self) -> bool | None:
+        r = self.ratio()
+        if self.goal is None or r is None:
+            return None
+        return r <= self.goal
+
+    def to_json(self) -> dict:
+        r = self.ratio()
+        return {
+            "section": self.section,
+            "id": self.id,
+            "title": self.title,
+            "kind": self.kind,
+            "cold_cache": self.cold,
+            "bytes": self.nbytes,
+            "tilefs": self.tilefs.to_json(self.nbytes) if self.tilefs else None,
+            "reference": self.ref.to_json(self.nbytes) if self.ref else None,
+            "reference_tool": self.ref_tool,
+            "ratio": round(r, 4) if r is not None else None,
+            "goal_ratio_max": self.goal,
+            "goal_met": self.goal_met(),
+            "outputs_identical": self.identical,
+            "value": self.value_json,
+            "notes": self.notes,
+        }
+
+
+# ---------------------------------------------------------------------------
+# The context handed to sections.
+# ---------------------------------------------------------------------------
+
+
+class Bench:
+    def __init__(self, *, tools: dict, facts: dict, tmp: Path, runs: int, cold_runs: int, timeout: float):
+        self.tools = tools  # name -> path or None: tilefs, mkcomposefs, composefs-info, ...
+        self.facts = facts
+        self.tmp = tmp
+        self.runs = runs
+        self.cold_runs = cold_runs
+        self.timeout = timeout
+        self.rows: list[Row] = []
+        self.section_notes: dict[str, list[str]] = {}
+        self.section_status: dict[str, str] = {}
+        self.section = ""
+        self.started = time.monotonic()
+        self._tty = sys.stderr.isatty()
+        self._drop_caches: bool | None = None
+
+    # -- paths and tools ---------------------------------------------------
+
+    @property
+    def tilefs(self) -> str:
+        return self.tools["tilefs"]
+
+    def tool(self, name: str) -> str | None:
+        return self.tools.get(name)
+
+    def tmpdir(self, name: str) -> Path:
+        d = self.tmp / name
+        d.mkdir(parents=True, exist_ok=True)
+        return d
+
+    @property
+    def assets(self) -> Path:
+        return Path(os.environ.get("TILEFS_ASSETS") or REPO.parent / "shared" / "composefs-assets")
+
+    def note(self, text: str) -> None:
+        self.section_notes.setdefault(self.section, []).append(text)
+
+    # -- progress ------------------------------------------------------------
+
+    def progress(self, msg: str, final: bool = True) -> None:
+        el = int(time.monotonic() - self.started)
+        line = f"[{el // 60:02d}:{el % 60:02d}] {self.section}: {msg}"
+        if self._tty:
+            width = shutil.get_terminal_size((100, 20)).columns - 1
+            sys.stderr.write("\r\x1b[K" + line[:width] + ("\n" if final else ""))
+            sys.stderr.flush()
+        elif final:
+            log(line)
+
+    # -- cache control -------------------------------------------------------
+
+    def can_drop_caches(self) -> bool:
+        if self._drop_caches is None:
+            try:
+                self.drop_caches()
+                self._drop_caches = True
+            except OSError:
+                self._drop_caches = False
+        return self._drop_caches
+
+    @staticmethod
+    def drop_caches() -> None:
+        os.sync()
+        with open("/proc/sys/vm/drop_caches", "w") as f:
+            f.write("3\n")
+
+    # -- rows ------------------------------------------------------------------
+
+    def skip(self, id: str, title: str, reason: str) -> Row:
+        row = Row(self.section, id, title, kind="skip", notes=[reason])
+        self.rows.append(row)
+        self.progress(f"{title}: skipped ({reason})")
+        return row
+
+    def info(self, id: str, title: str, value: str, value_json: dict | None = None, notes: Sequence[str] = ()) -> Row:
+        row = Row(self.section, id, title, kind="info", value=value, value_json=value_json, notes=list(notes))
+        self.rows.append(row)
+        self.progress(f"{title}: {value}")
+        return row
+
+    def compare(
+        self,
+        id: str,
+        title: str,
+        tilefs_argv: Sequence,
+        ref_argv: Sequence | None,
+        *,
+        ref_tool: str,
+        ref_missing: str | None = None,
+        outputs: tuple[Path, Path] | None = None,
+        same_stdout: Callable[[bytes, bytes], bool] | None = None,
+        runs: int | None = None,
+        warmup: int = 1,
+        cold: bool = False,
+        goal: float | None = None,
+        nbytes: int | None = None,
+        prepare: Callable[[str], None] | None = None,
+        notes: Sequence[str] = (),
+    ) -> Row:
+        """Measures tilefs_argv against ref_argv, interleaving their runs.
+
+        outputs: (tilefs output, reference output) files, removed before each
+        run and compared byte for byte after the last. same_stdout compares the
+        two tools' standard output instead. cold: sync and drop the page cache
+        before every timed run (root only). prepare(tool) runs untimed before
+        every run of tool ("tilefs" or "reference").
+        """
+        runs = runs or (self.cold_runs if cold else self.runs)
+        if cold:
+            warmup = 0
+        row = Row(self.section, id, title, ref_tool=ref_tool, goal=goal, nbytes=nbytes, cold=cold, notes=list(notes))
+        self.rows.append(row)
+        series = [Series("tilefs", [str(a) for a in tilefs_argv])]
+        row.tilefs = series[0]
+        if ref_argv is not None:
+            row.ref = Series(ref_tool, [str(a) for a in ref_argv])
+            series.append(row.ref)
+        else:
+            row.notes.append(ref_missing or f"reference {ref_tool} not found: tilefs alone")
+        out_of = {"tilefs": outputs[0], "reference": outputs[1]} if outputs else {}
+        last_stdout: dict[str, bytes] = {}
+
+        def one(s: Series, label: str) -> None:
+            role = "tilefs" if s is row.tilefs else "reference"
+            if role in out_of:
+                out_of[role].unlink(missing_ok=True)
+            if prepare:
+                prepare(role)
+            if cold:
+                self.drop_caches()
+            self.progress(f"{title}: {s.tool} {label} ...", final=False)
+            smp = run_once(s.argv, timeout=self.timeout, capture_stdout=same_stdout is not None)
+            if not smp.ok:
+                s.error = describe_failure(smp, self.timeout)
+                self.progress(f"{title}: {s.tool} {label} FAILED ({s.error})")
+                return
+            last_stdout[role] = smp.stdout
+            if label.startswith("run"):
+                s.samples.append(smp)
+            self.progress(f"{title}: {s.tool} {label}: {fmt_time(smp.wall)}, {fmt_rss(smp.maxrss_kib)}", final=not self._tty)
+
+        for w in range(warmup):
+            for s in series:
+                if s.error is None:
+                    one(s, f"warm-up {w + 1}/{warmup}")
+        for i in range(runs):
+            # Alternate the order so drift and after-effects hit both tools.
+            order = series if i % 2 == 0 else list(reversed(series))
+            for s in order:
+                if s.error is None:
+                    one(s, f"run {i + 1}/{runs}")
+        # A series that failed midway has no trustworthy median.
+        for s in series:
+            if s.error is not None:
+                s.samples.clear()
+
+        if row.tilefs.ok and row.ref is not None and row.ref.ok:
+            if outputs:
+                a, b = outputs
+                if a.exists() and b.exists():
+                    row.identical = filecmp.cmp(a, b, shallow=False)
+                    if not row.identical:
+                        row.notes.append(
+                            f"OUTPUTS DIFFER: tilefs {a.stat().st_size} bytes, {ref_tool} {b.stat().st_size} bytes"
+                        )
+            elif same_stdout is not None:
+                row.identical = same_stdout(last_stdout.get("tilefs", b""), last_stdout.get("reference", b""))
+                if not row.identical:
+                    row.notes.append("OUTPUTS DIFFER")
+        self.progress(summary_line(row))
+        return row
+
+
+# ---------------------------------------------------------------------------
+# Formatting.
+# ---------------------------------------------------------------------------
+
+
+def fmt_time(s: float) -> str:
+    if s < 1:
+        return f"{s * 1000:.1f} ms" if s < 0.1 else f"{s * 1000:.0f} ms"
+    return f"{s:.2f} s"
+
+
+def fmt_rss(kib: int) -> str:
+    return f"{kib / 1024:.1f} MiB"
+
+
+def fmt_series(s: Series | None, nbytes: int | None) -> str:
+    if s is None:
+        return "—"
+    if not s.ok:
+        return "**FAILED**" if s.error else "—"
+    t = f"{fmt_time(s.median())} ±{s.spread() * 100:.0f}%"
+    if nbytes:
+        return f"{nbytes / s.median() / 1e6:,.0f} MB/s ({t})"
+    return t
+
+
+def summary_line(row: Row) -> str:
+    parts = [f"{row.title}: tilefs {fmt_series(row.tilefs, row.nbytes)}"]
+    if row.ref is not None:
+        parts.append(f"{row.ref_tool} {fmt_series(row.ref, row.nbytes)}")
+    r = row.ratio()
+    if r is not None:
+        parts.append(f"ratio {r:.2f}")
+    if row.identical is False:
+        parts.append("OUTPUTS DIFFER")
+    return ", ".join(parts)
+
+
+def md_escape(text: str) -> str:
+    return text.replace("|", "\\|").replace("\n", " ")
+
+
+def render_markdown(bench: Bench, meta: dict, sections: list) -> str:
+    f = bench.facts
+    out = ["# tilefs benchmark results", ""]
+    status = meta.get("status", "complete")
+    if status != "complete":
+        out += [f"**Run {status}: partial results.**", ""]
+    out += ["| machine | |", "|---|---|"]
+    for key, label in FACT_LABELS:
+        if f.get(key) not in (None, ""):
+            out.append(f"| {label} | {md_escape(str(f[key]))} |")
+    out.append(
+        f"| runs | median of {bench.runs} warm runs (BENCH_RUNS), {bench.cold_runs} cold runs (BENCH_COLD_RUNS); "
+        f"one untimed warm-up per tool before warm runs |"
+    )
+    out.append("")
+
+    warnings = collect_warnings(bench.rows)
+    goals = [r for r in bench.rows if r.goal is not None and r.kind == "compare"]
+    if goals or warnings:
+        met = sum(1 for r in goals if r.goal_met())
+        unmeasured = sum(1 for r in goals if r.goal_met() is None)
+        if goals:
+            out.append(
+                f"**Goals met: {met}/{len(goals)}**"
+                + (f" ({unmeasured} not measured: a tool failed or is missing)" if unmeasured else "")
+                + " (ratio = tilefs time / reference time, lower is better)."
+            )
+            out.append("")
+        for w in warnings:
+            out.append(f"- ⚠ **{md_escape(w)}**")
+        if warnings:
+            out.append("")
+
+    for mod in sections:
+        name = mod.NAME
+        rows = [r for r in bench.rows if r.section == name]
+        out += [f"## {name}: {mod.TITLE}", ""]
+        st = bench.section_status.get(name)
+        if st and st != "ok":
+            out += [f"**Section {st}.**", ""]
+        if rows:
+            out.append("| benchmark | tilefs | reference | ratio | goal | peak RSS tilefs / ref | tilefs cores | output | notes |")
+            out.append("|---|---|---|---|---|---|---|---|---|")
+            for r in rows:
+                out.append(render_row(r))
+            out.append("")
+        for n in bench.section_notes.get(name, []):
+            out.append(f"- {md_escape(n)}")
+        cmds = [r for r in rows if r.kind == "compare"]
+        if cmds:
+            out += ["", "<details><summary>commands</summary>", ""]
+            for r in cmds:
+                out.append(f"- {md_escape(r.title)}")
+                for s in (r.tilefs, r.ref):
+                    if s is not None:
+                        out.append(f"  - `{shell_join(shorten_paths(s.argv, bench.tmp))}`")
+            out += ["", "</details>"]
+        out.append("")
+    out += [
+        "Times are medians (± is half the min–max range relative to the median); ratio is tilefs "
+        "median / reference median measured in this same run; peak RSS is the largest max-RSS over the "
+        "runs; tilefs cores is CPU time / wall time. See bench/README.md.",
+        "",
+    ]
+    return "\n".join(out)
+
+
+def render_row(r: Row) -> str:
+    ratio = r.ratio()
+    if r.kind == "skip":
+        cells = [r.title, "skipped", "—", "—", "—", "—", "—", "—", "; ".join(r.notes)]
+    elif r.kind == "info":
+        cells = [r.title, "—", r.value or "—", "—", "—", "—", "—", "—", "; ".join(r.notes)]
+    else:
+        goal = "—"
+        if r.goal is not None:
+            met = r.goal_met()
+            goal = f"≤ {r.goal:g}" + (" (not measured)" if met is None else (" ✓ met" if met else " ✗ **missed**"))
+        rss = "—"
+        if r.tilefs and r.tilefs.ok:
+            rss = fmt_rss(r.tilefs.maxrss_kib())
+            if r.ref is not None:
+                rss += " / " + (fmt_rss(r.ref.maxrss_kib()) if r.ref.ok else "—")
+        cores = f"{r.tilefs.cpu_median() / r.tilefs.median():.2f}" if r.tilefs and r.tilefs.ok and r.tilefs.median() > 0 else "—"
+        ident = {True: "identical", False: "**MISMATCH**", None: "—"}[r.identical]
+        notes = list(r.notes)
+        for s in (r.tilefs, r.ref):
+            if s is not None and s.error:
+                notes.insert(0, f"{s.tool} failed: {s.error}")
+        cells = [
+            r.title,
+            fmt_series(r.tilefs, r.nbytes),
+            fmt_series(r.ref, r.nbytes) + (f" ({r.ref_tool})" if r.ref is not None and r.ref.ok else ""),
+            f"**{ratio:.2f}**" if ratio is not None else "—",
+            goal,
+            rss,
+            cores,
+            ident,
+            "; ".join(notes),
+        ]
+    return "| " + " | ".join(md_escape(c) for c in cells) + " |"
+
+
+def collect_warnings(rows: list[Row]) -> list[str]:
+    w = []
+    for r in rows:
+        if r.identical is False:
+            w.append(f"{r.section}/{r.id}: tilefs and {r.ref_tool} outputs DIFFER")
+        for s in (r.tilefs, r.ref):
+            if s is not None and s.error:
+                w.append(f"{r.section}/{r.id}: {s.tool} FAILED ({s.error})")
+    return w
+
+
+def shorten_paths(argv: list[str], tmp: Path) -> list[str]:
+    t = str(tmp)
+    return [a.replace(t, "$TMP") for a in argv]
+
+
+def shell_join(argv: list[str]) -> str:
+    import shlex
+
+    return " ".join(a if a.startswith("$TMP") and " " not in a else shlex.quote(a) for a in argv)
+
+
+# ---------------------------------------------------------------------------
+# Machine facts.
+# ---------------------------------------------------------------------------
+
+FACT_LABELS = [
+    ("date", "date (UTC)"),
+    ("host", "host"),
+    ("cpu_model", "CPU"),
+    ("nproc", "cores (nproc)"),
+    ("memory", "memory"),
+    ("kernel", "kernel"),
+    ("os", "OS"),
+    ("virtualization", "virtualization"),
+    ("loadavg_start", "load average at start"),
+    ("loadavg_end", "load average at end"),
+    ("git_commit", "tilefs commit"),
+    ("tilefs_bin", "tilefs binary"),
+    ("tilefs_version", "tilefs version"),
+    ("tilefs_build", "tilefs build"),
+    ("reference", "reference (composefs)"),
+    ("cfsctl", "cfsctl (composefs-rs)"),
+    ("fsverity", "fsverity"),
+    ("openssl", "openssl"),
+    ("rss_method", "peak RSS from"),
+    ("user", "user"),
+    ("duration_s", "duration"),
+]
+
+
+def capture(argv: Sequence[str], cwd: Path | None = None) -> str | None:
+    try:
+        r = subprocess.run(
+            [str(a) for a in argv], cwd=cwd, capture_output=True, text=True, timeout=30, stdin=subprocess.DEVNULL
+        )
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return r.stdout.strip() if r.returncode == 0 else None
+
+
+def read_first(path: str, pattern: str) -> str | None:
+    try:
+        text = Path(path).read_text(errors="replace")
+    except OSError:
+        return None
+    m = re.search(pattern, text, re.M)
+    return m.group(1).strip() if m else None
+
+
+def loadavg() -> str:
+    try:
+        return " ".join(f"{x:.2f}" for x in os.getloadavg())
+    except OSError:
+        return "?"
+
+
+def machine_facts() -> dict:
+    f: dict = {}
+    f["date"] = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+    f["host"] = platform.node()
+    f["cpu_model"] = read_first("/proc/cpuinfo", r"^model name\s*:\s*(.*)$") or platform.processor() or "?"
+    n = os.cpu_count()
+    try:
+        avail = len(os.sched_getaffinity(0))
+    except AttributeError:
+        avail = n
+    f["nproc"] = f"{avail}" + (f" (of {n} online)" if avail != n else "")
+    kib = read_first("/proc/meminfo", r"^MemTotal:\s*(\d+)")
+    f["memory"] = f"{int(kib) / 1048576:.1f} GiB" if kib else "?"
+    f["kernel"] = f"{platform.system()} {platform.release()} {platform.machine()}"
+    f["os"] = read_first("/etc/os-release", r'^PRETTY_NAME="?([^"\n]*)"?') or "?"
+    virt = capture(["systemd-detect-virt"])
+    if not virt:
+        virt = read_first("/proc/cpuinfo", r"^flags\s*:.*\b(hypervisor)\b")
+    f["virtualization"] = virt or "none detected"
+    f["loadavg_start"] = loadavg()
+    commit = capture(["git", "rev-parse", "HEAD"], cwd=REPO)
+    if commit:
+        subject = capture(["git", "log", "-1", "--format=%s"], cwd=REPO) or ""
+        dirty = capture(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO)
+        f["git_commit"] = commit[:12] + (" + uncommitted changes" if dirty else "") + (f" ({subject[:60]})" if subject else "")
+        f["git_commit_full"] = commit
+        f["git_dirty"] = bool(dirty)
+    else:
+        f["git_commit"] = "unknown (not a git checkout)"
+    f["user"] = f"uid {os.getuid()}" + (" (root)" if os.getuid() == 0 else "")
+    f["python"] = platform.python_version()
+    return f
+
+
+# ---------------------------------------------------------------------------
+# Signals and output files.
+# ---------------------------------------------------------------------------
+
+
+def install_signal_handlers() -> None:
+    def handler(signum, _frame):
+        kill_current_child()
+        raise Interrupted(signal.Signals(signum).name)
+
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, handler)
+
+
+def write_atomic(path: Path, text: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def write_json(path: Path, data: dict) -> None:
+    write_atomic(path, json.dumps(data, indent=2, ensure_ascii=False) + "\n")

@@ -1,0 +1,360 @@
+//! Helpers shared by the CLI's integration tests: the binary, generated
+//! source trees on disk, kernel mounts that are always undone, and a
+//! comparison of two trees as a user would see them.
+
+#![allow(dead_code)]
+
+use std::collections::BTreeMap;
+use std::ffi::{OsStr, OsString};
+use std::fs;
+use std::os::unix::ffi::{OsStrExt, OsStringExt};
+use std::os::unix::fs::{symlink, MetadataExt};
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+
+/// The tilefs binary under test.
+pub fn tilefs_bin() -> PathBuf {
+    std::env::var_os("TILEFS_BIN")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from(env!("CARGO_BIN_EXE_tilefs")))
+}
+
+/// Runs tilefs with `args`; panics with its stderr when it fails.
+pub fn tilefs(args: &[&OsStr]) -> Output {
+    let out = Command::new(tilefs_bin()).args(args).output().expect("running tilefs");
+    assert!(
+        out.status.success(),
+        "tilefs {:?} failed: {}",
+        args,
+        String::from_utf8_lossy(&out.stderr)
+    );
+    out
+}
+
+/// Runs tilefs with `args`, returning its output whatever the status.
+pub fn tilefs_any(args: &[&OsStr]) -> Output {
+    Command::new(tilefs_bin()).args(args).output().expect("running tilefs")
+}
+
+pub fn os(s: &str) -> &OsStr {
+    OsStr::new(s)
+}
+
+pub fn is_root() -> bool {
+    rustix::process::geteuid().is_root()
+}
+
+/// Why this machine cannot mount `fstype`, if it cannot.
+pub fn cannot_mount(fstype: &str) -> Option<String> {
+    if !is_root() {
+        return Some("not running as root".into());
+    }
+    let fs = fs::read_to_string("/proc/filesystems").unwrap_or_default();
+    if !fs.lines().any(|l| l.split_whitespace().last() == Some(fstype)) {
+        return Some(format!("the kernel has no {fstype} filesystem"));
+    }
+    None
+}
+
+/// A mount that is detached when dropped, even when a test panics.
+pub struct MountGuard(pub PathBuf);
+
+impl Drop for MountGuard {
+    fn drop(&mut self) {
+        let _ = rustix::mount::unmount(&self.0, rustix::mount::UnmountFlags::DETACH);
+    }
+}
+
+/// Mounts `image` read-only as EROFS at `target` (file-backed).
+pub fn mount_erofs(image: &Path, target: &Path) -> MountGuard {
+    let st = Command::new("mount")
+        .args(["-t", "erofs", "-o", "ro"])
+        .arg(image)
+        .arg(target)
+        .status()
+        .unwrap();
+    assert!(st.success(), "mount -t erofs {} failed", image.display());
+    MountGuard(target.to_path_buf())
+}
+
+/// xorshift64*, seeded.
+pub struct Rng(u64);
+
+impl Rng {
+    pub fn new(seed: u64) -> Rng {
+        Rng(seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1)
+    }
+    pub fn next_u64(&mut self) -> u64 {
+        self.0 ^= self.0 >> 12;
+        self.0 ^= self.0 << 25;
+        self.0 ^= self.0 >> 27;
+        self.0.wrapping_mul(0x2545_F491_4F6C_DD1D)
+    }
+    pub fn below(&mut self, n: u64) -> u64 {
+        self.next_u64() % n
+    }
+    pub fn bytes(&mut self, n: usize) -> Vec<u8> {
+        (0..n).map(|_| self.next_u64() as u8).collect()
+    }
+}
+
+fn set_time(path: &Path, sec: i64, nsec: i64) {
+    use rustix::fs::{utimensat, AtFlags, Timestamps, CWD};
+    let t = rustix::fs::Timespec {
+        tv_sec: sec,
+        tv_nsec: nsec as _,
+    };
+    utimensat(
+        CWD,
+        path,
+        &Timestamps {
+            last_access: t,
+            last_modification: t,
+        },
+        AtFlags::SYMLINK_NOFOLLOW,
+    )
+    .unwrap();
+}
+
+fn set_owner(path: &Path, uid: u32, gid: u32) {
+    use rustix::fs::{chownat, AtFlags, Gid, Uid, CWD};
+    // SAFETY-free: rustix validates ids; both are plain numbers here.
+    chownat(
+        CWD,
+        path,
+        Some(Uid::from_raw(uid)),
+        Some(Gid::from_raw(gid)),
+        AtFlags::SYMLINK_NOFOLLOW,
+    )
+    .unwrap();
+}
+
+fn set_xattr(path: &Path, key: &str, value: &[u8]) {
+    rustix::fs::lsetxattr(path, key, value, rustix::fs::XattrFlags::empty())
+        .unwrap_or_else(|e| panic!("setxattr {key} on {}: {e}", path.display()));
+}
+
+/// Creates a tree under `root` (which must not exist) with every file type
+/// a source can hold, awkward names, xattrs shared and unique, hardlinks,
+/// long symlinks, inline and external files, big and nested directories,
+/// ids above 65535 and nanosecond mtimes. Needs root (devices, owners,
+/// trusted.* xattrs).
+pub fn make_source_tree(root: &Path, seed: u64) {
+    let mut rng = Rng::new(seed);
+    fs::create_dir(root).unwrap();
+    let mut dirs = vec![root.to_path_buf()];
+    let awkward: [&[u8]; 8] = [
+        b"with space",
+        b"equals=sign",
+        b"new\nline",
+        b"tab\there",
+        b"\xff\xfehigh bytes \xe9",
+        b"-",
+        b"back\\slash",
+        b"x",
+    ];
+    for (i, n) in awkward.iter().enumerate() {
+        let p = root.join(OsStr::from_bytes(n));
+        fs::write(&p, format!("awkward {i}\n")).unwrap();
+    }
+    let long = root.join(OsStr::from_bytes(&[b'L'; 255]));
+    fs::write(&long, b"long name").unwrap();
+
+    // Regular files of every interesting size, and some hardlinks.
+    let files = root.join("files");
+    fs::create_dir(&files).unwrap();
+    dirs.push(files.clone());
+    for (i, size) in [0usize, 1, 63, 64, 65, 4095, 4096, 4097, 100_000, 1 << 20]
+        .iter()
+        .enumerate()
+    {
+        let p = files.join(format!("f{i}-{size}"));
+        fs::write(&p, rng.bytes(*size)).unwrap();
+        set_xattr(&p, "user.unique", format!("value {i}").as_bytes());
+        set_xattr(&p, "user.shared", b"same for many");
+        if i % 3 == 0 {
+            fs::hard_link(&p, files.join(format!("hardlink-{i}"))).unwrap();
+        }
+    }
+    // A sparse file bigger than 4 GiB (costs no disk).
+    let big = files.join("sparse-5g");
+    let f = fs::File::create(&big).unwrap();
+    f.set_len(5 << 30).unwrap();
+    drop(f);
+
+    // Symlinks, short and long.
+    symlink("files/f1-1", root.join("link-short")).unwrap();
+    symlink("/absolute/target", root.join("link-abs")).unwrap();
+    let long_target: String = std::iter::repeat_n("d/", 2000).collect::<String>() + "end";
+    symlink(&long_target, root.join("link-long")).unwrap();
+
+    // Special files.
+    let dev = root.join("dev");
+    fs::create_dir(&dev).unwrap();
+    dirs.push(dev.clone());
+    use rustix::fs::{mknodat, FileType, Mode, CWD};
+    mknodat(
+        CWD,
+        dev.join("null"),
+        FileType::CharacterDevice,
+        Mode::from_raw_mode(0o666),
+        rustix::fs::makedev(1, 3),
+    )
+    .unwrap();
+    mknodat(
+        CWD,
+        dev.join("sda"),
+        FileType::BlockDevice,
+        Mode::from_raw_mode(0o660),
+        rustix::fs::makedev(8, 0),
+    )
+    .unwrap();
+    mknodat(
+        CWD,
+        dev.join("big-minor"),
+        FileType::CharacterDevice,
+        Mode::from_raw_mode(0o600),
+        rustix::fs::makedev(250, 70000),
+    )
+    .unwrap();
+    mknodat(CWD, dev.join("fifo"), FileType::Fifo, Mode::from_raw_mode(0o644), 0).unwrap();
+    mknodat(
+        CWD,
+        dev.join("whiteout"),
+        FileType::CharacterDevice,
+        Mode::from_raw_mode(0o000),
+        0,
+    )
+    .unwrap();
+    let sock = std::os::unix::net::UnixListener::bind(dev.join("socket")).unwrap();
+    drop(sock);
+
+    // A directory that spans several blocks, and deep nesting.
+    let big_dir = root.join("big-dir");
+    fs::create_dir(&big_dir).unwrap();
+    dirs.push(big_dir.clone());
+    for i in 0..700 {
+        let p = big_dir.join(format!("entry-with-a-longish-name-{i:05}"));
+        fs::write(&p, [i as u8; 10]).unwrap();
+    }
+    let mut deep = root.join("deep");
+    for i in 0..40 {
+        deep = deep.join(format!("level{i}"));
+    }
+    fs::create_dir_all(&deep).unwrap();
+    fs::write(
+        deep.join("bottom"),
+        b"deep file contents, more than sixty-four bytes long so it is stored externally",
+    )
+    .unwrap();
+    let mut d = root.join("deep");
+    dirs.push(d.clone());
+    for i in 0..40 {
+        d = d.join(format!("level{i}"));
+        dirs.push(d.clone());
+    }
+
+    // Owners, modes and xattrs of all kinds.
+    let owned = root.join("owned");
+    fs::write(&owned, b"owned by a high uid").unwrap();
+    set_owner(&owned, 100_000, 200_000);
+    fs::set_permissions(&owned, std::os::unix::fs::PermissionsExt::from_mode(0o4751)).unwrap();
+    set_xattr(&owned, "trusted.overlay.opaque", b"y");
+    set_xattr(&owned, "trusted.other", b"trusted value");
+    set_xattr(
+        &owned,
+        "security.capability",
+        b"\x01\x00\x00\x02\x00\x20\x00\x00\x00\x00\x00\x00\x00\x00\x00\x00\x00\x00\x00\x00",
+    );
+    set_xattr(&owned, "user.big", &rng.bytes(3000));
+    set_xattr(&owned, "user.empty", b"");
+    let sticky = root.join("sticky");
+    fs::create_dir(&sticky).unwrap();
+    dirs.push(sticky.clone());
+    fs::set_permissions(&sticky, std::os::unix::fs::PermissionsExt::from_mode(0o1777)).unwrap();
+    set_owner(&sticky, 65536, 0);
+
+    // Times last, deepest first, so creating entries does not change them.
+    let mut all: Vec<PathBuf> = Vec::new();
+    collect(root, &mut all);
+    all.sort_by_key(|p| std::cmp::Reverse(p.components().count()));
+    for (i, p) in all.iter().enumerate() {
+        let sec = 1_600_000_000 + (i as i64 % 7) * 1000;
+        let nsec = if i % 3 == 0 {
+            0
+        } else {
+            (i as i64 * 7919) % 1_000_000_000
+        };
+        set_time(p, sec, nsec);
+    }
+    let _ = dirs;
+}
+
+fn collect(dir: &Path, out: &mut Vec<PathBuf>) {
+    out.push(dir.to_path_buf());
+    for e in fs::read_dir(dir).unwrap() {
+        let e = e.unwrap();
+        if e.file_type().unwrap().is_dir() {
+            collect(&e.path(), out);
+        } else {
+            out.push(e.path());
+        }
+    }
+}
+
+/// What a user sees of one file.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Seen {
+    pub mode: u32,
+    pub uid: u32,
+    pub gid: u32,
+    pub size: Option<u64>,
+    pub mtime: (i64, i64),
+    pub rdev: u64,
+    pub link: Option<OsString>,
+    pub xattrs: BTreeMap<OsString, Vec<u8>>,
+    pub nlink: Option<u64>,
+    pub ino: u64,
+}
+
+pub fn xattrs(path: &Path) -> BTreeMap<OsString, Vec<u8>> {
+    let mut names = vec![0u8; 65536];
+    let n = rustix::fs::llistxattr(path, &mut names).unwrap_or(0);
+    let mut out = BTreeMap::new();
+    for name in names[..n].split(|&c| c == 0).filter(|n| !n.is_empty()) {
+        let mut value = vec![0u8; 65536];
+        let len = rustix::fs::lgetxattr(path, OsStr::from_bytes(name), &mut value).unwrap();
+        value.truncate(len);
+        out.insert(OsString::from_vec(name.to_vec()), value);
+    }
+    out
+}
+
+/// Every path under `root` (relative, root itself as "") and what it looks like.
+pub fn scan(root: &Path) -> BTreeMap<Vec<u8>, Seen> {
+    let mut all = Vec::new();
+    collect(root, &mut all);
+    all.into_iter()
+        .map(|p| {
+            let m = fs::symlink_metadata(&p).unwrap();
+            let rel = p.strip_prefix(root).unwrap().as_os_str().as_bytes().to_vec();
+            let ft = m.mode() & 0o170000;
+            let seen = Seen {
+                mode: m.mode(),
+                uid: m.uid(),
+                gid: m.gid(),
+                size: (ft != 0o040000).then_some(m.size()),
+                mtime: (m.mtime(), m.mtime_nsec()),
+                rdev: m.rdev(),
+                link: m
+                    .file_type()
+                    .is_symlink()
+                    .then(|| fs::read_link(&p).unwrap().into_os_string()),
+                xattrs: xattrs(&p),
+                nlink: (ft != 0o040000).then_some(m.nlink()),
+                ino: m.ino(),
+            };
+            (rel, seen)
+        })
+        .collect()
+}
