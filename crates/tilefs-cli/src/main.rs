@@ -4,6 +4,7 @@ mod build;
 mod digest;
 mod inspect;
 mod output;
+mod store_cmds;
 
 use clap::{Parser, Subcommand};
 use std::process::ExitCode;
@@ -33,6 +34,14 @@ enum Command {
     Objects(inspect::ObjectsArgs),
     /// Print the fs-verity SHA-256 digest of files, as `fsverity digest` does
     Digest(digest::DigestArgs),
+    /// List the images tagged in a store
+    Images(store_cmds::ImagesArgs),
+    /// Remove a tag from a store
+    Untag(store_cmds::UntagArgs),
+    /// Check every object and every tagged image's references in a store
+    Fsck(store_cmds::FsckArgs),
+    /// Remove objects no tagged image references, and leftovers of interrupted imports
+    Gc(store_cmds::GcArgs),
 }
 
 fn main() -> ExitCode {
@@ -43,6 +52,10 @@ fn main() -> ExitCode {
         Command::Info(a) => inspect::info(a),
         Command::Objects(a) => inspect::objects(a),
         Command::Digest(a) => digest::run(a),
+        Command::Images(a) => store_cmds::images(a),
+        Command::Untag(a) => store_cmds::untag(a),
+        Command::Fsck(a) => store_cmds::fsck(a),
+        Command::Gc(a) => store_cmds::gc(a),
     };
     match result {
         Ok(code) => code,

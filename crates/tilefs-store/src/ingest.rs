@@ -1,0 +1,1 @@
+//! Putting files into the store.

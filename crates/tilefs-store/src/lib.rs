@@ -1,0 +1,50 @@
+//! tilefs-store: the content-addressed object store.
+//!
+//! - [`store`]: the store directory, its layout, locks and object names;
+//! - [`ingest`]: putting source files into the store (clone or copy,
+//!   digest while writing, durable before visible), with a digest cache;
+//! - [`tags`]: named images kept in the store (gc roots);
+//! - [`fsck`]: proving a store is whole;
+//! - [`gc`]: removing what no tagged image needs.
+
+pub mod fsck;
+pub mod gc;
+pub mod ingest;
+pub mod store;
+pub mod tags;
+
+pub use store::{parse_object_rel, LockMode, Store, StoreLock};
+
+use std::io;
+use std::path::{Path, PathBuf};
+
+/// A store operation that failed: what, where, and the OS's reason.
+#[derive(Debug, thiserror::Error)]
+pub enum StoreError {
+    #[error("{}: {what}: {source}", path.display())]
+    Io {
+        path: PathBuf,
+        what: &'static str,
+        #[source]
+        source: io::Error,
+    },
+    #[error("{}: the store is busy (a gc or build holds its lock)", .0.display())]
+    Busy(PathBuf),
+    #[error("{0}")]
+    Invalid(String),
+}
+
+impl StoreError {
+    pub fn io(path: &Path, what: &'static str, source: io::Error) -> StoreError {
+        StoreError::Io {
+            path: path.to_path_buf(),
+            what,
+            source,
+        }
+    }
+
+    /// True when the error is the disk being full.
+    pub fn is_no_space(&self) -> bool {
+        matches!(self, StoreError::Io { source, .. } if source.raw_os_error() == Some(libc::ENOSPC) || source.raw_os_error() == Some(libc::EDQUOT))
+    }
+}

@@ -1,0 +1,240 @@
+//! The store on disk: objects at `XX/YYYY…` (the fs-verity SHA-256 digest of
+//! their contents in hex, split after two digits), exactly as a composefs
+//! digest store lays them out, plus tilefs's own bookkeeping:
+//!
+//! - `images/NAME`: tagged images (gc roots);
+//! - `.tmp/`: objects and images being written (leftovers of an interrupted
+//!   import live here until `gc`);
+//! - `.lock`: builds hold it shared, `gc` exclusive;
+//! - `.quarantine/`: objects `fsck --repair` moved aside;
+//! - `.digest-cache`: digests of source files already imported.
+
+use crate::StoreError;
+use rustix::fd::{AsFd, BorrowedFd, OwnedFd};
+use rustix::fs::{self as rfs, FlockOperation, Mode, OFlags};
+use std::path::{Path, PathBuf};
+
+pub const IMAGES_DIR: &str = "images";
+pub const TMP_DIR: &str = ".tmp";
+pub const LOCK_FILE: &str = ".lock";
+pub const QUARANTINE_DIR: &str = ".quarantine";
+pub const DIGEST_CACHE: &str = ".digest-cache";
+
+/// An open object store.
+#[derive(Debug)]
+pub struct Store {
+    root: PathBuf,
+    dir: OwnedFd,
+}
+
+/// Whether a lock excludes others.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LockMode {
+    /// Builds: many at once.
+    Shared,
+    /// gc: alone.
+    Exclusive,
+}
+
+/// A held store lock; released on drop.
+#[derive(Debug)]
+pub struct StoreLock {
+    _fd: OwnedFd,
+}
+
+impl Store {
+    /// Opens an existing store directory.
+    pub fn open(path: &Path) -> Result<Store, StoreError> {
+        let dir = rfs::open(path, OFlags::RDONLY | OFlags::DIRECTORY | OFlags::CLOEXEC, Mode::empty())
+            .map_err(|e| StoreError::io(path, "cannot open store", e.into()))?;
+        Ok(Store {
+            root: path.to_path_buf(),
+            dir,
+        })
+    }
+
+    /// Opens a store, creating its directory (and parents) if needed.
+    pub fn create(path: &Path) -> Result<Store, StoreError> {
+        std::fs::create_dir_all(path).map_err(|e| StoreError::io(path, "cannot create store", e))?;
+        Store::open(path)
+    }
+
+    pub fn path(&self) -> &Path {
+        &self.root
+    }
+
+    pub fn dir_fd(&self) -> BorrowedFd<'_> {
+        self.dir.as_fd()
+    }
+
+    /// Absolute path of a store-relative path.
+    pub fn join(&self, rel: impl AsRef<Path>) -> PathBuf {
+        self.root.join(rel)
+    }
+
+    /// Store-relative path of an object.
+    pub fn object_rel(digest: &[u8; 32]) -> String {
+        tilefs_image::tree::digest_object_path(digest)
+    }
+
+    pub fn object_path(&self, digest: &[u8; 32]) -> PathBuf {
+        self.root.join(Store::object_rel(digest))
+    }
+
+    /// Whether the object is present as a regular file.
+    pub fn has_object(&self, digest: &[u8; 32]) -> bool {
+        rfs::statat(&self.dir, Store::object_rel(digest), rfs::AtFlags::SYMLINK_NOFOLLOW)
+            .map(|st| rfs::FileType::from_raw_mode(st.st_mode) == rfs::FileType::RegularFile)
+            .unwrap_or(false)
+    }
+
+    /// Size in bytes of an object, if present.
+    pub fn object_size(&self, digest: &[u8; 32]) -> Option<u64> {
+        rfs::statat(&self.dir, Store::object_rel(digest), rfs::AtFlags::SYMLINK_NOFOLLOW)
+            .ok()
+            .filter(|st| rfs::FileType::from_raw_mode(st.st_mode) == rfs::FileType::RegularFile)
+            .map(|st| st.st_size as u64)
+    }
+
+    /// Creates (if needed) and returns a store subdirectory.
+    pub fn subdir(&self, name: &str) -> Result<PathBuf, StoreError> {
+        match rfs::mkdirat(&self.dir, name, Mode::from_raw_mode(0o755)) {
+            Ok(()) | Err(rustix::io::Errno::EXIST) => Ok(self.root.join(name)),
+            Err(e) => Err(StoreError::io(&self.root.join(name), "cannot create directory", e.into())),
+        }
+    }
+
+    /// Takes the store lock, waiting for it when `wait` (otherwise failing
+    /// with [`StoreError::Busy`]).
+    pub fn lock(&self, mode: LockMode, wait: bool) -> Result<StoreLock, StoreError> {
+        let path = self.root.join(LOCK_FILE);
+        let fd = rfs::openat(
+            &self.dir,
+            LOCK_FILE,
+            OFlags::RDWR | OFlags::CREATE | OFlags::CLOEXEC,
+            Mode::from_raw_mode(0o644),
+        )
+        .map_err(|e| StoreError::io(&path, "cannot open lock file", e.into()))?;
+        let op = match (mode, wait) {
+            (LockMode::Shared, true) => FlockOperation::LockShared,
+            (LockMode::Shared, false) => FlockOperation::NonBlockingLockShared,
+            (LockMode::Exclusive, true) => FlockOperation::LockExclusive,
+            (LockMode::Exclusive, false) => FlockOperation::NonBlockingLockExclusive,
+        };
+        match rfs::flock(&fd, op) {
+            Ok(()) => Ok(StoreLock { _fd: fd }),
+            Err(rustix::io::Errno::WOULDBLOCK) => Err(StoreError::Busy(self.root.clone())),
+            Err(e) => Err(StoreError::io(&path, "cannot lock store", e.into())),
+        }
+    }
+
+    /// Every entry under the 256 fan-out directories: valid objects with
+    /// their digests, and anything else as stray paths.
+    pub fn scan_objects(&self) -> Result<ObjectScan, StoreError> {
+        let mut scan = ObjectScan::default();
+        let top = std::fs::read_dir(&self.root).map_err(|e| StoreError::io(&self.root, "cannot list store", e))?;
+        for entry in top {
+            let entry = entry.map_err(|e| StoreError::io(&self.root, "cannot list store", e))?;
+            let name = entry.file_name();
+            let Some(name) = name.to_str() else {
+                scan.strays.push(entry.path());
+                continue;
+            };
+            if name == IMAGES_DIR || name == TMP_DIR || name == QUARANTINE_DIR || name == LOCK_FILE || name == DIGEST_CACHE
+            {
+                continue;
+            }
+            if name.starts_with(".tmp") {
+                // The reference's temporary objects (STORE/.tmpXXXXXX).
+                scan.leftovers.push(entry.path());
+                continue;
+            }
+            let is_fanout = name.len() == 2 && name.bytes().all(|c| c.is_ascii_hexdigit() && !c.is_ascii_uppercase());
+            let ft = entry.file_type().map_err(|e| StoreError::io(&entry.path(), "cannot stat", e))?;
+            if !is_fanout || !ft.is_dir() {
+                scan.strays.push(entry.path());
+                continue;
+            }
+            let sub = std::fs::read_dir(entry.path()).map_err(|e| StoreError::io(&entry.path(), "cannot list", e))?;
+            for obj in sub {
+                let obj = obj.map_err(|e| StoreError::io(&entry.path(), "cannot list", e))?;
+                let rest = obj.file_name();
+                let digest = rest
+                    .to_str()
+                    .and_then(|r| parse_object_rel(format!("{name}/{r}").as_bytes()))
+                    .filter(|_| obj.file_type().is_ok_and(|t| t.is_file()));
+                match digest {
+                    Some(d) => scan.objects.push((d, obj.path())),
+                    None => scan.strays.push(obj.path()),
+                }
+            }
+        }
+        let tmp = self.root.join(TMP_DIR);
+        if let Ok(rd) = std::fs::read_dir(&tmp) {
+            for e in rd.flatten() {
+                scan.leftovers.push(e.path());
+            }
+        }
+        scan.objects.sort();
+        Ok(scan)
+    }
+}
+
+/// What is under a store's fan-out directories.
+#[derive(Debug, Default)]
+pub struct ObjectScan {
+    /// Well-named objects (digest, path), sorted by digest.
+    pub objects: Vec<([u8; 32], PathBuf)>,
+    /// Entries that are not objects (bad names, non-files, unknown dirs).
+    pub strays: Vec<PathBuf>,
+    /// Temporary files of interrupted imports.
+    pub leftovers: Vec<PathBuf>,
+}
+
+/// The digest named by a store-relative object path (`XX/` + 62 lower-case
+/// hex digits), or None for anything else. This is the only form of
+/// redirect tilefs follows, so no path from an image can leave the store.
+pub fn parse_object_rel(rel: &[u8]) -> Option<[u8; 32]> {
+    let rel = rel.strip_prefix(b"/").unwrap_or(rel);
+    if rel.len() != 65 || rel[2] != b'/' {
+        return None;
+    }
+    let mut hexdigits = [0u8; 64];
+    hexdigits[..2].copy_from_slice(&rel[..2]);
+    hexdigits[2..].copy_from_slice(&rel[3..]);
+    if !hexdigits.iter().all(|c| c.is_ascii_digit() || (b'a'..=b'f').contains(c)) {
+        return None;
+    }
+    let mut d = [0u8; 32];
+    hex::decode_to_slice(hexdigits, &mut d).ok()?;
+    Some(d)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn object_names() {
+        let d = [0xabu8; 32];
+        let rel = Store::object_rel(&d);
+        assert_eq!(rel.len(), 65);
+        assert_eq!(parse_object_rel(rel.as_bytes()), Some(d));
+        assert_eq!(parse_object_rel(format!("/{rel}").as_bytes()), Some(d));
+        assert_eq!(parse_object_rel(rel.to_uppercase().as_bytes()), None);
+        assert_eq!(parse_object_rel(b"../etc/passwd"), None);
+        assert_eq!(parse_object_rel(format!("ab/../{}", &rel[6..]).as_bytes()), None);
+    }
+
+    #[test]
+    fn locks_exclude() {
+        let dir = tempfile::tempdir().unwrap();
+        let s = Store::create(dir.path()).unwrap();
+        let a = s.lock(LockMode::Shared, false).unwrap();
+        let _b = s.lock(LockMode::Shared, false).unwrap();
+        assert!(matches!(s.lock(LockMode::Exclusive, false), Err(StoreError::Busy(_))));
+        drop(a);
+        drop(_b);
+        let _c = s.lock(LockMode::Exclusive, false).unwrap();
+    }
+}
