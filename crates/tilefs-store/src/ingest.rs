@@ -1,1 +1,582 @@
-//! Putting files into the store.
+//! Putting source files into the store.
+//!
+//! Each file is cloned (`FICLONE`) into a temporary file in `STORE/.tmp`
+//! and the clone is hashed, or, where the filesystem cannot clone, read
+//! once: every buffer is hashed and written to the temporary file. Either
+//! way the digest is of exactly the bytes the object holds, even if the
+//! source changes meanwhile. Objects already present are not written again.
+//!
+//! New objects become visible in batches: the temporary files are made
+//! durable with one `syncfs` (far cheaper than an fsync per object), then
+//! renamed to their final names, then the store is synced again. A crash
+//! at any point leaves only complete objects under object names, and
+//! temporary files that `gc` removes.
+//!
+//! A digest cache maps a source file's identity (device, inode, size,
+//! mtime, ctime) to its digest, so importing an unchanged tree again reads
+//! no file contents at all. ctime cannot be set by users, so a changed
+//! file always misses the cache.
+
+use crate::store::{DIGEST_CACHE, TMP_DIR};
+use crate::{LockMode, Store, StoreError, StoreLock};
+use rustix::fd::{AsFd, BorrowedFd, OwnedFd};
+use rustix::fs::{self as rfs, AtFlags, Mode, OFlags};
+use std::collections::{HashMap, HashSet};
+use std::ffi::CStr;
+use std::io::{self, Read, Write};
+use std::path::Path;
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicU8, Ordering::Relaxed};
+use std::sync::Mutex;
+use tilefs_image::verity;
+
+/// How objects are made.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum Method {
+    /// Clone where the filesystem can, copy otherwise.
+    #[default]
+    Copy,
+    /// Hardlink the source file into the store (same filesystem only). No
+    /// data is written, but a later change to the source file changes the
+    /// object too (fsck reports it as corrupt).
+    Hardlink,
+}
+
+/// Counters of an import, readable while it runs.
+#[derive(Debug, Default)]
+pub struct Stats {
+    pub files: AtomicU64,
+    pub bytes: AtomicU64,
+    pub new_objects: AtomicU64,
+    pub new_bytes: AtomicU64,
+    pub dedup_bytes: AtomicU64,
+    pub cache_hits: AtomicU64,
+}
+
+/// A snapshot of [`Stats`].
+#[derive(Debug, Default, Clone, Copy, serde::Serialize)]
+pub struct StatsSnapshot {
+    pub files: u64,
+    pub bytes: u64,
+    pub new_objects: u64,
+    pub new_bytes: u64,
+    pub dedup_bytes: u64,
+    pub cache_hits: u64,
+}
+
+impl Stats {
+    pub fn snapshot(&self) -> StatsSnapshot {
+        StatsSnapshot {
+            files: self.files.load(Relaxed),
+            bytes: self.bytes.load(Relaxed),
+            new_objects: self.new_objects.load(Relaxed),
+            new_bytes: self.new_bytes.load(Relaxed),
+            dedup_bytes: self.dedup_bytes.load(Relaxed),
+            cache_hits: self.cache_hits.load(Relaxed),
+        }
+    }
+}
+
+/// A source file to import: open directory, name in it, its stat, and a
+/// path for messages.
+pub struct SourceFile<'a> {
+    pub dir: BorrowedFd<'a>,
+    pub name: &'a CStr,
+    pub path: &'a Path,
+    pub stat: &'a rfs::Stat,
+}
+
+/// fs-verity support of the store's filesystem, learnt from the first try.
+const VERITY_UNKNOWN: u8 = 0;
+const VERITY_YES: u8 = 1;
+const VERITY_NO: u8 = 2;
+
+/// Files up to this size are read into memory, hashed, and written only
+/// when their object is new.
+const SMALL_FILE: u64 = 4 << 20;
+
+/// Start a commit once this much new data waits in temporary files.
+const BATCH_BYTES: u64 = 1 << 30;
+
+/// An import into a store. Holds the store's shared lock (so gc waits)
+/// until dropped; temporary files not committed are removed on drop.
+pub struct Ingest<'s> {
+    store: &'s Store,
+    tmp: OwnedFd,
+    method: Method,
+    pub stats: Stats,
+    cache: DigestCache,
+    /// New objects waiting for commit: (temporary name, digest, size).
+    pending: Mutex<Vec<(String, [u8; 32])>>,
+    pending_bytes: AtomicU64,
+    /// Digests imported in this run (a second copy is not written).
+    seen: Mutex<HashSet<[u8; 32]>>,
+    counter: AtomicU64,
+    verity: AtomicU8,
+    verity_warning: Mutex<Option<String>>,
+    cloning: AtomicBool,
+    _lock: StoreLock,
+}
+
+impl<'s> Ingest<'s> {
+    /// Starts an import: takes the shared lock (waiting for a running gc).
+    pub fn new(store: &'s Store, method: Method) -> Result<Ingest<'s>, StoreError> {
+        let lock = store.lock(LockMode::Shared, true)?;
+        let tmp_path = store.subdir(TMP_DIR)?;
+        let tmp = rfs::open(&tmp_path, OFlags::RDONLY | OFlags::DIRECTORY | OFlags::CLOEXEC, Mode::empty())
+            .map_err(|e| StoreError::io(&tmp_path, "cannot open", e.into()))?;
+        Ok(Ingest {
+            store,
+            tmp,
+            method,
+            stats: Stats::default(),
+            cache: DigestCache::load(&store.join(DIGEST_CACHE)),
+            pending: Mutex::new(Vec::new()),
+            pending_bytes: AtomicU64::new(0),
+            seen: Mutex::new(HashSet::new()),
+            counter: AtomicU64::new(0),
+            verity: AtomicU8::new(VERITY_UNKNOWN),
+            verity_warning: Mutex::new(None),
+            cloning: AtomicBool::new(true),
+            _lock: lock,
+        })
+    }
+
+    /// Why objects are not fs-verity protected, if they are not.
+    pub fn verity_warning(&self) -> Option<String> {
+        self.verity_warning.lock().unwrap().clone()
+    }
+
+    /// Imports one file and returns its digest.
+    pub fn import(&self, f: &SourceFile) -> Result<[u8; 32], StoreError> {
+        let st = f.stat;
+        let size = st.st_size as u64;
+        self.stats.files.fetch_add(1, Relaxed);
+        self.stats.bytes.fetch_add(size, Relaxed);
+        let key = CacheKey::of(st);
+        if let Some(d) = self.cache.get(&key) {
+            if self.store.has_object(&d) || self.seen.lock().unwrap().contains(&d) {
+                self.stats.cache_hits.fetch_add(1, Relaxed);
+                self.stats.dedup_bytes.fetch_add(size, Relaxed);
+                return Ok(d);
+            }
+        }
+        let src = rfs::openat(f.dir, f.name, OFlags::RDONLY | OFlags::NOFOLLOW | OFlags::CLOEXEC, Mode::empty())
+            .map_err(|e| StoreError::io(f.path, "cannot open", e.into()))?;
+        let now = rfs::fstat(&src).map_err(|e| StoreError::io(f.path, "cannot stat", e.into()))?;
+        if now.st_ino != st.st_ino || now.st_dev != st.st_dev {
+            return Err(StoreError::io(f.path, "file was replaced during the build", io::ErrorKind::Other.into()));
+        }
+        let _ = rfs::fadvise(&src, 0, None, rfs::Advice::Sequential);
+
+        let tmp_name = format!("obj-{}-{}", std::process::id(), self.counter.fetch_add(1, Relaxed));
+        let result = match self.method {
+            Method::Hardlink => self.link_in(f, &src, &tmp_name).map(|(n, d)| (n, d, None)),
+            Method::Copy => self.copy_in(f, &src, &tmp_name, size),
+        };
+        let (written, digest, buffered) = match result {
+            Ok(r) => r,
+            Err(e) => {
+                let _ = rfs::unlinkat(&self.tmp, &tmp_name, AtFlags::empty());
+                return Err(e);
+            }
+        };
+        // The digest is of exactly the bytes the object gets; they must still
+        // be what was stat'ed when the tree was made.
+        if written != size {
+            let _ = rfs::unlinkat(&self.tmp, &tmp_name, AtFlags::empty());
+            return Err(StoreError::io(
+                f.path,
+                "file changed size during the build",
+                io::ErrorKind::Other.into(),
+            ));
+        }
+        self.cache.insert(key, digest);
+        let fresh = self.seen.lock().unwrap().insert(digest);
+        if !fresh || self.store.has_object(&digest) {
+            if buffered.is_none() {
+                let _ = rfs::unlinkat(&self.tmp, &tmp_name, AtFlags::empty());
+            }
+            self.stats.dedup_bytes.fetch_add(size, Relaxed);
+            return Ok(digest);
+        }
+        if let Some(data) = buffered {
+            self.write_temp(&tmp_name, &data)?;
+        }
+        if self.method == Method::Copy {
+            self.try_enable_verity(&tmp_name);
+        }
+        self.stats.new_objects.fetch_add(1, Relaxed);
+        self.stats.new_bytes.fetch_add(size, Relaxed);
+        self.pending.lock().unwrap().push((tmp_name, digest));
+        if self.pending_bytes.fetch_add(size, Relaxed) + size >= BATCH_BYTES {
+            self.pending_bytes.store(0, Relaxed);
+            self.commit_batch()?;
+        }
+        Ok(digest)
+    }
+
+    fn create_temp(&self, tmp_name: &str) -> Result<std::fs::File, StoreError> {
+        let tmp_path = self.store.join(TMP_DIR).join(tmp_name);
+        let fd = rfs::openat(
+            &self.tmp,
+            tmp_name,
+            OFlags::RDWR | OFlags::CREATE | OFlags::EXCL | OFlags::CLOEXEC,
+            Mode::from_raw_mode(0o644),
+        )
+        .map_err(|e| StoreError::io(&tmp_path, "cannot create", e.into()))?;
+        // Explicitly, whatever the umask: objects are readable by all.
+        rfs::fchmod(&fd, Mode::from_raw_mode(0o644)).map_err(|e| StoreError::io(&tmp_path, "cannot chmod", e.into()))?;
+        Ok(std::fs::File::from(fd))
+    }
+
+    fn write_temp(&self, tmp_name: &str, data: &[u8]) -> Result<(), StoreError> {
+        let mut f = self.create_temp(tmp_name)?;
+        f.write_all(data).map_err(|e| {
+            let _ = rfs::unlinkat(&self.tmp, tmp_name, AtFlags::empty());
+            self.write_error(e)
+        })
+    }
+
+    fn write_error(&self, e: io::Error) -> StoreError {
+        let tmp = self.store.join(TMP_DIR);
+        if e.raw_os_error() == Some(libc::ENOSPC) || e.raw_os_error() == Some(libc::EDQUOT) {
+            StoreError::io(&tmp, "no space left on the store's device", e)
+        } else {
+            StoreError::io(&tmp, "cannot write into the store", e)
+        }
+    }
+
+    /// Reads the source once and hashes it: small files into memory (written
+    /// out only if the object is new), large ones straight into a temporary
+    /// file; or clones it and hashes the clone. Returns (bytes, digest, the
+    /// contents when they are still only in memory).
+    fn copy_in(
+        &self,
+        f: &SourceFile,
+        src: &OwnedFd,
+        tmp_name: &str,
+        size: u64,
+    ) -> Result<(u64, [u8; 32], Option<Vec<u8>>), StoreError> {
+        let mut srcf = std::fs::File::from(src.try_clone().map_err(|e| StoreError::io(f.path, "cannot dup", e))?);
+        if self.cloning.load(Relaxed) {
+            let dst = self.create_temp(tmp_name)?;
+            if rfs::ioctl_ficlone(&dst, src).is_ok() {
+                // Hash the clone: our own copy, which nobody else changes.
+                let mut clone = std::fs::File::open(self.store.join(TMP_DIR).join(tmp_name))
+                    .map_err(|e| StoreError::io(f.path, "cannot reopen clone", e))?;
+                let (n, d) = hash_all(&mut clone, None).map_err(|e| StoreError::io(f.path, "cannot read", e))?;
+                return Ok((n, d, None));
+            }
+            self.cloning.store(false, Relaxed);
+            let _ = rfs::unlinkat(&self.tmp, tmp_name, AtFlags::empty());
+        }
+        if size <= SMALL_FILE {
+            let mut data = Vec::with_capacity(size as usize + 1);
+            (&mut srcf)
+                .take(size + 1)
+                .read_to_end(&mut data)
+                .map_err(|e| StoreError::io(f.path, "cannot read", e))?;
+            let d = verity::digest_bytes(&data);
+            return Ok((data.len() as u64, d, Some(data)));
+        }
+        let mut dst = self.create_temp(tmp_name)?;
+        let (n, d) = hash_all(&mut srcf, Some(&mut dst)).map_err(|e| {
+            if e.get_ref().is_some_and(|i| i.is::<WriteFailed>()) {
+                let inner = e.into_inner().unwrap().downcast::<WriteFailed>().unwrap();
+                self.write_error(inner.0)
+            } else {
+                StoreError::io(f.path, "cannot read", e)
+            }
+        })?;
+        Ok((n, d, None))
+    }
+
+    /// Hardlink the source into the temporary name, then hash it.
+    fn link_in(&self, f: &SourceFile, src: &OwnedFd, tmp_name: &str) -> Result<(u64, [u8; 32]), StoreError> {
+        rfs::linkat(f.dir, f.name, &self.tmp, tmp_name, AtFlags::empty()).map_err(|e| {
+            let hint = if e == rustix::io::Errno::XDEV {
+                "cannot hardlink into the store: not on the same filesystem (drop --hardlink to copy)"
+            } else {
+                "cannot hardlink into the store"
+            };
+            StoreError::io(f.path, hint, e.into())
+        })?;
+        let linked = rfs::statat(&self.tmp, tmp_name, AtFlags::SYMLINK_NOFOLLOW)
+            .map_err(|e| StoreError::io(f.path, "cannot stat", e.into()))?;
+        if linked.st_ino != f.stat.st_ino {
+            return Err(StoreError::io(f.path, "file was replaced during the build", io::ErrorKind::Other.into()));
+        }
+        let mut src = std::fs::File::from(src.try_clone().map_err(|e| StoreError::io(f.path, "cannot dup", e))?);
+        hash_all(&mut src, None).map_err(|e| StoreError::io(f.path, "cannot read", e))
+    }
+
+    fn try_enable_verity(&self, tmp_name: &str) {
+        if self.verity.load(Relaxed) == VERITY_NO {
+            return;
+        }
+        let Ok(fd) = rfs::openat(&self.tmp, tmp_name, OFlags::RDONLY | OFlags::CLOEXEC, Mode::empty()) else {
+            return;
+        };
+        match enable_verity(fd.as_fd()) {
+            Ok(()) => self.verity.store(VERITY_YES, Relaxed),
+            Err(e) => {
+                if self.verity.swap(VERITY_NO, Relaxed) != VERITY_NO {
+                    *self.verity_warning.lock().unwrap() = Some(format!(
+                        "{}: the filesystem does not support fs-verity ({e}); objects are verified by digest only",
+                        self.store.path().display()
+                    ));
+                }
+            }
+        }
+    }
+
+    /// Makes every pending object durable and visible.
+    fn commit_batch(&self) -> Result<(), StoreError> {
+        let batch = std::mem::take(&mut *self.pending.lock().unwrap());
+        if batch.is_empty() {
+            return Ok(());
+        }
+        let store_path = self.store.path();
+        rfs::syncfs(&self.tmp).map_err(|e| StoreError::io(store_path, "cannot sync", e.into()))?;
+        let dir = self.store.dir_fd();
+        let mut made = HashSet::new();
+        for (tmp_name, digest) in &batch {
+            let rel = Store::object_rel(digest);
+            let fanout = &rel[..2];
+            if made.insert(fanout.to_string()) {
+                match rfs::mkdirat(dir, fanout, Mode::from_raw_mode(0o755)) {
+                    Ok(()) | Err(rustix::io::Errno::EXIST) => {}
+                    Err(e) => return Err(StoreError::io(&self.store.join(fanout), "cannot create", e.into())),
+                }
+            }
+            rfs::renameat(&self.tmp, tmp_name.as_str(), dir, rel.as_str())
+                .map_err(|e| StoreError::io(&self.store.join(&rel), "cannot rename into place", e.into()))?;
+        }
+        rfs::syncfs(dir).map_err(|e| StoreError::io(store_path, "cannot sync", e.into()))?;
+        Ok(())
+    }
+
+    /// Commits what remains and saves the digest cache. Call before writing
+    /// an image that references the imported objects.
+    pub fn finish(self) -> Result<StatsSnapshot, StoreError> {
+        self.commit_batch()?;
+        self.cache.save(&self.store.join(DIGEST_CACHE), &self.tmp)?;
+        Ok(self.stats.snapshot())
+    }
+}
+
+impl Drop for Ingest<'_> {
+    fn drop(&mut self) {
+        // A failed or abandoned import leaves no temporary files behind.
+        for (tmp_name, _) in self.pending.get_mut().unwrap().drain(..) {
+            let _ = rfs::unlinkat(&self.tmp, tmp_name.as_str(), AtFlags::empty());
+        }
+    }
+}
+
+/// A write (not a read) failed while copying.
+#[derive(Debug)]
+struct WriteFailed(io::Error);
+
+impl std::fmt::Display for WriteFailed {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        self.0.fmt(f)
+    }
+}
+
+impl std::error::Error for WriteFailed {}
+
+/// Reads `src` to the end, hashing it and, if given, writing it to `dst`.
+fn hash_all(src: &mut std::fs::File, mut dst: Option<&mut std::fs::File>) -> io::Result<(u64, [u8; 32])> {
+    let mut h = verity::Hasher::new();
+    let mut buf = vec![0u8; 1 << 20];
+    let mut total = 0u64;
+    loop {
+        let n = match src.read(&mut buf) {
+            Ok(0) => break,
+            Ok(n) => n,
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+            Err(e) => return Err(e),
+        };
+        h.update(&buf[..n]);
+        if let Some(d) = dst.as_deref_mut() {
+            d.write_all(&buf[..n]).map_err(|e| io::Error::other(WriteFailed(e)))?;
+        }
+        total += n as u64;
+    }
+    Ok((total, h.finalize()))
+}
+
+/// FS_IOC_ENABLE_VERITY with SHA-256, 4 KiB blocks, no salt.
+fn enable_verity(fd: BorrowedFd<'_>) -> io::Result<()> {
+    #[repr(C)]
+    struct EnableArg {
+        version: u32,
+        hash_algorithm: u32,
+        block_size: u32,
+        salt_size: u32,
+        salt_ptr: u64,
+        sig_size: u32,
+        reserved1: u32,
+        sig_ptr: u64,
+        reserved2: [u64; 11],
+    }
+    const FS_IOC_ENABLE_VERITY: libc::c_ulong = 0x4080_6685;
+    let arg = EnableArg {
+        version: 1,
+        hash_algorithm: 1,
+        block_size: 4096,
+        salt_size: 0,
+        salt_ptr: 0,
+        sig_size: 0,
+        reserved1: 0,
+        sig_ptr: 0,
+        reserved2: [0; 11],
+    };
+    use std::os::fd::AsRawFd;
+    // SAFETY: the ioctl reads a fully initialised, correctly laid out
+    // fsverity_enable_arg from `arg`, which outlives the call; it writes
+    // nothing through it.
+    let r = unsafe { libc::ioctl(fd.as_raw_fd(), FS_IOC_ENABLE_VERITY, &arg as *const EnableArg) };
+    if r == 0 {
+        Ok(())
+    } else {
+        Err(io::Error::last_os_error())
+    }
+}
+
+/// Identity of a source file's contents, as far as stat can tell.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+struct CacheKey {
+    dev: u64,
+    ino: u64,
+    size: u64,
+    mtime: (i64, u32),
+    ctime: (i64, u32),
+}
+
+impl CacheKey {
+    fn of(st: &rfs::Stat) -> CacheKey {
+        CacheKey {
+            dev: st.st_dev,
+            ino: st.st_ino,
+            size: st.st_size as u64,
+            mtime: (st.st_mtime, st.st_mtime_nsec as u32),
+            ctime: (st.st_ctime, st.st_ctime_nsec as u32),
+        }
+    }
+
+    const SIZE: usize = 8 * 3 + 12 * 2;
+
+    fn encode(&self, out: &mut Vec<u8>) {
+        out.extend_from_slice(&self.dev.to_le_bytes());
+        out.extend_from_slice(&self.ino.to_le_bytes());
+        out.extend_from_slice(&self.size.to_le_bytes());
+        for (s, ns) in [self.mtime, self.ctime] {
+            out.extend_from_slice(&s.to_le_bytes());
+            out.extend_from_slice(&ns.to_le_bytes());
+        }
+    }
+
+    fn decode(b: &[u8]) -> CacheKey {
+        let u = |i: usize| u64::from_le_bytes(b[i..i + 8].try_into().unwrap());
+        let t = |i: usize| (u(i) as i64, u32::from_le_bytes(b[i + 8..i + 12].try_into().unwrap()));
+        CacheKey {
+            dev: u(0),
+            ino: u(8),
+            size: u(16),
+            mtime: t(24),
+            ctime: t(36),
+        }
+    }
+}
+
+/// The digest cache file: a magic line, records of (key, digest), and a
+/// SHA-256 of everything before it, so a torn or tampered file is ignored
+/// rather than trusted.
+struct DigestCache {
+    map: Mutex<HashMap<CacheKey, [u8; 32]>>,
+    dirty: AtomicBool,
+}
+
+const CACHE_MAGIC: &[u8; 16] = b"tilefs-dcache-1\n";
+const CACHE_MAX_ENTRIES: usize = 16 << 20;
+
+impl DigestCache {
+    fn load(path: &Path) -> DigestCache {
+        let map = std::fs::read(path).ok().and_then(|b| DigestCache::decode(&b)).unwrap_or_default();
+        DigestCache {
+            map: Mutex::new(map),
+            dirty: AtomicBool::new(false),
+        }
+    }
+
+    fn decode(b: &[u8]) -> Option<HashMap<CacheKey, [u8; 32]>> {
+        use sha2::Digest;
+        let body = b.strip_prefix(CACHE_MAGIC)?;
+        let (records, sum) = body.split_at_checked(body.len().checked_sub(32)?)?;
+        let mut all = CACHE_MAGIC.to_vec();
+        all.extend_from_slice(records);
+        if sha2::Sha256::digest(&all).as_slice() != sum {
+            return None;
+        }
+        let rec = CacheKey::SIZE + 32;
+        if records.len() % rec != 0 {
+            return None;
+        }
+        Some(
+            records
+                .chunks_exact(rec)
+                .map(|r| (CacheKey::decode(&r[..CacheKey::SIZE]), r[CacheKey::SIZE..].try_into().unwrap()))
+                .collect(),
+        )
+    }
+
+    fn get(&self, k: &CacheKey) -> Option<[u8; 32]> {
+        self.map.lock().unwrap().get(k).copied()
+    }
+
+    fn insert(&self, k: CacheKey, d: [u8; 32]) {
+        let mut m = self.map.lock().unwrap();
+        if m.len() < CACHE_MAX_ENTRIES && m.insert(k, d) != Some(d) {
+            self.dirty.store(true, Relaxed);
+        }
+    }
+
+    fn save(&self, path: &Path, tmp_dir: &OwnedFd) -> Result<(), StoreError> {
+        use sha2::Digest;
+        if !self.dirty.load(Relaxed) {
+            return Ok(());
+        }
+        let m = self.map.lock().unwrap();
+        let mut out = Vec::with_capacity(16 + m.len() * (CacheKey::SIZE + 32) + 32);
+        out.extend_from_slice(CACHE_MAGIC);
+        for (k, d) in m.iter() {
+            k.encode(&mut out);
+            out.extend_from_slice(d);
+        }
+        let sum = sha2::Sha256::digest(&out);
+        out.extend_from_slice(&sum);
+        let tmp_name = format!("cache-{}", std::process::id());
+        let write = || -> io::Result<()> {
+            let fd = rfs::openat(
+                tmp_dir,
+                tmp_name.as_str(),
+                OFlags::WRONLY | OFlags::CREATE | OFlags::TRUNC | OFlags::CLOEXEC,
+                Mode::from_raw_mode(0o644),
+            )?;
+            let mut f = std::fs::File::from(fd);
+            f.write_all(&out)?;
+            f.sync_all()?;
+            let parent = path.parent().unwrap_or(Path::new("."));
+            let name = path.file_name().unwrap_or_default();
+            let dir = rfs::open(parent, OFlags::RDONLY | OFlags::DIRECTORY | OFlags::CLOEXEC, Mode::empty())?;
+            rfs::renameat(tmp_dir, tmp_name.as_str(), &dir, name)?;
+            Ok(())
+        };
+        write().map_err(|e| {
+            let _ = rfs::unlinkat(tmp_dir, tmp_name.as_str(), AtFlags::empty());
+            StoreError::io(path, "cannot save the digest cache", e)
+        })
+    }
+}

@@ -1,0 +1,113 @@
+//! The properties the fuzz targets check, in one place: the targets in
+//! `fuzz/fuzz_targets/` call these (through `fuzz/src/lib.rs`, which
+//! includes this file), and `tests/fuzz_regressions.rs` replays every
+//! input the fuzzers ever crashed on through them in a normal `cargo test`.
+//!
+//! Each function takes arbitrary bytes and panics exactly when a property
+//! is broken; refusing the input (an `Err`) is always fine.
+
+use std::io::BufReader;
+use tilefs_image::dump::{self, ParseOptions};
+use tilefs_image::erofs::{self, ImageInfo, WriteOptions};
+use tilefs_image::Tree;
+
+/// Options that write an image at exactly the version `info` records.
+fn same_version(info: &ImageInfo) -> WriteOptions {
+    WriteOptions {
+        min_version: info.version,
+        max_version: info.version,
+    }
+}
+
+fn dump_text(tree: &Tree) -> Vec<u8> {
+    let mut text = Vec::new();
+    dump::print(tree, &mut text).expect("printing a tree the reader or parser made");
+    text
+}
+
+/// An image we wrote must read back, and building what was read must give
+/// the same bytes (`build(read(image)) == image`), directly and through
+/// dump text (`build(parse(dump(image))) == image`, what
+/// `tilefs dump | tilefs build --from-dump` does).
+fn check_canonical_image(bytes: &[u8]) {
+    let (tree, info) = erofs::read_image(bytes).unwrap_or_else(|e| panic!("reading an image we wrote: {e}"));
+    let again = erofs::write_image(&tree, &same_version(&info))
+        .unwrap_or_else(|e| panic!("writing the tree read from an image we wrote: {e}"));
+    assert!(
+        again.bytes == bytes,
+        "build(read(image)) differs from the image ({} vs {} bytes)",
+        again.bytes.len(),
+        bytes.len()
+    );
+    let text = dump_text(&tree);
+    let parsed = dump::parse(BufReader::new(&text[..]), ParseOptions { strict: true }).unwrap_or_else(|e| {
+        panic!(
+            "the dump of an image we wrote does not parse: {e}\n{}",
+            String::from_utf8_lossy(&text)
+        )
+    });
+    let rebuilt = erofs::write_image(&parsed, &same_version(&info))
+        .unwrap_or_else(|e| panic!("building the dump of an image we wrote: {e}"));
+    assert!(
+        rebuilt.bytes == bytes,
+        "build(parse(dump(image))) differs from the image ({} vs {} bytes)",
+        rebuilt.bytes.len(),
+        bytes.len()
+    );
+}
+
+/// Target `read_image`: any bytes either read or are refused; a tree that
+/// was read prints and writes (or is refused) without panicking.
+pub fn read_image(data: &[u8]) {
+    let Ok((tree, info)) = erofs::read_image(data) else {
+        return;
+    };
+    dump_text(&tree);
+    let _ = erofs::write_image(&tree, &same_version(&info));
+}
+
+/// Target `roundtrip_image`: as [`read_image`], and when the tree writes,
+/// the image written is canonical (see `check_canonical_image`).
+pub fn roundtrip_image(data: &[u8]) {
+    let Ok((tree, info)) = erofs::read_image(data) else {
+        return;
+    };
+    dump_text(&tree);
+    if let Ok(image) = erofs::write_image(&tree, &same_version(&info)) {
+        check_canonical_image(&image.bytes);
+    }
+}
+
+/// Target `parse_dump`: any bytes parse or are refused, in both modes.
+/// What the strict mode accepts the lenient one accepts too, as the same
+/// tree. A parsed tree prints as text that parses (strictly) to the same
+/// tree, and writes an image (or is refused) that is canonical.
+pub fn parse_dump(data: &[u8]) {
+    let parse = |bytes: &[u8], strict| dump::parse(BufReader::new(bytes), ParseOptions { strict });
+    let lenient = parse(data, false);
+    let strict = parse(data, true);
+    if let Ok(s) = &strict {
+        match &lenient {
+            Ok(l) => assert!(l == s, "strict and lenient parses differ"),
+            Err(e) => panic!("accepted strictly, refused leniently: {e}"),
+        }
+    }
+    let Ok(tree) = lenient else {
+        return;
+    };
+    let text = dump_text(&tree);
+    let reparsed = parse(&text, true).unwrap_or_else(|e| {
+        panic!(
+            "printed dump does not parse: {e}\n{}",
+            String::from_utf8_lossy(&text)
+        )
+    });
+    assert!(
+        reparsed == tree,
+        "parse(print(tree)) != tree\n{}",
+        String::from_utf8_lossy(&text)
+    );
+    if let Ok(image) = erofs::write_image(&tree, &WriteOptions::default()) {
+        check_canonical_image(&image.bytes);
+    }
+}
