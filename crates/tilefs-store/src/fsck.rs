@@ -38,6 +38,10 @@ impl FsckReport {
 }
 
 /// Checks the store; `progress(bytes_done, bytes_total)` is called as it goes.
-pub fn fsck(_store: &Store, _opts: &FsckOptions, _progress: &(dyn Fn(u64, u64) + Sync)) -> Result<FsckReport, StoreError> {
+pub fn fsck(
+    _store: &Store,
+    _opts: &FsckOptions,
+    _progress: &(dyn Fn(u64, u64) + Sync),
+) -> Result<FsckReport, StoreError> {
     todo!()
 }

@@ -122,8 +122,12 @@ impl<'s> Ingest<'s> {
     pub fn new(store: &'s Store, method: Method) -> Result<Ingest<'s>, StoreError> {
         let lock = store.lock(LockMode::Shared, true)?;
         let tmp_path = store.subdir(TMP_DIR)?;
-        let tmp = rfs::open(&tmp_path, OFlags::RDONLY | OFlags::DIRECTORY | OFlags::CLOEXEC, Mode::empty())
-            .map_err(|e| StoreError::io(&tmp_path, "cannot open", e.into()))?;
+        let tmp = rfs::open(
+            &tmp_path,
+            OFlags::RDONLY | OFlags::DIRECTORY | OFlags::CLOEXEC,
+            Mode::empty(),
+        )
+        .map_err(|e| StoreError::io(&tmp_path, "cannot open", e.into()))?;
         Ok(Ingest {
             store,
             tmp,
@@ -160,11 +164,20 @@ impl<'s> Ingest<'s> {
                 return Ok(d);
             }
         }
-        let src = rfs::openat(f.dir, f.name, OFlags::RDONLY | OFlags::NOFOLLOW | OFlags::CLOEXEC, Mode::empty())
-            .map_err(|e| StoreError::io(f.path, "cannot open", e.into()))?;
+        let src = rfs::openat(
+            f.dir,
+            f.name,
+            OFlags::RDONLY | OFlags::NOFOLLOW | OFlags::CLOEXEC,
+            Mode::empty(),
+        )
+        .map_err(|e| StoreError::io(f.path, "cannot open", e.into()))?;
         let now = rfs::fstat(&src).map_err(|e| StoreError::io(f.path, "cannot stat", e.into()))?;
         if now.st_ino != st.st_ino || now.st_dev != st.st_dev {
-            return Err(StoreError::io(f.path, "file was replaced during the build", io::ErrorKind::Other.into()));
+            return Err(StoreError::io(
+                f.path,
+                "file was replaced during the build",
+                io::ErrorKind::Other.into(),
+            ));
         }
         let _ = rfs::fadvise(&src, 0, None, rfs::Advice::Sequential);
 
@@ -225,7 +238,8 @@ impl<'s> Ingest<'s> {
         )
         .map_err(|e| StoreError::io(&tmp_path, "cannot create", e.into()))?;
         // Explicitly, whatever the umask: objects are readable by all.
-        rfs::fchmod(&fd, Mode::from_raw_mode(0o644)).map_err(|e| StoreError::io(&tmp_path, "cannot chmod", e.into()))?;
+        rfs::fchmod(&fd, Mode::from_raw_mode(0o644))
+            .map_err(|e| StoreError::io(&tmp_path, "cannot chmod", e.into()))?;
         Ok(std::fs::File::from(fd))
     }
 
@@ -304,7 +318,11 @@ impl<'s> Ingest<'s> {
         let linked = rfs::statat(&self.tmp, tmp_name, AtFlags::SYMLINK_NOFOLLOW)
             .map_err(|e| StoreError::io(f.path, "cannot stat", e.into()))?;
         if linked.st_ino != f.stat.st_ino {
-            return Err(StoreError::io(f.path, "file was replaced during the build", io::ErrorKind::Other.into()));
+            return Err(StoreError::io(
+                f.path,
+                "file was replaced during the build",
+                io::ErrorKind::Other.into(),
+            ));
         }
         let mut src = std::fs::File::from(src.try_clone().map_err(|e| StoreError::io(f.path, "cannot dup", e))?);
         hash_all(&mut src, None).map_err(|e| StoreError::io(f.path, "cannot read", e))
@@ -504,7 +522,10 @@ const CACHE_MAX_ENTRIES: usize = 16 << 20;
 
 impl DigestCache {
     fn load(path: &Path) -> DigestCache {
-        let map = std::fs::read(path).ok().and_then(|b| DigestCache::decode(&b)).unwrap_or_default();
+        let map = std::fs::read(path)
+            .ok()
+            .and_then(|b| DigestCache::decode(&b))
+            .unwrap_or_default();
         DigestCache {
             map: Mutex::new(map),
             dirty: AtomicBool::new(false),
@@ -527,7 +548,12 @@ impl DigestCache {
         Some(
             records
                 .chunks_exact(rec)
-                .map(|r| (CacheKey::decode(&r[..CacheKey::SIZE]), r[CacheKey::SIZE..].try_into().unwrap()))
+                .map(|r| {
+                    (
+                        CacheKey::decode(&r[..CacheKey::SIZE]),
+                        r[CacheKey::SIZE..].try_into().unwrap(),
+                    )
+                })
                 .collect(),
         )
     }
@@ -570,7 +596,11 @@ impl DigestCache {
             f.sync_all()?;
             let parent = path.parent().unwrap_or(Path::new("."));
             let name = path.file_name().unwrap_or_default();
-            let dir = rfs::open(parent, OFlags::RDONLY | OFlags::DIRECTORY | OFlags::CLOEXEC, Mode::empty())?;
+            let dir = rfs::open(
+                parent,
+                OFlags::RDONLY | OFlags::DIRECTORY | OFlags::CLOEXEC,
+                Mode::empty(),
+            )?;
             rfs::renameat(tmp_dir, tmp_name.as_str(), &dir, name)?;
             Ok(())
         };

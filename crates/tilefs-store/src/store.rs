@@ -45,8 +45,12 @@ pub struct StoreLock {
 impl Store {
     /// Opens an existing store directory.
     pub fn open(path: &Path) -> Result<Store, StoreError> {
-        let dir = rfs::open(path, OFlags::RDONLY | OFlags::DIRECTORY | OFlags::CLOEXEC, Mode::empty())
-            .map_err(|e| StoreError::io(path, "cannot open store", e.into()))?;
+        let dir = rfs::open(
+            path,
+            OFlags::RDONLY | OFlags::DIRECTORY | OFlags::CLOEXEC,
+            Mode::empty(),
+        )
+        .map_err(|e| StoreError::io(path, "cannot open store", e.into()))?;
         Ok(Store {
             root: path.to_path_buf(),
             dir,
@@ -100,7 +104,11 @@ impl Store {
     pub fn subdir(&self, name: &str) -> Result<PathBuf, StoreError> {
         match rfs::mkdirat(&self.dir, name, Mode::from_raw_mode(0o755)) {
             Ok(()) | Err(rustix::io::Errno::EXIST) => Ok(self.root.join(name)),
-            Err(e) => Err(StoreError::io(&self.root.join(name), "cannot create directory", e.into())),
+            Err(e) => Err(StoreError::io(
+                &self.root.join(name),
+                "cannot create directory",
+                e.into(),
+            )),
         }
     }
 
@@ -140,7 +148,11 @@ impl Store {
                 scan.strays.push(entry.path());
                 continue;
             };
-            if name == IMAGES_DIR || name == TMP_DIR || name == QUARANTINE_DIR || name == LOCK_FILE || name == DIGEST_CACHE
+            if name == IMAGES_DIR
+                || name == TMP_DIR
+                || name == QUARANTINE_DIR
+                || name == LOCK_FILE
+                || name == DIGEST_CACHE
             {
                 continue;
             }
@@ -150,7 +162,9 @@ impl Store {
                 continue;
             }
             let is_fanout = name.len() == 2 && name.bytes().all(|c| c.is_ascii_hexdigit() && !c.is_ascii_uppercase());
-            let ft = entry.file_type().map_err(|e| StoreError::io(&entry.path(), "cannot stat", e))?;
+            let ft = entry
+                .file_type()
+                .map_err(|e| StoreError::io(&entry.path(), "cannot stat", e))?;
             if !is_fanout || !ft.is_dir() {
                 scan.strays.push(entry.path());
                 continue;
@@ -202,7 +216,10 @@ pub fn parse_object_rel(rel: &[u8]) -> Option<[u8; 32]> {
     let mut hexdigits = [0u8; 64];
     hexdigits[..2].copy_from_slice(&rel[..2]);
     hexdigits[2..].copy_from_slice(&rel[3..]);
-    if !hexdigits.iter().all(|c| c.is_ascii_digit() || (b'a'..=b'f').contains(c)) {
+    if !hexdigits
+        .iter()
+        .all(|c| c.is_ascii_digit() || (b'a'..=b'f').contains(c))
+    {
         return None;
     }
     let mut d = [0u8; 32];

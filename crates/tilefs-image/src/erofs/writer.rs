@@ -14,8 +14,8 @@
 use super::format::{self as f, overlay};
 use crate::tree::{self, FileType, Inode, InodeId, Timespec, Tree, S_IFMT, S_IFREG};
 use crate::verity;
+use rustc_hash::FxHashMap;
 use std::borrow::Cow;
-use std::collections::HashMap;
 
 /// Format version choice, as `mkcomposefs --min-version/--max-version`.
 #[derive(Debug, Clone, Copy)]
@@ -145,63 +145,96 @@ impl<'a> Writer<'a> {
         let mut nodes: Vec<Node<'a>> = Vec::with_capacity(tree.inodes.len() + 256);
         index_of[tree::ROOT as usize] = 0;
         nodes.push(Node::from_inode(tree::ROOT, root, b"", 0));
-        let mut paths: Vec<Vec<u8>> = vec![b"/".to_vec()];
+        let mut root_whiteouts = Vec::new();
 
-        // Breadth-first: queue is `nodes` itself.
+        // Breadth-first over primary entries: the queue is `nodes` itself.
         let mut i = 0;
         while i < nodes.len() {
-            let id = nodes[i].src.expect("tree nodes only");
+            let Some(id) = nodes[i].src else {
+                i += 1;
+                continue;
+            };
             let inode = tree.inode(id);
-            if inode.is_dir() {
-                for e in &inode.entries {
-                    if e.hardlink {
-                        continue;
-                    }
-                    let child = tree
-                        .inodes
-                        .get(e.inode as usize)
-                        .ok_or_else(|| invalid(&join(&paths[i], &e.name), "entry points to a missing inode"))?;
-                    if index_of[e.inode as usize] != u32::MAX {
-                        return Err(invalid(
-                            &join(&paths[i], &e.name),
-                            "inode has two primary entries (make one a hardlink)",
-                        ));
-                    }
-                    index_of[e.inode as usize] = nodes.len() as u32;
-                    paths.push(join(&paths[i], &e.name));
-                    nodes.push(Node::from_inode(e.inode, child, &e.name, i as u32));
+            if !inode.is_dir() {
+                if !inode.entries.is_empty() {
+                    return Err(invalid(&path_of(&nodes, i), "only directories can have entries"));
                 }
-            } else if !inode.entries.is_empty() {
-                return Err(invalid(&paths[i], "only directories can have entries"));
+                i += 1;
+                continue;
+            }
+            // The root also gets the whiteouts `00`..`ff` (where no entry has
+            // that name), in name order among its entries.
+            let mut whiteouts: &[[u8; 2]] = if i == 0 { &WHITEOUT_NAMES } else { &[] };
+            for e in &inode.entries {
+                while let Some((w, rest)) = whiteouts
+                    .split_first()
+                    .filter(|(w, _)| w.as_slice() <= e.name.as_slice())
+                {
+                    if w.as_slice() != e.name.as_slice() {
+                        root_whiteouts.push((&w[..], nodes.len() as u32));
+                        nodes.push(Node::root_whiteout(root, w));
+                    }
+                    whiteouts = rest;
+                }
+                if e.hardlink {
+                    continue;
+                }
+                let Some(child) = tree.inodes.get(e.inode as usize) else {
+                    return Err(invalid(
+                        &join(&path_of(&nodes, i), &e.name),
+                        "entry points to a missing inode",
+                    ));
+                };
+                if index_of[e.inode as usize] != u32::MAX {
+                    return Err(invalid(
+                        &join(&path_of(&nodes, i), &e.name),
+                        "inode has two primary entries (make one a hardlink)",
+                    ));
+                }
+                index_of[e.inode as usize] = nodes.len() as u32;
+                nodes.push(Node::from_inode(e.inode, child, &e.name, i as u32));
+            }
+            for w in whiteouts {
+                root_whiteouts.push((&w[..], nodes.len() as u32));
+                nodes.push(Node::root_whiteout(root, w));
             }
             i += 1;
         }
 
         // Now that every inode has its place, build each directory's entries.
-        for (i, node) in nodes.iter_mut().enumerate() {
-            let id = node.src.unwrap();
+        for i in 0..nodes.len() {
+            let Some(id) = nodes[i].src else { continue };
             let inode = tree.inode(id);
             if !inode.is_dir() {
                 continue;
             }
-            let mut children = Vec::with_capacity(inode.entries.len() + 2);
+            let mut children: Vec<(Bytes<'a>, u32)> = Vec::with_capacity(inode.entries.len() + 2);
             for e in &inode.entries {
                 let target = index_of[e.inode as usize];
                 if target == u32::MAX {
                     return Err(invalid(
-                        &join(&paths[i], &e.name),
+                        &join(&path_of(&nodes, i), &e.name),
                         "hardlink to a file that is not in the tree",
                     ));
                 }
                 if e.hardlink && tree.inode(e.inode).is_dir() {
-                    return Err(invalid(&join(&paths[i], &e.name), "directories cannot be hardlinked"));
+                    return Err(invalid(
+                        &join(&path_of(&nodes, i), &e.name),
+                        "directories cannot be hardlinked",
+                    ));
                 }
                 children.push((Cow::Borrowed(e.name.as_slice()), target));
             }
-            children.push((Cow::Borrowed(&b"."[..]), i as u32));
-            children.push((Cow::Borrowed(&b".."[..]), node.parent));
-            children.sort_unstable_by(|a, b| a.0.cmp(&b.0));
-            node.children = children;
+            // Entries are sorted; `.` and `..` go where they sort.
+            for (name, target) in [(&b"."[..], i as u32), (&b".."[..], nodes[i].parent)] {
+                let pos = children.partition_point(|(n, _)| n.as_ref() < name);
+                children.insert(pos, (Cow::Borrowed(name), target));
+            }
+            if i == 0 {
+                children.extend(root_whiteouts.iter().map(|&(n, t)| (Cow::Borrowed(n), t)));
+                children.sort_unstable_by(|a, b| a.0.cmp(&b.0));
+            }
+            nodes[i].children = children;
         }
         // Directories: 2 + subdirectories, whatever the source said.
         for i in 1..nodes.len() {
@@ -211,8 +244,10 @@ impl<'a> Writer<'a> {
             }
         }
 
-        for (node, path) in nodes.iter().zip(&paths) {
-            validate(node, tree.inode(node.src.unwrap()), path)?;
+        for (i, node) in nodes.iter().enumerate() {
+            if let Some(id) = node.src {
+                validate(node, tree.inode(id)).map_err(|reason| invalid(&path_of(&nodes, i), &reason))?;
+            }
         }
 
         Ok(Writer {
@@ -233,9 +268,9 @@ impl<'a> Writer<'a> {
     /// directories when it is an overlay lower layer.
     fn rewrite_overlay(&mut self, version: u32) -> Result<(), WriteError> {
         let mut marked_parents = Vec::new();
-        for i in 0..self.nodes.len() {
-            let node = &mut self.nodes[i];
-            let inode = self.tree.inode(node.src.unwrap());
+        for node in &mut self.nodes {
+            let Some(id) = node.src else { continue };
+            let inode = self.tree.inode(id);
             let mut xattrs: Vec<(Bytes<'a>, Bytes<'a>)> = Vec::with_capacity(inode.xattrs.len() + 2);
             for x in &inode.xattrs {
                 let key = match x.key.strip_prefix(overlay::PREFIX) {
@@ -277,7 +312,6 @@ impl<'a> Writer<'a> {
             }
         }
         set(&mut self.nodes[0].xattrs, overlay::OPAQUE, b"y".to_vec());
-        self.add_root_whiteouts();
 
         for node in &mut self.nodes {
             node.xattrs.sort_unstable_by(|a, b| a.0.cmp(&b.0));
@@ -291,160 +325,64 @@ impl<'a> Writer<'a> {
         Ok(())
     }
 
-    /// The root's whiteouts `00`..`ff` are appended after the breadth-first
-    /// order is known, but take their place in it: they are the root's
-    /// children, so everything queued after the root's children moves.
-    fn add_root_whiteouts(&mut self) {
-        let root = &self.nodes[0];
-        let selinux = root
-            .xattrs
-            .iter()
-            .find(|(k, _)| k.as_ref() == b"security.selinux")
-            .map(|(_, v)| v.clone());
-        let existing: Vec<&[u8]> = root.children.iter().map(|(n, _)| n.as_ref()).collect();
-        let mut names = Vec::new();
-        for b in 0..=255u8 {
-            let name = format!("{b:02x}").into_bytes();
-            if !existing.contains(&name.as_slice()) {
-                names.push(name);
-            }
-        }
-        if names.is_empty() {
-            return;
-        }
-        // Rebuild the order: root, then the root's primary children and the
-        // whiteouts interleaved by name, then everything else as before.
-        let (uid, gid, mtime) = (root.uid, root.gid, root.mtime);
-        let old = std::mem::take(&mut self.nodes);
-        let n_old = old.len();
-        let mut root_children: Vec<(Bytes<'a>, Option<u32>)> = Vec::new();
-        for (i, n) in old.iter().enumerate().skip(1) {
-            if n.parent == 0 {
-                root_children.push((Cow::Borrowed(n.name), Some(i as u32)));
-            }
-        }
-        for n in &names {
-            root_children.push((Cow::Owned(n.clone()), None));
-        }
-        root_children.sort_by(|a, b| a.0.cmp(&b.0));
-
-        // New index of each old node.
-        let mut new_index = vec![u32::MAX; n_old];
-        new_index[0] = 0;
-        let mut order: Vec<Option<usize>> = vec![Some(0)];
-        for (_, target) in &root_children {
-            match target {
-                Some(t) => {
-                    new_index[*t as usize] = order.len() as u32;
-                    order.push(Some(*t as usize));
-                }
-                None => order.push(None),
-            }
-        }
-        for (i, slot) in new_index.iter_mut().enumerate().skip(1) {
-            if *slot == u32::MAX {
-                *slot = order.len() as u32;
-                order.push(Some(i));
-            }
-        }
-        let mut old: Vec<Option<Node<'a>>> = old.into_iter().map(Some).collect();
-        let mut whiteout_names = root_children
-            .iter()
-            .filter(|(_, t)| t.is_none())
-            .map(|(n, _)| n.clone());
-        let mut nodes = Vec::with_capacity(order.len());
-        let mut root_whiteouts = Vec::new();
-        for slot in order {
-            match slot {
-                Some(i) => {
-                    let mut n = old[i].take().unwrap();
-                    n.parent = new_index[n.parent as usize];
-                    for c in &mut n.children {
-                        c.1 = new_index[c.1 as usize];
-                    }
-                    nodes.push(n);
-                }
-                None => {
-                    let name = whiteout_names.next().unwrap();
-                    root_whiteouts.push((name, nodes.len() as u32));
-                    let mut xattrs = Vec::new();
-                    if let Some(v) = &selinux {
-                        xattrs.push((Cow::Borrowed(&b"security.selinux"[..]), v.clone()));
-                    }
-                    nodes.push(Node {
-                        src: None,
-                        name: b"",
-                        parent: 0,
-                        mode: tree::S_IFCHR | 0o644,
-                        nlink: 1,
-                        uid,
-                        gid,
-                        rdev: 0,
-                        size: 0,
-                        mtime,
-                        payload: None,
-                        content: None,
-                        digest: None,
-                        whiteout_in_source: false,
-                        xattrs,
-                        children: Vec::new(),
-                        shared: Vec::new(),
-                        compact: false,
-                        n_blocks: 0,
-                        tail: 0,
-                        ipad: 0,
-                        xattr_size: 0,
-                        nid: 0,
-                    });
-                }
-            }
-        }
-        nodes[0].children.extend(root_whiteouts);
-        nodes[0].children.sort_by(|a, b| a.0.cmp(&b.0));
-        self.nodes = nodes;
-    }
-
     /// Xattrs (key and value) used by more than one inode are stored once in
     /// the shared area, in descending (key, length, value) order.
     fn share_xattrs(&mut self) {
-        let mut counts: HashMap<(&[u8], &[u8]), u32> = HashMap::new();
+        // Intern every (key, value): one hash lookup per xattr.
+        let total: usize = self.nodes.iter().map(|n| n.xattrs.len()).sum();
+        let mut ids: FxHashMap<(&[u8], &[u8]), u32> =
+            FxHashMap::with_capacity_and_hasher(total / 2, Default::default());
+        let mut distinct: Vec<((&[u8], &[u8]), u32)> = Vec::new();
+        let mut flat: Vec<u32> = Vec::with_capacity(total);
         for node in &self.nodes {
             for (k, v) in &node.xattrs {
-                *counts.entry((k.as_ref(), v.as_ref())).or_default() += 1;
+                let id = *ids.entry((k.as_ref(), v.as_ref())).or_insert_with(|| {
+                    distinct.push(((k.as_ref(), v.as_ref()), 0));
+                    distinct.len() as u32 - 1
+                });
+                distinct[id as usize].1 += 1;
+                flat.push(id);
             }
         }
-        let mut shared: Vec<(&[u8], &[u8])> = counts.into_iter().filter(|&(_, c)| c > 1).map(|(kv, _)| kv).collect();
-        shared.sort_unstable_by(|a, b| b.0.cmp(a.0).then(b.1.len().cmp(&a.1.len())).then(b.1.cmp(a.1)));
-        let mut offsets: HashMap<(&[u8], &[u8]), u32> = HashMap::with_capacity(shared.len());
+        let mut shared: Vec<u32> = (0..distinct.len() as u32)
+            .filter(|&i| distinct[i as usize].1 > 1)
+            .collect();
+        shared.sort_unstable_by(|&a, &b| {
+            let ((ak, av), _) = distinct[a as usize];
+            let ((bk, bv), _) = distinct[b as usize];
+            bk.cmp(ak).then(bv.len().cmp(&av.len())).then(bv.cmp(av))
+        });
+        let mut offset_of = vec![u32::MAX; distinct.len()];
         let mut off = 0u64;
-        for &(k, v) in &shared {
-            offsets.insert((k, v), off as u32);
+        for &i in &shared {
+            offset_of[i as usize] = off as u32;
+            let (k, v) = distinct[i as usize].0;
             off += xattr_entry_size(k, v);
         }
         self.shared_size = off;
         let shared_owned: Vec<(Bytes<'a>, Bytes<'a>)> = shared
             .iter()
-            .map(|&(k, v)| (Cow::Owned(k.to_vec()), Cow::Owned(v.to_vec())))
-            .collect();
-        let per_node: Vec<Vec<Option<u32>>> = self
-            .nodes
-            .iter()
-            .map(|node| {
-                let mut n_shared = 0u8;
-                node.xattrs
-                    .iter()
-                    .map(|(k, v)| match offsets.get(&(k.as_ref(), v.as_ref())) {
-                        Some(&o) if n_shared < f::XATTR_LONG_PREFIX => {
-                            n_shared += 1;
-                            Some(o)
-                        }
-                        _ => None,
-                    })
-                    .collect()
+            .map(|&i| {
+                let (k, v) = distinct[i as usize].0;
+                (Cow::Owned(k.to_vec()), Cow::Owned(v.to_vec()))
             })
             .collect();
-        for (node, s) in self.nodes.iter_mut().zip(per_node) {
-            node.shared = s;
+        drop(ids);
+        drop(distinct);
+        let mut flat = flat.into_iter();
+        for node in &mut self.nodes {
+            let mut n_shared = 0u8;
+            node.shared = (&mut flat)
+                .take(node.xattrs.len())
+                .map(|id| match offset_of[id as usize] {
+                    // At most 127 shared references fit an inode's header.
+                    o if o != u32::MAX && n_shared < f::XATTR_LONG_PREFIX => {
+                        n_shared += 1;
+                        Some(o)
+                    }
+                    _ => None,
+                })
+                .collect();
         }
         self.shared = shared_owned;
     }
@@ -728,6 +666,39 @@ impl<'a> Writer<'a> {
 }
 
 impl<'a> Node<'a> {
+    /// One of the root's whiteouts: a 0/0 character device with the root's
+    /// owner, mtime and SELinux label.
+    fn root_whiteout(root: &'a Inode, name: &'a [u8]) -> Node<'a> {
+        let selinux = root.xattr(b"security.selinux");
+        Node {
+            src: None,
+            name,
+            parent: 0,
+            mode: tree::S_IFCHR | 0o644,
+            nlink: 1,
+            uid: root.uid,
+            gid: root.gid,
+            rdev: 0,
+            size: 0,
+            mtime: root.mtime,
+            payload: None,
+            content: None,
+            digest: None,
+            whiteout_in_source: false,
+            xattrs: selinux
+                .map(|v| vec![(Cow::Borrowed(&b"security.selinux"[..]), Cow::Borrowed(v))])
+                .unwrap_or_default(),
+            children: Vec::new(),
+            shared: Vec::new(),
+            compact: false,
+            n_blocks: 0,
+            tail: 0,
+            ipad: 0,
+            xattr_size: 0,
+            nid: 0,
+        }
+    }
+
     fn from_inode(id: InodeId, inode: &'a Inode, name: &'a [u8], parent: u32) -> Node<'a> {
         let nlink = if inode.is_dir() { 2 } else { inode.nlink };
         Node {
@@ -763,30 +734,30 @@ impl<'a> Node<'a> {
 }
 
 /// Checks an inode against what the format can hold.
-fn validate(node: &Node, inode: &Inode, path: &[u8]) -> Result<(), WriteError> {
+fn validate(node: &Node, inode: &Inode) -> Result<(), String> {
     let Some(ft) = FileType::from_mode(node.mode) else {
-        return Err(invalid(path, &format!("unknown file type in mode {:o}", node.mode)));
+        return Err(format!("unknown file type in mode {:o}", node.mode));
     };
     match ft {
         FileType::Regular => {
             if let Some(c) = &inode.content {
                 if c.len() as u64 != inode.size {
-                    return Err(invalid(path, "inline content length differs from the file size"));
+                    return Err("inline content length differs from the file size".into());
                 }
                 if c.len() > tree::MAX_INLINE_CONTENT {
-                    return Err(invalid(path, "inline content is larger than 5000 bytes"));
+                    return Err("inline content is larger than 5000 bytes".into());
                 }
             } else if inode.size > 0 && f::chunk_count(inode.size) > f::MAX_EXTERNAL_CHUNKS {
-                return Err(invalid(
-                    path,
-                    &format!("file size {} is larger than the format can describe", inode.size),
+                return Err(format!(
+                    "file size {} is larger than the format can describe",
+                    inode.size
                 ));
             }
         }
         FileType::Symlink => match &inode.payload {
             Some(p) if !p.is_empty() && p.len() <= tree::MAX_PAYLOAD_LEN => {}
-            Some(p) if !p.is_empty() => return Err(invalid(path, "symlink target longer than 4095 bytes")),
-            _ => return Err(invalid(path, "symlink without a target")),
+            Some(p) if !p.is_empty() => return Err("symlink target longer than 4095 bytes".into()),
+            _ => return Err("symlink without a target".into()),
         },
         _ => {}
     }
@@ -920,6 +891,36 @@ fn set<'a>(xattrs: &mut Vec<(Bytes<'a>, Bytes<'a>)>, key: &'static [u8], value: 
         Some(x) => x.1 = Cow::Owned(value),
         None => xattrs.push((Cow::Borrowed(key), Cow::Owned(value))),
     }
+}
+
+/// The 256 names `00`..`ff` of the root's whiteouts.
+static WHITEOUT_NAMES: [[u8; 2]; 256] = {
+    const HEX: &[u8; 16] = b"0123456789abcdef";
+    let mut names = [[0u8; 2]; 256];
+    let mut i = 0;
+    while i < 256 {
+        names[i] = [HEX[i >> 4], HEX[i & 15]];
+        i += 1;
+    }
+    names
+};
+
+/// Path of node `i` from its primary entries (for messages only).
+fn path_of(nodes: &[Node], mut i: usize) -> Vec<u8> {
+    let mut parts = Vec::new();
+    while i != 0 {
+        parts.push(nodes[i].name);
+        i = nodes[i].parent as usize;
+    }
+    let mut p = Vec::new();
+    for part in parts.iter().rev() {
+        p.push(b'/');
+        p.extend_from_slice(part);
+    }
+    if p.is_empty() {
+        p.push(b'/');
+    }
+    p
 }
 
 fn join(dir: &[u8], name: &[u8]) -> Vec<u8> {
