@@ -3,6 +3,7 @@
 mod build;
 mod digest;
 mod inspect;
+mod mount_cmd;
 mod output;
 mod store_cmds;
 
@@ -42,6 +43,10 @@ enum Command {
     Fsck(store_cmds::FsckArgs),
     /// Remove objects no tagged image references, and leftovers of interrupted imports
     Gc(store_cmds::GcArgs),
+    /// Mount an image read-only (or writable with --upper/--work)
+    Mount(mount_cmd::MountArgs),
+    /// Unmount what `tilefs mount` mounted
+    Umount(mount_cmd::UmountArgs),
 }
 
 fn main() -> ExitCode {
@@ -56,6 +61,8 @@ fn main() -> ExitCode {
         Command::Untag(a) => store_cmds::untag(a),
         Command::Fsck(a) => store_cmds::fsck(a),
         Command::Gc(a) => store_cmds::gc(a),
+        Command::Mount(a) => mount_cmd::mount(a),
+        Command::Umount(a) => mount_cmd::umount(a),
     };
     match result {
         Ok(code) => code,
