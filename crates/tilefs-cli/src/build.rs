@@ -1,22 +1,44 @@
 //! `tilefs build`: a directory or a dump in, an image out.
 
 use crate::output;
+use crate::progress::{self, Progress};
 use anyhow::{bail, Context, Result};
 use clap::Args;
 use std::fs::File;
 use std::io::{self, BufRead, BufReader, Read};
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
+use std::sync::atomic::Ordering::Relaxed;
+use std::sync::Arc;
+use std::time::Instant;
 use tilefs_image::erofs::{self, WriteOptions};
-use tilefs_image::{dump, source, Tree};
+use tilefs_image::{dump, source, summary, Tree};
+use tilefs_store::ingest::{Ingest, Method};
+use tilefs_store::{tags, Store};
 
 #[derive(Args)]
 pub struct BuildArgs {
     /// Source directory, or with --from-dump a composefs-dump(5) file (`-` for stdin; gzip is detected)
     pub source: PathBuf,
     /// Image file to write (`-` for stdout); written atomically
-    #[arg(required_unless_present = "print_digest_only")]
+    #[arg(required_unless_present_any = ["print_digest_only", "tag"])]
     pub image: Option<PathBuf>,
+    /// Object store: put every file's contents there (as STORE/XX/YYYY..., by fs-verity digest)
+    #[arg(long, value_name = "STORE")]
+    pub store: Option<PathBuf>,
+    /// Record the image in the store under this name (needs --store); tagged images are gc roots
+    #[arg(long, value_name = "NAME", requires = "store")]
+    pub tag: Option<String>,
+    /// Hardlink source files into the store instead of copying (same filesystem only; a later
+    /// change to a source file then changes the object too, which fsck reports)
+    #[arg(long, requires = "store")]
+    pub hardlink: bool,
+    /// No progress display
+    #[arg(short, long)]
+    pub quiet: bool,
+    /// Print a JSON summary (files, bytes, new objects, deduplicated bytes, seconds)
+    #[arg(long)]
+    pub json: bool,
     /// SOURCE is a composefs-dump(5) file, not a directory
     #[arg(long, visible_alias = "from-file")]
     pub from_dump: bool,
@@ -53,11 +75,30 @@ pub struct BuildArgs {
 }
 
 pub fn run(a: BuildArgs) -> Result<ExitCode> {
+    let started = Instant::now();
     if a.source.as_os_str().is_empty() {
         bail!("empty source path");
     }
-    let tree = if a.from_dump {
-        read_dump(&a.source, a.strict)?
+    if let Some(tag) = &a.tag {
+        tags::validate_tag(tag)?;
+    }
+    let store = match &a.store {
+        Some(p) => Some(Store::create(p)?),
+        None => None,
+    };
+    // Held until the image is tagged, so a gc cannot remove new objects.
+    let ingest = match &store {
+        Some(s) => {
+            let method = if a.hardlink { Method::Hardlink } else { Method::Copy };
+            Some(Ingest::new(s, method)?)
+        }
+        None => None,
+    };
+    let progress_counters = Arc::new(source::ScanProgress::default());
+    let (tree, entries) = if a.from_dump {
+        let tree = read_dump(&a.source, a.strict)?;
+        let n = tree.inodes.len() as u64;
+        (tree, n)
     } else {
         let opts = source::ScanOptions {
             use_epoch: a.use_epoch,
@@ -65,8 +106,32 @@ pub fn run(a: BuildArgs) -> Result<ExitCode> {
             skip_xattrs: a.skip_xattrs,
             user_xattrs: a.user_xattrs,
             jobs: a.jobs,
+            progress: Some(progress_counters.clone()),
         };
-        source::scan(&a.source, &opts)?.tree
+        let _display = progress::enabled(a.quiet || a.json).then(|| {
+            let c = progress_counters.clone();
+            let total = progress::measure_in_background(a.source.clone(), 0);
+            Progress::bytes(
+                "importing",
+                move || (c.files.load(Relaxed), c.bytes.load(Relaxed)),
+                total,
+            )
+        });
+        let sink = ingest.as_ref().map(|i| i as &dyn source::ContentSink);
+        let tree = source::scan_into(&a.source, &opts, sink)?.tree;
+        (tree, progress_counters.entries.load(Relaxed) + 1)
+    };
+    let stats = match &ingest {
+        Some(i) => {
+            let s = i.finish()?;
+            if let Some(w) = i.verity_warning() {
+                if !a.quiet {
+                    eprintln!("tilefs: note: {w}");
+                }
+            }
+            Some(s)
+        }
+        None => None,
     };
     let opts = WriteOptions {
         min_version: a.min_version,
@@ -77,8 +142,45 @@ pub fn run(a: BuildArgs) -> Result<ExitCode> {
     if let Some(path) = a.image.as_deref().filter(|_| !a.print_digest_only) {
         output::write_atomic(path, &image.bytes)?;
     }
+    if let (Some(store), Some(tag)) = (&store, &a.tag) {
+        if !a.print_digest_only {
+            tags::write_tag(store, tag, &image.bytes)?;
+        }
+    }
+    if let Some(store) = store.as_ref().filter(|_| a.from_dump) {
+        let missing = summary::objects(&tree)
+            .into_iter()
+            .filter(|o| tilefs_store::parse_object_rel(o).is_none_or(|d| !store.has_object(&d)))
+            .count();
+        if missing > 0 && !a.quiet {
+            eprintln!(
+                "tilefs: note: {missing} objects the image references are not in {}",
+                store.path().display()
+            );
+        }
+    }
+    drop(ingest);
     if a.print_digest || a.print_digest_only {
         println!("{}", hex::encode(image.digest));
+    }
+    if a.json {
+        let s = stats.unwrap_or_default();
+        let report = serde_json::json!({
+            "image": a.image.as_ref().map(|p| p.display().to_string()),
+            "tag": a.tag,
+            "digest": hex::encode(image.digest),
+            "image_bytes": image.bytes.len(),
+            "format_version": image.version,
+            "entries": entries,
+            "files": progress_counters.files.load(Relaxed),
+            "bytes": progress_counters.bytes.load(Relaxed),
+            "new_objects": s.new_objects,
+            "new_bytes": s.new_bytes,
+            "deduplicated_bytes": s.dedup_bytes,
+            "cache_hits": s.cache_hits,
+            "seconds": started.elapsed().as_secs_f64(),
+        });
+        println!("{}", serde_json::to_string_pretty(&report)?);
     }
     Ok(ExitCode::SUCCESS)
 }

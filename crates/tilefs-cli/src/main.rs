@@ -5,6 +5,7 @@ mod digest;
 mod inspect;
 mod mount_cmd;
 mod output;
+mod progress;
 mod store_cmds;
 
 use clap::{Parser, Subcommand};

@@ -30,7 +30,7 @@ use std::ffi::{CStr, CString, OsStr};
 use std::mem::MaybeUninit;
 use std::os::unix::ffi::OsStrExt;
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 
 /// What to read from the directory.
@@ -46,6 +46,27 @@ pub struct ScanOptions {
     pub user_xattrs: bool,
     /// Worker threads for the walk and the digests (0: one per core).
     pub jobs: usize,
+    /// Counters updated as the scan goes, for progress displays.
+    pub progress: Option<Arc<ScanProgress>>,
+}
+
+/// What a running scan has done so far.
+#[derive(Debug, Default)]
+pub struct ScanProgress {
+    /// Entries examined.
+    pub entries: AtomicU64,
+    /// Regular files whose contents were read (or found in the store).
+    pub files: AtomicU64,
+    /// Their bytes.
+    pub bytes: AtomicU64,
+}
+
+/// Where the contents of external files (more than 64 bytes) go while the
+/// tree is scanned: an object store imports them and names them by digest.
+pub trait ContentSink: Sync {
+    /// Takes the regular file `name` in `dir` (as `stat` describes it) and
+    /// returns the fs-verity digest of exactly the contents it kept.
+    fn store(&self, dir: BorrowedFd<'_>, name: &CStr, path: &Path, stat: &Stat) -> Result<[u8; 32], String>;
 }
 
 /// A scanned tree and where each external regular file came from.
@@ -96,6 +117,11 @@ thread_local! {
 /// Scans `root` (a directory) into a tree, with fs-verity digests and
 /// object paths for external files and contents for small ones.
 pub fn scan(root: &Path, opts: &ScanOptions) -> Result<Scan, SourceError> {
+    scan_into(root, opts, None)
+}
+
+/// Like [`scan`], giving the contents of external files to `sink`.
+pub fn scan_into(root: &Path, opts: &ScanOptions, sink: Option<&dyn ContentSink>) -> Result<Scan, SourceError> {
     let st = rustix::fs::lstat(root).map_err(|e| SourceError::os(root, "cannot stat", e))?;
     if FileType::from_mode(st.st_mode as u32) != Some(FileType::Directory) {
         return Err(SourceError::new(root, "not a directory"));
@@ -113,6 +139,7 @@ pub fn scan(root: &Path, opts: &ScanOptions) -> Result<Scan, SourceError> {
 
     let walk = Walk {
         opts,
+        sink,
         next_dir: AtomicUsize::new(1),
         dirs: Mutex::new(Vec::new()),
         failed: AtomicBool::new(false),
@@ -157,6 +184,7 @@ enum DirRef {
 /// State shared by all the tasks of one scan.
 struct Walk<'a> {
     opts: &'a ScanOptions,
+    sink: Option<&'a dyn ContentSink>,
     /// Index of the next directory found (the root is 0).
     next_dir: AtomicUsize,
     /// Scanned directories by index.
@@ -231,7 +259,7 @@ impl<'a> Walk<'a> {
                 if self.failed.load(Ordering::Relaxed) {
                     return Ok(None);
                 }
-                scan_entry(dirfd, path, name, self.opts)
+                scan_entry(dirfd, path, name, self.opts, self.sink)
             })
             .collect::<Result<_, SourceError>>()?;
         let mut entries: Vec<Scanned> = scanned.into_iter().flatten().collect();
@@ -289,6 +317,7 @@ fn scan_entry(
     dir: &Path,
     name: &CStr,
     opts: &ScanOptions,
+    sink: Option<&dyn ContentSink>,
 ) -> Result<Option<Scanned>, SourceError> {
     let name_bytes = name.to_bytes();
     let path = || dir.join(OsStr::from_bytes(name_bytes));
@@ -314,9 +343,24 @@ fn scan_entry(
     }
     let mut inode = inode_from_stat(&st, opts);
     let mut xattrs_from_path = !opts.skip_xattrs;
+    if let Some(p) = &opts.progress {
+        p.entries.fetch_add(1, Ordering::Relaxed);
+        if ftype == FileType::Regular && inode.size > 0 {
+            p.files.fetch_add(1, Ordering::Relaxed);
+            p.bytes.fetch_add(inode.size, Ordering::Relaxed);
+        }
+    }
     match ftype {
         // Its own task reads its xattrs, through its descriptor.
         FileType::Directory => xattrs_from_path = false,
+        FileType::Regular if inode.size > RECOMMENDED_INLINE_MAX && sink.is_some() => {
+            let digest = sink
+                .unwrap()
+                .store(dirfd, name, &path(), &st)
+                .map_err(|e| SourceError::new(path(), e))?;
+            inode.digest = Some(digest);
+            inode.payload = Some(digest_object_path(&digest).into_bytes());
+        }
         FileType::Regular if inode.size > 0 => {
             read_regular(dirfd, name, &mut inode, opts).map_err(|e| e.at(&path()))?;
             xattrs_from_path = false;

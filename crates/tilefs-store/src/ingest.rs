@@ -375,11 +375,22 @@ impl<'s> Ingest<'s> {
     }
 
     /// Commits what remains and saves the digest cache. Call before writing
-    /// an image that references the imported objects.
-    pub fn finish(self) -> Result<StatsSnapshot, StoreError> {
+    /// an image that references the imported objects; keep the import (and
+    /// so the store lock) until that image is tagged.
+    pub fn finish(&self) -> Result<StatsSnapshot, StoreError> {
         self.commit_batch()?;
         self.cache.save(&self.store.join(DIGEST_CACHE), &self.tmp)?;
         Ok(self.stats.snapshot())
+    }
+}
+
+impl tilefs_image::source::ContentSink for Ingest<'_> {
+    fn store(&self, dir: BorrowedFd<'_>, name: &CStr, path: &Path, stat: &rfs::Stat) -> Result<[u8; 32], String> {
+        self.import(&SourceFile { dir, name, path, stat }).map_err(|e| match e {
+            // The caller names the source file already.
+            StoreError::Io { path: p, what, source } if p == path => format!("{what}: {source}"),
+            e => e.to_string(),
+        })
     }
 }
 
