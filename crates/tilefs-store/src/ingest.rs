@@ -183,10 +183,10 @@ impl<'s> Ingest<'s> {
 
         let tmp_name = format!("obj-{}-{}", std::process::id(), self.counter.fetch_add(1, Relaxed));
         let result = match self.method {
-            Method::Hardlink => self.link_in(f, &src, &tmp_name).map(|(n, d)| (n, d, None)),
+            Method::Hardlink => self.link_in(f, &src, &tmp_name).map(|(n, d)| Hashed(n, d, None)),
             Method::Copy => self.copy_in(f, &src, &tmp_name, size),
         };
-        let (written, digest, buffered) = match result {
+        let Hashed(written, digest, buffered) = match result {
             Ok(r) => r,
             Err(e) => {
                 let _ = rfs::unlinkat(&self.tmp, &tmp_name, AtFlags::empty());
@@ -264,13 +264,7 @@ impl<'s> Ingest<'s> {
     /// out only if the object is new), large ones straight into a temporary
     /// file; or clones it and hashes the clone. Returns (bytes, digest, the
     /// contents when they are still only in memory).
-    fn copy_in(
-        &self,
-        f: &SourceFile,
-        src: &OwnedFd,
-        tmp_name: &str,
-        size: u64,
-    ) -> Result<(u64, [u8; 32], Option<Vec<u8>>), StoreError> {
+    fn copy_in(&self, f: &SourceFile, src: &OwnedFd, tmp_name: &str, size: u64) -> Result<Hashed, StoreError> {
         let mut srcf = std::fs::File::from(src.try_clone().map_err(|e| StoreError::io(f.path, "cannot dup", e))?);
         if self.cloning.load(Relaxed) {
             let dst = self.create_temp(tmp_name)?;
@@ -279,7 +273,7 @@ impl<'s> Ingest<'s> {
                 let mut clone = std::fs::File::open(self.store.join(TMP_DIR).join(tmp_name))
                     .map_err(|e| StoreError::io(f.path, "cannot reopen clone", e))?;
                 let (n, d) = hash_all(&mut clone, None).map_err(|e| StoreError::io(f.path, "cannot read", e))?;
-                return Ok((n, d, None));
+                return Ok(Hashed(n, d, None));
             }
             self.cloning.store(false, Relaxed);
             let _ = rfs::unlinkat(&self.tmp, tmp_name, AtFlags::empty());
@@ -291,7 +285,7 @@ impl<'s> Ingest<'s> {
                 .read_to_end(&mut data)
                 .map_err(|e| StoreError::io(f.path, "cannot read", e))?;
             let d = verity::digest_bytes(&data);
-            return Ok((data.len() as u64, d, Some(data)));
+            return Ok(Hashed(data.len() as u64, d, Some(data)));
         }
         let mut dst = self.create_temp(tmp_name)?;
         let (n, d) = hash_all(&mut srcf, Some(&mut dst)).map_err(|e| {
@@ -302,7 +296,7 @@ impl<'s> Ingest<'s> {
                 StoreError::io(f.path, "cannot read", e)
             }
         })?;
-        Ok((n, d, None))
+        Ok(Hashed(n, d, None))
     }
 
     /// Hardlink the source into the temporary name, then hash it.
@@ -402,6 +396,10 @@ impl Drop for Ingest<'_> {
         }
     }
 }
+
+/// What reading a source gave: its length, its digest, and its contents
+/// when they are held in memory rather than in a temporary file.
+struct Hashed(u64, [u8; 32], Option<Vec<u8>>);
 
 /// A write (not a read) failed while copying.
 #[derive(Debug)]

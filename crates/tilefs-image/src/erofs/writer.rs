@@ -77,6 +77,7 @@ pub fn write_image(tree: &Tree, opts: &WriteOptions) -> Result<Image, WriteError
 }
 
 type Bytes<'a> = Cow<'a, [u8]>;
+type XattrRef<'a> = (&'a [u8], &'a [u8]);
 
 /// One inode as it will appear in the image.
 struct Node<'a> {
@@ -332,7 +333,8 @@ impl<'a> Writer<'a> {
         let total: usize = self.nodes.iter().map(|n| n.xattrs.len()).sum();
         let mut ids: FxHashMap<(&[u8], &[u8]), u32> =
             FxHashMap::with_capacity_and_hasher(total / 2, Default::default());
-        let mut distinct: Vec<((&[u8], &[u8]), u32)> = Vec::new();
+        // (key, value) and the number of inodes that have it.
+        let mut distinct: Vec<(XattrRef, u32)> = Vec::new();
         let mut flat: Vec<u32> = Vec::with_capacity(total);
         for node in &self.nodes {
             for (k, v) in &node.xattrs {
