@@ -69,7 +69,7 @@ pub struct BuildArgs {
     /// Print the image's fs-verity digest and write no image
     #[arg(long, conflicts_with = "image")]
     pub print_digest_only: bool,
-    /// Threads for digesting files (default: one per core)
+    /// Threads reading and digesting files (default: 8 per core, as reads of a cold tree wait on the disk)
     #[arg(short, long, default_value_t = 0, value_name = "N")]
     pub jobs: usize,
 }
