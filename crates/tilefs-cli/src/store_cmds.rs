@@ -1,9 +1,20 @@
 //! `tilefs images`, `untag`, `fsck`, `gc`: looking after a store.
 
-use anyhow::Result;
+use anyhow::{Context, Result};
 use clap::Args;
-use std::path::PathBuf;
+use indicatif::{HumanBytes, ProgressBar, ProgressDrawTarget, ProgressStyle};
+use rayon::prelude::*;
+use serde_json::json;
+use std::collections::BTreeSet;
+use std::io::{IsTerminal, Write};
+use std::path::{Path, PathBuf};
 use std::process::ExitCode;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::time::Duration;
+use tilefs_store::fsck::{FsckOptions, FsckReport};
+use tilefs_store::gc::GcOptions;
+use tilefs_store::store::QUARANTINE_DIR;
+use tilefs_store::{parse_object_rel, tags, LockMode, Store, StoreError};
 
 #[derive(Args)]
 pub struct ImagesArgs {
@@ -56,18 +67,372 @@ pub struct GcArgs {
     pub json: bool,
 }
 
-pub fn images(_a: ImagesArgs) -> Result<ExitCode> {
-    todo!()
+/// "1 object", "2 objects".
+fn plural(n: u64, what: &str) -> String {
+    if n == 1 {
+        format!("1 {what}")
+    } else if let Some(stem) = what.strip_suffix('y') {
+        format!("{n} {stem}ies")
+    } else {
+        format!("{n} {what}s")
+    }
 }
 
-pub fn untag(_a: UntagArgs) -> Result<ExitCode> {
-    todo!()
+fn open_store(path: &Path) -> Result<Store> {
+    if !path.is_dir() {
+        anyhow::bail!("{}: no such store directory", path.display());
+    }
+    Ok(Store::open(path)?)
 }
 
-pub fn fsck(_a: FsckArgs) -> Result<ExitCode> {
-    todo!()
+/// Takes no lock, but says so on stderr when `mode` would have to wait, so
+/// that a command blocked behind a build or a gc does not look hung.
+fn say_if_waiting(store: &Store, mode: LockMode) {
+    if let Err(StoreError::Busy(_)) = store.lock(mode, false) {
+        let who = match mode {
+            LockMode::Shared => "a gc is running",
+            LockMode::Exclusive => "a build, fsck or untag is running",
+        };
+        eprintln!(
+            "tilefs: waiting for the lock of store {} ({who})",
+            store.path().display()
+        );
+    }
 }
 
-pub fn gc(_a: GcArgs) -> Result<ExitCode> {
-    todo!()
+/// One row of `tilefs images`.
+#[derive(serde::Serialize)]
+struct ImageRow {
+    tag: String,
+    path: PathBuf,
+    image_bytes: u64,
+    /// Distinct objects referenced.
+    objects: u64,
+    /// Sum of the sizes of the external files.
+    external_bytes: u64,
+    /// Referenced objects absent from the store (or references that cannot
+    /// name an object).
+    missing: u64,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    error: Option<String>,
+}
+
+fn image_row(store: &Store, t: &tags::TagInfo) -> ImageRow {
+    let mut row = ImageRow {
+        tag: t.name.clone(),
+        path: t.path.clone(),
+        image_bytes: t.image_bytes,
+        objects: 0,
+        external_bytes: 0,
+        missing: 0,
+        error: None,
+    };
+    let read = tags::read_tag(store, &t.name)
+        .map_err(|e| e.to_string())
+        .and_then(|bytes| tilefs_image::erofs::read_image(&bytes).map_err(|e| e.to_string()));
+    match read {
+        Ok((tree, _)) => {
+            let objects: BTreeSet<&[u8]> = tilefs_image::summary::objects(&tree);
+            row.objects = objects.len() as u64;
+            row.external_bytes = tilefs_image::summary::summarize(&tree).external_bytes;
+            row.missing = objects
+                .iter()
+                .filter(|p| !parse_object_rel(p).is_some_and(|d| store.has_object(&d)))
+                .count() as u64;
+        }
+        Err(e) => row.error = Some(e),
+    }
+    row
+}
+
+pub fn images(a: ImagesArgs) -> Result<ExitCode> {
+    let store = open_store(&a.store)?;
+    let tags = tags::list_tags(&store)?;
+    let rows: Vec<ImageRow> = tags.par_iter().map(|t| image_row(&store, t)).collect();
+    let bad = rows.iter().filter(|r| r.error.is_some()).count();
+    let mut out = std::io::stdout().lock();
+    if a.json {
+        serde_json::to_writer_pretty(&mut out, &rows)?;
+        writeln!(out)?;
+    } else {
+        let cells: Vec<[String; 5]> = rows
+            .iter()
+            .map(|r| match &r.error {
+                None => [
+                    r.tag.clone(),
+                    HumanBytes(r.image_bytes).to_string(),
+                    r.objects.to_string(),
+                    HumanBytes(r.external_bytes).to_string(),
+                    r.missing.to_string(),
+                ],
+                Some(_) => [
+                    r.tag.clone(),
+                    HumanBytes(r.image_bytes).to_string(),
+                    "-".into(),
+                    "-".into(),
+                    "-".into(),
+                ],
+            })
+            .collect();
+        let header = ["TAG", "IMAGE SIZE", "OBJECTS", "EXTERNAL BYTES", "MISSING"].map(String::from);
+        let mut widths = header.clone().map(|h| h.len());
+        for c in &cells {
+            for (w, s) in widths.iter_mut().zip(c) {
+                *w = (*w).max(s.chars().count());
+            }
+        }
+        for c in std::iter::once(&header).chain(&cells) {
+            // Tag left-aligned, numbers right-aligned.
+            let line = format!(
+                "{:<w0$}  {:>w1$}  {:>w2$}  {:>w3$}  {:>w4$}",
+                c[0],
+                c[1],
+                c[2],
+                c[3],
+                c[4],
+                w0 = widths[0],
+                w1 = widths[1],
+                w2 = widths[2],
+                w3 = widths[3],
+                w4 = widths[4]
+            );
+            writeln!(out, "{}", line.trim_end())?;
+        }
+    }
+    out.flush()?;
+    drop(out);
+    for r in &rows {
+        if let Some(e) = &r.error {
+            eprintln!(
+                "tilefs: tagged image {} ({}) cannot be read: {e}",
+                r.tag,
+                r.path.display()
+            );
+        }
+    }
+    Ok(if bad > 0 { ExitCode::FAILURE } else { ExitCode::SUCCESS })
+}
+
+pub fn untag(a: UntagArgs) -> Result<ExitCode> {
+    let store = open_store(&a.store)?;
+    say_if_waiting(&store, LockMode::Shared);
+    tags::remove_tag(&store, &a.name)?;
+    eprintln!("untagged {}: its objects stay until `tilefs gc`", a.name);
+    Ok(ExitCode::SUCCESS)
+}
+
+fn fsck_json(store: &Store, r: &FsckReport) -> serde_json::Value {
+    json!({
+        "store": store.path(),
+        "clean": r.is_clean(),
+        "objects": r.objects,
+        "bytes": r.bytes,
+        "images": r.images,
+        "leftovers": r.leftovers,
+        "corrupt": r.corrupt,
+        "unreadable": r.unreadable.iter().map(|(p, why)| json!({"path": p, "reason": why})).collect::<Vec<_>>(),
+        "missing": r.missing.iter().map(|(o, t)| json!({"object": o, "tags": t})).collect::<Vec<_>>(),
+        "strays": r.strays,
+        "bad_images": r.bad_images.iter().map(|(t, why)| json!({"tag": t, "reason": why})).collect::<Vec<_>>(),
+        "repaired": r.repaired,
+        "quarantine": store.join(QUARANTINE_DIR),
+    })
+}
+
+fn print_fsck(out: &mut impl Write, store: &Store, r: &FsckReport, repair: bool) -> std::io::Result<()> {
+    let quarantine = store.join(QUARANTINE_DIR);
+    let repaired: BTreeSet<&PathBuf> = r.repaired.iter().collect();
+    let fixed = |p: &PathBuf| {
+        if repaired.contains(p) {
+            " (moved to quarantine)"
+        } else {
+            ""
+        }
+    };
+    for p in &r.corrupt {
+        writeln!(out, "corrupt object: {}{}", p.display(), fixed(p))?;
+    }
+    for (p, why) in &r.unreadable {
+        writeln!(out, "unreadable object: {}: {why}", p.display())?;
+    }
+    for (o, tags) in &r.missing {
+        writeln!(
+            out,
+            "missing object: {} (needed by {})",
+            store.join(o).display(),
+            tags.join(", ")
+        )?;
+    }
+    for p in &r.strays {
+        writeln!(out, "stray (not an object): {}{}", p.display(), fixed(p))?;
+    }
+    for (t, why) in &r.bad_images {
+        writeln!(out, "bad image {t}: {why}")?;
+    }
+    writeln!(
+        out,
+        "checked {} ({}) and {} in {}",
+        plural(r.objects, "object"),
+        HumanBytes(r.bytes),
+        plural(r.images, "tagged image"),
+        store.path().display()
+    )?;
+    if r.leftovers > 0 {
+        writeln!(
+            out,
+            "{} of interrupted imports (harmless; `tilefs gc` removes them)",
+            plural(r.leftovers, "leftover temporary file")
+        )?;
+    }
+    if r.is_clean() {
+        writeln!(out, "clean")?;
+        return Ok(());
+    }
+    let mut problems = Vec::new();
+    for (n, what) in [
+        (r.corrupt.len(), "corrupt"),
+        (r.unreadable.len(), "unreadable"),
+        (r.missing.len(), "missing"),
+        (r.strays.len(), "stray"),
+        (r.bad_images.len(), "bad image"),
+    ] {
+        if n > 0 {
+            problems.push(format!("{n} {what}"));
+        }
+    }
+    writeln!(out, "problems found: {}", problems.join(", "))?;
+    if !r.repaired.is_empty() {
+        writeln!(
+            out,
+            "repaired: moved {} (corrupt objects and strays) to {}",
+            plural(r.repaired.len() as u64, "entry"),
+            quarantine.display()
+        )?;
+    }
+    if !repair && (!r.corrupt.is_empty() || !r.strays.is_empty()) {
+        writeln!(
+            out,
+            "run `tilefs fsck --repair` to move corrupt objects and strays aside"
+        )?;
+    }
+    if !r.missing.is_empty() {
+        writeln!(
+            out,
+            "missing objects cannot be repaired by fsck: rebuild the image to re-import them"
+        )?;
+    } else if r.repaired.iter().any(|p| r.corrupt.contains(p)) {
+        writeln!(
+            out,
+            "objects moved aside that tagged images need are now missing: rebuild the image to re-import them"
+        )?;
+    }
+    if !r.unreadable.is_empty() {
+        writeln!(
+            out,
+            "unreadable objects were left in place: check permissions and the disk"
+        )?;
+    }
+    Ok(())
+}
+
+pub fn fsck(a: FsckArgs) -> Result<ExitCode> {
+    let store = open_store(&a.store)?;
+    let opts = FsckOptions {
+        repair: a.repair,
+        jobs: a.jobs,
+    };
+    let show = !a.quiet && std::io::stderr().is_terminal();
+    if !a.quiet {
+        say_if_waiting(&store, LockMode::Shared);
+    }
+    // fsck reports progress into atomics; a drawing thread reads them.
+    let done = AtomicU64::new(0);
+    let total = AtomicU64::new(0);
+    let finished = AtomicBool::new(false);
+    let started = AtomicBool::new(false);
+    let progress = |d: u64, t: u64| {
+        done.fetch_max(d, Ordering::Relaxed);
+        total.store(t, Ordering::Relaxed);
+        started.store(true, Ordering::Relaxed);
+    };
+    let report = std::thread::scope(|s| {
+        let bar = show.then(|| {
+            let pb = ProgressBar::with_draw_target(Some(0), ProgressDrawTarget::stderr_with_hz(10));
+            pb.set_style(
+                ProgressStyle::with_template(
+                    "checking objects [{wide_bar}] {bytes}/{total_bytes} ({binary_bytes_per_sec}, ETA {eta})",
+                )
+                .expect("valid template")
+                .progress_chars("=> "),
+            );
+            pb
+        });
+        if let Some(pb) = bar.clone() {
+            let (done, total, started, finished) = (&done, &total, &started, &finished);
+            s.spawn(move || {
+                while !finished.load(Ordering::Relaxed) {
+                    // Nothing to show until the scan has found the total.
+                    if started.load(Ordering::Relaxed) {
+                        pb.set_length(total.load(Ordering::Relaxed));
+                        pb.set_position(done.load(Ordering::Relaxed));
+                    }
+                    std::thread::sleep(Duration::from_millis(100));
+                }
+            });
+        }
+        let r = tilefs_store::fsck::fsck(&store, &opts, &progress);
+        finished.store(true, Ordering::Relaxed);
+        if let Some(pb) = bar {
+            pb.finish_and_clear();
+        }
+        r
+    })
+    .with_context(|| format!("fsck of store {}", store.path().display()))?;
+
+    let mut out = std::io::stdout().lock();
+    if a.json {
+        serde_json::to_writer_pretty(&mut out, &fsck_json(&store, &report))?;
+        writeln!(out)?;
+    } else {
+        print_fsck(&mut out, &store, &report, a.repair)?;
+    }
+    out.flush()?;
+    Ok(if report.is_clean() {
+        ExitCode::SUCCESS
+    } else {
+        ExitCode::FAILURE
+    })
+}
+
+pub fn gc(a: GcArgs) -> Result<ExitCode> {
+    let store = open_store(&a.store)?;
+    say_if_waiting(&store, LockMode::Exclusive);
+    let r = tilefs_store::gc::gc(&store, &GcOptions { dry_run: a.dry_run })?;
+    let mut out = std::io::stdout().lock();
+    if a.json {
+        serde_json::to_writer_pretty(&mut out, &r)?;
+        writeln!(out)?;
+    } else {
+        let verb = if r.dry_run { "would remove" } else { "removed" };
+        writeln!(
+            out,
+            "{verb} {} ({}) and {} ({})",
+            plural(r.objects_removed, "object"),
+            HumanBytes(r.bytes_removed),
+            plural(r.leftovers_removed, "leftover temporary file"),
+            HumanBytes(r.leftover_bytes_removed)
+        )?;
+        writeln!(
+            out,
+            "kept {} ({}) referenced by {}",
+            plural(r.objects_kept, "object"),
+            HumanBytes(r.bytes_kept),
+            plural(r.images, "tagged image")
+        )?;
+        if r.dry_run {
+            writeln!(out, "dry run: nothing was removed")?;
+        }
+    }
+    out.flush()?;
+    Ok(ExitCode::SUCCESS)
 }

@@ -1,8 +1,23 @@
 //! `fsck`: every object's digest recomputed, every tagged image's references
 //! checked.
+//!
+//! fsck holds the store lock shared (as builds do), so a gc cannot remove
+//! objects under it while builds may go on: an object appears only whole,
+//! under its final name, so a concurrent import cannot look corrupt. Objects
+//! are read without following symlinks, on a pool of `jobs` threads, the
+//! largest first so that one big object does not finish alone at the end.
 
-use crate::{Store, StoreError};
-use std::path::PathBuf;
+use crate::store::{ObjectScan, QUARANTINE_DIR, TMP_DIR};
+use crate::tags::{self, TagInfo};
+use crate::{parse_object_rel, LockMode, Store, StoreError};
+use rayon::prelude::*;
+use rustix::fs::{self as rfs, Mode, OFlags};
+use std::cell::RefCell;
+use std::collections::{BTreeMap, BTreeSet, HashSet};
+use std::io::{self, Read};
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
+use tilefs_image::verity;
 
 #[derive(Debug, Clone, Default)]
 pub struct FsckOptions {
@@ -17,13 +32,19 @@ pub struct FsckOptions {
 pub struct FsckReport {
     pub objects: u64,
     pub bytes: u64,
+    /// Tagged images checked.
+    pub images: u64,
     /// Objects whose contents do not match their name.
     pub corrupt: Vec<PathBuf>,
+    /// Objects that could not be read (the reason): not repaired, since the
+    /// cause may be outside the store (permissions, a failing disk).
+    pub unreadable: Vec<(PathBuf, String)>,
     /// Objects referenced by a tagged image but absent: (object path, tags).
     pub missing: Vec<(String, Vec<String>)>,
     /// Entries in the store that are not objects.
     pub strays: Vec<PathBuf>,
-    /// Tagged images that cannot be read.
+    /// Tagged images that cannot be read, or that reference something that
+    /// cannot be an object: (tag, reason).
     pub bad_images: Vec<(String, String)>,
     /// Temporary files of interrupted imports (not a problem; gc removes them).
     pub leftovers: u64,
@@ -33,15 +54,317 @@ pub struct FsckReport {
 
 impl FsckReport {
     pub fn is_clean(&self) -> bool {
-        self.corrupt.is_empty() && self.missing.is_empty() && self.strays.is_empty() && self.bad_images.is_empty()
+        self.corrupt.is_empty()
+            && self.unreadable.is_empty()
+            && self.missing.is_empty()
+            && self.strays.is_empty()
+            && self.bad_images.is_empty()
     }
 }
 
+/// Read buffer per thread.
+const READ_BUF: usize = 1 << 20;
+/// Bad references reported per image; the rest are counted.
+const MAX_BAD_REFS_PER_IMAGE: usize = 20;
+
 /// Checks the store; `progress(bytes_done, bytes_total)` is called as it goes.
-pub fn fsck(
-    _store: &Store,
-    _opts: &FsckOptions,
-    _progress: &(dyn Fn(u64, u64) + Sync),
-) -> Result<FsckReport, StoreError> {
-    todo!()
+pub fn fsck(store: &Store, opts: &FsckOptions, progress: &(dyn Fn(u64, u64) + Sync)) -> Result<FsckReport, StoreError> {
+    let _lock = match store.lock(LockMode::Shared, true) {
+        Ok(l) => Some(l),
+        // A read-only store (or one we may not write) can still be checked;
+        // it cannot be repaired.
+        Err(StoreError::Io { source, .. })
+            if !opts.repair && matches!(source.raw_os_error(), Some(libc::EROFS | libc::EACCES | libc::EPERM)) =>
+        {
+            None
+        }
+        Err(e) => return Err(e),
+    };
+    let pool = rayon::ThreadPoolBuilder::new()
+        .num_threads(opts.jobs)
+        .thread_name(|i| format!("fsck-{i}"))
+        .build()
+        .map_err(|e| StoreError::Invalid(format!("cannot start fsck threads: {e}")))?;
+
+    let ObjectScan {
+        objects,
+        mut strays,
+        leftovers,
+    } = store.scan_objects()?;
+    let mut report = FsckReport::default();
+    // The store's own directories must be directories: a symlink there
+    // would lead tilefs out of the store.
+    let mut leftovers = leftovers;
+    for name in [TMP_DIR, QUARANTINE_DIR] {
+        let path = store.join(name);
+        if std::fs::symlink_metadata(&path).is_ok_and(|m| !m.file_type().is_dir()) {
+            leftovers.retain(|p| !p.starts_with(&path));
+            strays.push(path);
+        }
+    }
+    report.leftovers = leftovers.len() as u64;
+
+    // Sizes, for progress; the largest objects first.
+    let mut sized: Vec<([u8; 32], PathBuf, u64)> = Vec::with_capacity(objects.len());
+    for (d, path) in objects {
+        match std::fs::symlink_metadata(&path) {
+            Ok(m) if m.file_type().is_file() => sized.push((d, path, m.len())),
+            Ok(_) => strays.push(path),
+            Err(e) if e.kind() == io::ErrorKind::NotFound => {}
+            Err(e) => report.unreadable.push((path, e.to_string())),
+        }
+    }
+    sized.sort_by(|a, b| b.2.cmp(&a.2).then(a.0.cmp(&b.0)));
+    let total: u64 = sized.iter().map(|o| o.2).sum();
+    let done = AtomicU64::new(0);
+    progress(0, total);
+
+    let results: Vec<(usize, Checked)> = pool.install(|| {
+        sized
+            .par_iter()
+            .enumerate()
+            .with_max_len(1)
+            .map(|(i, (d, path, _))| {
+                let r = check_object(path, d, &|n| {
+                    let now = done.fetch_add(n, Ordering::Relaxed) + n;
+                    progress(now, total);
+                });
+                (i, r)
+            })
+            .collect()
+    });
+    let mut present: HashSet<[u8; 32]> = HashSet::with_capacity(sized.len());
+    for (i, r) in results {
+        let (d, path, size) = &sized[i];
+        match r {
+            Checked::Good => {
+                report.objects += 1;
+                report.bytes += size;
+                present.insert(*d);
+            }
+            Checked::Corrupt => {
+                report.objects += 1;
+                report.bytes += size;
+                report.corrupt.push(path.clone());
+                present.insert(*d);
+            }
+            Checked::Gone => {}
+            Checked::NotAFile => strays.push(path.clone()),
+            Checked::Unreadable(why) => {
+                report.unreadable.push((path.clone(), why));
+                present.insert(*d);
+            }
+        }
+    }
+    progress(done.load(Ordering::Relaxed), total);
+
+    let images = tags::scan_images(store)?;
+    strays.extend(images.others);
+    report.corrupt.sort();
+    report.unreadable.sort();
+    strays.sort();
+    report.strays = strays;
+
+    if opts.repair && (!report.corrupt.is_empty() || !report.strays.is_empty()) {
+        let qdir = store.subdir(QUARANTINE_DIR)?;
+        if !std::fs::symlink_metadata(&qdir).is_ok_and(|m| m.file_type().is_dir()) {
+            return Err(StoreError::Invalid(format!(
+                "{}: not a directory (a symlink or file): cannot repair; remove it and run fsck --repair again",
+                qdir.display()
+            )));
+        }
+        for path in report.corrupt.iter().chain(&report.strays) {
+            quarantine(store, &qdir, path)?;
+            report.repaired.push(path.clone());
+            if let Some(d) = path
+                .strip_prefix(store.path())
+                .ok()
+                .and_then(|rel| rel.to_str())
+                .and_then(|rel| parse_object_rel(rel.as_bytes()))
+            {
+                present.remove(&d);
+            }
+        }
+        // The quarantine moves are metadata: make them durable.
+        if let Ok(f) = std::fs::File::open(&qdir) {
+            let _ = f.sync_all();
+        }
+    }
+
+    // References, after any repair: the report says what is true now.
+    report.images = images.tags.len() as u64;
+    let checked: Vec<ImageCheck> = pool.install(|| images.tags.par_iter().map(|t| check_image(store, t)).collect());
+    let mut missing: BTreeMap<[u8; 32], BTreeSet<String>> = BTreeMap::new();
+    for (tag, c) in images.tags.iter().zip(checked) {
+        match c {
+            ImageCheck::Gone => report.images -= 1,
+            ImageCheck::Bad(reason) => report.bad_images.push((tag.name.clone(), reason)),
+            ImageCheck::Read { objects, bad_refs } => {
+                for r in bad_refs {
+                    report.bad_images.push((tag.name.clone(), r));
+                }
+                for d in objects {
+                    if !present.contains(&d) && !store.has_object(&d) {
+                        missing.entry(d).or_default().insert(tag.name.clone());
+                    }
+                }
+            }
+        }
+    }
+    report.missing = missing
+        .into_iter()
+        .map(|(d, tags)| (Store::object_rel(&d), tags.into_iter().collect()))
+        .collect();
+    Ok(report)
+}
+
+enum Checked {
+    Good,
+    Corrupt,
+    /// Removed since the scan.
+    Gone,
+    /// Replaced by something else than a regular file since the scan.
+    NotAFile,
+    Unreadable(String),
+}
+
+thread_local! {
+    static BUF: RefCell<Vec<u8>> = const { RefCell::new(Vec::new()) };
+}
+
+/// Recomputes an object's digest, reporting bytes read to `advance`.
+fn check_object(path: &Path, want: &[u8; 32], advance: &dyn Fn(u64)) -> Checked {
+    let fd = match rfs::open(path, OFlags::RDONLY | OFlags::NOFOLLOW | OFlags::CLOEXEC, Mode::empty()) {
+        Ok(fd) => fd,
+        Err(rustix::io::Errno::NOENT) => return Checked::Gone,
+        Err(rustix::io::Errno::LOOP) => return Checked::NotAFile,
+        Err(e) => return Checked::Unreadable(io::Error::from(e).to_string()),
+    };
+    match rfs::fstat(&fd) {
+        Ok(st) if rfs::FileType::from_raw_mode(st.st_mode) == rfs::FileType::RegularFile => {}
+        Ok(_) => return Checked::NotAFile,
+        Err(e) => return Checked::Unreadable(io::Error::from(e).to_string()),
+    }
+    let _ = rfs::fadvise(&fd, 0, None, rfs::Advice::Sequential);
+    let mut file = std::fs::File::from(fd);
+    let mut hasher = verity::Hasher::new();
+    let r = BUF.with_borrow_mut(|buf| -> io::Result<()> {
+        if buf.len() < READ_BUF {
+            buf.resize(READ_BUF, 0);
+        }
+        loop {
+            let n = match file.read(buf) {
+                Ok(0) => return Ok(()),
+                Ok(n) => n,
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+                Err(e) => return Err(e),
+            };
+            hasher.update(&buf[..n]);
+            advance(n as u64);
+        }
+    });
+    match r {
+        Ok(()) if hasher.finalize() == *want => Checked::Good,
+        Ok(()) => Checked::Corrupt,
+        Err(e) => Checked::Unreadable(e.to_string()),
+    }
+}
+
+enum ImageCheck {
+    Gone,
+    Bad(String),
+    Read {
+        objects: BTreeSet<[u8; 32]>,
+        bad_refs: Vec<String>,
+    },
+}
+
+/// Reads a tagged image: the objects it references, and its references that
+/// cannot be objects.
+fn check_image(store: &Store, tag: &TagInfo) -> ImageCheck {
+    let bytes = match tags::read_tag_if_present(store, &tag.name) {
+        Ok(Some(b)) => b,
+        // Untagged since the listing.
+        Ok(None) => return ImageCheck::Gone,
+        Err(e) => return ImageCheck::Bad(e.to_string()),
+    };
+    let (tree, _) = match tilefs_image::erofs::read_image(&bytes) {
+        Ok(t) => t,
+        Err(e) => return ImageCheck::Bad(e.to_string()),
+    };
+    drop(bytes);
+    let mut objects = BTreeSet::new();
+    let mut bad_refs = Vec::new();
+    let mut more_bad = 0usize;
+    tree.walk(|path, entry, id| {
+        if entry.is_some_and(|e| e.hardlink) {
+            return;
+        }
+        let inode = tree.inode(id);
+        if !inode.is_external() {
+            return;
+        }
+        // An external file without a redirect reads as zeros: no object.
+        let Some(payload) = inode.payload.as_deref().filter(|p| !p.is_empty()) else {
+            return;
+        };
+        let problem = match parse_object_rel(payload) {
+            Some(d) => {
+                objects.insert(d);
+                match inode.digest {
+                    Some(digest) if digest != d => Some(format!(
+                        "{}: its fs-verity digest is {} but its redirect names object {}",
+                        String::from_utf8_lossy(path),
+                        hex::encode(digest),
+                        Store::object_rel(&d)
+                    )),
+                    _ => None,
+                }
+            }
+            None => Some(format!(
+                "{}: redirect {:?} is not an object path (XX/ and 62 lower-case hex digits)",
+                String::from_utf8_lossy(path),
+                String::from_utf8_lossy(payload)
+            )),
+        };
+        if let Some(p) = problem {
+            if bad_refs.len() < MAX_BAD_REFS_PER_IMAGE {
+                bad_refs.push(p);
+            } else {
+                more_bad += 1;
+            }
+        }
+    });
+    if more_bad > 0 {
+        bad_refs.push(format!("and {more_bad} more bad references"));
+    }
+    ImageCheck::Read { objects, bad_refs }
+}
+
+/// Moves `path` into the quarantine directory under a name made from its
+/// store-relative path, never replacing anything there.
+fn quarantine(store: &Store, qdir: &Path, path: &Path) -> Result<PathBuf, StoreError> {
+    let rel = path.strip_prefix(store.path()).unwrap_or(path);
+    let base: String = rel.to_string_lossy().replace('/', "_");
+    let base = base.trim_start_matches('_').to_string();
+    for n in 0u32.. {
+        let name = if n == 0 { base.clone() } else { format!("{base}.{n}") };
+        let dest = qdir.join(&name);
+        // renameat2(RENAME_NOREPLACE) where the filesystem has it; else a
+        // check first (the store lock keeps other tilefs processes out of
+        // the quarantine, which only fsck --repair writes).
+        match rfs::renameat_with(rfs::CWD, path, rfs::CWD, &dest, rfs::RenameFlags::NOREPLACE) {
+            Ok(()) => return Ok(dest),
+            Err(rustix::io::Errno::EXIST) => continue,
+            Err(rustix::io::Errno::INVAL | rustix::io::Errno::NOSYS) => {
+                if std::fs::symlink_metadata(&dest).is_ok() {
+                    continue;
+                }
+                std::fs::rename(path, &dest).map_err(|e| StoreError::io(path, "cannot move to quarantine", e))?;
+                return Ok(dest);
+            }
+            Err(e) => return Err(StoreError::io(path, "cannot move to quarantine", e.into())),
+        }
+    }
+    unreachable!()
 }

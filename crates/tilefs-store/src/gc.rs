@@ -1,7 +1,20 @@
 //! `gc`: removes objects no tagged image references, and leftovers of
 //! interrupted imports.
+//!
+//! gc holds the store lock exclusively: builds hold it shared from their
+//! first import to their tag, so no object gc sees unreferenced can be
+//! about to be tagged, and no temporary file can be in use. Every tagged
+//! image must be read: if one cannot be, gc stops before removing anything,
+//! since the objects it references are unknown.
 
-use crate::{Store, StoreError};
+use crate::store::{ObjectScan, TMP_DIR};
+use crate::tags;
+use crate::{parse_object_rel, LockMode, Store, StoreError};
+use rustix::fd::OwnedFd;
+use rustix::fs::{self as rfs, AtFlags, Mode, OFlags};
+use std::collections::HashSet;
+use std::io;
+use std::path::Path;
 
 #[derive(Debug, Clone, Default)]
 pub struct GcOptions {
@@ -11,13 +24,186 @@ pub struct GcOptions {
 
 #[derive(Debug, Default, serde::Serialize)]
 pub struct GcReport {
+    /// Tagged images whose references were kept.
+    pub images: u64,
     pub objects_kept: u64,
+    pub bytes_kept: u64,
     pub objects_removed: u64,
     pub bytes_removed: u64,
     pub leftovers_removed: u64,
+    pub leftover_bytes_removed: u64,
+    /// Nothing was removed: the counts say what would have been.
+    pub dry_run: bool,
 }
 
 /// Runs gc under the store's exclusive lock.
-pub fn gc(_store: &Store, _opts: &GcOptions) -> Result<GcReport, StoreError> {
-    todo!()
+pub fn gc(store: &Store, opts: &GcOptions) -> Result<GcReport, StoreError> {
+    let _lock = store.lock(LockMode::Exclusive, true)?;
+    let mut report = GcReport {
+        dry_run: opts.dry_run,
+        ..GcReport::default()
+    };
+
+    let images = tags::scan_images(store)?;
+    if let Some(other) = images.others.first() {
+        return Err(StoreError::Invalid(format!(
+            "refusing to gc: {} is not a tagged image (a symlink, directory or file with an invalid tag name), so \
+             what it references is unknown; move it out of the store or run `tilefs fsck --repair`; nothing was removed",
+            other.display()
+        )));
+    }
+    let referenced = referenced_objects(store, &images.tags)?;
+    report.images = images.tags.len() as u64;
+
+    // Only a real .tmp directory is emptied (never one a symlink points
+    // to); checked before anything is removed.
+    let tmp_path = store.join(TMP_DIR);
+    let tmp_dir = match tags::open_existing_subdir(store, TMP_DIR) {
+        Ok(fd) => Some(fd),
+        Err(e) if e.kind() == io::ErrorKind::NotFound => None,
+        Err(e) => {
+            return Err(StoreError::Invalid(format!(
+                "refusing to gc: {}: {e}; nothing was removed",
+                tmp_path.display()
+            )))
+        }
+    };
+
+    let ObjectScan { objects, leftovers, .. } = store.scan_objects()?;
+    // Objects come sorted by digest, so by fan-out directory.
+    let mut fanout: Option<(String, OwnedFd)> = None;
+    for (d, path) in objects {
+        let size = match std::fs::symlink_metadata(&path) {
+            Ok(m) => m.len(),
+            Err(e) if e.kind() == io::ErrorKind::NotFound => continue,
+            Err(e) => return Err(StoreError::io(&path, "cannot stat", e)),
+        };
+        if referenced.contains(&d) {
+            report.objects_kept += 1;
+            report.bytes_kept += size;
+            continue;
+        }
+        if !opts.dry_run {
+            let rel = Store::object_rel(&d);
+            let (dir, name) = rel.split_at(2);
+            let name = &name[1..];
+            if !matches!(&fanout, Some((n, _)) if n == dir) {
+                let fd = rfs::openat(
+                    store.dir_fd(),
+                    dir,
+                    OFlags::RDONLY | OFlags::DIRECTORY | OFlags::NOFOLLOW | OFlags::CLOEXEC,
+                    Mode::empty(),
+                )
+                .map_err(|e| StoreError::io(&store.join(dir), "cannot open directory", e.into()))?;
+                fanout = Some((dir.to_string(), fd));
+            }
+            let (_, fd) = fanout.as_ref().expect("fan-out directory just opened");
+            match rfs::unlinkat(fd, name, AtFlags::empty()) {
+                Ok(()) => {}
+                Err(rustix::io::Errno::NOENT) => continue,
+                Err(e) => return Err(StoreError::io(&path, "cannot remove object", e.into())),
+            }
+        }
+        report.objects_removed += 1;
+        report.bytes_removed += size;
+    }
+    drop(fanout);
+
+    remove_leftovers(store, tmp_dir.as_ref(), &leftovers, opts.dry_run, &mut report)?;
+    Ok(report)
+}
+
+/// Every object any of `tags` references (by redirect, or by digest for a
+/// file whose redirect is not an object path). Fails if one cannot be read.
+fn referenced_objects(store: &Store, tags: &[tags::TagInfo]) -> Result<HashSet<[u8; 32]>, StoreError> {
+    let mut referenced = HashSet::new();
+    for tag in tags {
+        let refuse = |why: String| {
+            StoreError::Invalid(format!(
+                "refusing to gc: tagged image {:?} ({}) cannot be read, so the objects it needs are unknown: {why}; \
+                 nothing was removed (fix or untag it first)",
+                tag.name,
+                tag.path.display()
+            ))
+        };
+        // A tag removed by hand since the listing is no root any more.
+        let Some(bytes) = tags::read_tag_if_present(store, &tag.name).map_err(|e| refuse(e.to_string()))? else {
+            continue;
+        };
+        let (tree, _) = tilefs_image::erofs::read_image(&bytes).map_err(|e| refuse(e.to_string()))?;
+        for inode in tree.inodes.iter().filter(|i| i.is_external()) {
+            if let Some(d) = inode.payload.as_deref().and_then(parse_object_rel) {
+                referenced.insert(d);
+            }
+            if let Some(d) = inode.digest {
+                referenced.insert(d);
+            }
+        }
+    }
+    Ok(referenced)
+}
+
+/// Removes temporary files: `STORE/.tmp/*` and the reference's
+/// `STORE/.tmpXXXXXX`, without following symlinks.
+fn remove_leftovers(
+    store: &Store,
+    tmp_dir: Option<&OwnedFd>,
+    leftovers: &[std::path::PathBuf],
+    dry_run: bool,
+    report: &mut GcReport,
+) -> Result<(), StoreError> {
+    let tmp_path = store.join(TMP_DIR);
+    for path in leftovers {
+        let Some(name) = path.file_name() else { continue };
+        let dir = if path.parent() == Some(tmp_path.as_path()) {
+            match tmp_dir {
+                Some(fd) => rustix::fd::AsFd::as_fd(fd),
+                None => continue,
+            }
+        } else if path.parent() == Some(store.path()) {
+            store.dir_fd()
+        } else {
+            continue;
+        };
+        let st = match rfs::statat(dir, name, AtFlags::SYMLINK_NOFOLLOW) {
+            Ok(st) => st,
+            Err(rustix::io::Errno::NOENT) => continue,
+            Err(e) => return Err(StoreError::io(path, "cannot stat", e.into())),
+        };
+        let is_dir = rfs::FileType::from_raw_mode(st.st_mode) == rfs::FileType::Directory;
+        let bytes = if is_dir { tree_bytes(path) } else { st.st_size as u64 };
+        if !dry_run {
+            let r = if is_dir {
+                // std's remove_dir_all does not follow symlinks inside.
+                std::fs::remove_dir_all(path)
+            } else {
+                rfs::unlinkat(dir, name, AtFlags::empty()).map_err(io::Error::from)
+            };
+            match r {
+                Ok(()) => {}
+                Err(e) if e.kind() == io::ErrorKind::NotFound => continue,
+                Err(e) => return Err(StoreError::io(path, "cannot remove leftover", e)),
+            }
+        }
+        report.leftovers_removed += 1;
+        report.leftover_bytes_removed += bytes;
+    }
+    Ok(())
+}
+
+/// Bytes of the regular files under a directory (not following symlinks).
+fn tree_bytes(dir: &Path) -> u64 {
+    let mut total = 0;
+    let mut stack = vec![dir.to_path_buf()];
+    while let Some(d) = stack.pop() {
+        let Ok(rd) = std::fs::read_dir(&d) else { continue };
+        for e in rd.flatten() {
+            match e.file_type() {
+                Ok(t) if t.is_dir() => stack.push(e.path()),
+                Ok(t) if t.is_file() => total += e.metadata().map(|m| m.len()).unwrap_or(0),
+                _ => {}
+            }
+        }
+    }
+    total
 }
