@@ -87,17 +87,29 @@ impl Store {
 
     /// Whether the object is present as a regular file.
     pub fn has_object(&self, digest: &[u8; 32]) -> bool {
-        rfs::statat(&self.dir, Store::object_rel(digest), rfs::AtFlags::SYMLINK_NOFOLLOW)
-            .map(|st| rfs::FileType::from_raw_mode(st.st_mode) == rfs::FileType::RegularFile)
-            .unwrap_or(false)
+        self.stat_object(digest).is_some()
     }
 
     /// Size in bytes of an object, if present.
     pub fn object_size(&self, digest: &[u8; 32]) -> Option<u64> {
-        rfs::statat(&self.dir, Store::object_rel(digest), rfs::AtFlags::SYMLINK_NOFOLLOW)
+        self.stat_object(digest).map(|st| st.st_size as u64)
+    }
+
+    /// Stat of an object that is a regular file reached without following
+    /// any symlink: a symlinked fan-out directory or object is not an
+    /// object, so nothing outside the store can pass for one.
+    fn stat_object(&self, digest: &[u8; 32]) -> Option<rfs::Stat> {
+        let fd = rfs::openat2(
+            &self.dir,
+            Store::object_rel(digest),
+            OFlags::PATH | OFlags::NOFOLLOW | OFlags::CLOEXEC,
+            Mode::empty(),
+            rfs::ResolveFlags::BENEATH | rfs::ResolveFlags::NO_SYMLINKS | rfs::ResolveFlags::NO_MAGICLINKS,
+        )
+        .ok()?;
+        rfs::fstat(&fd)
             .ok()
             .filter(|st| rfs::FileType::from_raw_mode(st.st_mode) == rfs::FileType::RegularFile)
-            .map(|st| st.st_size as u64)
     }
 
     /// Creates (if needed) and returns a store subdirectory.
@@ -241,6 +253,22 @@ mod tests {
         assert_eq!(parse_object_rel(rel.to_uppercase().as_bytes()), None);
         assert_eq!(parse_object_rel(b"../etc/passwd"), None);
         assert_eq!(parse_object_rel(format!("ab/../{}", &rel[6..]).as_bytes()), None);
+    }
+
+    #[test]
+    fn symlinked_fanout_is_not_an_object() {
+        let dir = tempfile::tempdir().unwrap();
+        let outside = tempfile::tempdir().unwrap();
+        let s = Store::create(dir.path()).unwrap();
+        let d = [0x5au8; 32];
+        let rel = Store::object_rel(&d);
+        std::fs::write(outside.path().join(&rel[3..]), b"outside").unwrap();
+        std::os::unix::fs::symlink(outside.path(), dir.path().join(&rel[..2])).unwrap();
+        assert!(!s.has_object(&d));
+        std::fs::remove_file(dir.path().join(&rel[..2])).unwrap();
+        std::fs::create_dir(dir.path().join(&rel[..2])).unwrap();
+        std::fs::write(dir.path().join(&rel), b"inside").unwrap();
+        assert_eq!(s.object_size(&d), Some(6));
     }
 
     #[test]
