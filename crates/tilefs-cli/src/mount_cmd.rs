@@ -1,9 +1,12 @@
 //! `tilefs mount` and `tilefs umount`.
 
-use anyhow::{bail, Result};
+use anyhow::{anyhow, bail, Result};
 use clap::Args;
 use std::path::PathBuf;
 use std::process::ExitCode;
+use tilefs_mount::options::{Backend, ParsedOptions};
+use tilefs_mount::{ErofsBacking, MountOptions, Verity};
+use tilefs_store::{tags, Store};
 
 #[derive(Args)]
 pub struct MountArgs {
@@ -20,18 +23,209 @@ pub struct MountArgs {
     /// Mount with the tilefs FUSE server (works without privilege)
     #[arg(long)]
     pub fuse: bool,
+    /// Make the mount writable: changes go to this directory (overlayfs upperdir; kernel mounts only)
+    #[arg(long, value_name = "DIR", requires = "work")]
+    pub upper: Option<PathBuf>,
+    /// Empty directory on the same filesystem as --upper (overlayfs workdir)
+    #[arg(long, value_name = "DIR", requires = "upper")]
+    pub work: Option<PathBuf>,
+    /// Check objects against the image's digests: require (refuse to mount unless every file can be
+    /// verified), auto (wherever possible; default) or off
+    #[arg(long, value_name = "MODE", value_parser = ["require", "auto", "off"])]
+    pub verity: Option<String>,
+    /// Refuse the image unless its fs-verity digest is this (64 hex digits, as `tilefs digest` prints)
+    #[arg(long, value_name = "DIGEST")]
+    pub digest: Option<String>,
+    /// Mount options as for `mount -o`: ro, nosuid, nodev, noexec, noatime, ...; anything
+    /// unknown to tilefs is passed to overlayfs
+    #[arg(short = 'o', long = "options", value_name = "OPTS")]
+    pub options: Vec<String>,
+    /// FUSE: stay in the foreground until unmounted
+    #[arg(long)]
+    pub foreground: bool,
+    /// FUSE: worker threads (default: automatic)
+    #[arg(long, default_value_t = 0, value_name = "N")]
+    pub threads: usize,
+    /// How EROFS reads the image: auto, file or loop (for testing)
+    #[arg(long, hide = true, default_value = "auto", value_parser = ["auto", "file", "loop"])]
+    pub erofs_backing: String,
 }
 
 #[derive(Args)]
 pub struct UmountArgs {
     /// Mount point
     pub mountpoint: PathBuf,
+    /// Detach now even if files are open in it (they keep working until closed)
+    #[arg(short, long)]
+    pub lazy: bool,
 }
 
-pub fn mount(_a: MountArgs) -> Result<ExitCode> {
-    bail!("not implemented yet")
+/// A mount request, from `tilefs mount` or `mount.tilefs`.
+pub struct Request {
+    pub image: PathBuf,
+    pub stores: Vec<PathBuf>,
+    pub mountpoint: PathBuf,
+    pub options: ParsedOptions,
+    pub backend: Option<Backend>,
+    pub foreground: bool,
+    pub threads: usize,
+    pub erofs_backing: ErofsBacking,
 }
 
-pub fn umount(_a: UmountArgs) -> Result<ExitCode> {
-    bail!("not implemented yet")
+pub fn mount(a: MountArgs) -> Result<ExitCode> {
+    let mut options = ParsedOptions::default();
+    for o in &a.options {
+        options.add(o).map_err(|e| anyhow!("-o {o}: {e}"))?;
+    }
+    if let Some(v) = &a.verity {
+        options.verity = Some(v.parse().map_err(|e: String| anyhow!(e))?);
+    }
+    if let Some(d) = &a.digest {
+        options.digest = Some(tilefs_mount::options::parse_digest(d).map_err(|e| anyhow!("--digest: {e}"))?);
+    }
+    if a.upper.is_some() {
+        options.upper = a.upper.clone();
+        options.work = a.work.clone();
+    }
+    let mut stores = vec![a.store.clone()];
+    stores.append(&mut options.stores);
+    let backend = if a.kernel {
+        Some(Backend::Kernel)
+    } else if a.fuse {
+        Some(Backend::Fuse)
+    } else {
+        options.backend
+    };
+    let req = Request {
+        image: a.image,
+        stores,
+        mountpoint: a.mountpoint,
+        options,
+        backend,
+        foreground: a.foreground,
+        threads: a.threads,
+        erofs_backing: match a.erofs_backing.as_str() {
+            "file" => ErofsBacking::File,
+            "loop" => ErofsBacking::Loop,
+            _ => ErofsBacking::Auto,
+        },
+    };
+    run(&req)?;
+    Ok(ExitCode::SUCCESS)
+}
+
+/// Mounts as `req` says: with the kernel when asked, or when not told and
+/// the kernel can (privilege, EROFS and overlayfs, and fs-verity when
+/// verification is required); otherwise with FUSE.
+pub fn run(req: &Request) -> Result<()> {
+    let store = Store::open(&req.stores[0])?;
+    let image = tags::resolve_image(Some(&store), &req.image)?;
+    let o = &req.options;
+    let verity = o.verity.unwrap_or_default();
+    // Why an automatic choice fell on FUSE, for the message if FUSE fails.
+    let mut no_kernel = None;
+    let backend = match req.backend {
+        Some(b) => b,
+        None => match tilefs_mount::kernel_available() {
+            Ok(()) if verity == Verity::Require && o.upper.is_none() => {
+                match tilefs_mount::verity_unavailable(&req.stores) {
+                    Some(why) => {
+                        eprintln!(
+                            "{}: notice: using the FUSE mount, which verifies objects itself: {why}",
+                            prog()
+                        );
+                        Backend::Fuse
+                    }
+                    None => Backend::Kernel,
+                }
+            }
+            Ok(()) => Backend::Kernel,
+            Err(e) if o.upper.is_some() => {
+                bail!("a writable mount (--upper/--work) needs a kernel mount, and {e}")
+            }
+            Err(e) => {
+                no_kernel = Some(e.to_string());
+                Backend::Fuse
+            }
+        },
+    };
+    match backend {
+        Backend::Kernel => {
+            let mounted = tilefs_mount::mount(&MountOptions {
+                image: image.clone(),
+                stores: req.stores.clone(),
+                mountpoint: req.mountpoint.clone(),
+                upper: o.upper.clone(),
+                work: o.work.clone(),
+                verity,
+                digest: o.digest,
+                read_only: o.read_only.unwrap_or(false),
+                attrs: o.attrs,
+                overlay_options: o.overlay.clone(),
+                erofs_backing: req.erofs_backing,
+            })
+            .map_err(|e| match e {
+                tilefs_mount::MountError::NotPermitted(_) => anyhow!("{e}; the FUSE mount (--fuse) needs no privilege"),
+                e => e.into(),
+            })?;
+            for n in &mounted.notices {
+                eprintln!("{}: notice: {n}", prog());
+            }
+        }
+        Backend::Fuse => fuse(req, &image, verity).map_err(|e| match no_kernel {
+            Some(why) => anyhow!("{e:#} (and no kernel mount: {why})"),
+            None => e,
+        })?,
+    }
+    Ok(())
+}
+
+fn fuse(req: &Request, image: &std::path::Path, verity: Verity) -> Result<()> {
+    let o = &req.options;
+    if o.upper.is_some() {
+        bail!("a writable mount (--upper/--work) needs a kernel mount (--kernel)");
+    }
+    if let Some((k, _)) = o.overlay.first() {
+        bail!("option {k} is an overlayfs option: it needs a kernel mount (--kernel)");
+    }
+    if req.stores.len() > 1 {
+        bail!("the FUSE mount serves one object store");
+    }
+    tilefs_fuse::mount(&tilefs_fuse::FuseMount {
+        verity: match verity {
+            Verity::Require => tilefs_fuse::Verity::Require,
+            Verity::Auto => tilefs_fuse::Verity::Auto,
+            Verity::Off => tilefs_fuse::Verity::Off,
+        },
+        foreground: req.foreground,
+        threads: req.threads,
+        image_digest: o.digest,
+        ..tilefs_fuse::FuseMount::new(image, &req.stores[0], &req.mountpoint)
+    })
+    .map_err(|e| anyhow!("FUSE mount of {} at {}: {e}", image.display(), req.mountpoint.display()))
+}
+
+/// This program's name, for messages (`tilefs` or `mount.tilefs`).
+fn prog() -> String {
+    std::env::args_os()
+        .next()
+        .and_then(|a| PathBuf::from(a).file_name().map(|n| n.to_string_lossy().into_owned()))
+        .unwrap_or_else(|| "tilefs".into())
+}
+
+pub fn umount(a: UmountArgs) -> Result<ExitCode> {
+    // A FUSE mount whose server died cannot even be resolved (ENOTCONN):
+    // find it in the mount table by its absolute path.
+    let abs = match std::fs::canonicalize(&a.mountpoint) {
+        Ok(p) => p,
+        Err(e) if e.raw_os_error() == Some(libc::ENOTCONN) => std::path::absolute(&a.mountpoint)?,
+        Err(_) => a.mountpoint.clone(),
+    };
+    match tilefs_mount::mountinfo::mounted_at(&abs) {
+        Some(m) if m.is_fuse() && m.is_tilefs() => {
+            tilefs_fuse::unmount(&abs).map_err(|e| anyhow!("{e}"))?;
+        }
+        _ => tilefs_mount::umount(&a.mountpoint, a.lazy)?,
+    }
+    Ok(ExitCode::SUCCESS)
 }

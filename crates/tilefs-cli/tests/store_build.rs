@@ -12,7 +12,8 @@ use std::process::{Command, Stdio};
 use std::time::Duration;
 
 fn json(out: &std::process::Output) -> serde_json::Value {
-    serde_json::from_slice(&out.stdout).unwrap_or_else(|e| panic!("bad JSON ({e}): {}", String::from_utf8_lossy(&out.stdout)))
+    serde_json::from_slice(&out.stdout)
+        .unwrap_or_else(|e| panic!("bad JSON ({e}): {}", String::from_utf8_lossy(&out.stdout)))
 }
 
 /// A plain tree any user can make: files of many sizes, two identical.
@@ -28,8 +29,16 @@ fn plain_tree(root: &Path, files: usize, size: usize, seed: u64) {
         let len = 65 + (rng.below(size as u64) as usize);
         fs::write(dir.join(format!("file{i}")), rng.bytes(len)).unwrap();
     }
-    fs::write(root.join("same-a"), b"identical contents, longer than sixty-four bytes, stored once in the store").unwrap();
-    fs::write(root.join("same-b"), b"identical contents, longer than sixty-four bytes, stored once in the store").unwrap();
+    fs::write(
+        root.join("same-a"),
+        b"identical contents, longer than sixty-four bytes, stored once in the store",
+    )
+    .unwrap();
+    fs::write(
+        root.join("same-b"),
+        b"identical contents, longer than sixty-four bytes, stored once in the store",
+    )
+    .unwrap();
     fs::write(root.join("small"), b"inline").unwrap();
 }
 
@@ -59,7 +68,14 @@ fn objects_are_named_by_digest_and_stored_once() {
     plain_tree(&src, 40, 20_000, 1);
     let store = tmp.path().join("store");
     let img = tmp.path().join("img");
-    let out = tilefs(&[os("build"), os("--json"), os("--store"), store.as_os_str(), src.as_os_str(), img.as_os_str()]);
+    let out = tilefs(&[
+        os("build"),
+        os("--json"),
+        os("--store"),
+        store.as_os_str(),
+        src.as_os_str(),
+        img.as_os_str(),
+    ]);
     let report = json(&out);
     assert_eq!(report["new_objects"], 41, "{report}");
 
@@ -72,20 +88,43 @@ fn objects_are_named_by_digest_and_stored_once() {
         let path = store.join(rel);
         let d = String::from_utf8(tilefs(&[os("digest"), os("--compact"), path.as_os_str()]).stdout).unwrap();
         let name = rel.to_str().unwrap().replace('/', "");
-        assert_eq!(d.trim(), name, "{} holds other contents than its name says", rel.display());
+        assert_eq!(
+            d.trim(),
+            name,
+            "{} holds other contents than its name says",
+            rel.display()
+        );
         assert_eq!(fs::metadata(&path).unwrap().permissions().mode() & 0o777, 0o644);
     }
     assert_eq!(tmp_leftovers(&store), 0);
 
     // Again: nothing new, and no file is even read (the digest cache knows).
-    let report = json(&tilefs(&[os("build"), os("--json"), os("--store"), store.as_os_str(), src.as_os_str(), img.as_os_str()]));
+    let report = json(&tilefs(&[
+        os("build"),
+        os("--json"),
+        os("--store"),
+        store.as_os_str(),
+        src.as_os_str(),
+        img.as_os_str(),
+    ]));
     assert_eq!(report["new_objects"], 0);
     assert_eq!(report["cache_hits"], 42, "{report}");
 
     // A changed file misses the cache and becomes a new object.
-    fs::write(src.join("file0"), b"new contents of file zero, long enough to live in the store as an object").unwrap();
+    fs::write(
+        src.join("file0"),
+        b"new contents of file zero, long enough to live in the store as an object",
+    )
+    .unwrap();
     let img2 = tmp.path().join("img2");
-    let report = json(&tilefs(&[os("build"), os("--json"), os("--store"), store.as_os_str(), src.as_os_str(), img2.as_os_str()]));
+    let report = json(&tilefs(&[
+        os("build"),
+        os("--json"),
+        os("--store"),
+        store.as_os_str(),
+        src.as_os_str(),
+        img2.as_os_str(),
+    ]));
     assert_eq!(report["new_objects"], 1, "{report}");
     let listed2 = String::from_utf8(tilefs(&[os("objects"), img2.as_os_str()]).stdout).unwrap();
     for rel in listed2.lines() {
@@ -100,11 +139,21 @@ fn hardlink_mode_links_sources() {
     plain_tree(&src, 6, 5000, 2);
     let store = tmp.path().join("store");
     let img = tmp.path().join("img");
-    tilefs(&[os("build"), os("--hardlink"), os("--store"), store.as_os_str(), src.as_os_str(), img.as_os_str()]);
+    tilefs(&[
+        os("build"),
+        os("--hardlink"),
+        os("--store"),
+        store.as_os_str(),
+        src.as_os_str(),
+        img.as_os_str(),
+    ]);
     let d = String::from_utf8(tilefs(&[os("digest"), os("--compact"), src.join("file0").as_os_str()]).stdout).unwrap();
     let d = d.trim();
     let obj = store.join(&d[..2]).join(&d[2..]);
-    assert_eq!(fs::metadata(&obj).unwrap().ino(), fs::metadata(src.join("file0")).unwrap().ino());
+    assert_eq!(
+        fs::metadata(&obj).unwrap().ino(),
+        fs::metadata(src.join("file0")).unwrap().ino()
+    );
 }
 
 #[test]
@@ -116,13 +165,26 @@ fn bad_store_and_tag_are_refused_cleanly() {
     // A store path that is a file.
     let file = tmp.path().join("not-a-dir");
     fs::write(&file, b"x").unwrap();
-    let out = tilefs_any(&[os("build"), os("--store"), file.as_os_str(), src.as_os_str(), img.as_os_str()]);
+    let out = tilefs_any(&[
+        os("build"),
+        os("--store"),
+        file.as_os_str(),
+        src.as_os_str(),
+        img.as_os_str(),
+    ]);
     assert_eq!(out.status.code(), Some(1));
     assert!(String::from_utf8_lossy(&out.stderr).contains("not-a-dir"));
     assert!(!img.exists());
     // A tag that could escape the store.
     let store = tmp.path().join("store");
-    let out = tilefs_any(&[os("build"), os("--store"), store.as_os_str(), os("--tag"), os("../evil"), src.as_os_str()]);
+    let out = tilefs_any(&[
+        os("build"),
+        os("--store"),
+        store.as_os_str(),
+        os("--tag"),
+        os("../evil"),
+        src.as_os_str(),
+    ]);
     assert_eq!(out.status.code(), Some(1));
     assert!(!tmp.path().join("evil").exists());
 }
@@ -130,7 +192,14 @@ fn bad_store_and_tag_are_refused_cleanly() {
 /// Runs `tilefs fsck` and says whether the store is clean.
 fn fsck_clean(store: &Path) -> (bool, String) {
     let out = tilefs_any(&[os("fsck"), os("--quiet"), os("--store"), store.as_os_str()]);
-    (out.status.success(), format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr)))
+    (
+        out.status.success(),
+        format!(
+            "{}{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        ),
+    )
 }
 
 #[test]
@@ -145,7 +214,14 @@ fn killed_builds_leave_a_consistent_store() {
     let mut killed = 0;
     for round in 0..12 {
         let mut child = Command::new(tilefs_bin())
-            .args([os("build"), os("--quiet"), os("--store"), store.as_os_str(), os("--tag"), os("t")])
+            .args([
+                os("build"),
+                os("--quiet"),
+                os("--store"),
+                store.as_os_str(),
+                os("--tag"),
+                os("t"),
+            ])
             .arg(&src)
             .arg(&img)
             .stdout(Stdio::null())
@@ -167,7 +243,16 @@ fn killed_builds_leave_a_consistent_store() {
         fs::write(src.join(format!("round{round}")), rng.bytes(100_000)).unwrap();
     }
     assert!(killed > 0, "no build was interrupted: the test proves nothing");
-    tilefs(&[os("build"), os("--quiet"), os("--store"), store.as_os_str(), os("--tag"), os("t"), src.as_os_str(), img.as_os_str()]);
+    tilefs(&[
+        os("build"),
+        os("--quiet"),
+        os("--store"),
+        store.as_os_str(),
+        os("--tag"),
+        os("t"),
+        src.as_os_str(),
+        img.as_os_str(),
+    ]);
     let (clean, report) = fsck_clean(&store);
     assert!(clean, "after the final build: {report}");
     tilefs(&[os("gc"), os("--store"), store.as_os_str()]);
@@ -185,11 +270,20 @@ fn full_disk_fails_clearly_and_leaves_nothing_partial() {
     let tmp = tempfile::tempdir().unwrap();
     let disk = tmp.path().join("disk.img");
     fs::File::create(&disk).unwrap().set_len(24 << 20).unwrap();
-    let st = Command::new("mkfs.ext4").args(["-q", "-F"]).arg(&disk).status().unwrap();
+    let st = Command::new("mkfs.ext4")
+        .args(["-q", "-F"])
+        .arg(&disk)
+        .status()
+        .unwrap();
     assert!(st.success());
     let small = tmp.path().join("small");
     fs::create_dir(&small).unwrap();
-    let st = Command::new("mount").args(["-o", "loop"]).arg(&disk).arg(&small).status().unwrap();
+    let st = Command::new("mount")
+        .args(["-o", "loop"])
+        .arg(&disk)
+        .arg(&small)
+        .status()
+        .unwrap();
     assert!(st.success(), "loop mount failed");
     let _guard = MountGuard(small.clone());
 
@@ -197,10 +291,22 @@ fn full_disk_fails_clearly_and_leaves_nothing_partial() {
     plain_tree(&src, 60, 1_000_000, 5); // ~30 MB: more than fits
     let store = small.join("store");
     let img = small.join("img");
-    let out = tilefs_any(&[os("build"), os("--quiet"), os("--store"), store.as_os_str(), os("--tag"), os("t"), src.as_os_str(), img.as_os_str()]);
+    let out = tilefs_any(&[
+        os("build"),
+        os("--quiet"),
+        os("--store"),
+        store.as_os_str(),
+        os("--tag"),
+        os("t"),
+        src.as_os_str(),
+        img.as_os_str(),
+    ]);
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert_eq!(out.status.code(), Some(1), "stderr: {stderr}");
-    assert!(stderr.contains("No space left") || stderr.contains("no space"), "unclear message: {stderr}");
+    assert!(
+        stderr.contains("No space left") || stderr.contains("no space"),
+        "unclear message: {stderr}"
+    );
     assert!(!img.exists(), "an image was written");
     assert!(!store.join("images/t").exists(), "a tag was written");
     assert_eq!(tmp_leftovers(&store), 0, "temporary files left behind");
