@@ -427,11 +427,29 @@ fn hash_all(src: &mut std::fs::File, mut dst: Option<&mut std::fs::File>) -> io:
         };
         h.update(&buf[..n]);
         if let Some(d) = dst.as_deref_mut() {
-            d.write_all(&buf[..n]).map_err(|e| io::Error::other(WriteFailed(e)))?;
+            write_sparse(d, &buf[..n]).map_err(|e| io::Error::other(WriteFailed(e)))?;
         }
         total += n as u64;
     }
+    if let Some(d) = dst {
+        // Trailing holes: give the file its full length.
+        d.set_len(total).map_err(|e| io::Error::other(WriteFailed(e)))?;
+    }
     Ok((total, h.finalize()))
+}
+
+/// Writes `data`, leaving holes where whole 64 KiB pieces are zero, so a
+/// sparse source stays sparse in the store (holes read as zeros).
+fn write_sparse(dst: &mut std::fs::File, data: &[u8]) -> io::Result<()> {
+    use std::io::{Seek, SeekFrom};
+    for piece in data.chunks(64 << 10) {
+        if piece.iter().all(|&b| b == 0) {
+            dst.seek(SeekFrom::Current(piece.len() as i64))?;
+        } else {
+            dst.write_all(piece)?;
+        }
+    }
+    Ok(())
 }
 
 /// FS_IOC_ENABLE_VERITY with SHA-256, 4 KiB blocks, no salt.
