@@ -41,8 +41,11 @@ pub struct MountArgs {
     #[arg(short = 'o', long = "options", value_name = "OPTS")]
     pub options: Vec<String>,
     /// FUSE: stay in the foreground until unmounted
-    #[arg(long)]
+    #[arg(short, long)]
     pub foreground: bool,
+    /// FUSE: also write the server's log lines to FILE (in the background they go to syslog)
+    #[arg(long, value_name = "FILE")]
+    pub log: Option<PathBuf>,
     /// FUSE: worker threads (default: automatic)
     #[arg(long, default_value_t = 0, value_name = "N")]
     pub threads: usize,
@@ -68,6 +71,7 @@ pub struct Request {
     pub options: ParsedOptions,
     pub backend: Option<Backend>,
     pub foreground: bool,
+    pub log: Option<PathBuf>,
     pub threads: usize,
     pub erofs_backing: ErofsBacking,
 }
@@ -103,6 +107,7 @@ pub fn mount(a: MountArgs) -> Result<ExitCode> {
         options,
         backend,
         foreground: a.foreground,
+        log: a.log.clone(),
         threads: a.threads,
         erofs_backing: match a.erofs_backing.as_str() {
             "file" => ErofsBacking::File,
@@ -198,6 +203,7 @@ fn fuse(req: &Request, image: &std::path::Path, verity: Verity) -> Result<()> {
             Verity::Off => tilefs_fuse::Verity::Off,
         },
         foreground: req.foreground,
+        log_file: req.log.clone(),
         threads: req.threads,
         image_digest: o.digest,
         ..tilefs_fuse::FuseMount::new(image, &req.stores[0], &req.mountpoint)

@@ -205,33 +205,36 @@ fn fsck_clean(store: &Path) -> (bool, String) {
 #[test]
 fn killed_builds_leave_a_consistent_store() {
     let tmp = tempfile::tempdir().unwrap();
-    let src = tmp.path().join("src");
-    // Enough work that a kill lands mid-import: ~60 MB in 240 files.
-    plain_tree(&src, 240, 500_000, 4);
     let store = tmp.path().join("store");
     let img = tmp.path().join("img");
-    let mut rng = Rng::new(99);
-    let mut killed = 0;
-    for round in 0..12 {
-        let mut child = Command::new(tilefs_bin())
-            .args([
-                os("build"),
-                os("--quiet"),
-                os("--store"),
-                store.as_os_str(),
-                os("--tag"),
-                os("t"),
-            ])
-            .arg(&src)
+    let build = |src: &Path| {
+        Command::new(tilefs_bin())
+            .args([os("build"), os("--quiet"), os("--store"), store.as_os_str(), os("--tag"), os("t")])
+            .arg(src)
             .arg(&img)
             .stdout(Stdio::null())
             .stderr(Stdio::null())
             .spawn()
-            .unwrap();
-        std::thread::sleep(Duration::from_millis(rng.below(400)));
+            .unwrap()
+    };
+    // How long one import of a fresh ~30 MB tree takes here: kills land
+    // anywhere from its start to its end.
+    let first = tmp.path().join("src0");
+    plain_tree(&first, 120, 500_000, 100);
+    let started = std::time::Instant::now();
+    assert!(build(&first).wait().unwrap().success());
+    let span = started.elapsed().as_millis().max(20) as u64;
+
+    let mut rng = Rng::new(99);
+    let mut killed = 0;
+    for round in 1..=12u64 {
+        // New contents every round, so every build has real work to do.
+        let src = tmp.path().join(format!("src{round}"));
+        plain_tree(&src, 120, 500_000, 100 + round);
+        let mut child = build(&src);
+        std::thread::sleep(Duration::from_millis(rng.below(span)));
         let _ = child.kill();
-        let status = child.wait().unwrap();
-        killed += (!status.success()) as u32;
+        killed += (!child.wait().unwrap().success()) as u32;
         // Whatever moment it died at: every object is whole, the tag (if
         // any) refers only to present objects, and the image is whole.
         let (clean, report) = fsck_clean(&store);
@@ -239,20 +242,10 @@ fn killed_builds_leave_a_consistent_store() {
         if img.exists() {
             tilefs(&[os("info"), img.as_os_str()]);
         }
-        // Each new build starts fresh: vary the source so imports differ.
-        fs::write(src.join(format!("round{round}")), rng.bytes(100_000)).unwrap();
+        fs::remove_dir_all(&src).unwrap();
     }
     assert!(killed > 0, "no build was interrupted: the test proves nothing");
-    tilefs(&[
-        os("build"),
-        os("--quiet"),
-        os("--store"),
-        store.as_os_str(),
-        os("--tag"),
-        os("t"),
-        src.as_os_str(),
-        img.as_os_str(),
-    ]);
+    tilefs(&[os("build"), os("--quiet"), os("--store"), store.as_os_str(), os("--tag"), os("t"), first.as_os_str(), img.as_os_str()]);
     let (clean, report) = fsck_clean(&store);
     assert!(clean, "after the final build: {report}");
     tilefs(&[os("gc"), os("--store"), store.as_os_str()]);

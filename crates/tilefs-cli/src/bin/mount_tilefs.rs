@@ -115,6 +115,7 @@ fn run() -> Result<(), (u8, String)> {
         options,
         backend,
         foreground: false,
+        log: None,
         threads: 0,
         erofs_backing: tilefs_mount::ErofsBacking::Auto,
     };

@@ -1,0 +1,487 @@
+"""Section fuse: the FUSE mount against the kernel mount of the same image.
+
+Every row compares `tilefs mount --fuse` with another configuration measured
+in the same loop, runs interleaved (order rotated every run):
+  - kernel:  `tilefs mount --kernel --verity off` of the same image and store,
+  - composefs-fuse: the reference's FUSE server (`composefs-fuse -o basedir=`),
+    when `$COMPOSEFS_BIN` has it,
+  - native:  the source files themselves on the local filesystem (data rows).
+
+Workloads (issue 5): `ls -lR` of cs9-x86_64-developer cold and warm, `stat` of
+500/1000/1900 random entries cold and warm, sequential read of a 1 GiB file
+(passthrough, and the server's own reads), access(2) throughput with 1 and 2
+processes (will-it-scale access1 pattern), a C build (zstd's lib, as the
+zstd-sys crate ships it, sources in the image, objects written outside), and
+the server's RSS. Then each cache setting of the FUSE server switched off in
+turn (`TILEFS_FUSE_TUNING`), against the default: ratio > 1 means the
+setting saves that much.
+
+Root only (kernel mounts, drop_caches, passthrough). Every mount is undone
+when the section ends, also on failure or Ctrl-C.
+"""
+
+from __future__ import annotations
+
+import gzip
+import os
+import random
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import lib  # noqa: E402
+
+NAME = "fuse"
+TITLE = "FUSE mount vs the tilefs kernel mount: listing, stat, reads, access(2), a C build, RSS, cache settings"
+ORDER = 45
+
+DUMP = "cs9-x86_64-developer.dump.gz"
+STAT_COUNTS = (500, 1000, 1900)
+SEED = 2023
+BIG_MIB = int(os.environ.get("BENCH_FUSE_BIG_MIB") or 1024)
+ACCESS_CALLS = int(os.environ.get("BENCH_FUSE_ACCESS_CALLS") or 2_000_000)
+
+ACCESS_C = r"""
+#include <stdio.h>
+#include <stdlib.h>
+#include <unistd.h>
+/* will-it-scale access1: access(2) on one file in a loop. */
+int main(int argc, char **argv) {
+    long n = atol(argv[1]);
+    for (long i = 0; i < n; i++)
+        if (access(argv[2], R_OK) != 0) { perror(argv[2]); return 1; }
+    return 0;
+}
+"""
+
+BUILD_SH = r"""#!/bin/sh
+# $1: zstd's lib directory, $2: output directory. Every .c but legacy/, two at a time.
+set -e
+rm -rf "$2"; mkdir -p "$2"
+cd "$1"
+find . -name '*.c' ! -path './legacy/*' | sort | \
+  xargs -P2 -I{} sh -c 'gcc -O0 -DZSTD_LEGACY_SUPPORT=0 -c "$1" -o "$2/$(echo "$1" | tr / _).o"' sh {} "$2"
+"""
+
+
+class Cleanup:
+    """Undoes mounts (tilefs umount, then lazily) when the section ends."""
+
+    def __init__(self, tilefs: str) -> None:
+        self.tilefs = tilefs
+        self.mounts: list[Path] = []
+
+    def run(self) -> None:
+        for m in reversed(self.mounts):
+            if is_mountpoint(m):
+                subprocess.run([self.tilefs, "umount", str(m)], capture_output=True)
+            if is_mountpoint(m):
+                r = subprocess.run(["umount", "-l", str(m)], capture_output=True, text=True)
+                if r.returncode != 0:
+                    lib.warn(f"cannot unmount {m}: {r.stderr.strip()}")
+
+
+def is_mountpoint(p: Path) -> bool:
+    target = str(p).replace(" ", "\\040")
+    for line in Path("/proc/self/mountinfo").read_text().splitlines():
+        f = line.split()
+        if len(f) > 4 and f[4] == target:
+            return True
+    return False
+
+
+def server_pid(mnt: Path) -> int | None:
+    want = str(mnt).encode()
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            args = (d / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if any(a.endswith(b"mount") for a in args) and want in args:
+            return int(d.name)
+    return None
+
+
+def status_kib(pid: int, field: str) -> int | None:
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    except OSError:
+        pass
+    return None
+
+
+class Mounts:
+    def __init__(self, b, work: Path, cleanup: Cleanup) -> None:
+        self.b = b
+        self.work = work
+        self.cleanup = cleanup
+        self.n = 0
+
+    def _mnt(self, name: str) -> Path:
+        self.n += 1
+        m = self.work / f"mnt-{self.n}-{name}"
+        m.mkdir()
+        return m
+
+    def fuse(self, name: str, store: Path, image: Path, tuning: str = "", extra=()) -> tuple[Path, str]:
+        m = self._mnt(name)
+        env = dict(os.environ, TILEFS_FUSE_TUNING=tuning)
+        r = subprocess.run(
+            [self.b.tilefs, "mount", "--fuse", *extra, "--store", store, image, m], capture_output=True, text=True, env=env
+        )
+        self.cleanup.mounts.append(m)
+        return m, "" if r.returncode == 0 else f"tilefs mount --fuse failed: {r.stderr.strip()[-300:]}"
+
+    def kernel(self, name: str, store: Path, image: Path) -> tuple[Path, str]:
+        m = self._mnt(name)
+        r = subprocess.run(
+            [self.b.tilefs, "mount", "--kernel", "--verity", "off", "--store", store, image, m],
+            capture_output=True,
+            text=True,
+        )
+        self.cleanup.mounts.append(m)
+        return m, "" if r.returncode == 0 else f"tilefs mount --kernel failed: {r.stderr.strip()[-300:]}"
+
+    def composefs_fuse(self, name: str, store: Path, image: Path) -> tuple[Path, str]:
+        tool = self.b.tool("composefs-fuse")
+        if not tool:
+            return Path("/nonexistent"), "reference composefs-fuse not found (set COMPOSEFS_BIN)"
+        m = self._mnt(name)
+        r = subprocess.run([tool, "-o", f"source={image},basedir={store}", m], capture_output=True, text=True)
+        self.cleanup.mounts.append(m)
+        if r.returncode != 0 or not is_mountpoint(m):
+            return m, f"composefs-fuse failed: {r.stderr.strip()[-300:]}"
+        return m, ""
+
+
+# ---------------------------------------------------------------------------
+# Measuring several configurations together.
+# ---------------------------------------------------------------------------
+
+
+def measure(b, title: str, argv: dict, *, cold: bool, runs: int | None = None, prepare=None) -> dict:
+    """Runs every configuration's argv, interleaved; returns their Series."""
+    runs = runs or (b.cold_runs if cold else b.runs)
+    keys = list(argv)
+    series = {k: lib.Series(k, [str(a) for a in argv[k]]) for k in keys}
+
+    def one(k: str, label: str, keep: bool) -> None:
+        s = series[k]
+        if s.error is not None:
+            return
+        if prepare:
+            prepare(k)
+        if cold:
+            b.drop_caches()
+        b.progress(f"{title}: {k} {label} ...", final=False)
+        smp = lib.run_once(s.argv, timeout=b.timeout)
+        if not smp.ok:
+            s.error = lib.describe_failure(smp, b.timeout)
+            b.progress(f"{title}: {k} FAILED ({s.error})")
+            return
+        if keep:
+            s.samples.append(smp)
+
+    if not cold:
+        for k in keys:
+            one(k, "warm-up", keep=False)
+    for i in range(runs):
+        order = keys[i % len(keys):] + keys[: i % len(keys)]
+        for k in order:
+            one(k, f"run {i + 1}/{runs}", keep=True)
+    for s in series.values():
+        if s.error is not None:
+            s.samples.clear()
+    return series
+
+
+def row(b, id: str, title: str, t: lib.Series, ref: lib.Series | None, ref_label: str, *, cold: bool,
+        goal: float | None = None, nbytes: int | None = None, notes=()) -> None:
+    t.tool = "tilefs FUSE" if t.tool == "fuse" else t.tool
+    r = lib.Row(b.section, id, title, tilefs=t, ref=ref, ref_tool=ref_label, goal=goal, cold=cold, nbytes=nbytes,
+                notes=list(notes))
+    if ref is None:
+        r.notes.append(f"{ref_label}: not measured")
+    b.rows.append(r)
+    b.progress(lib.summary_line(r))
+
+
+# ---------------------------------------------------------------------------
+# The section.
+# ---------------------------------------------------------------------------
+
+
+def run(b) -> None:
+    if os.geteuid() != 0:
+        b.skip("all", "FUSE mount benchmarks", "needs root (kernel mounts for the ratios, drop_caches)")
+        return
+    have = Path("/proc/filesystems").read_text().split()
+    for fs in ("fuse", "erofs", "overlay"):
+        if fs not in have:
+            b.skip("all", "FUSE mount benchmarks", f"the kernel has no {fs} filesystem")
+            return
+    work = b.tmpdir(NAME)
+    cleanup = Cleanup(b.tilefs)
+    try:
+        m = Mounts(b, work, cleanup)
+        metadata_rows(b, work, m)
+        data_rows(b, work, m)
+    finally:
+        cleanup.run()
+
+
+def metadata_rows(b, work: Path, m: Mounts) -> None:
+    src = b.assets / DUMP
+    if not src.is_file():
+        b.skip("cs9", "ls -lR and stat on cs9-x86_64-developer", f"{src} not found (set TILEFS_ASSETS)")
+        return
+    dump = work / DUMP.removesuffix(".gz")
+    with gzip.open(src, "rb") as fin, open(dump, "wb") as fout:
+        shutil.copyfileobj(fin, fout, 1 << 20)
+    paths = []
+    with open(dump, "rb") as f:
+        for line in f:
+            p = line.split(b" ", 1)[0].decode("utf-8", "surrogateescape")
+            if p != "/" and "\\" not in p:
+                paths.append(p)
+    image = work / "cs9.img"
+    r = subprocess.run([b.tilefs, "build", "--from-dump", dump, image], capture_output=True, text=True)
+    if r.returncode != 0:
+        b.skip("cs9", "cs9 benchmarks", f"tilefs build failed: {r.stderr.strip()[-300:]}")
+        return
+    store = work / "store-empty"
+    store.mkdir()
+    image_size = image.stat().st_size
+    mnt = {}
+    why = {}
+    mnt["fuse"], why["fuse"] = m.fuse("fuse", store, image)
+    mnt["kernel"], why["kernel"] = m.kernel("kernel", store, image)
+    mnt["composefs-fuse"], why["composefs-fuse"] = m.composefs_fuse("cfs", store, image)
+    if why["fuse"]:
+        b.skip("cs9", "cs9 benchmarks", why["fuse"])
+        return
+    configs = [k for k in mnt if not why[k]]
+    for k in mnt:
+        if why[k]:
+            b.note(f"{k}: not measured: {why[k]}")
+    labels = {"kernel": "tilefs kernel mount", "composefs-fuse": "composefs-fuse (reference)"}
+    goals = {"ls-lR/cold": 1.5, "ls-lR/warm": 1.2, "stat": 1.3}
+    b.note(f"cs9-x86_64-developer: {len(paths):,} entries, image {image_size / 1e6:.1f} MB, store empty (metadata only)")
+
+    def compare_all(id: str, title: str, argv_of, cold: bool, goal: float | None) -> dict:
+        argv = {k: argv_of(mnt[k]) for k in configs}
+        s = measure(b, title, argv, cold=cold)
+        for k in configs:
+            if k != "fuse":
+                row(b, f"{id}/{k}", f"{title}: vs {labels[k]}", s["fuse"], s[k], labels[k], cold=cold,
+                    goal=goal if k == "kernel" else None)
+        return s
+
+    if b.can_drop_caches():
+        compare_all("ls-lR/cold", "ls -lR cs9, cold cache", lambda p: ["ls", "-lR", p], True, goals["ls-lR/cold"])
+    compare_all("ls-lR/warm", "ls -lR cs9, warm cache", lambda p: ["ls", "-lR", p], False, goals["ls-lR/warm"])
+    for n in STAT_COUNTS:
+        sample = random.Random(SEED + n).sample(paths, min(n, len(paths)))
+        argv_of = lambda p, sample=sample: ["stat", "--format=%i", *[str(p) + x for x in sample]]  # noqa: E731
+        if b.can_drop_caches():
+            compare_all(f"stat-{n}/cold", f"stat of {n} random entries, cold cache", argv_of, True, goals["stat"])
+        compare_all(f"stat-{n}/warm", f"stat of {n} random entries, warm cache", argv_of, False, goals["stat"])
+
+    pid = server_pid(mnt["fuse"])
+    if pid:
+        hwm, rss = status_kib(pid, "VmHWM"), status_kib(pid, "VmRSS")
+        limit = image_size / 1024 + 32 * 1024
+        verdict = "✓ met" if hwm and hwm <= limit else "✗ **missed**"
+        b.info("rss", "FUSE server RSS after the cs9 rows (peak / now)",
+               f"{hwm / 1024:.1f} MiB / {rss / 1024:.1f} MiB; goal ≤ image + 32 MiB = {limit / 1024:.1f} MiB {verdict}",
+               value_json={"vm_hwm_kib": hwm, "vm_rss_kib": rss, "image_bytes": image_size})
+    else:
+        b.note("the FUSE server's process was not found: RSS not measured")
+
+    # Each cache setting switched off, on the listing and stat rows.
+    variants = [
+        ("no-readdirplus", "without readdirplus", ["ls-warm", "ls-cold"]),
+        ("readdirplus-auto", "readdirplus auto", ["ls-cold"]),
+        ("opendir", "opendir answered (FOPEN_CACHE_DIR | KEEP_CACHE), not ENOSYS", ["ls-warm", "ls-cold"]),
+        ("opendir,no-cache-dir", "opendir answered, without kept directory caches", ["ls-warm"]),
+        ("no-symlinks", "without FUSE_CACHE_SYMLINKS", ["ls-warm"]),
+        ("no-selinux-enotsup", "security.selinux answered ENODATA", ["ls-warm"]),
+        ("no-negative", "without negative entries", ["missing"]),
+        ("threads=1", "1 worker thread (default 4)", ["ls-cold", "stat-cold"]),
+        ("threads=2", "2 worker threads (default 4)", ["ls-cold", "stat-cold"]),
+    ]
+    sample = random.Random(SEED).sample(paths, 1000)
+    missing = [x + ".missing" for x in random.Random(SEED + 1).sample(paths, 1000)]
+    work_of = {
+        "ls-warm": ("ls -lR, warm", lambda p: ["ls", "-lR", p], False),
+        "ls-cold": ("ls -lR, cold", lambda p: ["ls", "-lR", p], True),
+        "stat-cold": ("stat of 1000, cold", lambda p: ["stat", "--format=%i", *[str(p) + x for x in sample]], True),
+        "missing": ("stat of 1000 missing names, warm",
+                    lambda p: ["sh", "-c", 'for i in 1 2 3 4 5; do stat "$@" 2>/dev/null; done; true', "sh",
+                               *[str(p) + x for x in missing]], False),
+    }
+    for tuning, what, works in variants:
+        if tuning.startswith("threads="):
+            vm, err = m.fuse(tuning, store, image, extra=["--threads", tuning.split("=")[1]])
+        else:
+            vm, err = m.fuse(tuning.replace(",", "+"), store, image, tuning=tuning)
+        if err:
+            b.note(f"{tuning}: not measured: {err}")
+            continue
+        for w in works:
+            name, argv_of, cold = work_of[w]
+            if cold and not b.can_drop_caches():
+                continue
+            s = measure(b, f"{name}: {what}", {"default": argv_of(mnt["fuse"]), tuning: argv_of(vm)}, cold=cold,
+                        runs=3)
+            row(b, f"setting/{tuning}/{w}", f"setting: {what} vs default — cs9 {name}", s[tuning], s["default"],
+                "FUSE default", cold=cold)
+        subprocess.run([b.tilefs, "umount", vm], capture_output=True)
+
+
+def data_rows(b, work: Path, m: Mounts) -> None:
+    gcc = shutil.which("gcc")
+    zstd = find_zstd_lib()
+    src = work / "data-src"
+    src.mkdir()
+    big = src / "big"
+    b.progress(f"writing a {BIG_MIB} MiB random file ...", final=False)
+    with open("/dev/urandom", "rb") as r, open(big, "wb") as f:
+        for _ in range(BIG_MIB):
+            f.write(r.read(1 << 20))
+    if zstd:
+        shutil.copytree(zstd, src / "zstd-lib", symlinks=True)
+    store = work / "store-data"
+    image = work / "data.img"
+    b.progress("building the data image (objects copied into the store) ...", final=False)
+    r = subprocess.run([b.tilefs, "build", "-q", "--store", store, src, image], capture_output=True, text=True)
+    if r.returncode != 0:
+        b.skip("data", "data benchmarks", f"tilefs build --store failed: {r.stderr.strip()[-300:]}")
+        return
+    mnt, why = {}, {}
+    mnt["fuse"], why["fuse"] = m.fuse("dfuse", store, image)
+    mnt["fuse, no passthrough"], why["fuse, no passthrough"] = m.fuse("dfuse-nopt", store, image, tuning="no-passthrough")
+    mnt["kernel"], why["kernel"] = m.kernel("dkernel", store, image)
+    mnt["native"], why["native"] = src, ""
+    for k in mnt:
+        if why[k]:
+            b.note(f"data rows, {k}: not measured: {why[k]}")
+    ok = [k for k in mnt if not why[k]]
+    if "fuse" not in ok:
+        b.skip("data", "data benchmarks", why["fuse"])
+        return
+    # The first open of each object verifies it: done once here, untimed.
+    for k in ("fuse", "fuse, no passthrough"):
+        if k in ok:
+            subprocess.run(["cat", mnt[k] / "big"], stdout=subprocess.DEVNULL)
+    nbytes = BIG_MIB << 20
+
+    # Sequential read.
+    for cold in ((True, False) if b.can_drop_caches() else (False,)):
+        cw = "cold" if cold else "warm"
+        title = f"sequential read of a {BIG_MIB} MiB file, {cw} cache"
+        argv = {k: ["dd", f"if={mnt[k] / 'big'}", "of=/dev/null", "bs=1M"] for k in ok}
+        s = measure(b, title, argv, cold=cold)
+        ref = s.get("native")
+        row(b, f"read/{cw}/passthrough", f"{title}: FUSE (passthrough) vs native", s["fuse"], ref, "native (ext4)",
+            cold=cold, goal=round(1 / 0.95, 3), nbytes=nbytes)
+        if "fuse, no passthrough" in s:
+            row(b, f"read/{cw}/served", f"{title}: FUSE (reads served by the server) vs native",
+                s["fuse, no passthrough"], ref, "native (ext4)", cold=cold, goal=1.25, nbytes=nbytes)
+        if "kernel" in s:
+            row(b, f"read/{cw}/kernel", f"{title}: FUSE (passthrough) vs kernel mount", s["fuse"], s["kernel"],
+                "tilefs kernel mount", cold=cold, nbytes=nbytes)
+
+    # access(2).
+    prog = None
+    if gcc:
+        c = work / "access1.c"
+        c.write_text(ACCESS_C)
+        prog = work / "access1"
+        if subprocess.run([gcc, "-O2", "-o", prog, c], capture_output=True).returncode != 0:
+            prog = None
+    if prog is None:
+        b.skip("access", "access(2) throughput", "gcc not found or failed")
+    else:
+        target = "zstd-lib/common/zstd_internal.h" if zstd else "big"
+        for procs in (1, 2):
+            title = f"access(2) × {ACCESS_CALLS:,} per process, {procs} process{'es' if procs > 1 else ''}"
+            script = " & ".join([f'"$0" {ACCESS_CALLS} "$1"'] * procs) + " & wait"
+            argv = {k: ["sh", "-c", script, prog, mnt[k] / target] for k in ("fuse", "kernel", "native") if k in ok}
+            s = measure(b, title, argv, cold=False)
+            row(b, f"access/{procs}", f"{title}: vs kernel mount", s["fuse"], s.get("kernel"), "tilefs kernel mount",
+                cold=False, goal=round(1 / 0.9, 3), notes=[f"file: {target} (4 path components)"])
+
+    # A C build.
+    build = None
+    if gcc and zstd:
+        build = work / "build.sh"
+        build.write_text(BUILD_SH)
+        build.chmod(0o755)
+        title = "C build: zstd lib (gcc -O0, 2 jobs), sources in the image"
+        argv = {k: [build, mnt[k] / "zstd-lib", work / f"out-{k.replace(' ', '').replace(',', '')}"]
+                for k in ("fuse", "kernel", "native") if k in ok}
+        s = measure(b, title, argv, cold=False)
+        row(b, "build/kernel", f"{title}: vs kernel mount", s["fuse"], s.get("kernel"), "tilefs kernel mount",
+            cold=False, goal=1.1)
+        row(b, "build/native", f"{title}: vs native", s["fuse"], s.get("native"), "native (ext4)", cold=False)
+    else:
+        b.skip("build", "C build", "gcc or the zstd-sys crate's sources not found (cargo fetch zstd-sys)")
+
+    # Settings that matter for data.
+    variants = [
+        ("no-keep-cache,no-passthrough", "no-passthrough", "without keep_cache", ["read-warm", "build"]),
+        ("no-max-pages,no-passthrough", "no-passthrough", "without FUSE_MAX_PAGES (128 KiB requests)", ["read-cold"]),
+        ("no-default-permissions", "", "without default_permissions (server answers access)", ["access"]),
+        ("no-negative", "", "without negative entries", ["build"]),
+    ]
+    for tuning, base_tuning, what, works in variants:
+        base = mnt["fuse, no passthrough"] if base_tuning else mnt["fuse"]
+        vm, err = m.fuse(tuning.replace(",", "+"), store, image, tuning=tuning)
+        if err:
+            b.note(f"{tuning}: not measured: {err}")
+            continue
+        subprocess.run(["cat", vm / "big"], stdout=subprocess.DEVNULL)
+        for w in works:
+            if w.startswith("read"):
+                cold = w == "read-cold"
+                if cold and not b.can_drop_caches():
+                    continue
+                argv_of = lambda p: ["dd", f"if={p / 'big'}", "of=/dev/null", "bs=1M"]  # noqa: E731
+                name = f"{BIG_MIB} MiB read, {'cold' if cold else 'warm'}"
+            elif w == "access":
+                if prog is None:
+                    continue
+                cold = False
+                # Every call is a round trip without default_permissions: fewer calls.
+                argv_of = lambda p: [prog, str(ACCESS_CALLS // 20), p / "big"]  # noqa: E731
+                name = f"access(2) × {ACCESS_CALLS // 20:,}, 1 process"
+            else:
+                if build is None:
+                    continue
+                cold = False
+                argv_of = lambda p: [build, p / "zstd-lib", work / f"out-{p.name}"]  # noqa: E731
+                name = "C build"
+            s = measure(b, f"{name}: {what}", {"default": argv_of(base), tuning: argv_of(vm)}, cold=cold, runs=3)
+            row(b, f"setting/{tuning}/{w}", f"setting: {what} vs default — {name}", s[tuning], s["default"],
+                "FUSE default" + (" (no passthrough)" if base_tuning else ""), cold=cold)
+        subprocess.run([b.tilefs, "umount", vm], capture_output=True)
+    if b.can_drop_caches():
+        b.note("cold: sync; echo 3 > /proc/sys/vm/drop_caches before every run (the FUSE server keeps its "
+               "in-memory tree and its record of verified objects)")
+    b.note("setting rows: ratio = time with the setting off / time with the default (> 1: the setting helps); "
+           "3 runs each")
+
+
+def find_zstd_lib() -> Path | None:
+    """zstd's lib directory from the zstd-sys crate in cargo's registry."""
+    home = Path(os.environ.get("CARGO_HOME") or Path.home() / ".cargo")
+    found = sorted(home.glob("registry/src/*/zstd-sys-*/zstd/lib"))
+    return found[-1] if found else None

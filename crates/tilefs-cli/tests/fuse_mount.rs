@@ -1,0 +1,1086 @@
+//! FUSE mounts (`tilefs mount --fuse`): the tree shown must equal the
+//! source and the kernel mount of the same image, for root and for an
+//! unprivileged user (through fusermount3); objects are verified (a
+//! tampered or missing one gives EIO for its file only); the server ends
+//! cleanly on SIGTERM, `tilefs umount` clears a mount whose server died,
+//! a corrupt image is refused, and parallel readers see no error.
+//!
+//! Most tests need root (the source trees hold devices, owners and
+//! trusted.* xattrs); the unprivileged test drops to uid/gid 65534 from
+//! root. Each is skipped with the reason printed when it cannot run.
+//! `TILEFS_FUSE_STRESS_SECS` sets the stress test's length (default 20).
+
+mod common;
+
+use common::*;
+use std::collections::{BTreeMap, BTreeSet};
+use std::ffi::{OsStr, OsString};
+use std::fs;
+use std::io::Read;
+use std::os::unix::ffi::OsStrExt;
+use std::os::unix::fs::{MetadataExt, PermissionsExt};
+use std::os::unix::process::CommandExt;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Output, Stdio};
+use std::time::{Duration, Instant};
+
+// ---------------------------------------------------------------------------
+// Helpers
+// ---------------------------------------------------------------------------
+
+const S_IFMT: u32 = 0o170000;
+const S_IFREG: u32 = 0o100000;
+const S_IFCHR: u32 = 0o020000;
+const S_IFBLK: u32 = 0o060000;
+const S_IFDIR: u32 = 0o040000;
+
+/// The unprivileged user the rootless test runs as.
+const NOBODY: u32 = 65534;
+
+fn fusermount_missing() -> Option<String> {
+    let found = std::env::var_os("PATH")
+        .map(|p| std::env::split_paths(&p).any(|d| d.join("fusermount3").is_file()))
+        .unwrap_or(false);
+    (!found).then(|| "fusermount3 not found (Debian package fuse3)".to_string())
+}
+
+fn no_fuse() -> Option<String> {
+    if !Path::new("/dev/fuse").exists() {
+        return Some("no /dev/fuse".into());
+    }
+    let fs = fs::read_to_string("/proc/filesystems").unwrap_or_default();
+    if !fs.lines().any(|l| l.split_whitespace().last() == Some("fuse")) {
+        return Some("the kernel has no fuse filesystem".into());
+    }
+    None
+}
+
+/// Why these tests cannot run here (they need root to make the source tree).
+fn cannot_test() -> Option<String> {
+    if !is_root() {
+        return Some("not running as root (the source trees need it)".into());
+    }
+    no_fuse()
+}
+
+macro_rules! need_root_and_fuse {
+    () => {
+        if let Some(why) = cannot_test() {
+            eprintln!("skipping: {why}");
+            return;
+        }
+    };
+}
+
+fn stderr(o: &Output) -> String {
+    String::from_utf8_lossy(&o.stderr).into_owned()
+}
+
+fn mountinfo_lines() -> Vec<String> {
+    fs::read_to_string("/proc/self/mountinfo")
+        .unwrap_or_default()
+        .lines()
+        .map(str::to_string)
+        .collect()
+}
+
+/// Whether something is mounted exactly at `mnt`.
+fn is_mounted(mnt: &Path) -> bool {
+    let m = mnt.to_str().unwrap();
+    mountinfo_lines().iter().any(|l| l.split(' ').nth(4) == Some(m))
+}
+
+fn wait_until(what: &str, secs: u64, mut f: impl FnMut() -> bool) {
+    let end = Instant::now() + Duration::from_secs(secs);
+    while !f() {
+        assert!(Instant::now() < end, "timed out waiting for {what}");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// A FUSE mount, always taken down when dropped (even when a test panics):
+/// `tilefs umount`, then a lazy unmount as a last resort.
+struct FuseMounted {
+    mnt: PathBuf,
+    child: Option<Child>,
+}
+
+impl Drop for FuseMounted {
+    fn drop(&mut self) {
+        if is_mounted(&self.mnt) {
+            let _ = tilefs_any(&[os("umount"), self.mnt.as_os_str()]);
+        }
+        if is_mounted(&self.mnt) {
+            let _ = rustix::mount::unmount(&self.mnt, rustix::mount::UnmountFlags::DETACH);
+            let _ = Command::new("fusermount3")
+                .args(["-u", "-z", "--"])
+                .arg(&self.mnt)
+                .stderr(Stdio::null())
+                .status();
+        }
+        if let Some(mut c) = self.child.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+}
+
+/// Mounts in the background (the command returns once the mount is ready).
+fn fmount(store: &Path, image: &Path, mnt: &Path, extra: &[&str]) -> FuseMounted {
+    let mut args: Vec<&OsStr> = vec![os("mount"), os("--fuse"), os("--store"), store.as_os_str()];
+    args.extend(extra.iter().map(|s| os(s)));
+    args.push(image.as_os_str());
+    args.push(mnt.as_os_str());
+    let out = tilefs_any(&args);
+    let guard = FuseMounted {
+        mnt: mnt.to_path_buf(),
+        child: None,
+    };
+    assert!(out.status.success(), "tilefs mount --fuse failed: {}", stderr(&out));
+    assert!(
+        is_mounted(mnt),
+        "mount returned but nothing is mounted at {}",
+        mnt.display()
+    );
+    guard
+}
+
+/// Mounts in the foreground: the server is the child, its stderr piped.
+fn fmount_foreground(store: &Path, image: &Path, mnt: &Path, env: &[(&str, &str)]) -> FuseMounted {
+    let mut cmd = Command::new(tilefs_bin());
+    cmd.args([
+        os("mount"),
+        os("--fuse"),
+        os("--foreground"),
+        os("--store"),
+        store.as_os_str(),
+    ])
+    .arg(image)
+    .arg(mnt)
+    .stdin(Stdio::null())
+    .stdout(Stdio::null())
+    .stderr(Stdio::piped());
+    for (k, v) in env {
+        cmd.env(k, v);
+    }
+    let child = cmd.spawn().unwrap();
+    let mut guard = FuseMounted {
+        mnt: mnt.to_path_buf(),
+        child: Some(child),
+    };
+    wait_until("the foreground mount", 30, || {
+        if let Some(st) = guard.child.as_mut().unwrap().try_wait().unwrap() {
+            panic!("tilefs mount --fuse --foreground exited early: {st}");
+        }
+        is_mounted(mnt)
+    });
+    guard
+}
+
+/// A scratch area that an unprivileged user can enter.
+struct Area {
+    tmp: tempfile::TempDir,
+}
+
+impl Area {
+    fn new() -> Area {
+        let tmp = tempfile::tempdir().unwrap();
+        fs::set_permissions(tmp.path(), fs::Permissions::from_mode(0o755)).unwrap();
+        Area { tmp }
+    }
+    fn path(&self, name: &str) -> PathBuf {
+        self.tmp.path().join(name)
+    }
+    fn dir(&self, name: &str) -> PathBuf {
+        let p = self.path(name);
+        fs::create_dir_all(&p).unwrap();
+        p
+    }
+}
+
+/// Builds `image` from `src`, its files' contents into `store`: hardlinked
+/// (big sparse files stay sparse), or copied (so objects can be damaged
+/// without touching the source).
+fn build_with_store(src: &Path, store: &Path, image: &Path, hardlink: bool) {
+    let mut args = vec![os("build"), os("-q"), os("--store"), store.as_os_str()];
+    if hardlink {
+        args.push(os("--hardlink"));
+    }
+    args.extend([src.as_os_str(), image.as_os_str()]);
+    tilefs(&args);
+}
+
+/// Compares two files' contents: all of them, or for large files the first,
+/// a middle and the last MiB (their digests were checked on open anyway).
+fn same_contents(a: &Path, b: &Path) -> Result<(), String> {
+    let fa = fs::File::open(a).map_err(|e| format!("{}: {e}", a.display()))?;
+    let fb = fs::File::open(b).map_err(|e| format!("{}: {e}", b.display()))?;
+    let la = fa.metadata().unwrap().len();
+    let lb = fb.metadata().unwrap().len();
+    if la != lb {
+        return Err(format!("sizes differ: {la} vs {lb}"));
+    }
+    const MIB: u64 = 1 << 20;
+    let ranges: Vec<(u64, u64)> = if la <= 64 * MIB {
+        vec![(0, la)]
+    } else {
+        vec![(0, MIB), (la / 2, MIB), (la - MIB, MIB)]
+    };
+    use std::os::unix::fs::FileExt;
+    let (mut ba, mut bb) = (vec![0u8; MIB as usize], vec![0u8; MIB as usize]);
+    for (start, len) in ranges {
+        let mut off = start;
+        while off < start + len {
+            let n = (start + len - off).min(MIB) as usize;
+            fa.read_exact_at(&mut ba[..n], off)
+                .map_err(|e| format!("{}: {e}", a.display()))?;
+            fb.read_exact_at(&mut bb[..n], off)
+                .map_err(|e| format!("{}: read at {off}: {e}", b.display()))?;
+            if ba[..n] != bb[..n] {
+                return Err(format!("contents differ in the MiB at {off}"));
+            }
+            off += n as u64;
+        }
+    }
+    Ok(())
+}
+
+fn is_whiteout(s: &Seen) -> bool {
+    s.mode & S_IFMT == S_IFCHR && s.rdev == 0
+}
+
+fn parent_of(path: &[u8]) -> Vec<u8> {
+    match path.iter().rposition(|&c| c == b'/') {
+        Some(i) => path[..i].to_vec(),
+        None => Vec::new(),
+    }
+}
+
+fn xattr_map(pairs: &[(&str, &[u8])]) -> BTreeMap<OsString, Vec<u8>> {
+    pairs.iter().map(|(k, v)| (OsString::from(k), v.to_vec())).collect()
+}
+
+/// What the kernel's overlay mount shows for a whiteout from the source:
+/// the marked empty regular file composefs stores, with its markers
+/// unescaped; its directory carries `overlay.whiteouts` (and in version 1
+/// images, which any tree with whiteouts gets, `overlay.opaque=x`).
+const WHITEOUT_XATTRS: &[(&str, &[u8])] = &[("trusted.overlay.whiteout", b""), ("user.overlay.whiteout", b"")];
+const WHITEOUT_DIR_XATTRS: &[(&str, &[u8])] = &[
+    ("trusted.overlay.opaque", b"x"),
+    ("trusted.overlay.whiteouts", b""),
+    ("user.overlay.opaque", b"x"),
+    ("user.overlay.whiteouts", b""),
+];
+
+/// Checks that `got` (the mount) shows exactly `want` (the source, as the
+/// same user sees it). `privileged`: whether trusted.* is visible.
+fn assert_same_view(want: &BTreeMap<Vec<u8>, Seen>, got: &BTreeMap<Vec<u8>, Seen>, privileged: bool, what: &str) {
+    let wn: BTreeSet<_> = want.keys().collect();
+    let gn: BTreeSet<_> = got.keys().collect();
+    if wn != gn {
+        let shown = |s: Vec<&&Vec<u8>>| {
+            s.iter()
+                .map(|k| String::from_utf8_lossy(k).into_owned())
+                .collect::<Vec<_>>()
+        };
+        panic!(
+            "{what}: names differ: missing {:?}, extra {:?}",
+            shown(wn.difference(&gn).take(10).collect()),
+            shown(gn.difference(&wn).take(10).collect())
+        );
+    }
+    let whiteout_dirs: BTreeSet<Vec<u8>> = want
+        .iter()
+        .filter(|(_, s)| is_whiteout(s))
+        .map(|(p, _)| parent_of(p))
+        .collect();
+    let visible = |m: BTreeMap<OsString, Vec<u8>>| -> BTreeMap<OsString, Vec<u8>> {
+        m.into_iter()
+            .filter(|(k, _)| privileged || !k.as_bytes().starts_with(b"trusted."))
+            .collect()
+    };
+    for (path, w) in want {
+        let g = &got[path];
+        let shown = format!("{what}: /{}", String::from_utf8_lossy(path));
+        let mut want_xattrs = w.xattrs.clone();
+        if is_whiteout(w) {
+            assert_eq!(g.mode, S_IFREG | (w.mode & 0o7777), "{shown}: whiteout mode");
+            assert_eq!(g.size, Some(0), "{shown}: whiteout size");
+            want_xattrs.extend(xattr_map(WHITEOUT_XATTRS));
+        } else {
+            assert_eq!(g.mode, w.mode, "{shown}: mode");
+            assert_eq!(g.size, w.size, "{shown}: size");
+            assert_eq!(g.link, w.link, "{shown}: symlink target");
+            if matches!(w.mode & S_IFMT, S_IFCHR | S_IFBLK) {
+                assert_eq!(g.rdev, w.rdev, "{shown}: device number");
+            }
+        }
+        if whiteout_dirs.contains(path) {
+            want_xattrs.extend(xattr_map(WHITEOUT_DIR_XATTRS));
+        }
+        assert_eq!((g.uid, g.gid), (w.uid, w.gid), "{shown}: owner");
+        assert_eq!(g.mtime, w.mtime, "{shown}: mtime");
+        assert_eq!(g.xattrs, visible(want_xattrs), "{shown}: xattrs");
+    }
+}
+
+/// Exactly equal views (FUSE against the kernel mount): everything but
+/// inode numbers, which must group entries the same way.
+fn assert_identical_views(kernel: &BTreeMap<Vec<u8>, Seen>, fuse: &BTreeMap<Vec<u8>, Seen>) {
+    assert_eq!(
+        kernel.keys().collect::<Vec<_>>(),
+        fuse.keys().collect::<Vec<_>>(),
+        "names differ between the kernel and the FUSE mount"
+    );
+    let mut k_groups: BTreeMap<u64, BTreeSet<&Vec<u8>>> = BTreeMap::new();
+    let mut f_groups: BTreeMap<u64, BTreeSet<&Vec<u8>>> = BTreeMap::new();
+    for (path, k) in kernel {
+        let f = &fuse[path];
+        let shown = format!("/{}", String::from_utf8_lossy(path));
+        let dir = k.mode & S_IFMT == S_IFDIR;
+        assert_eq!(f.mode, k.mode, "{shown}: mode");
+        assert_eq!((f.uid, f.gid), (k.uid, k.gid), "{shown}: owner");
+        assert_eq!(f.size, k.size, "{shown}: size");
+        assert_eq!(f.mtime, k.mtime, "{shown}: mtime");
+        assert_eq!(f.rdev, k.rdev, "{shown}: rdev");
+        assert_eq!(f.link, k.link, "{shown}: symlink target");
+        assert_eq!(f.xattrs, k.xattrs, "{shown}: xattrs");
+        assert_eq!(f.nlink, k.nlink, "{shown}: nlink");
+        if !dir && !path.is_empty() {
+            k_groups.entry(k.ino).or_default().insert(path);
+            f_groups.entry(f.ino).or_default().insert(path);
+        }
+    }
+    let k: BTreeSet<_> = k_groups.into_values().collect();
+    let f: BTreeSet<_> = f_groups.into_values().collect();
+    assert_eq!(k, f, "entries sharing an inode differ");
+}
+
+/// Every regular file's contents, compared.
+fn assert_same_contents(src: &Path, mnt: &Path, view: &BTreeMap<Vec<u8>, Seen>) -> usize {
+    let mut n = 0;
+    for (path, s) in view {
+        if s.mode & S_IFMT != S_IFREG {
+            continue;
+        }
+        let rel = OsStr::from_bytes(path);
+        if let Err(e) = same_contents(&src.join(rel), &mnt.join(rel)) {
+            panic!("/{}: {e}", String::from_utf8_lossy(path));
+        }
+        n += 1;
+    }
+    n
+}
+
+fn statvfs(p: &Path) -> rustix::fs::StatVfs {
+    rustix::fs::statvfs(p).unwrap()
+}
+
+/// A file in the store's object for `rel` in the mount (its digest, via
+/// `tilefs digest`).
+fn object_of(store: &Path, file: &Path) -> PathBuf {
+    let out = tilefs(&[os("digest"), os("--compact"), file.as_os_str()]);
+    let hex = String::from_utf8(out.stdout).unwrap();
+    let hex = hex.split_whitespace().next().unwrap().to_string();
+    store.join(&hex[..2]).join(&hex[2..])
+}
+
+fn eio(r: std::io::Result<Vec<u8>>) -> bool {
+    matches!(r, Err(ref e) if e.raw_os_error() == Some(libc::EIO))
+}
+
+// ---------------------------------------------------------------------------
+// The view: root, and the kernel's for comparison
+// ---------------------------------------------------------------------------
+
+#[test]
+fn fuse_mount_shows_the_source_and_what_the_kernel_shows() {
+    need_root_and_fuse!();
+    let a = Area::new();
+    let src = a.path("src");
+    make_source_tree(&src, 11);
+    let store = a.path("store");
+    let image = a.path("image.cfs");
+    build_with_store(&src, &store, &image, true);
+    let mnt = a.dir("mnt");
+    let m = fmount(&store, &image, &mnt, &[]);
+
+    let want = scan(&src);
+    let got = scan(&mnt);
+    assert_same_view(&want, &got, true, "FUSE (root)");
+    let n = assert_same_contents(&src, &mnt, &want);
+    assert!(n > 20, "only {n} regular files compared");
+
+    // Inode numbers are unique and stable: a second look gives the same.
+    let again = scan(&mnt);
+    for (p, s) in &got {
+        assert_eq!(
+            again[p].ino,
+            s.ino,
+            "/{}: inode number changed",
+            String::from_utf8_lossy(p)
+        );
+    }
+    let mut inos: BTreeMap<u64, Vec<u8>> = BTreeMap::new();
+    for (p, s) in &got {
+        if let Some(other) = inos.insert(s.ino, p.clone()) {
+            panic!(
+                "/{} and /{} share inode {} (directory builds make no hardlinks)",
+                String::from_utf8_lossy(&other),
+                String::from_utf8_lossy(p),
+                s.ino
+            );
+        }
+    }
+    assert!(!inos.contains_key(&0));
+
+    // statfs: the image's size, nothing free, full-length names.
+    let st = statvfs(&mnt);
+    let image_blocks = fs::metadata(&image).unwrap().len().div_ceil(4096);
+    assert_eq!(st.f_bsize, 4096);
+    assert_eq!(st.f_blocks, image_blocks, "statfs blocks");
+    assert_eq!(st.f_bfree, 0);
+    assert_eq!(st.f_namemax, 255);
+    assert!(st.f_files >= got.len() as u64 - 1);
+    assert!(
+        st.f_flag.contains(rustix::fs::StatVfsMountFlags::RDONLY),
+        "mounted read-only"
+    );
+
+    // Read-only; missing names are ENOENT (and stay so: negative entries).
+    let err = fs::write(mnt.join("new-file"), b"x").unwrap_err();
+    assert_eq!(err.raw_os_error(), Some(libc::EROFS), "{err}");
+    for _ in 0..2 {
+        let err = fs::symlink_metadata(mnt.join("files/no-such-file")).unwrap_err();
+        assert_eq!(err.raw_os_error(), Some(libc::ENOENT));
+    }
+    let err = fs::read_dir(mnt.join("files/f1-1")).unwrap_err();
+    assert_eq!(err.raw_os_error(), Some(libc::ENOTDIR));
+
+    // The kernel mount of the same image shows the same, inode groups too.
+    match cannot_mount("erofs").or_else(|| cannot_mount("overlay")) {
+        Some(why) => eprintln!("not compared with a kernel mount: {why}"),
+        None => {
+            let kmnt = a.dir("kmnt");
+            let out = tilefs_any(&[
+                os("mount"),
+                os("--kernel"),
+                os("--verity"),
+                os("off"),
+                os("--store"),
+                store.as_os_str(),
+                image.as_os_str(),
+                kmnt.as_os_str(),
+            ]);
+            if out.status.success() {
+                let kview = scan(&kmnt);
+                let _ = tilefs_any(&[os("umount"), kmnt.as_os_str()]);
+                assert_identical_views(&kview, &got);
+            } else {
+                eprintln!("not compared with a kernel mount: {}", stderr(&out));
+            }
+        }
+    }
+
+    drop(m);
+    assert!(!is_mounted(&mnt), "still mounted after tilefs umount");
+}
+
+/// Hardlinks kept by a dump build share one inode number and the image's
+/// nlink; a file without a digest is served with --verity auto and refused
+/// with --verity require.
+#[test]
+fn hardlinks_share_an_inode_and_require_refuses_files_without_digest() {
+    need_root_and_fuse!();
+    let a = Area::new();
+    let store = a.dir("store");
+    let data = a.path("data");
+    let contents: Vec<u8> = (0..10_000u32).map(|i| (i % 251) as u8).collect();
+    fs::write(&data, &contents).unwrap();
+    let obj = object_of(&store, &data);
+    fs::create_dir_all(obj.parent().unwrap()).unwrap();
+    fs::copy(&data, &obj).unwrap();
+    let rel = obj.strip_prefix(&store).unwrap().to_str().unwrap().to_string();
+    let hex = rel.replace('/', "");
+    let dump = format!(
+        "/ 4096 40755 2 0 0 0 1600000000.0 - - -\n\
+         /a 10000 100644 3 0 0 0 1600000000.123456789 {rel} - {hex}\n\
+         /b 10000 @100644 3 0 0 0 1600000000.123456789 /a - -\n\
+         /c 10000 @100644 3 0 0 0 1600000000.123456789 /a - -\n\
+         /nodigest 10000 100600 1 0 0 0 1600000000.0 {rel} - -\n"
+    );
+    let dumpfile = a.path("tree.dump");
+    fs::write(&dumpfile, dump).unwrap();
+    let image = a.path("image.cfs");
+    tilefs(&[os("build"), os("--from-dump"), dumpfile.as_os_str(), image.as_os_str()]);
+
+    let mnt = a.dir("mnt");
+    {
+        let _m = fmount(&store, &image, &mnt, &[]);
+        let ma = fs::symlink_metadata(mnt.join("a")).unwrap();
+        for n in ["b", "c"] {
+            let m = fs::symlink_metadata(mnt.join(n)).unwrap();
+            assert_eq!(m.ino(), ma.ino(), "{n} is a hardlink of a");
+        }
+        assert_eq!(ma.nlink(), 3);
+        assert_eq!(ma.mtime_nsec(), 123_456_789);
+        for n in ["a", "b", "c", "nodigest"] {
+            assert_eq!(fs::read(mnt.join(n)).unwrap(), contents, "{n}");
+        }
+    }
+    assert!(!is_mounted(&mnt));
+    let _m = fmount(&store, &image, &mnt, &["--verity", "require"]);
+    assert_eq!(fs::read(mnt.join("a")).unwrap(), contents);
+    assert!(
+        eio(fs::read(mnt.join("nodigest"))),
+        "require: a file without digest is refused"
+    );
+}
+
+// ---------------------------------------------------------------------------
+// Rootless
+// ---------------------------------------------------------------------------
+
+/// fusermount3 opens /dev/fuse as the calling user: Debian's udev rule
+/// makes it 0666, but machines without udev leave it 0600. For the test's
+/// length it is opened to all (as that rule does), then put back.
+struct DevFuseForAll(Option<u32>);
+
+impl DevFuseForAll {
+    fn new() -> DevFuseForAll {
+        let mode = fs::metadata("/dev/fuse").unwrap().mode() & 0o7777;
+        if mode & 0o006 == 0o006 {
+            return DevFuseForAll(None);
+        }
+        eprintln!("note: /dev/fuse is mode {mode:o}: made 0666 for this test, as Debian's udev rule makes it");
+        fs::set_permissions("/dev/fuse", fs::Permissions::from_mode(mode | 0o666)).unwrap();
+        DevFuseForAll(Some(mode))
+    }
+}
+
+impl Drop for DevFuseForAll {
+    fn drop(&mut self) {
+        if let Some(mode) = self.0 {
+            let _ = fs::set_permissions("/dev/fuse", fs::Permissions::from_mode(mode));
+        }
+    }
+}
+
+/// Runs `cmd` as uid/gid 65534 without supplementary groups.
+fn as_nobody(cmd: &mut Command) -> &mut Command {
+    // SAFETY: only async-signal-safe calls between fork and exec.
+    unsafe {
+        cmd.pre_exec(|| {
+            if libc::setgroups(0, std::ptr::null()) != 0 || libc::setgid(NOBODY) != 0 || libc::setuid(NOBODY) != 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            Ok(())
+        })
+    }
+}
+
+/// When run with TILEFS_FUSE_SCAN=DIR (by `mounted_without_root`, as an
+/// unprivileged user), prints what that user sees of DIR: one line per
+/// file with its metadata, xattrs and the SHA-256 of its contents when
+/// readable. Otherwise does nothing.
+#[test]
+fn scan_child() {
+    let Some(dir) = std::env::var_os("TILEFS_FUSE_SCAN") else {
+        return;
+    };
+    use sha2::Digest;
+    let dir = PathBuf::from(dir);
+    let mut paths = Vec::new();
+    let mut stack = vec![dir.clone()];
+    while let Some(d) = stack.pop() {
+        paths.push(d.clone());
+        for e in fs::read_dir(&d).unwrap() {
+            let p = e.unwrap().path();
+            if fs::symlink_metadata(&p).unwrap().is_dir() {
+                stack.push(p);
+            } else {
+                paths.push(p);
+            }
+        }
+    }
+    let mut lines = Vec::new();
+    for p in paths {
+        let m = fs::symlink_metadata(&p).unwrap();
+        let rel = p.strip_prefix(&dir).unwrap().as_os_str().as_bytes();
+        let ft = m.mode() & S_IFMT;
+        let mut line = format!(
+            "SCAN {} {:o} {} {} {} {} {} {} {}",
+            hex::encode(rel),
+            m.mode(),
+            m.uid(),
+            m.gid(),
+            if ft == S_IFDIR { 0 } else { m.size() },
+            m.mtime(),
+            m.mtime_nsec(),
+            m.rdev(),
+            if ft == S_IFDIR { 0 } else { m.nlink() },
+        );
+        if m.file_type().is_symlink() {
+            line.push_str(&format!(
+                " link={}",
+                hex::encode(fs::read_link(&p).unwrap().as_os_str().as_bytes())
+            ));
+        }
+        // Values of user.* xattrs need read permission: a refusal is shown
+        // as such (and must be the same on both sides).
+        let mut names = vec![0u8; 65536];
+        let n = rustix::fs::llistxattr(&p, &mut names).unwrap_or(0);
+        let mut names: Vec<&[u8]> = names[..n].split(|&c| c == 0).filter(|n| !n.is_empty()).collect();
+        names.sort();
+        for name in names {
+            let mut value = vec![0u8; 65536];
+            let shown = match rustix::fs::lgetxattr(&p, OsStr::from_bytes(name), &mut value) {
+                Ok(len) => hex::encode(&value[..len]),
+                Err(e) => format!("error{}", e.raw_os_error()),
+            };
+            line.push_str(&format!(" x:{}={shown}", hex::encode(name)));
+        }
+        if ft == S_IFREG && m.size() <= 64 << 20 {
+            match fs::read(&p) {
+                Ok(data) => line.push_str(&format!(" sha256={}", hex::encode(sha2::Sha256::digest(&data)))),
+                Err(e) => line.push_str(&format!(" error={}", e.raw_os_error().unwrap_or(0))),
+            }
+        }
+        lines.push(line);
+    }
+    lines.sort();
+    for l in lines {
+        println!("{l}");
+    }
+}
+
+/// What the unprivileged user sees of `dir` (via `scan_child`).
+fn scan_as_nobody(dir: &Path) -> Vec<String> {
+    let out = as_nobody(
+        Command::new(std::env::current_exe().unwrap())
+            .args(["--exact", "scan_child", "--nocapture", "--test-threads", "1"])
+            .env("TILEFS_FUSE_SCAN", dir)
+            .stdin(Stdio::null()),
+    )
+    .output()
+    .unwrap();
+    assert!(out.status.success(), "scan as nobody failed: {}", stderr(&out));
+    let lines: Vec<String> = String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .filter_map(|l| l.strip_prefix("SCAN ").map(str::to_string))
+        .collect();
+    assert!(!lines.is_empty(), "scan as nobody printed nothing: {}", stderr(&out));
+    lines
+}
+
+#[test]
+fn mounted_without_root() {
+    if let Some(why) = cannot_test().or_else(fusermount_missing) {
+        eprintln!("skipping: {why}");
+        return;
+    }
+    let a = Area::new();
+    let src = a.path("src");
+    make_source_tree(&src, 23);
+    let store = a.path("store");
+    let image = a.path("image.cfs");
+    build_with_store(&src, &store, &image, true);
+    let mnt = a.dir("mnt");
+    rustix::fs::chown(
+        &mnt,
+        Some(rustix::fs::Uid::from_raw(NOBODY)),
+        Some(rustix::fs::Gid::from_raw(NOBODY)),
+    )
+    .unwrap();
+
+    // Mount as nobody: through fusermount3, no privilege at all.
+    let _dev = DevFuseForAll::new();
+    let out = as_nobody(
+        Command::new(tilefs_bin())
+            .args([os("mount"), os("--fuse"), os("--store"), store.as_os_str()])
+            .arg(&image)
+            .arg(&mnt)
+            .stdin(Stdio::null()),
+    )
+    .output()
+    .unwrap();
+    let guard = FuseMounted {
+        mnt: mnt.clone(),
+        child: None,
+    };
+    assert!(
+        out.status.success(),
+        "rootless tilefs mount --fuse failed: {}",
+        stderr(&out)
+    );
+    let line = mountinfo_lines()
+        .into_iter()
+        .find(|l| l.split(' ').nth(4) == Some(mnt.to_str().unwrap()))
+        .expect("mounted");
+    assert!(line.contains("fuse.tilefs"), "{line}");
+    assert!(line.contains(&format!("user_id={NOBODY}")), "mounted by nobody: {line}");
+
+    // The unprivileged user sees the same as it sees of the source
+    // (whiteouts and their directories aside, as the kernel shows them).
+    let want = scan_as_nobody(&src);
+    let got = scan_as_nobody(&mnt);
+    assert_eq!(want.len(), got.len(), "number of entries");
+    let mut compared_contents = 0;
+    for (w, g) in want.iter().zip(&got) {
+        let wf: Vec<&str> = w.split(' ').collect();
+        let gf: Vec<&str> = g.split(' ').collect();
+        assert_eq!(wf[0], gf[0], "names");
+        let path = String::from_utf8_lossy(&hex::decode(wf[0]).unwrap()).into_owned();
+        if path.starts_with("dev") && (path == "dev" || path == "dev/whiteout") {
+            continue; // checked as root in the other test
+        }
+        // A regular file's nlink counts the store's hardlink to it (built
+        // with --hardlink); the image's is checked against the kernel's.
+        let nlink_differs = wf[1].starts_with("100");
+        for (i, (x, y)) in wf.iter().zip(&gf).enumerate() {
+            // Field 8 is nlink.
+            if i == 8 && nlink_differs {
+                continue;
+            }
+            assert_eq!(x, y, "/{path}: field {i} differs:\n source {w}\n mount  {g}");
+        }
+        assert_eq!(wf.len(), gf.len(), "/{path}:\n source {w}\n mount  {g}");
+        if w.contains("sha256=") {
+            compared_contents += 1;
+        }
+    }
+    assert!(compared_contents > 20, "only {compared_contents} files read");
+    // trusted.* stays hidden from the unprivileged user.
+    assert!(!got
+        .iter()
+        .any(|l| l.contains(&format!("x:{}", hex::encode("trusted.")))));
+
+    // Unmount as that user.
+    let out = as_nobody(Command::new(tilefs_bin()).arg("umount").arg(&mnt).stdin(Stdio::null()))
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "rootless tilefs umount failed: {}", stderr(&out));
+    assert!(!is_mounted(&mnt));
+    drop(guard);
+}
+
+// ---------------------------------------------------------------------------
+// Verification
+// ---------------------------------------------------------------------------
+
+/// A tree with a few external files, built into a store.
+fn small_store(a: &Area) -> (PathBuf, PathBuf, PathBuf) {
+    let src = a.dir("src");
+    for i in 0..6u32 {
+        let data: Vec<u8> = (0..(5000 + i * 1000)).map(|j| (j * 7 + i) as u8).collect();
+        fs::write(src.join(format!("file{i}")), data).unwrap();
+    }
+    fs::write(src.join("small"), b"inline").unwrap();
+    let store = a.path("store");
+    let image = a.path("image.cfs");
+    build_with_store(&src, &store, &image, false);
+    (src, store, image)
+}
+
+fn check_tampering(tuning: &str) {
+    let a = Area::new();
+    let (src, store, image) = small_store(&a);
+    let mnt = a.dir("mnt");
+    let mut m = fmount_foreground(&store, &image, &mnt, &[("TILEFS_FUSE_TUNING", tuning)]);
+
+    // Every file reads back (and so is verified once).
+    for i in 0..6 {
+        let f = format!("file{i}");
+        assert_eq!(fs::read(mnt.join(&f)).unwrap(), fs::read(src.join(&f)).unwrap(), "{f}");
+    }
+    // file1's object changes after it was verified; file2's disappears.
+    let obj1 = object_of(&store, &src.join("file1"));
+    let mut bad = fs::read(&obj1).unwrap();
+    bad[100] ^= 0xff;
+    fs::write(&obj1, &bad).unwrap();
+    let obj2 = object_of(&store, &src.join("file2"));
+    fs::remove_file(&obj2).unwrap();
+    for _ in 0..2 {
+        assert!(
+            eio(fs::read(mnt.join("file1"))),
+            "{tuning}: tampered object must give EIO"
+        );
+        assert!(
+            eio(fs::read(mnt.join("file2"))),
+            "{tuning}: missing object must give EIO"
+        );
+    }
+    // Nothing else breaks.
+    for f in ["file0", "file3", "file4", "file5", "small"] {
+        assert_eq!(
+            fs::read(mnt.join(f)).unwrap(),
+            fs::read(src.join(f)).unwrap(),
+            "{tuning}: {f}"
+        );
+    }
+    assert!(fs::read_dir(&mnt).unwrap().count() == 7);
+    // Put file1 right again: served again.
+    fs::write(&obj1, fs::read(src.join("file1")).unwrap()).unwrap();
+    assert_eq!(
+        fs::read(mnt.join("file1")).unwrap(),
+        fs::read(src.join("file1")).unwrap()
+    );
+
+    // SIGTERM: a clean unmount and exit; the log names both files.
+    let mut child = m.child.take().unwrap();
+    rustix::process::kill_process(rustix::process::Pid::from_child(&child), rustix::process::Signal::TERM).unwrap();
+    let end = Instant::now() + Duration::from_secs(20);
+    let status = loop {
+        if let Some(st) = child.try_wait().unwrap() {
+            break st;
+        }
+        assert!(Instant::now() < end, "server did not exit after SIGTERM");
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    let mut log = String::new();
+    child.stderr.take().unwrap().read_to_string(&mut log).unwrap();
+    assert!(status.success(), "server exit after SIGTERM: {status}; stderr: {log}");
+    assert!(!is_mounted(&mnt), "still mounted after SIGTERM");
+    assert!(log.contains("/file1") && log.contains("mismatch"), "log: {log}");
+    assert!(log.contains("/file2"), "log: {log}");
+    drop(m);
+}
+
+#[test]
+fn tampered_or_missing_objects_give_eio_for_their_files_only() {
+    need_root_and_fuse!();
+    // Passthrough (root's default) and reads served by the server.
+    check_tampering("");
+    check_tampering("no-passthrough");
+}
+
+#[test]
+fn verity_off_serves_changed_objects() {
+    need_root_and_fuse!();
+    let a = Area::new();
+    let (src, store, image) = small_store(&a);
+    let obj = object_of(&store, &src.join("file3"));
+    let mut bad = fs::read(&obj).unwrap();
+    bad[0] ^= 1;
+    fs::write(&obj, &bad).unwrap();
+    let mnt = a.dir("mnt");
+    {
+        let _m = fmount(&store, &image, &mnt, &[]);
+        assert!(eio(fs::read(mnt.join("file3"))));
+    }
+    let _m = fmount(&store, &image, &mnt, &["--verity", "off"]);
+    assert_eq!(fs::read(mnt.join("file3")).unwrap(), bad);
+}
+
+// ---------------------------------------------------------------------------
+// Lifecycle
+// ---------------------------------------------------------------------------
+
+#[test]
+fn corrupt_image_is_refused_with_a_clear_message() {
+    need_root_and_fuse!();
+    let a = Area::new();
+    let (_src, store, image) = small_store(&a);
+    let mnt = a.dir("mnt");
+    let good = fs::read(&image).unwrap();
+    let cases: Vec<(&str, Vec<u8>)> = vec![
+        ("truncated", good[..good.len() / 2].to_vec()),
+        ("not an image", b"hello, this is not an image at all".repeat(200)),
+        ("bad superblock", {
+            let mut b = good.clone();
+            b[1024..1028].copy_from_slice(&[0, 0, 0, 0]);
+            b
+        }),
+    ];
+    for (what, bytes) in cases {
+        let bad = a.path("bad.cfs");
+        fs::write(&bad, &bytes).unwrap();
+        let out = tilefs_any(&[
+            os("mount"),
+            os("--fuse"),
+            os("--store"),
+            store.as_os_str(),
+            bad.as_os_str(),
+            mnt.as_os_str(),
+        ]);
+        let _guard = FuseMounted {
+            mnt: mnt.clone(),
+            child: None,
+        };
+        assert!(!out.status.success(), "{what}: mounted a corrupt image");
+        let err = stderr(&out);
+        assert!(err.contains("bad.cfs"), "{what}: message names the image: {err}");
+        assert!(
+            err.contains("corrupt") || err.contains("not a composefs image") || err.contains("truncated"),
+            "{what}: message says what is wrong: {err}"
+        );
+        assert!(!is_mounted(&mnt), "{what}: left a mount behind");
+    }
+}
+
+/// The background server's pid, found by its command line.
+fn server_pid(mnt: &Path) -> Option<i32> {
+    let want = mnt.as_os_str().as_bytes();
+    for e in fs::read_dir("/proc").ok()?.flatten() {
+        let Ok(pid) = e.file_name().to_string_lossy().parse::<i32>() else {
+            continue;
+        };
+        let Ok(cmd) = fs::read(e.path().join("cmdline")) else {
+            continue;
+        };
+        let args: Vec<&[u8]> = cmd.split(|&c| c == 0).collect();
+        if args.iter().any(|a| a.ends_with(b"mount")) && args.iter().any(|a| a.ends_with(want)) {
+            return Some(pid);
+        }
+    }
+    None
+}
+
+#[test]
+fn sigterm_unmounts_and_umount_clears_a_dead_server() {
+    need_root_and_fuse!();
+    let a = Area::new();
+    let (src, store, image) = small_store(&a);
+    let mnt = a.dir("mnt");
+
+    // Background server: SIGTERM unmounts and the server exits.
+    let m = fmount(&store, &image, &mnt, &[]);
+    let pid = server_pid(&mnt).expect("background server process");
+    assert_eq!(
+        fs::read(mnt.join("file0")).unwrap(),
+        fs::read(src.join("file0")).unwrap()
+    );
+    rustix::process::kill_process(
+        rustix::process::Pid::from_raw(pid).unwrap(),
+        rustix::process::Signal::TERM,
+    )
+    .unwrap();
+    wait_until("unmount after SIGTERM", 20, || !is_mounted(&mnt));
+    wait_until("the server's exit", 20, || {
+        fs::read_to_string(format!("/proc/{pid}/stat")).map_or(true, |s| s.contains(") Z "))
+    });
+    drop(m);
+
+    // A crashed server (SIGKILL) leaves a dead mount; tilefs umount clears it.
+    let m = fmount(&store, &image, &mnt, &[]);
+    let pid = server_pid(&mnt).expect("background server process");
+    rustix::process::kill_process(
+        rustix::process::Pid::from_raw(pid).unwrap(),
+        rustix::process::Signal::KILL,
+    )
+    .unwrap();
+    wait_until("the server's death", 20, || {
+        fs::symlink_metadata(mnt.join("file0")).is_err_and(|e| e.raw_os_error() == Some(libc::ENOTCONN))
+    });
+    let out = tilefs_any(&[os("umount"), mnt.as_os_str()]);
+    assert!(out.status.success(), "tilefs umount of a dead mount: {}", stderr(&out));
+    assert!(!is_mounted(&mnt));
+    assert!(
+        fs::read_dir(&mnt).unwrap().next().is_none(),
+        "the mountpoint is a plain empty directory again"
+    );
+    drop(m);
+
+    // And the same place mounts again.
+    let _m = fmount(&store, &image, &mnt, &[]);
+    assert_eq!(
+        fs::read(mnt.join("file5")).unwrap(),
+        fs::read(src.join("file5")).unwrap()
+    );
+}
+
+// ---------------------------------------------------------------------------
+// Robustness
+// ---------------------------------------------------------------------------
+
+/// Walks and reads everything under `dir` once; returns (entries, bytes) or
+/// the first error.
+fn walk_and_read(dir: &Path, buf: &mut [u8]) -> Result<(u64, u64), String> {
+    let mut entries = 0;
+    let mut bytes = 0;
+    let mut stack = vec![dir.to_path_buf()];
+    while let Some(d) = stack.pop() {
+        for e in fs::read_dir(&d).map_err(|e| format!("{}: {e}", d.display()))? {
+            let e = e.map_err(|e| format!("{}: {e}", d.display()))?;
+            let p = e.path();
+            let m = fs::symlink_metadata(&p).map_err(|e| format!("{}: {e}", p.display()))?;
+            entries += 1;
+            xattrs(&p);
+            let ft = m.file_type();
+            if ft.is_dir() {
+                stack.push(p);
+            } else if ft.is_symlink() {
+                fs::read_link(&p).map_err(|e| format!("{}: {e}", p.display()))?;
+            } else if ft.is_file() {
+                let mut f = fs::File::open(&p).map_err(|e| format!("{}: {e}", p.display()))?;
+                // Big (sparse) files: the first 4 MiB.
+                let mut left = m.len().min(4 << 20);
+                let cap = buf.len() as u64;
+                while left > 0 {
+                    let n = f
+                        .read(&mut buf[..left.min(cap) as usize])
+                        .map_err(|e| format!("{}: {e}", p.display()))?;
+                    if n == 0 {
+                        return Err(format!("{}: short read", p.display()));
+                    }
+                    left -= n as u64;
+                    bytes += n as u64;
+                }
+            }
+        }
+    }
+    Ok((entries, bytes))
+}
+
+#[test]
+fn parallel_readers_see_no_error() {
+    need_root_and_fuse!();
+    let secs: u64 = std::env::var("TILEFS_FUSE_STRESS_SECS")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(20);
+    let a = Area::new();
+    let src = a.path("src");
+    make_source_tree(&src, 31);
+    let store = a.path("store");
+    let image = a.path("image.cfs");
+    build_with_store(&src, &store, &image, true);
+    for tuning in ["", "no-passthrough"] {
+        let mnt = a.dir("mnt");
+        let m = fmount_foreground(&store, &image, &mnt, &[("TILEFS_FUSE_TUNING", tuning)]);
+        let end = Instant::now() + Duration::from_secs(secs / 2);
+        let threads: Vec<_> = (0..8)
+            .map(|_| {
+                let mnt = mnt.clone();
+                std::thread::spawn(move || {
+                    let mut buf = vec![0u8; 256 << 10];
+                    let mut rounds = 0u64;
+                    while Instant::now() < end || rounds == 0 {
+                        walk_and_read(&mnt, &mut buf)?;
+                        rounds += 1;
+                    }
+                    Ok::<u64, String>(rounds)
+                })
+            })
+            .collect();
+        // A hang shows as a reader that never comes back.
+        let deadline = end + Duration::from_secs(120);
+        for t in threads {
+            while !t.is_finished() {
+                assert!(Instant::now() < deadline, "{tuning}: a reader hangs");
+                std::thread::sleep(Duration::from_millis(50));
+            }
+            let rounds = t
+                .join()
+                .unwrap()
+                .unwrap_or_else(|e| panic!("{tuning}: reader failed: {e}"));
+            assert!(rounds > 0);
+        }
+        // Still serving, and still right.
+        assert_eq!(
+            fs::read(mnt.join("files/f7-4097")).unwrap(),
+            fs::read(src.join("files/f7-4097")).unwrap()
+        );
+        drop(m);
+    }
+}

@@ -1,0 +1,216 @@
+//! Mounting and unmounting: mount(2) on /dev/fuse as root, the setuid
+//! `fusermount3` helper otherwise (it opens /dev/fuse, mounts, and passes
+//! the fd back over a socket named by `_FUSE_COMMFD`).
+
+use crate::{fail, FuseError};
+use rustix::io::Errno;
+use rustix::mount::{MountFlags, UnmountFlags};
+use std::io::IoSliceMut;
+use std::mem::MaybeUninit;
+use std::os::fd::{AsRawFd, OwnedFd};
+use std::os::unix::ffi::OsStrExt;
+use std::os::unix::process::CommandExt;
+use std::path::Path;
+use std::process::{Command, Stdio};
+
+/// The setuid helper that mounts and unmounts for unprivileged users.
+pub(crate) fn fusermount() -> String {
+    std::env::var("FUSERMOUNT_PATH").unwrap_or_else(|_| "fusermount3".into())
+}
+
+/// The source shown in /proc/mounts: `tilefs:` and the image's file name,
+/// without the characters mount options cannot hold.
+fn fsname(image: &Path) -> String {
+    let name = image.file_name().map(|n| n.as_bytes()).unwrap_or(b"image");
+    let clean: String = String::from_utf8_lossy(name)
+        .chars()
+        .map(|c| {
+            if c.is_ascii_graphic() && c != ',' && c != '\\' {
+                c
+            } else {
+                '_'
+            }
+        })
+        .collect();
+    format!("tilefs:{clean}")
+}
+
+/// Mounts a FUSE filesystem at `mnt` (read-only) and returns the
+/// connection's /dev/fuse fd.
+pub(crate) fn mount_fuse(
+    mnt: &Path,
+    image: &Path,
+    allow_other: bool,
+    default_permissions: bool,
+) -> Result<OwnedFd, FuseError> {
+    let name = fsname(image);
+    if rustix::process::geteuid().is_root() {
+        match mount_sys(mnt, &name, allow_other, default_permissions) {
+            Ok(fd) => return Ok(fd),
+            // Root without the capability (a user namespace): the helper
+            // may still work.
+            Err(Errno::PERM) | Err(Errno::ACCESS) => {}
+            Err(e) => return Err(fail(format!("{}: mount: {e}", mnt.display()))),
+        }
+    }
+    mount_helper(mnt, &name, allow_other, default_permissions)
+}
+
+fn mount_sys(mnt: &Path, name: &str, allow_other: bool, default_permissions: bool) -> Result<OwnedFd, Errno> {
+    let fd = rustix::fs::open(
+        "/dev/fuse",
+        rustix::fs::OFlags::RDWR | rustix::fs::OFlags::CLOEXEC,
+        rustix::fs::Mode::empty(),
+    )?;
+    let st = rustix::fs::stat(mnt)?;
+    let mut data = format!(
+        "fd={},rootmode={:o},user_id={},group_id={}",
+        fd.as_raw_fd(),
+        st.st_mode & libc::S_IFMT,
+        rustix::process::geteuid().as_raw(),
+        rustix::process::getegid().as_raw()
+    );
+    if default_permissions {
+        data.push_str(",default_permissions");
+    }
+    if allow_other {
+        data.push_str(",allow_other");
+    }
+    rustix::mount::mount(
+        name,
+        mnt,
+        "fuse.tilefs",
+        MountFlags::RDONLY | MountFlags::NOATIME,
+        std::ffi::CString::new(data).map_err(|_| Errno::INVAL)?.as_c_str(),
+    )?;
+    Ok(fd)
+}
+
+fn mount_helper(mnt: &Path, name: &str, allow_other: bool, default_permissions: bool) -> Result<OwnedFd, FuseError> {
+    use rustix::net::{
+        recvmsg, socketpair, AddressFamily, RecvAncillaryBuffer, RecvAncillaryMessage, RecvFlags, SocketFlags,
+        SocketType,
+    };
+    let (ours, theirs) = socketpair(AddressFamily::UNIX, SocketType::STREAM, SocketFlags::CLOEXEC, None)
+        .map_err(|e| fail(format!("socketpair: {e}")))?;
+    let mut opts = format!("ro,noatime,nosuid,nodev,fsname={name},subtype=tilefs");
+    if default_permissions {
+        opts.push_str(",default_permissions");
+    }
+    if allow_other {
+        opts.push_str(",allow_other");
+    }
+    let helper = fusermount();
+    let theirs_raw = theirs.as_raw_fd();
+    let mut cmd = Command::new(&helper);
+    cmd.arg("-o")
+        .arg(&opts)
+        .arg("--")
+        .arg(mnt)
+        .env("_FUSE_COMMFD", theirs_raw.to_string())
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped());
+    // SAFETY: between fork and exec only fcntl (async-signal-safe) runs, to
+    // let the helper inherit its end of the socket.
+    unsafe {
+        cmd.pre_exec(move || {
+            let flags = libc::fcntl(theirs_raw, libc::F_GETFD);
+            if flags < 0 || libc::fcntl(theirs_raw, libc::F_SETFD, flags & !libc::FD_CLOEXEC) < 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            Ok(())
+        });
+    }
+    let child = cmd.spawn().map_err(|e| {
+        fail(format!(
+            "cannot run {helper} (Debian package fuse3), needed to mount without root: {e}"
+        ))
+    })?;
+    drop(theirs);
+    let mut byte = [0u8; 1];
+    let mut space = [MaybeUninit::uninit(); rustix::cmsg_space!(ScmRights(1))];
+    let mut control = RecvAncillaryBuffer::new(&mut space);
+    let mut fd = None;
+    loop {
+        match recvmsg(
+            &ours,
+            &mut [IoSliceMut::new(&mut byte)],
+            &mut control,
+            RecvFlags::CMSG_CLOEXEC,
+        ) {
+            Ok(_) => {}
+            Err(Errno::INTR) => continue,
+            Err(_) => break,
+        }
+        for msg in control.drain() {
+            if let RecvAncillaryMessage::ScmRights(fds) = msg {
+                for f in fds {
+                    fd.get_or_insert(f);
+                }
+            }
+        }
+        break;
+    }
+    drop(ours);
+    let out = child
+        .wait_with_output()
+        .map_err(|e| fail(format!("waiting for {helper}: {e}")))?;
+    match fd {
+        Some(fd) if out.status.success() => Ok(fd),
+        _ => {
+            let err = String::from_utf8_lossy(&out.stderr).trim().to_string();
+            Err(fail(format!(
+                "{}: {helper} failed ({}): {err}",
+                mnt.display(),
+                out.status
+            )))
+        }
+    }
+}
+
+fn run_helper(args: &[&str], mnt: &Path) -> Result<(), String> {
+    let helper = fusermount();
+    let out = Command::new(&helper)
+        .args(args)
+        .arg("--")
+        .arg(mnt)
+        .stdin(Stdio::null())
+        .output()
+        .map_err(|e| format!("cannot run {helper}: {e}"))?;
+    if out.status.success() {
+        Ok(())
+    } else {
+        Err(String::from_utf8_lossy(&out.stderr).trim().to_string())
+    }
+}
+
+/// Unmounts the FUSE mount at `mountpoint`, also one whose server died. A
+/// busy mount is detached (it goes away when its last user leaves).
+pub fn unmount(mountpoint: &Path) -> Result<(), FuseError> {
+    if rustix::process::geteuid().is_root() {
+        match rustix::mount::unmount(mountpoint, UnmountFlags::empty()) {
+            Ok(()) => return Ok(()),
+            Err(Errno::BUSY) => return detach(mountpoint),
+            Err(Errno::PERM) => {}
+            Err(e) => return Err(fail(format!("{}: unmount: {e}", mountpoint.display()))),
+        }
+    }
+    match run_helper(&["-u"], mountpoint) {
+        Ok(()) => Ok(()),
+        Err(e) if e.contains("busy") => detach(mountpoint),
+        Err(e) => Err(fail(format!("{}: {e}", mountpoint.display()))),
+    }
+}
+
+/// Detaches the mount at `mountpoint` lazily.
+pub(crate) fn detach(mountpoint: &Path) -> Result<(), FuseError> {
+    if rustix::process::geteuid().is_root() {
+        match rustix::mount::unmount(mountpoint, UnmountFlags::DETACH) {
+            Ok(()) => return Ok(()),
+            Err(Errno::PERM) => {}
+            Err(e) => return Err(fail(format!("{}: unmount: {e}", mountpoint.display()))),
+        }
+    }
+    run_helper(&["-u", "-z"], mountpoint).map_err(|e| fail(format!("{}: {e}", mountpoint.display())))
+}

@@ -1,0 +1,236 @@
+//! Opening objects from the store and checking them against the image.
+//!
+//! Only store-relative object paths (`XX/` + 62 hex digits) are ever
+//! opened, relative to the store's directory fd, with symlinks refused at
+//! every component: nothing an image says can reach outside the store.
+//!
+//! An object's fs-verity digest is computed once and remembered together
+//! with the identity and change state of the file it was computed from
+//! (device, inode, size, mtime, ctime). A later open of the same object
+//! finds the record and skips the work when the file is unchanged; any
+//! change (rewrite, rename over, chmod, touch) makes the stat differ and
+//! the object is hashed again.
+
+use rustc_hash::FxHashMap;
+use rustix::fs::{fstat, openat2, Mode, OFlags, ResolveFlags};
+use std::fs::File;
+use std::os::fd::{AsFd, OwnedFd};
+use std::os::unix::fs::FileExt;
+use std::sync::{Arc, Mutex};
+use tilefs_image::verity::Hasher;
+
+/// What identifies one state of an object file.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub(crate) struct FileKey {
+    dev: u64,
+    ino: u64,
+    size: u64,
+    mtime: (i64, i64),
+    ctime: (i64, i64),
+}
+
+impl FileKey {
+    pub(crate) fn of(fd: impl AsFd) -> std::io::Result<FileKey> {
+        let st = fstat(fd)?;
+        Ok(FileKey {
+            dev: st.st_dev,
+            ino: st.st_ino,
+            size: st.st_size as u64,
+            mtime: (st.st_mtime, st.st_mtime_nsec as i64),
+            ctime: (st.st_ctime, st.st_ctime_nsec as i64),
+        })
+    }
+}
+
+/// Why an object cannot be served.
+#[derive(Debug)]
+pub(crate) enum ObjectError {
+    /// The image's payload is not an object path.
+    BadPath,
+    Open(std::io::Error),
+    NotRegular,
+    Read(std::io::Error),
+    /// The object's digest differs from the image's.
+    Mismatch {
+        found: [u8; 32],
+    },
+    /// Verity::Require and the image has no digest for the file.
+    NoDigest,
+}
+
+impl std::fmt::Display for ObjectError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            ObjectError::BadPath => f.write_str("the image's redirect is not an object path (XX/ + 62 hex digits)"),
+            ObjectError::Open(e) => write!(f, "cannot open the object: {e}"),
+            ObjectError::NotRegular => f.write_str("the object is not a regular file"),
+            ObjectError::Read(e) => write!(f, "cannot read the object: {e}"),
+            ObjectError::Mismatch { found } => write!(
+                f,
+                "fs-verity digest mismatch: the object's is {}",
+                tilefs_image::tree::digest_hex(found)
+            ),
+            ObjectError::NoDigest => f.write_str("the image has no digest for this file and verity is required"),
+        }
+    }
+}
+
+/// Opens `rel` (an object path from the image) under `store`, read-only,
+/// refusing symlinks and anything but a regular file.
+pub(crate) fn open_object(store: impl AsFd, rel: &[u8]) -> Result<File, ObjectError> {
+    if tilefs_store::parse_object_rel(rel).is_none() {
+        return Err(ObjectError::BadPath);
+    }
+    let rel = rel.strip_prefix(b"/").unwrap_or(rel);
+    // parse_object_rel accepted it: ASCII, no NUL.
+    let path = std::str::from_utf8(rel).map_err(|_| ObjectError::BadPath)?;
+    let fd: OwnedFd = openat2(
+        store,
+        path,
+        OFlags::RDONLY | OFlags::NOFOLLOW | OFlags::CLOEXEC | OFlags::NOCTTY,
+        Mode::empty(),
+        ResolveFlags::BENEATH | ResolveFlags::NO_SYMLINKS | ResolveFlags::NO_MAGICLINKS,
+    )
+    .map_err(|e| ObjectError::Open(e.into()))?;
+    let st = fstat(&fd).map_err(|e| ObjectError::Open(e.into()))?;
+    if st.st_mode & libc::S_IFMT != libc::S_IFREG {
+        return Err(ObjectError::NotRegular);
+    }
+    Ok(File::from(fd))
+}
+
+/// fs-verity digest of everything in `f`, read with pread.
+pub(crate) fn digest_file(f: &File) -> std::io::Result<[u8; 32]> {
+    let mut h = Hasher::new();
+    let mut buf = vec![0u8; 1 << 20];
+    let mut off = 0u64;
+    loop {
+        let n = match f.read_at(&mut buf, off) {
+            Ok(0) => break,
+            Ok(n) => n,
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
+            Err(e) => return Err(e),
+        };
+        h.update(&buf[..n]);
+        off += n as u64;
+    }
+    Ok(h.finalize())
+}
+
+/// Digests already checked, each with the file state it was checked on.
+#[derive(Default)]
+pub(crate) struct VerifiedObjects {
+    map: Mutex<FxHashMap<[u8; 32], FileKey>>,
+    /// Objects being hashed now: others wanting the same one wait for that
+    /// result instead of hashing it again.
+    busy: Mutex<FxHashMap<[u8; 32], Arc<Mutex<()>>>>,
+}
+
+impl VerifiedObjects {
+    /// Checks `f` (opened from the object named by `digest`) against
+    /// `digest`, unless the same file in the same state was checked before.
+    /// Returns the state it was checked in.
+    pub(crate) fn check(&self, f: &File, digest: &[u8; 32]) -> Result<FileKey, ObjectError> {
+        let key = FileKey::of(f).map_err(ObjectError::Read)?;
+        if self.map.lock().unwrap().get(digest) == Some(&key) {
+            return Ok(key);
+        }
+        let slot = self.busy.lock().unwrap().entry(*digest).or_default().clone();
+        let _hashing = slot.lock().unwrap_or_else(|p| p.into_inner());
+        if self.map.lock().unwrap().get(digest) == Some(&key) {
+            return Ok(key);
+        }
+        let result = self.hash_and_record(f, digest, key);
+        self.busy.lock().unwrap().remove(digest);
+        result
+    }
+
+    fn hash_and_record(&self, f: &File, digest: &[u8; 32], key: FileKey) -> Result<FileKey, ObjectError> {
+        let found = digest_file(f).map_err(ObjectError::Read)?;
+        // The file may have changed while it was read: only a digest taken
+        // of one unchanged state counts.
+        let after = FileKey::of(f).map_err(ObjectError::Read)?;
+        if found != *digest {
+            self.map.lock().unwrap().remove(digest);
+            return Err(ObjectError::Mismatch { found });
+        }
+        if after != key {
+            return Err(ObjectError::Read(std::io::Error::other(
+                "the object changed while it was being verified",
+            )));
+        }
+        self.map.lock().unwrap().insert(*digest, key);
+        Ok(key)
+    }
+
+    /// Whether `digest` is recorded as verified in state `key`.
+    pub(crate) fn is_verified(&self, digest: &[u8; 32], key: &FileKey) -> bool {
+        self.map.lock().unwrap().get(digest) == Some(key)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::fs;
+    use tilefs_image::verity::digest_bytes;
+
+    fn store_with(data: &[u8]) -> (tempfile::TempDir, OwnedFd, String, [u8; 32]) {
+        let tmp = tempfile::tempdir().unwrap();
+        let d = digest_bytes(data);
+        let rel = tilefs_image::tree::digest_object_path(&d);
+        fs::create_dir_all(tmp.path().join(&rel[..2])).unwrap();
+        fs::write(tmp.path().join(&rel), data).unwrap();
+        let fd = File::open(tmp.path()).unwrap().into();
+        (tmp, fd, rel, d)
+    }
+
+    #[test]
+    fn only_object_paths_inside_the_store_open() {
+        let (tmp, store, rel, _) = store_with(b"some object contents");
+        assert!(open_object(&store, rel.as_bytes()).is_ok());
+        assert!(open_object(&store, format!("/{rel}").as_bytes()).is_ok());
+        for bad in ["../etc/passwd", "/etc/passwd", "ab/cd", "", "AB/CDEF"] {
+            assert!(
+                matches!(open_object(&store, bad.as_bytes()), Err(ObjectError::BadPath)),
+                "{bad}"
+            );
+        }
+        // A symlinked fan-out directory or object is refused.
+        let other = tilefs_image::tree::digest_object_path(&[0x11; 32]);
+        std::os::unix::fs::symlink("/etc", tmp.path().join(&other[..2])).unwrap();
+        assert!(matches!(
+            open_object(&store, other.as_bytes()),
+            Err(ObjectError::Open(_))
+        ));
+        let third = tilefs_image::tree::digest_object_path(&[0x22; 32]);
+        fs::create_dir(tmp.path().join(&third[..2])).unwrap();
+        std::os::unix::fs::symlink(tmp.path().join(&rel), tmp.path().join(&third)).unwrap();
+        assert!(matches!(
+            open_object(&store, third.as_bytes()),
+            Err(ObjectError::Open(_))
+        ));
+    }
+
+    #[test]
+    fn changes_after_verification_are_caught() {
+        let (tmp, store, rel, d) = store_with(&[7u8; 10000]);
+        let v = VerifiedObjects::default();
+        let f = open_object(&store, rel.as_bytes()).unwrap();
+        let key = v.check(&f, &d).unwrap();
+        assert!(v.is_verified(&d, &key));
+        assert_eq!(
+            v.check(&f, &d).unwrap(),
+            key,
+            "a second check of the same state is free"
+        );
+        let mut bad = vec![7u8; 10000];
+        bad[5000] = 8;
+        fs::write(tmp.path().join(&rel), &bad).unwrap();
+        let f = open_object(&store, rel.as_bytes()).unwrap();
+        assert!(matches!(v.check(&f, &d), Err(ObjectError::Mismatch { .. })));
+        fs::write(tmp.path().join(&rel), [7u8; 10000]).unwrap();
+        let f = open_object(&store, rel.as_bytes()).unwrap();
+        assert!(v.check(&f, &d).is_ok());
+    }
+}
