@@ -209,7 +209,14 @@ fn killed_builds_leave_a_consistent_store() {
     let img = tmp.path().join("img");
     let build = |src: &Path| {
         Command::new(tilefs_bin())
-            .args([os("build"), os("--quiet"), os("--store"), store.as_os_str(), os("--tag"), os("t")])
+            .args([
+                os("build"),
+                os("--quiet"),
+                os("--store"),
+                store.as_os_str(),
+                os("--tag"),
+                os("t"),
+            ])
             .arg(src)
             .arg(&img)
             .stdout(Stdio::null())
@@ -245,7 +252,16 @@ fn killed_builds_leave_a_consistent_store() {
         fs::remove_dir_all(&src).unwrap();
     }
     assert!(killed > 0, "no build was interrupted: the test proves nothing");
-    tilefs(&[os("build"), os("--quiet"), os("--store"), store.as_os_str(), os("--tag"), os("t"), first.as_os_str(), img.as_os_str()]);
+    tilefs(&[
+        os("build"),
+        os("--quiet"),
+        os("--store"),
+        store.as_os_str(),
+        os("--tag"),
+        os("t"),
+        first.as_os_str(),
+        img.as_os_str(),
+    ]);
     let (clean, report) = fsck_clean(&store);
     assert!(clean, "after the final build: {report}");
     tilefs(&[os("gc"), os("--store"), store.as_os_str()]);

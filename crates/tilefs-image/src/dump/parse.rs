@@ -65,8 +65,12 @@ pub struct DumpError {
 /// input, e.g. a hardlink line whose ignored fields go on forever.
 const MAX_LINE_LEN: usize = 1 << 20;
 
-/// Most xattr text (everything after DIGEST) a line may carry.
-const MAX_XATTR_TEXT: usize = u16::MAX as usize;
+/// Most xattr bytes (names and values, unescaped) a line may carry. The
+/// reference caps the escaped text instead, so a dump it prints for an
+/// image with long binary values does not parse again; counting decoded
+/// bytes keeps `build(dump(image)) == image` true for every image, and the
+/// per-inode xattr budget refuses the same trees either way.
+const MAX_XATTR_BYTES: usize = u16::MAX as usize;
 
 /// Entries of hardlink lines point at `PENDING | fixup index` until the
 /// targets are resolved at the end of the input.
@@ -571,16 +575,9 @@ impl Parser {
             }
         }
 
-        // The reference caps the xattr text to keep its quadratic duplicate
-        // check bounded; the cap is part of the format now.
-        if xattr_text.len() > MAX_XATTR_TEXT {
-            return Err(at(format!(
-                "too many xattrs: {} bytes of xattr text, more than {MAX_XATTR_TEXT}",
-                xattr_text.len()
-            )));
-        }
         let mut xattrs = Vec::new();
         let mut rest = xattr_text;
+        let mut total = 0usize;
         while !rest.is_empty() {
             let x = next_field(&mut rest);
             let eq = x
@@ -589,6 +586,12 @@ impl Parser {
                 .ok_or_else(|| at(format!("xattr '{}' has no '='", show(x))))?;
             let key = unescape(&x[..eq]).map_err(|e| at(format!("xattr name: {e}")))?;
             let value = unescape(&x[eq + 1..]).map_err(|e| at(format!("xattr {}: {e}", show(&key))))?;
+            total += key.len() + value.len();
+            if total > MAX_XATTR_BYTES {
+                return Err(at(format!(
+                    "too many xattrs: more than {MAX_XATTR_BYTES} bytes of names and values"
+                )));
+            }
             xattrs.push((key, value));
         }
         // Set in order: a repeated name replaces the earlier value.
@@ -1115,6 +1118,12 @@ mod tests {
         let many: String = (0..3000).map(|i| format!(" user.{i:05}=0123456789")).collect();
         fails(
             &with_root(&format!("/a 0 100644 1 0 0 0 0.0 - - -{many}\n")),
+            2,
+            "more than the 32767",
+        );
+        let huge: String = (0..700).map(|i| format!(" user.{i:05}={}", "x".repeat(90))).collect();
+        fails(
+            &with_root(&format!("/a 0 100644 1 0 0 0 0.0 - - -{huge}\n")),
             2,
             "too many xattrs",
         );

@@ -26,6 +26,9 @@
 //!   the builder adds (whiteouts from the source are stored as marked regular
 //!   files): they are dropped, and so are `.` and `..`;
 //! - each inode's xattrs are sorted by key, the builder's canonical order;
+//! - a device, fifo or socket stored as an extended inode for no reason
+//!   but a size (which the builder takes from the source but does not
+//!   store) over 32 bits gets size 2^32, where `composefs-info` shows 0;
 //! - when several entries name one inode, the primary one (the others are
 //!   hardlinks) is chosen so that the builder's breadth-first inode order
 //!   puts every inode at the nid it has in the image.
@@ -565,6 +568,19 @@ impl<'a> Reader<'a> {
             }
             FileType::CharDevice | FileType::BlockDevice => node.inode.rdev = i_u,
             FileType::Fifo | FileType::Socket => {}
+        }
+        // The builder stores no size for devices, fifos and sockets, but
+        // (as the reference does) makes the inode extended when the
+        // source's size does not fit in 32 bits. An extended one with no
+        // other reason to be had such a size: give it the smallest, so that
+        // building the tree gives back this inode.
+        let special = !matches!(kind, FileType::Regular | FileType::Directory | FileType::Symlink);
+        let fits_compact = node.inode.mtime == self.build_time
+            && node.inode.nlink <= u32::from(u16::MAX)
+            && node.inode.uid <= u32::from(u16::MAX)
+            && node.inode.gid <= u32::from(u16::MAX);
+        if special && extended && size == 0 && fits_compact {
+            node.inode.size = 1 << 32;
         }
         self.apply_xattrs(&mut node, raw)?;
         // The builder's root whiteouts: the only character devices 0/0 an
@@ -1661,6 +1677,50 @@ mod tests {
         // Inode order in the arena: root, then by nid.
         assert_eq!(t.inodes.len(), 3);
         assert!(t.inodes[1].is_dir() && t.inodes[2].is_reg());
+    }
+
+    #[test]
+    fn special_files_extended_for_their_size_stay_extended() {
+        // The builder makes a fifo with a source size over 32 bits an
+        // extended inode but stores size 0 (fuzz finding, parse_dump).
+        let with = |fifo: Spec| {
+            let extended = fifo.extended;
+            let mut m = basic();
+            m.insert(X, fifo);
+            let mut root = dir(&[(b"a", A, FT_DIR), (b"x", X, format::FT_FIFO)]);
+            root.nlink = 3;
+            m.insert(40, root);
+            let mut img = image(0, &m, &[]);
+            if extended {
+                // The build time's nanoseconds, as the builder stores them.
+                put_u32(&mut img, X as usize * 32 + ino::E_MTIME_NSEC, 5);
+            }
+            let t = read(&img).unwrap();
+            t.inode(t.root().entry(b"x").unwrap().inode).size
+        };
+        let fifo = spec(crate::tree::S_IFIFO | 0o644);
+        assert_eq!(with(fifo.clone()), 0);
+        let extended = Spec {
+            extended: true,
+            ..fifo.clone()
+        };
+        assert_eq!(with(extended.clone()), 1 << 32);
+        // Extended for another reason, or with a size: as stored.
+        assert_eq!(
+            with(Spec {
+                mtime: 7,
+                ..extended.clone()
+            }),
+            0
+        );
+        assert_eq!(
+            with(Spec {
+                nlink: 70_000,
+                ..extended.clone()
+            }),
+            0
+        );
+        assert_eq!(with(Spec { size: 5, ..extended }), 5);
     }
 
     #[test]

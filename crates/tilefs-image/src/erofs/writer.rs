@@ -211,7 +211,7 @@ impl<'a> Writer<'a> {
             }
             let mut children: Vec<(Bytes<'a>, u32)> = Vec::with_capacity(inode.entries.len() + 2);
             for e in &inode.entries {
-                let target = index_of[e.inode as usize];
+                let target = index_of.get(e.inode as usize).copied().unwrap_or(u32::MAX);
                 if target == u32::MAX {
                     return Err(invalid(
                         &join(&path_of(&nodes, i), &e.name),
