@@ -80,6 +80,7 @@ type Bytes<'a> = Cow<'a, [u8]>;
 type XattrRef<'a> = (&'a [u8], &'a [u8]);
 
 /// One inode as it will appear in the image.
+#[derive(Default)]
 struct Node<'a> {
     /// The tree inode it comes from (None for the root's whiteouts).
     src: Option<InodeId>,
@@ -690,14 +691,7 @@ impl<'a> Node<'a> {
             xattrs: selinux
                 .map(|v| vec![(Cow::Borrowed(&b"security.selinux"[..]), Cow::Borrowed(v))])
                 .unwrap_or_default(),
-            children: Vec::new(),
-            shared: Vec::new(),
-            compact: false,
-            n_blocks: 0,
-            tail: 0,
-            ipad: 0,
-            xattr_size: 0,
-            nid: 0,
+            ..Node::default()
         }
     }
 
@@ -723,14 +717,7 @@ impl<'a> Node<'a> {
             digest: inode.digest,
             whiteout_in_source: inode.is_whiteout(),
             xattrs: Vec::new(),
-            children: Vec::new(),
-            shared: Vec::new(),
-            compact: false,
-            n_blocks: 0,
-            tail: 0,
-            ipad: 0,
-            xattr_size: 0,
-            nid: 0,
+            ..Node::default()
         }
     }
 }
