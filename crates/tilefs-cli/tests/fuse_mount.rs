@@ -21,18 +21,12 @@ use std::os::unix::ffi::OsStrExt;
 use std::os::unix::fs::{MetadataExt, PermissionsExt};
 use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Output, Stdio};
+use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 // ---------------------------------------------------------------------------
 // Helpers
 // ---------------------------------------------------------------------------
-
-const S_IFMT: u32 = 0o170000;
-const S_IFREG: u32 = 0o100000;
-const S_IFCHR: u32 = 0o020000;
-const S_IFBLK: u32 = 0o060000;
-const S_IFDIR: u32 = 0o040000;
 
 /// The unprivileged user the rootless test runs as.
 const NOBODY: u32 = 65534;
@@ -70,10 +64,6 @@ macro_rules! need_root_and_fuse {
             return;
         }
     };
-}
-
-fn stderr(o: &Output) -> String {
-    String::from_utf8_lossy(&o.stderr).into_owned()
 }
 
 fn mountinfo_lines() -> Vec<String> {
@@ -177,27 +167,6 @@ fn fmount_foreground(store: &Path, image: &Path, mnt: &Path, env: &[(&str, &str)
     guard
 }
 
-/// A scratch area that an unprivileged user can enter.
-struct Area {
-    tmp: tempfile::TempDir,
-}
-
-impl Area {
-    fn new() -> Area {
-        let tmp = tempfile::tempdir().unwrap();
-        fs::set_permissions(tmp.path(), fs::Permissions::from_mode(0o755)).unwrap();
-        Area { tmp }
-    }
-    fn path(&self, name: &str) -> PathBuf {
-        self.tmp.path().join(name)
-    }
-    fn dir(&self, name: &str) -> PathBuf {
-        let p = self.path(name);
-        fs::create_dir_all(&p).unwrap();
-        p
-    }
-}
-
 /// Builds `image` from `src`, its files' contents into `store`: hardlinked
 /// (big sparse files stay sparse), or copied (so objects can be damaged
 /// without touching the source).
@@ -210,61 +179,10 @@ fn build_with_store(src: &Path, store: &Path, image: &Path, hardlink: bool) {
     tilefs(&args);
 }
 
-/// Compares two files' contents: all of them, or for large files the first,
-/// a middle and the last MiB (their digests were checked on open anyway).
-fn same_contents(a: &Path, b: &Path) -> Result<(), String> {
-    let fa = fs::File::open(a).map_err(|e| format!("{}: {e}", a.display()))?;
-    let fb = fs::File::open(b).map_err(|e| format!("{}: {e}", b.display()))?;
-    let la = fa.metadata().unwrap().len();
-    let lb = fb.metadata().unwrap().len();
-    if la != lb {
-        return Err(format!("sizes differ: {la} vs {lb}"));
-    }
-    const MIB: u64 = 1 << 20;
-    let ranges: Vec<(u64, u64)> = if la <= 64 * MIB {
-        vec![(0, la)]
-    } else {
-        vec![(0, MIB), (la / 2, MIB), (la - MIB, MIB)]
-    };
-    use std::os::unix::fs::FileExt;
-    let (mut ba, mut bb) = (vec![0u8; MIB as usize], vec![0u8; MIB as usize]);
-    for (start, len) in ranges {
-        let mut off = start;
-        while off < start + len {
-            let n = (start + len - off).min(MIB) as usize;
-            fa.read_exact_at(&mut ba[..n], off)
-                .map_err(|e| format!("{}: {e}", a.display()))?;
-            fb.read_exact_at(&mut bb[..n], off)
-                .map_err(|e| format!("{}: read at {off}: {e}", b.display()))?;
-            if ba[..n] != bb[..n] {
-                return Err(format!("contents differ in the MiB at {off}"));
-            }
-            off += n as u64;
-        }
-    }
-    Ok(())
-}
-
-fn is_whiteout(s: &Seen) -> bool {
-    s.mode & S_IFMT == S_IFCHR && s.rdev == 0
-}
-
-fn parent_of(path: &[u8]) -> Vec<u8> {
-    match path.iter().rposition(|&c| c == b'/') {
-        Some(i) => path[..i].to_vec(),
-        None => Vec::new(),
-    }
-}
-
-fn xattr_map(pairs: &[(&str, &[u8])]) -> BTreeMap<OsString, Vec<u8>> {
-    pairs.iter().map(|(k, v)| (OsString::from(k), v.to_vec())).collect()
-}
-
 /// What the kernel's overlay mount shows for a whiteout from the source:
 /// the marked empty regular file composefs stores, with its markers
 /// unescaped; its directory carries `overlay.whiteouts` (and in version 1
 /// images, which any tree with whiteouts gets, `overlay.opaque=x`).
-const WHITEOUT_XATTRS: &[(&str, &[u8])] = &[("trusted.overlay.whiteout", b""), ("user.overlay.whiteout", b"")];
 const WHITEOUT_DIR_XATTRS: &[(&str, &[u8])] = &[
     ("trusted.overlay.opaque", b"x"),
     ("trusted.overlay.whiteouts", b""),
@@ -354,22 +272,6 @@ fn assert_identical_views(kernel: &BTreeMap<Vec<u8>, Seen>, fuse: &BTreeMap<Vec<
     let k: BTreeSet<_> = k_groups.into_values().collect();
     let f: BTreeSet<_> = f_groups.into_values().collect();
     assert_eq!(k, f, "entries sharing an inode differ");
-}
-
-/// Every regular file's contents, compared.
-fn assert_same_contents(src: &Path, mnt: &Path, view: &BTreeMap<Vec<u8>, Seen>) -> usize {
-    let mut n = 0;
-    for (path, s) in view {
-        if s.mode & S_IFMT != S_IFREG {
-            continue;
-        }
-        let rel = OsStr::from_bytes(path);
-        if let Err(e) = same_contents(&src.join(rel), &mnt.join(rel)) {
-            panic!("/{}: {e}", String::from_utf8_lossy(path));
-        }
-        n += 1;
-    }
-    n
 }
 
 fn statvfs(p: &Path) -> rustix::fs::StatVfs {

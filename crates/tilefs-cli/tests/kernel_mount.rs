@@ -15,12 +15,12 @@ mod common;
 
 use common::*;
 use std::collections::{BTreeMap, BTreeSet};
-use std::ffi::{OsStr, OsString};
+use std::ffi::OsStr;
 use std::fs;
 use std::io::Read;
 use std::os::unix::ffi::OsStrExt;
 use std::path::{Path, PathBuf};
-use std::process::{Command, Output};
+use std::process::Command;
 
 // ---------------------------------------------------------------------------
 // Helpers
@@ -68,10 +68,6 @@ fn assets_dir() -> Option<PathBuf> {
 
 fn mount_helper_bin() -> PathBuf {
     PathBuf::from(env!("CARGO_BIN_EXE_mount-tilefs"))
-}
-
-fn stderr(o: &Output) -> String {
-    String::from_utf8_lossy(&o.stderr).into_owned()
 }
 
 /// A tilefs kernel mount, unmounted when dropped (even when a test panics).
@@ -150,27 +146,6 @@ fn loops_backed_by(file: &Path) -> Vec<String> {
     out
 }
 
-/// A temporary work area: source tree, store, image, mount point.
-struct Area {
-    tmp: tempfile::TempDir,
-}
-
-impl Area {
-    fn new() -> Area {
-        Area {
-            tmp: tempfile::tempdir().unwrap(),
-        }
-    }
-    fn path(&self, name: &str) -> PathBuf {
-        self.tmp.path().join(name)
-    }
-    fn dir(&self, name: &str) -> PathBuf {
-        let p = self.path(name);
-        fs::create_dir_all(&p).unwrap();
-        p
-    }
-}
-
 /// `tilefs build --store STORE [extra] SRC IMG`.
 fn build_with_store(src: &Path, store: &Path, image: &Path, extra: &[&str]) {
     let mut args: Vec<&OsStr> = vec![os("build"), os("--quiet"), os("--store"), store.as_os_str()];
@@ -180,64 +155,12 @@ fn build_with_store(src: &Path, store: &Path, image: &Path, extra: &[&str]) {
     tilefs(&args);
 }
 
-/// Reads two files in step and says where they first differ.
-fn same_contents(a: &Path, b: &Path) -> Result<(), String> {
-    let mut fa = fs::File::open(a).map_err(|e| format!("{}: {e}", a.display()))?;
-    let mut fb = fs::File::open(b).map_err(|e| format!("{}: {e}", b.display()))?;
-    let mut ba = vec![0u8; 1 << 20];
-    let mut bb = vec![0u8; 1 << 20];
-    let mut off = 0u64;
-    loop {
-        let na = read_full(&mut fa, &mut ba).map_err(|e| format!("{} at {off}: {e}", a.display()))?;
-        let nb = read_full(&mut fb, &mut bb).map_err(|e| format!("{} at {off}: {e}", b.display()))?;
-        if na != nb || ba[..na] != bb[..nb] {
-            return Err(format!("contents differ in the MiB at offset {off}"));
-        }
-        if na == 0 {
-            return Ok(());
-        }
-        off += na as u64;
-    }
-}
-
-fn read_full(f: &mut fs::File, buf: &mut [u8]) -> std::io::Result<usize> {
-    let mut n = 0;
-    while n < buf.len() {
-        match f.read(&mut buf[n..])? {
-            0 => break,
-            k => n += k,
-        }
-    }
-    Ok(n)
-}
-
-const S_IFMT: u32 = 0o170000;
-const S_IFREG: u32 = 0o100000;
-const S_IFCHR: u32 = 0o020000;
-const S_IFBLK: u32 = 0o060000;
-
-fn is_whiteout(s: &Seen) -> bool {
-    s.mode & S_IFMT == S_IFCHR && s.rdev == 0
-}
-
-fn parent_of(path: &[u8]) -> Vec<u8> {
-    match path.iter().rposition(|&c| c == b'/') {
-        Some(i) => path[..i].to_vec(),
-        None => Vec::new(),
-    }
-}
-
-fn xattr_map(pairs: &[(&str, &[u8])]) -> BTreeMap<OsString, Vec<u8>> {
-    pairs.iter().map(|(k, v)| (OsString::from(k), v.to_vec())).collect()
-}
-
 /// What the overlay shows for a whiteout of the image (a char device 0/0
 /// in the source): overlayfs keeps the composefs "xattr whiteout" as it
 /// is, an empty regular file with the same permissions, owner and mtime
 /// carrying `overlay.whiteout` (trusted and user), so the mount can itself
 /// serve as a lower layer where it acts as a whiteout; its directory
 /// carries `overlay.whiteouts` and, in format version 1, `overlay.opaque=x`.
-const WHITEOUT_XATTRS: &[(&str, &[u8])] = &[("trusted.overlay.whiteout", b""), ("user.overlay.whiteout", b"")];
 const WHITEOUT_DIR_XATTRS: &[(&str, &[u8])] = &[("trusted.overlay.whiteouts", b""), ("user.overlay.whiteouts", b"")];
 const WHITEOUT_DIR_XATTRS_V1: &[(&str, &[u8])] = &[("trusted.overlay.opaque", b"x"), ("user.overlay.opaque", b"x")];
 
@@ -291,22 +214,6 @@ fn assert_same_view(want: &BTreeMap<Vec<u8>, Seen>, got: &BTreeMap<Vec<u8>, Seen
         assert_eq!(g.mtime, w.mtime, "{shown}: mtime");
         assert_eq!(g.xattrs, want_xattrs, "{shown}: xattrs");
     }
-}
-
-/// Every regular file's contents, byte for byte.
-fn assert_same_contents(src: &Path, mnt: &Path, view: &BTreeMap<Vec<u8>, Seen>) -> usize {
-    let mut n = 0;
-    for (path, s) in view {
-        if s.mode & S_IFMT != S_IFREG {
-            continue;
-        }
-        let rel = OsStr::from_bytes(path);
-        if let Err(e) = same_contents(&src.join(rel), &mnt.join(rel)) {
-            panic!("/{}: {e}", String::from_utf8_lossy(path));
-        }
-        n += 1;
-    }
-    n
 }
 
 /// The whole check: metadata and contents.
@@ -873,12 +780,10 @@ const UNREADABLE: &[u8] = b"<unreadable: ENODATA>";
 
 /// [`scan`] for trees where some xattrs cannot be read.
 fn scan_lenient(root: &Path) -> BTreeMap<Vec<u8>, Seen> {
-    use std::os::unix::fs::MetadataExt;
     let mut out = BTreeMap::new();
     let mut stack = vec![root.to_path_buf()];
     while let Some(p) = stack.pop() {
         let m = fs::symlink_metadata(&p).unwrap_or_else(|e| panic!("{}: {e}", p.display()));
-        let ft = m.mode() & S_IFMT;
         if m.is_dir() {
             for e in fs::read_dir(&p).unwrap() {
                 stack.push(e.unwrap().path());
@@ -896,21 +801,7 @@ fn scan_lenient(root: &Path) -> BTreeMap<Vec<u8>, Seen> {
             };
             xattrs.insert(OsStr::from_bytes(name).to_os_string(), v);
         }
-        let seen = Seen {
-            mode: m.mode(),
-            uid: m.uid(),
-            gid: m.gid(),
-            size: (ft != 0o040000).then_some(m.size()),
-            mtime: (m.mtime(), m.mtime_nsec()),
-            rdev: m.rdev(),
-            link: m
-                .file_type()
-                .is_symlink()
-                .then(|| fs::read_link(&p).unwrap().into_os_string()),
-            xattrs,
-            nlink: (ft != 0o040000).then_some(m.nlink()),
-            ino: m.ino(),
-        };
+        let seen = seen(&p, &m, xattrs);
         out.insert(p.strip_prefix(root).unwrap().as_os_str().as_bytes().to_vec(), seen);
     }
     out

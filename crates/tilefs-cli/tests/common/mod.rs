@@ -338,23 +338,128 @@ pub fn scan(root: &Path) -> BTreeMap<Vec<u8>, Seen> {
         .map(|p| {
             let m = fs::symlink_metadata(&p).unwrap();
             let rel = p.strip_prefix(root).unwrap().as_os_str().as_bytes().to_vec();
-            let ft = m.mode() & 0o170000;
-            let seen = Seen {
-                mode: m.mode(),
-                uid: m.uid(),
-                gid: m.gid(),
-                size: (ft != 0o040000).then_some(m.size()),
-                mtime: (m.mtime(), m.mtime_nsec()),
-                rdev: m.rdev(),
-                link: m
-                    .file_type()
-                    .is_symlink()
-                    .then(|| fs::read_link(&p).unwrap().into_os_string()),
-                xattrs: xattrs(&p),
-                nlink: (ft != 0o040000).then_some(m.nlink()),
-                ino: m.ino(),
-            };
+            let seen = seen(&p, &m, xattrs(&p));
             (rel, seen)
         })
         .collect()
+}
+
+pub const S_IFMT: u32 = 0o170000;
+pub const S_IFREG: u32 = 0o100000;
+pub const S_IFCHR: u32 = 0o020000;
+pub const S_IFBLK: u32 = 0o060000;
+pub const S_IFDIR: u32 = 0o040000;
+
+/// What a user sees of `p`, given its lstat and xattrs.
+pub fn seen(p: &Path, m: &fs::Metadata, xattrs: BTreeMap<OsString, Vec<u8>>) -> Seen {
+    let ft = m.mode() & S_IFMT;
+    Seen {
+        mode: m.mode(),
+        uid: m.uid(),
+        gid: m.gid(),
+        size: (ft != S_IFDIR).then_some(m.size()),
+        mtime: (m.mtime(), m.mtime_nsec()),
+        rdev: m.rdev(),
+        link: m
+            .file_type()
+            .is_symlink()
+            .then(|| fs::read_link(p).unwrap().into_os_string()),
+        xattrs,
+        nlink: (ft != S_IFDIR).then_some(m.nlink()),
+        ino: m.ino(),
+    }
+}
+
+pub fn stderr(o: &Output) -> String {
+    String::from_utf8_lossy(&o.stderr).into_owned()
+}
+
+/// A scratch directory for one test.
+pub struct Area {
+    pub tmp: tempfile::TempDir,
+}
+
+impl Area {
+    pub fn new() -> Area {
+        Area {
+            tmp: tempfile::tempdir().unwrap(),
+        }
+    }
+    pub fn path(&self, name: &str) -> PathBuf {
+        self.tmp.path().join(name)
+    }
+    pub fn dir(&self, name: &str) -> PathBuf {
+        let p = self.path(name);
+        fs::create_dir_all(&p).unwrap();
+        p
+    }
+}
+
+/// A whiteout as the source has it: a character device 0/0.
+pub fn is_whiteout(s: &Seen) -> bool {
+    s.mode & S_IFMT == S_IFCHR && s.rdev == 0
+}
+
+pub fn parent_of(path: &[u8]) -> Vec<u8> {
+    match path.iter().rposition(|&c| c == b'/') {
+        Some(i) => path[..i].to_vec(),
+        None => Vec::new(),
+    }
+}
+
+pub fn xattr_map(pairs: &[(&str, &[u8])]) -> BTreeMap<OsString, Vec<u8>> {
+    pairs.iter().map(|(k, v)| (OsString::from(k), v.to_vec())).collect()
+}
+
+/// The xattrs an overlay mount shows on a whiteout of the image (the
+/// composefs "xattr whiteout": an empty regular file carrying them).
+pub const WHITEOUT_XATTRS: &[(&str, &[u8])] = &[("trusted.overlay.whiteout", b""), ("user.overlay.whiteout", b"")];
+
+/// Compares two files byte for byte, all of them.
+pub fn same_contents(a: &Path, b: &Path) -> Result<(), String> {
+    let mut fa = fs::File::open(a).map_err(|e| format!("{}: {e}", a.display()))?;
+    let mut fb = fs::File::open(b).map_err(|e| format!("{}: {e}", b.display()))?;
+    let mut ba = vec![0u8; 1 << 20];
+    let mut bb = vec![0u8; 1 << 20];
+    let mut off = 0u64;
+    loop {
+        let na = read_full(&mut fa, &mut ba).map_err(|e| format!("{} at {off}: {e}", a.display()))?;
+        let nb = read_full(&mut fb, &mut bb).map_err(|e| format!("{} at {off}: {e}", b.display()))?;
+        if na != nb || ba[..na] != bb[..nb] {
+            return Err(format!("contents differ in the MiB at offset {off}"));
+        }
+        if na == 0 {
+            return Ok(());
+        }
+        off += na as u64;
+    }
+}
+
+fn read_full(f: &mut fs::File, buf: &mut [u8]) -> std::io::Result<usize> {
+    use std::io::Read;
+    let mut n = 0;
+    while n < buf.len() {
+        match f.read(&mut buf[n..])? {
+            0 => break,
+            k => n += k,
+        }
+    }
+    Ok(n)
+}
+
+/// Every regular file of `view` reads the same under `mnt` as under `src`;
+/// returns how many were compared.
+pub fn assert_same_contents(src: &Path, mnt: &Path, view: &BTreeMap<Vec<u8>, Seen>) -> usize {
+    let mut n = 0;
+    for (path, s) in view {
+        if s.mode & S_IFMT != S_IFREG {
+            continue;
+        }
+        let rel = OsStr::from_bytes(path);
+        if let Err(e) = same_contents(&src.join(rel), &mnt.join(rel)) {
+            panic!("/{}: {e}", String::from_utf8_lossy(path));
+        }
+        n += 1;
+    }
+    n
 }
