@@ -8,7 +8,7 @@
 //! hardlinks share one and numbers never collide.
 
 use crate::log::Logger;
-use crate::objects::{open_object, FileKey, ObjectError, VerifiedObjects};
+use crate::objects::{open_object, FileState, ObjectError, VerifiedObjects};
 use crate::{Tuning, Verity};
 use fuser::{
     AccessFlags, BackingId, Errno, FileAttr, FileHandle, FileType, Filesystem, FopenFlags, Generation, INodeNo,
@@ -46,7 +46,7 @@ enum Handle {
     Object {
         file: File,
         digest: Option<[u8; 32]>,
-        key: FileKey,
+        key: FileState,
     },
     /// Served by the kernel from the object (FUSE passthrough).
     Passthrough(InodeId),
@@ -249,7 +249,7 @@ impl TileFs {
     }
 
     /// Opens and checks the object of a regular file.
-    fn open_checked(&self, inode: &Inode) -> Result<(File, Option<FileKey>), ObjectError> {
+    fn open_checked(&self, inode: &Inode) -> Result<(File, Option<FileState>), ObjectError> {
         let payload = inode.payload.as_deref().ok_or(ObjectError::BadPath)?;
         if self.verity == Verity::Require && inode.digest.is_none() {
             return Err(ObjectError::NoDigest);
@@ -284,7 +284,7 @@ impl TileFs {
         };
         // The object was checked at open; if it changed since, check it again.
         if let (Some(d), false) = (digest, self.verity == Verity::Off) {
-            match FileKey::of(file) {
+            match FileState::of_fd(file) {
                 Ok(now) if now == *key || self.verified.is_verified(d, &now) => {}
                 Ok(_) => {
                     if let Err(e) = self.verified.check(file, d) {
@@ -484,7 +484,7 @@ impl Filesystem for TileFs {
                     let fh = self.add_handle(Handle::Object {
                         file,
                         digest: None,
-                        key: FileKey::default(),
+                        key: FileState::default(),
                     });
                     return reply.opened(FileHandle(fh), self.keep_cache());
                 }

@@ -18,29 +18,7 @@ use std::os::fd::{AsFd, OwnedFd};
 use std::os::unix::fs::FileExt;
 use std::sync::{Arc, Mutex};
 use tilefs_image::verity::Hasher;
-
-/// What identifies one state of an object file.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub(crate) struct FileKey {
-    dev: u64,
-    ino: u64,
-    size: u64,
-    mtime: (i64, i64),
-    ctime: (i64, i64),
-}
-
-impl FileKey {
-    pub(crate) fn of(fd: impl AsFd) -> std::io::Result<FileKey> {
-        let st = fstat(fd)?;
-        Ok(FileKey {
-            dev: st.st_dev,
-            ino: st.st_ino,
-            size: st.st_size as u64,
-            mtime: (st.st_mtime, st.st_mtime_nsec as i64),
-            ctime: (st.st_ctime, st.st_ctime_nsec as i64),
-        })
-    }
-}
+pub(crate) use tilefs_store::FileState;
 
 /// Why an object cannot be served.
 #[derive(Debug)]
@@ -120,7 +98,7 @@ pub(crate) fn digest_file(f: &File) -> std::io::Result<[u8; 32]> {
 /// Digests already checked, each with the file state it was checked on.
 #[derive(Default)]
 pub(crate) struct VerifiedObjects {
-    map: Mutex<FxHashMap<[u8; 32], FileKey>>,
+    map: Mutex<FxHashMap<[u8; 32], FileState>>,
     /// Objects being hashed now: others wanting the same one wait for that
     /// result instead of hashing it again.
     busy: Mutex<FxHashMap<[u8; 32], Arc<Mutex<()>>>>,
@@ -130,8 +108,8 @@ impl VerifiedObjects {
     /// Checks `f` (opened from the object named by `digest`) against
     /// `digest`, unless the same file in the same state was checked before.
     /// Returns the state it was checked in.
-    pub(crate) fn check(&self, f: &File, digest: &[u8; 32]) -> Result<FileKey, ObjectError> {
-        let key = FileKey::of(f).map_err(ObjectError::Read)?;
+    pub(crate) fn check(&self, f: &File, digest: &[u8; 32]) -> Result<FileState, ObjectError> {
+        let key = FileState::of_fd(f).map_err(ObjectError::Read)?;
         if self.map.lock().unwrap().get(digest) == Some(&key) {
             return Ok(key);
         }
@@ -145,11 +123,11 @@ impl VerifiedObjects {
         result
     }
 
-    fn hash_and_record(&self, f: &File, digest: &[u8; 32], key: FileKey) -> Result<FileKey, ObjectError> {
+    fn hash_and_record(&self, f: &File, digest: &[u8; 32], key: FileState) -> Result<FileState, ObjectError> {
         let found = digest_file(f).map_err(ObjectError::Read)?;
         // The file may have changed while it was read: only a digest taken
         // of one unchanged state counts.
-        let after = FileKey::of(f).map_err(ObjectError::Read)?;
+        let after = FileState::of_fd(f).map_err(ObjectError::Read)?;
         if found != *digest {
             self.map.lock().unwrap().remove(digest);
             return Err(ObjectError::Mismatch { found });
@@ -164,7 +142,7 @@ impl VerifiedObjects {
     }
 
     /// Whether `digest` is recorded as verified in state `key`.
-    pub(crate) fn is_verified(&self, digest: &[u8; 32], key: &FileKey) -> bool {
+    pub(crate) fn is_verified(&self, digest: &[u8; 32], key: &FileState) -> bool {
         self.map.lock().unwrap().get(digest) == Some(key)
     }
 }

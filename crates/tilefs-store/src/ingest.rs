@@ -18,7 +18,7 @@
 //! file always misses the cache.
 
 use crate::store::{DIGEST_CACHE, TMP_DIR};
-use crate::{LockMode, Store, StoreError, StoreLock};
+use crate::{FileState, LockMode, Store, StoreError, StoreLock};
 use rustix::fd::{AsFd, BorrowedFd, OwnedFd};
 use rustix::fs::{self as rfs, AtFlags, Mode, OFlags};
 use std::collections::{HashMap, HashSet};
@@ -156,7 +156,7 @@ impl<'s> Ingest<'s> {
         let size = st.st_size as u64;
         self.stats.files.fetch_add(1, Relaxed);
         self.stats.bytes.fetch_add(size, Relaxed);
-        let key = CacheKey::of(st);
+        let key = FileState::of(st);
         if let Some(d) = self.cache.get(&key) {
             if self.store.has_object(&d) || self.seen.lock().unwrap().contains(&d) {
                 self.stats.cache_hits.fetch_add(1, Relaxed);
@@ -490,27 +490,8 @@ fn enable_verity(fd: BorrowedFd<'_>) -> io::Result<()> {
     }
 }
 
-/// Identity of a source file's contents, as far as stat can tell.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-struct CacheKey {
-    dev: u64,
-    ino: u64,
-    size: u64,
-    mtime: (i64, u32),
-    ctime: (i64, u32),
-}
-
-impl CacheKey {
-    fn of(st: &rfs::Stat) -> CacheKey {
-        CacheKey {
-            dev: st.st_dev,
-            ino: st.st_ino,
-            size: st.st_size as u64,
-            mtime: (st.st_mtime, st.st_mtime_nsec as u32),
-            ctime: (st.st_ctime, st.st_ctime_nsec as u32),
-        }
-    }
-
+/// The digest cache's on-disk form of a [`FileState`].
+impl FileState {
     const SIZE: usize = 8 * 3 + 12 * 2;
 
     fn encode(&self, out: &mut Vec<u8>) {
@@ -523,10 +504,10 @@ impl CacheKey {
         }
     }
 
-    fn decode(b: &[u8]) -> CacheKey {
+    fn decode(b: &[u8]) -> FileState {
         let u = |i: usize| u64::from_le_bytes(b[i..i + 8].try_into().unwrap());
         let t = |i: usize| (u(i) as i64, u32::from_le_bytes(b[i + 8..i + 12].try_into().unwrap()));
-        CacheKey {
+        FileState {
             dev: u(0),
             ino: u(8),
             size: u(16),
@@ -540,7 +521,7 @@ impl CacheKey {
 /// SHA-256 of everything before it, so a torn or tampered file is ignored
 /// rather than trusted.
 struct DigestCache {
-    map: Mutex<HashMap<CacheKey, [u8; 32]>>,
+    map: Mutex<HashMap<FileState, [u8; 32]>>,
     dirty: AtomicBool,
 }
 
@@ -559,7 +540,7 @@ impl DigestCache {
         }
     }
 
-    fn decode(b: &[u8]) -> Option<HashMap<CacheKey, [u8; 32]>> {
+    fn decode(b: &[u8]) -> Option<HashMap<FileState, [u8; 32]>> {
         use sha2::Digest;
         let body = b.strip_prefix(CACHE_MAGIC)?;
         let (records, sum) = body.split_at_checked(body.len().checked_sub(32)?)?;
@@ -568,7 +549,7 @@ impl DigestCache {
         if sha2::Sha256::digest(&all).as_slice() != sum {
             return None;
         }
-        let rec = CacheKey::SIZE + 32;
+        let rec = FileState::SIZE + 32;
         if records.len() % rec != 0 {
             return None;
         }
@@ -577,19 +558,19 @@ impl DigestCache {
                 .chunks_exact(rec)
                 .map(|r| {
                     (
-                        CacheKey::decode(&r[..CacheKey::SIZE]),
-                        r[CacheKey::SIZE..].try_into().unwrap(),
+                        FileState::decode(&r[..FileState::SIZE]),
+                        r[FileState::SIZE..].try_into().unwrap(),
                     )
                 })
                 .collect(),
         )
     }
 
-    fn get(&self, k: &CacheKey) -> Option<[u8; 32]> {
+    fn get(&self, k: &FileState) -> Option<[u8; 32]> {
         self.map.lock().unwrap().get(k).copied()
     }
 
-    fn insert(&self, k: CacheKey, d: [u8; 32]) {
+    fn insert(&self, k: FileState, d: [u8; 32]) {
         let mut m = self.map.lock().unwrap();
         if m.len() < CACHE_MAX_ENTRIES && m.insert(k, d) != Some(d) {
             self.dirty.store(true, Relaxed);
@@ -602,7 +583,7 @@ impl DigestCache {
             return Ok(());
         }
         let m = self.map.lock().unwrap();
-        let mut out = Vec::with_capacity(16 + m.len() * (CacheKey::SIZE + 32) + 32);
+        let mut out = Vec::with_capacity(16 + m.len() * (FileState::SIZE + 32) + 32);
         out.extend_from_slice(CACHE_MAGIC);
         for (k, d) in m.iter() {
             k.encode(&mut out);

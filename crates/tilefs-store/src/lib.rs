@@ -7,12 +7,14 @@
 //! - [`fsck`]: proving a store is whole;
 //! - [`gc`]: removing what no tagged image needs.
 
+pub mod file_state;
 pub mod fsck;
 pub mod gc;
 pub mod ingest;
 pub mod store;
 pub mod tags;
 
+pub use file_state::FileState;
 pub use store::{parse_object_rel, LockMode, Store, StoreLock};
 
 use std::io;
