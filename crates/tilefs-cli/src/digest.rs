@@ -25,7 +25,7 @@ pub fn run(a: DigestArgs) -> Result<ExitCode> {
         .par_iter()
         .map(|p| {
             let f = File::open(p).with_context(|| format!("cannot open {}", p.display()))?;
-            verity::digest_reader(f).with_context(|| format!("cannot read {}", p.display()))
+            verity::digest_file(&f, |_| {}).with_context(|| format!("cannot read {}", p.display()))
         })
         .collect();
     let mut out = std::io::stdout().lock();

@@ -284,18 +284,9 @@ impl TileFs {
         };
         // The object was checked at open; if it changed since, check it again.
         if let (Some(d), false) = (digest, self.verity == Verity::Off) {
-            match FileState::of_fd(file) {
-                Ok(now) if now == *key || self.verified.is_verified(d, &now) => {}
-                Ok(_) => {
-                    if let Err(e) = self.verified.check(file, d) {
-                        self.report(id, &e.to_string());
-                        return reply.error(Errno::EIO);
-                    }
-                }
-                Err(e) => {
-                    self.report(id, &format!("cannot stat the object: {e}"));
-                    return reply.error(Errno::EIO);
-                }
+            if let Err(e) = self.verified.recheck(file, d, key) {
+                self.report(id, &e.to_string());
+                return reply.error(Errno::EIO);
             }
         }
         READ_BUF.with(|buf| {

@@ -15,9 +15,8 @@ use rustc_hash::FxHashMap;
 use rustix::fs::{fstat, openat2, Mode, OFlags, ResolveFlags};
 use std::fs::File;
 use std::os::fd::{AsFd, OwnedFd};
-use std::os::unix::fs::FileExt;
 use std::sync::{Arc, Mutex};
-use tilefs_image::verity::Hasher;
+use tilefs_image::verity::digest_file;
 pub(crate) use tilefs_store::FileState;
 
 /// Why an object cannot be served.
@@ -77,24 +76,6 @@ pub(crate) fn open_object(store: impl AsFd, rel: &[u8]) -> Result<File, ObjectEr
     Ok(File::from(fd))
 }
 
-/// fs-verity digest of everything in `f`, read with pread.
-pub(crate) fn digest_file(f: &File) -> std::io::Result<[u8; 32]> {
-    let mut h = Hasher::new();
-    let mut buf = vec![0u8; 1 << 20];
-    let mut off = 0u64;
-    loop {
-        let n = match f.read_at(&mut buf, off) {
-            Ok(0) => break,
-            Ok(n) => n,
-            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
-            Err(e) => return Err(e),
-        };
-        h.update(&buf[..n]);
-        off += n as u64;
-    }
-    Ok(h.finalize())
-}
-
 /// Digests already checked, each with the file state it was checked on.
 #[derive(Default)]
 pub(crate) struct VerifiedObjects {
@@ -124,7 +105,7 @@ impl VerifiedObjects {
     }
 
     fn hash_and_record(&self, f: &File, digest: &[u8; 32], key: FileState) -> Result<FileState, ObjectError> {
-        let found = digest_file(f).map_err(ObjectError::Read)?;
+        let found = digest_file(f, |_| {}).map_err(ObjectError::Read)?;
         // The file may have changed while it was read: only a digest taken
         // of one unchanged state counts.
         let after = FileState::of_fd(f).map_err(ObjectError::Read)?;
@@ -144,6 +125,17 @@ impl VerifiedObjects {
     /// Whether `digest` is recorded as verified in state `key`.
     pub(crate) fn is_verified(&self, digest: &[u8; 32], key: &FileState) -> bool {
         self.map.lock().unwrap().get(digest) == Some(key)
+    }
+
+    /// Before more of an object opened in state `key` is served: passes if
+    /// the file is still in that state (or another verified one), and
+    /// otherwise hashes it again.
+    pub(crate) fn recheck(&self, f: &File, digest: &[u8; 32], key: &FileState) -> Result<(), ObjectError> {
+        let now = FileState::of_fd(f).map_err(ObjectError::Read)?;
+        if now == *key || self.is_verified(digest, &now) {
+            return Ok(());
+        }
+        self.check(f, digest).map(drop)
     }
 }
 

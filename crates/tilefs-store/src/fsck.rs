@@ -12,9 +12,8 @@ use crate::tags::{self, TagInfo};
 use crate::{parse_object_rel, LockMode, Store, StoreError};
 use rayon::prelude::*;
 use rustix::fs::{self as rfs, Mode, OFlags};
-use std::cell::RefCell;
 use std::collections::{BTreeMap, BTreeSet, HashSet};
-use std::io::{self, Read};
+use std::io;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
 use tilefs_image::verity;
@@ -62,8 +61,6 @@ impl FsckReport {
     }
 }
 
-/// Read buffer per thread.
-const READ_BUF: usize = 1 << 20;
 /// Bad references reported per image; the rest are counted.
 const MAX_BAD_REFS_PER_IMAGE: usize = 20;
 
@@ -228,10 +225,6 @@ enum Checked {
     Unreadable(String),
 }
 
-thread_local! {
-    static BUF: RefCell<Vec<u8>> = const { RefCell::new(Vec::new()) };
-}
-
 /// Recomputes an object's digest, reporting bytes read to `advance`.
 fn check_object(path: &Path, want: &[u8; 32], advance: &dyn Fn(u64)) -> Checked {
     let fd = match rfs::open(path, OFlags::RDONLY | OFlags::NOFOLLOW | OFlags::CLOEXEC, Mode::empty()) {
@@ -246,26 +239,10 @@ fn check_object(path: &Path, want: &[u8; 32], advance: &dyn Fn(u64)) -> Checked 
         Err(e) => return Checked::Unreadable(io::Error::from(e).to_string()),
     }
     let _ = rfs::fadvise(&fd, 0, None, rfs::Advice::Sequential);
-    let mut file = std::fs::File::from(fd);
-    let mut hasher = verity::Hasher::new();
-    let r = BUF.with_borrow_mut(|buf| -> io::Result<()> {
-        if buf.len() < READ_BUF {
-            buf.resize(READ_BUF, 0);
-        }
-        loop {
-            let n = match file.read(buf) {
-                Ok(0) => return Ok(()),
-                Ok(n) => n,
-                Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
-                Err(e) => return Err(e),
-            };
-            hasher.update(&buf[..n]);
-            advance(n as u64);
-        }
-    });
-    match r {
-        Ok(()) if hasher.finalize() == *want => Checked::Good,
-        Ok(()) => Checked::Corrupt,
+    let file = std::fs::File::from(fd);
+    match verity::digest_file(&file, advance) {
+        Ok(d) if d == *want => Checked::Good,
+        Ok(_) => Checked::Corrupt,
         Err(e) => Checked::Unreadable(e.to_string()),
     }
 }
