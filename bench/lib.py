@@ -588,7 +588,7 @@ def render_markdown(bench: Bench, meta: dict, sections: list) -> str:
                 out.append(f"- {md_escape(r.title)}")
                 for s in (r.tilefs, r.ref):
                     if s is not None:
-                        out.append(f"  - `{shell_join(shorten_paths(s.argv, bench.tmp))}`")
+                        out.append(f"  - `{shell_join(shorten_paths(elide(s.argv), bench.tmp))}`")
             out += ["", "</details>"]
         out.append("")
     out += [
@@ -645,6 +645,13 @@ def collect_warnings(rows: list[Row]) -> list[str]:
             if s is not None and s.error:
                 w.append(f"{r.section}/{r.id}: {s.tool} FAILED ({s.error})")
     return w
+
+
+def elide(argv: list[str], keep: int = 4) -> list[str]:
+    """Long argument lists (stat of 1,000 paths) shortened for the table; the JSON keeps them whole."""
+    if len(argv) <= 3 * keep:
+        return argv
+    return argv[:keep] + [f"... ({len(argv) - keep} more arguments)"]
 
 
 def shorten_paths(argv: list[str], tmp: Path) -> list[str]:

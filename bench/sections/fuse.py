@@ -5,6 +5,8 @@ in the same loop, runs interleaved (order rotated every run):
   - kernel:  `tilefs mount --kernel --verity off` of the same image and store,
   - composefs-fuse: the reference's FUSE server (`composefs-fuse -o basedir=`),
     when `$COMPOSEFS_BIN` has it,
+  - composefs-rs: composefs-rs's FUSE server (composefs-fuse crate) through
+    our harness bench/composefs-rs-fuse, when built (`$COMPOSEFS_RS_FUSE`),
   - native:  the source files themselves on the local filesystem (data rows).
 
 Workloads (issue 5): `ls -lR` of cs9-x86_64-developer cold and warm, `stat` of
@@ -23,6 +25,7 @@ when the section ends, also on failure or Ctrl-C.
 from __future__ import annotations
 
 import gzip
+import hashlib
 import os
 import random
 import shutil
@@ -43,6 +46,7 @@ STAT_COUNTS = (500, 1000, 1900)
 SEED = 2023
 BIG_MIB = int(os.environ.get("BENCH_FUSE_BIG_MIB") or 1024)
 ACCESS_CALLS = int(os.environ.get("BENCH_FUSE_ACCESS_CALLS") or 2_000_000)
+SERVER_START_TIMEOUT = 30  # seconds for a foreground FUSE server to mount
 
 ACCESS_C = r"""
 #include <stdio.h>
@@ -68,13 +72,23 @@ find . -name '*.c' ! -path './legacy/*' | sort | \
 
 
 class Cleanup:
-    """Undoes mounts (tilefs umount, then lazily) when the section ends."""
+    """Undoes mounts (tilefs umount, then lazily) when the section ends, after
+    stopping the servers started in the foreground (SIGTERM, then SIGKILL)."""
 
     def __init__(self, tilefs: str) -> None:
         self.tilefs = tilefs
         self.mounts: list[Path] = []
+        self.servers: list[subprocess.Popen] = []
 
     def run(self) -> None:
+        for p in self.servers:
+            if p.poll() is None:
+                p.terminate()  # composefs-rs-fuse unmounts and exits
+                try:
+                    p.wait(5)
+                except subprocess.TimeoutExpired:
+                    p.kill()
+                    p.wait()
         for m in reversed(self.mounts):
             if is_mountpoint(m):
                 subprocess.run([self.tilefs, "umount", str(m)], capture_output=True)
@@ -160,14 +174,87 @@ class Mounts:
             return m, f"composefs-fuse failed: {r.stderr.strip()[-300:]}"
         return m, ""
 
+    def composefs_rs_fuse(self, name: str, store: Path, image: Path, dump: Path | None = None) -> tuple[Path, str]:
+        """composefs-rs's FUSE server, through bench/composefs-rs-fuse (it serves in the foreground: started in
+        the background, stopped by Cleanup). composefs-rs reads no regular file without an fs-verity digest:
+        given the dump IMAGE was built from, and when that dump has such files, it serves an image of the dump
+        with a made-up digest for each of them instead (the same tree; for metadata rows, the store needs none)."""
+        tool = composefs_rs_fuse_tool()
+        if not tool:
+            return Path("/nonexistent"), (
+                "composefs-rs-fuse not found (set COMPOSEFS_RS_FUSE, or put it in COMPOSEFS_BIN; build it with "
+                "cargo build --release --manifest-path bench/composefs-rs-fuse/Cargo.toml)"
+            )
+        if dump is not None:
+            dump_rs = self.work / f"{name}.dump"
+            if with_digests(dump, dump_rs):
+                image = self.work / f"{name}.img"
+                r = subprocess.run([self.b.tilefs, "build", "--from-dump", dump_rs, image],
+                                   capture_output=True, text=True)
+                if r.returncode != 0:
+                    return Path("/nonexistent"), f"tilefs build for composefs-rs failed: {r.stderr.strip()[-300:]}"
+                self.b.note(f"composefs-rs FUSE: serves {image.name}, built from the same dump with an fs-verity "
+                            "digest made up for each file that has none (composefs-rs reads no file without one)")
+        m = self._mnt(name)
+        log = self.work / f"{m.name}.log"
+        with open(log, "wb") as err:
+            p = subprocess.Popen([tool, image, store, m], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                                 stderr=err, start_new_session=True)
+        self.cleanup.servers.append(p)
+        self.cleanup.mounts.append(m)
+        deadline = time.monotonic() + SERVER_START_TIMEOUT
+        while not is_mountpoint(m):
+            if p.poll() is not None:
+                return m, f"composefs-rs-fuse exited ({p.returncode}): {log.read_text(errors='replace').strip()[-300:]}"
+            if time.monotonic() > deadline:
+                return m, f"composefs-rs-fuse: {m} not mounted after {SERVER_START_TIMEOUT} s"
+            time.sleep(0.05)
+        self.b.note("composefs-rs FUSE also lists the 256 overlay whiteouts 00–ff of a composefs image's root, "
+                    "which the other mounts hide")
+        return m, ""
+
+
+def composefs_rs_fuse_tool() -> str | None:
+    """bench/composefs-rs-fuse's binary: $COMPOSEFS_RS_FUSE, else composefs-rs-fuse in $COMPOSEFS_BIN (else PATH)."""
+    p = os.environ.get("COMPOSEFS_RS_FUSE")
+    if not p:
+        cdir = os.environ.get("COMPOSEFS_BIN")
+        p = str(Path(cdir) / "composefs-rs-fuse") if cdir else shutil.which("composefs-rs-fuse")
+    return p if p and os.path.isfile(p) and os.access(p, os.X_OK) else None
+
+
+def with_digests(src: Path, dst: Path) -> int:
+    """Copies the dump src to dst, giving each regular file with a payload but no fs-verity digest a made-up one
+    (sha256 of its payload, payload XX/YYYY... as in a digest store). Returns how many it changed."""
+    changed = 0
+    with open(src, "rb") as fin, open(dst, "wb") as fout:
+        for line in fin:
+            f = line.rstrip(b"\n").split(b" ")
+            # path size mode nlink uid gid rdev mtime payload content digest xattrs...; mode "@..." is a hardlink
+            if (len(f) >= 11 and not f[2].startswith(b"@") and int(f[2], 8) & 0o170000 == 0o100000
+                    and f[8] != b"-" and f[10] == b"-"):
+                d = hashlib.sha256(f[8]).hexdigest().encode()
+                f[8], f[10] = d[:2] + b"/" + d[2:], d
+                line = b" ".join(f) + b"\n"
+                changed += 1
+            fout.write(line)
+    return changed
+
 
 # ---------------------------------------------------------------------------
 # Measuring several configurations together.
 # ---------------------------------------------------------------------------
 
 
-def measure(b, title: str, argv: dict, *, cold: bool, runs: int | None = None, prepare=None) -> dict:
-    """Runs every configuration's argv, interleaved; returns their Series."""
+def read_file(path: Path) -> None:
+    with open(path, "rb") as f:
+        while f.read(1 << 20):
+            pass
+
+
+def measure(b, title: str, argv: dict, *, cold: bool, runs: int | None = None, after_drop=None) -> dict:
+    """Runs every configuration's argv, interleaved; returns their Series.
+    Cold runs drop the caches first, then call `after_drop(k)` if given."""
     runs = runs or (b.cold_runs if cold else b.runs)
     keys = list(argv)
     series = {k: lib.Series(k, [str(a) for a in argv[k]]) for k in keys}
@@ -176,10 +263,10 @@ def measure(b, title: str, argv: dict, *, cold: bool, runs: int | None = None, p
         s = series[k]
         if s.error is not None:
             return
-        if prepare:
-            prepare(k)
         if cold:
             b.drop_caches()
+            if after_drop:
+                after_drop(k)
         b.progress(f"{title}: {k} {label} ...", final=False)
         smp = lib.run_once(s.argv, timeout=b.timeout)
         if not smp.ok:
@@ -259,11 +346,19 @@ def metadata_rows(b, work: Path, m: Mounts) -> None:
     store = work / "store-empty"
     store.mkdir()
     image_size = image.stat().st_size
+    # One copy of the image per mount: composefs-fuse mmaps its image, and a
+    # mapped file's pages survive drop_caches, so a shared file would leave
+    # the kernel mount's image cached in the "cold" rows.
+    images = {}
+    for k in ("kernel", "composefs-fuse"):
+        images[k] = work / f"cs9-{k}.img"
+        shutil.copyfile(image, images[k])
     mnt = {}
     why = {}
     mnt["fuse"], why["fuse"] = m.fuse("fuse", store, image)
-    mnt["kernel"], why["kernel"] = m.kernel("kernel", store, image)
-    mnt["composefs-fuse"], why["composefs-fuse"] = m.composefs_fuse("cfs", store, image)
+    mnt["kernel"], why["kernel"] = m.kernel("kernel", store, images["kernel"])
+    mnt["composefs-fuse"], why["composefs-fuse"] = m.composefs_fuse("cfs", store, images["composefs-fuse"])
+    mnt["composefs-rs"], why["composefs-rs"] = m.composefs_rs_fuse("cfsrs", store, image, dump=dump)
     if why["fuse"]:
         b.skip("cs9", "cs9 benchmarks", why["fuse"])
         return
@@ -271,13 +366,14 @@ def metadata_rows(b, work: Path, m: Mounts) -> None:
     for k in mnt:
         if why[k]:
             b.note(f"{k}: not measured: {why[k]}")
-    labels = {"kernel": "tilefs kernel mount", "composefs-fuse": "composefs-fuse (reference)"}
+    labels = {"kernel": "tilefs kernel mount", "composefs-fuse": "composefs-fuse (reference)",
+              "composefs-rs": "composefs-rs FUSE (composefs-fuse crate)"}
     goals = {"ls-lR/cold": 1.5, "ls-lR/warm": 1.2, "stat": 1.3}
     b.note(f"cs9-x86_64-developer: {len(paths):,} entries, image {image_size / 1e6:.1f} MB, store empty (metadata only)")
 
-    def compare_all(id: str, title: str, argv_of, cold: bool, goal: float | None) -> dict:
+    def compare_all(id: str, title: str, argv_of, cold: bool, goal: float | None, after_drop=None) -> dict:
         argv = {k: argv_of(mnt[k]) for k in configs}
-        s = measure(b, title, argv, cold=cold)
+        s = measure(b, title, argv, cold=cold, after_drop=after_drop)
         for k in configs:
             if k != "fuse":
                 row(b, f"{id}/{k}", f"{title}: vs {labels[k]}", s["fuse"], s[k], labels[k], cold=cold,
@@ -292,6 +388,11 @@ def metadata_rows(b, work: Path, m: Mounts) -> None:
         argv_of = lambda p, sample=sample: ["stat", "--format=%i", *[str(p) + x for x in sample]]  # noqa: E731
         if b.can_drop_caches():
             compare_all(f"stat-{n}/cold", f"stat of {n} random entries, cold cache", argv_of, True, goals["stat"])
+            # Dentries and inodes dropped, image file read back into the page
+            # cache: only the lookups are cold. The FUSE server does not use
+            # its image file after mounting, so this helps only the others.
+            compare_all(f"stat-{n}/dentries", f"stat of {n} random entries, cold dentries, image file cached",
+                        argv_of, True, None, after_drop=lambda k: read_file(images.get(k, image)))
         compare_all(f"stat-{n}/warm", f"stat of {n} random entries, warm cache", argv_of, False, goals["stat"])
 
     pid = server_pid(mnt["fuse"])
