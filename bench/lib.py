@@ -491,6 +491,53 @@ class Bench:
         return row
 
 
+    def interleave(self, title: str, series: dict, *, cold: bool, runs: int | None = None,
+                   after_drop: Callable[[str], None] | None = None) -> dict:
+        """Runs each Series of `series` (by key) `runs` times, rotating the
+        order every round; warm runs get one untimed warm-up each, cold runs
+        drop the caches first and then call after_drop(key). A series that
+        fails keeps its error and no samples."""
+        runs = runs or (self.cold_runs if cold else self.runs)
+        keys = list(series)
+
+        def one(k: str, label: str, keep: bool) -> None:
+            s = series[k]
+            if s.error is not None:
+                return
+            if cold:
+                self.drop_caches()
+                if after_drop:
+                    after_drop(k)
+            self.progress(f"{title}: {s.tool} {label} ...", final=False)
+            smp = run_once(s.argv, timeout=self.timeout)
+            if not smp.ok:
+                s.error = describe_failure(smp, self.timeout)
+                self.progress(f"{title}: {s.tool} FAILED ({s.error})")
+                return
+            if keep:
+                s.samples.append(smp)
+
+        if not cold:
+            for k in keys:
+                one(k, "warm-up", keep=False)
+        for i in range(runs):
+            for k in keys[i % len(keys):] + keys[: i % len(keys)]:
+                one(k, f"run {i + 1}/{runs}", keep=True)
+        for s in series.values():
+            if s.error is not None:
+                s.samples.clear()
+        return series
+
+
+def is_mountpoint(p: Path) -> bool:
+    target = str(p).replace(" ", "\\040")
+    for line in Path("/proc/self/mountinfo").read_text().splitlines():
+        f = line.split()
+        if len(f) > 4 and f[4] == target:
+            return True
+    return False
+
+
 # ---------------------------------------------------------------------------
 # Formatting.
 # ---------------------------------------------------------------------------

@@ -90,21 +90,12 @@ class Cleanup:
                     p.kill()
                     p.wait()
         for m in reversed(self.mounts):
-            if is_mountpoint(m):
+            if lib.is_mountpoint(m):
                 subprocess.run([self.tilefs, "umount", str(m)], capture_output=True)
-            if is_mountpoint(m):
+            if lib.is_mountpoint(m):
                 r = subprocess.run(["umount", "-l", str(m)], capture_output=True, text=True)
                 if r.returncode != 0:
                     lib.warn(f"cannot unmount {m}: {r.stderr.strip()}")
-
-
-def is_mountpoint(p: Path) -> bool:
-    target = str(p).replace(" ", "\\040")
-    for line in Path("/proc/self/mountinfo").read_text().splitlines():
-        f = line.split()
-        if len(f) > 4 and f[4] == target:
-            return True
-    return False
 
 
 def server_pid(mnt: Path) -> int | None:
@@ -170,7 +161,7 @@ class Mounts:
         m = self._mnt(name)
         r = subprocess.run([tool, "-o", f"source={image},basedir={store}", m], capture_output=True, text=True)
         self.cleanup.mounts.append(m)
-        if r.returncode != 0 or not is_mountpoint(m):
+        if r.returncode != 0 or not lib.is_mountpoint(m):
             return m, f"composefs-fuse failed: {r.stderr.strip()[-300:]}"
         return m, ""
 
@@ -203,7 +194,7 @@ class Mounts:
         self.cleanup.servers.append(p)
         self.cleanup.mounts.append(m)
         deadline = time.monotonic() + SERVER_START_TIMEOUT
-        while not is_mountpoint(m):
+        while not lib.is_mountpoint(m):
             if p.poll() is not None:
                 return m, f"composefs-rs-fuse exited ({p.returncode}): {log.read_text(errors='replace').strip()[-300:]}"
             if time.monotonic() > deadline:
@@ -253,40 +244,9 @@ def read_file(path: Path) -> None:
 
 
 def measure(b, title: str, argv: dict, *, cold: bool, runs: int | None = None, after_drop=None) -> dict:
-    """Runs every configuration's argv, interleaved; returns their Series.
-    Cold runs drop the caches first, then call `after_drop(k)` if given."""
-    runs = runs or (b.cold_runs if cold else b.runs)
-    keys = list(argv)
-    series = {k: lib.Series(k, [str(a) for a in argv[k]]) for k in keys}
-
-    def one(k: str, label: str, keep: bool) -> None:
-        s = series[k]
-        if s.error is not None:
-            return
-        if cold:
-            b.drop_caches()
-            if after_drop:
-                after_drop(k)
-        b.progress(f"{title}: {k} {label} ...", final=False)
-        smp = lib.run_once(s.argv, timeout=b.timeout)
-        if not smp.ok:
-            s.error = lib.describe_failure(smp, b.timeout)
-            b.progress(f"{title}: {k} FAILED ({s.error})")
-            return
-        if keep:
-            s.samples.append(smp)
-
-    if not cold:
-        for k in keys:
-            one(k, "warm-up", keep=False)
-    for i in range(runs):
-        order = keys[i % len(keys):] + keys[: i % len(keys)]
-        for k in order:
-            one(k, f"run {i + 1}/{runs}", keep=True)
-    for s in series.values():
-        if s.error is not None:
-            s.samples.clear()
-    return series
+    """Runs every configuration's argv, interleaved; returns their Series."""
+    series = {k: lib.Series(k, [str(a) for a in argv[k]]) for k in argv}
+    return b.interleave(title, series, cold=cold, runs=runs, after_drop=after_drop)
 
 
 def row(b, id: str, title: str, t: lib.Series, ref: lib.Series | None, ref_label: str, *, cold: bool,

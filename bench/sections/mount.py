@@ -86,7 +86,7 @@ class Cleanup:
 
     def run(self, b) -> None:
         for m in reversed(self.mounts):
-            if is_mountpoint(m):
+            if lib.is_mountpoint(m):
                 r = subprocess.run(["umount", "-l", str(m)], capture_output=True, text=True)
                 if r.returncode != 0:
                     lib.warn(f"cannot unmount {m}: {r.stderr.strip()}")
@@ -223,34 +223,8 @@ def _run(b, work: Path, src: Path, cleanup: Cleanup) -> None:
 
 
 def measure(b, id: str, title: str, configs: list[str], argv: dict, *, cold: bool) -> None:
-    runs = b.cold_runs if cold else b.runs
     series = {k: lib.Series(LABELS[k], [str(a) for a in argv[k]]) for k in configs}
-
-    def one(k: str, label: str, keep: bool) -> None:
-        s = series[k]
-        if s.error is not None:
-            return
-        if cold:
-            b.drop_caches()
-        b.progress(f"{title}: {s.tool} {label} ...", final=False)
-        smp = lib.run_once(s.argv, timeout=b.timeout)
-        if not smp.ok:
-            s.error = lib.describe_failure(smp, b.timeout)
-            b.progress(f"{title}: {s.tool} FAILED ({s.error})")
-            return
-        if keep:
-            s.samples.append(smp)
-
-    if not cold:
-        for k in configs:
-            one(k, "warm-up", keep=False)
-    for i in range(runs):
-        order = configs[i % len(configs):] + configs[: i % len(configs)]
-        for k in order:
-            one(k, f"run {i + 1}/{runs}", keep=True)
-    for s in series.values():
-        if s.error is not None:
-            s.samples.clear()
+    b.interleave(title, series, cold=cold)
 
     t = series["tilefs"]
     others = [k for k in configs if k != "tilefs"]
@@ -390,15 +364,6 @@ def mount_erofs_file(image: Path, target: Path, noacl: bool) -> None:
             os.close(m)
     finally:
         os.close(fs)
-
-
-def is_mountpoint(p: Path) -> bool:
-    target = str(p).replace(" ", "\\040")
-    for line in Path("/proc/self/mountinfo").read_text().splitlines():
-        f = line.split()
-        if len(f) > 4 and f[4] == target:
-            return True
-    return False
 
 
 def fs_type(p: Path) -> str:
