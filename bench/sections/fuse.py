@@ -12,7 +12,9 @@ in the same loop, runs interleaved (order rotated every run):
 Workloads (issue 5): `ls -lR` of cs9-x86_64-developer cold and warm, `stat` of
 500/1000/1900 random entries cold and warm, sequential read of a 1 GiB file
 (passthrough, and the server's own reads), access(2) throughput with 1 and 2
-processes (will-it-scale access1 pattern), a C build (zstd's lib, as the
+processes (will-it-scale access1 pattern), open(2) + close(2) of the zstd
+sources (with passthrough every open asks the server; serving reads itself,
+it answers open with ENOSYS and opens stay in the kernel), a C build (zstd's lib, as the
 zstd-sys crate ships it, sources in the image, objects written outside), and
 the server's RSS. Then each cache setting of the FUSE server switched off in
 turn (`TILEFS_FUSE_TUNING`), against the default: ratio > 1 means the
@@ -46,6 +48,7 @@ STAT_COUNTS = (500, 1000, 1900)
 SEED = 2023
 BIG_MIB = int(os.environ.get("BENCH_FUSE_BIG_MIB") or 1024)
 ACCESS_CALLS = int(os.environ.get("BENCH_FUSE_ACCESS_CALLS") or 2_000_000)
+OPEN_ROUNDS = int(os.environ.get("BENCH_FUSE_OPEN_ROUNDS") or 100)
 SERVER_START_TIMEOUT = 30  # seconds for a foreground FUSE server to mount
 
 ACCESS_C = r"""
@@ -57,6 +60,34 @@ int main(int argc, char **argv) {
     long n = atol(argv[1]);
     for (long i = 0; i < n; i++)
         if (access(argv[2], R_OK) != 0) { perror(argv[2]); return 1; }
+    return 0;
+}
+"""
+
+OPEN_C = r"""
+#include <fcntl.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+/* open(2) and close(2) of every file listed in $3 (relative to $2), $1 rounds. */
+int main(int argc, char **argv) {
+    long rounds = atol(argv[1]);
+    FILE *f = fopen(argv[3], "r");
+    if (!f) { perror(argv[3]); return 1; }
+    char **paths = NULL; size_t n = 0; char line[4096];
+    while (fgets(line, sizeof line, f)) {
+        line[strcspn(line, "\n")] = 0;
+        paths = realloc(paths, (n + 1) * sizeof *paths);
+        paths[n] = malloc(strlen(argv[2]) + strlen(line) + 2);
+        sprintf(paths[n++], "%s/%s", argv[2], line);
+    }
+    for (long r = 0; r < rounds; r++)
+        for (size_t i = 0; i < n; i++) {
+            int fd = open(paths[i], O_RDONLY);
+            if (fd < 0) { perror(paths[i]); return 1; }
+            close(fd);
+        }
     return 0;
 }
 """
@@ -480,6 +511,32 @@ def data_rows(b, work: Path, m: Mounts) -> None:
             row(b, f"access/{procs}", f"{title}: vs kernel mount", s["fuse"], s.get("kernel"), "tilefs kernel mount",
                 cold=False, goal=round(1 / 0.9, 3), notes=[f"file: {target} (4 path components)"])
 
+    # open(2) + close(2): what every program starting from the image does.
+    opener = None
+    if gcc and zstd:
+        c = work / "open1.c"
+        c.write_text(OPEN_C)
+        opener = work / "open1"
+        if subprocess.run([gcc, "-O2", "-o", opener, c], capture_output=True).returncode != 0:
+            opener = None
+    if opener is None:
+        b.skip("open", "open(2) + close(2)", "gcc or the zstd-sys crate's sources not found")
+    else:
+        files = sorted(str(p.relative_to(src / "zstd-lib")) for p in (src / "zstd-lib").rglob("*")
+                       if p.is_file() and not p.is_symlink())
+        open_list = work / "open-list"
+        open_list.write_text("".join(f + "\n" for f in files))
+        title = f"open(2) + close(2) of the zstd sources' {len(files)} files × {OPEN_ROUNDS}"
+        argv = {k: [opener, str(OPEN_ROUNDS), mnt[k] / "zstd-lib", open_list]
+                for k in ("fuse", "fuse, no passthrough", "kernel") if k in ok}
+        s = measure(b, title, argv, cold=False)
+        row(b, "open/passthrough", f"{title}: FUSE (passthrough) vs kernel mount", s["fuse"], s.get("kernel"),
+            "tilefs kernel mount", cold=False, notes=["passthrough needs the server at every open"])
+        if "fuse, no passthrough" in s:
+            row(b, "open/served", f"{title}: FUSE (reads served by the server) vs kernel mount",
+                s["fuse, no passthrough"], s.get("kernel"), "tilefs kernel mount", cold=False,
+                notes=["open answered with ENOSYS: opens stay in the kernel"])
+
     # A C build.
     build = None
     if gcc and zstd:
@@ -488,10 +545,13 @@ def data_rows(b, work: Path, m: Mounts) -> None:
         build.chmod(0o755)
         title = "C build: zstd lib (gcc -O0, 2 jobs), sources in the image"
         argv = {k: [build, mnt[k] / "zstd-lib", work / f"out-{k.replace(' ', '').replace(',', '')}"]
-                for k in ("fuse", "kernel", "native") if k in ok}
+                for k in ("fuse", "fuse, no passthrough", "kernel", "native") if k in ok}
         s = measure(b, title, argv, cold=False)
         row(b, "build/kernel", f"{title}: vs kernel mount", s["fuse"], s.get("kernel"), "tilefs kernel mount",
             cold=False, goal=1.1)
+        if "fuse, no passthrough" in s:
+            row(b, "build/served", f"{title}: FUSE (reads served by the server) vs kernel mount",
+                s["fuse, no passthrough"], s.get("kernel"), "tilefs kernel mount", cold=False)
         row(b, "build/native", f"{title}: vs native", s["fuse"], s.get("native"), "native (ext4)", cold=False)
     else:
         b.skip("build", "C build", "gcc or the zstd-sys crate's sources not found (cargo fetch zstd-sys)")
@@ -502,6 +562,8 @@ def data_rows(b, work: Path, m: Mounts) -> None:
         ("no-max-pages,no-passthrough", "no-passthrough", "without FUSE_MAX_PAGES (128 KiB requests)", ["read-cold"]),
         ("no-default-permissions", "", "without default_permissions (server answers access)", ["access"]),
         ("no-negative", "", "without negative entries", ["build"]),
+        ("open,no-passthrough", "no-passthrough", "open answered (not ENOSYS)", ["open", "build"]),
+        ("flush", "", "flush answered (not ENOSYS)", ["open"]),
     ]
     for tuning, base_tuning, what, works in variants:
         base = mnt["fuse, no passthrough"] if base_tuning else mnt["fuse"]
@@ -524,6 +586,12 @@ def data_rows(b, work: Path, m: Mounts) -> None:
                 # Every call is a round trip without default_permissions: fewer calls.
                 argv_of = lambda p: [prog, str(ACCESS_CALLS // 20), p / "big"]  # noqa: E731
                 name = f"access(2) × {ACCESS_CALLS // 20:,}, 1 process"
+            elif w == "open":
+                if opener is None:
+                    continue
+                cold = False
+                argv_of = lambda p: [opener, str(OPEN_ROUNDS), p / "zstd-lib", open_list]  # noqa: E731
+                name = f"open(2) + close(2) × {len(files) * OPEN_ROUNDS:,}"
             else:
                 if build is None:
                     continue

@@ -46,6 +46,10 @@ pub struct MountArgs {
     /// FUSE: also write the server's log lines to FILE (in the background they go to syslog)
     #[arg(long, value_name = "FILE")]
     pub log: Option<PathBuf>,
+    /// FUSE: serve every read from the server, even as root where the kernel could read objects
+    /// itself (passthrough): opening a file then never leaves the kernel, large reads cost more
+    #[arg(long, conflicts_with = "kernel")]
+    pub no_passthrough: bool,
     /// FUSE: worker threads (default: automatic)
     #[arg(long, default_value_t = 0, value_name = "N")]
     pub threads: usize,
@@ -86,6 +90,9 @@ pub fn mount(a: MountArgs) -> Result<ExitCode> {
     }
     if let Some(d) = &a.digest {
         options.digest = Some(tilefs_mount::options::parse_digest(d).map_err(|e| anyhow!("--digest: {e}"))?);
+    }
+    if a.no_passthrough {
+        options.passthrough = Some(false);
     }
     if a.upper.is_some() {
         options.upper = a.upper.clone();
@@ -206,6 +213,10 @@ fn fuse(req: &Request, image: &std::path::Path, verity: Verity) -> Result<()> {
         log_file: req.log.clone(),
         threads: req.threads,
         image_digest: o.digest,
+        tuning: tilefs_fuse::Tuning {
+            passthrough: o.passthrough.unwrap_or(true),
+            ..tilefs_fuse::Tuning::default()
+        },
         ..tilefs_fuse::FuseMount::new(image, &req.stores[0], &req.mountpoint)
     })
     .map_err(|e| anyhow!("FUSE mount of {} at {}: {e}", image.display(), req.mountpoint.display()))

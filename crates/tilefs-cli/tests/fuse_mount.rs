@@ -287,6 +287,14 @@ fn object_of(store: &Path, file: &Path) -> PathBuf {
     store.join(&hex[..2]).join(&hex[2..])
 }
 
+/// Drops the kernel's cached pages of a file in the mount (an open that
+/// fails has nothing cached to drop).
+fn drop_cached_pages(file: &Path) {
+    if let Ok(f) = fs::File::open(file) {
+        rustix::fs::fadvise(&f, 0, None, rustix::fs::Advice::DontNeed).unwrap();
+    }
+}
+
 fn eio(r: std::io::Result<Vec<u8>>) -> bool {
     matches!(r, Err(ref e) if e.raw_os_error() == Some(libc::EIO))
 }
@@ -702,6 +710,11 @@ fn check_tampering(tuning: &str) {
     fs::write(&obj1, &bad).unwrap();
     let obj2 = object_of(&store, &src.join("file2"));
     fs::remove_file(&obj2).unwrap();
+    // Pages the kernel already holds were verified and may still be read;
+    // once dropped, reads reach the server, which sees the change.
+    for f in ["file1", "file2"] {
+        drop_cached_pages(&mnt.join(f));
+    }
     for _ in 0..2 {
         assert!(
             eio(fs::read(mnt.join("file1"))),
@@ -723,6 +736,7 @@ fn check_tampering(tuning: &str) {
     assert!(fs::read_dir(&mnt).unwrap().count() == 7);
     // Put file1 right again: served again.
     fs::write(&obj1, fs::read(src.join("file1")).unwrap()).unwrap();
+    drop_cached_pages(&mnt.join("file1"));
     assert_eq!(
         fs::read(mnt.join("file1")).unwrap(),
         fs::read(src.join("file1")).unwrap()
@@ -751,9 +765,48 @@ fn check_tampering(tuning: &str) {
 #[test]
 fn tampered_or_missing_objects_give_eio_for_their_files_only() {
     need_root_and_fuse!();
-    // Passthrough (root's default) and reads served by the server.
+    // Passthrough (root's default), reads served by the server (opens kept
+    // in the kernel), and served with every open asking the server.
     check_tampering("");
     check_tampering("no-passthrough");
+    check_tampering("no-passthrough,open");
+}
+
+#[test]
+fn no_passthrough_keeps_opens_in_the_kernel_and_still_verifies() {
+    need_root_and_fuse!();
+    let a = Area::new();
+    let (src, store, image) = small_store(&a);
+    let mnt = a.dir("mnt");
+    let _m = fmount(&store, &image, &mnt, &["--no-passthrough"]);
+    for f in ["file0", "file1", "small"] {
+        assert_eq!(fs::read(mnt.join(f)).unwrap(), fs::read(src.join(f)).unwrap(), "{f}");
+    }
+    let obj = object_of(&store, &src.join("file1"));
+    let mut bad = fs::read(&obj).unwrap();
+    bad[7] ^= 0x40;
+    fs::write(&obj, &bad).unwrap();
+    // The open never reaches the server, so it succeeds; the data does not.
+    let f = fs::File::open(mnt.join("file1")).unwrap();
+    rustix::fs::fadvise(&f, 0, None, rustix::fs::Advice::DontNeed).unwrap();
+    let mut buf = Vec::new();
+    let err = std::io::Read::read_to_end(&mut &f, &mut buf).unwrap_err();
+    assert_eq!(err.raw_os_error(), Some(libc::EIO), "{err}");
+    // A kernel mount has no such choice.
+    let out = tilefs_any(&[
+        os("mount"),
+        os("--kernel"),
+        os("--no-passthrough"),
+        os("--store"),
+        store.as_os_str(),
+        image.as_os_str(),
+        mnt.as_os_str(),
+    ]);
+    assert!(
+        !out.status.success() && stderr(&out).contains("--no-passthrough"),
+        "{}",
+        stderr(&out)
+    );
 }
 
 #[test]

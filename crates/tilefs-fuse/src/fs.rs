@@ -32,6 +32,10 @@ use tilefs_image::tree::{Inode, InodeId, Tree, S_IFCHR, S_IFDIR, S_IFMT, S_IFREG
 /// small enough for the kernel's conversion to jiffies.
 const FOREVER: Duration = Duration::from_secs(10 * 365 * 24 * 3600);
 
+/// Object files kept open for reads that name only the inode (fewer if
+/// the limit on open files is low).
+const UNOPENED_MAX: usize = 1024;
+
 // Markers the kernel's overlay mount shows on whiteouts from the source
 // (stored as marked empty regular files) and on their directories.
 const WHITEOUT_XATTRS: [&[u8]; 2] = [b"trusted.overlay.whiteout", b"user.overlay.whiteout"];
@@ -43,13 +47,18 @@ const ACL_XATTRS: [&[u8]; 2] = [b"system.posix_acl_access", b"system.posix_acl_d
 /// An open file.
 enum Handle {
     /// Served by us from an object.
-    Object {
-        file: File,
-        digest: Option<[u8; 32]>,
-        key: FileState,
-    },
+    Object(Object),
     /// Served by the kernel from the object (FUSE passthrough).
     Passthrough(InodeId),
+}
+
+/// An object file opened (and checked, unless verity is off) for serving.
+struct Object {
+    file: File,
+    /// What its data is checked against; None when nothing is checked.
+    digest: Option<[u8; 32]>,
+    /// The file's state when it was checked.
+    key: FileState,
 }
 
 pub(crate) struct TileFs {
@@ -67,6 +76,9 @@ pub(crate) struct TileFs {
     verified: VerifiedObjects,
     handles: Mutex<FxHashMap<u64, Arc<Handle>>>,
     next_fh: AtomicU64,
+    /// Objects of files opened without asking us, by inode.
+    unopened: Mutex<FxHashMap<InodeId, Arc<Object>>>,
+    unopened_max: usize,
     /// Backing files registered with the kernel for passthrough: one per
     /// inode while it is open, with the number of opens.
     backing: Mutex<FxHashMap<InodeId, (BackingId, u32)>>,
@@ -110,6 +122,7 @@ impl TileFs {
         verity: Verity,
         tune: Tuning,
         log: Arc<Logger>,
+        fd_budget: u64,
     ) -> TileFs {
         let mut parent = vec![0 as InodeId; tree.inodes.len()];
         let mut marked = FxHashSet::default();
@@ -136,6 +149,8 @@ impl TileFs {
             verified: VerifiedObjects::default(),
             handles: Mutex::new(FxHashMap::default()),
             next_fh: AtomicU64::new(1),
+            unopened: Mutex::new(FxHashMap::default()),
+            unopened_max: UNOPENED_MAX.min(fd_budget.try_into().unwrap_or(usize::MAX)).max(1),
             backing: Mutex::new(FxHashMap::default()),
             passthrough: AtomicBool::new(false),
             reported: Mutex::new(FxHashMap::default()),
@@ -270,18 +285,56 @@ impl TileFs {
         fh
     }
 
-    fn keep_cache(&self) -> FopenFlags {
-        if self.tune.keep_cache {
-            FopenFlags::FOPEN_KEEP_CACHE
-        } else {
-            FopenFlags::empty()
-        }
+    /// The object of a regular file, opened and checked.
+    fn object(&self, inode: &Inode) -> Result<Object, ObjectError> {
+        let (file, key) = self.open_checked(inode)?;
+        let digest = if self.verity == Verity::Off { None } else { inode.digest };
+        Ok(Object {
+            file,
+            digest,
+            key: key.unwrap_or_default(),
+        })
     }
 
-    fn read_object(&self, id: InodeId, h: &Handle, offset: u64, size: u32, reply: ReplyData) {
-        let Handle::Object { file, digest, key } = h else {
-            return reply.error(Errno::EIO);
-        };
+    /// The object of a file the kernel opened without asking us: kept open
+    /// by inode (no release ever comes), at most `unopened_max` at a time.
+    /// A kept object whose file changed since it was checked is opened
+    /// again from the store, so a replaced or removed object is seen as an
+    /// open would see it.
+    fn unopened_object(&self, id: InodeId, inode: &Inode) -> Result<Arc<Object>, ObjectError> {
+        let kept = self.unopened.lock().unwrap().get(&id).cloned();
+        if let Some(o) = kept {
+            if o.digest.is_none() || FileState::of_fd(&o.file).is_ok_and(|s| s == o.key) {
+                return Ok(o);
+            }
+            self.unopened.lock().unwrap().remove(&id);
+        }
+        let h = Arc::new(self.object(inode)?);
+        let mut map = self.unopened.lock().unwrap();
+        if map.len() >= self.unopened_max {
+            // Any one goes: reopening costs an open and a stat (the check
+            // itself is remembered by the object's state).
+            if let Some(&old) = map.keys().next() {
+                map.remove(&old);
+            }
+        }
+        map.insert(id, h.clone());
+        Ok(h)
+    }
+
+    fn open_flags(&self) -> FopenFlags {
+        let mut f = FopenFlags::empty();
+        if self.tune.keep_cache {
+            f |= FopenFlags::FOPEN_KEEP_CACHE;
+        }
+        if self.tune.no_flush {
+            f |= FopenFlags::FOPEN_NOFLUSH;
+        }
+        f
+    }
+
+    fn read_object(&self, id: InodeId, o: &Object, offset: u64, size: u32, reply: ReplyData) {
+        let Object { file, digest, key } = o;
         // The object was checked at open; if it changed since, check it again.
         if let (Some(d), false) = (digest, self.verity == Verity::Off) {
             if let Err(e) = self.verified.recheck(file, d, key) {
@@ -375,7 +428,12 @@ impl Filesystem for TileFs {
         if self.tune.max_pages {
             want |= InitFlags::FUSE_MAX_PAGES;
         }
-        let passthrough = self.tune.passthrough && caps.contains(InitFlags::FUSE_PASSTHROUGH);
+        // The kernel lets only CAP_SYS_ADMIN register backing files; without
+        // it, do not ask (inside a user namespace the first open still finds
+        // out and falls back).
+        let may = rustix::thread::capabilities(None)
+            .is_ok_and(|c| c.effective.contains(rustix::thread::CapabilitySet::SYS_ADMIN));
+        let passthrough = self.tune.passthrough && may && caps.contains(InitFlags::FUSE_PASSTHROUGH);
         if passthrough {
             want |= InitFlags::FUSE_PASSTHROUGH;
             // 1: the backing files may not be on a stacked filesystem, but
@@ -438,59 +496,51 @@ impl Filesystem for TileFs {
         if inode.is_dir() {
             return reply.error(Errno::EISDIR);
         }
+        let passthrough = self.passthrough.load(Ordering::Relaxed);
+        if !passthrough && self.tune.no_open && self.tune.keep_cache {
+            // The kernel stops asking (the mount is read-only, so it refuses
+            // writes itself); reads then name the inode alone.
+            return reply.error(Errno::ENOSYS);
+        }
         if !inode.is_external() {
             // Inline, empty or special: served from the image.
-            return reply.opened(FileHandle(0), self.keep_cache());
+            return reply.opened(FileHandle(0), self.open_flags());
         }
         // The kernel refuses page-cache flags with passthrough, and wants
         // every open of an inode open in passthrough mode to be one too.
-        let mut backing = self.backing.lock().unwrap();
-        if let Some((bid, n)) = backing.get_mut(&id) {
-            *n += 1;
-            let fh = self.add_handle(Handle::Passthrough(id));
-            return reply.opened_passthrough(FileHandle(fh), FopenFlags::empty(), bid);
-        }
-        drop(backing);
-        if self.passthrough.load(Ordering::Relaxed) {
-            let file = match self.open_checked(inode) {
-                Ok((f, _)) => f,
-                Err(e) => {
-                    self.report(id, &e.to_string());
-                    return reply.error(Errno::EIO);
-                }
-            };
-            match reply.open_backing(&file) {
-                Ok(bid) => {
-                    let mut backing = self.backing.lock().unwrap();
-                    let entry = backing.entry(id).or_insert((bid, 0));
-                    entry.1 += 1;
-                    let fh = self.add_handle(Handle::Passthrough(id));
-                    return reply.opened_passthrough(FileHandle(fh), FopenFlags::empty(), &entry.0);
-                }
-                Err(e) => {
-                    self.passthrough.store(false, Ordering::Relaxed);
-                    self.log.log(&format!(
-                        "passthrough refused by the kernel ({e}); serving reads instead"
-                    ));
-                    let fh = self.add_handle(Handle::Object {
-                        file,
-                        digest: None,
-                        key: FileState::default(),
-                    });
-                    return reply.opened(FileHandle(fh), self.keep_cache());
-                }
+        let noflush = self.open_flags() & FopenFlags::FOPEN_NOFLUSH;
+        if passthrough {
+            if let Some((bid, n)) = self.backing.lock().unwrap().get_mut(&id) {
+                *n += 1;
+                let fh = self.add_handle(Handle::Passthrough(id));
+                return reply.opened_passthrough(FileHandle(fh), noflush, bid);
             }
         }
-        match self.open_checked(inode) {
-            Ok((file, key)) => {
-                let key = key.unwrap_or_default();
-                let digest = if self.verity == Verity::Off { None } else { inode.digest };
-                let fh = self.add_handle(Handle::Object { file, digest, key });
-                reply.opened(FileHandle(fh), self.keep_cache())
-            }
+        let o = match self.object(inode) {
+            Ok(o) => o,
             Err(e) => {
                 self.report(id, &e.to_string());
-                reply.error(Errno::EIO)
+                return reply.error(Errno::EIO);
+            }
+        };
+        if !passthrough {
+            return reply.opened(FileHandle(self.add_handle(Handle::Object(o))), self.open_flags());
+        }
+        match reply.open_backing(&o.file) {
+            Ok(bid) => {
+                let mut backing = self.backing.lock().unwrap();
+                let entry = backing.entry(id).or_insert((bid, 0));
+                entry.1 += 1;
+                let fh = self.add_handle(Handle::Passthrough(id));
+                reply.opened_passthrough(FileHandle(fh), noflush, &entry.0)
+            }
+            Err(e) => {
+                // Later opens are answered as without passthrough.
+                self.passthrough.store(false, Ordering::Relaxed);
+                self.log.log(&format!(
+                    "passthrough refused by the kernel ({e}); serving reads instead"
+                ));
+                reply.opened(FileHandle(self.add_handle(Handle::Object(o))), self.open_flags())
             }
         }
     }
@@ -510,21 +560,33 @@ impl Filesystem for TileFs {
             Ok(x) => x,
             Err(e) => return reply.error(e),
         };
-        if fh.0 == 0 {
-            let data: &[u8] = if inode.is_whiteout() {
-                &[]
-            } else {
-                inode.content.as_deref().unwrap_or_default()
+        if fh.0 != 0 {
+            let h = self.handles.lock().unwrap().get(&fh.0).cloned();
+            return match h.as_deref() {
+                Some(Handle::Object(o)) => self.read_object(id, o, offset, size, reply),
+                // The kernel reads passthrough files itself.
+                Some(Handle::Passthrough(_)) => reply.error(Errno::EIO),
+                None => reply.error(Errno::EBADF),
             };
-            let start = (offset.min(data.len() as u64)) as usize;
-            let end = start.saturating_add(size as usize).min(data.len());
-            return reply.data(&data[start..end]);
         }
-        let h = self.handles.lock().unwrap().get(&fh.0).cloned();
-        match h {
-            Some(h) => self.read_object(id, &h, offset, size, reply),
-            None => reply.error(Errno::EBADF),
+        if inode.is_external() {
+            // Opened without asking us (open answered with ENOSYS).
+            return match self.unopened_object(id, inode) {
+                Ok(o) => self.read_object(id, &o, offset, size, reply),
+                Err(e) => {
+                    self.report(id, &e.to_string());
+                    reply.error(Errno::EIO)
+                }
+            };
         }
+        let data: &[u8] = if inode.is_whiteout() {
+            &[]
+        } else {
+            inode.content.as_deref().unwrap_or_default()
+        };
+        let start = (offset.min(data.len() as u64)) as usize;
+        let end = start.saturating_add(size as usize).min(data.len());
+        reply.data(&data[start..end])
     }
 
     fn release(
@@ -555,7 +617,12 @@ impl Filesystem for TileFs {
     }
 
     fn flush(&self, _req: &Request, _ino: INodeNo, _fh: FileHandle, _lock_owner: LockOwner, reply: ReplyEmpty) {
-        reply.ok()
+        if self.tune.no_flush {
+            // The kernel stops sending flush on close.
+            reply.error(Errno::ENOSYS)
+        } else {
+            reply.ok()
+        }
     }
 
     fn opendir(&self, _req: &Request, ino: INodeNo, _flags: OpenFlags, reply: ReplyOpen) {

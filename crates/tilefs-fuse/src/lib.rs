@@ -58,6 +58,14 @@ pub struct Tuning {
     pub no_opendir: bool,
     /// FOPEN_KEEP_CACHE on open: file pages kept across opens.
     pub keep_cache: bool,
+    /// Answer open with ENOSYS when reads are served by us (no
+    /// passthrough): the kernel stops sending open and release, opens every
+    /// file with FOPEN_KEEP_CACHE and reads name the inode alone. Objects
+    /// are opened and checked at their first read instead of at open.
+    pub no_open: bool,
+    /// Answer flush with ENOSYS (and open with FOPEN_NOFLUSH): nothing is
+    /// ever written, so close(2) need not wait for a round trip.
+    pub no_flush: bool,
     /// FUSE_POSIX_ACL (for images flagged as having ACLs): the kernel
     /// checks and caches POSIX ACLs.
     pub posix_acl: bool,
@@ -84,6 +92,8 @@ impl Default for Tuning {
             cache_dir: true,
             no_opendir: true,
             keep_cache: true,
+            no_open: true,
+            no_flush: true,
             posix_acl: true,
             default_permissions: true,
             passthrough: true,
@@ -97,7 +107,7 @@ impl Tuning {
     /// `self` changed by the comma-separated words of `TILEFS_FUSE_TUNING`
     /// (for measurements): `no-negative`, `no-symlinks`, `no-readdirplus`,
     /// `readdirplus-auto`, `no-cache-dir` (with `opendir`), `opendir`, `no-keep-cache`,
-    /// `no-acl`, `no-default-permissions`, `no-passthrough`, `no-max-pages`,
+    /// `open`, `flush`, `no-acl`, `no-default-permissions`, `no-passthrough`, `no-max-pages`,
     /// `no-selinux-enotsup`.
     pub fn from_env(mut self) -> Result<Tuning, FuseError> {
         let Some(v) = std::env::var_os("TILEFS_FUSE_TUNING") else {
@@ -112,6 +122,8 @@ impl Tuning {
                 "no-cache-dir" => self.cache_dir = false,
                 "opendir" => self.no_opendir = false,
                 "no-keep-cache" => self.keep_cache = false,
+                "open" => self.no_open = false,
+                "flush" => self.no_flush = false,
                 "no-acl" => self.posix_acl = false,
                 "no-default-permissions" => self.default_permissions = false,
                 "no-passthrough" => self.passthrough = false,
@@ -218,7 +230,7 @@ pub fn mount(m: &FuseMount) -> Result<(), FuseError> {
     let logger = Arc::new(logger);
     let root = rustix::process::geteuid().is_root();
     let allow_other = m.allow_other || root;
-    let fs = fs::TileFs::new(tree, info, store, m.verity, tuning, logger.clone());
+    let fs = fs::TileFs::new(tree, info, store, m.verity, tuning, logger.clone(), raise_nofile() / 2);
 
     let fuse_fd = mountpoint::mount_fuse(&mnt, &m.image, allow_other, tuning.default_permissions)?;
     let mut config = fuser::Config::default();
@@ -240,6 +252,26 @@ pub fn mount(m: &FuseMount) -> Result<(), FuseError> {
         return serve(session, &mnt, &logger, None);
     }
     daemonize(session, &mnt, logger, m.log_file.as_deref())
+}
+
+/// Raises the soft limit on open files to the hard one (the server keeps
+/// objects open for the kernel's reads); returns the limit in force.
+fn raise_nofile() -> u64 {
+    use rustix::process::{getrlimit, setrlimit, Resource};
+    let mut l = getrlimit(Resource::Nofile);
+    if l.current != l.maximum
+        && setrlimit(
+            Resource::Nofile,
+            rustix::process::Rlimit {
+                current: l.maximum,
+                ..l
+            },
+        )
+        .is_ok()
+    {
+        l.current = l.maximum;
+    }
+    l.current.unwrap_or(u64::MAX)
 }
 
 /// Forks a server for `session`; returns in the parent once the server has

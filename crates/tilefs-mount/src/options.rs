@@ -23,6 +23,9 @@ pub struct ParsedOptions {
     pub read_only: Option<bool>,
     pub attrs: MountAttrs,
     pub backend: Option<Backend>,
+    /// FUSE: `nopassthrough` (false) serves every read from the server
+    /// even where the kernel could read the object itself.
+    pub passthrough: Option<bool>,
     /// Anything else: handed to overlayfs as is (the kernel judges it).
     pub overlay: Vec<(String, Option<String>)>,
     /// Options for mount(8) itself or meaningless here, accepted and ignored.
@@ -140,6 +143,8 @@ impl ParsedOptions {
                 "rw" => self.read_only = Some(false),
                 "kernel" => self.backend = Some(Backend::Kernel),
                 "fuse" => self.backend = Some(Backend::Fuse),
+                "passthrough" => self.passthrough = Some(true),
+                "nopassthrough" => self.passthrough = Some(false),
                 "nosuid" => self.attrs.nosuid = true,
                 "suid" => self.attrs.nosuid = false,
                 "nodev" => self.attrs.nodev = true,
@@ -200,6 +205,15 @@ mod tests {
         assert_eq!(p.stores, vec![PathBuf::from("/a"), PathBuf::from("/b")]);
         assert_eq!(p.verity, Some(Verity::Require));
         assert_eq!(parse("tryverity").unwrap().verity, Some(Verity::Auto));
+    }
+
+    #[test]
+    fn fuse_choices() {
+        let p = parse("fuse,nopassthrough").unwrap();
+        assert_eq!(p.backend, Some(Backend::Fuse));
+        assert_eq!(p.passthrough, Some(false));
+        assert!(p.overlay.is_empty());
+        assert_eq!(parse("nopassthrough,passthrough").unwrap().passthrough, Some(true));
     }
 
     #[test]
