@@ -492,13 +492,7 @@ def data_rows(b, work: Path, m: Mounts) -> None:
                 "tilefs kernel mount", cold=cold, nbytes=nbytes)
 
     # access(2).
-    prog = None
-    if gcc:
-        c = work / "access1.c"
-        c.write_text(ACCESS_C)
-        prog = work / "access1"
-        if subprocess.run([gcc, "-O2", "-o", prog, c], capture_output=True).returncode != 0:
-            prog = None
+    prog = compile_c(gcc, work / "access1", ACCESS_C)
     if prog is None:
         b.skip("access", "access(2) throughput", "gcc not found or failed")
     else:
@@ -512,13 +506,7 @@ def data_rows(b, work: Path, m: Mounts) -> None:
                 cold=False, goal=round(1 / 0.9, 3), notes=[f"file: {target} (4 path components)"])
 
     # open(2) + close(2): what every program starting from the image does.
-    opener = None
-    if gcc and zstd:
-        c = work / "open1.c"
-        c.write_text(OPEN_C)
-        opener = work / "open1"
-        if subprocess.run([gcc, "-O2", "-o", opener, c], capture_output=True).returncode != 0:
-            opener = None
+    opener = compile_c(gcc, work / "open1", OPEN_C) if zstd else None
     if opener is None:
         b.skip("open", "open(2) + close(2)", "gcc or the zstd-sys crate's sources not found")
     else:
@@ -607,6 +595,16 @@ def data_rows(b, work: Path, m: Mounts) -> None:
                "in-memory tree and its record of verified objects)")
     b.note("setting rows: ratio = time with the setting off / time with the default (> 1: the setting helps); "
            "3 runs each")
+
+
+def compile_c(gcc: str | None, exe: Path, source: str) -> Path | None:
+    """`exe` built from C `source` with gcc -O2, or None without gcc or on failure."""
+    if not gcc:
+        return None
+    c = exe.with_suffix(".c")
+    c.write_text(source)
+    ok = subprocess.run([gcc, "-O2", "-o", exe, c], capture_output=True).returncode == 0
+    return exe if ok else None
 
 
 def find_zstd_lib() -> Path | None:
