@@ -14,7 +14,7 @@ mod common;
 
 use common::*;
 use std::collections::{BTreeMap, BTreeSet};
-use std::ffi::{OsStr, OsString};
+use std::ffi::OsStr;
 use std::fs;
 use std::io::Read;
 use std::os::unix::ffi::OsStrExt;
@@ -167,81 +167,6 @@ fn fmount_foreground(store: &Path, image: &Path, mnt: &Path, env: &[(&str, &str)
     guard
 }
 
-/// Builds `image` from `src`, its files' contents into `store`: hardlinked
-/// (big sparse files stay sparse), or copied (so objects can be damaged
-/// without touching the source).
-fn build_with_store(src: &Path, store: &Path, image: &Path, hardlink: bool) {
-    let mut args = vec![os("build"), os("-q"), os("--store"), store.as_os_str()];
-    if hardlink {
-        args.push(os("--hardlink"));
-    }
-    args.extend([src.as_os_str(), image.as_os_str()]);
-    tilefs(&args);
-}
-
-/// What the kernel's overlay mount shows for a whiteout from the source:
-/// the marked empty regular file composefs stores, with its markers
-/// unescaped; its directory carries `overlay.whiteouts` (and in version 1
-/// images, which any tree with whiteouts gets, `overlay.opaque=x`).
-const WHITEOUT_DIR_XATTRS: &[(&str, &[u8])] = &[
-    ("trusted.overlay.opaque", b"x"),
-    ("trusted.overlay.whiteouts", b""),
-    ("user.overlay.opaque", b"x"),
-    ("user.overlay.whiteouts", b""),
-];
-
-/// Checks that `got` (the mount) shows exactly `want` (the source, as the
-/// same user sees it). `privileged`: whether trusted.* is visible.
-fn assert_same_view(want: &BTreeMap<Vec<u8>, Seen>, got: &BTreeMap<Vec<u8>, Seen>, privileged: bool, what: &str) {
-    let wn: BTreeSet<_> = want.keys().collect();
-    let gn: BTreeSet<_> = got.keys().collect();
-    if wn != gn {
-        let shown = |s: Vec<&&Vec<u8>>| {
-            s.iter()
-                .map(|k| String::from_utf8_lossy(k).into_owned())
-                .collect::<Vec<_>>()
-        };
-        panic!(
-            "{what}: names differ: missing {:?}, extra {:?}",
-            shown(wn.difference(&gn).take(10).collect()),
-            shown(gn.difference(&wn).take(10).collect())
-        );
-    }
-    let whiteout_dirs: BTreeSet<Vec<u8>> = want
-        .iter()
-        .filter(|(_, s)| is_whiteout(s))
-        .map(|(p, _)| parent_of(p))
-        .collect();
-    let visible = |m: BTreeMap<OsString, Vec<u8>>| -> BTreeMap<OsString, Vec<u8>> {
-        m.into_iter()
-            .filter(|(k, _)| privileged || !k.as_bytes().starts_with(b"trusted."))
-            .collect()
-    };
-    for (path, w) in want {
-        let g = &got[path];
-        let shown = format!("{what}: /{}", String::from_utf8_lossy(path));
-        let mut want_xattrs = w.xattrs.clone();
-        if is_whiteout(w) {
-            assert_eq!(g.mode, S_IFREG | (w.mode & 0o7777), "{shown}: whiteout mode");
-            assert_eq!(g.size, Some(0), "{shown}: whiteout size");
-            want_xattrs.extend(xattr_map(WHITEOUT_XATTRS));
-        } else {
-            assert_eq!(g.mode, w.mode, "{shown}: mode");
-            assert_eq!(g.size, w.size, "{shown}: size");
-            assert_eq!(g.link, w.link, "{shown}: symlink target");
-            if matches!(w.mode & S_IFMT, S_IFCHR | S_IFBLK) {
-                assert_eq!(g.rdev, w.rdev, "{shown}: device number");
-            }
-        }
-        if whiteout_dirs.contains(path) {
-            want_xattrs.extend(xattr_map(WHITEOUT_DIR_XATTRS));
-        }
-        assert_eq!((g.uid, g.gid), (w.uid, w.gid), "{shown}: owner");
-        assert_eq!(g.mtime, w.mtime, "{shown}: mtime");
-        assert_eq!(g.xattrs, visible(want_xattrs), "{shown}: xattrs");
-    }
-}
-
 /// Exactly equal views (FUSE against the kernel mount): everything but
 /// inode numbers, which must group entries the same way.
 fn assert_identical_views(kernel: &BTreeMap<Vec<u8>, Seen>, fuse: &BTreeMap<Vec<u8>, Seen>) {
@@ -311,13 +236,13 @@ fn fuse_mount_shows_the_source_and_what_the_kernel_shows() {
     make_source_tree(&src, 11);
     let store = a.path("store");
     let image = a.path("image.cfs");
-    build_with_store(&src, &store, &image, true);
+    build_with_store(&src, &store, &image, &["--hardlink"]);
     let mnt = a.dir("mnt");
     let m = fmount(&store, &image, &mnt, &[]);
 
     let want = scan(&src);
     let got = scan(&mnt);
-    assert_same_view(&want, &got, true, "FUSE (root)");
+    assert_same_view(&want, &got, version_of(&image), true, "FUSE (root)");
     let n = assert_same_contents(&src, &mnt, &want);
     assert!(n > 20, "only {n} regular files compared");
 
@@ -594,7 +519,7 @@ fn mounted_without_root() {
     make_source_tree(&src, 23);
     let store = a.path("store");
     let image = a.path("image.cfs");
-    build_with_store(&src, &store, &image, true);
+    build_with_store(&src, &store, &image, &["--hardlink"]);
     let mnt = a.dir("mnt");
     rustix::fs::chown(
         &mnt,
@@ -688,7 +613,7 @@ fn small_store(a: &Area) -> (PathBuf, PathBuf, PathBuf) {
     fs::write(src.join("small"), b"inline").unwrap();
     let store = a.path("store");
     let image = a.path("image.cfs");
-    build_with_store(&src, &store, &image, false);
+    build_with_store(&src, &store, &image, &[]);
     (src, store, image)
 }
 
@@ -999,7 +924,7 @@ fn parallel_readers_see_no_error() {
     make_source_tree(&src, 31);
     let store = a.path("store");
     let image = a.path("image.cfs");
-    build_with_store(&src, &store, &image, true);
+    build_with_store(&src, &store, &image, &["--hardlink"]);
     for tuning in ["", "no-passthrough"] {
         let mnt = a.dir("mnt");
         let m = fmount_foreground(&store, &image, &mnt, &[("TILEFS_FUSE_TUNING", tuning)]);

@@ -14,7 +14,7 @@
 mod common;
 
 use common::*;
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::BTreeMap;
 use std::ffi::OsStr;
 use std::fs;
 use std::io::Read;
@@ -146,81 +146,11 @@ fn loops_backed_by(file: &Path) -> Vec<String> {
     out
 }
 
-/// `tilefs build --store STORE [extra] SRC IMG`.
-fn build_with_store(src: &Path, store: &Path, image: &Path, extra: &[&str]) {
-    let mut args: Vec<&OsStr> = vec![os("build"), os("--quiet"), os("--store"), store.as_os_str()];
-    args.extend(extra.iter().map(|s| os(s)));
-    args.push(src.as_os_str());
-    args.push(image.as_os_str());
-    tilefs(&args);
-}
-
-/// What the overlay shows for a whiteout of the image (a char device 0/0
-/// in the source): overlayfs keeps the composefs "xattr whiteout" as it
-/// is, an empty regular file with the same permissions, owner and mtime
-/// carrying `overlay.whiteout` (trusted and user), so the mount can itself
-/// serve as a lower layer where it acts as a whiteout; its directory
-/// carries `overlay.whiteouts` and, in format version 1, `overlay.opaque=x`.
-const WHITEOUT_DIR_XATTRS: &[(&str, &[u8])] = &[("trusted.overlay.whiteouts", b""), ("user.overlay.whiteouts", b"")];
-const WHITEOUT_DIR_XATTRS_V1: &[(&str, &[u8])] = &[("trusted.overlay.opaque", b"x"), ("user.overlay.opaque", b"x")];
-
-/// The composefs format version of an image file.
-fn version_of(image: &Path) -> u32 {
-    tilefs_image::erofs::image_version(&fs::read(image).unwrap()).unwrap()
-}
-
-/// Checks that `got` (the mount) shows exactly `want` (the source, as a
-/// user saw it). Contents are checked separately.
-fn assert_same_view(want: &BTreeMap<Vec<u8>, Seen>, got: &BTreeMap<Vec<u8>, Seen>, version: u32, what: &str) {
-    let wn: Vec<_> = want.keys().map(|k| String::from_utf8_lossy(k).into_owned()).collect();
-    let gn: Vec<_> = got.keys().map(|k| String::from_utf8_lossy(k).into_owned()).collect();
-    if wn != gn {
-        let w: BTreeSet<_> = wn.iter().collect();
-        let g: BTreeSet<_> = gn.iter().collect();
-        panic!(
-            "{what}: names differ: missing {:?}, extra {:?}",
-            w.difference(&g).take(10).collect::<Vec<_>>(),
-            g.difference(&w).take(10).collect::<Vec<_>>()
-        );
-    }
-    let whiteout_dirs: BTreeSet<Vec<u8>> = want
-        .iter()
-        .filter(|(_, s)| is_whiteout(s))
-        .map(|(p, _)| parent_of(p))
-        .collect();
-    for (path, w) in want {
-        let g = &got[path];
-        let shown = format!("{what}: /{}", String::from_utf8_lossy(path));
-        let mut want_xattrs = w.xattrs.clone();
-        if is_whiteout(w) {
-            assert_eq!(g.mode, S_IFREG | (w.mode & 0o7777), "{shown}: whiteout mode");
-            assert_eq!(g.size, Some(0), "{shown}: whiteout size");
-            want_xattrs.extend(xattr_map(WHITEOUT_XATTRS));
-        } else {
-            assert_eq!(g.mode, w.mode, "{shown}: mode");
-            assert_eq!(g.size, w.size, "{shown}: size");
-            assert_eq!(g.link, w.link, "{shown}: symlink target");
-            if matches!(w.mode & S_IFMT, S_IFCHR | S_IFBLK) {
-                assert_eq!(g.rdev, w.rdev, "{shown}: device number");
-            }
-        }
-        if whiteout_dirs.contains(path) {
-            want_xattrs.extend(xattr_map(WHITEOUT_DIR_XATTRS));
-            if version >= 1 {
-                want_xattrs.extend(xattr_map(WHITEOUT_DIR_XATTRS_V1));
-            }
-        }
-        assert_eq!((g.uid, g.gid), (w.uid, w.gid), "{shown}: owner");
-        assert_eq!(g.mtime, w.mtime, "{shown}: mtime");
-        assert_eq!(g.xattrs, want_xattrs, "{shown}: xattrs");
-    }
-}
-
 /// The whole check: metadata and contents.
 fn assert_mounted_like(src: &Path, image: &Path, mnt: &Path, what: &str) {
     let want = scan(src);
     let got = scan(mnt);
-    assert_same_view(&want, &got, version_of(image), what);
+    assert_same_view(&want, &got, version_of(image), true, what);
     let n = assert_same_contents(src, mnt, &want);
     assert!(n > 0, "{what}: no regular files compared");
 }
@@ -973,6 +903,7 @@ fn vectors_mount_as_their_dumps_say() {
             &expected_from_dump(&tree),
             &seen,
             version_of(&image),
+            true,
             &format!("{name} (tilefs)"),
         );
         drop(m);
