@@ -203,13 +203,9 @@ fn statvfs(p: &Path) -> rustix::fs::StatVfs {
     rustix::fs::statvfs(p).unwrap()
 }
 
-/// A file in the store's object for `rel` in the mount (its digest, via
-/// `tilefs digest`).
+/// The object in `store` holding the contents of `file`.
 fn object_of(store: &Path, file: &Path) -> PathBuf {
-    let out = tilefs(&[os("digest"), os("--compact"), file.as_os_str()]);
-    let hex = String::from_utf8(out.stdout).unwrap();
-    let hex = hex.split_whitespace().next().unwrap().to_string();
-    store.join(&hex[..2]).join(&hex[2..])
+    store.join(object_rel(&digest_hex(file)))
 }
 
 /// Drops the kernel's cached pages of a file in the mount (an open that

@@ -256,8 +256,7 @@ fn image_given_by_tag_and_correct_digest_mount() {
     let store = a.path("store");
     let image = a.path("image.cfs");
     build_with_store(&src, &store, &image, &["--tag", "demo:1"]);
-    let digest = String::from_utf8(tilefs(&[os("digest"), os("--compact"), image.as_os_str()]).stdout).unwrap();
-    let digest = digest.split_whitespace().next().unwrap().to_string();
+    let digest = digest_hex(&image);
     let mnt = a.dir("mnt");
     let m = kmount(&store, Path::new("demo:1"), &mnt, &["--digest", &digest]);
     assert_eq!(
@@ -334,10 +333,7 @@ fn missing_object_fails_that_file_only_and_fsck_names_it() {
     let store = a.path("store");
     let image = a.path("image.cfs");
     build_with_store(&src, &store, &image, &["--tag", "victim-image"]);
-    let digest =
-        String::from_utf8(tilefs(&[os("digest"), os("--compact"), src.join("victim").as_os_str()]).stdout).unwrap();
-    let hex = digest.split_whitespace().next().unwrap().to_string();
-    let object = format!("{}/{}", &hex[..2], &hex[2..]);
+    let object = object_rel(&digest_hex(&src.join("victim")));
     fs::remove_file(store.join(&object)).unwrap();
 
     let mnt = a.dir("mnt");

@@ -542,3 +542,14 @@ pub fn assert_same_view(
         assert_eq!(g.xattrs, want_xattrs, "{shown}: xattrs");
     }
 }
+
+/// A file's fs-verity digest in hex, as `tilefs digest --compact` prints it.
+pub fn digest_hex(file: &Path) -> String {
+    let out = String::from_utf8(tilefs(&[os("digest"), os("--compact"), file.as_os_str()]).stdout).unwrap();
+    out.split_whitespace().next().unwrap_or_default().to_string()
+}
+
+/// The store path of the object with digest `hex`: `XX/YYYY…`.
+pub fn object_rel(hex: &str) -> String {
+    format!("{}/{}", &hex[..2], &hex[2..])
+}
