@@ -333,15 +333,9 @@ impl TileFs {
         f
     }
 
-    fn read_object(&self, id: InodeId, o: &Object, offset: u64, size: u32, reply: ReplyData) {
-        let Object { file, digest, key } = o;
-        // The object was checked at open; if it changed since, check it again.
-        if let (Some(d), false) = (digest, self.verity == Verity::Off) {
-            if let Err(e) = self.verified.recheck(file, d, key) {
-                self.report(id, &e.to_string());
-                return reply.error(Errno::EIO);
-            }
-        }
+    /// Serves `size` bytes at `offset` of an object already known to be
+    /// in a verified state.
+    fn read_object(&self, id: InodeId, file: &File, offset: u64, size: u32, reply: ReplyData) {
         READ_BUF.with(|buf| {
             let mut buf = buf.borrow_mut();
             if buf.len() < size as usize {
@@ -563,7 +557,14 @@ impl Filesystem for TileFs {
         if fh.0 != 0 {
             let h = self.handles.lock().unwrap().get(&fh.0).cloned();
             return match h.as_deref() {
-                Some(Handle::Object(o)) => self.read_object(id, o, offset, size, reply),
+                // Checked at open; if the object changed since, check it again.
+                Some(Handle::Object(o)) => match o.digest.map(|d| self.verified.recheck(&o.file, &d, &o.key)) {
+                    Some(Err(e)) => {
+                        self.report(id, &e.to_string());
+                        reply.error(Errno::EIO)
+                    }
+                    _ => self.read_object(id, &o.file, offset, size, reply),
+                },
                 // The kernel reads passthrough files itself.
                 Some(Handle::Passthrough(_)) => reply.error(Errno::EIO),
                 None => reply.error(Errno::EBADF),
@@ -572,7 +573,7 @@ impl Filesystem for TileFs {
         if inode.is_external() {
             // Opened without asking us (open answered with ENOSYS).
             return match self.unopened_object(id, inode) {
-                Ok(o) => self.read_object(id, &o, offset, size, reply),
+                Ok(o) => self.read_object(id, &o.file, offset, size, reply),
                 Err(e) => {
                     self.report(id, &e.to_string());
                     reply.error(Errno::EIO)
