@@ -730,6 +730,80 @@ fn no_passthrough_keeps_opens_in_the_kernel_and_still_verifies() {
     );
 }
 
+/// The kernel's FUSE request tracepoint, under a tracefs mount.
+const FUSE_TRACE: &str = "events/fuse/fuse_request_send";
+
+/// Counts the requests of each opcode name that the FUSE connection of
+/// `mnt` is sent while `f` runs, from the tracepoint of the tracefs
+/// mounted at `tracing`.
+fn fuse_requests(tracing: &Path, mnt: &Path, f: impl FnOnce()) -> BTreeMap<String, usize> {
+    let dev = fs::metadata(mnt).unwrap().dev();
+    // The tracepoint prints the kernel's dev_t: major << 20 | minor.
+    let conn = format!(
+        "connection {} ",
+        (rustix::fs::major(dev) << 20) | rustix::fs::minor(dev)
+    );
+    let enable = tracing.join(FUSE_TRACE).join("enable");
+    fs::write(tracing.join("trace"), "").unwrap();
+    fs::write(&enable, "1").unwrap();
+    f();
+    fs::write(&enable, "0").unwrap();
+    let mut counts = BTreeMap::new();
+    for line in fs::read_to_string(tracing.join("trace")).unwrap().lines() {
+        if let (true, Some(i)) = (line.contains(&conn), line.find("(FUSE_")) {
+            let name = line[i + 1..].split(')').next().unwrap().to_string();
+            *counts.entry(name).or_insert(0) += 1;
+        }
+    }
+    counts
+}
+
+#[test]
+fn opens_and_closes_ask_the_server_only_when_they_must() {
+    need_root_and_fuse!();
+    let a = Area::new();
+    // A tracefs of our own (the kernel shares one instance), undone after.
+    let tracing = a.dir("tracing");
+    if let Err(e) = rustix::mount::mount("tracefs", &tracing, "tracefs", rustix::mount::MountFlags::empty(), None) {
+        eprintln!("skipping: cannot mount tracefs: {e}");
+        return;
+    }
+    let _t = MountGuard(tracing.clone());
+    if !tracing.join(FUSE_TRACE).exists() {
+        eprintln!("skipping: this kernel has no {FUSE_TRACE} tracepoint");
+        return;
+    }
+    let (src, store, image) = small_store(&a);
+    let open_close = |mnt: &Path| {
+        for _ in 0..20 {
+            for f in ["file0", "file1", "small"] {
+                drop(fs::File::open(mnt.join(f)).unwrap());
+            }
+        }
+    };
+    // Served reads: after the first open is refused (ENOSYS) and the first
+    // close's flush too, neither reaches the server again.
+    let mnt = a.dir("served");
+    let _m = fmount(&store, &image, &mnt, &["--no-passthrough"]);
+    open_close(&mnt);
+    let n = fuse_requests(&tracing, &mnt, || open_close(&mnt));
+    for op in ["FUSE_OPEN", "FUSE_FLUSH", "FUSE_RELEASE"] {
+        assert_eq!(n.get(op), None, "served: {op} sent: {n:?}");
+    }
+    assert_eq!(
+        fs::read(mnt.join("file1")).unwrap(),
+        fs::read(src.join("file1")).unwrap()
+    );
+    // Passthrough: every open asks (the kernel needs the backing file), no
+    // close waits for a flush.
+    let mnt = a.dir("passthrough");
+    let _m = fmount(&store, &image, &mnt, &[]);
+    open_close(&mnt);
+    let n = fuse_requests(&tracing, &mnt, || open_close(&mnt));
+    assert_eq!(n.get("FUSE_OPEN"), Some(&60), "passthrough: {n:?}");
+    assert_eq!(n.get("FUSE_FLUSH"), None, "passthrough: {n:?}");
+}
+
 #[test]
 fn verity_off_serves_changed_objects() {
     need_root_and_fuse!();
