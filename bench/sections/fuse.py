@@ -92,6 +92,41 @@ int main(int argc, char **argv) {
 }
 """
 
+FOLIOS_C = r"""
+#include <fcntl.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+/* For each file: how many of its cached pages sit in large folios (compound
+ * pages), from /proc/self/pagemap and /proc/kpageflags (root). Maps the file
+ * and touches each page, so every page must already be cached to stay so. */
+int main(int argc, char **argv) {
+    int pm = open("/proc/self/pagemap", O_RDONLY), kf = open("/proc/kpageflags", O_RDONLY);
+    if (pm < 0 || kf < 0) { perror("/proc/kpageflags"); return 1; }
+    for (int a = 1; a < argc; a++) {
+        int fd = open(argv[a], O_RDONLY);
+        struct stat st;
+        if (fd < 0 || fstat(fd, &st) < 0) { perror(argv[a]); return 1; }
+        size_t n = st.st_size / 4096, large = 0, present = 0;
+        volatile char *m = mmap(0, n * 4096, PROT_READ, MAP_SHARED, fd, 0);
+        if (m == MAP_FAILED) { perror(argv[a]); return 1; }
+        for (size_t i = 0; i < n; i++) {
+            uint64_t e = 0, f = 0;
+            (void)m[i * 4096];
+            if (pread(pm, &e, 8, ((uintptr_t)m / 4096 + i) * 8) != 8 || !(e >> 63)) continue;
+            present++;
+            if (pread(kf, &f, 8, (e & ((1ULL << 55) - 1)) * 8) == 8 && (f & (3ULL << 15))) large++;
+        }
+        printf("%zu %zu\n", present, large);
+        munmap((void *)m, n * 4096);
+        close(fd);
+    }
+    return 0;
+}
+"""
+
 BUILD_SH = r"""#!/bin/sh
 # $1: zstd's lib directory, $2: output directory. Every .c but legacy/, two at a time.
 set -e
@@ -272,6 +307,21 @@ def read_file(path: Path) -> None:
     with open(path, "rb") as f:
         while f.read(1 << 20):
             pass
+
+
+def cache_with_small_folios(path: Path) -> None:
+    """Drops `path`'s cached pages and reads it back without readahead, which
+    fills its page cache with 4 KiB folios, as FUSE's is on kernels without
+    large folios for FUSE."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
+        off = 0
+        while chunk := os.pread(fd, 1 << 20, off):
+            off += len(chunk)
+    finally:
+        os.close(fd)
 
 
 def measure(b, title: str, argv: dict, *, cold: bool, runs: int | None = None, after_drop=None) -> dict:
@@ -475,18 +525,40 @@ def data_rows(b, work: Path, m: Mounts) -> None:
             subprocess.run(["cat", mnt[k] / "big"], stdout=subprocess.DEVNULL)
     nbytes = BIG_MIB << 20
 
-    # Sequential read.
+    # Sequential read. Warm, also against an ext4 copy cached in 4 KiB folios:
+    # the page cache granularity FUSE has on kernels without large folios for
+    # FUSE, so that row shows what the server itself adds.
+    small = work / "big-4k"
+    shutil.copyfile(big, small)
+    folios = compile_c(gcc, work / "folios", FOLIOS_C)
     for cold in ((True, False) if b.can_drop_caches() else (False,)):
         cw = "cold" if cold else "warm"
         title = f"sequential read of a {BIG_MIB} MiB file, {cw} cache"
         argv = {k: ["dd", f"if={mnt[k] / 'big'}", "of=/dev/null", "bs=1M"] for k in ok}
+        if not cold:
+            cache_with_small_folios(small)
+            argv["native, 4 KiB folios"] = ["dd", f"if={small}", "of=/dev/null", "bs=1M"]
         s = measure(b, title, argv, cold=cold)
+        notes = []
+        if not cold and folios and "fuse, no passthrough" in ok:
+            paths = {"FUSE": mnt["fuse, no passthrough"] / "big", "native ext4": big, "4 KiB copy": small}
+            r = subprocess.run([folios, *map(str, paths.values())], capture_output=True, text=True)
+            counts = [line.split() for line in r.stdout.splitlines()]
+            if r.returncode == 0 and len(counts) == len(paths):
+                notes.append("pages cached in large folios: " + ", ".join(
+                    f"{k} {int(c[1]):,} of {int(c[0]):,}" for k, c in zip(paths, counts)))
+            else:
+                notes.append(f"folio counts not measured: {r.stderr.strip()[-200:]}")
         ref = s.get("native")
         row(b, f"read/{cw}/passthrough", f"{title}: FUSE (passthrough) vs native", s["fuse"], ref, "native (ext4)",
             cold=cold, goal=round(1 / 0.95, 3), nbytes=nbytes)
         if "fuse, no passthrough" in s:
             row(b, f"read/{cw}/served", f"{title}: FUSE (reads served by the server) vs native",
-                s["fuse, no passthrough"], ref, "native (ext4)", cold=cold, goal=1.25, nbytes=nbytes)
+                s["fuse, no passthrough"], ref, "native (ext4)", cold=cold, goal=1.25, nbytes=nbytes, notes=notes)
+            if not cold:
+                row(b, "read/warm/served-4k", f"{title}: FUSE (reads served by the server) vs native in 4 KiB folios",
+                    s["fuse, no passthrough"], s["native, 4 KiB folios"], "ext4 copy cached in 4 KiB folios",
+                    cold=False, nbytes=nbytes, notes=notes)
         if "kernel" in s:
             row(b, f"read/{cw}/kernel", f"{title}: FUSE (passthrough) vs kernel mount", s["fuse"], s["kernel"],
                 "tilefs kernel mount", cold=cold, nbytes=nbytes)
