@@ -11,7 +11,8 @@ in the same loop, runs interleaved (order rotated every run):
 
 Workloads (issue 5): `ls -lR` of cs9-x86_64-developer cold and warm, `stat` of
 500/1000/1900 random entries cold and warm, sequential read of a 1 GiB file
-(passthrough, and the server's own reads), access(2) throughput with 1 and 2
+(passthrough, and the server's own reads; warm, also an ext4 copy cached in
+4 KiB folios as FUSE's page cache is on this kernel), access(2) throughput with 1 and 2
 processes (will-it-scale access1 pattern), open(2) + close(2) of the zstd
 sources (with passthrough every open asks the server; serving reads itself,
 it answers open with ENOSYS and opens stay in the kernel), a C build (zstd's lib, as the
