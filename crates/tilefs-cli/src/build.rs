@@ -124,6 +124,14 @@ pub fn run(a: BuildArgs) -> Result<ExitCode> {
     let stats = match &ingest {
         Some(i) => {
             let s = i.finish()?;
+            if s.replaced > 0 && !a.quiet {
+                eprintln!(
+                    "tilefs: note: replaced {} damaged object{} (wrong size) in {}",
+                    s.replaced,
+                    if s.replaced == 1 { "" } else { "s" },
+                    a.store.as_deref().unwrap_or(Path::new("the store")).display()
+                );
+            }
             if let Some(w) = i.verity_warning() {
                 if !a.quiet {
                     eprintln!("tilefs: note: {w}");
@@ -178,6 +186,7 @@ pub fn run(a: BuildArgs) -> Result<ExitCode> {
             "new_bytes": s.new_bytes,
             "deduplicated_bytes": s.dedup_bytes,
             "cache_hits": s.cache_hits,
+            "replaced_objects": s.replaced,
             "seconds": started.elapsed().as_secs_f64(),
         });
         println!("{}", serde_json::to_string_pretty(&report)?);

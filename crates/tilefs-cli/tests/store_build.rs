@@ -183,6 +183,67 @@ fn bad_store_and_tag_are_refused_cleanly() {
 }
 
 /// Runs `tilefs fsck` and says whether the store is clean.
+#[test]
+fn a_rebuild_replaces_objects_of_the_wrong_size() {
+    let tmp = tempfile::tempdir().unwrap();
+    let src = tmp.path().join("src");
+    fs::create_dir(&src).unwrap();
+    let mut rng = Rng::new(7);
+    // One object hashed in memory, one streamed through a temporary file,
+    // one whose damage keeps its size.
+    fs::write(src.join("small"), rng.bytes(10_000)).unwrap();
+    fs::write(src.join("large"), rng.bytes(5 << 20)).unwrap();
+    fs::write(src.join("other"), rng.bytes(3_000)).unwrap();
+    let store = tmp.path().join("store");
+    let img = tmp.path().join("img");
+    let build = || {
+        tilefs(&[
+            os("build"),
+            os("--json"),
+            os("--store"),
+            store.as_os_str(),
+            src.as_os_str(),
+            img.as_os_str(),
+        ])
+    };
+    assert_eq!(json(&build())["new_objects"], 3);
+    let object_of = |name: &str| store.join(object_rel(&digest_hex(&src.join(name))));
+
+    let large = fs::OpenOptions::new().write(true).open(object_of("large")).unwrap();
+    large.set_len(1 << 20).unwrap();
+    let mut small = fs::read(object_of("small")).unwrap();
+    small.extend_from_slice(b"trailing garbage");
+    fs::write(object_of("small"), small).unwrap();
+    let mut other = fs::read(object_of("other")).unwrap();
+    other[100] ^= 0xff;
+    fs::write(object_of("other"), other).unwrap();
+    assert!(!fsck_clean(&store).0, "fsck missed the damage");
+
+    // The sources are unchanged, so the digest cache answers for them; the
+    // objects' sizes still give the first two away.
+    let out = build();
+    let report = json(&out);
+    assert_eq!(report["replaced_objects"], 2, "{report}");
+    assert_eq!(report["new_objects"], 2, "{report}");
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("replaced 2 damaged objects (wrong size)"), "{err}");
+    for name in ["small", "large"] {
+        assert_eq!(
+            fs::read(object_of(name)).unwrap(),
+            fs::read(src.join(name)).unwrap(),
+            "{name}"
+        );
+    }
+    assert_eq!(tmp_leftovers(&store), 0);
+
+    // Damage of the same size is fsck's to find.
+    let (clean, report) = fsck_clean(&store);
+    assert!(!clean, "fsck passed a corrupt object");
+    let other = object_of("other");
+    assert!(report.contains(other.to_str().unwrap()), "{report}");
+    assert_eq!(report.matches("corrupt object: ").count(), 1, "{report}");
+}
+
 fn fsck_clean(store: &Path) -> (bool, String) {
     let out = tilefs_any(&[os("fsck"), os("--quiet"), os("--store"), store.as_os_str()]);
     (

@@ -50,6 +50,7 @@ pub struct Stats {
     pub new_bytes: AtomicU64,
     pub dedup_bytes: AtomicU64,
     pub cache_hits: AtomicU64,
+    pub replaced: AtomicU64,
 }
 
 /// A snapshot of [`Stats`].
@@ -61,6 +62,8 @@ pub struct StatsSnapshot {
     pub new_bytes: u64,
     pub dedup_bytes: u64,
     pub cache_hits: u64,
+    /// Objects present with the wrong size (so damaged) and written anew.
+    pub replaced: u64,
 }
 
 impl Stats {
@@ -72,6 +75,7 @@ impl Stats {
             new_bytes: self.new_bytes.load(Relaxed),
             dedup_bytes: self.dedup_bytes.load(Relaxed),
             cache_hits: self.cache_hits.load(Relaxed),
+            replaced: self.replaced.load(Relaxed),
         }
     }
 }
@@ -158,7 +162,7 @@ impl<'s> Ingest<'s> {
         self.stats.bytes.fetch_add(size, Relaxed);
         let key = FileState::of(st);
         if let Some(d) = self.cache.get(&key) {
-            if self.store.has_object(&d) || self.seen.lock().unwrap().contains(&d) {
+            if self.seen.lock().unwrap().contains(&d) || self.store.object_size(&d) == Some(size) {
                 self.stats.cache_hits.fetch_add(1, Relaxed);
                 self.stats.dedup_bytes.fetch_add(size, Relaxed);
                 return Ok(d);
@@ -205,7 +209,11 @@ impl<'s> Ingest<'s> {
         }
         self.cache.insert(key, digest);
         let fresh = self.seen.lock().unwrap().insert(digest);
-        if !fresh || self.store.has_object(&digest) {
+        // An object of another size than its source is damaged (truncated,
+        // say): the new copy replaces it when renamed into place. Same-size
+        // damage needs the bytes read again, which is fsck's job.
+        let present = self.store.object_size(&digest);
+        if !fresh || present == Some(size) {
             if buffered.is_none() {
                 let _ = rfs::unlinkat(&self.tmp, &tmp_name, AtFlags::empty());
             }
@@ -217,6 +225,9 @@ impl<'s> Ingest<'s> {
         }
         if self.method == Method::Copy {
             self.try_enable_verity(&tmp_name);
+        }
+        if present.is_some() {
+            self.stats.replaced.fetch_add(1, Relaxed);
         }
         self.stats.new_objects.fetch_add(1, Relaxed);
         self.stats.new_bytes.fetch_add(size, Relaxed);
