@@ -11,6 +11,18 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::Duration;
 
+/// `tilefs build --json --store STORE SRC IMG`, which must succeed.
+fn build_json(store: &Path, src: &Path, img: &Path) -> std::process::Output {
+    tilefs(&[
+        os("build"),
+        os("--json"),
+        os("--store"),
+        store.as_os_str(),
+        src.as_os_str(),
+        img.as_os_str(),
+    ])
+}
+
 fn json(out: &std::process::Output) -> serde_json::Value {
     serde_json::from_slice(&out.stdout)
         .unwrap_or_else(|e| panic!("bad JSON ({e}): {}", String::from_utf8_lossy(&out.stdout)))
@@ -68,14 +80,7 @@ fn objects_are_named_by_digest_and_stored_once() {
     plain_tree(&src, 40, 20_000, 1);
     let store = tmp.path().join("store");
     let img = tmp.path().join("img");
-    let out = tilefs(&[
-        os("build"),
-        os("--json"),
-        os("--store"),
-        store.as_os_str(),
-        src.as_os_str(),
-        img.as_os_str(),
-    ]);
+    let out = build_json(&store, &src, &img);
     let report = json(&out);
     assert_eq!(report["new_objects"], 41, "{report}");
 
@@ -94,14 +99,7 @@ fn objects_are_named_by_digest_and_stored_once() {
     assert_eq!(tmp_leftovers(&store), 0);
 
     // Again: nothing new, and no file is even read (the digest cache knows).
-    let report = json(&tilefs(&[
-        os("build"),
-        os("--json"),
-        os("--store"),
-        store.as_os_str(),
-        src.as_os_str(),
-        img.as_os_str(),
-    ]));
+    let report = json(&build_json(&store, &src, &img));
     assert_eq!(report["new_objects"], 0);
     assert_eq!(report["cache_hits"], 42, "{report}");
 
@@ -112,14 +110,7 @@ fn objects_are_named_by_digest_and_stored_once() {
     )
     .unwrap();
     let img2 = tmp.path().join("img2");
-    let report = json(&tilefs(&[
-        os("build"),
-        os("--json"),
-        os("--store"),
-        store.as_os_str(),
-        src.as_os_str(),
-        img2.as_os_str(),
-    ]));
+    let report = json(&build_json(&store, &src, &img2));
     assert_eq!(report["new_objects"], 1, "{report}");
     let listed2 = String::from_utf8(tilefs(&[os("objects"), img2.as_os_str()]).stdout).unwrap();
     for rel in listed2.lines() {
@@ -196,16 +187,7 @@ fn a_rebuild_replaces_objects_of_the_wrong_size() {
     fs::write(src.join("other"), rng.bytes(3_000)).unwrap();
     let store = tmp.path().join("store");
     let img = tmp.path().join("img");
-    let build = || {
-        tilefs(&[
-            os("build"),
-            os("--json"),
-            os("--store"),
-            store.as_os_str(),
-            src.as_os_str(),
-            img.as_os_str(),
-        ])
-    };
+    let build = || build_json(&store, &src, &img);
     assert_eq!(json(&build())["new_objects"], 3);
     let object_of = |name: &str| store.join(object_rel(&digest_hex(&src.join(name))));
 
