@@ -193,12 +193,12 @@ pub enum MountError {
         errno: Errno,
         log: Vec<String>,
     },
-    #[error("{}: {what}: {source}", path.display())]
+    // The cause is part of the message, so it is not also a `source()`.
+    #[error("{}: {what}: {err}", path.display())]
     Io {
         path: PathBuf,
         what: &'static str,
-        #[source]
-        source: std::io::Error,
+        err: std::io::Error,
     },
     #[error("{}: not a mount point", .0.display())]
     NotMounted(PathBuf),
@@ -230,10 +230,10 @@ impl MountError {
 }
 
 fn io_err<'a>(path: &'a Path, what: &'static str) -> impl FnOnce(std::io::Error) -> MountError + 'a {
-    move |source| MountError::Io {
+    move |err| MountError::Io {
         path: path.to_path_buf(),
         what,
-        source,
+        err,
     }
 }
 

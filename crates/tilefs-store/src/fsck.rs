@@ -70,8 +70,8 @@ pub fn fsck(store: &Store, opts: &FsckOptions, progress: &(dyn Fn(u64, u64) + Sy
         Ok(l) => Some(l),
         // A read-only store (or one we may not write) can still be checked;
         // it cannot be repaired.
-        Err(StoreError::Io { source, .. })
-            if !opts.repair && matches!(source.raw_os_error(), Some(libc::EROFS | libc::EACCES | libc::EPERM)) =>
+        Err(StoreError::Io { err, .. })
+            if !opts.repair && matches!(err.raw_os_error(), Some(libc::EROFS | libc::EACCES | libc::EPERM)) =>
         {
             None
         }

@@ -393,7 +393,7 @@ impl tilefs_image::source::ContentSink for Ingest<'_> {
     fn store(&self, dir: BorrowedFd<'_>, name: &CStr, path: &Path, stat: &rfs::Stat) -> Result<[u8; 32], String> {
         self.import(&SourceFile { dir, name, path, stat }).map_err(|e| match e {
             // The caller names the source file already.
-            StoreError::Io { path: p, what, source } if p == path => format!("{what}: {source}"),
+            StoreError::Io { path: p, what, err } if p == path => format!("{what}: {err}"),
             e => e.to_string(),
         })
     }

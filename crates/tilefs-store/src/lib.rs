@@ -23,12 +23,13 @@ use std::path::{Path, PathBuf};
 /// A store operation that failed: what, where, and the OS's reason.
 #[derive(Debug, thiserror::Error)]
 pub enum StoreError {
-    #[error("{}: {what}: {source}", path.display())]
+    // The cause is part of the message, so it is not also a `source()`:
+    // printing the chain would say it twice.
+    #[error("{}: {what}: {err}", path.display())]
     Io {
         path: PathBuf,
         what: &'static str,
-        #[source]
-        source: io::Error,
+        err: io::Error,
     },
     #[error("{}: the store is busy (a gc or build holds its lock)", .0.display())]
     Busy(PathBuf),
@@ -41,12 +42,12 @@ impl StoreError {
         StoreError::Io {
             path: path.to_path_buf(),
             what,
-            source,
+            err: source,
         }
     }
 
     /// True when the error is the disk being full.
     pub fn is_no_space(&self) -> bool {
-        matches!(self, StoreError::Io { source, .. } if source.raw_os_error() == Some(libc::ENOSPC) || source.raw_os_error() == Some(libc::EDQUOT))
+        matches!(self, StoreError::Io { err, .. } if err.raw_os_error() == Some(libc::ENOSPC) || err.raw_os_error() == Some(libc::EDQUOT))
     }
 }
