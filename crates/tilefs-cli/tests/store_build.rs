@@ -157,7 +157,9 @@ fn bad_store_and_tag_are_refused_cleanly() {
         img.as_os_str(),
     ]);
     assert_eq!(out.status.code(), Some(1));
-    assert!(String::from_utf8_lossy(&out.stderr).contains("not-a-dir"));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("not-a-dir"), "{err}");
+    assert_eq!(err.matches("(os error").count(), 1, "the cause is said once: {err}");
     assert!(!img.exists());
     // A tag that could escape the store.
     let store = tmp.path().join("store");
@@ -173,7 +175,6 @@ fn bad_store_and_tag_are_refused_cleanly() {
     assert!(!tmp.path().join("evil").exists());
 }
 
-/// Runs `tilefs fsck` and says whether the store is clean.
 #[test]
 fn a_rebuild_replaces_objects_of_the_wrong_size() {
     let tmp = tempfile::tempdir().unwrap();
@@ -226,6 +227,7 @@ fn a_rebuild_replaces_objects_of_the_wrong_size() {
     assert_eq!(report.matches("corrupt object: ").count(), 1, "{report}");
 }
 
+/// Runs `tilefs fsck` and says whether the store is clean.
 fn fsck_clean(store: &Path) -> (bool, String) {
     let out = tilefs_any(&[os("fsck"), os("--quiet"), os("--store"), store.as_os_str()]);
     (
