@@ -373,27 +373,24 @@ fn hardlinks_share_an_inode_and_require_refuses_files_without_digest() {
 // ---------------------------------------------------------------------------
 
 /// fusermount3 opens /dev/fuse as the calling user: Debian's udev rule
-/// makes it 0666, but machines without udev leave it 0600. For the test's
-/// length it is opened to all (as that rule does), then put back.
-struct DevFuseForAll(Option<u32>);
+/// makes it 0666, but machines without udev leave it 0600. A test sets the
+/// mode it needs for its length, then puts the old one back.
+struct DevFuseMode(u32);
 
-impl DevFuseForAll {
-    fn new() -> DevFuseForAll {
+impl DevFuseMode {
+    fn set(want: u32) -> DevFuseMode {
         let mode = fs::metadata("/dev/fuse").unwrap().mode() & 0o7777;
-        if mode & 0o006 == 0o006 {
-            return DevFuseForAll(None);
+        if mode != want {
+            eprintln!("note: /dev/fuse is mode {mode:o}: made {want:o} for this test");
+            fs::set_permissions("/dev/fuse", fs::Permissions::from_mode(want)).unwrap();
         }
-        eprintln!("note: /dev/fuse is mode {mode:o}: made 0666 for this test, as Debian's udev rule makes it");
-        fs::set_permissions("/dev/fuse", fs::Permissions::from_mode(mode | 0o666)).unwrap();
-        DevFuseForAll(Some(mode))
+        DevFuseMode(mode)
     }
 }
 
-impl Drop for DevFuseForAll {
+impl Drop for DevFuseMode {
     fn drop(&mut self) {
-        if let Some(mode) = self.0 {
-            let _ = fs::set_permissions("/dev/fuse", fs::Permissions::from_mode(mode));
-        }
+        let _ = fs::set_permissions("/dev/fuse", fs::Permissions::from_mode(self.0));
     }
 }
 
@@ -524,17 +521,30 @@ fn mounted_without_root() {
     )
     .unwrap();
 
+    let mount_as_nobody = || {
+        as_nobody(
+            Command::new(tilefs_bin())
+                .args([os("mount"), os("--fuse"), os("--store"), store.as_os_str()])
+                .arg(&image)
+                .arg(&mnt)
+                .stdin(Stdio::null()),
+        )
+        .output()
+        .unwrap()
+    };
+    // Without access to /dev/fuse the user is told what to ask for.
+    {
+        let _dev = DevFuseMode::set(0o600);
+        let out = mount_as_nobody();
+        assert!(!out.status.success(), "mounted without access to /dev/fuse");
+        let err = stderr(&out);
+        assert!(err.contains("/dev/fuse") && err.contains("mode 0666"), "{err}");
+        assert!(!is_mounted(&mnt), "a refused mount left {} mounted", mnt.display());
+    }
+
     // Mount as nobody: through fusermount3, no privilege at all.
-    let _dev = DevFuseForAll::new();
-    let out = as_nobody(
-        Command::new(tilefs_bin())
-            .args([os("mount"), os("--fuse"), os("--store"), store.as_os_str()])
-            .arg(&image)
-            .arg(&mnt)
-            .stdin(Stdio::null()),
-    )
-    .output()
-    .unwrap();
+    let _dev = DevFuseMode::set(0o666);
+    let out = mount_as_nobody();
     let guard = FuseMounted {
         mnt: mnt.clone(),
         child: None,

@@ -161,11 +161,23 @@ fn mount_helper(mnt: &Path, name: &str, allow_other: bool, default_permissions: 
         _ => {
             let err = String::from_utf8_lossy(&out.stderr).trim().to_string();
             Err(fail(format!(
-                "{}: {helper} failed ({}): {err}",
+                "{}: {helper} failed ({}): {err}{}",
                 mnt.display(),
-                out.status
+                out.status,
+                helper_hint(&err)
             )))
         }
+    }
+}
+
+/// What to do about the usual reasons fusermount3 refuses a user.
+fn helper_hint(err: &str) -> &'static str {
+    if err.contains("/dev/fuse") && err.contains("Permission denied") {
+        " (/dev/fuse must be readable and writable by the user: mode 0666, as udev sets it on most systems)"
+    } else if err.contains("user_allow_other") {
+        " (add user_allow_other to /etc/fuse.conf, or mount without --allow-other)"
+    } else {
+        ""
     }
 }
 
