@@ -525,6 +525,7 @@ def data_rows(b, work: Path, m: Mounts) -> None:
         if k in ok:
             subprocess.run(["cat", mnt[k] / "big"], stdout=subprocess.DEVNULL)
     nbytes = BIG_MIB << 20
+    big_object = next(p for p in store.rglob("*") if p.is_file() and p.stat().st_size == nbytes)
 
     # Sequential read. Warm, also against an ext4 copy cached in 4 KiB folios:
     # the page cache granularity FUSE has on kernels without large folios for
@@ -621,6 +622,7 @@ def data_rows(b, work: Path, m: Mounts) -> None:
     variants = [
         ("no-keep-cache,no-passthrough", "no-passthrough", "without keep_cache", ["read-warm", "build"]),
         ("no-max-pages,no-passthrough", "no-passthrough", "without FUSE_MAX_PAGES (128 KiB requests)", ["read-cold"]),
+        ("no-splice,no-passthrough", "no-passthrough", "replies copied, not spliced", ["read-store-cached"]),
         ("no-default-permissions", "", "without default_permissions (server answers access)", ["access"]),
         ("no-negative", "", "without negative entries", ["build"]),
         ("open,no-passthrough", "no-passthrough", "open answered (not ENOSYS)", ["open", "build"]),
@@ -634,12 +636,17 @@ def data_rows(b, work: Path, m: Mounts) -> None:
             continue
         subprocess.run(["cat", vm / "big"], stdout=subprocess.DEVNULL)
         for w in works:
+            after_drop, runs = None, 3
             if w.startswith("read"):
-                cold = w == "read-cold"
+                cold = w != "read-warm"
                 if cold and not b.can_drop_caches():
                     continue
                 argv_of = lambda p: ["dd", f"if={p / 'big'}", "of=/dev/null", "bs=1M"]  # noqa: E731
                 name = f"{BIG_MIB} MiB read, {'cold' if cold else 'warm'}"
+                if w == "read-store-cached":
+                    # What a mount right after `tilefs build --store` sees.
+                    name = f"{BIG_MIB} MiB read, FUSE cache cold, store cached"
+                    after_drop, runs = (lambda _k: read_file(big_object)), 7
             elif w == "access":
                 if prog is None:
                     continue
@@ -659,7 +666,8 @@ def data_rows(b, work: Path, m: Mounts) -> None:
                 cold = False
                 argv_of = lambda p: [build, p / "zstd-lib", work / f"out-{p.name}"]  # noqa: E731
                 name = "C build"
-            s = measure(b, f"{name}: {what}", {"default": argv_of(base), tuning: argv_of(vm)}, cold=cold, runs=3)
+            s = measure(b, f"{name}: {what}", {"default": argv_of(base), tuning: argv_of(vm)}, cold=cold, runs=runs,
+                        after_drop=after_drop)
             row(b, f"setting/{tuning}/{w}", f"setting: {what} vs default — {name}", s[tuning], s["default"],
                 "FUSE default" + (" (no passthrough)" if base_tuning else ""), cold=cold)
         subprocess.run([b.tilefs, "umount", vm], capture_output=True)
@@ -667,7 +675,7 @@ def data_rows(b, work: Path, m: Mounts) -> None:
         b.note("cold: sync; echo 3 > /proc/sys/vm/drop_caches before every run (the FUSE server keeps its "
                "in-memory tree and its record of verified objects)")
     b.note("setting rows: ratio = time with the setting off / time with the default (> 1: the setting helps); "
-           "3 runs each")
+           "3 runs each (7 for the read with the store cached)")
 
 
 def compile_c(gcc: str | None, exe: Path, source: str) -> Path | None:

@@ -18,7 +18,7 @@ use std::ffi::OsStr;
 use std::fs;
 use std::io::Read;
 use std::os::unix::ffi::OsStrExt;
-use std::os::unix::fs::{MetadataExt, PermissionsExt};
+use std::os::unix::fs::{MetadataExt, OpenOptionsExt, PermissionsExt};
 use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
@@ -738,6 +738,66 @@ fn no_passthrough_keeps_opens_in_the_kernel_and_still_verifies() {
         "{}",
         stderr(&out)
     );
+}
+
+/// Fills `buf` from `f` at `off` as far as the file goes; returns the bytes read.
+fn pread_full(f: &fs::File, buf: &mut [u8], off: u64) -> usize {
+    use std::os::unix::fs::FileExt;
+    let mut done = 0;
+    while done < buf.len() {
+        match f.read_at(&mut buf[done..], off + done as u64).unwrap() {
+            0 => break,
+            n => done += n,
+        }
+    }
+    done
+}
+
+/// Reads served by the server give the source's bytes at any offset and
+/// size, whether spliced from the object (the default) or copied through
+/// the server's buffer: through the page cache (dropped before each read),
+/// across the end, and with O_DIRECT in 1 MiB requests (more than the
+/// splice pipe holds, so those are copied).
+#[test]
+fn served_reads_give_the_source_bytes_spliced_or_copied() {
+    need_root_and_fuse!();
+    let a = Area::new();
+    let src = a.dir("src");
+    let data = Rng::new(5).bytes((3 << 20) + 12_345);
+    fs::write(src.join("big"), &data).unwrap();
+    let store = a.path("store");
+    let image = a.path("image.cfs");
+    build_with_store(&src, &store, &image, &[]);
+    let len = data.len() as u64;
+    for tuning in ["no-passthrough", "no-passthrough,no-splice"] {
+        let mnt = a.dir(&format!("mnt-{tuning}"));
+        let _m = fmount_foreground(&store, &image, &mnt, &[("TILEFS_FUSE_TUNING", tuning)]);
+        let f = fs::File::open(mnt.join("big")).unwrap();
+        let mut rng = Rng::new(9);
+        for _ in 0..300 {
+            rustix::fs::fadvise(&f, 0, None, rustix::fs::Advice::DontNeed).unwrap();
+            let off = rng.below(len + 100);
+            let mut buf = vec![0u8; 1 + rng.below(300_000) as usize];
+            let got = pread_full(&f, &mut buf, off);
+            let want = &data[off.min(len) as usize..(off + buf.len() as u64).min(len) as usize];
+            assert!(&buf[..got] == want, "{tuning}: {} bytes at {off} differ", buf.len());
+        }
+        let direct = fs::OpenOptions::new()
+            .read(true)
+            .custom_flags(libc::O_DIRECT)
+            .open(mnt.join("big"))
+            .unwrap();
+        let mut got = Vec::new();
+        let mut chunk = vec![0u8; 1 << 20];
+        loop {
+            let n = pread_full(&direct, &mut chunk, got.len() as u64);
+            got.extend_from_slice(&chunk[..n]);
+            if n < chunk.len() {
+                break;
+            }
+        }
+        assert!(got == data, "{tuning}: O_DIRECT read differs");
+    }
 }
 
 /// The kernel's FUSE request tracepoint, under a tracefs mount.

@@ -9,6 +9,7 @@
 
 use crate::log::Logger;
 use crate::objects::{open_object, FileState, ObjectError, VerifiedObjects};
+use crate::splice::{Spliced, Splicer};
 use crate::{Tuning, Verity};
 use fuser::{
     AccessFlags, BackingId, Errno, FileAttr, FileHandle, FileType, Filesystem, FopenFlags, Generation, INodeNo,
@@ -23,7 +24,7 @@ use std::os::fd::OwnedFd;
 use std::os::unix::ffi::OsStrExt;
 use std::os::unix::fs::FileExt;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 use tilefs_image::erofs::ImageInfo;
 use tilefs_image::tree::{Inode, InodeId, Tree, S_IFCHR, S_IFDIR, S_IFMT, S_IFREG};
@@ -87,6 +88,10 @@ pub(crate) struct TileFs {
     /// and over logs once per state of its object.
     reported: Mutex<FxHashMap<InodeId, String>>,
     log: Arc<Logger>,
+    /// Read replies spliced from the objects, once the session's device is
+    /// known (set by the caller after the handshake).
+    pub(crate) splicer: Arc<OnceLock<Splicer>>,
+    splicing: AtomicBool,
 }
 
 thread_local! {
@@ -155,6 +160,8 @@ impl TileFs {
             passthrough: AtomicBool::new(false),
             reported: Mutex::new(FxHashMap::default()),
             log,
+            splicer: Arc::default(),
+            splicing: AtomicBool::new(tune.splice),
         }
     }
 
@@ -334,8 +341,42 @@ impl TileFs {
     }
 
     /// Serves `size` bytes at `offset` of an object already known to be
-    /// in a verified state.
-    fn read_object(&self, id: InodeId, file: &File, offset: u64, size: u32, reply: ReplyData) {
+    /// in a verified state, and so `file_size` bytes long, as the reply to
+    /// request `unique`.
+    #[allow(clippy::too_many_arguments)]
+    fn read_object(
+        &self,
+        id: InodeId,
+        file: &File,
+        file_size: u64,
+        offset: u64,
+        size: u32,
+        unique: u64,
+        reply: ReplyData,
+    ) {
+        let len = file_size.saturating_sub(offset).min(u64::from(size)) as usize;
+        if len > 0 && self.splicing.load(Ordering::Relaxed) {
+            if let Some(splicer) = self.splicer.get() {
+                match splicer.reply(unique, file, offset, len) {
+                    Spliced::Sent | Spliced::Gone => {
+                        // Answered (or no longer askable) outside fuser:
+                        // dropping `reply` would send a second answer, an
+                        // EIO. Forgetting it leaks only a reference count
+                        // on the session's device.
+                        std::mem::forget(reply);
+                        return;
+                    }
+                    Spliced::NotSent => {}
+                    Spliced::Failed(e) => {
+                        if self.splicing.swap(false, Ordering::Relaxed) {
+                            self.log.log(&format!(
+                                "splicing read replies failed ({e}); they are copied from now on"
+                            ));
+                        }
+                    }
+                }
+            }
+        }
         READ_BUF.with(|buf| {
             let mut buf = buf.borrow_mut();
             if buf.len() < size as usize {
@@ -541,7 +582,7 @@ impl Filesystem for TileFs {
 
     fn read(
         &self,
-        _req: &Request,
+        req: &Request,
         ino: INodeNo,
         fh: FileHandle,
         offset: u64,
@@ -563,7 +604,7 @@ impl Filesystem for TileFs {
                         self.report(id, &e.to_string());
                         reply.error(Errno::EIO)
                     }
-                    _ => self.read_object(id, &o.file, offset, size, reply),
+                    _ => self.read_object(id, &o.file, inode.size, offset, size, req.unique().0, reply),
                 },
                 // The kernel reads passthrough files itself.
                 Some(Handle::Passthrough(_)) => reply.error(Errno::EIO),
@@ -573,7 +614,7 @@ impl Filesystem for TileFs {
         if inode.is_external() {
             // Opened without asking us (open answered with ENOSYS).
             return match self.unopened_object(id, inode) {
-                Ok(o) => self.read_object(id, &o.file, offset, size, reply),
+                Ok(o) => self.read_object(id, &o.file, inode.size, offset, size, req.unique().0, reply),
                 Err(e) => {
                     self.report(id, &e.to_string());
                     reply.error(Errno::EIO)

@@ -13,6 +13,7 @@ mod fs;
 mod log;
 mod mountpoint;
 mod objects;
+mod splice;
 
 use crate::log::Logger;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
@@ -80,6 +81,10 @@ pub struct Tuning {
     /// Answer getxattr of security.selinux with EOPNOTSUPP when no file in
     /// the image has a label (ENODATA otherwise).
     pub selinux_enotsup: bool,
+    /// Splice read replies from the object files (one copy, by the kernel)
+    /// rather than read them into a buffer and write that (two). All
+    /// workers then share one descriptor of the FUSE device.
+    pub splice: bool,
 }
 
 impl Default for Tuning {
@@ -99,6 +104,7 @@ impl Default for Tuning {
             passthrough: true,
             max_pages: true,
             selinux_enotsup: true,
+            splice: true,
         }
     }
 }
@@ -108,7 +114,7 @@ impl Tuning {
     /// (for measurements): `no-negative`, `no-symlinks`, `no-readdirplus`,
     /// `readdirplus-auto`, `no-cache-dir` (with `opendir`), `opendir`, `no-keep-cache`,
     /// `open`, `flush`, `no-acl`, `no-default-permissions`, `no-passthrough`, `no-max-pages`,
-    /// `no-selinux-enotsup`.
+    /// `no-selinux-enotsup`, `no-splice`.
     pub fn from_env(mut self) -> Result<Tuning, FuseError> {
         let Some(v) = std::env::var_os("TILEFS_FUSE_TUNING") else {
             return Ok(self);
@@ -129,6 +135,7 @@ impl Tuning {
                 "no-passthrough" => self.passthrough = false,
                 "no-max-pages" => self.max_pages = false,
                 "no-selinux-enotsup" => self.selinux_enotsup = false,
+                "no-splice" => self.splice = false,
                 _ => return Err(FuseError::Failed(format!("TILEFS_FUSE_TUNING: unknown setting {w:?}"))),
             }
         }
@@ -231,11 +238,15 @@ pub fn mount(m: &FuseMount) -> Result<(), FuseError> {
     let root = rustix::process::geteuid().is_root();
     let allow_other = m.allow_other || root;
     let fs = fs::TileFs::new(tree, info, store, m.verity, tuning, logger.clone(), raise_nofile() / 2);
+    let splicer = fs.splicer.clone();
 
     let fuse_fd = mountpoint::mount_fuse(&mnt, &m.image, allow_other, tuning.default_permissions)?;
     let mut config = fuser::Config::default();
     config.n_threads = Some(if m.threads == 0 { DEFAULT_THREADS } else { m.threads });
-    config.clone_fd = true;
+    // Spliced replies are written on our own descriptor of the device,
+    // which the kernel accepts only for requests read from that same
+    // device: no per-worker clones then.
+    config.clone_fd = !tuning.splice;
     let acl = if allow_other {
         fuser::SessionACL::All
     } else {
@@ -248,6 +259,16 @@ pub fn mount(m: &FuseMount) -> Result<(), FuseError> {
             return Err(fail(format!("{}: FUSE handshake failed: {e}", mnt.display())));
         }
     };
+    if tuning.splice {
+        match rustix::io::fcntl_dupfd_cloexec(std::os::fd::AsFd::as_fd(&session), 3) {
+            Ok(dev) => {
+                let _ = splicer.set(splice::Splicer::new(dev));
+            }
+            Err(e) => logger.log(&format!(
+                "cannot duplicate the FUSE device ({e}); read replies are copied"
+            )),
+        }
+    }
     if m.foreground {
         return serve(session, &mnt, &logger, None);
     }
