@@ -341,19 +341,10 @@ impl TileFs {
     }
 
     /// Serves `size` bytes at `offset` of an object already known to be
-    /// in a verified state, and so `file_size` bytes long, as the reply to
+    /// in a verified state (so as long as the file), as the reply to
     /// request `unique`.
-    #[allow(clippy::too_many_arguments)]
-    fn read_object(
-        &self,
-        id: InodeId,
-        file: &File,
-        file_size: u64,
-        offset: u64,
-        size: u32,
-        unique: u64,
-        reply: ReplyData,
-    ) {
+    fn read_object(&self, id: InodeId, file: &File, offset: u64, size: u32, unique: u64, reply: ReplyData) {
+        let file_size = self.tree.inodes[id as usize].size;
         let len = file_size.saturating_sub(offset).min(u64::from(size)) as usize;
         if len > 0 && self.splicing.load(Ordering::Relaxed) {
             if let Some(splicer) = self.splicer.get() {
@@ -604,7 +595,7 @@ impl Filesystem for TileFs {
                         self.report(id, &e.to_string());
                         reply.error(Errno::EIO)
                     }
-                    _ => self.read_object(id, &o.file, inode.size, offset, size, req.unique().0, reply),
+                    _ => self.read_object(id, &o.file, offset, size, req.unique().0, reply),
                 },
                 // The kernel reads passthrough files itself.
                 Some(Handle::Passthrough(_)) => reply.error(Errno::EIO),
@@ -614,7 +605,7 @@ impl Filesystem for TileFs {
         if inode.is_external() {
             // Opened without asking us (open answered with ENOSYS).
             return match self.unopened_object(id, inode) {
-                Ok(o) => self.read_object(id, &o.file, inode.size, offset, size, req.unique().0, reply),
+                Ok(o) => self.read_object(id, &o.file, offset, size, req.unique().0, reply),
                 Err(e) => {
                     self.report(id, &e.to_string());
                     reply.error(Errno::EIO)

@@ -18,7 +18,7 @@ mod splice;
 use crate::log::Logger;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::path::{Path, PathBuf};
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 
 pub use mountpoint::unmount;
 
@@ -238,7 +238,7 @@ pub fn mount(m: &FuseMount) -> Result<(), FuseError> {
     let root = rustix::process::geteuid().is_root();
     let allow_other = m.allow_other || root;
     let fs = fs::TileFs::new(tree, info, store, m.verity, tuning, logger.clone(), raise_nofile() / 2);
-    let splicer = fs.splicer.clone();
+    let splicer = tuning.splice.then(|| fs.splicer.clone());
 
     let fuse_fd = mountpoint::mount_fuse(&mnt, &m.image, allow_other, tuning.default_permissions)?;
     let mut config = fuser::Config::default();
@@ -259,20 +259,10 @@ pub fn mount(m: &FuseMount) -> Result<(), FuseError> {
             return Err(fail(format!("{}: FUSE handshake failed: {e}", mnt.display())));
         }
     };
-    if tuning.splice {
-        match rustix::io::fcntl_dupfd_cloexec(std::os::fd::AsFd::as_fd(&session), 3) {
-            Ok(dev) => {
-                let _ = splicer.set(splice::Splicer::new(dev));
-            }
-            Err(e) => logger.log(&format!(
-                "cannot duplicate the FUSE device ({e}); read replies are copied"
-            )),
-        }
-    }
     if m.foreground {
-        return serve(session, &mnt, &logger, None);
+        return serve(session, &mnt, &logger, None, splicer);
     }
-    daemonize(session, &mnt, logger, m.log_file.as_deref())
+    daemonize(session, &mnt, logger, m.log_file.as_deref(), splicer)
 }
 
 /// Raises the soft limit on open files to the hard one (the server keeps
@@ -302,6 +292,7 @@ fn daemonize(
     mnt: &Path,
     logger: Arc<Logger>,
     log_file: Option<&Path>,
+    splicer: Option<Arc<OnceLock<splice::Splicer>>>,
 ) -> Result<(), FuseError> {
     let (rd, wr) = rustix::pipe::pipe_with(rustix::pipe::PipeFlags::CLOEXEC).map_err(|e| fail(format!("pipe: {e}")))?;
     // SAFETY: the process is single-threaded here (the session's threads
@@ -346,7 +337,7 @@ fn daemonize(
             unsafe { libc::dup2(f.as_raw_fd(), 2) };
         }
     }
-    let code = match serve(session, mnt, &logger, Some(wr)) {
+    let code = match serve(session, mnt, &logger, Some(wr), splicer) {
         Ok(()) => 0,
         Err(e) => {
             logger.log(&e.to_string());
@@ -398,7 +389,20 @@ fn serve(
     mnt: &Path,
     logger: &Logger,
     ready: Option<OwnedFd>,
+    splicer: Option<Arc<OnceLock<splice::Splicer>>>,
 ) -> Result<(), FuseError> {
+    // The device descriptor for spliced replies is taken here, in the
+    // process that serves, so a parent that forked the server holds none.
+    if let Some(slot) = splicer {
+        match rustix::io::fcntl_dupfd_cloexec(&session, 3) {
+            Ok(dev) => {
+                let _ = slot.set(splice::Splicer::new(dev));
+            }
+            Err(e) => logger.log(&format!(
+                "cannot duplicate the FUSE device ({e}); read replies are copied"
+            )),
+        }
+    }
     let set = signal_set();
     // Block the signals here and in every thread started from here; this
     // thread takes them with sigtimedwait.

@@ -25,7 +25,6 @@ const HEADER: usize = 16;
 /// but this is what an unprivileged user may have by default
 /// (/proc/sys/fs/pipe-max-size); larger replies take the copying path.
 const PIPE_SIZE: usize = 1 << 20;
-const PAGE: usize = 4096;
 
 pub(crate) struct Splicer {
     /// The session's FUSE device (a duplicate of the descriptor the
@@ -33,7 +32,7 @@ pub(crate) struct Splicer {
     dev: OwnedFd,
 }
 
-/// One pipe per worker thread, and the bytes it holds.
+/// A worker thread's pipe, and how many bytes it holds.
 struct Pipe {
     read: OwnedFd,
     write: OwnedFd,
@@ -76,8 +75,9 @@ impl Splicer {
             };
             // The header takes a page of the pipe; the data one page per
             // page of the file it touches.
-            let pages = 1 + (offset as usize % PAGE + len).div_ceil(PAGE);
-            if pages * PAGE > pipe.capacity {
+            let page = rustix::param::page_size();
+            let pages = 1 + (offset as usize % page + len).div_ceil(page);
+            if pages * page > pipe.capacity {
                 return Spliced::NotSent;
             }
             let result = send(pipe, &self.dev, unique, file, offset, len);
