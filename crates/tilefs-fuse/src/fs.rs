@@ -88,10 +88,11 @@ pub(crate) struct TileFs {
     /// and over logs once per state of its object.
     reported: Mutex<FxHashMap<InodeId, String>>,
     log: Arc<Logger>,
-    /// Read replies spliced from the objects, once the session's device is
-    /// known (set by the caller after the handshake).
+    /// Read replies spliced from the objects: set by the serving process
+    /// when splicing is on (`Tuning::splice`), left empty otherwise.
     pub(crate) splicer: Arc<OnceLock<Splicer>>,
-    splicing: AtomicBool,
+    /// The kernel refused a spliced reply: copy them from then on.
+    splice_failed: AtomicBool,
 }
 
 thread_local! {
@@ -161,7 +162,7 @@ impl TileFs {
             reported: Mutex::new(FxHashMap::default()),
             log,
             splicer: Arc::default(),
-            splicing: AtomicBool::new(tune.splice),
+            splice_failed: AtomicBool::new(false),
         }
     }
 
@@ -346,7 +347,7 @@ impl TileFs {
     fn read_object(&self, id: InodeId, file: &File, offset: u64, size: u32, unique: u64, reply: ReplyData) {
         let file_size = self.tree.inodes[id as usize].size;
         let len = file_size.saturating_sub(offset).min(u64::from(size)) as usize;
-        if len > 0 && self.splicing.load(Ordering::Relaxed) {
+        if len > 0 && !self.splice_failed.load(Ordering::Relaxed) {
             if let Some(splicer) = self.splicer.get() {
                 match splicer.reply(unique, file, offset, len) {
                     Spliced::Sent | Spliced::Gone => {
@@ -359,7 +360,7 @@ impl TileFs {
                     }
                     Spliced::NotSent => {}
                     Spliced::Failed(e) => {
-                        if self.splicing.swap(false, Ordering::Relaxed) {
+                        if !self.splice_failed.swap(true, Ordering::Relaxed) {
                             self.log.log(&format!(
                                 "splicing read replies failed ({e}); they are copied from now on"
                             ));
