@@ -757,7 +757,8 @@ fn pread_full(f: &fs::File, buf: &mut [u8], off: u64) -> usize {
 /// size, whether spliced from the object (the default) or copied through
 /// the server's buffer: through the page cache (dropped before each read),
 /// across the end, and with O_DIRECT in 1 MiB requests (more than the
-/// splice pipe holds, so those are copied).
+/// splice pipe holds, so those are copied). The server's read(2) count
+/// shows which way a whole-file read went.
 #[test]
 fn served_reads_give_the_source_bytes_spliced_or_copied() {
     need_root_and_fuse!();
@@ -771,7 +772,7 @@ fn served_reads_give_the_source_bytes_spliced_or_copied() {
     let len = data.len() as u64;
     for tuning in ["no-passthrough", "no-passthrough,no-splice"] {
         let mnt = a.dir(&format!("mnt-{tuning}"));
-        let _m = fmount_foreground(&store, &image, &mnt, &[("TILEFS_FUSE_TUNING", tuning)]);
+        let m = fmount_foreground(&store, &image, &mnt, &[("TILEFS_FUSE_TUNING", tuning)]);
         let f = fs::File::open(mnt.join("big")).unwrap();
         let mut rng = Rng::new(9);
         for _ in 0..300 {
@@ -781,6 +782,31 @@ fn served_reads_give_the_source_bytes_spliced_or_copied() {
             let got = pread_full(&f, &mut buf, off);
             let want = &data[off.min(len) as usize..(off + buf.len() as u64).min(len) as usize];
             assert!(&buf[..got] == want, "{tuning}: {} bytes at {off} differ", buf.len());
+        }
+        // Which way the bytes went, from what the server read(2)s: spliced,
+        // the object's bytes never pass through it (only the requests do).
+        let pid = m.child.as_ref().unwrap().id();
+        let read_by_server = || -> u64 {
+            let io = fs::read_to_string(format!("/proc/{pid}/io")).unwrap();
+            io.lines()
+                .find_map(|l| l.strip_prefix("rchar: "))
+                .unwrap()
+                .parse()
+                .unwrap()
+        };
+        rustix::fs::fadvise(&f, 0, None, rustix::fs::Advice::DontNeed).unwrap();
+        let before = read_by_server();
+        let mut all = Vec::new();
+        (&f).read_to_end(&mut all).unwrap();
+        assert!(all == data, "{tuning}: the whole file differs");
+        let read = read_by_server() - before;
+        if tuning.contains("no-splice") {
+            assert!(read >= len, "{tuning}: the server read only {read} bytes to copy {len}");
+        } else {
+            assert!(
+                read < len / 8,
+                "{tuning}: the server read {read} bytes of {len} spliced"
+            );
         }
         let direct = fs::OpenOptions::new()
             .read(true)
