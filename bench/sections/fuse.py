@@ -304,25 +304,17 @@ def with_digests(src: Path, dst: Path) -> int:
 # ---------------------------------------------------------------------------
 
 
-def read_file(path: Path) -> None:
-    with open(path, "rb") as f:
+def read_file(path: Path, small_folios: bool = False) -> None:
+    """Reads `path` into the page cache. With small_folios, first drops its
+    cached pages and reads without readahead, which fills its page cache
+    with 4 KiB folios, as FUSE's is on kernels without large folios for
+    FUSE."""
+    with open(path, "rb", buffering=0) as f:
+        if small_folios:
+            os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
+            os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_RANDOM)
         while f.read(1 << 20):
             pass
-
-
-def cache_with_small_folios(path: Path) -> None:
-    """Drops `path`'s cached pages and reads it back without readahead, which
-    fills its page cache with 4 KiB folios, as FUSE's is on kernels without
-    large folios for FUSE."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
-        off = 0
-        while chunk := os.pread(fd, 1 << 20, off):
-            off += len(chunk)
-    finally:
-        os.close(fd)
 
 
 def measure(b, title: str, argv: dict, *, cold: bool, runs: int | None = None, after_drop=None) -> dict:
@@ -538,7 +530,7 @@ def data_rows(b, work: Path, m: Mounts) -> None:
         title = f"sequential read of a {BIG_MIB} MiB file, {cw} cache"
         argv = {k: ["dd", f"if={mnt[k] / 'big'}", "of=/dev/null", "bs=1M"] for k in ok}
         if not cold:
-            cache_with_small_folios(small)
+            read_file(small, small_folios=True)
             argv["native, 4 KiB folios"] = ["dd", f"if={small}", "of=/dev/null", "bs=1M"]
         s = measure(b, title, argv, cold=cold)
         notes = []
