@@ -315,11 +315,11 @@ impl TileFs {
             if o.digest.is_none() || FileState::of_fd(&o.file).is_ok_and(|s| s == o.key) {
                 return Ok(o);
             }
-            self.unopened.lock().unwrap().remove(&id);
         }
+        // Replaces a changed object under the same key.
         let h = Arc::new(self.object(inode)?);
         let mut map = self.unopened.lock().unwrap();
-        if map.len() >= self.unopened_max {
+        if map.len() >= self.unopened_max && !map.contains_key(&id) {
             // Any one goes: reopening costs an open and a stat (the check
             // itself is remembered by the object's state).
             if let Some(&old) = map.keys().next() {
