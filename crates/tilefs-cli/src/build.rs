@@ -26,12 +26,13 @@ pub struct BuildArgs {
     /// Object store: put every file's contents there (as STORE/XX/YYYY..., by fs-verity digest)
     #[arg(long, value_name = "STORE")]
     pub store: Option<PathBuf>,
-    /// Record the image in the store under this name (needs --store); tagged images are gc roots
-    #[arg(long, value_name = "NAME", requires = "store")]
+    /// Record the image in the store (--store, or the default store) under this name; tagged
+    /// images are gc roots
+    #[arg(long, value_name = "NAME")]
     pub tag: Option<String>,
     /// Hardlink source files into the store instead of copying (same filesystem only; a later
     /// change to a source file then changes the object too, which fsck reports)
-    #[arg(long, requires = "store")]
+    #[arg(long)]
     pub hardlink: bool,
     /// No progress display
     #[arg(short, long)]
@@ -82,7 +83,14 @@ pub fn run(a: BuildArgs) -> Result<ExitCode> {
     if let Some(tag) = &a.tag {
         tags::validate_tag(tag)?;
     }
-    let store = match &a.store {
+    // A tag needs a store: the default one unless --store names another.
+    let store_path = match (&a.store, &a.tag) {
+        (Some(p), _) => Some(p.clone()),
+        (None, Some(_)) => Some(tilefs_store::default_store_path()?),
+        (None, None) if a.hardlink => bail!("--hardlink needs --store or --tag"),
+        (None, None) => None,
+    };
+    let store = match &store_path {
         Some(p) => Some(Store::create(p)?),
         None => None,
     };
@@ -129,7 +137,7 @@ pub fn run(a: BuildArgs) -> Result<ExitCode> {
                     "tilefs: note: replaced {} damaged object{} (wrong size) in {}",
                     s.replaced,
                     if s.replaced == 1 { "" } else { "s" },
-                    a.store.as_deref().unwrap_or(Path::new("the store")).display()
+                    store_path.as_deref().unwrap_or(Path::new("the store")).display()
                 );
             }
             if let Some(w) = i.verity_warning() {

@@ -6,6 +6,7 @@ mod inspect;
 mod mount_cmd;
 mod output;
 mod progress;
+mod store_arg;
 mod store_cmds;
 
 use clap::{Parser, Subcommand};

@@ -1,5 +1,6 @@
 //! `tilefs mount` and `tilefs umount`.
 
+use crate::store_arg::StoreArg;
 use anyhow::{anyhow, bail, Result};
 use clap::Args;
 use std::path::PathBuf;
@@ -10,9 +11,8 @@ use tilefs_store::{tags, Store};
 
 #[derive(Args)]
 pub struct MountArgs {
-    /// Object store directory
-    #[arg(long)]
-    pub store: PathBuf,
+    #[command(flatten)]
+    pub store: StoreArg,
     /// Image file, or a tag in the store
     pub image: PathBuf,
     /// Where to mount
@@ -98,7 +98,7 @@ pub fn mount(a: MountArgs) -> Result<ExitCode> {
         options.upper = a.upper.clone();
         options.work = a.work.clone();
     }
-    let mut stores = vec![a.store.clone()];
+    let mut stores = vec![a.store.path()?];
     stores.append(&mut options.stores);
     let backend = if a.kernel {
         Some(Backend::Kernel)

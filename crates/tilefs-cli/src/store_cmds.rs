@@ -1,5 +1,6 @@
 //! `tilefs images`, `untag`, `fsck`, `gc`: looking after a store.
 
+use crate::store_arg::StoreArg;
 use anyhow::{Context, Result};
 use clap::Args;
 use indicatif::{HumanBytes, ProgressBar, ProgressDrawTarget, ProgressStyle};
@@ -18,9 +19,8 @@ use tilefs_store::{parse_object_rel, tags, LockMode, Store, StoreError};
 
 #[derive(Args)]
 pub struct ImagesArgs {
-    /// Object store directory
-    #[arg(long)]
-    pub store: PathBuf,
+    #[command(flatten)]
+    pub store: StoreArg,
     /// Print JSON instead of a table
     #[arg(long)]
     pub json: bool,
@@ -28,18 +28,16 @@ pub struct ImagesArgs {
 
 #[derive(Args)]
 pub struct UntagArgs {
-    /// Object store directory
-    #[arg(long)]
-    pub store: PathBuf,
+    #[command(flatten)]
+    pub store: StoreArg,
     /// Tag to remove (its objects stay until gc)
     pub name: String,
 }
 
 #[derive(Args)]
 pub struct FsckArgs {
-    /// Object store directory
-    #[arg(long)]
-    pub store: PathBuf,
+    #[command(flatten)]
+    pub store: StoreArg,
     /// Move corrupt objects and strays aside, to STORE/.quarantine
     #[arg(long)]
     pub repair: bool,
@@ -56,9 +54,8 @@ pub struct FsckArgs {
 
 #[derive(Args)]
 pub struct GcArgs {
-    /// Object store directory
-    #[arg(long)]
-    pub store: PathBuf,
+    #[command(flatten)]
+    pub store: StoreArg,
     /// Show what would be removed, remove nothing
     #[arg(long)]
     pub dry_run: bool,
@@ -146,7 +143,7 @@ fn image_row(store: &Store, t: &tags::TagInfo) -> ImageRow {
 }
 
 pub fn images(a: ImagesArgs) -> Result<ExitCode> {
-    let store = open_store(&a.store)?;
+    let store = open_store(&a.store.path()?)?;
     let tags = tags::list_tags(&store)?;
     let rows: Vec<ImageRow> = tags.par_iter().map(|t| image_row(&store, t)).collect();
     let bad = rows.iter().filter(|r| r.error.is_some()).count();
@@ -214,7 +211,7 @@ pub fn images(a: ImagesArgs) -> Result<ExitCode> {
 }
 
 pub fn untag(a: UntagArgs) -> Result<ExitCode> {
-    let store = open_store(&a.store)?;
+    let store = open_store(&a.store.path()?)?;
     say_if_waiting(&store, LockMode::Shared);
     tags::remove_tag(&store, &a.name)?;
     eprintln!("untagged {}: its objects stay until `tilefs gc`", a.name);
@@ -336,7 +333,7 @@ fn print_fsck(out: &mut impl Write, store: &Store, r: &FsckReport, repair: bool)
 }
 
 pub fn fsck(a: FsckArgs) -> Result<ExitCode> {
-    let store = open_store(&a.store)?;
+    let store = open_store(&a.store.path()?)?;
     let opts = FsckOptions {
         repair: a.repair,
         jobs: a.jobs,
@@ -405,7 +402,7 @@ pub fn fsck(a: FsckArgs) -> Result<ExitCode> {
 }
 
 pub fn gc(a: GcArgs) -> Result<ExitCode> {
-    let store = open_store(&a.store)?;
+    let store = open_store(&a.store.path()?)?;
     say_if_waiting(&store, LockMode::Exclusive);
     let r = tilefs_store::gc::gc(&store, &GcOptions { dry_run: a.dry_run })?;
     let mut out = std::io::stdout().lock();

@@ -283,3 +283,66 @@ mod tests {
         let _c = s.lock(LockMode::Exclusive, false).unwrap();
     }
 }
+
+/// The store a command uses when not given `--store`: `$TILEFS_STORE`, else
+/// `/var/lib/tilefs/store` for root and `$XDG_DATA_HOME/tilefs/store`
+/// (`~/.local/share/tilefs/store`) for other users.
+pub fn default_store_path() -> Result<PathBuf, StoreError> {
+    default_store_path_from(
+        rustix::process::geteuid().is_root(),
+        std::env::var_os("TILEFS_STORE"),
+        std::env::var_os("XDG_DATA_HOME"),
+        std::env::var_os("HOME"),
+    )
+}
+
+fn default_store_path_from(
+    root: bool,
+    tilefs_store: Option<std::ffi::OsString>,
+    xdg_data_home: Option<std::ffi::OsString>,
+    home: Option<std::ffi::OsString>,
+) -> Result<PathBuf, StoreError> {
+    // Empty or relative values are ignored, as the XDG spec says for its
+    // variables: a relative store would change with the working directory.
+    let absolute = |v: Option<std::ffi::OsString>| v.map(PathBuf::from).filter(|p| p.is_absolute());
+    if let Some(p) = absolute(tilefs_store) {
+        return Ok(p);
+    }
+    if root {
+        return Ok(PathBuf::from("/var/lib/tilefs/store"));
+    }
+    if let Some(d) = absolute(xdg_data_home) {
+        return Ok(d.join("tilefs/store"));
+    }
+    if let Some(h) = absolute(home) {
+        return Ok(h.join(".local/share/tilefs/store"));
+    }
+    Err(StoreError::Invalid(
+        "no store given, and no default: set $TILEFS_STORE, $XDG_DATA_HOME or $HOME, or pass --store".into(),
+    ))
+}
+
+#[cfg(test)]
+mod default_store_tests {
+    use super::default_store_path_from as d;
+    use std::path::PathBuf;
+
+    #[test]
+    fn default_store() {
+        let s = |v: &str| Some(v.into());
+        assert_eq!(d(true, s("/x"), None, None).unwrap(), PathBuf::from("/x"));
+        assert_eq!(
+            d(true, s("rel"), s("/d"), s("/h")).unwrap(),
+            PathBuf::from("/var/lib/tilefs/store")
+        );
+        assert_eq!(
+            d(false, None, s("/d"), s("/h")).unwrap(),
+            PathBuf::from("/d/tilefs/store")
+        );
+        assert_eq!(
+            d(false, s(""), s(""), s("/h")).unwrap(),
+            PathBuf::from("/h/.local/share/tilefs/store")
+        );
+        assert!(d(false, None, None, None).is_err());
+    }
+}

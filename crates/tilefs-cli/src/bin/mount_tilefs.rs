@@ -12,6 +12,9 @@
 #[allow(dead_code)]
 #[path = "../mount_cmd.rs"]
 mod mount_cmd;
+#[allow(dead_code)]
+#[path = "../store_arg.rs"]
+mod store_arg;
 
 use std::ffi::OsString;
 use std::path::PathBuf;
