@@ -78,6 +78,9 @@ pub struct Request {
     pub log: Option<PathBuf>,
     pub threads: usize,
     pub erofs_backing: ErofsBacking,
+    /// FUSE: let other users in without `-o allow_other` (mount.tilefs as
+    /// root: a system mount, visible to all as a kernel mount would be).
+    pub allow_other: bool,
 }
 
 pub fn mount(a: MountArgs) -> Result<ExitCode> {
@@ -116,6 +119,7 @@ pub fn mount(a: MountArgs) -> Result<ExitCode> {
         foreground: a.foreground,
         log: a.log.clone(),
         threads: a.threads,
+        allow_other: false,
         erofs_backing: match a.erofs_backing.as_str() {
             "file" => ErofsBacking::File,
             "loop" => ErofsBacking::Loop,
@@ -133,6 +137,9 @@ pub fn run(req: &Request) -> Result<()> {
     let store = Store::open(&req.stores[0])?;
     let image = tags::resolve_image(Some(&store), &req.image)?;
     let o = &req.options;
+    if o.read_only == Some(false) && o.upper.is_none() {
+        bail!("option rw: the mount is read-only unless it has --upper/--work");
+    }
     let verity = o.verity.unwrap_or_default();
     // Why an automatic choice fell on FUSE, for the message if FUSE fails.
     let mut no_kernel = None;
@@ -156,6 +163,7 @@ pub fn run(req: &Request) -> Result<()> {
                 bail!("a writable mount (--upper/--work) needs a kernel mount, and {e}")
             }
             Err(e) => {
+                eprintln!("{}: notice: using the FUSE mount: no kernel mount here ({e})", prog());
                 no_kernel = Some(e.to_string());
                 Backend::Fuse
             }
@@ -200,9 +208,15 @@ fn fuse(req: &Request, image: &std::path::Path, verity: Verity) -> Result<()> {
     if let Some((k, _)) = o.overlay.first() {
         bail!("option {k} is an overlayfs option: it needs a kernel mount (--kernel)");
     }
+    let asked = |flag: bool, asked_off: bool| match (flag, asked_off) {
+        (true, _) => Some(true),
+        (false, true) => Some(false),
+        (false, false) => None,
+    };
     if req.stores.len() > 1 {
         bail!("the FUSE mount serves one object store");
     }
+    tilefs_mount::check_mountpoint(&req.mountpoint)?;
     tilefs_fuse::mount(&tilefs_fuse::FuseMount {
         verity: match verity {
             Verity::Require => tilefs_fuse::Verity::Require,
@@ -213,6 +227,13 @@ fn fuse(req: &Request, image: &std::path::Path, verity: Verity) -> Result<()> {
         log_file: req.log.clone(),
         threads: req.threads,
         image_digest: o.digest,
+        allow_other: o.allow_other || req.allow_other,
+        flags: tilefs_fuse::MountFlags {
+            nosuid: asked(o.attrs.nosuid, o.suid_asked),
+            nodev: asked(o.attrs.nodev, o.dev_asked),
+            noexec: o.attrs.noexec,
+            nosymfollow: o.attrs.nosymfollow,
+        },
         tuning: tilefs_fuse::Tuning {
             passthrough: o.passthrough.unwrap_or(true),
             ..tilefs_fuse::Tuning::default()
@@ -240,7 +261,20 @@ pub fn umount(a: UmountArgs) -> Result<ExitCode> {
     };
     match tilefs_mount::mountinfo::mounted_at(&abs) {
         Some(m) if m.is_fuse() && m.is_tilefs() => {
-            tilefs_fuse::unmount(&abs).map_err(|e| anyhow!("{e}"))?;
+            tilefs_fuse::unmount(&abs, a.lazy).map_err(|e| anyhow!("{e}"))?;
+            // Done only when the server is gone (a lazy detach leaves it
+            // serving those still inside).
+            let owner = m
+                .super_options
+                .split(',')
+                .find_map(|o| o.strip_prefix("user_id=")?.parse().ok())
+                .unwrap_or(0);
+            if !a.lazy && !tilefs_fuse::wait_for_server(owner, &m.dev, std::time::Duration::from_secs(30)) {
+                bail!(
+                    "{}: unmounted, but its FUSE server has not exited after 30 s",
+                    abs.display()
+                );
+            }
         }
         _ => tilefs_mount::umount(&a.mountpoint, a.lazy)?,
     }

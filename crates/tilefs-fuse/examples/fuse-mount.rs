@@ -19,7 +19,7 @@ fn main() -> ExitCode {
             Some("-f") => m.foreground = true,
             Some("--umount") => {
                 let mnt = PathBuf::from(args.next().expect("mountpoint"));
-                return match tilefs_fuse::unmount(&mnt) {
+                return match tilefs_fuse::unmount(&mnt, false) {
                     Ok(()) => ExitCode::SUCCESS,
                     Err(e) => {
                         eprintln!("fuse-mount: {e}");

@@ -13,14 +13,23 @@ mod fs;
 mod log;
 mod mountpoint;
 mod objects;
+mod server_lock;
 mod splice;
 
 use crate::log::Logger;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, OnceLock};
 
 pub use mountpoint::unmount;
+
+/// Waits (up to `timeout`) for the server of a FUSE mount that was just
+/// unmounted to exit: the mount of device `dev` (`major:minor`, as in
+/// mountinfo) made by user `uid`. False if it is still running then.
+pub fn wait_for_server(uid: u32, dev: &str, timeout: std::time::Duration) -> bool {
+    server_lock::wait_for_exit(uid, dev, timeout)
+}
 
 /// How objects are checked before their data is served.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -143,6 +152,19 @@ impl Tuning {
     }
 }
 
+/// Per-mount flags of a FUSE mount (`mount -o`), enforced by the kernel.
+/// `nosuid` and `nodev` are `None` when not asked either way: a mount made
+/// by root then honours setuid bits and devices (as a kernel mount does),
+/// and one made through fusermount3 never does. Asking for `suid` or `dev`
+/// (`Some(false)`) where fusermount3 must mount is refused.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct MountFlags {
+    pub nosuid: Option<bool>,
+    pub nodev: Option<bool>,
+    pub noexec: bool,
+    pub nosymfollow: bool,
+}
+
 /// A FUSE mount request.
 #[derive(Debug, Clone, Default)]
 pub struct FuseMount {
@@ -158,9 +180,11 @@ pub struct FuseMount {
     /// Append the server's messages to this file (otherwise stderr in the
     /// foreground, syslog in the background).
     pub log_file: Option<PathBuf>,
-    /// Let other users see the mount (always on as root; without root it
-    /// needs `user_allow_other` in /etc/fuse.conf).
+    /// Let other users see the mount (without root this needs
+    /// `user_allow_other` in /etc/fuse.conf).
     pub allow_other: bool,
+    /// Per-mount flags, applied by the kernel to the FUSE mount itself.
+    pub flags: MountFlags,
     /// Caching settings; `TILEFS_FUSE_TUNING` in the environment changes them.
     pub tuning: Tuning,
     /// Refuse the image unless its fs-verity digest is this.
@@ -235,12 +259,11 @@ pub fn mount(m: &FuseMount) -> Result<(), FuseError> {
         (None, false) => Logger::syslog(),
     };
     let logger = Arc::new(logger);
-    let root = rustix::process::geteuid().is_root();
-    let allow_other = m.allow_other || root;
+    let allow_other = m.allow_other;
     let fs = fs::TileFs::new(tree, info, store, m.verity, tuning, logger.clone(), raise_nofile() / 2);
     let splicer = tuning.splice.then(|| fs.splicer.clone());
 
-    let fuse_fd = mountpoint::mount_fuse(&mnt, &m.image, allow_other, tuning.default_permissions)?;
+    let fuse_fd = mountpoint::mount_fuse(&mnt, &m.image, allow_other, tuning.default_permissions, m.flags)?;
     let mut config = fuser::Config::default();
     config.n_threads = Some(if m.threads == 0 { DEFAULT_THREADS } else { m.threads });
     // Spliced replies are written on our own descriptor of the device,
@@ -255,7 +278,7 @@ pub fn mount(m: &FuseMount) -> Result<(), FuseError> {
     let session = match fuser::Session::from_fd(fs, fuse_fd, acl, config) {
         Ok(s) => s,
         Err(e) => {
-            let _ = unmount(&mnt);
+            mountpoint::take_down(&mnt);
             return Err(fail(format!("{}: FUSE handshake failed: {e}", mnt.display())));
         }
     };
@@ -302,7 +325,7 @@ fn daemonize(
     let pid = unsafe { libc::fork() };
     if pid < 0 {
         let e = std::io::Error::last_os_error();
-        let _ = unmount(mnt);
+        mountpoint::take_down(mnt);
         return Err(fail(format!("fork: {e}")));
     }
     if pid > 0 {
@@ -359,7 +382,7 @@ fn wait_ready(rd: OwnedFd, pid: libc::pid_t, mnt: &Path) -> Result<(), FuseError
     let mut status = 0;
     // SAFETY: waiting for our own child.
     unsafe { libc::waitpid(pid, &mut status, 0) };
-    let _ = unmount(mnt);
+    mountpoint::take_down(mnt);
     let why = if msg.is_empty() {
         format!("the server exited before the mount was ready (status {status:#x})")
     } else {
@@ -412,9 +435,15 @@ fn serve(
         .name("tilefs-fuse".into())
         .spawn(move || session.run())
         .map_err(|e| fail(format!("cannot start the server: {e}")))?;
+    // The first request on the mount: answered only once workers run.
+    // Its device names the lock that tells `tilefs umount` we are alive.
+    let first = std::fs::metadata(mnt);
+    let _alive = first.as_ref().ok().and_then(|m| {
+        let dev = m.dev();
+        server_lock::ServerLock::take(&format!("{}:{}", rustix::fs::major(dev), rustix::fs::minor(dev)))
+    });
     if let Some(wr) = ready {
-        // The first request on the mount: answered only once workers run.
-        let msg = match std::fs::metadata(mnt) {
+        let msg = match first {
             Ok(_) => "ready".to_string(),
             Err(e) => format!("the new mount does not answer: {e}"),
         };
@@ -436,7 +465,7 @@ fn serve(
                 continue;
             }
             unmounting = true;
-            if let Err(e) = unmount(mnt) {
+            if let Err(e) = unmount(mnt, false) {
                 logger.log(&format!("signal {sig}: unmounting {} failed: {e}", mnt.display()));
             }
         }
@@ -448,7 +477,7 @@ fn serve(
     };
     // Do not leave a dead mount behind.
     if !unmounting {
-        let _ = unmount(mnt);
+        mountpoint::take_down(mnt);
     }
     Err(result)
 }

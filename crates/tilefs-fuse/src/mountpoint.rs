@@ -2,7 +2,7 @@
 //! `fusermount3` helper otherwise (it opens /dev/fuse, mounts, and passes
 //! the fd back over a socket named by `_FUSE_COMMFD`).
 
-use crate::{fail, FuseError};
+use crate::{fail, FuseError, MountFlags as Flags};
 use rustix::io::Errno;
 use rustix::mount::{MountFlags, UnmountFlags};
 use std::io::IoSliceMut;
@@ -42,10 +42,11 @@ pub(crate) fn mount_fuse(
     image: &Path,
     allow_other: bool,
     default_permissions: bool,
+    flags: Flags,
 ) -> Result<OwnedFd, FuseError> {
     let name = fsname(image);
     if rustix::process::geteuid().is_root() {
-        match mount_sys(mnt, &name, allow_other, default_permissions) {
+        match mount_sys(mnt, &name, allow_other, default_permissions, flags) {
             Ok(fd) => return Ok(fd),
             // Root without the capability (a user namespace): the helper
             // may still work.
@@ -53,10 +54,16 @@ pub(crate) fn mount_fuse(
             Err(e) => return Err(fail(format!("{}: mount: {e}", mnt.display()))),
         }
     }
-    mount_helper(mnt, &name, allow_other, default_permissions)
+    mount_helper(mnt, &name, allow_other, default_permissions, flags)
 }
 
-fn mount_sys(mnt: &Path, name: &str, allow_other: bool, default_permissions: bool) -> Result<OwnedFd, Errno> {
+fn mount_sys(
+    mnt: &Path,
+    name: &str,
+    allow_other: bool,
+    default_permissions: bool,
+    flags: Flags,
+) -> Result<OwnedFd, Errno> {
     let fd = rustix::fs::open(
         "/dev/fuse",
         rustix::fs::OFlags::RDWR | rustix::fs::OFlags::CLOEXEC,
@@ -76,24 +83,58 @@ fn mount_sys(mnt: &Path, name: &str, allow_other: bool, default_permissions: boo
     if allow_other {
         data.push_str(",allow_other");
     }
+    let mut mflags = MountFlags::RDONLY | MountFlags::NOATIME;
+    for (on, f) in [
+        (flags.nosuid == Some(true), MountFlags::NOSUID),
+        (flags.nodev == Some(true), MountFlags::NODEV),
+        (flags.noexec, MountFlags::NOEXEC),
+        (flags.nosymfollow, MountFlags::NOSYMFOLLOW),
+    ] {
+        if on {
+            mflags |= f;
+        }
+    }
     rustix::mount::mount(
         name,
         mnt,
         "fuse.tilefs",
-        MountFlags::RDONLY | MountFlags::NOATIME,
+        mflags,
         std::ffi::CString::new(data).map_err(|_| Errno::INVAL)?.as_c_str(),
     )?;
     Ok(fd)
 }
 
-fn mount_helper(mnt: &Path, name: &str, allow_other: bool, default_permissions: bool) -> Result<OwnedFd, FuseError> {
+fn mount_helper(
+    mnt: &Path,
+    name: &str,
+    allow_other: bool,
+    default_permissions: bool,
+    flags: Flags,
+) -> Result<OwnedFd, FuseError> {
+    for (asked_off, what) in [(flags.nosuid, "suid"), (flags.nodev, "dev")] {
+        if asked_off == Some(false) {
+            return Err(fail(format!(
+                "{}: option {what} cannot be honoured: a FUSE mount made without privilege (through {}) is always nosuid and nodev",
+                mnt.display(),
+                fusermount()
+            )));
+        }
+    }
     use rustix::net::{
         recvmsg, socketpair, AddressFamily, RecvAncillaryBuffer, RecvAncillaryMessage, RecvFlags, SocketFlags,
         SocketType,
     };
     let (ours, theirs) = socketpair(AddressFamily::UNIX, SocketType::STREAM, SocketFlags::CLOEXEC, None)
         .map_err(|e| fail(format!("socketpair: {e}")))?;
+    // fusermount3 makes every mount of a user nosuid and nodev; saying so
+    // keeps that true even where it runs for root.
     let mut opts = format!("ro,noatime,nosuid,nodev,fsname={name},subtype=tilefs");
+    if flags.noexec {
+        opts.push_str(",noexec");
+    }
+    if flags.nosymfollow {
+        opts.push_str(",nosymfollow");
+    }
     if default_permissions {
         opts.push_str(",default_permissions");
     }
@@ -198,20 +239,38 @@ fn run_helper(args: &[&str], mnt: &Path) -> Result<(), String> {
 }
 
 /// Unmounts the FUSE mount at `mountpoint`, also one whose server died. A
-/// busy mount is detached (it goes away when its last user leaves).
-pub fn unmount(mountpoint: &Path) -> Result<(), FuseError> {
+/// busy mount is refused, unless `lazy`: then it is detached (it goes away
+/// when its last user leaves).
+pub fn unmount(mountpoint: &Path, lazy: bool) -> Result<(), FuseError> {
+    if lazy {
+        return detach(mountpoint);
+    }
+    let busy = || {
+        fail(format!(
+            "{}: the mount is busy (a process has a file open or its working directory in it); close them and retry, or unmount with --lazy",
+            mountpoint.display()
+        ))
+    };
     if rustix::process::geteuid().is_root() {
         match rustix::mount::unmount(mountpoint, UnmountFlags::empty()) {
             Ok(()) => return Ok(()),
-            Err(Errno::BUSY) => return detach(mountpoint),
+            Err(Errno::BUSY) => return Err(busy()),
             Err(Errno::PERM) => {}
             Err(e) => return Err(fail(format!("{}: unmount: {e}", mountpoint.display()))),
         }
     }
     match run_helper(&["-u"], mountpoint) {
         Ok(()) => Ok(()),
-        Err(e) if e.contains("busy") => detach(mountpoint),
+        Err(e) if e.contains("busy") => Err(busy()),
         Err(e) => Err(fail(format!("{}: {e}", mountpoint.display()))),
+    }
+}
+
+/// Takes a mount of ours down after a failure: unmounted, or detached if
+/// something already holds it.
+pub(crate) fn take_down(mountpoint: &Path) {
+    if unmount(mountpoint, false).is_err() {
+        let _ = detach(mountpoint);
     }
 }
 

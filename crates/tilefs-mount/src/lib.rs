@@ -240,9 +240,25 @@ fn io_err<'a>(path: &'a Path, what: &'static str) -> impl FnOnce(std::io::Error)
 /// Whether this process can make kernel mounts: EROFS and overlayfs exist
 /// and it may mount them. The error says what is missing.
 pub fn kernel_available() -> Result<(), MountError> {
+    // Root of a user namespace (`unshare -Urm`, a rootless container) may
+    // open an EROFS context but never create one: EROFS is not mountable
+    // outside the initial user namespace.
+    if !in_initial_user_namespace() {
+        return Err(MountError::NotPermitted(
+            "inside a user namespace: EROFS mounts need privilege in the initial user namespace".into(),
+        ));
+    }
     FsContext::open("erofs")?;
     FsContext::open("overlay")?;
     Ok(())
+}
+
+/// Whether this process is in the initial user namespace: only there does
+/// uid_map map every id to itself.
+fn in_initial_user_namespace() -> bool {
+    std::fs::read_to_string("/proc/self/uid_map").map_or(true, |m| {
+        m.split_whitespace().collect::<Vec<_>>() == ["0", "0", "4294967295"]
+    })
 }
 
 /// Why the kernel cannot verify objects in `stores`, or None when it can.
@@ -384,7 +400,9 @@ fn existing_dir(p: &Path, what: &str) -> Result<PathBuf, MountError> {
     Ok(c)
 }
 
-fn check_mountpoint(p: &Path) -> Result<PathBuf, MountError> {
+/// A mount point that can be mounted on: an existing directory that is not
+/// already the root of a mount. Returns its canonical path.
+pub fn check_mountpoint(p: &Path) -> Result<PathBuf, MountError> {
     let c = existing_dir(p, "mount point")?;
     if is_mount_root(&c) {
         let what = mountinfo::mounted_at(&c)

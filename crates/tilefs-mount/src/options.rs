@@ -26,6 +26,13 @@ pub struct ParsedOptions {
     /// FUSE: `nopassthrough` (false) serves every read from the server
     /// even where the kernel could read the object itself.
     pub passthrough: Option<bool>,
+    /// FUSE: `allow_other`, other users may use the mount (kernel mounts
+    /// always let them).
+    pub allow_other: bool,
+    /// `suid` / `dev` given explicitly (the last word of each pair): a
+    /// mount that cannot honour them must refuse, not ignore them.
+    pub suid_asked: bool,
+    pub dev_asked: bool,
     /// Anything else: handed to overlayfs as is (the kernel judges it).
     pub overlay: Vec<(String, Option<String>)>,
     /// Options for mount(8) itself or meaningless here, accepted and ignored.
@@ -145,10 +152,15 @@ impl ParsedOptions {
                 "fuse" => self.backend = Some(Backend::Fuse),
                 "passthrough" => self.passthrough = Some(true),
                 "nopassthrough" => self.passthrough = Some(false),
-                "nosuid" => self.attrs.nosuid = true,
-                "suid" => self.attrs.nosuid = false,
-                "nodev" => self.attrs.nodev = true,
-                "dev" => self.attrs.nodev = false,
+                "nosuid" | "suid" => {
+                    self.attrs.nosuid = key == "nosuid";
+                    self.suid_asked = key == "suid";
+                }
+                "nodev" | "dev" => {
+                    self.attrs.nodev = key == "nodev";
+                    self.dev_asked = key == "dev";
+                }
+                "allow_other" => self.allow_other = true,
                 "noexec" => self.attrs.noexec = true,
                 "exec" => self.attrs.noexec = false,
                 "nosymfollow" => self.attrs.nosymfollow = true,
@@ -214,6 +226,10 @@ mod tests {
         assert_eq!(p.passthrough, Some(false));
         assert!(p.overlay.is_empty());
         assert_eq!(parse("nopassthrough,passthrough").unwrap().passthrough, Some(true));
+        let p = parse("allow_other,suid,nodev,dev,nosuid").unwrap();
+        assert!(p.allow_other && p.overlay.is_empty());
+        assert!(p.attrs.nosuid && !p.suid_asked);
+        assert!(!p.attrs.nodev && p.dev_asked);
     }
 
     #[test]

@@ -227,7 +227,11 @@ enum Checked {
 
 /// Recomputes an object's digest, reporting bytes read to `advance`.
 fn check_object(path: &Path, want: &[u8; 32], advance: &dyn Fn(u64)) -> Checked {
-    let fd = match rfs::open(path, OFlags::RDONLY | OFlags::NOFOLLOW | OFlags::CLOEXEC, Mode::empty()) {
+    let fd = match rfs::open(
+        path,
+        OFlags::RDONLY | OFlags::NOFOLLOW | OFlags::CLOEXEC | OFlags::NONBLOCK,
+        Mode::empty(),
+    ) {
         Ok(fd) => fd,
         Err(rustix::io::Errno::NOENT) => return Checked::Gone,
         Err(rustix::io::Errno::LOOP) => return Checked::NotAFile,

@@ -171,7 +171,7 @@ impl<'s> Ingest<'s> {
         let src = rfs::openat(
             f.dir,
             f.name,
-            OFlags::RDONLY | OFlags::NOFOLLOW | OFlags::CLOEXEC,
+            OFlags::RDONLY | OFlags::NOFOLLOW | OFlags::CLOEXEC | OFlags::NONBLOCK,
             Mode::empty(),
         )
         .map_err(|e| StoreError::io(f.path, "cannot open", e.into()))?;

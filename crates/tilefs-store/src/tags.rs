@@ -232,7 +232,7 @@ pub(crate) fn read_tag_if_present(store: &Store, name: &str) -> Result<Option<Ve
     let fd = match rfs::openat(
         &dir,
         name,
-        OFlags::RDONLY | OFlags::NOFOLLOW | OFlags::CLOEXEC,
+        OFlags::RDONLY | OFlags::NOFOLLOW | OFlags::CLOEXEC | OFlags::NONBLOCK,
         Mode::empty(),
     ) {
         Ok(fd) => fd,
@@ -246,6 +246,19 @@ pub(crate) fn read_tag_if_present(store: &Store, name: &str) -> Result<Option<Ve
         }
         Err(e) => return Err(StoreError::io(&path, "cannot read tag", e.into())),
     };
+    // Opened without blocking (a FIFO planted here must not hang us), and
+    // read only if it is a plain file.
+    match rfs::fstat(&fd) {
+        Ok(st) if rfs::FileType::from_raw_mode(st.st_mode) == rfs::FileType::RegularFile => {}
+        Ok(_) => {
+            return Err(StoreError::io(
+                &path,
+                "cannot read tag",
+                io::Error::other("not a regular file"),
+            ))
+        }
+        Err(e) => return Err(StoreError::io(&path, "cannot read tag", e.into())),
+    }
     let mut file = std::fs::File::from(fd);
     let mut bytes = Vec::new();
     io::Read::read_to_end(&mut file, &mut bytes).map_err(|e| StoreError::io(&path, "cannot read tag", e))?;

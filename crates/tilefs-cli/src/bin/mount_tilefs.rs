@@ -121,6 +121,9 @@ fn run() -> Result<(), (u8, String)> {
         log: None,
         threads: 0,
         erofs_backing: tilefs_mount::ErofsBacking::Auto,
+        // A system mount (fstab, `mount -t tilefs` by root) is for every
+        // user, as a kernel mount is, also when FUSE serves it.
+        allow_other: rustix::process::geteuid().is_root(),
     };
     if fake {
         return check_only(&req).map_err(|e| (EX_FAIL, format!("{e:#}")));
