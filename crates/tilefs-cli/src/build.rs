@@ -8,7 +8,7 @@ use std::fs::File;
 use std::io::{self, BufRead, BufReader, Read};
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
-use std::sync::atomic::Ordering::Relaxed;
+use std::sync::atomic::{AtomicBool, Ordering::Relaxed};
 use std::sync::Arc;
 use std::time::Instant;
 use tilefs_image::erofs::{self, WriteOptions};
@@ -70,9 +70,38 @@ pub struct BuildArgs {
     /// Print the image's fs-verity digest and write no image
     #[arg(long, conflicts_with = "image")]
     pub print_digest_only: bool,
-    /// Threads reading and digesting files (default: 8 per core, as reads of a cold tree wait on the disk)
-    #[arg(short, long, default_value_t = 0, value_name = "N")]
+    /// Threads reading and digesting files (the default is 8 per core: reads of a cold tree wait on
+    /// the disk)
+    #[arg(short, long, default_value_t = source::worker_threads(0), value_name = "N")]
     pub jobs: usize,
+    /// Keep hardlinks of a source directory: names of one file share one inode (and st_nlink) in the
+    /// image. Off by default, as mkcomposefs, whose images this then matches byte for byte
+    #[arg(long)]
+    pub hardlinks: bool,
+}
+
+/// A build stopped by SIGINT or SIGTERM (exit status 130).
+#[derive(Debug)]
+pub struct Interrupted;
+
+impl std::fmt::Display for Interrupted {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("interrupted")
+    }
+}
+
+impl std::error::Error for Interrupted {}
+
+/// Removes a store directory this build created, unless the build
+/// succeeded: a failed build leaves no store behind.
+struct NewStore(Option<PathBuf>);
+
+impl Drop for NewStore {
+    fn drop(&mut self) {
+        if let Some(p) = self.0.take() {
+            let _ = std::fs::remove_dir_all(p);
+        }
+    }
 }
 
 pub fn run(a: BuildArgs) -> Result<ExitCode> {
@@ -83,6 +112,11 @@ pub fn run(a: BuildArgs) -> Result<ExitCode> {
     if let Some(tag) = &a.tag {
         tags::validate_tag(tag)?;
     }
+    // Everything that can be checked is, before any work: the output and
+    // the store.
+    if let Some(path) = a.image.as_deref().filter(|_| !a.print_digest_only) {
+        output::check_writable(path)?;
+    }
     // A tag needs a store: the default one unless --store names another.
     let store_path = match (&a.store, &a.tag) {
         (Some(p), _) => Some(p.clone()),
@@ -90,15 +124,38 @@ pub fn run(a: BuildArgs) -> Result<ExitCode> {
         (None, None) if a.hardlink => bail!("--hardlink needs --store or --tag"),
         (None, None) => None,
     };
+    let mut new_store = NewStore(None);
     let store = match &store_path {
-        Some(p) => Some(Store::create(p)?),
+        Some(p) => {
+            let existed = std::fs::symlink_metadata(p).is_ok();
+            let s = Store::create(p)?;
+            if !existed {
+                new_store.0 = Some(p.clone());
+            }
+            Some(s)
+        }
         None => None,
+    };
+    // SIGINT and SIGTERM stop the import at the next file; the error path
+    // then removes temporary files and keeps the digests learnt.
+    let cancel = Arc::new(AtomicBool::new(false));
+    for sig in [signal_hook::consts::SIGINT, signal_hook::consts::SIGTERM] {
+        signal_hook::flag::register(sig, cancel.clone()).context("cannot handle signals")?;
+    }
+    let interrupted = |e: anyhow::Error| {
+        if cancel.load(Relaxed) {
+            anyhow::Error::new(Interrupted)
+        } else {
+            e
+        }
     };
     // Held until the image is tagged, so a gc cannot remove new objects.
     let ingest = match &store {
         Some(s) => {
             let method = if a.hardlink { Method::Hardlink } else { Method::Copy };
-            Some(Ingest::new(s, method)?)
+            let mut i = Ingest::new(s, method)?;
+            i.set_cancel(cancel.clone());
+            Some(i)
         }
         None => None,
     };
@@ -115,6 +172,8 @@ pub fn run(a: BuildArgs) -> Result<ExitCode> {
             user_xattrs: a.user_xattrs,
             jobs: a.jobs,
             progress: Some(progress_counters.clone()),
+            hardlinks: a.hardlinks,
+            cancel: Some(cancel.clone()),
         };
         let _display = progress::enabled(a.quiet || a.json).then(|| {
             let c = progress_counters.clone();
@@ -126,7 +185,18 @@ pub fn run(a: BuildArgs) -> Result<ExitCode> {
             )
         });
         let sink = ingest.as_ref().map(|i| i as &dyn source::ContentSink);
-        let tree = source::scan_into(&a.source, &opts, sink)?.tree;
+        let tree = match source::scan_into(&a.source, &opts, sink) {
+            Ok(scan) => scan.tree,
+            Err(e) => {
+                if let (Some(i), true) = (&ingest, cancel.load(Relaxed)) {
+                    // What was imported is kept (committed objects, the
+                    // digests learnt) for the next try; temporary files go.
+                    let _ = i.save_cache();
+                    new_store.0 = None;
+                }
+                return Err(interrupted(e.into()));
+            }
+        };
         (tree, progress_counters.entries.load(Relaxed) + 1)
     };
     let stats = match &ingest {
@@ -161,6 +231,13 @@ pub fn run(a: BuildArgs) -> Result<ExitCode> {
     if let (Some(store), Some(tag)) = (&store, &a.tag) {
         if !a.print_digest_only {
             tags::write_tag(store, tag, &image.bytes)?;
+            if a.image.is_none() && !a.quiet && !a.json {
+                eprintln!(
+                    "tilefs: tagged {tag:?} in {} (digest {})",
+                    store.path().display(),
+                    hex::encode(image.digest)
+                );
+            }
         }
     }
     if let Some(store) = store.as_ref().filter(|_| a.from_dump) {
@@ -176,6 +253,7 @@ pub fn run(a: BuildArgs) -> Result<ExitCode> {
         }
     }
     drop(ingest);
+    new_store.0 = None;
     if a.print_digest || a.print_digest_only {
         println!("{}", hex::encode(image.digest));
     }

@@ -1,5 +1,6 @@
 //! `tilefs digest`: fs-verity digests of files.
 
+use crate::store_arg::StoreArg;
 use anyhow::{Context, Result};
 use clap::Args;
 use rayon::prelude::*;
@@ -11,9 +12,11 @@ use tilefs_image::verity;
 
 #[derive(Args)]
 pub struct DigestArgs {
-    /// Files to digest
+    /// Files to digest, or tags in the store (their images' digests)
     #[arg(required = true)]
     pub files: Vec<PathBuf>,
+    #[command(flatten)]
+    pub store: StoreArg,
     /// Print only the hex digest, one a line
     #[arg(long)]
     pub compact: bool,
@@ -24,6 +27,7 @@ pub fn run(a: DigestArgs) -> Result<ExitCode> {
         .files
         .par_iter()
         .map(|p| {
+            let p = &a.store.resolve_image(p)?;
             let f = File::open(p).with_context(|| format!("cannot open {}", p.display()))?;
             verity::digest_file(&f, |_| {}).with_context(|| format!("cannot read {}", p.display()))
         })

@@ -1,8 +1,9 @@
 //! `tilefs dump`, `info` and `objects`: reading images back.
 
+use crate::store_arg::StoreArg;
 use anyhow::{Context, Result};
 use clap::Args;
-use std::io::{BufWriter, Write};
+use std::io::{BufWriter, Read, Write};
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 use tilefs_image::erofs::{self, ImageInfo};
@@ -10,23 +11,33 @@ use tilefs_image::{dump, summary, verity, Tree};
 
 #[derive(Args)]
 pub struct DumpArgs {
-    /// Image file
-    pub image: PathBuf,
+    /// Image files or tags in the store (`-` reads stdin); several are printed one after another,
+    /// each starting with its root line `/`
+    #[arg(required = true)]
+    pub images: Vec<PathBuf>,
+    #[command(flatten)]
+    pub store: StoreArg,
 }
 
 #[derive(Args)]
 pub struct InfoArgs {
-    /// Image file
+    /// Image file or tag in the store (`-` reads stdin)
     pub image: PathBuf,
     /// Print JSON instead of text
     #[arg(long)]
     pub json: bool,
+    #[command(flatten)]
+    pub store: StoreArg,
 }
 
 #[derive(Args)]
 pub struct ObjectsArgs {
-    /// Image file
-    pub image: PathBuf,
+    /// Image files or tags in the store (`-` reads stdin); the objects any of them references are
+    /// listed once each, sorted
+    #[arg(required = true)]
+    pub images: Vec<PathBuf>,
+    #[command(flatten)]
+    pub store: StoreArg,
 }
 
 /// An image read from disk.
@@ -36,25 +47,44 @@ pub struct Loaded {
     pub info: ImageInfo,
 }
 
+/// Reads an image file (`-`: stdin) and parses it.
 pub fn load(path: &Path) -> Result<Loaded> {
-    let bytes = std::fs::read(path).with_context(|| format!("cannot read {}", path.display()))?;
+    let bytes = if path.as_os_str() == "-" {
+        let mut b = Vec::new();
+        std::io::stdin()
+            .lock()
+            .read_to_end(&mut b)
+            .context("cannot read stdin")?;
+        b
+    } else {
+        std::fs::read(path).with_context(|| format!("cannot read {}", path.display()))?
+    };
     let (tree, info) = erofs::read_image(&bytes).with_context(|| format!("{}", path.display()))?;
     Ok(Loaded { bytes, tree, info })
 }
 
+/// Loads each IMAGE argument (file, tag or `-`), in order.
+fn load_all<'a>(store: &'a StoreArg, images: &'a [PathBuf]) -> impl Iterator<Item = Result<Loaded>> + 'a {
+    images.iter().map(|i| load(&store.resolve_image(i)?))
+}
+
 pub fn dump(a: DumpArgs) -> Result<ExitCode> {
-    let img = load(&a.image)?;
     let mut out = BufWriter::with_capacity(256 * 1024, std::io::stdout().lock());
-    dump::print(&img.tree, &mut out)?;
+    for img in load_all(&a.store, &a.images) {
+        dump::print(&img?.tree, &mut out)?;
+    }
     out.flush()?;
     Ok(ExitCode::SUCCESS)
 }
 
 pub fn objects(a: ObjectsArgs) -> Result<ExitCode> {
-    let img = load(&a.image)?;
+    let mut all = std::collections::BTreeSet::new();
+    for img in load_all(&a.store, &a.images) {
+        all.extend(summary::objects(&img?.tree).into_iter().map(<[u8]>::to_vec));
+    }
     let mut out = BufWriter::new(std::io::stdout().lock());
-    for o in summary::objects(&img.tree) {
-        out.write_all(o)?;
+    for o in all {
+        out.write_all(&o)?;
         out.write_all(b"\n")?;
     }
     out.flush()?;
@@ -73,7 +103,7 @@ struct InfoReport<'a> {
 }
 
 pub fn info(a: InfoArgs) -> Result<ExitCode> {
-    let img = load(&a.image)?;
+    let img = load(&a.store.resolve_image(&a.image)?)?;
     let s = summary::summarize(&img.tree);
     let report = InfoReport {
         image: a.image.display().to_string(),

@@ -51,6 +51,20 @@ enum Command {
     Umount(mount_cmd::UmountArgs),
 }
 
+/// A message as one line: a newline or other control character (in a file
+/// name, say) is shown escaped and cannot start a line of its own.
+fn one_line(msg: &str) -> String {
+    msg.chars()
+        .flat_map(|c| -> Box<dyn Iterator<Item = char>> {
+            if c.is_control() {
+                Box::new(c.escape_default())
+            } else {
+                Box::new(std::iter::once(c))
+            }
+        })
+        .collect()
+}
+
 fn main() -> ExitCode {
     let cli = Cli::parse();
     let result = match cli.command {
@@ -75,7 +89,11 @@ fn main() -> ExitCode {
                     return ExitCode::SUCCESS;
                 }
             }
-            eprintln!("tilefs: {e:#}");
+            if e.downcast_ref::<build::Interrupted>().is_some() {
+                eprintln!("tilefs: interrupted");
+                return ExitCode::from(130);
+            }
+            eprintln!("tilefs: {}", one_line(&format!("{e:#}")));
             ExitCode::FAILURE
         }
     }

@@ -101,6 +101,10 @@ pub fn mount(a: MountArgs) -> Result<ExitCode> {
         options.upper = a.upper.clone();
         options.work = a.work.clone();
     }
+    // (mount.tilefs takes `rw` quietly: mount(8) passes it unasked.)
+    if options.read_only == Some(false) && options.upper.is_none() {
+        bail!("option rw: the mount is read-only unless it has --upper/--work");
+    }
     let mut stores = vec![a.store.path()?];
     stores.append(&mut options.stores);
     let backend = if a.kernel {
@@ -137,9 +141,6 @@ pub fn run(req: &Request) -> Result<()> {
     let store = Store::open(&req.stores[0])?;
     let image = tags::resolve_image(Some(&store), &req.image)?;
     let o = &req.options;
-    if o.read_only == Some(false) && o.upper.is_none() {
-        bail!("option rw: the mount is read-only unless it has --upper/--work");
-    }
     let verity = o.verity.unwrap_or_default();
     // Why an automatic choice fell on FUSE, for the message if FUSE fails.
     let mut no_kernel = None;

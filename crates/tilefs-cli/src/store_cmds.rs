@@ -76,9 +76,6 @@ fn plural(n: u64, what: &str) -> String {
 }
 
 fn open_store(path: &Path) -> Result<Store> {
-    if !path.is_dir() {
-        anyhow::bail!("{}: no such store directory", path.display());
-    }
     Ok(Store::open(path)?)
 }
 

@@ -2,8 +2,11 @@
 //! does from a directory.
 //!
 //! Every entry is read with `lstat` semantics (symlinks are never
-//! followed) and becomes its own inode: like the reference, a directory
-//! build does not look for hardlinks, so every non-directory has nlink 1.
+//! followed). By default each becomes its own inode: like the reference, a
+//! directory build does not look for hardlinks, so every non-directory has
+//! nlink 1 (and images stay byte-identical to the reference's). With
+//! [`ScanOptions::hardlinks`], names of one inode (same device and inode
+//! number) share one inode in the tree, whose nlink counts its names there.
 //! Regular files get their fs-verity digest and object path; files of at
 //! most [`RECOMMENDED_INLINE_MAX`] bytes also keep their contents inline.
 //!
@@ -25,7 +28,7 @@ use rustix::fd::{AsFd, BorrowedFd, OwnedFd};
 use rustix::fs::{AtFlags, Mode, OFlags, RawDir, Stat};
 use rustix::io::Errno;
 use std::cell::RefCell;
-use std::collections::VecDeque;
+use std::collections::{HashMap, VecDeque};
 use std::ffi::{CStr, CString, OsStr};
 use std::mem::MaybeUninit;
 use std::os::unix::ffi::OsStrExt;
@@ -49,6 +52,11 @@ pub struct ScanOptions {
     pub jobs: usize,
     /// Counters updated as the scan goes, for progress displays.
     pub progress: Option<Arc<ScanProgress>>,
+    /// Keep hardlinks: names of one source inode share one inode.
+    pub hardlinks: bool,
+    /// Once set, the scan stops at the next entry with an error saying
+    /// "interrupted".
+    pub cancel: Option<Arc<AtomicBool>>,
 }
 
 /// What a running scan has done so far.
@@ -183,6 +191,9 @@ struct Scanned {
     inode: Inode,
     /// For a directory: the index of its own [`DirScan`].
     subdir: Option<usize>,
+    /// With [`ScanOptions::hardlinks`], for a non-directory with more than
+    /// one link: its (device, inode number).
+    link_key: Option<(u64, u64)>,
 }
 
 /// How a directory task finds its directory.
@@ -333,6 +344,9 @@ fn scan_entry(
 ) -> Result<Option<Scanned>, SourceError> {
     let name_bytes = name.to_bytes();
     let path = || dir.join(OsStr::from_bytes(name_bytes));
+    if opts.cancel.as_ref().is_some_and(|c| c.load(Ordering::Relaxed)) {
+        return Err(SourceError::new(path(), "interrupted"));
+    }
     if name_bytes.len() > MAX_NAME_LEN {
         return Err(SourceError::new(
             path(),
@@ -354,6 +368,9 @@ fn scan_entry(
         return Ok(None);
     }
     let mut inode = inode_from_stat(&st, opts);
+    #[allow(clippy::unnecessary_cast)]
+    let link_key = (opts.hardlinks && ftype != FileType::Directory && st.st_nlink > 1)
+        .then_some((st.st_dev as u64, st.st_ino as u64));
     let mut xattrs_from_path = !opts.skip_xattrs;
     if let Some(p) = &opts.progress {
         p.entries.fetch_add(1, Ordering::Relaxed);
@@ -394,6 +411,7 @@ fn scan_entry(
         name: name.to_owned(),
         inode,
         subdir: None,
+        link_key,
     }))
 }
 
@@ -678,6 +696,9 @@ fn assemble(root: Inode, mut dirs: Vec<Option<DirScan>>) -> Result<Scan, SourceE
     let mut tree = Tree::new(root);
     let mut sources = Vec::new();
     let mut queue = VecDeque::new();
+    // Kept hardlinks: the first name met (in this fixed order) is the
+    // inode's primary entry, later ones link to it.
+    let mut linked: HashMap<(u64, u64), InodeId> = HashMap::new();
     queue.push_back((first, ROOT));
     while let Some((dir, id)) = queue.pop_front() {
         let subdirs = dir.entries.iter().filter(|e| e.inode.is_dir()).count();
@@ -688,14 +709,25 @@ fn assemble(root: Inode, mut dirs: Vec<Option<DirScan>>) -> Result<Scan, SourceE
         }
         for entry in dir.entries {
             let name = entry.name.to_bytes();
+            let at = || dir.path.join(OsStr::from_bytes(name));
+            if let Some(&target) = entry.link_key.as_ref().and_then(|k| linked.get(k)) {
+                tree.link(id, name, target, true)
+                    .map_err(|e| SourceError::new(at(), e.to_string()))?;
+                let t = tree.inode_mut(target);
+                t.nlink = t.nlink.saturating_add(1);
+                continue;
+            }
             let external = entry.inode.is_external();
             let child = tree
                 .add_child(id, name, entry.inode)
-                .map_err(|e| SourceError::new(dir.path.join(OsStr::from_bytes(name)), e.to_string()))?;
+                .map_err(|e| SourceError::new(at(), e.to_string()))?;
+            if let Some(key) = entry.link_key {
+                linked.insert(key, child);
+            }
             if let Some(sub) = entry.subdir {
                 queue.push_back((take(sub)?, child));
             } else if external {
-                sources.push((child, dir.path.join(OsStr::from_bytes(name))));
+                sources.push((child, at()));
             }
         }
     }

@@ -118,6 +118,8 @@ pub struct Ingest<'s> {
     verity: AtomicU8,
     verity_warning: Mutex<Option<String>>,
     cloning: AtomicBool,
+    /// Set (by a signal handler, say) to stop the import at the next file.
+    cancel: Option<std::sync::Arc<AtomicBool>>,
     _lock: StoreLock,
 }
 
@@ -145,8 +147,21 @@ impl<'s> Ingest<'s> {
             verity: AtomicU8::new(VERITY_UNKNOWN),
             verity_warning: Mutex::new(None),
             cloning: AtomicBool::new(true),
+            cancel: None,
             _lock: lock,
         })
+    }
+
+    /// Makes every later [`Ingest::import`] fail with
+    /// [`StoreError::Interrupted`] once `flag` is set.
+    pub fn set_cancel(&mut self, flag: std::sync::Arc<AtomicBool>) {
+        self.cancel = Some(flag);
+    }
+
+    /// Saves the digests learnt so far (an interrupted build keeps them:
+    /// the next one does not read those files again).
+    pub fn save_cache(&self) -> Result<(), StoreError> {
+        self.cache.save(&self.store.join(DIGEST_CACHE), &self.tmp)
     }
 
     /// Why objects are not fs-verity protected, if they are not.
@@ -156,6 +171,9 @@ impl<'s> Ingest<'s> {
 
     /// Imports one file and returns its digest.
     pub fn import(&self, f: &SourceFile) -> Result<[u8; 32], StoreError> {
+        if self.cancel.as_ref().is_some_and(|c| c.load(Relaxed)) {
+            return Err(StoreError::Interrupted);
+        }
         let st = f.stat;
         let size = st.st_size as u64;
         self.stats.files.fetch_add(1, Relaxed);
@@ -177,11 +195,7 @@ impl<'s> Ingest<'s> {
         .map_err(|e| StoreError::io(f.path, "cannot open", e.into()))?;
         let now = rfs::fstat(&src).map_err(|e| StoreError::io(f.path, "cannot stat", e.into()))?;
         if now.st_ino != st.st_ino || now.st_dev != st.st_dev {
-            return Err(StoreError::io(
-                f.path,
-                "file was replaced during the build",
-                io::ErrorKind::Other.into(),
-            ));
+            return Err(StoreError::source(f.path, "file was replaced during the build"));
         }
         let _ = rfs::fadvise(&src, 0, None, rfs::Advice::Sequential);
 
@@ -201,11 +215,7 @@ impl<'s> Ingest<'s> {
         // be what was stat'ed when the tree was made.
         if written != size {
             let _ = rfs::unlinkat(&self.tmp, &tmp_name, AtFlags::empty());
-            return Err(StoreError::io(
-                f.path,
-                "file changed size during the build",
-                io::ErrorKind::Other.into(),
-            ));
+            return Err(StoreError::source(f.path, "file changed size during the build"));
         }
         self.cache.insert(key, digest);
         let fresh = self.seen.lock().unwrap().insert(digest);
@@ -240,17 +250,18 @@ impl<'s> Ingest<'s> {
     }
 
     fn create_temp(&self, tmp_name: &str) -> Result<std::fs::File, StoreError> {
-        let tmp_path = self.store.join(TMP_DIR).join(tmp_name);
+        // Messages name the store, not the temporary file (which is gone).
+        let store = self.store.path();
         let fd = rfs::openat(
             &self.tmp,
             tmp_name,
             OFlags::RDWR | OFlags::CREATE | OFlags::EXCL | OFlags::CLOEXEC,
             Mode::from_raw_mode(0o644),
         )
-        .map_err(|e| StoreError::io(&tmp_path, "cannot create", e.into()))?;
+        .map_err(|e| StoreError::io(store, "cannot create a new object", e.into()))?;
         // Explicitly, whatever the umask: objects are readable by all.
         rfs::fchmod(&fd, Mode::from_raw_mode(0o644))
-            .map_err(|e| StoreError::io(&tmp_path, "cannot chmod", e.into()))?;
+            .map_err(|e| StoreError::io(store, "cannot set the mode of a new object", e.into()))?;
         Ok(std::fs::File::from(fd))
     }
 
@@ -263,11 +274,11 @@ impl<'s> Ingest<'s> {
     }
 
     fn write_error(&self, e: io::Error) -> StoreError {
-        let tmp = self.store.join(TMP_DIR);
+        let store = self.store.path();
         if e.raw_os_error() == Some(libc::ENOSPC) || e.raw_os_error() == Some(libc::EDQUOT) {
-            StoreError::io(&tmp, "no space left on the store's device", e)
+            StoreError::io(store, "no space left on the store's device", e)
         } else {
-            StoreError::io(&tmp, "cannot write into the store", e)
+            StoreError::io(store, "cannot write into the store", e)
         }
     }
 
@@ -323,11 +334,7 @@ impl<'s> Ingest<'s> {
         let linked = rfs::statat(&self.tmp, tmp_name, AtFlags::SYMLINK_NOFOLLOW)
             .map_err(|e| StoreError::io(f.path, "cannot stat", e.into()))?;
         if linked.st_ino != f.stat.st_ino {
-            return Err(StoreError::io(
-                f.path,
-                "file was replaced during the build",
-                io::ErrorKind::Other.into(),
-            ));
+            return Err(StoreError::source(f.path, "file was replaced during the build"));
         }
         let mut src = std::fs::File::from(src.try_clone().map_err(|e| StoreError::io(f.path, "cannot dup", e))?);
         hash_all(&mut src, None).map_err(|e| StoreError::io(f.path, "cannot read", e))
@@ -384,7 +391,7 @@ impl<'s> Ingest<'s> {
     /// so the store lock) until that image is tagged.
     pub fn finish(&self) -> Result<StatsSnapshot, StoreError> {
         self.commit_batch()?;
-        self.cache.save(&self.store.join(DIGEST_CACHE), &self.tmp)?;
+        self.save_cache()?;
         Ok(self.stats.snapshot())
     }
 }

@@ -35,6 +35,11 @@ pub enum StoreError {
     Busy(PathBuf),
     #[error("{0}")]
     Invalid(String),
+    /// A source file that is not what it was when the tree was read.
+    #[error("{}: {msg}", path.display())]
+    Source { path: PathBuf, msg: &'static str },
+    #[error("interrupted")]
+    Interrupted,
 }
 
 impl StoreError {
@@ -43,6 +48,13 @@ impl StoreError {
             path: path.to_path_buf(),
             what,
             err: source,
+        }
+    }
+
+    pub fn source(path: &Path, msg: &'static str) -> StoreError {
+        StoreError::Source {
+            path: path.to_path_buf(),
+            msg,
         }
     }
 

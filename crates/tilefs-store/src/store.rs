@@ -27,6 +27,10 @@ pub struct Store {
     dir: OwnedFd,
 }
 
+fn not_a_directory(path: &Path) -> StoreError {
+    StoreError::Invalid(format!("{}: not a directory (a store is a directory)", path.display()))
+}
+
 /// Whether a lock excludes others.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum LockMode {
@@ -50,7 +54,11 @@ impl Store {
             OFlags::RDONLY | OFlags::DIRECTORY | OFlags::CLOEXEC,
             Mode::empty(),
         )
-        .map_err(|e| StoreError::io(path, "cannot open store", e.into()))?;
+        .map_err(|e| match e {
+            rustix::io::Errno::NOENT => StoreError::Invalid(format!("{}: no such store directory", path.display())),
+            rustix::io::Errno::NOTDIR => not_a_directory(path),
+            e => StoreError::io(path, "cannot open store", e.into()),
+        })?;
         Ok(Store {
             root: path.to_path_buf(),
             dir,
@@ -59,6 +67,9 @@ impl Store {
 
     /// Opens a store, creating its directory (and parents) if needed.
     pub fn create(path: &Path) -> Result<Store, StoreError> {
+        if std::fs::metadata(path).is_ok_and(|m| !m.is_dir()) {
+            return Err(not_a_directory(path));
+        }
         std::fs::create_dir_all(path).map_err(|e| StoreError::io(path, "cannot create store", e))?;
         Store::open(path)
     }
