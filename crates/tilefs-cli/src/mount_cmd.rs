@@ -172,6 +172,8 @@ pub fn run(req: &Request) -> Result<()> {
     };
     match backend {
         Backend::Kernel => {
+            // Held from the mount to its record, so a gc cannot run between.
+            let lock = store.lock(tilefs_store::LockMode::Shared, true);
             let mounted = tilefs_mount::mount(&MountOptions {
                 image: image.clone(),
                 stores: req.stores.clone(),
@@ -192,6 +194,12 @@ pub fn run(req: &Request) -> Result<()> {
             for n in &mounted.notices {
                 eprintln!("{}: notice: {n}", prog());
             }
+            if let Err(e) = lock.and_then(|_lock| record_kernel_mount(&store, &mounted)) {
+                eprintln!(
+                    "{}: notice: the mount is not recorded in the store, so gc there may remove its objects: {e}",
+                    prog()
+                );
+            }
         }
         Backend::Fuse => fuse(req, &image, verity).map_err(|e| match no_kernel {
             Some(why) => anyhow!("{e:#} (and no kernel mount: {why})"),
@@ -199,6 +207,13 @@ pub fn run(req: &Request) -> Result<()> {
         })?,
     }
     Ok(())
+}
+
+/// Records a kernel mount in its store: a gc root while it is mounted.
+fn record_kernel_mount(store: &Store, m: &tilefs_mount::Mounted) -> Result<(), tilefs_store::StoreError> {
+    let id = tilefs_store::mounts::mount_id_of(&m.mountpoint)
+        .ok_or_else(|| tilefs_store::StoreError::Invalid(format!("{}: no mount there", m.mountpoint.display())))?;
+    tilefs_store::mounts::register_kernel(store, &m.image, &m.mountpoint, id)
 }
 
 fn fuse(req: &Request, image: &std::path::Path, verity: Verity) -> Result<()> {

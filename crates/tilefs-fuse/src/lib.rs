@@ -235,6 +235,19 @@ pub fn mount(m: &FuseMount) -> Result<(), FuseError> {
     }
     let (tree, info) = tilefs_image::erofs::read_image(&data)
         .map_err(|e| fail(format!("{}: refusing to mount: {e}", m.image.display())))?;
+    // A gc root while the server lives (the objects of an image mounted by
+    // path are protected by no tag). A store we may not write cannot hold
+    // one; the mount goes on, and says so.
+    let record = match tilefs_store::Store::open(&m.store).and_then(|s| tilefs_store::mounts::register_fuse(&s, &data))
+    {
+        Ok(r) => Some(r),
+        Err(e) => {
+            eprintln!(
+                "tilefs: notice: the mount is not recorded in the store, so gc there may remove its objects: {e}"
+            );
+            None
+        }
+    };
     drop(data);
     let store: OwnedFd = rustix::fs::open(
         &m.store,
@@ -283,9 +296,9 @@ pub fn mount(m: &FuseMount) -> Result<(), FuseError> {
         }
     };
     if m.foreground {
-        return serve(session, &mnt, &logger, None, splicer);
+        return serve(session, &mnt, &logger, None, splicer, record);
     }
-    daemonize(session, &mnt, logger, m.log_file.as_deref(), splicer)
+    daemonize(session, &mnt, logger, m.log_file.as_deref(), splicer, record)
 }
 
 /// Raises the soft limit on open files to the hard one (the server keeps
@@ -316,6 +329,7 @@ fn daemonize(
     logger: Arc<Logger>,
     log_file: Option<&Path>,
     splicer: Option<Arc<OnceLock<splice::Splicer>>>,
+    record: Option<tilefs_store::mounts::MountRecord>,
 ) -> Result<(), FuseError> {
     let (rd, wr) = rustix::pipe::pipe_with(rustix::pipe::PipeFlags::CLOEXEC).map_err(|e| fail(format!("pipe: {e}")))?;
     // SAFETY: the process is single-threaded here (the session's threads
@@ -330,6 +344,10 @@ fn daemonize(
     }
     if pid > 0 {
         drop(wr);
+        // The server's copy of the record's descriptor keeps it locked.
+        if let Some(r) = record {
+            r.leave();
+        }
         // The child owns the connection now: the parent's copy must not
         // unmount or hold it open.
         let raw = std::os::fd::AsFd::as_fd(&session).as_raw_fd();
@@ -360,7 +378,7 @@ fn daemonize(
             unsafe { libc::dup2(f.as_raw_fd(), 2) };
         }
     }
-    let code = match serve(session, mnt, &logger, Some(wr), splicer) {
+    let code = match serve(session, mnt, &logger, Some(wr), splicer, record) {
         Ok(()) => 0,
         Err(e) => {
             logger.log(&e.to_string());
@@ -413,6 +431,8 @@ fn serve(
     logger: &Logger,
     ready: Option<OwnedFd>,
     splicer: Option<Arc<OnceLock<splice::Splicer>>>,
+    // Held (locked) until the server ends, then removed.
+    _record: Option<tilefs_store::mounts::MountRecord>,
 ) -> Result<(), FuseError> {
     // The device descriptor for spliced replies is taken here, in the
     // process that serves, so a parent that forked the server holds none.

@@ -159,6 +159,8 @@ pub struct Mounted {
     /// Things the user should know (one line each), e.g. verification
     /// being off because the kernel cannot do it.
     pub notices: Vec<String>,
+    /// The bytes of the image mounted (read once, from the file mounted).
+    pub image: Vec<u8>,
 }
 
 /// Why a mount or unmount failed. Whatever the error, nothing was mounted.
@@ -380,6 +382,7 @@ pub fn mount(o: &MountOptions) -> Result<Mounted, MountError> {
         backing,
         verity,
         notices,
+        image: bytes,
     })
 }
 

@@ -1,5 +1,5 @@
-//! `gc`: removes objects no tagged image references, and leftovers of
-//! interrupted imports.
+//! `gc`: removes objects no tagged image or live mount references, and
+//! leftovers of interrupted imports.
 //!
 //! gc holds the store lock exclusively: builds hold it shared from their
 //! first import to their tag, so no object gc sees unreferenced can be
@@ -26,6 +26,8 @@ pub struct GcOptions {
 pub struct GcReport {
     /// Tagged images whose references were kept.
     pub images: u64,
+    /// Live mounts whose references were kept.
+    pub mounts: u64,
     pub objects_kept: u64,
     pub bytes_kept: u64,
     pub objects_removed: u64,
@@ -52,8 +54,19 @@ pub fn gc(store: &Store, opts: &GcOptions) -> Result<GcReport, StoreError> {
             other.display()
         )));
     }
-    let referenced = referenced_objects(store, &images.tags)?;
+    let mut referenced = referenced_objects(store, &images.tags)?;
     report.images = images.tags.len() as u64;
+    // Live mounts keep what they use; records of gone ones are cleared.
+    for m in crate::mounts::live_mounts(store, !opts.dry_run)? {
+        let (tree, _) = tilefs_image::erofs::read_image(&m.image).map_err(|e| {
+            StoreError::Invalid(format!(
+                "refusing to gc: the image of a live mount ({}) cannot be read, so the objects it needs are unknown: {e}; nothing was removed",
+                m.path.display()
+            ))
+        })?;
+        add_references(&tree, &mut referenced);
+        report.mounts += 1;
+    }
 
     // Only a real .tmp directory is emptied (never one a symlink points
     // to); checked before anything is removed.
@@ -131,16 +144,20 @@ fn referenced_objects(store: &Store, tags: &[tags::TagInfo]) -> Result<HashSet<[
             continue;
         };
         let (tree, _) = tilefs_image::erofs::read_image(&bytes).map_err(|e| refuse(e.to_string()))?;
-        for inode in tree.inodes.iter().filter(|i| i.is_external()) {
-            if let Some(d) = inode.payload.as_deref().and_then(parse_object_rel) {
-                referenced.insert(d);
-            }
-            if let Some(d) = inode.digest {
-                referenced.insert(d);
-            }
-        }
+        add_references(&tree, &mut referenced);
     }
     Ok(referenced)
+}
+
+fn add_references(tree: &tilefs_image::Tree, referenced: &mut HashSet<[u8; 32]>) {
+    for inode in tree.inodes.iter().filter(|i| i.is_external()) {
+        if let Some(d) = inode.payload.as_deref().and_then(parse_object_rel) {
+            referenced.insert(d);
+        }
+        if let Some(d) = inode.digest {
+            referenced.insert(d);
+        }
+    }
 }
 
 /// Removes temporary files: `STORE/.tmp/*` and the reference's

@@ -5,12 +5,14 @@
 //!   digest while writing, durable before visible), with a digest cache;
 //! - [`tags`]: named images kept in the store (gc roots);
 //! - [`fsck`]: proving a store is whole;
-//! - [`gc`]: removing what no tagged image needs.
+//! - [`mounts`]: live mounts, gc roots while they live;
+//! - [`gc`]: removing what no tagged image or live mount needs.
 
 pub mod file_state;
 pub mod fsck;
 pub mod gc;
 pub mod ingest;
+pub mod mounts;
 pub mod store;
 pub mod tags;
 

@@ -7,7 +7,8 @@
 //!   import live here until `gc`);
 //! - `.lock`: builds hold it shared, `gc` exclusive;
 //! - `.quarantine/`: objects `fsck --repair` moved aside;
-//! - `.digest-cache`: digests of source files already imported.
+//! - `.digest-cache`: digests of source files already imported;
+//! - `.mounts/`: images of live mounts (gc roots while they live).
 
 use crate::StoreError;
 use rustix::fd::{AsFd, BorrowedFd, OwnedFd};
@@ -176,6 +177,7 @@ impl Store {
                 || name == QUARANTINE_DIR
                 || name == LOCK_FILE
                 || name == DIGEST_CACHE
+                || name == crate::mounts::MOUNTS_DIR
             {
                 continue;
             }
