@@ -2,6 +2,7 @@
 
 mod build;
 mod digest;
+mod docs;
 mod inspect;
 mod mount_cmd;
 mod output;
@@ -12,10 +13,13 @@ mod store_cmds;
 use clap::{Parser, Subcommand};
 use std::process::ExitCode;
 
+/// `tilefs --version`: the release and the commit it was built from.
+const VERSION: &str = concat!(env!("CARGO_PKG_VERSION"), " (", env!("TILEFS_COMMIT"), ")");
+
 #[derive(Parser)]
 #[command(
     name = "tilefs",
-    version,
+    version = VERSION,
     about = "Build, inspect and mount composefs-compatible file tree images",
     long_about = "tilefs stores file trees as small reproducible EROFS metadata images plus a shared, \
                   content-addressed object store, compatible byte for byte with composefs."
@@ -49,6 +53,11 @@ enum Command {
     Mount(mount_cmd::MountArgs),
     /// Unmount what `tilefs mount` mounted
     Umount(mount_cmd::UmountArgs),
+    /// Print a shell completion script (bash, zsh, fish, elvish, powershell)
+    Completions(docs::CompletionsArgs),
+    /// Write man pages for tilefs and each command into a directory
+    #[command(hide = true)]
+    Man(docs::ManArgs),
 }
 
 /// A message as one line: a newline or other control character (in a file
@@ -79,6 +88,8 @@ fn main() -> ExitCode {
         Command::Gc(a) => store_cmds::gc(a),
         Command::Mount(a) => mount_cmd::mount(a),
         Command::Umount(a) => mount_cmd::umount(a),
+        Command::Completions(a) => docs::completions::<Cli>(a),
+        Command::Man(a) => docs::man::<Cli>(a),
     };
     match result {
         Ok(code) => code,

@@ -50,8 +50,8 @@ pub struct MountArgs {
     /// itself (passthrough): opening a file then never leaves the kernel, large reads cost more
     #[arg(long, conflicts_with = "kernel")]
     pub no_passthrough: bool,
-    /// FUSE: worker threads (default: automatic)
-    #[arg(long, default_value_t = 0, value_name = "N")]
+    /// FUSE: worker threads (the default is one per core, at least 2)
+    #[arg(long, default_value_t = tilefs_fuse::default_threads(), value_name = "N")]
     pub threads: usize,
     /// How EROFS reads the image: auto, file or loop (for testing)
     #[arg(long, hide = true, default_value = "auto", value_parser = ["auto", "file", "loop"])]

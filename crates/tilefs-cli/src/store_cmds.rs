@@ -41,8 +41,8 @@ pub struct FsckArgs {
     /// Move corrupt objects and strays aside, to STORE/.quarantine
     #[arg(long)]
     pub repair: bool,
-    /// Threads (default: one per core)
-    #[arg(short, long, default_value_t = 0, value_name = "N")]
+    /// Threads (the default is one per core)
+    #[arg(short, long, default_value_t = std::thread::available_parallelism().map_or(1, |n| n.get()), value_name = "N")]
     pub jobs: usize,
     /// No progress display
     #[arg(short, long)]
@@ -224,6 +224,7 @@ fn fsck_json(store: &Store, r: &FsckReport) -> serde_json::Value {
         "images": r.images,
         "leftovers": r.leftovers,
         "corrupt": r.corrupt,
+        "corrupt_used_by": r.corrupt_used_by.iter().map(|(o, t)| json!({"object": o, "tags": t})).collect::<Vec<_>>(),
         "unreadable": r.unreadable.iter().map(|(p, why)| json!({"path": p, "reason": why})).collect::<Vec<_>>(),
         "missing": r.missing.iter().map(|(o, t)| json!({"object": o, "tags": t})).collect::<Vec<_>>(),
         "strays": r.strays,
@@ -244,7 +245,11 @@ fn print_fsck(out: &mut impl Write, store: &Store, r: &FsckReport, repair: bool)
         }
     };
     for p in &r.corrupt {
-        writeln!(out, "corrupt object: {}{}", p.display(), fixed(p))?;
+        let used = match r.corrupt_used_by.get(p) {
+            Some(tags) => format!(" (used by {})", tags.join(", ")),
+            None => String::new(),
+        };
+        writeln!(out, "corrupt object: {}{used}{}", p.display(), fixed(p))?;
     }
     for (p, why) in &r.unreadable {
         writeln!(out, "unreadable object: {}: {why}", p.display())?;

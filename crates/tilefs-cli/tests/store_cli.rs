@@ -175,7 +175,7 @@ fn fsck_exit_codes_and_reports() {
     assert_eq!(code(&o), 1);
     let text = stdout(&o);
     assert!(
-        text.contains(&format!("corrupt object: {}", a_path.display())),
+        text.contains(&format!("corrupt object: {} (used by one)", a_path.display())),
         "{text}"
     );
     assert!(text.contains("--repair"), "{text}");
@@ -184,6 +184,11 @@ fn fsck_exit_codes_and_reports() {
     let v = json(&o);
     assert_eq!(v["clean"], false);
     assert_eq!(v["corrupt"], serde_json::json!([a_path]));
+    assert_eq!(
+        v["corrupt_used_by"],
+        serde_json::json!([{"object": a_path, "tags": ["one"]}]),
+        "fsck names the images that use a corrupt object"
+    );
 
     // Repaired, but still a problem: the object is now missing.
     let o = f.run(&["fsck", "-q", "--repair"]);

@@ -35,6 +35,9 @@ pub struct FsckReport {
     pub images: u64,
     /// Objects whose contents do not match their name.
     pub corrupt: Vec<PathBuf>,
+    /// The tagged images that use each corrupt object (those used by none
+    /// are absent).
+    pub corrupt_used_by: BTreeMap<PathBuf, Vec<String>>,
     /// Objects that could not be read (the reason): not repaired, since the
     /// cause may be outside the store (permissions, a failing disk).
     pub unreadable: Vec<(PathBuf, String)>,
@@ -192,6 +195,14 @@ pub fn fsck(store: &Store, opts: &FsckOptions, progress: &(dyn Fn(u64, u64) + Sy
     report.images = images.tags.len() as u64;
     let checked: Vec<ImageCheck> = pool.install(|| images.tags.par_iter().map(|t| check_image(store, t)).collect());
     let mut missing: BTreeMap<[u8; 32], BTreeSet<String>> = BTreeMap::new();
+    // Corrupt objects still in place (not quarantined), by digest.
+    let mut corrupt: BTreeMap<[u8; 32], BTreeSet<String>> = report
+        .corrupt
+        .iter()
+        .filter(|p| !report.repaired.contains(p))
+        .filter_map(|p| parse_object_rel(p.strip_prefix(store.path()).ok()?.to_str()?.as_bytes()))
+        .map(|d| (d, BTreeSet::new()))
+        .collect();
     for (tag, c) in images.tags.iter().zip(checked) {
         match c {
             ImageCheck::Gone => report.images -= 1,
@@ -203,6 +214,8 @@ pub fn fsck(store: &Store, opts: &FsckOptions, progress: &(dyn Fn(u64, u64) + Sy
                 for d in objects {
                     if !present.contains(&d) && !store.has_object(&d) {
                         missing.entry(d).or_default().insert(tag.name.clone());
+                    } else if let Some(users) = corrupt.get_mut(&d) {
+                        users.insert(tag.name.clone());
                     }
                 }
             }
@@ -211,6 +224,11 @@ pub fn fsck(store: &Store, opts: &FsckOptions, progress: &(dyn Fn(u64, u64) + Sy
     report.missing = missing
         .into_iter()
         .map(|(d, tags)| (Store::object_rel(&d), tags.into_iter().collect()))
+        .collect();
+    report.corrupt_used_by = std::mem::take(&mut corrupt)
+        .into_iter()
+        .filter(|(_, tags)| !tags.is_empty())
+        .map(|(d, tags)| (store.object_path(&d), tags.into_iter().collect()))
         .collect();
     Ok(report)
 }

@@ -17,7 +17,7 @@
 //! no file contents at all. ctime cannot be set by users, so a changed
 //! file always misses the cache.
 
-use crate::store::{DIGEST_CACHE, TMP_DIR};
+use crate::store::{DIGEST_CACHE, NO_VERITY_NOTED, TMP_DIR};
 use crate::{FileState, LockMode, Store, StoreError, StoreLock};
 use rustix::fd::{AsFd, BorrowedFd, OwnedFd};
 use rustix::fs::{self as rfs, AtFlags, Mode, OFlags};
@@ -350,9 +350,19 @@ impl<'s> Ingest<'s> {
         match enable_verity(fd.as_fd()) {
             Ok(()) => self.verity.store(VERITY_YES, Relaxed),
             Err(e) => {
-                if self.verity.swap(VERITY_NO, Relaxed) != VERITY_NO {
+                // Said once per store: a marker file remembers it was.
+                if self.verity.swap(VERITY_NO, Relaxed) != VERITY_NO
+                    && rfs::openat(
+                        self.store.dir_fd(),
+                        NO_VERITY_NOTED,
+                        OFlags::WRONLY | OFlags::CREATE | OFlags::EXCL | OFlags::CLOEXEC,
+                        Mode::from_raw_mode(0o644),
+                    )
+                    .is_ok()
+                {
                     *self.verity_warning.lock().unwrap() = Some(format!(
-                        "{}: the filesystem does not support fs-verity ({e}); objects are verified by digest only",
+                        "{}: the filesystem does not support fs-verity ({e}); objects are verified by digest only \
+                         (said once for this store)",
                         self.store.path().display()
                     ));
                 }

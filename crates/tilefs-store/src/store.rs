@@ -8,7 +8,9 @@
 //! - `.lock`: builds hold it shared, `gc` exclusive;
 //! - `.quarantine/`: objects `fsck --repair` moved aside;
 //! - `.digest-cache`: digests of source files already imported;
-//! - `.mounts/`: images of live mounts (gc roots while they live).
+//! - `.mounts/`: images of live mounts (gc roots while they live);
+//! - `.no-verity-noted`: the user was told the store's filesystem has no
+//!   fs-verity (said once per store).
 
 use crate::StoreError;
 use rustix::fd::{AsFd, BorrowedFd, OwnedFd};
@@ -20,6 +22,7 @@ pub const TMP_DIR: &str = ".tmp";
 pub const LOCK_FILE: &str = ".lock";
 pub const QUARANTINE_DIR: &str = ".quarantine";
 pub const DIGEST_CACHE: &str = ".digest-cache";
+pub const NO_VERITY_NOTED: &str = ".no-verity-noted";
 
 /// An open object store.
 #[derive(Debug)]
@@ -177,6 +180,7 @@ impl Store {
                 || name == QUARANTINE_DIR
                 || name == LOCK_FILE
                 || name == DIGEST_CACHE
+                || name == NO_VERITY_NOTED
                 || name == crate::mounts::MOUNTS_DIR
             {
                 continue;

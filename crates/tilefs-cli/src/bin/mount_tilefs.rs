@@ -66,7 +66,7 @@ fn run() -> Result<(), (u8, String)> {
                 return Ok(());
             }
             "-V" | "--version" => {
-                println!("mount.tilefs {}", env!("CARGO_PKG_VERSION"));
+                println!("mount.tilefs {} ({})", env!("CARGO_PKG_VERSION"), env!("TILEFS_COMMIT"));
                 return Ok(());
             }
             "-o" | "-t" | "-N" => {
