@@ -414,6 +414,25 @@ fn wait_ready(rd: OwnedFd, pid: libc::pid_t, mnt: &Path) -> Result<(), FuseError
     Err(fail(format!("{}: {why}", mnt.display())))
 }
 
+/// What tells others the server lives: its mount record in the store (a
+/// gc root) and its server lock (`tilefs umount` waits for it). On the way
+/// out the record goes first, and the lock stays until the process exits,
+/// so an umount returns only once the server is gone and gc then sees no
+/// live mount.
+struct Liveness {
+    record: Option<tilefs_store::mounts::MountRecord>,
+    lock: Option<server_lock::ServerLock>,
+}
+
+impl Drop for Liveness {
+    fn drop(&mut self) {
+        drop(self.record.take());
+        if let Some(l) = self.lock.take() {
+            l.keep_until_exit();
+        }
+    }
+}
+
 const SIGNALS: [libc::c_int; 4] = [libc::SIGTERM, libc::SIGINT, libc::SIGHUP, libc::SIGQUIT];
 
 fn signal_set() -> libc::sigset_t {
@@ -436,9 +455,10 @@ fn serve(
     logger: &Logger,
     ready: Option<OwnedFd>,
     splicer: Option<Arc<OnceLock<splice::Splicer>>>,
-    // Held (locked) until the server ends, then removed.
-    _record: Option<tilefs_store::mounts::MountRecord>,
+    record: Option<tilefs_store::mounts::MountRecord>,
 ) -> Result<(), FuseError> {
+    // Declared first, so dropped last, whichever way this returns.
+    let mut alive = Liveness { record, lock: None };
     // The device descriptor for spliced replies is taken here, in the
     // process that serves, so a parent that forked the server holds none.
     if let Some(slot) = splicer {
@@ -463,7 +483,7 @@ fn serve(
     // The first request on the mount: answered only once workers run.
     // Its device names the lock that tells `tilefs umount` we are alive.
     let first = std::fs::metadata(mnt);
-    let _alive = first.as_ref().ok().and_then(|m| {
+    alive.lock = first.as_ref().ok().and_then(|m| {
         let dev = m.dev();
         server_lock::ServerLock::take(&format!("{}:{}", rustix::fs::major(dev), rustix::fs::minor(dev)))
     });

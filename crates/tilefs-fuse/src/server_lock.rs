@@ -1,7 +1,9 @@
 //! How `tilefs umount` knows that a FUSE server has exited: the server
 //! holds an exclusive lock on `<runtime dir>/fuse/<major>:<minor>.lock`
-//! (the mount's device) for as long as it lives; the kernel drops the lock
-//! when the process ends, however it ends. The runtime dir is
+//! (the mount's device) until its process ends; the kernel drops the lock
+//! then, however it ends. The files stay (one per device number, empty,
+//! in a tmpfs): removing one could pull it from under the next server of
+//! the same device number. The runtime dir is
 //! `/run/tilefs` for root and `/run/user/<uid>/tilefs` for other users
 //! (where it exists), so that whoever unmounts finds the lock of the
 //! mount's owner from the mount table alone.
@@ -26,11 +28,9 @@ fn lock_path(uid: u32, dev: &str) -> Option<PathBuf> {
     Some(lock_dir(uid)?.join(format!("{dev}.lock")))
 }
 
-/// The server's lock: held until dropped (or the process ends), then the
-/// file is removed.
+/// The server's lock.
 pub(crate) struct ServerLock {
-    path: PathBuf,
-    _fd: OwnedFd,
+    fd: OwnedFd,
 }
 
 impl ServerLock {
@@ -51,14 +51,22 @@ impl ServerLock {
             Mode::from_raw_mode(0o644),
         )
         .ok()?;
-        flock(&fd, FlockOperation::NonBlockingLockExclusive).ok()?;
-        Some(ServerLock { path, _fd: fd })
+        // The server of an earlier mount that had this device number may
+        // still be on its way out (its mount is gone, so it will be soon).
+        let end = Instant::now() + Duration::from_secs(10);
+        while flock(&fd, FlockOperation::NonBlockingLockExclusive).is_err() {
+            if Instant::now() >= end {
+                return None;
+            }
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        Some(ServerLock { fd })
     }
-}
 
-impl Drop for ServerLock {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_file(&self.path);
+    /// Keeps the lock until the process exits (its descriptor is never
+    /// closed before), so a waiter wakes only when the server is gone.
+    pub(crate) fn keep_until_exit(self) {
+        std::mem::forget(self.fd);
     }
 }
 
