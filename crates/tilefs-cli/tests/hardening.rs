@@ -842,3 +842,57 @@ fn version_completions_and_man_pages() {
         assert!(fs::metadata(dir.join(page)).is_ok_and(|m| m.len() > 100), "{page}");
     }
 }
+
+#[test]
+fn kernel_refusals_carry_the_kernels_reason() {
+    if !need_root() {
+        return;
+    }
+    let a = Area::new();
+    let src = a.dir("src");
+    fs::write(src.join("f"), b"x").unwrap();
+    let store = a.path("store");
+    let image = a.path("img");
+    tilefs(&[
+        os("build"),
+        os("-q"),
+        os("--store"),
+        store.as_os_str(),
+        src.as_os_str(),
+        image.as_os_str(),
+    ]);
+    // Work on another filesystem than upper: overlayfs refuses, and says
+    // why only in the kernel log.
+    let other = a.dir("other");
+    assert!(Command::new("mount")
+        .args(["-t", "tmpfs", "tmpfs"])
+        .arg(&other)
+        .status()
+        .unwrap()
+        .success());
+    let _t = MountGuard(other.clone());
+    let work = other.join("work");
+    fs::create_dir(&work).unwrap();
+    let upper = a.dir("upper");
+    let mnt = a.dir("mnt");
+    let _u = Unmount(mnt.clone());
+    let out = tilefs_any(&[
+        os("mount"),
+        os("--kernel"),
+        os("--upper"),
+        upper.as_os_str(),
+        os("--work"),
+        work.as_os_str(),
+        os("--store"),
+        store.as_os_str(),
+        image.as_os_str(),
+        mnt.as_os_str(),
+    ]);
+    assert_eq!(out.status.code(), Some(1));
+    assert!(
+        stderr(&out).contains("must reside under the same mount"),
+        "{}",
+        stderr(&out)
+    );
+    assert!(!is_mounted(&mnt));
+}

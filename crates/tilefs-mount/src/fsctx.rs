@@ -39,7 +39,19 @@ impl FsContext {
     /// Creates the superblock (where the kernel opens the layers or the
     /// image and checks them).
     pub(crate) fn create(&self) -> Result<(), MountError> {
-        rustix::mount::fsconfig_create(&self.fd).map_err(|e| self.error("creating the filesystem".into(), e))
+        // Some refusals (overlayfs's "workdir and upperdir must reside under
+        // the same mount", say) reach only the kernel log, not the
+        // context's: read what the kernel logged meanwhile too.
+        let kmsg = KmsgCursor::at_end();
+        rustix::mount::fsconfig_create(&self.fd).map_err(|e| {
+            let mut err = self.error("creating the filesystem".into(), e);
+            if let MountError::Kernel { log, .. } = &mut err {
+                if log.is_empty() {
+                    *log = kmsg.map(|k| k.lines_of(self.fstype)).unwrap_or_default();
+                }
+            }
+            err
+        })
     }
 
     /// A detached mount of the created filesystem: attached nowhere until
@@ -79,6 +91,52 @@ impl FsContext {
             errno,
             log: self.take_log(),
         }
+    }
+}
+
+/// A position in the kernel log (/dev/kmsg, readable by root), to read
+/// what was logged after it.
+struct KmsgCursor(OwnedFd);
+
+impl KmsgCursor {
+    fn at_end() -> Option<KmsgCursor> {
+        let fd = rustix::fs::open(
+            "/dev/kmsg",
+            rustix::fs::OFlags::RDONLY | rustix::fs::OFlags::NONBLOCK | rustix::fs::OFlags::CLOEXEC,
+            rustix::fs::Mode::empty(),
+        )
+        .ok()?;
+        rustix::fs::seek(&fd, rustix::fs::SeekFrom::End(0)).ok()?;
+        Some(KmsgCursor(fd))
+    }
+
+    /// The messages logged since, by `fstype` (`overlayfs: ...`,
+    /// `erofs ...: ...`), without their prefix. Bounded: a busy log cannot
+    /// keep us reading.
+    fn lines_of(&self, fstype: &str) -> Vec<String> {
+        let prefix = if fstype == "overlay" { "overlayfs" } else { fstype };
+        let mut out = Vec::new();
+        let mut buf = [0u8; 8192];
+        for _ in 0..256 {
+            let n = match rustix::io::read(&self.0, &mut buf) {
+                Ok(n) if n > 0 => n,
+                // EAGAIN: nothing more; EPIPE: records were overwritten.
+                Err(Errno::PIPE) => continue,
+                _ => break,
+            };
+            let rec = String::from_utf8_lossy(&buf[..n]);
+            // "PRIO,SEQ,TIME,FLAGS;MESSAGE\n" (continuation lines follow).
+            let Some(msg) = rec.split_once(';').map(|(_, m)| m.lines().next().unwrap_or("").trim()) else {
+                continue;
+            };
+            if let Some(rest) = msg.strip_prefix(prefix) {
+                let text = rest.split_once(": ").map_or(rest, |(_, t)| t).trim();
+                if !text.is_empty() && out.len() < 8 {
+                    out.push(text.to_string());
+                }
+            }
+        }
+        out
     }
 }
 
