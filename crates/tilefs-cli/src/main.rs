@@ -5,6 +5,7 @@ mod digest;
 mod docs;
 mod inspect;
 mod mount_cmd;
+mod mountd_cmd;
 mod output;
 mod progress;
 mod store_arg;
@@ -53,6 +54,8 @@ enum Command {
     Mount(mount_cmd::MountArgs),
     /// Unmount what `tilefs mount` mounted
     Umount(mount_cmd::UmountArgs),
+    /// Run the mount service: kernel mounts of trusted images for unprivileged users (as root)
+    Mountd(mountd_cmd::MountdArgs),
     /// Print a shell completion script (bash, zsh, fish, elvish, powershell)
     Completions(docs::CompletionsArgs),
     /// Write man pages for tilefs and each command into a directory
@@ -88,6 +91,7 @@ fn main() -> ExitCode {
         Command::Gc(a) => store_cmds::gc(a),
         Command::Mount(a) => mount_cmd::mount(a),
         Command::Umount(a) => mount_cmd::umount(a),
+        Command::Mountd(a) => mountd_cmd::run(a),
         Command::Completions(a) => docs::completions::<Cli>(a),
         Command::Man(a) => docs::man::<Cli>(a),
     };

@@ -23,6 +23,10 @@ pub struct MountArgs {
     /// Mount with the tilefs FUSE server (works without privilege)
     #[arg(long)]
     pub fuse: bool,
+    /// Have the mount service (`tilefs mountd`) make a kernel mount of a tagged image for you
+    /// (without privilege, if its policy allows you the store)
+    #[arg(long, conflicts_with_all = ["kernel", "fuse"])]
+    pub delegated: bool,
     /// Make the mount writable: changes go to this directory (overlayfs upperdir; kernel mounts only)
     #[arg(long, value_name = "DIR", requires = "work")]
     pub upper: Option<PathBuf>,
@@ -107,7 +111,9 @@ pub fn mount(a: MountArgs) -> Result<ExitCode> {
     }
     let mut stores = vec![a.store.path()?];
     stores.append(&mut options.stores);
-    let backend = if a.kernel {
+    let backend = if a.delegated {
+        Some(Backend::Delegated)
+    } else if a.kernel {
         Some(Backend::Kernel)
     } else if a.fuse {
         Some(Backend::Fuse)
@@ -147,6 +153,19 @@ pub fn run(req: &Request) -> Result<()> {
     let backend = match req.backend {
         Some(b) => b,
         None => match tilefs_mount::kernel_available() {
+            // Without privilege: the mount service, when it is there and
+            // may mount this image for us.
+            Err(tilefs_mount::MountError::NotPermitted(e)) if o.upper.is_none() => match delegated(req, &store) {
+                Ok(()) => return Ok(()),
+                Err(why) => {
+                    eprintln!(
+                        "{}: notice: using the FUSE mount: no kernel mount here ({e}; {why:#})",
+                        prog()
+                    );
+                    no_kernel = Some(e);
+                    Backend::Fuse
+                }
+            },
             Ok(()) if verity == Verity::Require && o.upper.is_none() => {
                 match tilefs_mount::verity_unavailable(&req.stores) {
                     Some(why) => {
@@ -171,6 +190,7 @@ pub fn run(req: &Request) -> Result<()> {
         },
     };
     match backend {
+        Backend::Delegated => delegated(req, &store)?,
         Backend::Kernel => {
             // Held from the mount to its record, so a gc cannot run between.
             let lock = store.lock(tilefs_store::LockMode::Shared, true);
@@ -206,6 +226,50 @@ pub fn run(req: &Request) -> Result<()> {
             None => e,
         })?,
     }
+    Ok(())
+}
+
+/// Has the mount service make the mount (a tagged image only: the service
+/// mounts only what its policy trusts).
+fn delegated(req: &Request, store: &Store) -> Result<()> {
+    let o = &req.options;
+    if req.stores.len() > 1 {
+        bail!("a delegated mount serves one object store");
+    }
+    for (asked, what) in [(o.suid_asked, "suid"), (o.dev_asked, "dev")] {
+        if asked {
+            bail!("option {what} cannot be honoured: delegated mounts are always nosuid and nodev");
+        }
+    }
+    if let Some((k, _)) = o.overlay.first() {
+        bail!("option {k} cannot be honoured by a delegated mount");
+    }
+    if o.digest.is_some() {
+        bail!("--digest cannot be honoured by a delegated mount (the service's policy pins digests)");
+    }
+    let tag = req
+        .image
+        .to_str()
+        .filter(|t| tags::validate_tag(t).is_ok() && !req.image.exists())
+        .ok_or_else(|| anyhow!("{}: the mount service mounts tagged images only", req.image.display()))?;
+    let socket = tilefs_mount::mountd::server::socket_path();
+    let store_path = std::fs::canonicalize(store.path())?;
+    let verity = o.verity.map(|v| v.to_string());
+    let notices = tilefs_mount::mountd::client::mount(
+        &socket,
+        &tilefs_mount::mountd::client::DelegatedMount {
+            store: &store_path,
+            image: tag,
+            mountpoint: &req.mountpoint,
+            noexec: o.attrs.noexec,
+            verity: verity.as_deref(),
+            upper: o.upper.is_some(),
+        },
+    )?;
+    for n in notices {
+        eprintln!("{}: notice: {n}", prog());
+    }
+    eprintln!("{}: mounted by the mount service (a kernel mount)", prog());
     Ok(())
 }
 
@@ -291,6 +355,10 @@ pub fn umount(a: UmountArgs) -> Result<ExitCode> {
                     abs.display()
                 );
             }
+        }
+        // A kernel mount the service made for us: the service unmounts it.
+        Some(m) if m.is_tilefs() && !rustix::process::geteuid().is_root() => {
+            tilefs_mount::mountd::client::umount(&tilefs_mount::mountd::server::socket_path(), &abs, a.lazy)?
         }
         _ => tilefs_mount::umount(&a.mountpoint, a.lazy)?,
     }

@@ -13,6 +13,7 @@
 //! `datadir+=` each store, `verity=` as asked), and EROFS gets `noacl` when
 //! the image has no ACLs, so `ls -l` does not pay for missing ACL xattrs.
 
+pub mod mountd;
 pub mod mountinfo;
 pub mod options;
 pub mod verity;
@@ -257,7 +258,7 @@ pub fn kernel_available() -> Result<(), MountError> {
 
 /// Whether this process is in the initial user namespace: only there does
 /// uid_map map every id to itself.
-fn in_initial_user_namespace() -> bool {
+pub(crate) fn in_initial_user_namespace() -> bool {
     std::fs::read_to_string("/proc/self/uid_map").map_or(true, |m| {
         m.split_whitespace().collect::<Vec<_>>() == ["0", "0", "4294967295"]
     })
@@ -270,6 +271,61 @@ pub fn verity_unavailable(stores: &[PathBuf]) -> Option<String> {
 
 /// Mounts an image as [`MountOptions`] says.
 pub fn mount(o: &MountOptions) -> Result<Mounted, MountError> {
+    let image_file = open_image(&o.image)?;
+    let mountpoint = check_mountpoint(&o.mountpoint)?;
+    let built = build_detached(o, image_file)?;
+    // The only visible step.
+    rustix::mount::move_mount(
+        &built.mount,
+        "",
+        rustix::fs::CWD,
+        &mountpoint,
+        MoveMountFlags::MOVE_MOUNT_F_EMPTY_PATH,
+    )
+    .map_err(|errno| MountError::Kernel {
+        fstype: "overlay",
+        step: format!("attaching it at {}", mountpoint.display()),
+        errno,
+        log: Vec::new(),
+    })?;
+    Ok(Mounted {
+        mountpoint,
+        backing: built.backing,
+        verity: built.verity,
+        notices: built.notices,
+        image: built.image,
+    })
+}
+
+/// Opens an image file for [`build_detached`]: a regular file.
+pub fn open_image(path: &Path) -> Result<File, MountError> {
+    let f = File::open(path).map_err(io_err(path, "cannot open image"))?;
+    let meta = f.metadata().map_err(io_err(path, "cannot stat image"))?;
+    if !meta.is_file() {
+        return Err(MountError::Image {
+            path: path.to_path_buf(),
+            msg: "not a regular file".into(),
+        });
+    }
+    Ok(f)
+}
+
+/// A finished mount, attached nowhere yet.
+#[derive(Debug)]
+pub struct Detached {
+    /// The overlay's mount (`move_mount` it somewhere, or drop it).
+    pub mount: OwnedFd,
+    pub backing: String,
+    pub verity: &'static str,
+    pub notices: Vec<String>,
+    /// The bytes of the image mounted.
+    pub image: Vec<u8>,
+}
+
+/// Builds the mount [`MountOptions`] describes (its `mountpoint` aside)
+/// from `image_file`, the already open image (named `o.image` in messages),
+/// detached: nothing is visible anywhere until the caller attaches it.
+pub fn build_detached(o: &MountOptions, image_file: File) -> Result<Detached, MountError> {
     let mut notices = Vec::new();
     if o.upper.is_some() != o.work.is_some() {
         return Err(MountError::Usage(
@@ -277,16 +333,8 @@ pub fn mount(o: &MountOptions) -> Result<Mounted, MountError> {
         ));
     }
 
-    // 1. The image: open once, check it, and mount exactly that file.
-    let image_file = File::open(&o.image).map_err(io_err(&o.image, "cannot open image"))?;
-    let meta = image_file.metadata().map_err(io_err(&o.image, "cannot stat image"))?;
-    if !meta.is_file() {
-        return Err(MountError::Image {
-            path: o.image.clone(),
-            msg: "not a regular file".into(),
-        });
-    }
-    let mut bytes = Vec::with_capacity(meta.len() as usize);
+    // 1. The image: read once, checked, and exactly that file mounted.
+    let mut bytes = Vec::new();
     (&image_file)
         .read_to_end(&mut bytes)
         .map_err(io_err(&o.image, "cannot read image"))?;
@@ -322,7 +370,6 @@ pub fn mount(o: &MountOptions) -> Result<Mounted, MountError> {
         .as_deref()
         .map(|p| existing_dir(p, "work directory"))
         .transpose()?;
-    let mountpoint = check_mountpoint(&o.mountpoint)?;
 
     // 3. Verification.
     let verity = decide_verity(o.verity, &o.image, &bytes, &stores, &mut notices)?;
@@ -363,22 +410,8 @@ pub fn mount(o: &MountOptions) -> Result<Mounted, MountError> {
     let read_only = o.read_only || upper.is_none();
     let ovl_mnt = ovl.fsmount(o.attrs.flags(read_only))?;
 
-    // 6. Attach: the only visible step.
-    rustix::mount::move_mount(
-        &ovl_mnt,
-        "",
-        rustix::fs::CWD,
-        &mountpoint,
-        MoveMountFlags::MOVE_MOUNT_F_EMPTY_PATH,
-    )
-    .map_err(|errno| MountError::Kernel {
-        fstype: "overlay",
-        step: format!("attaching it at {}", mountpoint.display()),
-        errno,
-        log: Vec::new(),
-    })?;
-    Ok(Mounted {
-        mountpoint,
+    Ok(Detached {
+        mount: ovl_mnt,
         backing,
         verity,
         notices,

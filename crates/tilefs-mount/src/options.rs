@@ -9,6 +9,8 @@ use std::path::PathBuf;
 pub enum Backend {
     Kernel,
     Fuse,
+    /// A kernel mount made by the mount service (`tilefs mountd`).
+    Delegated,
 }
 
 /// What an option string asks for.
@@ -150,6 +152,7 @@ impl ParsedOptions {
                 "rw" => self.read_only = Some(false),
                 "kernel" => self.backend = Some(Backend::Kernel),
                 "fuse" => self.backend = Some(Backend::Fuse),
+                "delegated" => self.backend = Some(Backend::Delegated),
                 "passthrough" => self.passthrough = Some(true),
                 "nopassthrough" => self.passthrough = Some(false),
                 "nosuid" | "suid" => {

@@ -1,0 +1,134 @@
+//! Asking the mount service: a mount of a tagged image, or the unmount of
+//! one it made for us.
+
+use super::proto::{self, Reply, Request};
+use rustix::fd::OwnedFd;
+use rustix::fs::{Mode, OFlags};
+use rustix::io::Errno;
+use rustix::mount::MoveMountFlags;
+use rustix::net::{AddressFamily, SocketAddrUnix, SocketFlags, SocketType};
+use std::path::Path;
+use std::time::Duration;
+
+/// Why the service did not do it.
+#[derive(Debug, thiserror::Error)]
+pub enum ClientError {
+    /// No service there (no socket, nobody listening).
+    #[error("the mount service at {socket} is not reachable: {why}")]
+    Unreachable { socket: String, why: String },
+    /// The service refused, saying why.
+    #[error("the mount service refused: {0}")]
+    Refused(String),
+    #[error("{0}")]
+    Failed(String),
+}
+
+/// What a delegated mount asks for.
+#[derive(Debug, Clone)]
+pub struct DelegatedMount<'a> {
+    pub store: &'a Path,
+    pub image: &'a str,
+    pub mountpoint: &'a Path,
+    pub noexec: bool,
+    pub verity: Option<&'a str>,
+    pub upper: bool,
+}
+
+fn connect(socket: &Path) -> Result<OwnedFd, ClientError> {
+    let unreachable = |why: String| ClientError::Unreachable {
+        socket: socket.display().to_string(),
+        why,
+    };
+    let fd = rustix::net::socket_with(AddressFamily::UNIX, SocketType::SEQPACKET, SocketFlags::CLOEXEC, None)
+        .map_err(|e| unreachable(e.to_string()))?;
+    let addr = SocketAddrUnix::new(socket).map_err(|e| unreachable(e.to_string()))?;
+    rustix::net::connect(&fd, &addr).map_err(|e| unreachable(std::io::Error::from(e).to_string()))?;
+    // Mounting reads the image: allow for a slow disk, never hang.
+    let t = Some(Duration::from_secs(60));
+    let _ = rustix::net::sockopt::set_socket_timeout(&fd, rustix::net::sockopt::Timeout::Recv, t);
+    let _ = rustix::net::sockopt::set_socket_timeout(&fd, rustix::net::sockopt::Timeout::Send, t);
+    Ok(fd)
+}
+
+/// Sends `req` with `fd` (closed here once sent: the service holds the
+/// only copy then) and returns the reply.
+fn ask(socket: &Path, req: &Request, fd: Option<OwnedFd>) -> Result<(Reply, Option<OwnedFd>), ClientError> {
+    let conn = connect(socket)?;
+    let bytes = serde_json::to_vec(req).map_err(|e| ClientError::Failed(e.to_string()))?;
+    proto::send(&conn, &bytes, fd.as_ref()).map_err(|e| ClientError::Failed(format!("sending the request: {e}")))?;
+    drop(fd);
+    let (bytes, back) = proto::recv(&conn).map_err(|e| ClientError::Failed(format!("reading the reply: {e}")))?;
+    let reply: Reply = serde_json::from_slice(&bytes).map_err(|e| ClientError::Failed(format!("bad reply: {e}")))?;
+    if !reply.ok {
+        return Err(ClientError::Refused(
+            reply.error.unwrap_or_else(|| "no reason given".into()),
+        ));
+    }
+    Ok((reply, back))
+}
+
+/// Opens a mount point as the service will use it: a directory, reached
+/// without following a symlink at its last component, held by descriptor.
+fn open_mountpoint(p: &Path) -> Result<OwnedFd, ClientError> {
+    rustix::fs::open(
+        p,
+        OFlags::PATH | OFlags::DIRECTORY | OFlags::NOFOLLOW | OFlags::CLOEXEC,
+        Mode::empty(),
+    )
+    .map_err(|e| {
+        let why = match e {
+            Errno::NOTDIR | Errno::LOOP => "not a directory (a symlink is never followed here)".to_string(),
+            e => std::io::Error::from(e).to_string(),
+        };
+        ClientError::Failed(format!("{}: {why}", p.display()))
+    })
+}
+
+/// Has the service mount `m`. In the initial user namespace the service
+/// attaches it; inside a user namespace of our own (a rootless container)
+/// the detached mount comes back and is attached here, visible only in our
+/// mount namespace. Returns the service's notices.
+pub fn mount(socket: &Path, m: &DelegatedMount) -> Result<Vec<String>, ClientError> {
+    let attach = crate::in_initial_user_namespace();
+    let target = open_mountpoint(m.mountpoint)?;
+    let req = Request::Mount {
+        store: m.store.to_path_buf(),
+        image: m.image.to_string(),
+        attach,
+        noexec: m.noexec,
+        verity: m.verity.map(str::to_string),
+        upper: m.upper,
+    };
+    let (reply, back) = if attach {
+        ask(socket, &req, Some(target))?
+    } else {
+        let (reply, back) = ask(socket, &req, None)?;
+        attach_here(back, &target, m.mountpoint)?;
+        (reply, None)
+    };
+    drop(back);
+    Ok(reply.notices)
+}
+
+/// Attaches a mount the service sent back at `target`, in our own mount
+/// namespace.
+fn attach_here(back: Option<OwnedFd>, target: &OwnedFd, mountpoint: &Path) -> Result<(), ClientError> {
+    {
+        let mnt = back.ok_or_else(|| ClientError::Failed("the service sent no mount".into()))?;
+        rustix::mount::move_mount(
+            &mnt,
+            "",
+            target,
+            "",
+            MoveMountFlags::MOVE_MOUNT_F_EMPTY_PATH | MoveMountFlags::MOVE_MOUNT_T_EMPTY_PATH,
+        )
+        .map_err(|e: Errno| ClientError::Failed(format!("attaching the mount at {}: {e}", mountpoint.display())))?;
+    }
+    Ok(())
+}
+
+/// Has the service unmount the mount at `mountpoint` (one it made for us).
+pub fn umount(socket: &Path, mountpoint: &Path, lazy: bool) -> Result<(), ClientError> {
+    let target = open_mountpoint(mountpoint)?;
+    ask(socket, &Request::Umount { lazy }, Some(target)).map(drop)
+}

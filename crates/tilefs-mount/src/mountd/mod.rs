@@ -1,0 +1,15 @@
+//! `tilefs mountd`: kernel mounts of trusted images for users without
+//! privilege. The kernel's image parsers are for trusted images only, so
+//! the service mounts only images an administrator trusts (tagged images
+//! of stores its policy lists, for the users and groups it names), always
+//! nosuid and nodev, and only where the caller may have them.
+//!
+//! - [`policy`]: the policy file and its checks;
+//! - [`proto`]: requests and replies on the socket;
+//! - [`server`]: the service;
+//! - [`client`]: asking it.
+
+pub mod client;
+pub mod policy;
+pub mod proto;
+pub mod server;

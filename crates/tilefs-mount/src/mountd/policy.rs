@@ -1,0 +1,194 @@
+//! The mount service's policy: which users may have which stores' tagged
+//! images mounted by the kernel, and how.
+//!
+//! ```toml
+//! [[store]]
+//! path = "/var/lib/tilefs/store"   # absolute; the store's images/ tags
+//! users = ["alice"]                 # user names allowed
+//! groups = ["builders"]             # group names allowed (primary or supplementary)
+//! images = ["os:1", "os:2"]         # optional: only these tags (default: every tag)
+//! verity = "auto"                   # require | auto | off (default auto)
+//! writable = false                  # --upper/--work (not served yet: refused)
+//! [store.pinned]                    # optional: a tag is mounted only with this digest
+//! "os:1" = "sha256:0123…"
+//! ```
+//!
+//! Unknown keys are errors: a typo must not silently widen or narrow
+//! what is allowed.
+
+use serde::Deserialize;
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+
+#[derive(Debug, Deserialize, Default)]
+#[serde(deny_unknown_fields)]
+pub struct Policy {
+    #[serde(default, rename = "store")]
+    pub stores: Vec<StoreRule>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct StoreRule {
+    pub path: PathBuf,
+    #[serde(default)]
+    pub users: Vec<String>,
+    #[serde(default)]
+    pub groups: Vec<String>,
+    #[serde(default)]
+    pub images: Vec<String>,
+    #[serde(default)]
+    pub verity: Option<String>,
+    #[serde(default)]
+    pub writable: bool,
+    #[serde(default)]
+    pub pinned: BTreeMap<String, String>,
+}
+
+/// Who asks: from the socket's peer credentials, never from the request.
+#[derive(Debug, Clone)]
+pub struct Caller {
+    pub uid: u32,
+    pub gids: Vec<u32>,
+    pub pid: i32,
+}
+
+impl Policy {
+    /// Reads and checks a policy file.
+    pub fn load(path: &Path) -> Result<Policy, String> {
+        let text = std::fs::read_to_string(path).map_err(|e| format!("{}: {e}", path.display()))?;
+        Policy::parse(&text).map_err(|e| format!("{}: {e}", path.display()))
+    }
+
+    pub fn parse(text: &str) -> Result<Policy, String> {
+        let p: Policy = toml::from_str(text).map_err(|e| e.to_string())?;
+        for s in &p.stores {
+            if !s.path.is_absolute() {
+                return Err(format!("store path {:?} is not absolute", s.path));
+            }
+            if let Some(v) = &s.verity {
+                v.parse::<crate::Verity>()?;
+            }
+            for (tag, d) in &s.pinned {
+                crate::options::parse_digest(d).map_err(|e| format!("pinned {tag:?}: {e}"))?;
+            }
+        }
+        Ok(p)
+    }
+
+    /// The rule that lets `caller` mount tag `image` of `store`, or why
+    /// none does (naming the rule that refused).
+    pub fn allow(&self, caller: &Caller, store: &Path, image: &str) -> Result<&StoreRule, String> {
+        let rule = self
+            .stores
+            .iter()
+            .find(|s| s.path == store)
+            .ok_or_else(|| format!("store {} is not listed in the policy", store.display()))?;
+        let by_user = rule.users.iter().any(|u| uid_of(u) == Some(caller.uid));
+        let by_group = rule
+            .groups
+            .iter()
+            .any(|g| gid_of(g).is_some_and(|gid| caller.gids.contains(&gid)));
+        if !by_user && !by_group {
+            return Err(format!(
+                "uid {} is not among the users {:?} or groups {:?} the policy allows for store {}",
+                caller.uid,
+                rule.users,
+                rule.groups,
+                store.display()
+            ));
+        }
+        if !rule.images.is_empty() && !rule.images.iter().any(|i| i == image) {
+            return Err(format!(
+                "image {image:?} is not among the images {:?} the policy allows in store {}",
+                rule.images,
+                store.display()
+            ));
+        }
+        Ok(rule)
+    }
+}
+
+/// The uid of a user name (or a number), from the system's user database.
+fn uid_of(name: &str) -> Option<u32> {
+    if let Ok(n) = name.parse() {
+        return Some(n);
+    }
+    let c = std::ffi::CString::new(name).ok()?;
+    let mut buf = vec![0u8; 16 * 1024];
+    // SAFETY: getpwnam_r writes into `pwd` and `buf` (of the given length)
+    // only, and sets `out` to &pwd or null; nothing is kept after return.
+    unsafe {
+        let mut pwd: libc::passwd = std::mem::zeroed();
+        let mut out: *mut libc::passwd = std::ptr::null_mut();
+        let r = libc::getpwnam_r(c.as_ptr(), &mut pwd, buf.as_mut_ptr().cast(), buf.len(), &mut out);
+        (r == 0 && !out.is_null()).then_some(pwd.pw_uid)
+    }
+}
+
+/// The gid of a group name (or a number), from the system's group database.
+fn gid_of(name: &str) -> Option<u32> {
+    if let Ok(n) = name.parse() {
+        return Some(n);
+    }
+    let c = std::ffi::CString::new(name).ok()?;
+    let mut buf = vec![0u8; 64 * 1024];
+    // SAFETY: as in uid_of, for getgrnam_r.
+    unsafe {
+        let mut grp: libc::group = std::mem::zeroed();
+        let mut out: *mut libc::group = std::ptr::null_mut();
+        let r = libc::getgrnam_r(c.as_ptr(), &mut grp, buf.as_mut_ptr().cast(), buf.len(), &mut out);
+        (r == 0 && !out.is_null()).then_some(grp.gr_gid)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const P: &str = r#"
+[[store]]
+path = "/s"
+users = ["root", "1234"]
+images = ["a"]
+[store.pinned]
+"a" = "sha256:abababababababababababababababababababababababababababababababab"
+
+[[store]]
+path = "/t"
+groups = ["root"]
+"#;
+
+    #[test]
+    fn allows_by_user_group_and_image() {
+        let p = Policy::parse(P).unwrap();
+        let who = |uid, gids: &[u32]| Caller {
+            uid,
+            gids: gids.to_vec(),
+            pid: 1,
+        };
+        assert!(p.allow(&who(0, &[5]), Path::new("/s"), "a").is_ok());
+        assert!(p.allow(&who(1234, &[5]), Path::new("/s"), "a").is_ok());
+        let e = p.allow(&who(1234, &[5]), Path::new("/s"), "b").unwrap_err();
+        assert!(e.contains("not among the images"), "{e}");
+        let e = p.allow(&who(99, &[99]), Path::new("/s"), "a").unwrap_err();
+        assert!(e.contains("not among the users"), "{e}");
+        assert!(p.allow(&who(99, &[0]), Path::new("/t"), "x").is_ok());
+        let e = p.allow(&who(0, &[0]), Path::new("/u"), "x").unwrap_err();
+        assert!(e.contains("not listed"), "{e}");
+    }
+
+    #[test]
+    fn strict() {
+        for bad in [
+            "[[store]]\npath = \"/s\"\nuser = [\"x\"]\n",
+            "[[store]]\npath = \"rel\"\n",
+            "[[store]]\npath = \"/s\"\nverity = \"maybe\"\n",
+            "[[store]]\npath = \"/s\"\n[store.pinned]\n\"a\" = \"abc\"\n",
+            "stores = 1\n",
+        ] {
+            assert!(Policy::parse(bad).is_err(), "{bad}");
+        }
+        assert!(Policy::parse("").unwrap().stores.is_empty());
+    }
+}
