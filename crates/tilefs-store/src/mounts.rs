@@ -14,9 +14,9 @@
 //!
 //! A record is one file: a header line
 //! `tilefs-mount-record 1 fuse|kernel MOUNT_ID HEX(MOUNTPOINT)\n`, then
-//! the image's bytes. Records are written into `.tmp/`, synced, and renamed
-//! into place under the store's shared lock, so gc (exclusive) sees either
-//! none or a whole one.
+//! the image's bytes. Records are written into `.tmp/` and renamed into
+//! place under the store's shared lock, so gc (exclusive) sees either none
+//! or a whole one. They are not synced: no mount outlives a crash.
 
 use crate::store::TMP_DIR;
 use crate::tags::{open_existing_subdir, open_subdir, temp_name};
@@ -98,10 +98,9 @@ fn write_record(
     )
     .map_err(|e| StoreError::io(&at, "cannot record the mount", e.into()))?;
     let mut f = std::fs::File::from(fd);
-    let written = f
-        .write_all(header.as_bytes())
-        .and_then(|_| f.write_all(image))
-        .and_then(|_| f.sync_all());
+    // Not synced: a record matters only while its mount lives, and no
+    // mount outlives a crash.
+    let written = f.write_all(header.as_bytes()).and_then(|_| f.write_all(image));
     let fd = OwnedFd::from(f);
     let done = written
         .map_err(|e| StoreError::io(&at, "cannot record the mount", e))
@@ -116,7 +115,6 @@ fn write_record(
         let _ = rfs::unlinkat(&tmp, name, AtFlags::empty());
         return Err(e);
     }
-    let _ = rfs::fsync(&dir);
     Ok((dir, fd))
 }
 
