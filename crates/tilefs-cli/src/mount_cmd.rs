@@ -206,6 +206,7 @@ pub fn run(req: &Request) -> Result<()> {
                 attrs: o.attrs,
                 overlay_options: o.overlay.clone(),
                 erofs_backing: req.erofs_backing,
+                upper_creds: None,
             })
             .map_err(|e| match e {
                 tilefs_mount::MountError::NotPermitted(_) => anyhow!("{e}; the FUSE mount (--fuse) needs no privilege"),
@@ -263,7 +264,7 @@ fn delegated(req: &Request, store: &Store) -> Result<()> {
             mountpoint: &req.mountpoint,
             noexec: o.attrs.noexec,
             verity: verity.as_deref(),
-            upper: o.upper.is_some(),
+            upper: o.upper.as_deref().zip(o.work.as_deref()),
         },
     )?;
     for n in notices {

@@ -22,6 +22,14 @@ use std::time::{Duration, Instant};
 
 const NOBODY: u32 = 65534;
 
+/// The tests here run one at a time: `unshare -m` in one test copies every
+/// mount of the others into its new namespace, and a mount that propagates
+/// to such a copy while it is being made can be reported busy.
+fn serial() -> std::sync::MutexGuard<'static, ()> {
+    static LOCK: std::sync::Mutex<()> = std::sync::Mutex::new(());
+    LOCK.lock().unwrap_or_else(|e| e.into_inner())
+}
+
 fn mount_tilefs_bin() -> PathBuf {
     tilefs_bin().with_file_name("mount-tilefs")
 }
@@ -154,6 +162,7 @@ fn what_nobody_can_do(mnt: &Path) -> (bool, bool, bool) {
 
 #[test]
 fn mount_options_hold_on_every_path() {
+    let _serial = serial();
     if !need_root() {
         return;
     }
@@ -255,6 +264,7 @@ fn mount_options_hold_on_every_path() {
 
 #[test]
 fn rootless_mounts_are_nosuid_nodev_and_refuse_suid_dev() {
+    let _serial = serial();
     if !need_root() || Command::new("fusermount3").arg("-V").output().is_err() {
         eprintln!("skipping: needs root to set up and fusermount3 (Debian package fuse3)");
         return;
@@ -324,6 +334,7 @@ fn rootless_mounts_are_nosuid_nodev_and_refuse_suid_dev() {
 
 #[test]
 fn a_user_namespace_falls_back_to_fuse() {
+    let _serial = serial();
     if !need_root() {
         return;
     }
@@ -364,6 +375,7 @@ fn dump_with_objects(a: &Area, lines: &[(&str, &str)]) -> PathBuf {
 
 #[test]
 fn objects_that_are_not_files_do_not_wedge_the_server() {
+    let _serial = serial();
     if !need_root() {
         return;
     }
@@ -432,6 +444,7 @@ fn objects_that_are_not_files_do_not_wedge_the_server() {
 
 #[test]
 fn ostree_style_redirects_are_served_like_the_kernel_does() {
+    let _serial = serial();
     if !need_root() {
         return;
     }
@@ -508,6 +521,7 @@ fn ostree_style_redirects_are_served_like_the_kernel_does() {
 
 #[test]
 fn umount_means_umount() {
+    let _serial = serial();
     if !need_root() {
         return;
     }
@@ -598,6 +612,7 @@ fn server_of(mnt: &Path) -> Option<i32> {
 
 #[test]
 fn builds_check_first_and_clean_up_when_interrupted() {
+    let _serial = serial();
     let a = Area::new();
     let src = a.dir("src");
     fs::write(src.join("f"), vec![1u8; 100_000]).unwrap();
@@ -687,6 +702,7 @@ fn builds_check_first_and_clean_up_when_interrupted() {
 
 #[test]
 fn tags_and_stdin_wherever_an_image_goes() {
+    let _serial = serial();
     let a = Area::new();
     let src = a.dir("src");
     fs::write(src.join("big"), vec![3u8; 5000]).unwrap();
@@ -748,6 +764,7 @@ fn tags_and_stdin_wherever_an_image_goes() {
 
 #[test]
 fn gc_keeps_what_is_mounted() {
+    let _serial = serial();
     if !need_root() {
         return;
     }
@@ -802,6 +819,7 @@ fn drop_caches() {
 
 #[test]
 fn hardlinks_can_be_kept() {
+    let _serial = serial();
     let a = Area::new();
     let src = a.dir("src");
     fs::write(src.join("a"), vec![5u8; 1000]).unwrap();
@@ -831,6 +849,7 @@ fn hardlinks_can_be_kept() {
 
 #[test]
 fn version_completions_and_man_pages() {
+    let _serial = serial();
     let v = String::from_utf8(tilefs(&[os("--version")]).stdout).unwrap();
     assert!(v.starts_with("tilefs ") && v.contains('('), "{v}");
     let bash = tilefs(&[os("completions"), os("bash")]).stdout;
@@ -845,6 +864,7 @@ fn version_completions_and_man_pages() {
 
 #[test]
 fn kernel_refusals_carry_the_kernels_reason() {
+    let _serial = serial();
     if !need_root() {
         return;
     }

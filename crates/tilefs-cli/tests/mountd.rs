@@ -19,6 +19,14 @@ use tilefs_mount::mountd::{client, proto};
 
 const NOBODY: u32 = 65534;
 
+/// The tests here run one at a time: `unshare -m` in one test copies every
+/// mount of the others into its new namespace, and a mount that propagates
+/// to such a copy while it is being made can be reported busy.
+fn serial() -> std::sync::MutexGuard<'static, ()> {
+    static LOCK: std::sync::Mutex<()> = std::sync::Mutex::new(());
+    LOCK.lock().unwrap_or_else(|e| e.into_inner())
+}
+
 fn is_mounted(mnt: &Path) -> bool {
     let m = mnt.to_str().unwrap();
     fs::read_to_string("/proc/self/mountinfo")
@@ -190,7 +198,7 @@ impl Setup {
         )
         .unwrap();
         rustix::net::connect(&fd, &rustix::net::SocketAddrUnix::new(&self.service.socket).unwrap()).unwrap();
-        proto::send(&fd, bytes, None).unwrap();
+        proto::send(&fd, bytes, &[]).unwrap();
         let (reply, _) = proto::recv(&fd).unwrap();
         serde_json::from_slice(&reply).unwrap()
     }
@@ -198,6 +206,7 @@ impl Setup {
 
 #[test]
 fn a_user_gets_a_kernel_mount_of_a_trusted_image() {
+    let _serial = serial();
     let Some(mut s) = setup("") else { return };
     let mnt = s.mountpoint("mnt");
     let out = s.mount_as_nobody("os:1", &mnt, &[]);
@@ -251,6 +260,7 @@ fn a_user_gets_a_kernel_mount_of_a_trusted_image() {
 
 #[test]
 fn refusals_name_the_rule() {
+    let _serial = serial();
     let Some(mut s) = setup(&format!(
         "images = [\"os:1\", \"pinned\"]\n[store.pinned]\n\"pinned\" = \"sha256:{}\"\n",
         "ab".repeat(32)
@@ -308,6 +318,7 @@ fn refusals_name_the_rule() {
 
 #[test]
 fn stalled_garbage_and_many_clients_do_not_stop_the_service() {
+    let _serial = serial();
     let Some(mut s) = setup("") else { return };
     // A client that connects and says nothing; another that leaves.
     let stalled = rustix::net::socket(
@@ -342,7 +353,7 @@ fn stalled_garbage_and_many_clients_do_not_stop_the_service() {
                 .unwrap();
                 rustix::net::connect(&fd, &rustix::net::SocketAddrUnix::new(&socket).unwrap()).unwrap();
                 let req = format!(r#"{{"op":"mount","store":"{store}","image":"os:1","attach":false}}"#);
-                proto::send(&fd, req.as_bytes(), None).unwrap();
+                proto::send(&fd, req.as_bytes(), &[]).unwrap();
                 let (reply, _) = proto::recv(&fd).unwrap();
                 serde_json::from_slice::<proto::Reply>(&reply).unwrap()
             })
@@ -363,6 +374,7 @@ fn stalled_garbage_and_many_clients_do_not_stop_the_service() {
 
 #[test]
 fn inside_a_user_namespace_the_mount_is_its_own() {
+    let _serial = serial();
     let Some(mut s) = setup("") else { return };
     let mnt = s.mountpoint("mnt");
     let script = format!(
@@ -379,4 +391,61 @@ fn inside_a_user_namespace_the_mount_is_its_own() {
     let text = String::from_utf8_lossy(&out.stdout);
     assert!(text.contains("hello from a delegated mount"), "{text}");
     assert!(!is_mounted(&mnt), "visible outside the user's namespace");
+}
+
+#[test]
+fn writable_mounts_write_as_the_caller() {
+    let _serial = serial();
+    let Some(mut s) = setup("writable = true\n") else {
+        return;
+    };
+    let mnt = s.mountpoint("mnt");
+    let upper = s.mountpoint("upper");
+    let work = s.mountpoint("work");
+    // Layers the caller does not own are refused.
+    let root_work = s.area.dir("rootwork");
+    let out = s.mount_as_nobody(
+        "os:1",
+        &mnt,
+        &[
+            "--upper",
+            upper.to_str().unwrap(),
+            "--work",
+            root_work.to_str().unwrap(),
+        ],
+    );
+    assert!(
+        stderr(&out).contains("work directory is owned by uid 0"),
+        "{}",
+        stderr(&out)
+    );
+    assert!(!is_mounted(&mnt));
+
+    let out = s.mount_as_nobody(
+        "os:1",
+        &mnt,
+        &["--upper", upper.to_str().unwrap(), "--work", work.to_str().unwrap()],
+    );
+    assert!(out.status.success(), "{}", stderr(&out));
+    let sh = |script: &str| s.as_nobody(Path::new("/bin/sh"), &[os("-c"), os(script)]);
+    let m = mnt.display();
+    assert!(sh(&format!("echo new > {m}/new && rm {m}/hello")).status.success());
+    // The root-owned setuid binary stays out of the user's reach.
+    assert!(!sh(&format!("echo x >> {m}/id")).status.success());
+    let new = fs::metadata(upper.join("new")).unwrap();
+    assert_eq!(
+        (
+            std::os::unix::fs::MetadataExt::uid(&new),
+            std::os::unix::fs::MetadataExt::gid(&new)
+        ),
+        (NOBODY, NOBODY),
+        "written with the caller's ids"
+    );
+    let wh = fs::symlink_metadata(upper.join("hello")).unwrap();
+    assert!(
+        std::os::unix::fs::FileTypeExt::is_char_device(&wh.file_type()),
+        "a whiteout"
+    );
+    let out = s.tilefs_as_nobody(&[os("umount"), mnt.as_os_str()]);
+    assert!(out.status.success(), "{}", stderr(&out));
 }

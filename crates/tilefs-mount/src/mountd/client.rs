@@ -31,7 +31,8 @@ pub struct DelegatedMount<'a> {
     pub mountpoint: &'a Path,
     pub noexec: bool,
     pub verity: Option<&'a str>,
-    pub upper: bool,
+    /// Writable: the upper and work directories.
+    pub upper: Option<(&'a Path, &'a Path)>,
 }
 
 fn connect(socket: &Path) -> Result<OwnedFd, ClientError> {
@@ -50,14 +51,15 @@ fn connect(socket: &Path) -> Result<OwnedFd, ClientError> {
     Ok(fd)
 }
 
-/// Sends `req` with `fd` (closed here once sent: the service holds the
-/// only copy then) and returns the reply.
-fn ask(socket: &Path, req: &Request, fd: Option<OwnedFd>) -> Result<(Reply, Option<OwnedFd>), ClientError> {
+/// Sends `req` with `fds` (closed here once sent: the service holds the
+/// only copies then) and returns the reply.
+fn ask(socket: &Path, req: &Request, fds: Vec<OwnedFd>) -> Result<(Reply, Option<OwnedFd>), ClientError> {
     let conn = connect(socket)?;
     let bytes = serde_json::to_vec(req).map_err(|e| ClientError::Failed(e.to_string()))?;
-    proto::send(&conn, &bytes, fd.as_ref()).map_err(|e| ClientError::Failed(format!("sending the request: {e}")))?;
-    drop(fd);
+    proto::send(&conn, &bytes, &fds).map_err(|e| ClientError::Failed(format!("sending the request: {e}")))?;
+    drop(fds);
     let (bytes, back) = proto::recv(&conn).map_err(|e| ClientError::Failed(format!("reading the reply: {e}")))?;
+    let back = back.into_iter().next();
     let reply: Reply = serde_json::from_slice(&bytes).map_err(|e| ClientError::Failed(format!("bad reply: {e}")))?;
     if !reply.ok {
         return Err(ClientError::Refused(
@@ -67,8 +69,9 @@ fn ask(socket: &Path, req: &Request, fd: Option<OwnedFd>) -> Result<(Reply, Opti
     Ok((reply, back))
 }
 
-/// Opens a mount point as the service will use it: a directory, reached
-/// without following a symlink at its last component, held by descriptor.
+/// Opens a directory (mount point, upper or work) as the service will use
+/// it: reached without following a symlink at its last component, held by
+/// descriptor.
 fn open_mountpoint(p: &Path) -> Result<OwnedFd, ClientError> {
     rustix::fs::open(
         p,
@@ -97,12 +100,18 @@ pub fn mount(socket: &Path, m: &DelegatedMount) -> Result<Vec<String>, ClientErr
         attach,
         noexec: m.noexec,
         verity: m.verity.map(str::to_string),
-        upper: m.upper,
+        upper: m.upper.is_some(),
     };
+    let mut dirs = Vec::new();
+    if let Some((upper, work)) = m.upper {
+        dirs.push(open_mountpoint(upper)?);
+        dirs.push(open_mountpoint(work)?);
+    }
     let (reply, back) = if attach {
-        ask(socket, &req, Some(target))?
+        dirs.insert(0, target);
+        ask(socket, &req, dirs)?
     } else {
-        let (reply, back) = ask(socket, &req, None)?;
+        let (reply, back) = ask(socket, &req, dirs)?;
         attach_here(back, &target, m.mountpoint)?;
         (reply, None)
     };
@@ -130,5 +139,5 @@ fn attach_here(back: Option<OwnedFd>, target: &OwnedFd, mountpoint: &Path) -> Re
 /// Has the service unmount the mount at `mountpoint` (one it made for us).
 pub fn umount(socket: &Path, mountpoint: &Path, lazy: bool) -> Result<(), ClientError> {
     let target = open_mountpoint(mountpoint)?;
-    ask(socket, &Request::Umount { lazy }, Some(target)).map(drop)
+    ask(socket, &Request::Umount { lazy }, vec![target]).map(drop)
 }

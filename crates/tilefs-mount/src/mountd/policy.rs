@@ -8,7 +8,7 @@
 //! groups = ["builders"]             # group names allowed (primary or supplementary)
 //! images = ["os:1", "os:2"]         # optional: only these tags (default: every tag)
 //! verity = "auto"                   # require | auto | off (default auto)
-//! writable = false                  # --upper/--work (not served yet: refused)
+//! writable = true                   # allow --upper/--work (default false)
 //! [store.pinned]                    # optional: a tag is mounted only with this digest
 //! "os:1" = "sha256:0123…"
 //! ```

@@ -1,8 +1,10 @@
 //! The mount service's protocol: one JSON request and one JSON reply per
 //! connection, each a single SOCK_SEQPACKET message of at most
-//! [`MAX_MESSAGE`] bytes, with at most one file descriptor beside it
-//! (SCM_RIGHTS): the mount point the client opened (`O_PATH`, no symlink
-//! followed) going in, the detached mount coming back when asked for.
+//! [`MAX_MESSAGE`] bytes, with file descriptors beside it (SCM_RIGHTS,
+//! at most [`MAX_FDS`]): going in, the directories the client opened
+//! (`O_PATH`, no symlink followed): the mount point when the service is to
+//! attach the mount, then the upper and work directories of a writable
+//! mount; coming back, the detached mount when asked for.
 //!
 //! Requests are parsed strictly: unknown fields, missing fields and
 //! oversized messages are refused.
@@ -20,13 +22,17 @@ use std::path::PathBuf;
 
 /// Largest request or reply.
 pub const MAX_MESSAGE: usize = 16 * 1024;
+/// Most descriptors with a message (more are closed unread).
+pub const MAX_FDS: usize = 3;
 
 #[derive(Debug, Serialize, Deserialize, PartialEq, Eq)]
 #[serde(tag = "op", rename_all = "lowercase", deny_unknown_fields)]
 pub enum Request {
     /// Mount the tagged image `image` of `store`. With `attach`, at the
-    /// directory whose descriptor comes with the request; otherwise the
-    /// detached mount comes back (for a client in its own mount namespace).
+    /// directory whose descriptor comes first with the request; otherwise
+    /// the detached mount comes back (for a client in its own mount
+    /// namespace). With `upper`, writable: the upper and work directories'
+    /// descriptors come next.
     Mount {
         store: PathBuf,
         image: String,
@@ -66,13 +72,12 @@ impl Request {
     }
 }
 
-/// Sends one message, with `fd` beside it if given.
-pub fn send(sock: impl AsFd, msg: &[u8], fd: Option<&OwnedFd>) -> Result<(), Errno> {
-    let mut space = [MaybeUninit::uninit(); rustix::cmsg_space!(ScmRights(1))];
+/// Sends one message, with `fds` beside it.
+pub fn send(sock: impl AsFd, msg: &[u8], fds: &[OwnedFd]) -> Result<(), Errno> {
+    let mut space = [MaybeUninit::uninit(); rustix::cmsg_space!(ScmRights(MAX_FDS))];
     let mut control = SendAncillaryBuffer::new(&mut space);
-    let fds;
-    if let Some(fd) = fd {
-        fds = [fd.as_fd()];
+    let fds: Vec<_> = fds.iter().take(MAX_FDS).map(|f| f.as_fd()).collect();
+    if !fds.is_empty() {
         control.push(SendAncillaryMessage::ScmRights(&fds));
     }
     loop {
@@ -84,11 +89,12 @@ pub fn send(sock: impl AsFd, msg: &[u8], fd: Option<&OwnedFd>) -> Result<(), Err
     }
 }
 
-/// Receives one message (and the first descriptor with it, others closed).
-/// A message longer than [`MAX_MESSAGE`] is an error (EMSGSIZE).
-pub fn recv(sock: impl AsFd) -> Result<(Vec<u8>, Option<OwnedFd>), Errno> {
+/// Receives one message and the descriptors with it (at most
+/// [`MAX_FDS`]; more are closed). A message longer than [`MAX_MESSAGE`] is
+/// an error (EMSGSIZE).
+pub fn recv(sock: impl AsFd) -> Result<(Vec<u8>, Vec<OwnedFd>), Errno> {
     let mut buf = vec![0u8; MAX_MESSAGE + 1];
-    let mut space = [MaybeUninit::uninit(); rustix::cmsg_space!(ScmRights(2))];
+    let mut space = [MaybeUninit::uninit(); rustix::cmsg_space!(ScmRights(MAX_FDS + 1))];
     let mut control = RecvAncillaryBuffer::new(&mut space);
     let got = loop {
         match recvmsg(
@@ -101,19 +107,18 @@ pub fn recv(sock: impl AsFd) -> Result<(Vec<u8>, Option<OwnedFd>), Errno> {
             r => break r?,
         }
     };
-    let mut fd = None;
+    let mut fds = Vec::new();
     for m in control.drain() {
-        if let RecvAncillaryMessage::ScmRights(fds) = m {
-            for f in fds {
-                fd.get_or_insert(f);
-            }
+        if let RecvAncillaryMessage::ScmRights(got) = m {
+            fds.extend(got);
         }
     }
+    fds.truncate(MAX_FDS);
     if got.bytes > MAX_MESSAGE || got.flags.contains(rustix::net::ReturnFlags::TRUNC) {
         return Err(Errno::MSGSIZE);
     }
     buf.truncate(got.bytes);
-    Ok((buf, fd))
+    Ok((buf, fds))
 }
 
 #[cfg(test)]

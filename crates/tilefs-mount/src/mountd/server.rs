@@ -118,12 +118,12 @@ fn serve_client(conn: OwnedFd, policy: &Policy) {
         Err(e) => return log(&format!("a client without credentials: {e}")),
     };
     let who = format!("uid {} (pid {})", caller.uid, caller.pid);
-    let (bytes, fd) = match proto::recv(&conn) {
+    let (bytes, fds) = match proto::recv(&conn) {
         Ok(m) => m,
         Err(Errno::AGAIN) => return log(&format!("{who}: no request within {CLIENT_TIMEOUT:?}")),
         Err(e) => return log(&format!("{who}: cannot read the request: {e}")),
     };
-    let result = Request::parse(&bytes).and_then(|req| handle(policy, &caller, req, fd));
+    let result = Request::parse(&bytes).and_then(|req| handle(policy, &caller, req, fds));
     let (result, back) = match result {
         Ok((notices, back)) => (Ok(notices), back),
         Err(e) => {
@@ -150,7 +150,7 @@ fn reply(conn: impl AsFd, result: Result<Vec<String>, String>, fd: Option<&Owned
         },
     };
     let bytes = serde_json::to_vec(&r).unwrap_or_default();
-    proto::send(conn, &bytes, fd)
+    proto::send(conn, &bytes, fd.map(std::slice::from_ref).unwrap_or_default())
 }
 
 /// The caller, from the kernel: SO_PEERCRED and SO_PEERGROUPS.
@@ -182,7 +182,8 @@ fn peer(conn: &OwnedFd) -> Result<Caller, Errno> {
 
 type Handled = (Vec<String>, Option<OwnedFd>);
 
-fn handle(policy: &Policy, caller: &Caller, req: Request, fd: Option<OwnedFd>) -> Result<Handled, String> {
+fn handle(policy: &Policy, caller: &Caller, req: Request, fds: Vec<OwnedFd>) -> Result<Handled, String> {
+    let mut fds = fds.into_iter();
     match req {
         Request::Mount {
             store,
@@ -193,13 +194,27 @@ fn handle(policy: &Policy, caller: &Caller, req: Request, fd: Option<OwnedFd>) -
             upper,
         } => {
             let rule = policy.allow(caller, &store, &image)?;
-            if upper {
-                return Err(if rule.writable {
-                    "writable delegated mounts are not offered by this service yet".into()
-                } else {
-                    format!("the policy does not allow writable mounts of store {}", store.display())
-                });
+            if upper && !rule.writable {
+                return Err(format!(
+                    "the policy does not allow writable mounts of store {}",
+                    store.display()
+                ));
             }
+            let target = if attach {
+                Some(fds.next().ok_or("no mount point came with the request")?)
+            } else {
+                None
+            };
+            let layers = if upper {
+                let (u, w) = fds
+                    .next()
+                    .zip(fds.next())
+                    .ok_or("no upper and work directories came with the request")?;
+                check_layers(caller, u.as_fd(), w.as_fd())?;
+                Some((u, w))
+            } else {
+                None
+            };
             tilefs_store::tags::validate_tag(&image).map_err(|e| e.to_string())?;
             let image_path = rule.path.join(tilefs_store::store::IMAGES_DIR).join(&image);
             let file = open_tag(&rule.path, &image).map_err(|e| format!("{}: {e}", image_path.display()))?;
@@ -212,12 +227,22 @@ fn handle(policy: &Policy, caller: &Caller, req: Request, fd: Option<OwnedFd>) -
                 Some(d) => Some(crate::options::parse_digest(d)?),
                 None => None,
             };
+            let fd_path = |f: &OwnedFd| PathBuf::from(format!("/proc/self/fd/{}", f.as_raw_fd()));
             let o = MountOptions {
                 image: image_path,
                 stores: vec![rule.path.clone()],
+                // The directories checked, by descriptor; written with the
+                // caller's file-system credentials, never root's.
+                upper: layers.as_ref().map(|(u, _)| fd_path(u)),
+                work: layers.as_ref().map(|(_, w)| fd_path(w)),
+                upper_creds: layers.as_ref().map(|_| crate::FsCreds {
+                    uid: caller.uid,
+                    gid: caller.gids[0],
+                    groups: caller.gids[1..].to_vec(),
+                }),
                 verity,
                 digest,
-                read_only: true,
+                read_only: !upper,
                 attrs: MountAttrs {
                     nosuid: true,
                     nodev: true,
@@ -230,7 +255,7 @@ fn handle(policy: &Policy, caller: &Caller, req: Request, fd: Option<OwnedFd>) -
             if !attach {
                 return Ok((built.notices, Some(built.mount)));
             }
-            let target = fd.ok_or("no mount point came with the request")?;
+            let target = target.ok_or("no mount point came with the request")?;
             attach_for(caller, &built.mount, target.as_fd())?;
             let id = unique_mount_id(built.mount.as_fd()).map_err(|e| format!("the new mount's id: {e}"))?;
             std::fs::write(Path::new(RECORDS).join(id.to_string()), caller.uid.to_string())
@@ -244,7 +269,7 @@ fn handle(policy: &Policy, caller: &Caller, req: Request, fd: Option<OwnedFd>) -
             Ok((built.notices, None))
         }
         Request::Umount { lazy } => {
-            let target = fd.ok_or("no mount point came with the request")?;
+            let target = fds.next().ok_or("no mount point came with the request")?;
             let st = rustix::fs::statx(&target, "", AtFlags::EMPTY_PATH, StatxFlags::empty())
                 .map_err(|e| format!("the mount point: {e}"))?;
             if !st.stx_attributes.contains(StatxAttributes::MOUNT_ROOT) {
@@ -352,6 +377,32 @@ fn open_tag(store: &Path, tag: &str) -> Result<std::fs::File, String> {
     }
     rustix::fs::fcntl_setfl(&fd, OFlags::empty()).map_err(|e| e.to_string())?;
     Ok(std::fs::File::from(fd))
+}
+
+/// A writable mount's upper and work directories: directories the caller
+/// owns, two of them, on one filesystem.
+fn check_layers(caller: &Caller, upper: BorrowedFd<'_>, work: BorrowedFd<'_>) -> Result<(), String> {
+    let mut seen = Vec::new();
+    for (fd, what) in [(upper, "upper"), (work, "work")] {
+        let st = rustix::fs::fstat(fd).map_err(|e| format!("the {what} directory: {e}"))?;
+        if st.st_mode & libc::S_IFMT != libc::S_IFDIR {
+            return Err(format!("the {what} directory is not a directory"));
+        }
+        if st.st_uid != caller.uid {
+            return Err(format!(
+                "the {what} directory is owned by uid {}, not by the caller (uid {})",
+                st.st_uid, caller.uid
+            ));
+        }
+        seen.push((st.st_dev, st.st_ino));
+    }
+    if seen[0] == seen[1] {
+        return Err("the upper and work directories are the same".into());
+    }
+    if seen[0].0 != seen[1].0 {
+        return Err("the upper and work directories must be on the same filesystem".into());
+    }
+    Ok(())
 }
 
 /// Attaches `mount` at `target` if the caller may have it there: a
