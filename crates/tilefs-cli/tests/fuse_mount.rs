@@ -19,7 +19,6 @@ use std::fs;
 use std::io::Read;
 use std::os::unix::ffi::OsStrExt;
 use std::os::unix::fs::{MetadataExt, OpenOptionsExt, PermissionsExt};
-use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
@@ -27,9 +26,6 @@ use std::time::{Duration, Instant};
 // ---------------------------------------------------------------------------
 // Helpers
 // ---------------------------------------------------------------------------
-
-/// The unprivileged user the rootless test runs as.
-const NOBODY: u32 = 65534;
 
 fn fusermount_missing() -> Option<String> {
     let found = std::env::var_os("PATH")
@@ -72,12 +68,6 @@ fn mountinfo_lines() -> Vec<String> {
         .lines()
         .map(str::to_string)
         .collect()
-}
-
-/// Whether something is mounted exactly at `mnt`.
-fn is_mounted(mnt: &Path) -> bool {
-    let m = mnt.to_str().unwrap();
-    mountinfo_lines().iter().any(|l| l.split(' ').nth(4) == Some(m))
 }
 
 fn wait_until(what: &str, secs: u64, mut f: impl FnMut() -> bool) {
@@ -391,19 +381,6 @@ impl DevFuseMode {
 impl Drop for DevFuseMode {
     fn drop(&mut self) {
         let _ = fs::set_permissions("/dev/fuse", fs::Permissions::from_mode(self.0));
-    }
-}
-
-/// Runs `cmd` as uid/gid 65534 without supplementary groups.
-fn as_nobody(cmd: &mut Command) -> &mut Command {
-    // SAFETY: only async-signal-safe calls between fork and exec.
-    unsafe {
-        cmd.pre_exec(|| {
-            if libc::setgroups(0, std::ptr::null()) != 0 || libc::setgid(NOBODY) != 0 || libc::setuid(NOBODY) != 0 {
-                return Err(std::io::Error::last_os_error());
-            }
-            Ok(())
-        })
     }
 }
 

@@ -15,12 +15,9 @@ use std::ffi::OsStr;
 use std::fs;
 use std::io::Read;
 use std::os::unix::fs::{MetadataExt, PermissionsExt};
-use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output, Stdio};
 use std::time::{Duration, Instant};
-
-const NOBODY: u32 = 65534;
 
 /// The tests here run one at a time: `unshare -m` in one test copies every
 /// mount of the others into its new namespace, and a mount that propagates
@@ -32,14 +29,6 @@ fn serial() -> std::sync::MutexGuard<'static, ()> {
 
 fn mount_tilefs_bin() -> PathBuf {
     tilefs_bin().with_file_name("mount-tilefs")
-}
-
-fn is_mounted(mnt: &Path) -> bool {
-    let m = mnt.to_str().unwrap();
-    fs::read_to_string("/proc/self/mountinfo")
-        .unwrap_or_default()
-        .lines()
-        .any(|l| l.split(' ').nth(4) == Some(m))
 }
 
 /// Whatever is mounted at the path is taken down when dropped, even when a
@@ -55,19 +44,6 @@ impl Drop for Unmount {
             let _ = tilefs_any(&[os("umount"), os("--lazy"), self.0.as_os_str()]);
             let _ = rustix::mount::unmount(&self.0, rustix::mount::UnmountFlags::DETACH);
         }
-    }
-}
-
-/// `cmd` run as uid/gid 65534 without supplementary groups.
-fn as_nobody(cmd: &mut Command) -> &mut Command {
-    // SAFETY: only async-signal-safe calls between fork and exec.
-    unsafe {
-        cmd.pre_exec(|| {
-            if libc::setgroups(0, std::ptr::null()) != 0 || libc::setgid(NOBODY) != 0 || libc::setuid(NOBODY) != 0 {
-                return Err(std::io::Error::last_os_error());
-            }
-            Ok(())
-        })
     }
 }
 

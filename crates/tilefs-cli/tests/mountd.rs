@@ -11,13 +11,10 @@ use common::*;
 use std::ffi::OsStr;
 use std::fs;
 use std::os::unix::fs::PermissionsExt;
-use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Output, Stdio};
 use std::time::{Duration, Instant};
 use tilefs_mount::mountd::{client, proto};
-
-const NOBODY: u32 = 65534;
 
 /// The tests here run one at a time: `unshare -m` in one test copies every
 /// mount of the others into its new namespace, and a mount that propagates
@@ -27,12 +24,16 @@ fn serial() -> std::sync::MutexGuard<'static, ()> {
     LOCK.lock().unwrap_or_else(|e| e.into_inner())
 }
 
-fn is_mounted(mnt: &Path) -> bool {
-    let m = mnt.to_str().unwrap();
-    fs::read_to_string("/proc/self/mountinfo")
-        .unwrap_or_default()
-        .lines()
-        .any(|l| l.split(' ').nth(4) == Some(m))
+/// A raw connection to the service at `socket`.
+fn connect(socket: &Path) -> rustix::fd::OwnedFd {
+    let fd = rustix::net::socket(
+        rustix::net::AddressFamily::UNIX,
+        rustix::net::SocketType::SEQPACKET,
+        None,
+    )
+    .unwrap();
+    rustix::net::connect(&fd, &rustix::net::SocketAddrUnix::new(socket).unwrap()).unwrap();
+    fd
 }
 
 /// The service, killed when dropped; whatever it mounted goes too.
@@ -157,16 +158,7 @@ impl Setup {
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
             .stderr(Stdio::piped());
-        // SAFETY: only async-signal-safe calls between fork and exec.
-        unsafe {
-            cmd.pre_exec(|| {
-                if libc::setgroups(0, std::ptr::null()) != 0 || libc::setgid(NOBODY) != 0 || libc::setuid(NOBODY) != 0 {
-                    return Err(std::io::Error::last_os_error());
-                }
-                Ok(())
-            });
-        }
-        let mut child = cmd.spawn().unwrap();
+        let mut child = as_nobody(&mut cmd).spawn().unwrap();
         let end = Instant::now() + Duration::from_secs(30);
         while child.try_wait().unwrap().is_none() {
             if Instant::now() > end {
@@ -191,13 +183,7 @@ impl Setup {
 
     /// A raw request as root (uid 0, whom the policy does not name).
     fn raw(&self, bytes: &[u8]) -> proto::Reply {
-        let fd = rustix::net::socket(
-            rustix::net::AddressFamily::UNIX,
-            rustix::net::SocketType::SEQPACKET,
-            None,
-        )
-        .unwrap();
-        rustix::net::connect(&fd, &rustix::net::SocketAddrUnix::new(&self.service.socket).unwrap()).unwrap();
+        let fd = connect(&self.service.socket);
         proto::send(&fd, bytes, &[]).unwrap();
         let (reply, _) = proto::recv(&fd).unwrap();
         serde_json::from_slice(&reply).unwrap()
@@ -321,22 +307,8 @@ fn stalled_garbage_and_many_clients_do_not_stop_the_service() {
     let _serial = serial();
     let Some(mut s) = setup("") else { return };
     // A client that connects and says nothing; another that leaves.
-    let stalled = rustix::net::socket(
-        rustix::net::AddressFamily::UNIX,
-        rustix::net::SocketType::SEQPACKET,
-        None,
-    )
-    .unwrap();
-    rustix::net::connect(&stalled, &rustix::net::SocketAddrUnix::new(&s.service.socket).unwrap()).unwrap();
-    {
-        let gone = rustix::net::socket(
-            rustix::net::AddressFamily::UNIX,
-            rustix::net::SocketType::SEQPACKET,
-            None,
-        )
-        .unwrap();
-        rustix::net::connect(&gone, &rustix::net::SocketAddrUnix::new(&s.service.socket).unwrap()).unwrap();
-    }
+    let stalled = connect(&s.service.socket);
+    drop(connect(&s.service.socket));
     // 50 at once, all answered (refused: root is not in the policy).
     let socket = s.service.socket.clone();
     let store = s.store.display().to_string();
@@ -345,13 +317,7 @@ fn stalled_garbage_and_many_clients_do_not_stop_the_service() {
             let socket = socket.clone();
             let store = store.clone();
             std::thread::spawn(move || {
-                let fd = rustix::net::socket(
-                    rustix::net::AddressFamily::UNIX,
-                    rustix::net::SocketType::SEQPACKET,
-                    None,
-                )
-                .unwrap();
-                rustix::net::connect(&fd, &rustix::net::SocketAddrUnix::new(&socket).unwrap()).unwrap();
+                let fd = connect(&socket);
                 let req = format!(r#"{{"op":"mount","store":"{store}","image":"os:1","attach":false}}"#);
                 proto::send(&fd, req.as_bytes(), &[]).unwrap();
                 let (reply, _) = proto::recv(&fd).unwrap();

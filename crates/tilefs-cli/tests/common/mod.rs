@@ -56,6 +56,32 @@ pub fn cannot_mount(fstype: &str) -> Option<String> {
     None
 }
 
+/// The unprivileged user tests run things as ("nobody").
+pub const NOBODY: u32 = 65534;
+
+/// Runs `cmd` as uid/gid 65534 without supplementary groups.
+pub fn as_nobody(cmd: &mut Command) -> &mut Command {
+    use std::os::unix::process::CommandExt;
+    // SAFETY: only async-signal-safe calls between fork and exec.
+    unsafe {
+        cmd.pre_exec(|| {
+            if libc::setgroups(0, std::ptr::null()) != 0 || libc::setgid(NOBODY) != 0 || libc::setuid(NOBODY) != 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            Ok(())
+        })
+    }
+}
+
+/// Whether something is mounted exactly at `mnt` (in this namespace).
+pub fn is_mounted(mnt: &Path) -> bool {
+    let m = mnt.to_str().unwrap();
+    fs::read_to_string("/proc/self/mountinfo")
+        .unwrap_or_default()
+        .lines()
+        .any(|l| l.split(' ').nth(4) == Some(m))
+}
+
 /// A mount that is detached when dropped, even when a test panics.
 pub struct MountGuard(pub PathBuf);
 
