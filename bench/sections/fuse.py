@@ -449,8 +449,8 @@ def metadata_rows(b, work: Path, m: Mounts) -> None:
         ("no-symlinks", "without FUSE_CACHE_SYMLINKS", ["ls-warm"]),
         ("no-selinux-enotsup", "security.selinux answered ENODATA", ["ls-warm"]),
         ("no-negative", "without negative entries", ["missing"]),
-        ("threads=1", "1 worker thread (default 4)", ["ls-cold", "stat-cold"]),
-        ("threads=2", "2 worker threads (default 4)", ["ls-cold", "stat-cold"]),
+        ("threads=1", "1 worker thread (default: one per core, at least 2)", ["ls-cold", "stat-cold"]),
+        ("threads=4", "4 worker threads (default: one per core, at least 2)", ["ls-cold", "stat-cold"]),
     ]
     sample = random.Random(SEED).sample(paths, 1000)
     missing = [x + ".missing" for x in random.Random(SEED + 1).sample(paths, 1000)]

@@ -197,6 +197,9 @@ impl<'s> Ingest<'s> {
         if now.st_ino != st.st_ino || now.st_dev != st.st_dev {
             return Err(StoreError::source(f.path, "file was replaced during the build"));
         }
+        // Opened without blocking (a FIFO swapped in must not hang us); the
+        // file scanned, so a regular one: read it as any other.
+        let _ = rfs::fcntl_setfl(&src, OFlags::empty());
         let _ = rfs::fadvise(&src, 0, None, rfs::Advice::Sequential);
 
         let tmp_name = format!("obj-{}-{}", std::process::id(), self.counter.fetch_add(1, Relaxed));

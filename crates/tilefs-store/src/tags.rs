@@ -259,6 +259,7 @@ pub(crate) fn read_tag_if_present(store: &Store, name: &str) -> Result<Option<Ve
         }
         Err(e) => return Err(StoreError::io(&path, "cannot read tag", e.into())),
     }
+    let _ = rfs::fcntl_setfl(&fd, OFlags::empty());
     let mut file = std::fs::File::from(fd);
     let mut bytes = Vec::new();
     io::Read::read_to_end(&mut file, &mut bytes).map_err(|e| StoreError::io(&path, "cannot read tag", e))?;
