@@ -248,6 +248,9 @@ fn delegated(req: &Request, store: &Store) -> Result<()> {
     if o.digest.is_some() {
         bail!("--digest cannot be honoured by a delegated mount (the service's policy pins digests)");
     }
+    if o.attrs.atime.is_some() || o.attrs.nodiratime {
+        bail!("access-time options cannot be honoured by a delegated mount (it keeps the kernel's default, relatime)");
+    }
     let tag = req
         .image
         .to_str()
@@ -263,6 +266,7 @@ fn delegated(req: &Request, store: &Store) -> Result<()> {
             image: tag,
             mountpoint: &req.mountpoint,
             noexec: o.attrs.noexec,
+            nosymfollow: o.attrs.nosymfollow,
             verity: verity.as_deref(),
             upper: o.upper.as_deref().zip(o.work.as_deref()),
         },

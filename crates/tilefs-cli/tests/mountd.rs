@@ -230,6 +230,26 @@ fn a_user_gets_a_kernel_mount_of_a_trusted_image() {
     assert!(out.status.success(), "{}", stderr(&out));
     assert!(!is_mounted(&mnt));
 
+    // Options asked for reach the mount, or are refused.
+    let out = s.mount_as_nobody("os:1", &mnt, &["-o", "noexec,nosymfollow"]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let line = fs::read_to_string("/proc/self/mountinfo")
+        .unwrap()
+        .lines()
+        .find(|l| l.split(' ').nth(4) == Some(mnt.to_str().unwrap()))
+        .expect("mounted")
+        .to_string();
+    assert!(line.contains("noexec") && line.contains("nosymfollow"), "{line}");
+    let exec = s.as_nobody(Path::new("/bin/sh"), &[os("-c"), mnt.join("id").as_os_str()]);
+    assert!(!exec.status.success(), "exec on a noexec mount");
+    assert!(s.tilefs_as_nobody(&[os("umount"), mnt.as_os_str()]).status.success());
+    let out = s.mount_as_nobody("os:1", &mnt, &["-o", "strictatime"]);
+    assert!(
+        stderr(&out).contains("access-time options cannot be honoured"),
+        "{}",
+        stderr(&out)
+    );
+
     // Plain `tilefs mount` without privilege uses the service and says so.
     let out = s.tilefs_as_nobody(&[
         os("mount"),

@@ -30,6 +30,7 @@ pub struct DelegatedMount<'a> {
     pub image: &'a str,
     pub mountpoint: &'a Path,
     pub noexec: bool,
+    pub nosymfollow: bool,
     pub verity: Option<&'a str>,
     /// Writable: the upper and work directories.
     pub upper: Option<(&'a Path, &'a Path)>,
@@ -99,6 +100,7 @@ pub fn mount(socket: &Path, m: &DelegatedMount) -> Result<Vec<String>, ClientErr
         image: m.image.to_string(),
         attach,
         noexec: m.noexec,
+        nosymfollow: m.nosymfollow,
         verity: m.verity.map(str::to_string),
         upper: m.upper.is_some(),
     };

@@ -40,6 +40,8 @@ pub enum Request {
         #[serde(default)]
         noexec: bool,
         #[serde(default)]
+        nosymfollow: bool,
+        #[serde(default)]
         verity: Option<String>,
         #[serde(default)]
         upper: bool,
@@ -135,6 +137,7 @@ mod tests {
                 image: "a:1".into(),
                 attach: true,
                 noexec: false,
+                nosymfollow: false,
                 verity: None,
                 upper: false
             }

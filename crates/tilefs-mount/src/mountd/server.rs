@@ -190,6 +190,7 @@ fn handle(policy: &Policy, caller: &Caller, req: Request, fds: Vec<OwnedFd>) -> 
             image,
             attach,
             noexec,
+            nosymfollow,
             verity,
             upper,
         } => {
@@ -247,6 +248,7 @@ fn handle(policy: &Policy, caller: &Caller, req: Request, fds: Vec<OwnedFd>) -> 
                     nosuid: true,
                     nodev: true,
                     noexec,
+                    nosymfollow,
                     ..MountAttrs::default()
                 },
                 ..MountOptions::default()
