@@ -18,7 +18,7 @@ use std::ffi::OsStr;
 use std::fs;
 use std::io::Read;
 use std::os::unix::ffi::OsStrExt;
-use std::os::unix::fs::{MetadataExt, OpenOptionsExt, PermissionsExt};
+use std::os::unix::fs::{MetadataExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
@@ -361,28 +361,6 @@ fn hardlinks_share_an_inode_and_require_refuses_files_without_digest() {
 // ---------------------------------------------------------------------------
 // Rootless
 // ---------------------------------------------------------------------------
-
-/// fusermount3 opens /dev/fuse as the calling user: Debian's udev rule
-/// makes it 0666, but machines without udev leave it 0600. A test sets the
-/// mode it needs for its length, then puts the old one back.
-struct DevFuseMode(u32);
-
-impl DevFuseMode {
-    fn set(want: u32) -> DevFuseMode {
-        let mode = fs::metadata("/dev/fuse").unwrap().mode() & 0o7777;
-        if mode != want {
-            eprintln!("note: /dev/fuse is mode {mode:o}: made {want:o} for this test");
-            fs::set_permissions("/dev/fuse", fs::Permissions::from_mode(want)).unwrap();
-        }
-        DevFuseMode(mode)
-    }
-}
-
-impl Drop for DevFuseMode {
-    fn drop(&mut self) {
-        let _ = fs::set_permissions("/dev/fuse", fs::Permissions::from_mode(self.0));
-    }
-}
 
 /// When run with TILEFS_FUSE_SCAN=DIR (by `mounted_without_root`, as an
 /// unprivileged user), prints what that user sees of DIR: one line per

@@ -14,7 +14,7 @@ use common::*;
 use std::ffi::OsStr;
 use std::fs;
 use std::io::Read;
-use std::os::unix::fs::{MetadataExt, PermissionsExt};
+use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output, Stdio};
 use std::time::{Duration, Instant};
@@ -256,15 +256,7 @@ fn rootless_mounts_are_nosuid_nodev_and_refuse_suid_dev() {
     .unwrap();
     let _u = Unmount(mnt.clone());
     // fusermount3 opens /dev/fuse as the user: make it usable meanwhile.
-    let old = fs::metadata("/dev/fuse").unwrap().mode() & 0o7777;
-    fs::set_permissions("/dev/fuse", fs::Permissions::from_mode(0o666)).unwrap();
-    struct Restore(u32);
-    impl Drop for Restore {
-        fn drop(&mut self) {
-            let _ = fs::set_permissions("/dev/fuse", fs::Permissions::from_mode(self.0));
-        }
-    }
-    let _restore = Restore(old);
+    let _dev = DevFuseMode::set(0o666);
 
     let tilefs_as_nobody = |args: &[&OsStr]| nobody_runs(&tilefs_bin(), args);
     for asked in ["suid", "dev"] {

@@ -24,6 +24,16 @@ fn serial() -> std::sync::MutexGuard<'static, ()> {
     LOCK.lock().unwrap_or_else(|e| e.into_inner())
 }
 
+/// The mountinfo line of the mount at `mnt`.
+fn mount_line(mnt: &Path) -> String {
+    fs::read_to_string("/proc/self/mountinfo")
+        .unwrap()
+        .lines()
+        .find(|l| l.split(' ').nth(4) == Some(mnt.to_str().unwrap()))
+        .expect("mounted")
+        .to_string()
+}
+
 /// A raw connection to the service at `socket`.
 fn connect(socket: &Path) -> rustix::fd::OwnedFd {
     let fd = rustix::net::socket(
@@ -197,12 +207,7 @@ fn a_user_gets_a_kernel_mount_of_a_trusted_image() {
     let mnt = s.mountpoint("mnt");
     let out = s.mount_as_nobody("os:1", &mnt, &[]);
     assert!(out.status.success(), "{}", stderr(&out));
-    let line = fs::read_to_string("/proc/self/mountinfo")
-        .unwrap()
-        .lines()
-        .find(|l| l.split(' ').nth(4) == Some(mnt.to_str().unwrap()))
-        .expect("mounted")
-        .to_string();
+    let line = mount_line(&mnt);
     assert!(line.contains(" - overlay "), "a kernel mount: {line}");
     assert!(line.contains("nosuid") && line.contains("nodev"), "{line}");
     let cat = s.as_nobody(Path::new("/bin/cat"), &[mnt.join("hello").as_os_str()]);
@@ -233,12 +238,7 @@ fn a_user_gets_a_kernel_mount_of_a_trusted_image() {
     // Options asked for reach the mount, or are refused.
     let out = s.mount_as_nobody("os:1", &mnt, &["-o", "noexec,nosymfollow"]);
     assert!(out.status.success(), "{}", stderr(&out));
-    let line = fs::read_to_string("/proc/self/mountinfo")
-        .unwrap()
-        .lines()
-        .find(|l| l.split(' ').nth(4) == Some(mnt.to_str().unwrap()))
-        .expect("mounted")
-        .to_string();
+    let line = mount_line(&mnt);
     assert!(line.contains("noexec") && line.contains("nosymfollow"), "{line}");
     let exec = s.as_nobody(Path::new("/bin/sh"), &[os("-c"), mnt.join("id").as_os_str()]);
     assert!(!exec.status.success(), "exec on a noexec mount");

@@ -8,7 +8,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::ffi::{OsStr, OsString};
 use std::fs;
 use std::os::unix::ffi::{OsStrExt, OsStringExt};
-use std::os::unix::fs::{symlink, MetadataExt};
+use std::os::unix::fs::{symlink, MetadataExt, PermissionsExt};
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 
@@ -80,6 +80,28 @@ pub fn is_mounted(mnt: &Path) -> bool {
         .unwrap_or_default()
         .lines()
         .any(|l| l.split(' ').nth(4) == Some(m))
+}
+
+/// fusermount3 opens /dev/fuse as the calling user: Debian's udev rule
+/// makes it 0666, but machines without udev leave it 0600. A test sets the
+/// mode it needs for its length, then puts the old one back.
+pub struct DevFuseMode(u32);
+
+impl DevFuseMode {
+    pub fn set(want: u32) -> DevFuseMode {
+        let mode = fs::metadata("/dev/fuse").unwrap().mode() & 0o7777;
+        if mode != want {
+            eprintln!("note: /dev/fuse is mode {mode:o}: made {want:o} for this test");
+            fs::set_permissions("/dev/fuse", fs::Permissions::from_mode(want)).unwrap();
+        }
+        DevFuseMode(mode)
+    }
+}
+
+impl Drop for DevFuseMode {
+    fn drop(&mut self) {
+        let _ = fs::set_permissions("/dev/fuse", fs::Permissions::from_mode(self.0));
+    }
 }
 
 /// A mount that is detached when dropped, even when a test panics.
