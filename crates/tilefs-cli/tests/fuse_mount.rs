@@ -469,12 +469,7 @@ fn mounted_without_root() {
     let image = a.path("image.cfs");
     build_with_store(&src, &store, &image, &["--hardlink"]);
     let mnt = a.dir("mnt");
-    rustix::fs::chown(
-        &mnt,
-        Some(rustix::fs::Uid::from_raw(NOBODY)),
-        Some(rustix::fs::Gid::from_raw(NOBODY)),
-    )
-    .unwrap();
+    give_to_nobody(&mnt);
 
     let mount_as_nobody = || {
         as_nobody(

@@ -248,12 +248,7 @@ fn rootless_mounts_are_nosuid_nodev_and_refuse_suid_dev() {
     let a = open_area();
     let (store, image) = privileged_tree(&a);
     let mnt = a.dir("mnt");
-    rustix::fs::chown(
-        &mnt,
-        Some(rustix::fs::Uid::from_raw(NOBODY)),
-        Some(rustix::fs::Gid::from_raw(NOBODY)),
-    )
-    .unwrap();
+    give_to_nobody(&mnt);
     let _u = Unmount(mnt.clone());
     // fusermount3 opens /dev/fuse as the user: make it usable meanwhile.
     let _dev = DevFuseMode::set(0o666);

@@ -94,24 +94,17 @@ fn setup(policy_extra: &str) -> Option<Setup> {
     fs::set_permissions(src.join("zero"), fs::Permissions::from_mode(0o666)).unwrap();
     fs::write(src.join("hello"), b"hello from a delegated mount").unwrap();
     let store = area.path("store");
-    tilefs(&[
-        os("build"),
-        os("-q"),
-        os("--store"),
-        store.as_os_str(),
-        os("--tag"),
-        os("os:1"),
-        src.as_os_str(),
-    ]);
-    tilefs(&[
-        os("build"),
-        os("-q"),
-        os("--store"),
-        store.as_os_str(),
-        os("--tag"),
-        os("other"),
-        src.as_os_str(),
-    ]);
+    for tag in ["os:1", "other"] {
+        tilefs(&[
+            os("build"),
+            os("-q"),
+            os("--store"),
+            store.as_os_str(),
+            os("--tag"),
+            os(tag),
+            src.as_os_str(),
+        ]);
+    }
     let policy = area.path("policy.toml");
     fs::write(
         &policy,
@@ -150,12 +143,7 @@ impl Setup {
     /// A mount point owned by nobody.
     fn mountpoint(&mut self, name: &str) -> PathBuf {
         let m = self.area.dir(name);
-        rustix::fs::chown(
-            &m,
-            Some(rustix::fs::Uid::from_raw(NOBODY)),
-            Some(rustix::fs::Gid::from_raw(NOBODY)),
-        )
-        .unwrap();
+        give_to_nobody(&m);
         self.service.mounts.push(m.clone());
         m
     }

@@ -73,6 +73,16 @@ pub fn as_nobody(cmd: &mut Command) -> &mut Command {
     }
 }
 
+/// Gives `path` to the unprivileged user (a mount point of theirs).
+pub fn give_to_nobody(path: &Path) {
+    rustix::fs::chown(
+        path,
+        Some(rustix::fs::Uid::from_raw(NOBODY)),
+        Some(rustix::fs::Gid::from_raw(NOBODY)),
+    )
+    .unwrap();
+}
+
 /// Whether something is mounted exactly at `mnt` (in this namespace).
 pub fn is_mounted(mnt: &Path) -> bool {
     let m = mnt.to_str().unwrap();
