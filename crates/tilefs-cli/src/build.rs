@@ -94,7 +94,7 @@ impl std::error::Error for Interrupted {}
 
 /// Removes a store directory this build created, unless the build
 /// succeeded: a failed build leaves no store behind.
-struct NewStore(Option<PathBuf>);
+pub(crate) struct NewStore(pub(crate) Option<PathBuf>);
 
 impl Drop for NewStore {
     fn drop(&mut self) {

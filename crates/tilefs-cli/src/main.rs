@@ -8,6 +8,7 @@ mod mount_cmd;
 mod mountd_cmd;
 mod output;
 mod progress;
+mod pull_cmd;
 mod store_arg;
 mod store_cmds;
 
@@ -40,6 +41,8 @@ enum Command {
     Info(inspect::InfoArgs),
     /// List the object paths (XX/YYYY...) an image references, one a line
     Objects(inspect::ObjectsArgs),
+    /// Pull an OCI image (layout, archive or registry) into the store as a tagged image
+    Pull(pull_cmd::PullArgs),
     /// Print the fs-verity SHA-256 digest of files, as `fsverity digest` does
     Digest(digest::DigestArgs),
     /// List the images tagged in a store
@@ -85,6 +88,7 @@ fn main() -> ExitCode {
         Command::Info(a) => inspect::info(a),
         Command::Objects(a) => inspect::objects(a),
         Command::Digest(a) => digest::run(a),
+        Command::Pull(a) => pull_cmd::run(a),
         Command::Images(a) => store_cmds::images(a),
         Command::Untag(a) => store_cmds::untag(a),
         Command::Fsck(a) => store_cmds::fsck(a),

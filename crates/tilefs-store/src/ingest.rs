@@ -221,10 +221,66 @@ impl<'s> Ingest<'s> {
             return Err(StoreError::source(f.path, "file changed size during the build"));
         }
         self.cache.insert(key, digest);
+        self.place(tmp_name, size, Hashed(written, digest, buffered))
+    }
+
+    /// Imports `size` bytes read from `src` (a stream: a layer being
+    /// unpacked, say) and returns their digest. `what` names the source in
+    /// messages. Fails if `src` ends early or holds more than `size` bytes.
+    pub fn import_reader(&self, what: &Path, size: u64, src: &mut dyn Read) -> Result<[u8; 32], StoreError> {
+        if self.cancel.as_ref().is_some_and(|c| c.load(Relaxed)) {
+            return Err(StoreError::Interrupted);
+        }
+        self.stats.files.fetch_add(1, Relaxed);
+        self.stats.bytes.fetch_add(size, Relaxed);
+        let tmp_name = format!("obj-{}-{}", std::process::id(), self.counter.fetch_add(1, Relaxed));
+        let hashed = if size <= SMALL_FILE {
+            let mut data = Vec::with_capacity(size as usize);
+            src.take(size + 1)
+                .read_to_end(&mut data)
+                .map_err(|e| StoreError::io(what, "cannot read", e))?;
+            let d = verity::digest_bytes(&data);
+            Hashed(data.len() as u64, d, Some(data))
+        } else {
+            let mut dst = self.create_temp(&tmp_name)?;
+            match hash_stream(&mut src.take(size + 1), &mut dst) {
+                Ok((n, d)) => Hashed(n, d, None),
+                Err(e) => {
+                    let _ = rfs::unlinkat(&self.tmp, &tmp_name, AtFlags::empty());
+                    return Err(match e {
+                        CopyError::Read(e) => StoreError::io(what, "cannot read", e),
+                        CopyError::Write(e) => self.write_error(e),
+                    });
+                }
+            }
+        };
+        if hashed.0 != size {
+            let _ = rfs::unlinkat(&self.tmp, &tmp_name, AtFlags::empty());
+            return Err(StoreError::source(
+                what,
+                if hashed.0 < size {
+                    "contents end early"
+                } else {
+                    "contents longer than stated"
+                },
+            ));
+        }
+        self.place(tmp_name, size, hashed)
+    }
+
+    /// Imports bytes held in memory and returns their digest.
+    pub fn import_bytes(&self, data: Vec<u8>) -> Result<[u8; 32], StoreError> {
+        let size = data.len() as u64;
+        self.stats.files.fetch_add(1, Relaxed);
+        self.stats.bytes.fetch_add(size, Relaxed);
+        let tmp_name = format!("obj-{}-{}", std::process::id(), self.counter.fetch_add(1, Relaxed));
+        let d = verity::digest_bytes(&data);
+        self.place(tmp_name, size, Hashed(size, d, Some(data)))
+    }
+
+    /// Makes a hashed object pending (or drops it, if present already).
+    fn place(&self, tmp_name: String, size: u64, Hashed(_, digest, buffered): Hashed) -> Result<[u8; 32], StoreError> {
         let fresh = self.seen.lock().unwrap().insert(digest);
-        // An object of another size than its source is damaged (truncated,
-        // say): the new copy replaces it when renamed into place. Same-size
-        // damage needs the bytes read again, which is fsck's job.
         let present = self.store.object_size(&digest);
         if !fresh || present == Some(size) {
             if buffered.is_none() {
@@ -466,6 +522,41 @@ fn hash_all(src: &mut std::fs::File, mut dst: Option<&mut std::fs::File>) -> io:
         // Trailing holes: give the file its full length.
         d.set_len(total).map_err(|e| io::Error::other(WriteFailed(e)))?;
     }
+    Ok((total, h.finalize()))
+}
+
+enum CopyError {
+    Read(io::Error),
+    Write(io::Error),
+}
+
+/// Reads any stream to its end, hashing it and writing it to `dst`.
+fn hash_stream(src: &mut dyn Read, dst: &mut std::fs::File) -> Result<(u64, [u8; 32]), CopyError> {
+    let mut h = verity::Hasher::new();
+    let mut buf = vec![0u8; 1 << 20];
+    let mut total = 0u64;
+    loop {
+        // Fill whole buffers: a decompressor hands out small pieces.
+        let mut n = 0;
+        while n < buf.len() {
+            match src.read(&mut buf[n..]) {
+                Ok(0) => break,
+                Ok(k) => n += k,
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+                Err(e) => return Err(CopyError::Read(e)),
+            }
+        }
+        if n == 0 {
+            break;
+        }
+        h.update(&buf[..n]);
+        write_sparse(dst, &buf[..n]).map_err(CopyError::Write)?;
+        total += n as u64;
+        if n < buf.len() {
+            break;
+        }
+    }
+    dst.set_len(total).map_err(CopyError::Write)?;
     Ok((total, h.finalize()))
 }
 

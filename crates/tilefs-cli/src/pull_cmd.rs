@@ -1,0 +1,124 @@
+//! `tilefs pull`: an OCI image in, a tagged image in the store out.
+
+use crate::build::{Interrupted, NewStore};
+use crate::progress::{self, Progress};
+use crate::store_arg::StoreArg;
+use anyhow::{Context, Result};
+use clap::Args;
+use std::process::ExitCode;
+use std::sync::atomic::{AtomicBool, Ordering::Relaxed};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+use tilefs_oci::manifest::Platform;
+use tilefs_oci::pull::PullProgress;
+use tilefs_oci::transport::RegistryOptions;
+use tilefs_oci::{ImageRef, OciError, PullOptions};
+use tilefs_store::Store;
+
+#[derive(Args)]
+pub struct PullArgs {
+    /// Image reference: oci:DIR[:NAME], oci-archive:FILE[:NAME], docker-archive:FILE[:REPO:TAG] or
+    /// docker://[HOST[:PORT]/]REPO[:TAG|@DIGEST]
+    pub reference: String,
+    #[command(flatten)]
+    pub store: StoreArg,
+    /// Tag to record the image under [default: the reference's repository and tag, e.g.
+    /// busybox:1.36, with '/' made '_']
+    #[arg(long, value_name = "NAME")]
+    pub tag: Option<String>,
+    /// Require HTTPS and valid certificates from registries (false: plain HTTP, or HTTPS without
+    /// certificate checks)
+    #[arg(long, value_name = "BOOL", default_value_t = true, action = clap::ArgAction::Set,
+          num_args = 0..=1, require_equals = true, default_missing_value = "true")]
+    pub tls_verify: bool,
+    /// Platform to pick from a multi-platform image [default: this machine's, e.g. linux/amd64]
+    #[arg(long, value_name = "OS/ARCH[/VARIANT]")]
+    pub platform: Option<String>,
+    /// Keep every xattr the layers carry (by default only security.capability is kept, as
+    /// composefs-rs does, so both tools give the same image)
+    #[arg(long)]
+    pub all_xattrs: bool,
+    /// Seconds a registry connection or read may stall before the pull fails
+    #[arg(long, default_value_t = 60, value_name = "SECS")]
+    pub timeout: u64,
+    /// Layers read at once [default: one per core, at least 2]
+    #[arg(short, long, default_value_t = 0, value_name = "N", hide_default_value = true)]
+    pub jobs: usize,
+    /// No progress display
+    #[arg(short, long)]
+    pub quiet: bool,
+    /// Print a JSON summary (tag, digest, layers, bytes, objects, seconds)
+    #[arg(long)]
+    pub json: bool,
+}
+
+pub fn run(a: PullArgs) -> Result<ExitCode> {
+    let started = Instant::now();
+    let r = ImageRef::parse(&a.reference)?;
+    let tag = a.tag.clone().unwrap_or_else(|| r.default_tag());
+    tilefs_store::tags::validate_tag(&tag)?;
+    let platform = a.platform.as_deref().map(Platform::parse).transpose()?;
+    let store_path = a.store.path()?;
+    let mut new_store = NewStore((!std::fs::symlink_metadata(&store_path).is_ok()).then(|| store_path.clone()));
+    let store = Store::create(&store_path)?;
+    let cancel = Arc::new(AtomicBool::new(false));
+    for sig in [signal_hook::consts::SIGINT, signal_hook::consts::SIGTERM] {
+        signal_hook::flag::register(sig, cancel.clone()).context("cannot handle signals")?;
+    }
+    let counters = Arc::new(PullProgress::default());
+    let opts = PullOptions {
+        platform,
+        registry: RegistryOptions {
+            tls_verify: a.tls_verify,
+            timeout: Duration::from_secs(a.timeout.max(1)),
+        },
+        keep_all_xattrs: a.all_xattrs,
+        jobs: a.jobs,
+        cancel: Some(cancel.clone()),
+        progress: Some(counters.clone()),
+    };
+    let display = progress::enabled(a.quiet || a.json).then(|| {
+        let c = counters.clone();
+        Progress::bytes(
+            "pulling",
+            move || (c.entries.load(Relaxed), c.blob_bytes.load(Relaxed)),
+            Arc::new(std::sync::atomic::AtomicU64::new(0)),
+        )
+    });
+    let result = tilefs_oci::pull(&store, &r, &tag, &opts);
+    drop(display);
+    let report = match result {
+        Ok(r) => r,
+        Err(e) => {
+            if matches!(e, OciError::Interrupted) || cancel.load(Relaxed) {
+                return Err(Interrupted.into());
+            }
+            return Err(anyhow::Error::new(e).context(format!("cannot pull {r}")));
+        }
+    };
+    new_store.0 = None;
+    if !a.quiet {
+        for n in &report.notes {
+            eprintln!("tilefs: note: {n}");
+        }
+    }
+    if a.json {
+        let mut v = serde_json::to_value(&report)?;
+        v["store"] = store_path.display().to_string().into();
+        v["reference"] = r.to_string().into();
+        v["seconds"] = started.elapsed().as_secs_f64().into();
+        println!("{}", serde_json::to_string_pretty(&v)?);
+    } else {
+        if !a.quiet {
+            eprintln!(
+                "tilefs: pulled {r} as {tag:?} in {} ({} layers, {} entries, {} new objects)",
+                store_path.display(),
+                report.layers,
+                report.entries,
+                report.objects.new_objects
+            );
+        }
+        println!("{}", report.digest);
+    }
+    Ok(ExitCode::SUCCESS)
+}

@@ -1,0 +1,46 @@
+//! The rules composefs-rs applies to the tree of an OCI image, so that
+//! both tools give the same image, and so the same digest, for the same
+//! OCI image:
+//!
+//! - the root directory takes `/usr`'s mode, owner, mtime and xattrs (a
+//!   layer's own entry for `/` is ignored, as runtimes ignore it); an
+//!   image without `/usr` keeps a root of `0755`, owned by root, time zero;
+//! - `/run` is emptied and takes `/usr`'s mtime;
+//! - mtimes are the tar header's whole seconds, or a PAX record's seconds
+//!   and nanoseconds;
+//! - among xattrs only `security.capability` is kept, unless the caller
+//!   asks for all of them;
+//! - the image is written in format version 1.
+
+use tilefs_image::tree::{Tree, ROOT};
+
+/// The one xattr composefs-rs keeps from layers.
+pub const KEPT_XATTR: &[u8] = b"security.capability";
+
+/// The image format version composefs-rs writes for OCI images.
+pub const FORMAT_VERSION: u32 = 1;
+
+/// Applies the rules to the working tree of an [`crate::apply::Applier`]
+/// (before its `finish`, which then counts links without what was removed).
+pub fn normalize(tree: &mut Tree, keep_all_xattrs: bool) {
+    if !keep_all_xattrs {
+        for inode in &mut tree.inodes {
+            inode.xattrs.retain(|x| x.key == KEPT_XATTR);
+        }
+    }
+    let Some(usr) = tree.lookup_path(b"/usr").filter(|&id| tree.inode(id).is_dir()) else {
+        return;
+    };
+    let usr = tree.inode(usr).clone();
+    let root = tree.inode_mut(ROOT);
+    root.mode = usr.mode;
+    root.uid = usr.uid;
+    root.gid = usr.gid;
+    root.mtime = usr.mtime;
+    root.xattrs = usr.xattrs.clone();
+    if let Some(run) = tree.lookup_path(b"/run").filter(|&id| tree.inode(id).is_dir()) {
+        let run = tree.inode_mut(run);
+        run.entries.clear();
+        run.mtime = usr.mtime;
+    }
+}

@@ -1,0 +1,425 @@
+//! Reading one layer: a (compressed) tar stream becomes a list of
+//! [`LayerEntry`]s, and every regular file's contents an object in the
+//! store, while the stream is read once.
+//!
+//! Layers are read independently (in parallel); only applying them
+//! ([`crate::apply`]) is ordered. Names are checked here: every entry's
+//! path must stay below the root (no `..`, no absolute name), and is kept
+//! as its list of components.
+
+use crate::OciError;
+use std::io::{self, Read};
+use std::path::Path;
+use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
+use tar::EntryType;
+use tilefs_image::tree::{Timespec, RECOMMENDED_INLINE_MAX, S_IFBLK, S_IFCHR, S_IFDIR, S_IFIFO, S_IFLNK, S_IFREG};
+use tilefs_store::ingest::Ingest;
+
+/// The whiteout prefix of the OCI layer format.
+pub const WHITEOUT_PREFIX: &[u8] = b".wh.";
+/// The opaque-directory marker.
+pub const OPAQUE_MARKER: &[u8] = b".wh..wh..opq";
+
+/// How a layer blob is compressed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Compression {
+    None,
+    Gzip,
+    Zstd,
+}
+
+impl Compression {
+    /// The compression a media type names, if it names one. Unknown or
+    /// generic types (and Docker's, which are always gzip in practice but
+    /// not always in fact) are decided by the stream's first bytes.
+    pub fn from_media_type(media_type: &str) -> Option<Compression> {
+        if media_type.ends_with("+gzip") || media_type.ends_with(".gzip") {
+            Some(Compression::Gzip)
+        } else if media_type.ends_with("+zstd") || media_type.ends_with(".zstd") {
+            Some(Compression::Zstd)
+        } else if media_type.ends_with(".tar") {
+            Some(Compression::None)
+        } else {
+            None
+        }
+    }
+
+    /// The compression the first bytes of a stream show.
+    pub fn sniff(head: &[u8]) -> Compression {
+        if head.starts_with(&[0x1f, 0x8b]) {
+            Compression::Gzip
+        } else if head.starts_with(&[0x28, 0xb5, 0x2f, 0xfd]) {
+            Compression::Zstd
+        } else {
+            Compression::None
+        }
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Compression::None => "uncompressed",
+            Compression::Gzip => "gzip",
+            Compression::Zstd => "zstd",
+        }
+    }
+}
+
+/// Metadata a tar header gives every entry.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Meta {
+    /// Permission bits (`0o7777`), without the type.
+    pub perm: u32,
+    pub uid: u32,
+    pub gid: u32,
+    /// The header's seconds, or a PAX `mtime` record's seconds and
+    /// nanoseconds (composefs-rs keeps those; OCI tools rarely write them).
+    pub mtime: Timespec,
+    /// `SCHILY.xattr.*` records, in the order the header lists them.
+    pub xattrs: Vec<(Vec<u8>, Vec<u8>)>,
+}
+
+/// A regular file's contents.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Content {
+    /// Up to [`RECOMMENDED_INLINE_MAX`] bytes, kept in the image.
+    Inline(Vec<u8>),
+    /// Stored in the store under this fs-verity digest.
+    Object([u8; 32]),
+}
+
+/// What an entry is.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Kind {
+    Dir,
+    File {
+        size: u64,
+        content: Content,
+    },
+    Symlink(Vec<u8>),
+    /// A second name of the file at this path (within the tree as applied
+    /// so far, this layer included).
+    Hardlink(Vec<Vec<u8>>),
+    /// A device (`mode` carries the type), with its number in the kernel's
+    /// encoding.
+    Device {
+        mode_type: u32,
+        rdev: u32,
+    },
+    Fifo,
+    /// `.wh.NAME`: removes NAME from the layers below.
+    Whiteout,
+    /// `.wh..wh..opq`: hides what the layers below hold in the directory.
+    Opaque,
+}
+
+/// One entry of a layer.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LayerEntry {
+    /// Components below the root; for a whiteout, the path it removes; for
+    /// an opaque marker, the directory. Empty for the root itself.
+    pub path: Vec<Vec<u8>>,
+    pub kind: Kind,
+    pub meta: Meta,
+}
+
+impl LayerEntry {
+    /// The entry's path as the layer spells it, for messages.
+    pub fn display_path(&self) -> String {
+        display_components(&self.path)
+    }
+
+    /// The inode type bits of the entry's mode.
+    pub fn type_bits(&self) -> u32 {
+        match &self.kind {
+            Kind::Dir => S_IFDIR,
+            Kind::File { .. } => S_IFREG,
+            Kind::Symlink(_) => S_IFLNK,
+            Kind::Device { mode_type, .. } => *mode_type,
+            Kind::Fifo => S_IFIFO,
+            Kind::Hardlink(_) | Kind::Whiteout | Kind::Opaque => 0,
+        }
+    }
+}
+
+/// A path for messages: components joined with `/`, bytes that are not
+/// UTF-8 shown escaped.
+pub fn display_components(path: &[Vec<u8>]) -> String {
+    if path.is_empty() {
+        return "/".to_string();
+    }
+    let joined = path.join(&b'/');
+    joined.escape_ascii().to_string()
+}
+
+/// Options of layer reading.
+#[derive(Clone, Copy, Default)]
+pub struct ReadOptions<'a> {
+    /// Checked before each entry: once true, reading stops ("interrupted").
+    pub stop: Option<&'a (dyn Fn() -> bool + Sync)>,
+    /// Counts the entries read, for progress displays.
+    pub entries: Option<&'a AtomicU64>,
+}
+
+/// Reads the tar stream `tar` (already decompressed), storing file
+/// contents through `ingest`. `blob` names the layer in messages.
+pub fn read_entries(
+    tar: &mut dyn Read,
+    blob: &str,
+    ingest: &Ingest,
+    opts: ReadOptions,
+) -> Result<Vec<LayerEntry>, OciError> {
+    let mut archive = tar::Archive::new(tar);
+    let mut out = Vec::new();
+    let entries = archive
+        .entries()
+        .map_err(|e| OciError::layer(blob, None, format!("not a tar stream: {e}")))?;
+    for (index, entry) in entries.enumerate() {
+        if opts.stop.is_some_and(|stop| stop()) {
+            return Err(OciError::Interrupted);
+        }
+        let mut entry = entry
+            .map_err(|e| OciError::layer(blob, None, format!("entry {}: unreadable tar header: {e}", index + 1)))?;
+        let raw_path = entry.path_bytes().into_owned();
+        let name = raw_path.escape_ascii().to_string();
+        let fail = |reason: String| OciError::layer(blob, Some(&name), reason);
+        let path = split_path(&raw_path).map_err(|r| fail(r.to_string()))?;
+        let header = entry.header();
+        let etype = header.entry_type();
+        let mut meta = Meta {
+            perm: header.mode().map_err(|e| fail(format!("bad mode: {e}")))? & 0o7777,
+            uid: id_field(header.uid(), "uid").map_err(fail)?,
+            gid: id_field(header.gid(), "gid").map_err(fail)?,
+            mtime: Timespec {
+                sec: header.mtime().map_err(|e| fail(format!("bad mtime: {e}")))? as i64,
+                nsec: 0,
+            },
+            xattrs: Vec::new(),
+        };
+        if let Some(pax) = entry
+            .pax_extensions()
+            .map_err(|e| fail(format!("bad PAX header: {e}")))?
+        {
+            for ext in pax {
+                let ext = ext.map_err(|e| fail(format!("bad PAX record: {e}")))?;
+                let key = ext.key_bytes();
+                if let Some(xattr) = key.strip_prefix(b"SCHILY.xattr.") {
+                    meta.xattrs.push((xattr.to_vec(), ext.value_bytes().to_vec()));
+                } else if key == b"mtime" {
+                    meta.mtime = pax_time(ext.value_bytes()).ok_or_else(|| fail("bad PAX mtime".into()))?;
+                }
+            }
+        }
+        if let Some(n) = opts.entries {
+            n.fetch_add(1, Relaxed);
+        }
+
+        // Whiteouts are recognized by name, whatever their type.
+        if let Some(last) = path.last() {
+            if last.as_slice() == OPAQUE_MARKER {
+                let mut dir = path.clone();
+                dir.pop();
+                out.push(LayerEntry {
+                    path: dir,
+                    kind: Kind::Opaque,
+                    meta,
+                });
+                continue;
+            }
+            if let Some(target) = last.strip_prefix(WHITEOUT_PREFIX) {
+                // Other `.wh..wh.` names are bookkeeping of old tools (aufs
+                // hardlink directories): runtimes skip them.
+                if target.starts_with(WHITEOUT_PREFIX) {
+                    continue;
+                }
+                if target.is_empty() || target == b"." || target == b".." {
+                    return Err(fail("whiteout of an invalid name".into()));
+                }
+                let mut removed = path.clone();
+                *removed.last_mut().unwrap() = target.to_vec();
+                out.push(LayerEntry {
+                    path: removed,
+                    kind: Kind::Whiteout,
+                    meta,
+                });
+                continue;
+            }
+        }
+
+        let kind = match etype {
+            EntryType::Directory => Kind::Dir,
+            EntryType::Regular | EntryType::Continuous | EntryType::GNUSparse => {
+                if path.is_empty() {
+                    return Err(fail("the root is not a regular file".into()));
+                }
+                let size = entry.size();
+                let content = if size <= RECOMMENDED_INLINE_MAX {
+                    let mut data = Vec::with_capacity(size as usize);
+                    entry
+                        .read_to_end(&mut data)
+                        .map_err(|e| fail(format!("cannot read contents: {e}")))?;
+                    if data.len() as u64 != size {
+                        return Err(fail("contents end early".into()));
+                    }
+                    Content::Inline(data)
+                } else {
+                    let d = ingest
+                        .import_reader(Path::new(&name), size, &mut entry)
+                        .map_err(|e| match e {
+                            tilefs_store::StoreError::Interrupted => OciError::Interrupted,
+                            tilefs_store::StoreError::Io { path, what, err } if path == Path::new(&name) => {
+                                fail(format!("{what}: {err}"))
+                            }
+                            tilefs_store::StoreError::Source { path, msg } if path == Path::new(&name) => {
+                                fail(msg.to_string())
+                            }
+                            e => OciError::Store(e),
+                        })?;
+                    Content::Object(d)
+                };
+                Kind::File { size, content }
+            }
+            EntryType::Symlink => {
+                let target = entry
+                    .link_name_bytes()
+                    .ok_or_else(|| fail("symlink without a target".into()))?
+                    .into_owned();
+                if target.is_empty() {
+                    return Err(fail("symlink with an empty target".into()));
+                }
+                if target.len() > tilefs_image::tree::MAX_PAYLOAD_LEN || target.contains(&0) {
+                    return Err(fail("symlink target too long or holding a NUL byte".into()));
+                }
+                Kind::Symlink(target)
+            }
+            EntryType::Link => {
+                let target = entry
+                    .link_name_bytes()
+                    .ok_or_else(|| fail("hardlink without a target".into()))?
+                    .into_owned();
+                let target = split_path(&target).map_err(|r| fail(format!("hardlink target: {r}")))?;
+                if target.is_empty() {
+                    return Err(fail("hardlink to the root".into()));
+                }
+                Kind::Hardlink(target)
+            }
+            EntryType::Char | EntryType::Block => {
+                let major = entry
+                    .header()
+                    .device_major()
+                    .map_err(|e| fail(format!("bad device major: {e}")))?
+                    .unwrap_or(0);
+                let minor = entry
+                    .header()
+                    .device_minor()
+                    .map_err(|e| fail(format!("bad device minor: {e}")))?
+                    .unwrap_or(0);
+                let rdev = rustix::fs::makedev(major, minor) as u32;
+                let mode_type = if etype == EntryType::Char { S_IFCHR } else { S_IFBLK };
+                Kind::Device { mode_type, rdev }
+            }
+            EntryType::Fifo => Kind::Fifo,
+            // Global PAX headers and the like carry nothing a tree needs;
+            // the tar reader already applied the per-entry ones.
+            EntryType::XGlobalHeader | EntryType::XHeader | EntryType::GNULongName | EntryType::GNULongLink => continue,
+            other => {
+                return Err(fail(format!(
+                    "unsupported tar entry type {:?}",
+                    other.as_byte() as char
+                )))
+            }
+        };
+        if path.is_empty() && kind != Kind::Dir {
+            return Err(fail("the root is not a directory".into()));
+        }
+        out.push(LayerEntry { path, kind, meta });
+    }
+    Ok(out)
+}
+
+/// Splits a tar member name into components below the root: `./` and
+/// repeated or trailing slashes are dropped; `..` and absolute names are
+/// refused (a layer never names anything outside its root).
+pub fn split_path(raw: &[u8]) -> Result<Vec<Vec<u8>>, &'static str> {
+    if raw.first() == Some(&b'/') {
+        return Err("absolute name (escapes the root)");
+    }
+    if raw.contains(&0) {
+        return Err("name holds a NUL byte");
+    }
+    let mut out = Vec::new();
+    for comp in raw.split(|&c| c == b'/') {
+        match comp {
+            b"" | b"." => {}
+            b".." => return Err("name holds `..` (escapes the root)"),
+            c if c.len() > tilefs_image::tree::MAX_NAME_LEN => return Err("a name component is longer than 255 bytes"),
+            c => out.push(c.to_vec()),
+        }
+    }
+    Ok(out)
+}
+
+fn id_field(v: io::Result<u64>, what: &str) -> Result<u32, String> {
+    let v = v.map_err(|e| format!("bad {what}: {e}"))?;
+    u32::try_from(v).map_err(|_| format!("{what} {v} does not fit in 32 bits"))
+}
+
+/// A PAX time (`[-]SECONDS[.FRACTION]`) as seconds and nanoseconds
+/// (digits past the ninth are dropped; a negative time is rounded down to
+/// a whole second and counted up from there, as `struct timespec` holds it).
+fn pax_time(v: &[u8]) -> Option<Timespec> {
+    let s = std::str::from_utf8(v).ok()?;
+    let (int, frac) = s.split_once('.').unwrap_or((s, ""));
+    let sec: i64 = int.parse().ok()?;
+    if !frac.bytes().all(|b| b.is_ascii_digit()) {
+        return None;
+    }
+    let mut nsec: u32 = 0;
+    for (i, b) in frac.bytes().take(9).enumerate() {
+        nsec += u32::from(b - b'0') * 10u32.pow(8 - i as u32);
+    }
+    if int.starts_with('-') && nsec > 0 {
+        return Some(Timespec {
+            sec: sec.checked_sub(1)?,
+            nsec: 1_000_000_000 - nsec,
+        });
+    }
+    Some(Timespec { sec, nsec })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn paths_stay_below_the_root() {
+        assert_eq!(
+            split_path(b"./usr//bin/").unwrap(),
+            vec![b"usr".to_vec(), b"bin".to_vec()]
+        );
+        assert!(split_path(b"./").unwrap().is_empty());
+        assert!(split_path(b"/etc/passwd").is_err());
+        assert!(split_path(b"usr/../../etc").is_err());
+        assert!(split_path(b"..").is_err());
+    }
+
+    #[test]
+    fn pax_times_keep_nanoseconds() {
+        let t = |sec, nsec| Some(Timespec { sec, nsec });
+        assert_eq!(pax_time(b"1650000000.75"), t(1650000000, 750_000_000));
+        assert_eq!(pax_time(b"12"), t(12, 0));
+        assert_eq!(pax_time(b"1.1234567891"), t(1, 123_456_789));
+        assert_eq!(pax_time(b"-1.5"), t(-2, 500_000_000));
+        assert_eq!(pax_time(b"x"), None);
+    }
+
+    #[test]
+    fn compression_is_sniffed() {
+        assert_eq!(Compression::sniff(&[0x1f, 0x8b, 8]), Compression::Gzip);
+        assert_eq!(Compression::sniff(&[0x28, 0xb5, 0x2f, 0xfd]), Compression::Zstd);
+        assert_eq!(Compression::sniff(b"usr/"), Compression::None);
+        assert_eq!(
+            Compression::from_media_type("application/vnd.oci.image.layer.v1.tar+zstd"),
+            Some(Compression::Zstd)
+        );
+    }
+}

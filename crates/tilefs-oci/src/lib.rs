@@ -1,0 +1,93 @@
+//! tilefs-oci: OCI images in.
+//!
+//! - [`reference`]: image references in skopeo's transport syntax;
+//! - [`transport`]: where manifests and blobs come from (an OCI layout, an
+//!   OCI or Docker archive, a registry through the distribution API), every
+//!   blob checked against its digest as it streams;
+//! - [`manifest`]: from an index or manifest to the list of layers;
+//! - [`layer`]: one layer's tar stream to entries, file contents into the
+//!   store (layers are read in parallel);
+//! - [`apply`]: layers applied in order into one tree (whiteouts, opaque
+//!   directories, replacements, hardlinks);
+//! - [`compat`]: composefs-rs's rules, so both tools give the same image;
+//! - [`pull`]: all of it, from a reference to an image in a store.
+
+pub mod apply;
+pub mod compat;
+pub mod digest;
+pub mod layer;
+pub mod manifest;
+pub mod pull;
+pub mod reference;
+pub mod transport;
+
+pub use pull::{pull, PullOptions, PullReport};
+pub use reference::ImageRef;
+
+use tilefs_store::StoreError;
+
+/// Why a pull failed. Every message names the blob, entry, file or
+/// registry at fault and the reason.
+#[derive(Debug, thiserror::Error)]
+pub enum OciError {
+    #[error("{0}")]
+    Reference(String),
+    /// A layer that cannot be read or applied.
+    #[error("layer {blob}{}: {reason}", entry.as_ref().map(|e| format!(": {e}")).unwrap_or_default())]
+    Layer {
+        blob: String,
+        entry: Option<String>,
+        reason: String,
+    },
+    /// A blob that is not what its descriptor says.
+    #[error("blob {blob}: {reason}")]
+    Blob { blob: String, reason: String },
+    /// An index, manifest or configuration that is not one.
+    #[error("{what}: {reason}")]
+    Manifest { what: String, reason: String },
+    /// A registry that refused, failed or did not answer.
+    #[error("registry {registry}: {reason}")]
+    Registry { registry: String, reason: String },
+    #[error("{}: {what}: {err}", path.display())]
+    Io {
+        path: std::path::PathBuf,
+        what: &'static str,
+        err: std::io::Error,
+    },
+    #[error(transparent)]
+    Store(#[from] StoreError),
+    #[error("interrupted")]
+    Interrupted,
+}
+
+impl OciError {
+    pub fn layer(blob: &str, entry: Option<&str>, reason: impl Into<String>) -> OciError {
+        OciError::Layer {
+            blob: blob.to_string(),
+            entry: entry.map(str::to_string),
+            reason: reason.into(),
+        }
+    }
+
+    pub fn blob(blob: &str, reason: impl Into<String>) -> OciError {
+        OciError::Blob {
+            blob: blob.to_string(),
+            reason: reason.into(),
+        }
+    }
+
+    pub fn manifest(what: impl Into<String>, reason: impl Into<String>) -> OciError {
+        OciError::Manifest {
+            what: what.into(),
+            reason: reason.into(),
+        }
+    }
+
+    pub fn io(path: &std::path::Path, what: &'static str, err: std::io::Error) -> OciError {
+        OciError::Io {
+            path: path.to_path_buf(),
+            what,
+            err,
+        }
+    }
+}

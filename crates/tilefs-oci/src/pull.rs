@@ -1,0 +1,284 @@
+//! A pull: from an image reference to a tagged image in a store.
+//!
+//! The manifest is resolved first (nothing is written before the image is
+//! known to be one). Layers are then read in parallel, largest first, each
+//! on one thread that streams its blob through the digest check and the
+//! decompressor into the tar reader, writing file contents into the store
+//! as it goes. Applying them is ordered and cheap (metadata only). The
+//! image is written, its objects made durable, and only then the tag.
+//!
+//! On any failure nothing is tagged; objects already written are complete
+//! and named by their own digest (so never corrupt); `gc` removes them.
+
+use crate::apply::Applier;
+use crate::digest::Verified;
+use crate::layer::{self, Compression, LayerEntry, ReadOptions};
+use crate::manifest::{BlobRef, Platform, MAX_MANIFEST};
+use crate::transport::{self, RegistryOptions, Transport};
+use crate::{compat, ImageRef, OciError};
+use std::io::{self, BufRead, BufReader, Read};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering::Relaxed};
+use std::sync::{Arc, Mutex};
+use tilefs_image::erofs::{self, WriteOptions};
+use tilefs_store::ingest::{Ingest, Method, StatsSnapshot};
+use tilefs_store::{tags, Store};
+
+/// How to pull.
+#[derive(Debug, Clone, Default)]
+pub struct PullOptions {
+    /// The platform to pick from an index (default: this machine's).
+    pub platform: Option<Platform>,
+    pub registry: RegistryOptions,
+    /// Keep every xattr the layers carry, not only `security.capability`
+    /// (the image then differs from composefs-rs's where layers have
+    /// others).
+    pub keep_all_xattrs: bool,
+    /// Layers read at once (0: one per core, at least two).
+    pub jobs: usize,
+    /// Once set, the pull stops with [`OciError::Interrupted`].
+    pub cancel: Option<Arc<AtomicBool>>,
+    /// Counters for a progress display.
+    pub progress: Option<Arc<PullProgress>>,
+}
+
+/// Counters of a pull, readable while it runs.
+#[derive(Debug, Default)]
+pub struct PullProgress {
+    pub layers_total: AtomicU64,
+    pub layers_done: AtomicU64,
+    /// Sum of the layers' blob sizes, once known.
+    pub blob_total: AtomicU64,
+    /// Blob bytes read so far.
+    pub blob_bytes: Arc<AtomicU64>,
+    pub entries: AtomicU64,
+}
+
+/// What a pull did.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct PullReport {
+    pub tag: String,
+    /// The image's fs-verity digest, hex.
+    pub digest: String,
+    pub image_bytes: usize,
+    pub format_version: u32,
+    pub manifest_digest: Option<String>,
+    pub layers: usize,
+    /// Blob bytes read (compressed, as transferred).
+    pub blob_bytes: u64,
+    pub entries: usize,
+    #[serde(flatten)]
+    pub objects: StatsSnapshot,
+    /// Notes for the user (the store's filesystem lacks fs-verity, say).
+    #[serde(skip)]
+    pub notes: Vec<String>,
+}
+
+/// Pulls the image `r` into `store` and tags it `tag`.
+pub fn pull(store: &Store, r: &ImageRef, tag: &str, opts: &PullOptions) -> Result<PullReport, OciError> {
+    tags::validate_tag(tag)?;
+    let t = transport::open(r, &opts.registry)?;
+    let platform = opts.platform.clone().unwrap_or_else(Platform::host);
+    let resolved = t.resolve(&platform)?;
+    if let Some(config) = &resolved.config {
+        check_config(t.as_ref(), config, resolved.layers.len())?;
+    }
+    let progress = opts.progress.clone().unwrap_or_default();
+    progress.layers_total.store(resolved.layers.len() as u64, Relaxed);
+    progress
+        .blob_total
+        .store(resolved.layers.iter().filter_map(|l| l.size).sum(), Relaxed);
+
+    let mut ingest = Ingest::new(store, Method::Copy)?;
+    if let Some(c) = &opts.cancel {
+        ingest.set_cancel(c.clone());
+    }
+    let layers = read_layers(t.as_ref(), &resolved.layers, &ingest, &progress, opts)?;
+    let mut applier = Applier::new();
+    let mut entries = 0;
+    for (blob, l) in resolved.layers.iter().zip(layers) {
+        entries += l.len();
+        applier.apply_layer(&blob.digest.to_string(), l)?;
+    }
+    compat::normalize(applier.tree_mut(), opts.keep_all_xattrs);
+    let tree = applier.finish();
+    let image = erofs::write_image(
+        &tree,
+        &WriteOptions {
+            min_version: compat::FORMAT_VERSION,
+            max_version: compat::FORMAT_VERSION,
+        },
+    )
+    .map_err(|e| OciError::manifest(r.to_string(), format!("cannot write the image: {e}")))?;
+    let objects = ingest.finish()?;
+    tags::write_tag(store, tag, &image.bytes)?;
+    let notes = ingest.verity_warning().into_iter().collect();
+    drop(ingest);
+    Ok(PullReport {
+        tag: tag.to_string(),
+        digest: hex::encode(image.digest),
+        image_bytes: image.bytes.len(),
+        format_version: image.version,
+        manifest_digest: resolved.manifest_digest.map(|d| d.to_string()),
+        layers: resolved.layers.len(),
+        blob_bytes: progress.blob_bytes.load(Relaxed),
+        entries,
+        objects,
+        notes,
+    })
+}
+
+/// The configuration must be an image configuration listing as many
+/// layers as the manifest (composefs-rs walks the configuration's list).
+fn check_config(t: &dyn Transport, config: &BlobRef, layers: usize) -> Result<(), OciError> {
+    let what = format!("configuration {}", config.digest);
+    if config.size.is_some_and(|s| s > MAX_MANIFEST) {
+        return Err(OciError::manifest(&what, "larger than 4 MiB"));
+    }
+    let raw = transport::read_checked(
+        t.open_blob(config)?,
+        &config.digest,
+        config.size.unwrap_or(MAX_MANIFEST),
+        "configuration",
+    )?;
+    let v: serde_json::Value =
+        serde_json::from_slice(&raw).map_err(|e| OciError::manifest(&what, format!("not JSON: {e}")))?;
+    let diff_ids = v
+        .pointer("/rootfs/diff_ids")
+        .and_then(|d| d.as_array())
+        .ok_or_else(|| OciError::manifest(&what, "not an image configuration (no rootfs.diff_ids)"))?;
+    if diff_ids.len() != layers {
+        return Err(OciError::manifest(
+            &what,
+            format!("lists {} layers where the manifest has {layers}", diff_ids.len()),
+        ));
+    }
+    Ok(())
+}
+
+/// Reads every layer, several at once, largest first; returns their
+/// entries in manifest order, or the first error in that order.
+fn read_layers(
+    t: &dyn Transport,
+    layers: &[BlobRef],
+    ingest: &Ingest,
+    progress: &PullProgress,
+    opts: &PullOptions,
+) -> Result<Vec<Vec<LayerEntry>>, OciError> {
+    let mut order: Vec<usize> = (0..layers.len()).collect();
+    order.sort_by_key(|&i| std::cmp::Reverse(layers[i].size.unwrap_or(0)));
+    let threads = match opts.jobs {
+        0 => std::thread::available_parallelism().map_or(2, |n| n.get()).max(2),
+        n => n,
+    }
+    .min(layers.len().max(1));
+    let next = AtomicUsize::new(0);
+    let failed = AtomicBool::new(false);
+    type Slot = Mutex<Option<Result<Vec<LayerEntry>, OciError>>>;
+    let results: Vec<Slot> = layers.iter().map(|_| Mutex::new(None)).collect();
+    let stop = || failed.load(Relaxed) || opts.cancel.as_ref().is_some_and(|c| c.load(Relaxed));
+    std::thread::scope(|s| {
+        for _ in 0..threads {
+            s.spawn(|| loop {
+                let k = next.fetch_add(1, Relaxed);
+                let Some(&i) = order.get(k) else { break };
+                if stop() {
+                    break;
+                }
+                let r = read_layer(t, &layers[i], ingest, progress, &stop);
+                if r.is_err() {
+                    failed.store(true, Relaxed);
+                }
+                progress.layers_done.fetch_add(1, Relaxed);
+                *results[i].lock().unwrap() = Some(r);
+            });
+        }
+    });
+    if opts.cancel.as_ref().is_some_and(|c| c.load(Relaxed)) {
+        return Err(OciError::Interrupted);
+    }
+    let mut out = Vec::with_capacity(layers.len());
+    let mut first_err = None;
+    for r in results {
+        match r.into_inner().unwrap() {
+            Some(Ok(e)) => out.push(e),
+            // An interruption caused by another layer's failure is not the
+            // error to report.
+            Some(Err(OciError::Interrupted)) | None => {}
+            Some(Err(e)) => {
+                first_err.get_or_insert(e);
+            }
+        }
+    }
+    match first_err {
+        Some(e) => Err(e),
+        None if out.len() == layers.len() => Ok(out),
+        None => Err(OciError::Interrupted),
+    }
+}
+
+/// Reads one layer: blob -> digest check -> decompressor -> tar entries.
+fn read_layer(
+    t: &dyn Transport,
+    blob: &BlobRef,
+    ingest: &Ingest,
+    progress: &PullProgress,
+    stop: &(dyn Fn() -> bool + Sync),
+) -> Result<Vec<LayerEntry>, OciError> {
+    let name = blob.digest.to_string();
+    let raw = t.open_blob(blob)?;
+    let verified = Verified::new(raw, blob.digest.clone(), blob.size).counting(progress.blob_bytes.clone());
+    let check = verified.check();
+    let mut buf = BufReader::with_capacity(1 << 20, verified);
+    let result = (|| -> Result<Vec<LayerEntry>, OciError> {
+        let head = buf
+            .fill_buf()
+            .map_err(|e| OciError::layer(&name, None, format!("cannot read: {e}")))?;
+        let compression = Compression::sniff(head);
+        let mut stream: Box<dyn Read> = match compression {
+            Compression::None => Box::new(&mut buf),
+            Compression::Gzip => Box::new(flate2::bufread::MultiGzDecoder::new(&mut buf)),
+            Compression::Zstd => Box::new(
+                zstd::Decoder::with_buffer(&mut buf).map_err(|e| OciError::layer(&name, None, format!("zstd: {e}")))?,
+            ),
+        };
+        let opts = ReadOptions {
+            stop: Some(stop),
+            entries: Some(&progress.entries),
+        };
+        let entries =
+            layer::read_entries(&mut stream, &name, ingest, opts).map_err(|e| with_compression(e, compression))?;
+        // The rest of the stream (tar padding, the compressor's trailer)
+        // must be read too: that is where a truncated or corrupt stream and
+        // a wrong digest show.
+        io::copy(&mut stream, &mut io::sink()).map_err(|e| {
+            OciError::layer(
+                &name,
+                None,
+                format!("{} stream after the tar archive: {e}", compression.name()),
+            )
+        })?;
+        Ok(entries)
+    })();
+    // A blob that is not what its descriptor says is the error, whatever
+    // it made the decompressor or tar reader say.
+    if let Some(f) = check.failure() {
+        return Err(OciError::blob(&name, f));
+    }
+    let entries = result?;
+    check.result().map_err(|f| OciError::blob(&name, f))?;
+    Ok(entries)
+}
+
+/// Adds the compression to a layer error that the decompressor caused.
+fn with_compression(e: OciError, c: Compression) -> OciError {
+    match e {
+        OciError::Layer { blob, entry, reason } if c != Compression::None && reason.contains("unreadable") => {
+            OciError::Layer {
+                blob,
+                entry,
+                reason: format!("{reason} (in the {} stream)", c.name()),
+            }
+        }
+        e => e,
+    }
+}

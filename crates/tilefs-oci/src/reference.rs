@@ -1,0 +1,168 @@
+//! Image references in skopeo's transport syntax:
+//! `oci:DIR[:TAG]`, `oci-archive:FILE[:TAG]`, `docker-archive:FILE[:REPO:TAG]`,
+//! `docker://[HOST[:PORT]/]REPO[:TAG|@DIGEST]`.
+
+use crate::OciError;
+use std::path::{Path, PathBuf};
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ImageRef {
+    /// An OCI image layout directory, and the image's
+    /// `org.opencontainers.image.ref.name` in it.
+    OciDir { dir: PathBuf, tag: Option<String> },
+    /// A tar archive of an OCI image layout.
+    OciArchive { file: PathBuf, tag: Option<String> },
+    /// A `docker save` archive, and which of its images (`REPO:TAG`).
+    DockerArchive { file: PathBuf, image: Option<String> },
+    /// A registry: the reference as written after `docker://`.
+    Registry { reference: String },
+}
+
+impl ImageRef {
+    pub fn parse(s: &str) -> Result<ImageRef, OciError> {
+        let bad = |why: &str| OciError::Reference(format!("invalid image reference {s:?}: {why}"));
+        let (transport, rest) = s.split_once(':').ok_or_else(|| {
+            bad("expected TRANSPORT:DETAILS (oci:DIR, oci-archive:FILE, docker-archive:FILE, docker://REF)")
+        })?;
+        // As skopeo: the path ends at the first colon.
+        let path_and_tag = |rest: &str| -> Result<(PathBuf, Option<String>), OciError> {
+            let (p, tag) = match rest.split_once(':') {
+                Some((p, t)) => (p, Some(t.to_string())),
+                None => (rest, None),
+            };
+            if p.is_empty() {
+                return Err(bad("empty path"));
+            }
+            if tag.as_deref() == Some("") {
+                return Err(bad("empty tag after ':'"));
+            }
+            Ok((PathBuf::from(p), tag))
+        };
+        match transport {
+            "oci" => {
+                let (dir, tag) = path_and_tag(rest)?;
+                Ok(ImageRef::OciDir { dir, tag })
+            }
+            "oci-archive" => {
+                let (file, tag) = path_and_tag(rest)?;
+                Ok(ImageRef::OciArchive { file, tag })
+            }
+            "docker-archive" => {
+                let (file, image) = path_and_tag(rest)?;
+                Ok(ImageRef::DockerArchive { file, image })
+            }
+            "docker" => {
+                let r = rest
+                    .strip_prefix("//")
+                    .ok_or_else(|| bad("a registry reference is docker://[HOST/]REPO[:TAG|@DIGEST]"))?;
+                if r.is_empty() || r.contains(char::is_whitespace) {
+                    return Err(bad("empty or malformed registry reference"));
+                }
+                Ok(ImageRef::Registry {
+                    reference: r.to_string(),
+                })
+            }
+            other => Err(bad(&format!(
+                "unsupported transport {other:?} (use oci:, oci-archive:, docker-archive: or docker://)"
+            ))),
+        }
+    }
+
+    /// The tag an image pulled from here gets unless told otherwise: the
+    /// repository (without `docker.io/library/`) and tag, or the layout's
+    /// file name and tag, with `/` made `_` (a tag is one file name).
+    pub fn default_tag(&self) -> String {
+        let base = |p: &Path| -> String {
+            let name = p
+                .file_name()
+                .map(|n| n.to_string_lossy().into_owned())
+                .unwrap_or_else(|| "image".into());
+            name.strip_suffix(".tar").map(str::to_string).unwrap_or(name)
+        };
+        let raw = match self {
+            ImageRef::OciDir { dir: p, tag } | ImageRef::OciArchive { file: p, tag } => match tag {
+                Some(t) => format!("{}:{t}", base(p)),
+                None => base(p),
+            },
+            ImageRef::DockerArchive { file, image } => image.clone().unwrap_or_else(|| base(file)),
+            ImageRef::Registry { reference } => {
+                let r = reference.strip_prefix("docker.io/").unwrap_or(reference);
+                r.strip_prefix("library/").unwrap_or(r).to_string()
+            }
+        };
+        let mut tag: String = raw
+            .chars()
+            .map(|c| {
+                if c.is_ascii_alphanumeric() || matches!(c, '.' | '_' | ':' | '@' | '+' | '-') {
+                    c
+                } else {
+                    '_'
+                }
+            })
+            .collect();
+        while tag.starts_with('.') {
+            tag.remove(0);
+        }
+        tag.truncate(tilefs_store::tags::MAX_TAG_LEN);
+        if tag.is_empty() {
+            tag = "image".into();
+        }
+        tag
+    }
+}
+
+impl std::fmt::Display for ImageRef {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let with = |t: &Option<String>| t.as_ref().map(|t| format!(":{t}")).unwrap_or_default();
+        match self {
+            ImageRef::OciDir { dir, tag } => write!(f, "oci:{}{}", dir.display(), with(tag)),
+            ImageRef::OciArchive { file, tag } => write!(f, "oci-archive:{}{}", file.display(), with(tag)),
+            ImageRef::DockerArchive { file, image } => write!(f, "docker-archive:{}{}", file.display(), with(image)),
+            ImageRef::Registry { reference } => write!(f, "docker://{reference}"),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn transports_parse_as_skopeo_spells_them() {
+        assert_eq!(
+            ImageRef::parse("oci:/srv/img:v1").unwrap(),
+            ImageRef::OciDir {
+                dir: "/srv/img".into(),
+                tag: Some("v1".into())
+            }
+        );
+        assert_eq!(
+            ImageRef::parse("docker://127.0.0.1:5000/a/b:1").unwrap(),
+            ImageRef::Registry {
+                reference: "127.0.0.1:5000/a/b:1".into()
+            }
+        );
+        assert!(ImageRef::parse("docker:foo").is_err());
+        assert!(ImageRef::parse("ftp://x").is_err());
+        assert!(ImageRef::parse("oci:").is_err());
+        assert!(ImageRef::parse("busybox").is_err());
+    }
+
+    #[test]
+    fn default_tags_are_valid_tag_names() {
+        for (r, want) in [
+            ("docker://docker.io/library/busybox:1.36", "busybox:1.36"),
+            (
+                "docker://127.0.0.1:5000/team/app@sha256:00",
+                "127.0.0.1:5000_team_app@sha256:00",
+            ),
+            ("oci:/srv/img:v1", "img:v1"),
+            ("oci-archive:/tmp/x.tar", "x"),
+            ("docker-archive:/tmp/.y.tar", "y"),
+        ] {
+            let t = ImageRef::parse(r).unwrap().default_tag();
+            assert_eq!(t, want);
+            tilefs_store::tags::validate_tag(&t).unwrap();
+        }
+    }
+}

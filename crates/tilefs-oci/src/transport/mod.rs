@@ -1,0 +1,125 @@
+//! Where an image comes from. Each transport finds the image's manifest
+//! and opens its blobs; the blobs it opens are raw bytes, which
+//! [`crate::pull`] checks against their digests as they stream.
+
+pub mod archive;
+pub mod auth;
+pub mod layout;
+pub mod registry;
+
+use crate::digest::Digest;
+use crate::manifest::{self, BlobRef, Document, Platform};
+use crate::{ImageRef, OciError};
+use std::io::Read;
+use std::time::Duration;
+
+/// An image as its transport describes it.
+#[derive(Debug, Clone)]
+pub struct Resolved {
+    /// The manifest's digest (where the image has a manifest of its own).
+    pub manifest_digest: Option<Digest>,
+    pub config: Option<BlobRef>,
+    pub layers: Vec<BlobRef>,
+}
+
+/// A source of manifests and blobs.
+pub trait Transport: Sync {
+    /// The image's manifest, resolved for `platform`, and its layers.
+    fn resolve(&self, platform: &Platform) -> Result<Resolved, OciError>;
+    /// Opens a blob's raw bytes (unverified: the caller checks them).
+    fn open_blob(&self, blob: &BlobRef) -> Result<Box<dyn Read + Send + '_>, OciError>;
+}
+
+/// How to reach registries.
+#[derive(Debug, Clone)]
+pub struct RegistryOptions {
+    /// Check TLS certificates and require HTTPS (`--tls-verify=false`
+    /// allows plain HTTP and unchecked certificates, as skopeo's does).
+    pub tls_verify: bool,
+    /// How long a connection or a read may take before it fails.
+    pub timeout: Duration,
+}
+
+impl Default for RegistryOptions {
+    fn default() -> Self {
+        RegistryOptions {
+            tls_verify: true,
+            timeout: Duration::from_secs(60),
+        }
+    }
+}
+
+/// Opens the transport of `r`.
+pub fn open(r: &ImageRef, opts: &RegistryOptions) -> Result<Box<dyn Transport>, OciError> {
+    Ok(match r {
+        ImageRef::OciDir { dir, tag } => Box::new(layout::Layout::open_dir(dir, tag.clone())?),
+        ImageRef::OciArchive { file, tag } => Box::new(layout::Layout::open_archive(file, tag.clone())?),
+        ImageRef::DockerArchive { file, image } => Box::new(archive::DockerArchive::open(file, image.clone())?),
+        ImageRef::Registry { reference } => Box::new(registry::Registry::open(reference, opts)?),
+    })
+}
+
+/// Fetches a manifest by digest (and size), checked against the digest.
+pub(crate) type FetchManifest<'a> = &'a dyn Fn(&Digest, u64) -> Result<Vec<u8>, OciError>;
+
+/// Follows an index (or nested indexes) down to the image manifest for
+/// `platform`. `fetch` returns a manifest's bytes, already checked against
+/// its digest.
+pub(crate) fn resolve_manifest(
+    top: Vec<u8>,
+    top_digest: Option<Digest>,
+    what: &str,
+    platform: &Platform,
+    fetch: FetchManifest,
+) -> Result<Resolved, OciError> {
+    let mut bytes = top;
+    let mut digest = top_digest;
+    let mut what = what.to_string();
+    // Indexes may nest; a loop of them must not hang us.
+    for _ in 0..8 {
+        match manifest::parse(&bytes, &what)? {
+            Document::Index(index) => {
+                let (d, size) = manifest::pick(&index, platform, &what)?;
+                if size > manifest::MAX_MANIFEST {
+                    return Err(OciError::manifest(
+                        &what,
+                        format!("manifest {d} is too large ({size} bytes)"),
+                    ));
+                }
+                bytes = fetch(&d, size)?;
+                what = format!("manifest {d}");
+                digest = Some(d);
+            }
+            Document::Manifest(m) => {
+                return Ok(Resolved {
+                    manifest_digest: digest,
+                    config: Some(manifest::config(&m, &what)?),
+                    layers: manifest::layers(&m, &what)?,
+                });
+            }
+        }
+    }
+    Err(OciError::manifest(what, "indexes nested more than 8 deep"))
+}
+
+/// Reads a whole small blob (a manifest, a configuration) and checks it.
+pub(crate) fn read_checked(mut r: impl Read, d: &Digest, limit: u64, what: &str) -> Result<Vec<u8>, OciError> {
+    let mut bytes = Vec::new();
+    r.by_ref()
+        .take(limit + 1)
+        .read_to_end(&mut bytes)
+        .map_err(|e| OciError::blob(&d.to_string(), format!("cannot read {what}: {e}")))?;
+    if bytes.len() as u64 > limit {
+        return Err(OciError::blob(
+            &d.to_string(),
+            format!("{what} larger than {limit} bytes"),
+        ));
+    }
+    if !d.matches(&bytes) {
+        return Err(OciError::blob(
+            &d.to_string(),
+            format!("{what} does not match its digest"),
+        ));
+    }
+    Ok(bytes)
+}
