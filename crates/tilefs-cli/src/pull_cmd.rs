@@ -59,7 +59,11 @@ pub fn run(a: PullArgs) -> Result<ExitCode> {
     tilefs_store::tags::validate_tag(&tag)?;
     let platform = a.platform.as_deref().map(Platform::parse).transpose()?;
     let store_path = a.store.path()?;
-    let mut new_store = NewStore((!std::fs::symlink_metadata(&store_path).is_ok()).then(|| store_path.clone()));
+    let mut new_store = NewStore(
+        std::fs::symlink_metadata(&store_path)
+            .is_err()
+            .then(|| store_path.clone()),
+    );
     let store = Store::create(&store_path)?;
     let cancel = Arc::new(AtomicBool::new(false));
     for sig in [signal_hook::consts::SIGINT, signal_hook::consts::SIGTERM] {
