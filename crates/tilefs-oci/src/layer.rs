@@ -179,7 +179,23 @@ pub fn read_entries(
         }
         let mut entry = entry
             .map_err(|e| OciError::layer(blob, None, format!("entry {}: unreadable tar header: {e}", index + 1)))?;
-        let raw_path = entry.path_bytes().into_owned();
+        let mut pax = Vec::new();
+        if let Some(exts) = entry
+            .pax_extensions()
+            .map_err(|e| OciError::layer(blob, None, format!("entry {}: bad PAX header: {e}", index + 1)))?
+        {
+            for ext in exts {
+                let ext =
+                    ext.map_err(|e| OciError::layer(blob, None, format!("entry {}: bad PAX record: {e}", index + 1)))?;
+                pax.push((ext.key_bytes().to_vec(), ext.value_bytes().to_vec()));
+            }
+        }
+        let sparse = SparseInfo::from_pax(&pax);
+        // A PAX sparse file's real name is in its sparse records.
+        let raw_path = match &sparse.name {
+            Some(n) => n.clone(),
+            None => entry.path_bytes().into_owned(),
+        };
         let name = raw_path.escape_ascii().to_string();
         let fail = |reason: String| OciError::layer(blob, Some(&name), reason);
         let path = split_path(&raw_path).map_err(|r| fail(r.to_string()))?;
@@ -195,18 +211,11 @@ pub fn read_entries(
             },
             xattrs: Vec::new(),
         };
-        if let Some(pax) = entry
-            .pax_extensions()
-            .map_err(|e| fail(format!("bad PAX header: {e}")))?
-        {
-            for ext in pax {
-                let ext = ext.map_err(|e| fail(format!("bad PAX record: {e}")))?;
-                let key = ext.key_bytes();
-                if let Some(xattr) = key.strip_prefix(b"SCHILY.xattr.") {
-                    meta.xattrs.push((xattr.to_vec(), ext.value_bytes().to_vec()));
-                } else if key == b"mtime" {
-                    meta.mtime = pax_time(ext.value_bytes()).ok_or_else(|| fail("bad PAX mtime".into()))?;
-                }
+        for (key, value) in &pax {
+            if let Some(xattr) = key.strip_prefix(b"SCHILY.xattr.") {
+                meta.xattrs.push((xattr.to_vec(), value.clone()));
+            } else if key == b"mtime" {
+                meta.mtime = pax_time(value).ok_or_else(|| fail("bad PAX mtime".into()))?;
             }
         }
         if let Some(n) = opts.entries {
@@ -251,19 +260,25 @@ pub fn read_entries(
                 if path.is_empty() {
                     return Err(fail("the root is not a regular file".into()));
                 }
-                let size = entry.size();
+                let mut expanded;
+                let (size, data): (u64, &mut dyn Read) = if sparse.is_sparse() {
+                    expanded = sparse.reader(&mut entry).map_err(&fail)?;
+                    (sparse.real_size.unwrap_or(0), &mut expanded)
+                } else {
+                    (entry.size(), &mut entry)
+                };
                 let content = if size <= RECOMMENDED_INLINE_MAX {
-                    let mut data = Vec::with_capacity(size as usize);
-                    entry
-                        .read_to_end(&mut data)
+                    let mut buf = Vec::with_capacity(size as usize);
+                    data.take(size + 1)
+                        .read_to_end(&mut buf)
                         .map_err(|e| fail(format!("cannot read contents: {e}")))?;
-                    if data.len() as u64 != size {
+                    if buf.len() as u64 != size {
                         return Err(fail("contents end early".into()));
                     }
-                    Content::Inline(data)
+                    Content::Inline(buf)
                 } else {
                     let d = ingest
-                        .import_reader(Path::new(&name), size, &mut entry)
+                        .import_reader(Path::new(&name), size, data)
                         .map_err(|e| match e {
                             tilefs_store::StoreError::Interrupted => OciError::Interrupted,
                             tilefs_store::StoreError::Io { path, what, err } if path == Path::new(&name) => {
@@ -334,6 +349,160 @@ pub fn read_entries(
         out.push(LayerEntry { path, kind, meta });
     }
     Ok(out)
+}
+
+/// A PAX sparse file (GNU tar's `--sparse --format=posix`): formats 0.1
+/// (map in a record) and 1.0 (map at the start of the data). The tar
+/// reader handles the old GNU sparse headers itself.
+#[derive(Debug, Default)]
+struct SparseInfo {
+    major: Option<Vec<u8>>,
+    map: Option<Vec<u8>>,
+    name: Option<Vec<u8>>,
+    real_size: Option<u64>,
+    old_style: bool,
+}
+
+impl SparseInfo {
+    fn from_pax(pax: &[(Vec<u8>, Vec<u8>)]) -> SparseInfo {
+        let mut s = SparseInfo::default();
+        for (k, v) in pax {
+            let Some(k) = k.strip_prefix(b"GNU.sparse.") else {
+                continue;
+            };
+            match k {
+                b"major" => s.major = Some(v.clone()),
+                b"map" => s.map = Some(v.clone()),
+                b"name" => s.name = Some(v.clone()),
+                b"realsize" | b"size" => s.real_size = std::str::from_utf8(v).ok().and_then(|v| v.parse().ok()),
+                b"offset" | b"numbytes" => s.old_style = true,
+                _ => {}
+            }
+        }
+        s
+    }
+
+    fn is_sparse(&self) -> bool {
+        self.major.is_some() || self.map.is_some() || self.old_style
+    }
+
+    /// The file's contents, holes as zeros.
+    fn reader<'a>(&self, data: &'a mut dyn Read) -> Result<SparseReader<'a>, String> {
+        if self.old_style {
+            return Err("PAX sparse format 0.0 is not supported (write it with GNU tar's default format)".into());
+        }
+        let real = self.real_size.ok_or("sparse file without its real size")?;
+        let mut data = data;
+        let numbers: Vec<u64> = match (&self.major, &self.map) {
+            (Some(m), _) if m.as_slice() == b"1" => {
+                // Decimal lines: a count, then offset and size pairs, the
+                // whole padded to 512 bytes.
+                let mut read = 0u64;
+                let mut line = |data: &mut &'a mut dyn Read| -> Result<u64, String> {
+                    let mut v: u64 = 0;
+                    let mut digits = 0;
+                    loop {
+                        let mut b = [0u8];
+                        data.read_exact(&mut b).map_err(|e| format!("sparse map: {e}"))?;
+                        read += 1;
+                        match b[0] {
+                            b'\n' if digits > 0 => return Ok(v),
+                            c @ b'0'..=b'9' if digits < 20 => {
+                                v = v
+                                    .checked_mul(10)
+                                    .and_then(|v| v.checked_add(u64::from(c - b'0')))
+                                    .ok_or("sparse map: number too large")?;
+                                digits += 1;
+                            }
+                            _ => return Err("sparse map: not a decimal number".into()),
+                        }
+                    }
+                };
+                let count = line(&mut data)?;
+                if count > 1 << 20 {
+                    return Err("sparse map: too many pieces".into());
+                }
+                let mut v = Vec::with_capacity(2 * count as usize);
+                for _ in 0..2 * count {
+                    v.push(line(&mut data)?);
+                }
+                let pad = (512 - read % 512) % 512;
+                io::copy(&mut (&mut *data).take(pad), &mut io::sink()).map_err(|e| format!("sparse map: {e}"))?;
+                v
+            }
+            (_, Some(map)) => std::str::from_utf8(map)
+                .ok()
+                .and_then(|m| {
+                    m.split(',')
+                        .map(|n| n.trim().parse().ok())
+                        .collect::<Option<Vec<u64>>>()
+                })
+                .filter(|v| v.len() % 2 == 0)
+                .ok_or("sparse map: not offset,size pairs")?,
+            _ => return Err("unsupported PAX sparse format".into()),
+        };
+        let mut pieces = Vec::new();
+        let mut end = 0u64;
+        for pair in numbers.chunks(2) {
+            let (off, len) = (pair[0], pair[1]);
+            let piece_end = off.checked_add(len).ok_or("sparse map: piece past the end")?;
+            if off < end || piece_end > real {
+                return Err("sparse map: pieces overlap, are out of order or pass the file's end".into());
+            }
+            end = piece_end;
+            pieces.push((off, len));
+        }
+        Ok(SparseReader {
+            data,
+            pieces,
+            next: 0,
+            pos: 0,
+            real,
+        })
+    }
+}
+
+/// Expands a sparse file's pieces into its contents.
+struct SparseReader<'a> {
+    data: &'a mut dyn Read,
+    pieces: Vec<(u64, u64)>,
+    next: usize,
+    pos: u64,
+    real: u64,
+}
+
+impl Read for SparseReader<'_> {
+    fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+        if self.pos >= self.real || buf.is_empty() {
+            return Ok(0);
+        }
+        // Past the current piece: on to the next one.
+        while let Some(&(off, len)) = self.pieces.get(self.next) {
+            if self.pos < off + len || len == 0 && self.pos < off {
+                break;
+            }
+            self.next += 1;
+        }
+        let (hole_end, piece) = match self.pieces.get(self.next) {
+            Some(&(off, len)) if self.pos >= off => (self.pos, Some(off + len)),
+            Some(&(off, _)) => (off, None),
+            None => (self.real, None),
+        };
+        let n = if let Some(piece_end) = piece {
+            let want = (piece_end - self.pos).min(buf.len() as u64) as usize;
+            let n = self.data.read(&mut buf[..want])?;
+            if n == 0 {
+                return Err(io::Error::new(io::ErrorKind::UnexpectedEof, "sparse data ends early"));
+            }
+            n
+        } else {
+            let n = (hole_end - self.pos).min(buf.len() as u64) as usize;
+            buf[..n].fill(0);
+            n
+        };
+        self.pos += n as u64;
+        Ok(n)
+    }
 }
 
 /// Splits a tar member name into components below the root: `./` and

@@ -260,7 +260,11 @@ fn read_layer(
         Ok(entries)
     })();
     // A blob that is not what its descriptor says is the error, whatever
-    // it made the decompressor or tar reader say.
+    // it made the decompressor or tar reader say: on an error, the rest of
+    // the blob is read to learn whether it is.
+    if result.is_err() && check.failure().is_none() && !stop() {
+        let _ = io::copy(&mut buf, &mut io::sink());
+    }
     if let Some(f) = check.failure() {
         return Err(OciError::blob(&name, f));
     }
@@ -272,7 +276,9 @@ fn read_layer(
 /// Adds the compression to a layer error that the decompressor caused.
 fn with_compression(e: OciError, c: Compression) -> OciError {
     match e {
-        OciError::Layer { blob, entry, reason } if c != Compression::None && reason.contains("unreadable") => {
+        OciError::Layer { blob, entry, reason }
+            if c != Compression::None && (reason.contains("unreadable") || reason.starts_with("cannot read")) =>
+        {
             OciError::Layer {
                 blob,
                 entry,

@@ -1,0 +1,828 @@
+//! `tilefs pull`: OCI layouts written here, archives and a real registry
+//! (Debian's docker-registry on loopback) filled by skopeo, compared with
+//! composefs-rs's digest and with `umoci unpack` of the same image.
+
+mod common;
+
+use common::*;
+use std::fs;
+use std::io::Write;
+use std::net::TcpListener;
+use std::os::unix::fs::MetadataExt;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+/// The image `compat_image` writes, as composefs-rs 0.9 identifies it:
+/// `cfsctl init --algorithm fsverity-sha256-12 --insecure R`,
+/// `cfsctl --repo R oci pull oci:DIR:compat x`, `cfsctl --repo R oci compute-id x`
+/// (cfsctl built with `cargo build --release -p composefs-ctl` at v0.9.0).
+const COMPOSEFS_RS_DIGEST: &str = "7690c9a2b84841ccc2874d95686f9cc12d60d8cd53790e9118b45b0e58022519";
+
+// ---- writing OCI layouts -------------------------------------------------
+
+#[derive(Clone, Copy, PartialEq)]
+enum Comp {
+    None,
+    Gzip,
+    Zstd,
+}
+
+/// One tar member.
+struct E {
+    name: String,
+    kind: tar::EntryType,
+    mode: u32,
+    uid: u64,
+    gid: u64,
+    mtime: u64,
+    data: Vec<u8>,
+    link: Option<String>,
+    dev: (u32, u32),
+    pax: Vec<(String, Vec<u8>)>,
+}
+
+fn e(name: &str, kind: tar::EntryType) -> E {
+    E {
+        name: name.into(),
+        kind,
+        mode: if kind == tar::EntryType::Directory {
+            0o755
+        } else {
+            0o644
+        },
+        uid: 0,
+        gid: 0,
+        mtime: 1_700_000_000,
+        data: Vec::new(),
+        link: None,
+        dev: (0, 0),
+        pax: Vec::new(),
+    }
+}
+fn dir(name: &str) -> E {
+    e(name, tar::EntryType::Directory)
+}
+fn file(name: &str, data: &[u8]) -> E {
+    E {
+        data: data.to_vec(),
+        ..e(name, tar::EntryType::Regular)
+    }
+}
+fn link(name: &str, kind: tar::EntryType, target: &str) -> E {
+    E {
+        link: Some(target.into()),
+        ..e(name, kind)
+    }
+}
+
+fn tar_of(entries: &[E]) -> Vec<u8> {
+    let mut b = tar::Builder::new(Vec::new());
+    for x in entries {
+        if !x.pax.is_empty() {
+            b.append_pax_extensions(x.pax.iter().map(|(k, v)| (k.as_str(), v.as_slice())))
+                .unwrap();
+        }
+        let mut h = tar::Header::new_gnu();
+        h.set_entry_type(x.kind);
+        h.set_mode(x.mode);
+        h.set_uid(x.uid);
+        h.set_gid(x.gid);
+        h.set_mtime(x.mtime);
+        h.set_size(x.data.len() as u64);
+        if x.kind == tar::EntryType::Char || x.kind == tar::EntryType::Block {
+            h.set_device_major(x.dev.0).unwrap();
+            h.set_device_minor(x.dev.1).unwrap();
+        }
+        let hostile = x.name.starts_with('/') || x.name.split('/').any(|c| c == "..");
+        match &x.link {
+            Some(l) => b.append_link(&mut h, &x.name, l).unwrap(),
+            // The tar writer refuses names that escape: write them raw.
+            None if hostile => {
+                h.as_old_mut().name[..x.name.len()].copy_from_slice(x.name.as_bytes());
+                h.set_cksum();
+                b.append(&h, x.data.as_slice()).unwrap();
+            }
+            None => b.append_data(&mut h, &x.name, x.data.as_slice()).unwrap(),
+        }
+    }
+    b.into_inner().unwrap()
+}
+
+fn sha256_hex(data: &[u8]) -> String {
+    use sha2::Digest;
+    hex::encode(sha2::Sha256::digest(data))
+}
+
+fn put_blob(layout: &Path, data: &[u8]) -> (String, usize) {
+    let hex = sha256_hex(data);
+    let dir = layout.join("blobs/sha256");
+    fs::create_dir_all(&dir).unwrap();
+    fs::write(dir.join(&hex), data).unwrap();
+    (format!("sha256:{hex}"), data.len())
+}
+
+fn compress(data: &[u8], c: Comp) -> (Vec<u8>, &'static str) {
+    match c {
+        Comp::None => (data.to_vec(), "application/vnd.oci.image.layer.v1.tar"),
+        Comp::Gzip => {
+            let mut enc = flate2::write::GzEncoder::new(Vec::new(), flate2::Compression::new(6));
+            enc.write_all(data).unwrap();
+            (enc.finish().unwrap(), "application/vnd.oci.image.layer.v1.tar+gzip")
+        }
+        Comp::Zstd => (
+            zstd::encode_all(data, 3).unwrap(),
+            "application/vnd.oci.image.layer.v1.tar+zstd",
+        ),
+    }
+}
+
+/// Writes (or adds to) an OCI layout an image named `name` whose layers
+/// are the given raw blobs (already compressed) and their diff ids.
+fn write_image_blobs(layout: &Path, name: &str, layers: &[(Vec<u8>, &str, String)]) -> String {
+    let descs: Vec<serde_json::Value> = layers
+        .iter()
+        .map(|(blob, mt, _)| {
+            let (d, n) = put_blob(layout, blob);
+            serde_json::json!({"mediaType": mt, "digest": d, "size": n})
+        })
+        .collect();
+    let config = serde_json::json!({
+        "architecture": "amd64", "os": "linux", "config": {},
+        "rootfs": {"type": "layers", "diff_ids": layers.iter().map(|l| l.2.clone()).collect::<Vec<_>>()},
+    });
+    let (cd, cn) = put_blob(layout, config.to_string().as_bytes());
+    let manifest = serde_json::json!({
+        "schemaVersion": 2, "mediaType": "application/vnd.oci.image.manifest.v1+json",
+        "config": {"mediaType": "application/vnd.oci.image.config.v1+json", "digest": cd, "size": cn},
+        "layers": descs,
+    });
+    let (md, mn) = put_blob(layout, manifest.to_string().as_bytes());
+    let index_path = layout.join("index.json");
+    let mut index: serde_json::Value = fs::read(&index_path)
+        .ok()
+        .and_then(|b| serde_json::from_slice(&b).ok())
+        .unwrap_or_else(|| serde_json::json!({"schemaVersion": 2, "manifests": []}));
+    index["manifests"].as_array_mut().unwrap().push(serde_json::json!({
+        "mediaType": "application/vnd.oci.image.manifest.v1+json", "digest": md, "size": mn,
+        "annotations": {"org.opencontainers.image.ref.name": name},
+    }));
+    fs::write(&index_path, index.to_string()).unwrap();
+    fs::write(layout.join("oci-layout"), r#"{"imageLayoutVersion": "1.0.0"}"#).unwrap();
+    md
+}
+
+fn write_image(layout: &Path, name: &str, layers: &[(&[E], Comp)]) -> String {
+    let blobs: Vec<(Vec<u8>, &str, String)> = layers
+        .iter()
+        .map(|(entries, c)| {
+            let tar = tar_of(entries);
+            let diff = format!("sha256:{}", sha256_hex(&tar));
+            let (blob, mt) = compress(&tar, *c);
+            (blob, mt, diff)
+        })
+        .collect();
+    write_image_blobs(layout, name, &blobs)
+}
+
+fn pattern(n: usize, seed: u8) -> Vec<u8> {
+    (0..n).map(|i| (i as u8).wrapping_mul(31).wrapping_add(seed)).collect()
+}
+
+/// Three layers (gzip, uncompressed, `last`) exercising every rule
+/// composefs-rs and tilefs must agree on.
+fn compat_layers(last: Comp) -> Vec<(Vec<E>, Comp)> {
+    use tar::EntryType as T;
+    let cap: Vec<u8> = vec![1, 0, 0, 2, 0, 0x20, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0];
+    let l1 = vec![
+        E {
+            mode: 0o700,
+            mtime: 5,
+            ..dir("./")
+        },
+        E {
+            mtime: 1_600_000_000,
+            ..dir("usr")
+        },
+        dir("usr/bin"),
+        E {
+            mode: 0o4755,
+            uid: 70000,
+            gid: 70001,
+            ..file("usr/bin/prog", &pattern(100_000, 1))
+        },
+        link("usr/bin/prog2", T::Link, "usr/bin/prog"),
+        E {
+            mode: 0o755,
+            pax: vec![
+                ("SCHILY.xattr.security.capability".into(), cap),
+                ("SCHILY.xattr.user.foo".into(), b"bar".to_vec()),
+            ],
+            ..file("usr/bin/capped", &pattern(200, 2))
+        },
+        E {
+            pax: vec![("uid".into(), b"3000000".to_vec())],
+            ..file("usr/bin/bigid", &pattern(70, 3))
+        },
+        dir("usr/share"),
+        file("usr/share/old", b"old"),
+        file(&format!("usr/share/{}", "n".repeat(150)), b"long name"),
+        E {
+            pax: vec![("mtime".into(), b"1650000000.75".to_vec())],
+            ..dir("etc")
+        },
+        file("etc/passwd", b"root:x:0:0::/root:/bin/sh\n"),
+        file("etc/x", b"file then dir"),
+        link("lib", T::Symlink, "usr/lib"),
+        link("longlink", T::Symlink, &format!("/{}", "t".repeat(200))),
+        dir("dev"),
+        E {
+            mode: 0o666,
+            dev: (1, 3),
+            ..e("dev/null", T::Char)
+        },
+        E {
+            mode: 0o660,
+            dev: (8, 300),
+            ..e("dev/sda", T::Block)
+        },
+        e("dev/fifo", T::Fifo),
+        E { mtime: 1, ..dir("run") },
+        file("run/lock", &pattern(170, 4)),
+        file("empty", b""),
+        file("sixtyfour", &[b'6'; 64]),
+        file("sixtyfive", &[b'6'; 65]),
+    ];
+    let l2 = vec![
+        file("etc/.wh.passwd", b""),
+        file("usr/share/.wh..wh..opq", b""),
+        file("usr/share/new", b"new"),
+        E {
+            mode: 0o750,
+            uid: 5,
+            ..dir("etc/x")
+        },
+        file("etc/x/inner", b"inner"),
+    ];
+    let l3 = vec![
+        E {
+            mtime: 1_700_000_001,
+            ..file("etc/x", b"dir back to file")
+        },
+        link("usr/bin/prog3", T::Link, "usr/bin/prog"),
+    ];
+    vec![(l1, Comp::Gzip), (l2, Comp::None), (l3, last)]
+}
+
+fn write_compat(layout: &Path, name: &str, last: Comp) {
+    let layers = compat_layers(last);
+    let refs: Vec<(&[E], Comp)> = layers.iter().map(|(l, c)| (l.as_slice(), *c)).collect();
+    write_image(layout, name, &refs);
+}
+
+fn pull(store: &Path, reference: &str, extra: &[&str]) -> String {
+    let mut args = vec!["pull", "-q", "--store", store.to_str().unwrap()];
+    args.extend_from_slice(extra);
+    args.push(reference);
+    let args: Vec<&std::ffi::OsStr> = args.iter().map(|s| os(s)).collect();
+    String::from_utf8(tilefs(&args).stdout).unwrap().trim().to_string()
+}
+
+fn fails(store: &Path, reference: &str, extra: &[&str]) -> String {
+    let mut args = vec!["pull", "-q", "--store", store.to_str().unwrap()];
+    args.extend_from_slice(extra);
+    args.push(reference);
+    let args: Vec<&std::ffi::OsStr> = args.iter().map(|s| os(s)).collect();
+    let out = tilefs_any(&args);
+    assert_eq!(
+        out.status.code(),
+        Some(1),
+        "pull {reference} should fail: {}",
+        stderr(&out)
+    );
+    stderr(&out)
+}
+
+fn tags_in(store: &Path) -> Vec<String> {
+    match fs::read_dir(store.join("images")) {
+        Ok(d) => d
+            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+            .collect(),
+        Err(_) => Vec::new(),
+    }
+}
+
+fn assert_fsck_clean(store: &Path) {
+    if store.exists() {
+        tilefs(&[os("fsck"), os("--store"), store.as_os_str()]);
+    }
+}
+
+fn have(tool: &str) -> bool {
+    Command::new("sh")
+        .args(["-c", &format!("command -v {tool}")])
+        .stdout(Stdio::null())
+        .status()
+        .is_ok_and(|s| s.success())
+}
+
+fn skopeo(args: &[&str]) {
+    let out = Command::new("skopeo")
+        .args(args)
+        .output()
+        .expect("skopeo (scripts/setup installs it)");
+    assert!(out.status.success(), "skopeo {args:?}: {}", stderr(&out));
+}
+
+// ---- a real registry on loopback ----------------------------------------
+
+/// Debian's docker-registry, serving plain HTTP on a free 127.0.0.1 port
+/// from a temporary directory; stopped when dropped.
+struct Registry {
+    child: Child,
+    addr: String,
+    root: PathBuf,
+    log: PathBuf,
+}
+
+impl Registry {
+    fn start(area: &Area) -> Registry {
+        let root = area.dir("registry");
+        let port = TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+        let addr = format!("127.0.0.1:{port}");
+        let config = root.join("config.yml");
+        fs::write(
+            &config,
+            format!(
+                "version: 0.1\nlog:\n  level: error\n  accesslog:\n    disabled: false\nstorage:\n  filesystem:\n    rootdirectory: {}\n  delete:\n    enabled: true\nhttp:\n  addr: {addr}\n",
+                root.join("data").display()
+            ),
+        )
+        .unwrap();
+        let log = root.join("log");
+        let child = Command::new("docker-registry")
+            .arg("serve")
+            .arg(&config)
+            .stdout(fs::File::create(&log).unwrap())
+            .stderr(fs::File::create(root.join("stderr")).unwrap())
+            .spawn()
+            .expect("docker-registry (scripts/setup installs it)");
+        let r = Registry { child, addr, root, log };
+        let deadline = Instant::now() + Duration::from_secs(20);
+        while std::net::TcpStream::connect(&r.addr).is_err() {
+            assert!(Instant::now() < deadline, "the registry did not start");
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        r
+    }
+
+    /// Bytes of blobs the registry sent, from its access log.
+    fn blob_bytes_sent(&self) -> u64 {
+        let log = fs::read_to_string(&self.log).unwrap_or_default()
+            + &fs::read_to_string(self.root.join("stderr")).unwrap_or_default();
+        log.lines()
+            .filter(|l| l.contains("GET /v2/") && l.contains("/blobs/"))
+            .filter_map(|l| l.split('"').nth(2)?.split_whitespace().nth(1)?.parse::<u64>().ok())
+            .sum()
+    }
+}
+
+impl Drop for Registry {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+// ---- tests ---------------------------------------------------------------
+
+#[test]
+fn pull_gives_the_image_composefs_rs_gives() {
+    let area = Area::new();
+    let layout = area.path("layout");
+    write_compat(&layout, "compat", Comp::Zstd);
+    // To compute the expected digest with cfsctl: write the layout, stop.
+    if let Some(keep) = std::env::var_os("TILEFS_WRITE_COMPAT_LAYOUT") {
+        write_compat(Path::new(&keep), "compat", Comp::Zstd);
+        return;
+    }
+    let store = area.path("store");
+    let reference = format!("oci:{}:compat", layout.display());
+    let digest = pull(&store, &reference, &[]);
+    assert_eq!(
+        digest, COMPOSEFS_RS_DIGEST,
+        "not the image composefs-rs makes of this OCI image"
+    );
+    // The default tag: the layout's name and the image's.
+    assert_eq!(tags_in(&store), ["layout:compat"]);
+    // Again: same bytes, nothing new.
+    let out = tilefs(&[
+        os("pull"),
+        os("--json"),
+        os("--store"),
+        store.as_os_str(),
+        os("--tag"),
+        os("again"),
+        os(&reference),
+    ]);
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(v["digest"], COMPOSEFS_RS_DIGEST);
+    assert_eq!(v["new_objects"], 0);
+    assert_eq!(v["layers"], 3);
+    // --all-xattrs keeps user.foo: another image.
+    let all = pull(&store, &reference, &["--tag", "all", "--all-xattrs"]);
+    assert_ne!(all, digest);
+    assert_fsck_clean(&store);
+}
+
+#[test]
+fn archives_and_a_registry_give_the_same_image() {
+    if !have("skopeo") || !have("docker-registry") {
+        panic!("skopeo and docker-registry are needed (scripts/setup installs them)");
+    }
+    let area = Area::new();
+    let layout = area.path("layout");
+    // Docker archives cannot carry zstd: all gzip here.
+    write_compat(&layout, "gz", Comp::Gzip);
+    let store = area.path("store");
+    let want = pull(&store, &format!("oci:{}:gz", layout.display()), &[]);
+
+    let oci_archive = area.path("img.tar");
+    skopeo(&[
+        "copy",
+        "-q",
+        &format!("oci:{}:gz", layout.display()),
+        &format!("oci-archive:{}:gz", oci_archive.display()),
+    ]);
+    assert_eq!(
+        pull(&store, &format!("oci-archive:{}:gz", oci_archive.display()), &[]),
+        want
+    );
+    let docker_archive = area.path("docker.tar");
+    skopeo(&[
+        "copy",
+        "-q",
+        &format!("oci:{}:gz", layout.display()),
+        &format!("docker-archive:{}:team/app:v1", docker_archive.display()),
+    ]);
+    assert_eq!(
+        pull(&store, &format!("docker-archive:{}", docker_archive.display()), &[]),
+        want
+    );
+
+    let registry = Registry::start(&area);
+    let remote = format!("docker://{}/team/app:v1", registry.addr);
+    skopeo(&[
+        "copy",
+        "-q",
+        "--dest-tls-verify=false",
+        &format!("oci:{}:gz", layout.display()),
+        &remote,
+    ]);
+    let fresh = area.path("fresh");
+    assert_eq!(pull(&fresh, &remote, &["--tls-verify=false"]), want);
+    let tags = tags_in(&fresh);
+    assert_eq!(tags, [format!("{}_team_app:v1", registry.addr)]);
+    // Every layer came over the wire once: at most the blobs' size.
+    let blobs: u64 = fs::read_dir(layout.join("blobs/sha256"))
+        .unwrap()
+        .map(|e| e.unwrap().metadata().unwrap().len())
+        .sum();
+    let sent = registry.blob_bytes_sent();
+    assert!(
+        sent > 0 && sent <= blobs,
+        "registry sent {sent} blob bytes; the layout holds {blobs}"
+    );
+    // By digest, too.
+    let manifest = skopeo_inspect_digest(&remote);
+    let by_digest = format!("docker://{}/team/app@{manifest}", registry.addr);
+    assert_eq!(pull(&fresh, &by_digest, &["--tls-verify=false"]), want);
+    // Plain HTTP needs --tls-verify=false, and says so.
+    let err = fails(&area.path("s3"), &remote, &[]);
+    assert!(err.contains("--tls-verify=false"), "{err}");
+    // An unknown image.
+    let err = fails(
+        &area.path("s3"),
+        &format!("docker://{}/team/nope:v1", registry.addr),
+        &["--tls-verify=false"],
+    );
+    assert!(err.contains(&registry.addr) && err.contains("team/nope"), "{err}");
+    assert!(!area.path("s3").exists(), "a failed pull left the store it created");
+    // Its own pull tags are gc roots: gc keeps everything.
+    tilefs(&[os("gc"), os("--store"), fresh.as_os_str()]);
+    assert_fsck_clean(&fresh);
+}
+
+fn skopeo_inspect_digest(remote: &str) -> String {
+    let out = Command::new("skopeo")
+        .args(["inspect", "--tls-verify=false", "--format", "{{.Digest}}", remote])
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", stderr(&out));
+    String::from_utf8(out.stdout).unwrap().trim().to_string()
+}
+
+#[test]
+fn a_registry_that_lies_or_stalls_fails_the_pull_cleanly() {
+    let area = Area::new();
+    let layout = area.path("layout");
+    write_compat(&layout, "gz", Comp::Gzip);
+    let registry = Registry::start(&area);
+    let remote = format!("docker://{}/team/app:v1", registry.addr);
+    skopeo(&[
+        "copy",
+        "-q",
+        "--dest-tls-verify=false",
+        &format!("oci:{}:gz", layout.display()),
+        &remote,
+    ]);
+    // Change a layer's bytes where the registry keeps them (same size).
+    let blobs = registry.root.join("data/docker/registry/v2/blobs/sha256");
+    let mut biggest: Option<(u64, PathBuf)> = None;
+    for fan in fs::read_dir(&blobs).unwrap() {
+        for b in fs::read_dir(fan.unwrap().path()).unwrap() {
+            let data = b.unwrap().path().join("data");
+            let len = fs::metadata(&data).unwrap().len();
+            if biggest.as_ref().is_none_or(|(l, _)| len > *l) {
+                biggest = Some((len, data));
+            }
+        }
+    }
+    let (_, data) = biggest.unwrap();
+    let digest = format!(
+        "sha256:{}",
+        data.parent().unwrap().file_name().unwrap().to_string_lossy()
+    );
+    let mut bytes = fs::read(&data).unwrap();
+    let mid = bytes.len() / 2;
+    bytes[mid] ^= 0xff;
+    fs::write(&data, &bytes).unwrap();
+    let store = area.path("store");
+    let err = fails(&store, &remote, &["--tls-verify=false"]);
+    assert!(err.contains(&digest), "the error names the blob: {err}");
+    assert!(err.contains("digest") || err.contains("corrupt"), "{err}");
+    assert!(tags_in(&store).is_empty());
+    assert_fsck_clean(&store);
+
+    // A server that accepts and never answers: the timeout ends the pull.
+    let silent = TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = silent.local_addr().unwrap();
+    let t = Instant::now();
+    let err = fails(
+        &store,
+        &format!("docker://{addr}/x/y:z"),
+        &["--tls-verify=false", "--timeout", "2"],
+    );
+    assert!(t.elapsed() < Duration::from_secs(30), "took {:?}", t.elapsed());
+    assert!(err.contains(&addr.to_string()), "{err}");
+    drop(silent);
+}
+
+#[test]
+fn bad_layers_are_refused_with_their_reason() {
+    use tar::EntryType as T;
+    let area = Area::new();
+    let layout = area.path("layout");
+    let base = vec![
+        dir("usr"),
+        file("usr/f", &pattern(5000, 9)),
+        link("usr/sl", T::Symlink, "/etc"),
+    ];
+    let cases: Vec<(&str, Vec<E>, &str)> = vec![
+        ("dotdot", vec![file("usr/../../etc/passwd", b"x")], "escapes the root"),
+        ("absolute", vec![file("/etc/passwd", b"x")], "absolute"),
+        ("symlinked-parent", vec![file("usr/sl/passwd", b"x")], "symlink"),
+        ("absent-whiteout", vec![file("usr/.wh.nothing", b"")], "absent"),
+        (
+            "missing-link",
+            vec![link("usr/h", T::Link, "usr/none")],
+            "missing target",
+        ),
+    ];
+    for (name, entries, _) in &cases {
+        write_image(&layout, name, &[(&base, Comp::Gzip), (entries, Comp::Gzip)]);
+    }
+    write_image(&layout, "good", &[(&base, Comp::Gzip)]);
+    let store = area.path("store");
+    pull(
+        &store,
+        &format!("oci:{}:good", layout.display()),
+        &["--tag", "unrelated"],
+    );
+    for (name, _, why) in &cases {
+        let err = fails(&store, &format!("oci:{}:{name}", layout.display()), &[]);
+        assert!(err.contains(why), "{name}: {err}");
+        assert!(
+            err.contains("layer sha256:"),
+            "{name}: the error names the layer: {err}"
+        );
+    }
+    assert_eq!(tags_in(&store), ["unrelated"]);
+    assert_fsck_clean(&store);
+}
+
+#[test]
+fn corrupt_blobs_and_manifests_are_refused() {
+    let area = Area::new();
+    let store = area.path("store");
+    let layer = tar_of(&[dir("usr"), file("usr/big", &pattern(300_000, 7))]);
+    let diff = format!("sha256:{}", sha256_hex(&layer));
+    let (gz, gz_mt) = compress(&layer, Comp::Gzip);
+    let (zs, zs_mt) = compress(&layer, Comp::Zstd);
+    let make = |name: &str, blob: Vec<u8>, mt: &str| {
+        let layout = area.path(name);
+        write_image_blobs(&layout, "t", &[(blob, mt, diff.clone())]);
+        format!("oci:{}:t", layout.display())
+    };
+    // Truncated streams (their digests match: the layout says what they are).
+    let err = fails(&store, &make("trunc-gz", gz[..gz.len() / 2].to_vec(), gz_mt), &[]);
+    assert!(err.contains("gzip") || err.contains("end"), "{err}");
+    let err = fails(&store, &make("trunc-zstd", zs[..zs.len() / 2].to_vec(), zs_mt), &[]);
+    assert!(err.contains("layer sha256:"), "{err}");
+    let mut bad = gz.clone();
+    let n = bad.len();
+    bad[n / 2] ^= 0x55;
+    bad[n / 2 + 1] ^= 0x55;
+    let err = fails(&store, &make("corrupt-gz", bad, gz_mt), &[]);
+    assert!(err.contains("layer sha256:"), "{err}");
+    // A blob whose bytes are not its digest's.
+    let ok = make("swapped", gz.clone(), gz_mt);
+    let layout = area.path("swapped");
+    let (d, _) = put_blob(&area.path("elsewhere"), &gz);
+    let path = layout.join("blobs/sha256").join(d.trim_start_matches("sha256:"));
+    let mut b = fs::read(&path).unwrap();
+    b[100] ^= 1;
+    fs::write(&path, b).unwrap();
+    let err = fails(&store, &ok, &[]);
+    assert!(err.contains(&d) && err.contains("does not match its digest"), "{err}");
+    // A manifest that is not one.
+    let layout = area.path("notjson");
+    let (md, mn) = put_blob(&layout, b"this is not json");
+    fs::write(
+        layout.join("index.json"),
+        serde_json::json!({"schemaVersion": 2, "manifests": [{"mediaType": "application/vnd.oci.image.manifest.v1+json", "digest": md, "size": mn}]}).to_string(),
+    )
+    .unwrap();
+    let err = fails(&store, &format!("oci:{}", layout.display()), &[]);
+    assert!(err.contains("not a manifest"), "{err}");
+    // A layout without the name asked for lists what it has.
+    let err = fails(&store, &format!("oci:{}:nope", area.path("swapped").display()), &[]);
+    assert!(err.contains("no image named \"nope\"") && err.contains('t'), "{err}");
+    assert!(tags_in(&store).is_empty());
+    assert_fsck_clean(&store);
+}
+
+#[test]
+fn pull_equals_umoci_unpack() {
+    if !is_root() || !have("umoci") || !have("tar") {
+        panic!("run as root with umoci and GNU tar (scripts/setup installs them)");
+    }
+    if let Some(why) = cannot_mount("erofs") {
+        eprintln!("skipped: {why}");
+        return;
+    }
+    let area = Area::new();
+    let layout = area.path("layout");
+    // umoci reads no zstd.
+    let mut layers = compat_layers(Comp::Gzip);
+    // What composefs-rs refuses but runtimes accept: parents no entry lists.
+    layers[1].0.push(file("opt/a/b/implied", b"implied parents"));
+    // A sparse file, as GNU tar writes it in PAX format (umoci reads no
+    // old GNU sparse headers; those are checked below).
+    let (src, sparse) = sparse_tar(&area, "posix");
+    let mut blobs: Vec<(Vec<u8>, &str, String)> = layers
+        .iter()
+        .map(|(l, c)| {
+            let t = tar_of(l);
+            let diff = format!("sha256:{}", sha256_hex(&t));
+            let (b, mt) = compress(&t, *c);
+            (b, mt, diff)
+        })
+        .collect();
+    let diff = format!("sha256:{}", sha256_hex(&sparse));
+    let (b, mt) = compress(&sparse, Comp::Gzip);
+    blobs.push((b, mt, diff));
+    write_image_blobs(&layout, "sem", &blobs);
+
+    let bundle = area.path("bundle");
+    let out = Command::new("umoci")
+        .args(["unpack", "--image"])
+        .arg(format!("{}:sem", layout.display()))
+        .arg(&bundle)
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "umoci unpack: {}", stderr(&out));
+    let store = area.path("store");
+    pull(&store, &format!("oci:{}:sem", layout.display()), &["--tag", "sem"]);
+    let mnt = area.dir("mnt");
+    tilefs(&[
+        os("mount"),
+        os("--store"),
+        store.as_os_str(),
+        os("sem"),
+        mnt.as_os_str(),
+    ]);
+    let _guard = MountGuard(mnt.clone());
+    let want = scan(&bundle.join("rootfs"));
+    let got = scan(&mnt);
+    let mut compared = 0;
+    for (path, w) in &want {
+        // composefs-rs's rules: the root takes /usr's metadata, /run is
+        // emptied, only security.capability is kept.
+        if path.is_empty() || path.starts_with(b"run/") {
+            continue;
+        }
+        let g = got
+            .get(path)
+            .unwrap_or_else(|| panic!("{} missing from the pull", String::from_utf8_lossy(path)));
+        let p = String::from_utf8_lossy(path);
+        // A symlink unpacked on disk is always 0777; the image keeps the
+        // tar header's bits, as composefs-rs does.
+        let mode = |s: &Seen| if s.link.is_some() { s.mode & S_IFMT } else { s.mode };
+        assert_eq!(
+            (mode(g), g.uid, g.gid, g.rdev, &g.link),
+            (mode(w), w.uid, w.gid, w.rdev, &w.link),
+            "{p}"
+        );
+        assert_eq!((g.size, g.nlink), (w.size, w.nlink), "{p}");
+        // umoci keeps the sub-second part too; the parents no entry lists
+        // it makes at the time of unpacking, tilefs at time zero (an image
+        // is reproducible).
+        // /run takes /usr's mtime (composefs-rs's rule).
+        if (!path.starts_with(b"opt") || path.ends_with(b"implied")) && path != b"run" {
+            assert_eq!(g.mtime, w.mtime, "{p}");
+        }
+        let cap = |s: &Seen| s.xattrs.get(std::ffi::OsStr::new("security.capability")).cloned();
+        assert_eq!(cap(g), cap(w), "{p}");
+        if w.mode & S_IFMT == S_IFREG {
+            same_contents(&bundle.join("rootfs").join(&*p), &mnt.join(&*p)).unwrap();
+        }
+        compared += 1;
+    }
+    let extra: Vec<_> = got.keys().filter(|k| !want.contains_key(*k)).collect();
+    assert!(extra.is_empty(), "only in the pull: {extra:?}");
+    assert!(compared > 25, "compared {compared}");
+    // Hardlinks share one inode.
+    let ino = |p: &str| fs::symlink_metadata(mnt.join(p)).unwrap().ino();
+    assert_eq!(ino("usr/bin/prog"), ino("usr/bin/prog3"));
+    assert_eq!(fs::metadata(mnt.join("usr/bin/prog2")).unwrap().nlink(), 3);
+    let root = fs::metadata(&mnt).unwrap();
+    let usr = fs::metadata(mnt.join("usr")).unwrap();
+    assert_eq!((root.mode(), root.mtime()), (usr.mode(), usr.mtime()));
+    assert_eq!(fs::read_dir(mnt.join("run")).unwrap().count(), 0);
+    same_contents(&src.join("sparse"), &mnt.join("sparse")).unwrap();
+    tilefs(&[os("umount"), mnt.as_os_str()]);
+
+    // Old GNU sparse headers (GNU tar's default format).
+    let (src, gnu) = sparse_tar(&area, "gnu");
+    let diff = format!("sha256:{}", sha256_hex(&gnu));
+    let (b, mt) = compress(&gnu, Comp::Zstd);
+    write_image_blobs(&layout, "gnu-sparse", &[(b, mt, diff)]);
+    pull(
+        &store,
+        &format!("oci:{}:gnu-sparse", layout.display()),
+        &["--tag", "gnu"],
+    );
+    tilefs(&[
+        os("mount"),
+        os("--store"),
+        store.as_os_str(),
+        os("gnu"),
+        mnt.as_os_str(),
+    ]);
+    same_contents(&src.join("sparse"), &mnt.join("sparse")).unwrap();
+    tilefs(&[os("umount"), mnt.as_os_str()]);
+    drop(_guard);
+}
+
+/// A 64 MiB file holding two short runs of data, tarred by GNU tar with
+/// `--sparse` in `format`; the source directory and the tar.
+fn sparse_tar(area: &Area, format: &str) -> (PathBuf, Vec<u8>) {
+    use std::os::unix::fs::FileExt;
+    let src = area.dir(&format!("sparse-{format}"));
+    let f = fs::File::create(src.join("sparse")).unwrap();
+    f.set_len(64 << 20).unwrap();
+    f.write_at(b"in the middle", 32 << 20).unwrap();
+    f.write_at(b"at the end", (64 << 20) - 10).unwrap();
+    drop(f);
+    let out = area.path(&format!("sparse-{format}.tar"));
+    let st = Command::new("tar")
+        .args([
+            "--sparse",
+            &format!("--format={format}"),
+            "--owner=0",
+            "--group=0",
+            "--mtime=@1700000000",
+            "-C",
+        ])
+        .arg(&src)
+        .arg("-cf")
+        .arg(&out)
+        .arg("sparse")
+        .status()
+        .unwrap();
+    assert!(st.success());
+    let tar = fs::read(&out).unwrap();
+    assert!(tar.len() < 1 << 20, "GNU tar wrote the file whole");
+    (src, tar)
+}
