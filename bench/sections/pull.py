@@ -53,10 +53,13 @@ def put_bytes(layout: Path, data: bytes) -> tuple[str, int]:
 
 def make_layout(b, layout: Path) -> int:
     layers, diff_ids = [], []
-    for t in TREES:
+    for i, t in enumerate(TREES):
         b.progress(f"pull: tar | gzip /{t} ...", final=False)
         raw = layout / "layer.tar"
-        subprocess.run(["tar", "-C", "/", "--numeric-owner", "-cf", str(raw), t], check=True,
+        # The first layer lists /usr itself (composefs-rs refuses parents no
+        # entry lists).
+        first = ["--no-recursion", "usr", "--recursion"] if i == 0 else []
+        subprocess.run(["tar", "-C", "/", "--numeric-owner", "-cf", str(raw)] + first + [t], check=True,
                        stderr=subprocess.DEVNULL)
         h = hashlib.sha256()
         with open(raw, "rb") as f:

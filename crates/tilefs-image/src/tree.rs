@@ -80,7 +80,7 @@ impl FileType {
 }
 
 /// Seconds and nanoseconds since the epoch.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, PartialOrd, Ord, Hash)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, PartialOrd, Ord, Hash, serde::Serialize, serde::Deserialize)]
 pub struct Timespec {
     pub sec: i64,
     pub nsec: u32,

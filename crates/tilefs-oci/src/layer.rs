@@ -65,7 +65,7 @@ impl Compression {
 }
 
 /// Metadata a tar header gives every entry.
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
+#[derive(Debug, Clone, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct Meta {
     /// Permission bits (`0o7777`), without the type.
     pub perm: u32,
@@ -79,7 +79,7 @@ pub struct Meta {
 }
 
 /// A regular file's contents.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub enum Content {
     /// Up to [`RECOMMENDED_INLINE_MAX`] bytes, kept in the image.
     Inline(Vec<u8>),
@@ -88,7 +88,7 @@ pub enum Content {
 }
 
 /// What an entry is.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub enum Kind {
     Dir,
     File {
@@ -113,7 +113,7 @@ pub enum Kind {
 }
 
 /// One entry of a layer.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct LayerEntry {
     /// Components below the root; for a whiteout, the path it removes; for
     /// an opaque marker, the directory. Empty for the root itself.

@@ -7,6 +7,7 @@
 //! - [`manifest`]: from an index or manifest to the list of layers;
 //! - [`layer`]: one layer's tar stream to entries, file contents into the
 //!   store (layers are read in parallel);
+//! - [`layer_cache`]: layers already read, not read again;
 //! - [`apply`]: layers applied in order into one tree (whiteouts, opaque
 //!   directories, replacements, hardlinks);
 //! - [`compat`]: composefs-rs's rules, so both tools give the same image;
@@ -16,6 +17,7 @@ pub mod apply;
 pub mod compat;
 pub mod digest;
 pub mod layer;
+pub mod layer_cache;
 pub mod manifest;
 pub mod pull;
 pub mod reference;

@@ -92,7 +92,7 @@ pub fn pull(store: &Store, r: &ImageRef, tag: &str, opts: &PullOptions) -> Resul
     if let Some(c) = &opts.cancel {
         ingest.set_cancel(c.clone());
     }
-    let layers = read_layers(t.as_ref(), &resolved.layers, &ingest, &progress, opts)?;
+    let layers = read_layers(store, t.as_ref(), &resolved.layers, &ingest, &progress, opts)?;
     let mut applier = Applier::new();
     let mut entries = 0;
     for (blob, l) in resolved.layers.iter().zip(layers) {
@@ -158,6 +158,7 @@ fn check_config(t: &dyn Transport, config: &BlobRef, layers: usize) -> Result<()
 /// Reads every layer, several at once, largest first; returns their
 /// entries in manifest order, or the first error in that order.
 fn read_layers(
+    store: &Store,
     t: &dyn Transport,
     layers: &[BlobRef],
     ingest: &Ingest,
@@ -184,7 +185,19 @@ fn read_layers(
                 if stop() {
                     break;
                 }
-                let r = read_layer(t, &layers[i], ingest, progress, &stop);
+                let r = match crate::layer_cache::load(store, &layers[i].digest) {
+                    Some(entries) => {
+                        progress.entries.fetch_add(entries.len() as u64, Relaxed);
+                        Ok(entries)
+                    }
+                    None => {
+                        let r = read_layer(t, &layers[i], ingest, progress, &stop);
+                        if let Ok(entries) = &r {
+                            crate::layer_cache::save(store, &layers[i].digest, entries);
+                        }
+                        r
+                    }
+                };
                 if r.is_err() {
                     failed.store(true, Relaxed);
                 }

@@ -23,6 +23,9 @@ pub const LOCK_FILE: &str = ".lock";
 pub const QUARANTINE_DIR: &str = ".quarantine";
 pub const DIGEST_CACHE: &str = ".digest-cache";
 pub const NO_VERITY_NOTED: &str = ".no-verity-noted";
+/// What pulls learnt of each layer they read (so a layer read once is not
+/// read again while its objects are present).
+pub const LAYER_CACHE: &str = ".layers";
 
 /// An open object store.
 #[derive(Debug)]
@@ -181,6 +184,7 @@ impl Store {
                 || name == LOCK_FILE
                 || name == DIGEST_CACHE
                 || name == NO_VERITY_NOTED
+                || name == LAYER_CACHE
                 || name == crate::mounts::MOUNTS_DIR
             {
                 continue;
