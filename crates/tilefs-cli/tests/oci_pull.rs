@@ -826,3 +826,57 @@ fn sparse_tar(area: &Area, format: &str) -> (PathBuf, Vec<u8>) {
     assert!(tar.len() < 1 << 20, "GNU tar wrote the file whole");
     (src, tar)
 }
+
+fn pull_json(store: &Path, reference: &str, extra: &[&str]) -> serde_json::Value {
+    let mut args = vec!["pull", "--json", "--store", store.to_str().unwrap()];
+    args.extend_from_slice(extra);
+    args.push(reference);
+    let args: Vec<&std::ffi::OsStr> = args.iter().map(|s| os(s)).collect();
+    serde_json::from_slice(&tilefs(&args).stdout).unwrap()
+}
+
+#[test]
+fn pulls_again_read_only_what_is_new_and_repair_what_is_missing() {
+    let area = Area::new();
+    let layout = area.path("layout");
+    let layers = compat_layers(Comp::Gzip);
+    let refs: Vec<(&[E], Comp)> = layers.iter().map(|(l, c)| (l.as_slice(), *c)).collect();
+    write_image(&layout, "a", &refs);
+    // B shares A's first two layers and has a new third one.
+    let third = vec![dir("srv"), file("srv/data", &pattern(50_000, 11))];
+    write_image(&layout, "b", &[refs[0], refs[1], (&third, Comp::Gzip)]);
+    let store = area.path("store");
+    let a = format!("oci:{}:a", layout.display());
+    let b = format!("oci:{}:b", layout.display());
+    let first = pull_json(&store, &a, &[]);
+    assert!(first["blob_bytes"].as_u64().unwrap() > 0);
+    // The same image again: no layer is read.
+    let again = pull_json(&store, &a, &["--tag", "again"]);
+    assert_eq!(
+        (&again["digest"], &again["blob_bytes"]),
+        (&first["digest"], &serde_json::json!(0))
+    );
+    // B: only its own layer is read.
+    let bj = pull_json(&store, &b, &[]);
+    let third_blob = compress(&tar_of(&third), Comp::Gzip).0.len() as u64;
+    assert_eq!(bj["blob_bytes"].as_u64().unwrap(), third_blob, "{bj}");
+    // An object removed behind tilefs's back: pulling again restores it.
+    let out = tilefs(&[os("objects"), os("--store"), store.as_os_str(), os("layout:a")]);
+    let objects = String::from_utf8(out.stdout).unwrap();
+    let victim = objects.lines().next().unwrap().to_string();
+    fs::remove_file(store.join(&victim)).unwrap();
+    let err = tilefs_any(&[os("fsck"), os("--store"), store.as_os_str()]);
+    assert_eq!(err.status.code(), Some(1), "fsck sees the missing object");
+    let repaired = pull_json(&store, &a, &[]);
+    assert_eq!(repaired["digest"], first["digest"]);
+    assert!(repaired["blob_bytes"].as_u64().unwrap() > 0, "a layer was read again");
+    assert!(store.join(&victim).is_file(), "{victim} restored");
+    assert_fsck_clean(&store);
+    // gc keeps what the tags use and the records of what it removed do
+    // not mislead a later pull.
+    tilefs(&[os("untag"), os("--store"), store.as_os_str(), os("layout:b")]);
+    tilefs(&[os("gc"), os("--store"), store.as_os_str()]);
+    let bj2 = pull_json(&store, &b, &[]);
+    assert_eq!(bj2["digest"], bj["digest"]);
+    assert_fsck_clean(&store);
+}

@@ -18,7 +18,7 @@
 
 use crate::layer::{display_components, Content, Kind, LayerEntry};
 use crate::OciError;
-use std::collections::HashMap;
+use rustc_hash::FxHashMap;
 use tilefs_image::tree::{
     digest_object_path, Inode, InodeId, Tree, TreeError, EXTERNAL_XATTR_BUDGET, ROOT, S_IFDIR, S_IFIFO, S_IFLNK,
     S_IFMT, S_IFREG,
@@ -63,9 +63,16 @@ impl Applier {
             self.remove(e)
                 .map_err(|r| OciError::layer(blob, Some(&whiteout_name(e)), r))?;
         }
-        for e in others {
-            let name = e.display_path();
-            self.add(e).map_err(|r| OciError::layer(blob, Some(&name), r))?;
+        // In path order (stable: a later entry of one path still wins), so
+        // each directory's entries arrive sorted and are appended, not
+        // inserted; hardlinks after every file they may name, in their own
+        // order.
+        let (links, mut others): (Vec<_>, Vec<_>) =
+            others.into_iter().partition(|e| matches!(e.kind, Kind::Hardlink(_)));
+        others.sort_by(|a, b| a.path.cmp(&b.path));
+        for mut e in others.into_iter().chain(links) {
+            self.add(&mut e)
+                .map_err(|r| OciError::layer(blob, Some(&e.display_path()), r))?;
         }
         // An opaque directory exists in its layer even if the layer forgot
         // its entry.
@@ -108,11 +115,12 @@ impl Applier {
         }
     }
 
-    fn add(&mut self, e: LayerEntry) -> Result<(), String> {
-        let LayerEntry { path, kind, meta } = e;
+    fn add(&mut self, e: &mut LayerEntry) -> Result<(), String> {
+        let kind = std::mem::replace(&mut e.kind, Kind::Fifo);
+        let LayerEntry { path, meta, .. } = e;
         let Some((name, parent_path)) = path.split_last() else {
             // The root's own entry: its metadata, like any directory's.
-            set_meta(self.tree.inode_mut(ROOT), meta.perm | S_IFDIR, &meta)?;
+            set_meta(self.tree.inode_mut(ROOT), meta.perm | S_IFDIR, meta)?;
             return Ok(());
         };
         let parent = self.dir_at(parent_path)?;
@@ -122,7 +130,7 @@ impl Applier {
                 if let Some(id) = existing.filter(|&id| self.tree.inode(id).is_dir()) {
                     // A directory over a directory: the newer metadata, the
                     // union of the contents.
-                    return set_meta(self.tree.inode_mut(id), meta.perm | S_IFDIR, &meta);
+                    return set_meta(self.tree.inode_mut(id), meta.perm | S_IFDIR, meta);
                 }
                 Inode::new(S_IFDIR)
             }
@@ -135,6 +143,7 @@ impl Applier {
                         i.payload = Some(digest_object_path(&d).into_bytes());
                         i.digest = Some(d);
                     }
+                    Content::Pending(_) => return Err("contents not stored (an internal error)".into()),
                 }
                 i
             }
@@ -167,7 +176,7 @@ impl Applier {
             Kind::Whiteout | Kind::Opaque => unreachable!("applied before"),
         };
         let type_bits = inode.mode & S_IFMT;
-        set_meta(&mut inode, meta.perm | type_bits, &meta)?;
+        set_meta(&mut inode, meta.perm | type_bits, meta)?;
         self.unlink(parent, name);
         self.tree.add_child(parent, name, inode).map_err(tree_error)?;
         Ok(())
@@ -222,12 +231,11 @@ impl Applier {
     /// link counts counted, the first name (in dump order) of each file its
     /// primary entry.
     pub fn finish(self) -> Tree {
-        let old = self.tree;
-        let mut new = Tree::new(Inode {
-            entries: Vec::new(),
-            ..old.inode(ROOT).clone()
-        });
-        let mut seen: HashMap<InodeId, InodeId> = HashMap::new();
+        let mut old = self.tree;
+        let root_entries = std::mem::take(&mut old.inode_mut(ROOT).entries);
+        let mut new = Tree::new(old.inode(ROOT).clone());
+        old.inode_mut(ROOT).entries = root_entries;
+        let mut seen: FxHashMap<InodeId, InodeId> = FxHashMap::default();
         // Depth first, by name: the order of a dump.
         let mut stack: Vec<(InodeId, InodeId, usize)> = vec![(ROOT, ROOT, 0)];
         while let Some((old_dir, new_dir, pos)) = stack.pop() {
@@ -244,21 +252,27 @@ impl Applier {
                 });
                 continue;
             }
-            let src = old.inode(e.inode);
-            let id = new.add_inode(Inode {
-                entries: Vec::new(),
+            let (child, name) = (e.inode, e.name.clone());
+            // Each inode is moved once (a second name is a hardlink above);
+            // a directory keeps its entries in the old tree for the walk.
+            let src = old.inode_mut(child);
+            let is_dir = src.is_dir();
+            let entries = std::mem::take(&mut src.entries);
+            let moved = Inode {
                 nlink: 1,
-                ..src.clone()
-            });
+                ..std::mem::take(src)
+            };
+            old.inode_mut(child).entries = entries;
+            let id = new.add_inode(moved);
             new.inode_mut(new_dir).entries.push(tilefs_image::tree::Entry {
-                name: e.name.clone(),
+                name,
                 inode: id,
                 hardlink: false,
             });
-            if src.is_dir() {
-                stack.push((e.inode, id, 0));
+            if is_dir {
+                stack.push((child, id, 0));
             } else {
-                seen.insert(e.inode, id);
+                seen.insert(child, id);
             }
         }
         new

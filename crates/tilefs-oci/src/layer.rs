@@ -85,7 +85,22 @@ pub enum Content {
     Inline(Vec<u8>),
     /// Stored in the store under this fs-verity digest.
     Object([u8; 32]),
+    /// Handed to an [`Offload`] as job `id`; the caller puts the digest in
+    /// place once the job is done (never kept or recorded).
+    Pending(u32),
 }
+
+/// Contents read but not yet digested and stored: the reading thread
+/// hands them on, so decompressing one layer and digesting and writing its
+/// files run on different cores.
+pub struct Job {
+    pub id: u32,
+    pub data: Vec<u8>,
+}
+
+/// Files up to this size are handed to an [`Offload`] (larger ones are
+/// streamed into the store by the reading thread).
+pub const OFFLOAD_MAX: u64 = 4 << 20;
 
 /// What an entry is.
 #[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
@@ -158,6 +173,8 @@ pub struct ReadOptions<'a> {
     pub stop: Option<&'a (dyn Fn() -> bool + Sync)>,
     /// Counts the entries read, for progress displays.
     pub entries: Option<&'a AtomicU64>,
+    /// Where file contents go to be digested and stored by other threads.
+    pub offload: Option<&'a (dyn Fn(Job) + Sync)>,
 }
 
 /// Reads the tar stream `tar` (already decompressed), storing file
@@ -170,6 +187,7 @@ pub fn read_entries(
 ) -> Result<Vec<LayerEntry>, OciError> {
     let mut archive = tar::Archive::new(tar);
     let mut out = Vec::new();
+    let mut jobs: u32 = 0;
     let entries = archive
         .entries()
         .map_err(|e| OciError::layer(blob, None, format!("not a tar stream: {e}")))?;
@@ -267,7 +285,7 @@ pub fn read_entries(
                 } else {
                     (entry.size(), &mut entry)
                 };
-                let content = if size <= RECOMMENDED_INLINE_MAX {
+                let content = if size <= RECOMMENDED_INLINE_MAX || (size <= OFFLOAD_MAX && opts.offload.is_some()) {
                     let mut buf = Vec::with_capacity(size as usize);
                     data.take(size + 1)
                         .read_to_end(&mut buf)
@@ -275,7 +293,15 @@ pub fn read_entries(
                     if buf.len() as u64 != size {
                         return Err(fail("contents end early".into()));
                     }
-                    Content::Inline(buf)
+                    match opts.offload {
+                        Some(offload) if size > RECOMMENDED_INLINE_MAX => {
+                            let id = jobs;
+                            jobs += 1;
+                            offload(Job { id, data: buf });
+                            Content::Pending(id)
+                        }
+                        _ => Content::Inline(buf),
+                    }
                 } else {
                     let d = ingest
                         .import_reader(Path::new(&name), size, data)

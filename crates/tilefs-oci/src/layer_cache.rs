@@ -1,16 +1,26 @@
 //! What a pull learnt of each layer: its entries, file contents by digest.
 //! A layer read once is not read again while every object it needs is in
-//! the store (`STORE/.layers/ALG-HEX.json`, keyed by the blob's digest,
-//! which names its bytes). A record that is missing, unreadable, of
-//! another version or naming an absent object is simply not used.
+//! the store (`STORE/.layers/ALG-HEX`, keyed by the blob's digest, which
+//! names its bytes; a compact serde encoding, postcard). A record that is
+//! missing, unreadable, of another version or naming an absent object is
+//! simply not used.
+//!
+//! The image a list of layers makes is kept the same way
+//! (`STORE/.layers/image-KEY`, KEY a SHA-256 of the layer digests and the
+//! options that shape the image), with the objects it needs: pulling an
+//! image again costs its manifest and a check that those objects are still
+//! there.
 
 use crate::digest::Digest;
 use crate::layer::{Content, Kind, LayerEntry};
+use std::collections::{HashMap, HashSet};
 use std::path::PathBuf;
+use std::sync::{Arc, Mutex};
 use tilefs_store::store::LAYER_CACHE;
 use tilefs_store::Store;
 
-const VERSION: u32 = 1;
+/// Bumped whenever what a record holds changes meaning.
+const VERSION: u32 = 2;
 
 #[derive(serde::Serialize, serde::Deserialize)]
 struct Record {
@@ -19,40 +29,93 @@ struct Record {
 }
 
 fn path(store: &Store, d: &Digest) -> PathBuf {
-    store
-        .join(LAYER_CACHE)
-        .join(format!("{}-{}.json", d.algorithm(), d.hex()))
+    store.join(LAYER_CACHE).join(format!("{}-{}", d.algorithm(), d.hex()))
 }
 
 /// The layer's entries, if known and every object they need is present.
-pub fn load(store: &Store, d: &Digest) -> Option<Vec<LayerEntry>> {
+pub fn load(store: &Store, d: &Digest, presence: &Presence) -> Option<Vec<LayerEntry>> {
     let raw = std::fs::read(path(store, d)).ok()?;
-    let r: Record = serde_json::from_slice(&raw).ok()?;
+    let r: Record = postcard::from_bytes(&raw).ok()?;
     if r.version != VERSION {
         return None;
     }
-    let complete = r.entries.iter().all(|e| match &e.kind {
-        Kind::File {
-            size,
-            content: Content::Object(o),
-        } => store.object_size(o) == Some(*size),
-        _ => true,
-    });
-    complete.then_some(r.entries)
+    let mut needed: Vec<&[u8; 32]> = Vec::new();
+    for e in &r.entries {
+        match &e.kind {
+            Kind::File {
+                content: Content::Object(o),
+                ..
+            } => needed.push(o),
+            Kind::File {
+                content: Content::Pending(_),
+                ..
+            } => return None,
+            _ => {}
+        }
+    }
+    needed.sort_unstable_by_key(|o| o[0]);
+    presence.all_present(store, &needed).then_some(r.entries)
+}
+
+/// Which objects the store holds, learnt by listing the fan-out
+/// directories (names only: no inode is read per object, which is what a
+/// cold check would cost), each at most once per pull.
+#[derive(Default)]
+pub struct Presence {
+    listed: Mutex<HashMap<u8, Arc<HashSet<[u8; 31]>>>>,
+}
+
+impl Presence {
+    fn fanout(&self, store: &Store, fan: u8) -> Arc<HashSet<[u8; 31]>> {
+        if let Some(set) = self.listed.lock().unwrap().get(&fan) {
+            return set.clone();
+        }
+        let mut set = HashSet::new();
+        if let Ok(rd) = std::fs::read_dir(store.join(format!("{fan:02x}"))) {
+            for e in rd.filter_map(|e| e.ok()) {
+                let mut rest = [0u8; 31];
+                let name = e.file_name();
+                if hex::decode_to_slice(std::os::unix::ffi::OsStrExt::as_bytes(name.as_os_str()), &mut rest).is_ok()
+                    && e.file_type().is_ok_and(|t| t.is_file())
+                {
+                    set.insert(rest);
+                }
+            }
+        }
+        let set = Arc::new(set);
+        self.listed.lock().unwrap().insert(fan, set.clone());
+        set
+    }
+
+    fn all_present(&self, store: &Store, objects: &[&[u8; 32]]) -> bool {
+        let mut current: Option<(u8, Arc<HashSet<[u8; 31]>>)> = None;
+        objects.iter().all(|o| {
+            let set = match &current {
+                Some((fan, set)) if *fan == o[0] => set.clone(),
+                _ => {
+                    let set = self.fanout(store, o[0]);
+                    current = Some((o[0], set.clone()));
+                    set
+                }
+            };
+            let mut rest = [0u8; 31];
+            rest.copy_from_slice(&o[1..]);
+            set.contains(&rest)
+        })
+    }
 }
 
 /// Records a layer's entries (best effort: a pull does not fail for it).
 pub fn save(store: &Store, d: &Digest, entries: &[LayerEntry]) {
     let Ok(dir) = store.subdir(LAYER_CACHE) else { return };
-    let Ok(bytes) = serde_json::to_vec(&RecordRef {
+    let Ok(bytes) = postcard::to_stdvec(&RecordRef {
         version: VERSION,
         entries,
     }) else {
         return;
     };
-    let final_path = path(store, d);
     let tmp = dir.join(format!(".{}-{}.tmp", d.hex(), std::process::id()));
-    if std::fs::write(&tmp, bytes).is_err() || std::fs::rename(&tmp, &final_path).is_err() {
+    if std::fs::write(&tmp, bytes).is_err() || std::fs::rename(&tmp, path(store, d)).is_err() {
         let _ = std::fs::remove_file(&tmp);
     }
 }
@@ -61,4 +124,92 @@ pub fn save(store: &Store, d: &Digest, entries: &[LayerEntry]) {
 struct RecordRef<'a> {
     version: u32,
     entries: &'a [LayerEntry],
+}
+
+/// An image made from a list of layers.
+#[derive(serde::Serialize, serde::Deserialize)]
+pub struct ImageRecord {
+    version: u32,
+    /// The fan-out directories holding the objects, with their mtimes when
+    /// the objects were known present: a directory whose mtime is unchanged
+    /// lost no entry since (a removal changes it), so only the others are
+    /// listed.
+    fanouts: Vec<(u8, i64, i64)>,
+    pub image: Vec<u8>,
+    pub entries: usize,
+    pub objects: Vec<[u8; 32]>,
+}
+
+/// The key of the image `layers` make with these options.
+pub fn image_key(layers: &[&Digest], keep_all_xattrs: bool) -> String {
+    use sha2::Digest as _;
+    let mut h = sha2::Sha256::new();
+    h.update(format!("tilefs-oci-image v{VERSION} all-xattrs={keep_all_xattrs}\n"));
+    for l in layers {
+        h.update(l.to_string());
+        h.update(b"\n");
+    }
+    hex::encode(h.finalize())
+}
+
+/// The image recorded under `key`, if every object it needs is present.
+pub fn load_image(store: &Store, key: &str, presence: &Presence) -> Option<ImageRecord> {
+    let raw = std::fs::read(store.join(LAYER_CACHE).join(format!("image-{key}"))).ok()?;
+    let r: ImageRecord = postcard::from_bytes(&raw).ok()?;
+    if r.version != VERSION {
+        return None;
+    }
+    let changed: HashSet<u8> = r
+        .fanouts
+        .iter()
+        .filter(|&&(fan, sec, nsec)| fanout_mtime(store, fan) != Some((sec, nsec)))
+        .map(|&(fan, ..)| fan)
+        .collect();
+    if changed.is_empty() {
+        return Some(r);
+    }
+    let needed: Vec<&[u8; 32]> = r.objects.iter().filter(|o| changed.contains(&o[0])).collect();
+    if !presence.all_present(store, &needed) {
+        return None;
+    }
+    // Checked now: the next pull need not list these again.
+    save_image(store, key, &r.image, r.entries, r.objects.clone());
+    Some(r)
+}
+
+fn fanout_mtime(store: &Store, fan: u8) -> Option<(i64, i64)> {
+    use std::os::unix::fs::MetadataExt;
+    let m = std::fs::symlink_metadata(store.join(format!("{fan:02x}"))).ok()?;
+    Some((m.mtime(), m.mtime_nsec()))
+}
+
+/// Records the image `key` makes (best effort). Call once its objects are
+/// durable in the store.
+pub fn save_image(store: &Store, key: &str, image: &[u8], entries: usize, mut objects: Vec<[u8; 32]>) {
+    let Ok(dir) = store.subdir(LAYER_CACHE) else { return };
+    objects.sort_unstable();
+    let mut fanouts: Vec<(u8, i64, i64)> = Vec::new();
+    for fan in objects.iter().map(|o| o[0]) {
+        if fanouts.last().is_some_and(|&(f, ..)| f == fan) {
+            continue;
+        }
+        let Some((sec, nsec)) = fanout_mtime(store, fan) else {
+            return;
+        };
+        fanouts.push((fan, sec, nsec));
+    }
+    let record = ImageRecord {
+        version: VERSION,
+        fanouts,
+        image: image.to_vec(),
+        entries,
+        objects,
+    };
+    let Ok(bytes) = postcard::to_stdvec(&record) else {
+        return;
+    };
+    let tmp = dir.join(format!(".image-{key}-{}.tmp", std::process::id()));
+    if std::fs::write(&tmp, bytes).is_err() || std::fs::rename(&tmp, dir.join(format!("image-{key}"))).is_err() {
+        let _ = std::fs::remove_file(&tmp);
+    }
 }

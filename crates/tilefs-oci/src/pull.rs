@@ -12,13 +12,14 @@
 
 use crate::apply::Applier;
 use crate::digest::Verified;
-use crate::layer::{self, Compression, LayerEntry, ReadOptions};
+use crate::layer::{self, Compression, Content, Job, Kind, LayerEntry, ReadOptions};
 use crate::manifest::{BlobRef, Platform, MAX_MANIFEST};
 use crate::transport::{self, RegistryOptions, Transport};
 use crate::{compat, ImageRef, OciError};
+use std::collections::HashMap;
 use std::io::{self, BufRead, BufReader, Read};
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering::Relaxed};
-use std::sync::{Arc, Mutex};
+use std::sync::{mpsc, Arc, Condvar, Mutex};
 use tilefs_image::erofs::{self, WriteOptions};
 use tilefs_store::ingest::{Ingest, Method, StatsSnapshot};
 use tilefs_store::{tags, Store};
@@ -89,10 +90,33 @@ pub fn pull(store: &Store, r: &ImageRef, tag: &str, opts: &PullOptions) -> Resul
         .store(resolved.layers.iter().filter_map(|l| l.size).sum(), Relaxed);
 
     let mut ingest = Ingest::new(store, Method::Copy)?;
+    // Measured on a 1.1 GB, 51k-file pull: 128 MiB batches beat 1 GiB by a
+    // tenth, 32 and 64 MiB no further.
+    ingest.set_batch_bytes(128 << 20);
     if let Some(c) = &opts.cancel {
         ingest.set_cancel(c.clone());
     }
-    let layers = read_layers(store, t.as_ref(), &resolved.layers, &ingest, &progress, opts)?;
+    let presence = crate::layer_cache::Presence::default();
+    let digests: Vec<&crate::digest::Digest> = resolved.layers.iter().map(|l| &l.digest).collect();
+    let key = crate::layer_cache::image_key(&digests, opts.keep_all_xattrs);
+    if let Some(known) = crate::layer_cache::load_image(store, &key, &presence) {
+        // Made before from these very layers, its objects all present.
+        progress.layers_done.store(resolved.layers.len() as u64, Relaxed);
+        tags::write_tag(store, tag, &known.image)?;
+        return Ok(PullReport {
+            tag: tag.to_string(),
+            digest: hex::encode(tilefs_image::verity::digest_bytes(&known.image)),
+            image_bytes: known.image.len(),
+            format_version: compat::FORMAT_VERSION,
+            manifest_digest: resolved.manifest_digest.map(|d| d.to_string()),
+            layers: resolved.layers.len(),
+            blob_bytes: 0,
+            entries: known.entries,
+            objects: StatsSnapshot::default(),
+            notes: Vec::new(),
+        });
+    }
+    let layers = read_layers(store, t.as_ref(), &resolved.layers, &ingest, &progress, &presence, opts)?;
     let mut applier = Applier::new();
     let mut entries = 0;
     for (blob, l) in resolved.layers.iter().zip(layers) {
@@ -111,6 +135,10 @@ pub fn pull(store: &Store, r: &ImageRef, tag: &str, opts: &PullOptions) -> Resul
     .map_err(|e| OciError::manifest(r.to_string(), format!("cannot write the image: {e}")))?;
     let objects = ingest.finish()?;
     tags::write_tag(store, tag, &image.bytes)?;
+    let mut needed: Vec<[u8; 32]> = tree.inodes.iter().filter_map(|i| i.digest).collect();
+    needed.sort_unstable();
+    needed.dedup();
+    crate::layer_cache::save_image(store, &key, &image.bytes, entries, needed);
     let notes = ingest.verity_warning().into_iter().collect();
     drop(ingest);
     Ok(PullReport {
@@ -163,6 +191,7 @@ fn read_layers(
     layers: &[BlobRef],
     ingest: &Ingest,
     progress: &PullProgress,
+    presence: &crate::layer_cache::Presence,
     opts: &PullOptions,
 ) -> Result<Vec<Vec<LayerEntry>>, OciError> {
     let mut order: Vec<usize> = (0..layers.len()).collect();
@@ -177,34 +206,57 @@ fn read_layers(
     type Slot = Mutex<Option<Result<Vec<LayerEntry>, OciError>>>;
     let results: Vec<Slot> = layers.iter().map(|_| Mutex::new(None)).collect();
     let stop = || failed.load(Relaxed) || opts.cancel.as_ref().is_some_and(|c| c.load(Relaxed));
-    std::thread::scope(|s| {
-        for _ in 0..threads {
-            s.spawn(|| loop {
-                let k = next.fetch_add(1, Relaxed);
-                let Some(&i) = order.get(k) else { break };
-                if stop() {
-                    break;
-                }
-                let r = match crate::layer_cache::load(store, &layers[i].digest) {
-                    Some(entries) => {
-                        progress.entries.fetch_add(entries.len() as u64, Relaxed);
-                        Ok(entries)
-                    }
-                    None => {
-                        let r = read_layer(t, &layers[i], ingest, progress, &stop);
-                        if let Ok(entries) = &r {
-                            crate::layer_cache::save(store, &layers[i].digest, entries);
-                        }
-                        r
-                    }
-                };
-                if r.is_err() {
-                    failed.store(true, Relaxed);
-                }
-                progress.layers_done.fetch_add(1, Relaxed);
-                *results[i].lock().unwrap() = Some(r);
+    // Files read by the layer threads are digested and stored by workers,
+    // one per core: decompression is the long pole of a big layer.
+    let workers = std::thread::available_parallelism().map_or(2, |n| n.get());
+    let (tx, rx) = mpsc::sync_channel::<(usize, Job)>(64);
+    let rx = Mutex::new(rx);
+    let pending: Vec<Pending> = layers.iter().map(|_| Pending::default()).collect();
+    std::thread::scope(|outer| {
+        for _ in 0..workers {
+            outer.spawn(|| loop {
+                let msg = rx.lock().unwrap().recv();
+                let Ok((i, job)) = msg else { break };
+                let r = ingest.import_bytes(job.data);
+                pending[i].finish(job.id, r);
             });
         }
+        std::thread::scope(|s| {
+            for _ in 0..threads {
+                s.spawn(|| loop {
+                    let k = next.fetch_add(1, Relaxed);
+                    let Some(&i) = order.get(k) else { break };
+                    if stop() {
+                        break;
+                    }
+                    let r = match crate::layer_cache::load(store, &layers[i].digest, presence) {
+                        Some(entries) => {
+                            progress.entries.fetch_add(entries.len() as u64, Relaxed);
+                            Ok(entries)
+                        }
+                        None => {
+                            let offload = |job: Job| {
+                                pending[i].add();
+                                // The workers outlive every sender.
+                                let _ = tx.send((i, job));
+                            };
+                            let r = read_layer(t, &layers[i], ingest, progress, &stop, &offload)
+                                .and_then(|entries| pending[i].resolve(&layers[i].digest.to_string(), entries));
+                            if let Ok(entries) = &r {
+                                crate::layer_cache::save(store, &layers[i].digest, entries);
+                            }
+                            r
+                        }
+                    };
+                    if r.is_err() {
+                        failed.store(true, Relaxed);
+                    }
+                    progress.layers_done.fetch_add(1, Relaxed);
+                    *results[i].lock().unwrap() = Some(r);
+                });
+            }
+        });
+        drop(tx);
     });
     if opts.cancel.as_ref().is_some_and(|c| c.load(Relaxed)) {
         return Err(OciError::Interrupted);
@@ -236,6 +288,7 @@ fn read_layer(
     ingest: &Ingest,
     progress: &PullProgress,
     stop: &(dyn Fn() -> bool + Sync),
+    offload: &(dyn Fn(Job) + Sync),
 ) -> Result<Vec<LayerEntry>, OciError> {
     let name = blob.digest.to_string();
     let raw = t.open_blob(blob)?;
@@ -257,6 +310,7 @@ fn read_layer(
         let opts = ReadOptions {
             stop: Some(stop),
             entries: Some(&progress.entries),
+            offload: Some(offload),
         };
         let entries =
             layer::read_entries(&mut stream, &name, ingest, opts).map_err(|e| with_compression(e, compression))?;
@@ -299,5 +353,61 @@ fn with_compression(e: OciError, c: Compression) -> OciError {
             }
         }
         e => e,
+    }
+}
+
+/// The offloaded files of one layer: how many are still being stored, and
+/// the digests (or errors) of those done.
+#[derive(Default)]
+struct Pending {
+    state: Mutex<PendingState>,
+    done: Condvar,
+}
+
+/// Jobs still running, and the outcome of those done, by job id.
+type PendingState = (u32, HashMap<u32, Result<[u8; 32], tilefs_store::StoreError>>);
+
+impl Pending {
+    fn add(&self) {
+        self.state.lock().unwrap().0 += 1;
+    }
+
+    fn finish(&self, id: u32, r: Result<[u8; 32], tilefs_store::StoreError>) {
+        let mut st = self.state.lock().unwrap();
+        st.0 -= 1;
+        st.1.insert(id, r);
+        if st.0 == 0 {
+            self.done.notify_all();
+        }
+    }
+
+    /// Waits for the layer's files to be stored and puts their digests in
+    /// place.
+    fn resolve(&self, blob: &str, mut entries: Vec<LayerEntry>) -> Result<Vec<LayerEntry>, OciError> {
+        let mut st = self.state.lock().unwrap();
+        while st.0 > 0 {
+            st = self.done.wait(st).unwrap();
+        }
+        let mut digests = std::mem::take(&mut st.1);
+        drop(st);
+        for e in &mut entries {
+            if let Kind::File { content, .. } = &mut e.kind {
+                if let Content::Pending(id) = *content {
+                    match digests.remove(&id) {
+                        Some(Ok(d)) => *content = Content::Object(d),
+                        Some(Err(tilefs_store::StoreError::Interrupted)) => return Err(OciError::Interrupted),
+                        Some(Err(err)) => return Err(OciError::layer(blob, Some(&e.display_path()), err.to_string())),
+                        None => {
+                            return Err(OciError::layer(
+                                blob,
+                                Some(&e.display_path()),
+                                "contents lost (an internal error)",
+                            ))
+                        }
+                    }
+                }
+            }
+        }
+        Ok(entries)
     }
 }

@@ -123,6 +123,18 @@ pub fn gc(store: &Store, opts: &GcOptions) -> Result<GcReport, StoreError> {
     drop(fanout);
 
     remove_leftovers(store, tmp_dir.as_ref(), &leftovers, opts.dry_run, &mut report)?;
+    // Pulls' records of layers and images (caches) may name what went:
+    // they are dropped with it. Records whose files are not there are only
+    // ignored by a pull, but they would take room for nothing.
+    if report.objects_removed > 0 && !opts.dry_run {
+        if let Ok(rd) = std::fs::read_dir(store.join(crate::store::LAYER_CACHE)) {
+            for e in rd.flatten() {
+                if e.file_type().is_ok_and(|t| t.is_file()) {
+                    let _ = std::fs::remove_file(e.path());
+                }
+            }
+        }
+    }
     Ok(report)
 }
 

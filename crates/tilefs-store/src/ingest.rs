@@ -118,6 +118,8 @@ pub struct Ingest<'s> {
     verity: AtomicU8,
     verity_warning: Mutex<Option<String>>,
     cloning: AtomicBool,
+    /// Commit once this much new data waits.
+    batch_bytes: u64,
     /// Set (by a signal handler, say) to stop the import at the next file.
     cancel: Option<std::sync::Arc<AtomicBool>>,
     _lock: StoreLock,
@@ -147,6 +149,7 @@ impl<'s> Ingest<'s> {
             verity: AtomicU8::new(VERITY_UNKNOWN),
             verity_warning: Mutex::new(None),
             cloning: AtomicBool::new(true),
+            batch_bytes: BATCH_BYTES,
             cancel: None,
             _lock: lock,
         })
@@ -156,6 +159,14 @@ impl<'s> Ingest<'s> {
     /// [`StoreError::Interrupted`] once `flag` is set.
     pub fn set_cancel(&mut self, flag: std::sync::Arc<AtomicBool>) {
         self.cancel = Some(flag);
+    }
+
+    /// Commits new objects once `bytes` of them wait (default 1 GiB). A
+    /// stream (a layer) whose files arrive one by one gains from smaller
+    /// batches: the renames and syncs of a batch then overlap the reading
+    /// of the next instead of all waiting for the end.
+    pub fn set_batch_bytes(&mut self, bytes: u64) {
+        self.batch_bytes = bytes.max(1);
     }
 
     /// Saves the digests learnt so far (an interrupted build keeps them:
@@ -301,7 +312,7 @@ impl<'s> Ingest<'s> {
         self.stats.new_objects.fetch_add(1, Relaxed);
         self.stats.new_bytes.fetch_add(size, Relaxed);
         self.pending.lock().unwrap().push((tmp_name, digest));
-        if self.pending_bytes.fetch_add(size, Relaxed) + size >= BATCH_BYTES {
+        if self.pending_bytes.fetch_add(size, Relaxed) + size >= self.batch_bytes {
             self.pending_bytes.store(0, Relaxed);
             self.commit_batch()?;
         }
