@@ -119,7 +119,7 @@ def run(b) -> None:
     b.compare("pull/present", f"the same image again, every object present ({note})",
               t_argv, r_argv, ref_tool="cfsctl", ref_missing="cfsctl not found (set CFSCTL): tilefs alone",
               cold=cold, goal=PRESENT_GOAL, nbytes=blob_bytes,
-              notes=["cfsctl finds its layers already imported; tilefs reads the layers again, writing no object"])
+              notes=["cfsctl finds its layers already imported; tilefs finds the image these layers made (STORE/.layers) and checks its objects are present"])
     t = subprocess.run([str(a) for a in t_argv], capture_output=True, text=True)
     if cfs and t.returncode == 0:
         r = subprocess.run([cfs, "--repo", str(r_repo), "oci", "compute-id", "bench"], capture_output=True, text=True)
