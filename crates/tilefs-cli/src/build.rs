@@ -180,6 +180,7 @@ pub fn run(a: BuildArgs) -> Result<ExitCode> {
             let total = progress::measure_in_background(a.source.clone(), 0);
             Progress::bytes(
                 "importing",
+                "files",
                 move || (c.files.load(Relaxed), c.bytes.load(Relaxed)),
                 total,
             )

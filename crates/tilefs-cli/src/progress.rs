@@ -20,10 +20,12 @@ pub fn enabled(quiet: bool) -> bool {
 }
 
 impl Progress {
-    /// Shows `label`, files and bytes done (from `done`), and, once `total`
-    /// is known (non-zero), a bar with rate and ETA.
+    /// Shows `label`, items (`unit`: "files", "entries") and bytes done
+    /// (from `done`), and, once `total` is known (non-zero), a bar with rate
+    /// and ETA.
     pub fn bytes(
         label: &'static str,
+        unit: &'static str,
         done: impl Fn() -> (u64, u64) + Send + 'static,
         total: Arc<AtomicU64>,
     ) -> Progress {
@@ -52,14 +54,14 @@ impl Progress {
                         String::new()
                     };
                     bar.set_message(format!(
-                        "{files} files, {} / {}, {}/s {eta}",
+                        "{files} {unit}, {} / {}, {}/s {eta}",
                         HumanBytes(bytes),
                         HumanBytes(total),
                         HumanBytes(rate as u64)
                     ));
                 } else {
                     bar.set_message(format!(
-                        "{files} files, {}, {}/s",
+                        "{files} {unit}, {}, {}/s",
                         HumanBytes(bytes),
                         HumanBytes(rate as u64)
                     ));

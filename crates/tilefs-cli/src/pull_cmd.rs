@@ -85,8 +85,9 @@ pub fn run(a: PullArgs) -> Result<ExitCode> {
         let c = counters.clone();
         Progress::bytes(
             "pulling",
+            "entries",
             move || (c.entries.load(Relaxed), c.blob_bytes.load(Relaxed)),
-            Arc::new(std::sync::atomic::AtomicU64::new(0)),
+            counters.blob_total.clone(),
         )
     });
     let result = tilefs_oci::pull(&store, &r, &tag, &opts);

@@ -20,7 +20,8 @@ pub const WHITEOUT_PREFIX: &[u8] = b".wh.";
 /// The opaque-directory marker.
 pub const OPAQUE_MARKER: &[u8] = b".wh..wh..opq";
 
-/// How a layer blob is compressed.
+/// How a layer blob is compressed: decided by its first bytes, whatever
+/// its media type says (Docker's types say gzip for any layer).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Compression {
     None,
@@ -29,21 +30,6 @@ pub enum Compression {
 }
 
 impl Compression {
-    /// The compression a media type names, if it names one. Unknown or
-    /// generic types (and Docker's, which are always gzip in practice but
-    /// not always in fact) are decided by the stream's first bytes.
-    pub fn from_media_type(media_type: &str) -> Option<Compression> {
-        if media_type.ends_with("+gzip") || media_type.ends_with(".gzip") {
-            Some(Compression::Gzip)
-        } else if media_type.ends_with("+zstd") || media_type.ends_with(".zstd") {
-            Some(Compression::Zstd)
-        } else if media_type.ends_with(".tar") {
-            Some(Compression::None)
-        } else {
-            None
-        }
-    }
-
     /// The compression the first bytes of a stream show.
     pub fn sniff(head: &[u8]) -> Compression {
         if head.starts_with(&[0x1f, 0x8b]) {
@@ -612,9 +598,5 @@ mod tests {
         assert_eq!(Compression::sniff(&[0x1f, 0x8b, 8]), Compression::Gzip);
         assert_eq!(Compression::sniff(&[0x28, 0xb5, 0x2f, 0xfd]), Compression::Zstd);
         assert_eq!(Compression::sniff(b"usr/"), Compression::None);
-        assert_eq!(
-            Compression::from_media_type("application/vnd.oci.image.layer.v1.tar+zstd"),
-            Some(Compression::Zstd)
-        );
     }
 }

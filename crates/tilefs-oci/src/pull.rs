@@ -48,7 +48,7 @@ pub struct PullProgress {
     pub layers_total: AtomicU64,
     pub layers_done: AtomicU64,
     /// Sum of the layers' blob sizes, once known.
-    pub blob_total: AtomicU64,
+    pub blob_total: Arc<AtomicU64>,
     /// Blob bytes read so far.
     pub blob_bytes: Arc<AtomicU64>,
     pub entries: AtomicU64,
