@@ -347,6 +347,11 @@ struct Registry {
 
 impl Registry {
     fn start(area: &Area) -> Registry {
+        Registry::start_with(area, "")
+    }
+
+    /// `extra`: more of the registry's configuration (an `auth:` section).
+    fn start_with(area: &Area, extra: &str) -> Registry {
         let root = area.dir("registry");
         let port = TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
         let addr = format!("127.0.0.1:{port}");
@@ -354,7 +359,7 @@ impl Registry {
         fs::write(
             &config,
             format!(
-                "version: 0.1\nlog:\n  level: error\n  accesslog:\n    disabled: false\nstorage:\n  filesystem:\n    rootdirectory: {}\n  delete:\n    enabled: true\nhttp:\n  addr: {addr}\n",
+                "version: 0.1\nlog:\n  level: error\n  accesslog:\n    disabled: false\nstorage:\n  filesystem:\n    rootdirectory: {}\n  delete:\n    enabled: true\nhttp:\n  addr: {addr}\n{extra}",
                 root.join("data").display()
             ),
         )
@@ -878,5 +883,78 @@ fn pulls_again_read_only_what_is_new_and_repair_what_is_missing() {
     tilefs(&[os("gc"), os("--store"), store.as_os_str()]);
     let bj2 = pull_json(&store, &b, &[]);
     assert_eq!(bj2["digest"], bj["digest"]);
+    assert_fsck_clean(&store);
+}
+
+#[test]
+fn registry_credentials_come_from_the_auth_files() {
+    let area = Area::new();
+    let layout = area.path("layout");
+    write_compat(&layout, "gz", Comp::Gzip);
+    let htpasswd = area.path("htpasswd");
+    let out = Command::new("htpasswd")
+        .args(["-Bbn", "alice", "s3cret"])
+        .output()
+        .expect("htpasswd (apache2-utils; scripts/setup installs it)");
+    assert!(out.status.success());
+    fs::write(&htpasswd, &out.stdout).unwrap();
+    let registry = Registry::start_with(
+        &area,
+        &format!(
+            "auth:\n  htpasswd:\n    realm: tilefs-test\n    path: {}\n",
+            htpasswd.display()
+        ),
+    );
+    let remote = format!("docker://{}/private/app:v1", registry.addr);
+    skopeo(&[
+        "copy",
+        "-q",
+        "--dest-tls-verify=false",
+        "--dest-creds",
+        "alice:s3cret",
+        &format!("oci:{}:gz", layout.display()),
+        &remote,
+    ]);
+    let want = pull(&area.path("ref"), &format!("oci:{}:gz", layout.display()), &[]);
+    let store = area.path("store");
+    let auth_file = |user_pass: &str| {
+        use base64::Engine;
+        let p = area.path(&format!("auth-{}.json", user_pass.replace(':', "-")));
+        let b64 = base64::engine::general_purpose::STANDARD.encode(user_pass);
+        fs::write(
+            &p,
+            serde_json::json!({"auths": {registry.addr.clone(): {"auth": b64}}}).to_string(),
+        )
+        .unwrap();
+        p
+    };
+    let run = |file: Option<&Path>| {
+        let mut c = Command::new(tilefs_bin());
+        c.args(["pull", "-q", "--tls-verify=false", "--store"])
+            .arg(&store)
+            .arg(&remote);
+        // Only the file given: not this machine's own credentials.
+        c.env("HOME", area.path("home")).env_remove("XDG_RUNTIME_DIR");
+        match file {
+            Some(f) => c.env("REGISTRY_AUTH_FILE", f),
+            None => c.env_remove("REGISTRY_AUTH_FILE"),
+        };
+        c.output().unwrap()
+    };
+    let anonymous = run(None);
+    assert_eq!(anonymous.status.code(), Some(1));
+    assert!(
+        stderr(&anonymous).contains("no credentials for"),
+        "{}",
+        stderr(&anonymous)
+    );
+    let wrong = auth_file("alice:wrong");
+    let refused = run(Some(&wrong));
+    assert_eq!(refused.status.code(), Some(1));
+    assert!(stderr(&refused).contains("were refused"), "{}", stderr(&refused));
+    let right = auth_file("alice:s3cret");
+    let ok = run(Some(&right));
+    assert!(ok.status.success(), "{}", stderr(&ok));
+    assert_eq!(String::from_utf8_lossy(&ok.stdout).trim(), want);
     assert_fsck_clean(&store);
 }

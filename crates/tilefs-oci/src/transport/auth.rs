@@ -40,9 +40,16 @@ pub fn auth_files() -> Vec<PathBuf> {
     v
 }
 
+/// Credentials found for a registry, and the file they came from.
+pub struct Credentials {
+    pub user: String,
+    pub password: String,
+    pub file: PathBuf,
+}
+
 /// The user name and password for `registry` (`HOST[:PORT]`), if a file
 /// has them.
-pub fn credentials(registry: &str) -> Result<Option<(String, String)>, OciError> {
+pub fn credentials(registry: &str) -> Result<Option<Credentials>, OciError> {
     for path in auth_files() {
         let raw = match std::fs::read(&path) {
             Ok(r) => r,
@@ -64,7 +71,11 @@ pub fn credentials(registry: &str) -> Result<Option<(String, String)>, OciError>
             let (user, pass) = decoded
                 .split_once(':')
                 .ok_or_else(|| bad("auth is not USER:PASSWORD"))?;
-            return Ok(Some((user.to_string(), pass.to_string())));
+            return Ok(Some(Credentials {
+                user: user.to_string(),
+                password: pass.to_string(),
+                file: path,
+            }));
         }
     }
     Ok(None)

@@ -26,6 +26,8 @@ pub struct Registry {
     registry: String,
     timeout: std::time::Duration,
     tls_verify: bool,
+    /// Said when the registry refuses us: which credentials were used.
+    auth_source: String,
 }
 
 impl Registry {
@@ -34,8 +36,20 @@ impl Registry {
             .parse()
             .map_err(|e| OciError::Reference(format!("invalid registry reference {reference:?}: {e}")))?;
         let registry = parsed.resolve_registry().to_string();
-        let auth = match super::auth::credentials(&registry)? {
-            Some((u, p)) => RegistryAuth::Basic(u, p),
+        let creds = super::auth::credentials(&registry)?;
+        let auth_source = match &creds {
+            Some(c) => format!("the credentials in {} were refused", c.file.display()),
+            None => format!(
+                "no credentials for {registry} in {}",
+                super::auth::auth_files()
+                    .iter()
+                    .map(|p| p.display().to_string())
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            ),
+        };
+        let auth = match creds {
+            Some(c) => RegistryAuth::Basic(c.user, c.password),
             None => RegistryAuth::Anonymous,
         };
         let config = ClientConfig {
@@ -66,6 +80,7 @@ impl Registry {
             registry,
             timeout: opts.timeout,
             tls_verify: opts.tls_verify,
+            auth_source,
         })
     }
 
@@ -80,6 +95,13 @@ impl Registry {
         let mut msg = with_causes(&e);
         if self.tls_verify && msg.contains("InvalidContentType") {
             msg.push_str(" (it does not speak TLS: a plain-HTTP registry needs --tls-verify=false)");
+        }
+        if matches!(
+            e,
+            oci_client::errors::OciDistributionError::UnauthorizedError { .. }
+                | oci_client::errors::OciDistributionError::AuthenticationFailure(_)
+        ) {
+            msg.push_str(&format!(" ({})", self.auth_source));
         }
         self.error(what, msg)
     }
