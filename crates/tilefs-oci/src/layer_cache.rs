@@ -19,7 +19,8 @@ use std::sync::{Arc, Mutex};
 use tilefs_store::store::LAYER_CACHE;
 use tilefs_store::Store;
 
-/// Bumped whenever what a record holds changes meaning.
+/// Bumped whenever what a record holds changes meaning, or the image a
+/// list of layers makes changes (a new rule in `compat`, say).
 const VERSION: u32 = 2;
 
 #[derive(serde::Serialize, serde::Deserialize)]
