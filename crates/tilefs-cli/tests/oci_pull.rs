@@ -958,3 +958,33 @@ fn registry_credentials_come_from_the_auth_files() {
     assert_eq!(String::from_utf8_lossy(&ok.stdout).trim(), want);
     assert_fsck_clean(&store);
 }
+
+#[test]
+fn a_user_without_privilege_pulls_the_same_image() {
+    if !is_root() {
+        eprintln!("skipped: needs root to create the unprivileged user's area");
+        return;
+    }
+    let area = Area::new();
+    // The temporary directory is root's: the user works in one of its own.
+    give_to_nobody(area.tmp.path());
+    let layout = area.path("layout");
+    write_compat(&layout, "compat", Comp::Zstd);
+    Command::new("chown").args(["-R", "65534:65534"]).arg(&layout).status().unwrap();
+    let home = area.dir("home");
+    give_to_nobody(&home);
+    let mut cmd = Command::new(tilefs_bin());
+    cmd.args(["pull", "-q"])
+        .arg(format!("oci:{}:compat", layout.display()))
+        .env("HOME", &home)
+        .env("XDG_DATA_HOME", home.join("data"))
+        .env_remove("TILEFS_STORE");
+    let out = as_nobody(&mut cmd).output().unwrap();
+    assert!(out.status.success(), "{}", stderr(&out));
+    // Owners (70000, 3000000), devices and setuid bits are kept in the
+    // image, which needs no privilege: the digest is composefs-rs's.
+    assert_eq!(String::from_utf8_lossy(&out.stdout).trim(), COMPOSEFS_RS_DIGEST);
+    let store = home.join("data/tilefs/store");
+    assert_eq!(tags_in(&store), ["layout:compat"]);
+    assert_eq!(fs::metadata(&store).unwrap().uid(), NOBODY);
+}
