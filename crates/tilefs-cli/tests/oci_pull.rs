@@ -970,7 +970,11 @@ fn a_user_without_privilege_pulls_the_same_image() {
     give_to_nobody(area.tmp.path());
     let layout = area.path("layout");
     write_compat(&layout, "compat", Comp::Zstd);
-    Command::new("chown").args(["-R", "65534:65534"]).arg(&layout).status().unwrap();
+    Command::new("chown")
+        .args(["-R", "65534:65534"])
+        .arg(&layout)
+        .status()
+        .unwrap();
     let home = area.dir("home");
     give_to_nobody(&home);
     let mut cmd = Command::new(tilefs_bin());
