@@ -884,6 +884,35 @@ fn pulls_again_read_only_what_is_new_and_repair_what_is_missing() {
     let bj2 = pull_json(&store, &b, &[]);
     assert_eq!(bj2["digest"], bj["digest"]);
     assert_fsck_clean(&store);
+    // Records that are FIFOs (planted in an untrusted store) are not read:
+    // the pull neither hangs nor fails, it reads the layers again.
+    for e in fs::read_dir(store.join(".layers")).unwrap() {
+        let p = e.unwrap().path();
+        fs::remove_file(&p).unwrap();
+        assert!(Command::new("mkfifo").arg(&p).status().unwrap().success());
+    }
+    let mut child = Command::new(tilefs_bin())
+        .args(["pull", "-q", "--store"])
+        .arg(&store)
+        .arg(&b)
+        .stdout(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while child.try_wait().unwrap().is_none() {
+        if Instant::now() > deadline {
+            let _ = child.kill();
+            let _ = child.wait();
+            panic!("pull hung on a FIFO in the store's records");
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let out = child.wait_with_output().unwrap();
+    assert!(out.status.success());
+    assert_eq!(
+        String::from_utf8_lossy(&out.stdout).trim(),
+        bj["digest"].as_str().unwrap()
+    );
 }
 
 #[test]

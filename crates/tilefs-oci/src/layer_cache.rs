@@ -14,7 +14,9 @@
 use crate::digest::Digest;
 use crate::layer::{Content, Kind, LayerEntry};
 use std::collections::{HashMap, HashSet};
-use std::path::PathBuf;
+use std::io::{Read, Write};
+use std::os::unix::fs::OpenOptionsExt;
+use std::path::Path;
 use std::sync::{Arc, Mutex};
 use tilefs_store::store::LAYER_CACHE;
 use tilefs_store::Store;
@@ -29,13 +31,44 @@ struct Record {
     entries: Vec<LayerEntry>,
 }
 
-fn path(store: &Store, d: &Digest) -> PathBuf {
-    store.join(LAYER_CACHE).join(format!("{}-{}", d.algorithm(), d.hex()))
+fn record_name(d: &Digest) -> String {
+    format!("{}-{}", d.algorithm(), d.hex())
+}
+
+/// A record's bytes. The store is not trusted: a record is read only if it
+/// is a regular file (never through a symlink, never blocking on a FIFO).
+fn read_record(store: &Store, name: &str) -> Option<Vec<u8>> {
+    let rel = Path::new(LAYER_CACHE).join(name);
+    let mut f = tilefs_store::open_regular(store.dir_fd(), &rel, false).ok()?;
+    let mut raw = Vec::new();
+    f.read_to_end(&mut raw).ok()?;
+    Some(raw)
+}
+
+/// Writes a record atomically (best effort: a pull does not fail for it).
+/// The temporary file is created anew, never opened through whatever an
+/// untrusted store left under its name.
+fn write_record(store: &Store, name: &str, bytes: &[u8]) {
+    let Ok(dir) = store.subdir(LAYER_CACHE) else { return };
+    // A real directory of the store, not a symlink to somewhere else.
+    if !std::fs::symlink_metadata(&dir).is_ok_and(|m| m.is_dir()) {
+        return;
+    }
+    let tmp = dir.join(format!(".{name}.{}.tmp", std::process::id()));
+    let written = std::fs::OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .mode(0o644)
+        .open(&tmp)
+        .and_then(|mut f| f.write_all(bytes));
+    if written.is_err() || std::fs::rename(&tmp, dir.join(name)).is_err() {
+        let _ = std::fs::remove_file(&tmp);
+    }
 }
 
 /// The layer's entries, if known and every object they need is present.
 pub fn load(store: &Store, d: &Digest, presence: &Presence) -> Option<Vec<LayerEntry>> {
-    let raw = std::fs::read(path(store, d)).ok()?;
+    let raw = read_record(store, &record_name(d))?;
     let r: Record = postcard::from_bytes(&raw).ok()?;
     if r.version != VERSION {
         return None;
@@ -108,16 +141,11 @@ impl Presence {
 
 /// Records a layer's entries (best effort: a pull does not fail for it).
 pub fn save(store: &Store, d: &Digest, entries: &[LayerEntry]) {
-    let Ok(dir) = store.subdir(LAYER_CACHE) else { return };
-    let Ok(bytes) = postcard::to_stdvec(&RecordRef {
+    if let Ok(bytes) = postcard::to_stdvec(&RecordRef {
         version: VERSION,
         entries,
-    }) else {
-        return;
-    };
-    let tmp = dir.join(format!(".{}-{}.tmp", d.hex(), std::process::id()));
-    if std::fs::write(&tmp, bytes).is_err() || std::fs::rename(&tmp, path(store, d)).is_err() {
-        let _ = std::fs::remove_file(&tmp);
+    }) {
+        write_record(store, &record_name(d), &bytes);
     }
 }
 
@@ -155,7 +183,7 @@ pub fn image_key(layers: &[&Digest], keep_all_xattrs: bool) -> String {
 
 /// The image recorded under `key`, if every object it needs is present.
 pub fn load_image(store: &Store, key: &str, presence: &Presence) -> Option<ImageRecord> {
-    let raw = std::fs::read(store.join(LAYER_CACHE).join(format!("image-{key}"))).ok()?;
+    let raw = read_record(store, &format!("image-{key}"))?;
     let r: ImageRecord = postcard::from_bytes(&raw).ok()?;
     if r.version != VERSION {
         return None;
@@ -187,7 +215,6 @@ fn fanout_mtime(store: &Store, fan: u8) -> Option<(i64, i64)> {
 /// Records the image `key` makes (best effort). Call once its objects are
 /// durable in the store.
 pub fn save_image(store: &Store, key: &str, image: &[u8], entries: usize, mut objects: Vec<[u8; 32]>) {
-    let Ok(dir) = store.subdir(LAYER_CACHE) else { return };
     objects.sort_unstable();
     let mut fanouts: Vec<(u8, i64, i64)> = Vec::new();
     for fan in objects.iter().map(|o| o[0]) {
@@ -206,11 +233,7 @@ pub fn save_image(store: &Store, key: &str, image: &[u8], entries: usize, mut ob
         entries,
         objects,
     };
-    let Ok(bytes) = postcard::to_stdvec(&record) else {
-        return;
-    };
-    let tmp = dir.join(format!(".image-{key}-{}.tmp", std::process::id()));
-    if std::fs::write(&tmp, bytes).is_err() || std::fs::rename(&tmp, dir.join(format!("image-{key}"))).is_err() {
-        let _ = std::fs::remove_file(&tmp);
+    if let Ok(bytes) = postcard::to_stdvec(&record) {
+        write_record(store, &format!("image-{key}"), &bytes);
     }
 }

@@ -17,7 +17,7 @@ pub mod store;
 pub mod tags;
 
 pub use file_state::FileState;
-pub use store::{default_store_path, parse_object_rel, LockMode, Store, StoreLock};
+pub use store::{default_store_path, open_regular, parse_object_rel, LockMode, Store, StoreLock};
 
 use std::io;
 use std::path::{Path, PathBuf};

@@ -305,6 +305,26 @@ mod tests {
     }
 }
 
+/// Opens `path` (relative to `dir`) for reading, without blocking whatever
+/// it turns out to be, and only if it is a regular file: a FIFO or device
+/// planted in a store or a layout must not hang the reader. With `follow`
+/// false, a symlink is refused too.
+pub fn open_regular(dir: impl AsFd, path: &Path, follow: bool) -> std::io::Result<std::fs::File> {
+    let nofollow = if follow { OFlags::empty() } else { OFlags::NOFOLLOW };
+    let fd = rfs::openat(
+        dir,
+        path,
+        OFlags::RDONLY | OFlags::CLOEXEC | OFlags::NONBLOCK | OFlags::NOCTTY | nofollow,
+        Mode::empty(),
+    )?;
+    if rfs::FileType::from_raw_mode(rfs::fstat(&fd)?.st_mode) != rfs::FileType::RegularFile {
+        return Err(std::io::Error::other("not a regular file"));
+    }
+    // Known regular: read it as any other.
+    rfs::fcntl_setfl(&fd, OFlags::empty())?;
+    Ok(std::fs::File::from(fd))
+}
+
 /// The store a command uses when not given `--store`: `$TILEFS_STORE`, else
 /// `/var/lib/tilefs/store` for root and `$XDG_DATA_HOME/tilefs/store`
 /// (`~/.local/share/tilefs/store`) for other users.

@@ -51,7 +51,12 @@ pub struct Credentials {
 /// has them.
 pub fn credentials(registry: &str) -> Result<Option<Credentials>, OciError> {
     for path in auth_files() {
-        let raw = match std::fs::read(&path) {
+        // Not blocking on a FIFO put where the file should be.
+        let raw = tilefs_store::open_regular(rustix::fs::CWD, &path, true).and_then(|mut f| {
+            let mut v = Vec::new();
+            std::io::Read::read_to_end(&mut f, &mut v).map(|_| v)
+        });
+        let raw = match raw {
             Ok(r) => r,
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => continue,
             Err(e) => return Err(OciError::io(&path, "cannot read the credentials file", e)),

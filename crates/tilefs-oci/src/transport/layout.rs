@@ -76,30 +76,10 @@ impl Files {
     }
 }
 
-/// Opens a file for reading, refusing anything but a regular file (a FIFO
-/// must not hang the pull).
+/// Opens a file of a layout or archive (symlinks followed: it is the
+/// user's), refusing anything but a regular file without blocking on it.
 pub(crate) fn open_regular(path: &Path) -> Result<File, OciError> {
-    use std::os::unix::fs::OpenOptionsExt;
-    let f = std::fs::OpenOptions::new()
-        .read(true)
-        .custom_flags(libc_nonblock())
-        .open(path)
-        .map_err(|e| OciError::io(path, "cannot open", e))?;
-    let md = f.metadata().map_err(|e| OciError::io(path, "cannot stat", e))?;
-    if !md.is_file() {
-        return Err(OciError::io(
-            path,
-            "cannot read",
-            io::Error::other("not a regular file"),
-        ));
-    }
-    // Known regular: read it as any other.
-    let _ = rustix::fs::fcntl_setfl(&f, rustix::fs::OFlags::empty());
-    Ok(f)
-}
-
-fn libc_nonblock() -> i32 {
-    rustix::fs::OFlags::NONBLOCK.bits() as i32
+    tilefs_store::open_regular(rustix::fs::CWD, path, true).map_err(|e| OciError::io(path, "cannot open", e))
 }
 
 /// A tar archive's regular files, by name: (offset of the data, length).
