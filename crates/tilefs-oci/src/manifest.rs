@@ -121,6 +121,11 @@ pub fn parse(bytes: &[u8], what: &str) -> Result<Document, OciError> {
     }
 }
 
+/// A descriptor's digest, checked (it will name a path and a request).
+pub fn descriptor_digest(d: &oci_spec::image::Descriptor, what: &str) -> Result<Digest, OciError> {
+    Digest::parse(d.digest().as_ref()).map_err(|e| OciError::manifest(what, e))
+}
+
 /// The descriptor of `index` for `platform`: exactly the variant asked
 /// for, or when none was asked, the first of the OS and architecture.
 pub fn pick(index: &ImageIndex, platform: &Platform, what: &str) -> Result<(Digest, u64), OciError> {
@@ -136,16 +141,14 @@ pub fn pick(index: &ImageIndex, platform: &Platform, what: &str) -> Result<(Dige
             None => format!("{os}/{arch}"),
         });
         if os == platform.os && arch == platform.arch && (platform.variant.is_none() || platform.variant == variant) {
-            let digest = Digest::parse(d.digest().as_ref()).map_err(|e| OciError::manifest(what, e))?;
-            return Ok((digest, d.size()));
+            return Ok((descriptor_digest(d, what)?, d.size()));
         }
     }
     // An index of one manifest without a platform (an OCI layout's, say)
     // has nothing to choose between.
     if let [only] = index.manifests().as_slice() {
         if only.platform().is_none() {
-            let digest = Digest::parse(only.digest().as_ref()).map_err(|e| OciError::manifest(what, e))?;
-            return Ok((digest, only.size()));
+            return Ok((descriptor_digest(only, what)?, only.size()));
         }
     }
     Err(OciError::manifest(
@@ -166,7 +169,7 @@ pub fn layers(m: &ImageManifest, what: &str) -> Result<Vec<BlobRef>, OciError> {
     let mut out = Vec::new();
     for (i, l) in m.layers().iter().enumerate() {
         let media_type = l.media_type().to_string();
-        let digest = Digest::parse(l.digest().as_ref()).map_err(|e| OciError::manifest(what, e))?;
+        let digest = descriptor_digest(l, what)?;
         if !is_layer_type(&media_type) {
             return Err(OciError::manifest(
                 what,
@@ -189,7 +192,7 @@ pub fn layers(m: &ImageManifest, what: &str) -> Result<Vec<BlobRef>, OciError> {
 /// The configuration blob of an image manifest.
 pub fn config(m: &ImageManifest, what: &str) -> Result<BlobRef, OciError> {
     let c = m.config();
-    let digest = Digest::parse(c.digest().as_ref()).map_err(|e| OciError::manifest(what, e))?;
+    let digest = descriptor_digest(c, what)?;
     Ok(BlobRef {
         digest,
         size: Some(c.size()),

@@ -5,7 +5,7 @@
 //! configuration against the digest its name carries.
 
 use super::layout::{ArchiveFiles, Files};
-use super::{Resolved, Transport};
+use super::{choose, Resolved, Transport};
 use crate::digest::Digest;
 use crate::manifest::{BlobRef, Platform, MAX_MANIFEST};
 use crate::OciError;
@@ -54,30 +54,14 @@ impl Transport for DockerArchive {
         let entries: Vec<Entry> = serde_json::from_slice(&raw)
             .map_err(|e| OciError::manifest(&what, format!("not a docker-archive manifest: {e}")))?;
         let tags = |e: &Entry| e.repo_tags.clone().unwrap_or_default();
-        let entry = match &self.image {
-            Some(name) => entries
-                .iter()
-                .find(|e| tags(e).iter().any(|t| t == name))
-                .ok_or_else(|| {
-                    let all: Vec<String> = entries.iter().flat_map(tags).collect();
-                    OciError::manifest(&what, format!("no image tagged {name:?} (it holds {})", all.join(", ")))
-                })?,
-            None => match entries.as_slice() {
-                [only] => only,
-                [] => return Err(OciError::manifest(&what, "the archive holds no image")),
-                many => {
-                    let all: Vec<String> = many.iter().flat_map(tags).collect();
-                    return Err(OciError::manifest(
-                        &what,
-                        format!(
-                            "the archive holds {} images; name one (FILE:REPO:TAG) of: {}",
-                            many.len(),
-                            all.join(", ")
-                        ),
-                    ));
-                }
-            },
-        };
+        let entry = choose(
+            &entries,
+            self.image.as_deref(),
+            tags,
+            &what,
+            "the archive",
+            "FILE:REPO:TAG",
+        )?;
         let config_what = self.files.describe(&entry.config);
         let config_raw = self.files.read_small(&entry.config, MAX_MANIFEST)?;
         let config_digest = Digest::sha256_of(&config_raw);

@@ -2,7 +2,7 @@
 //! (`oci-archive:FILE`, read in place: its members are found by offset,
 //! never extracted).
 
-use super::{read_checked, resolve_manifest, Resolved, Transport};
+use super::{choose, read_checked, resolve_manifest, Resolved, Transport};
 use crate::digest::Digest;
 use crate::manifest::{BlobRef, Platform, MAX_MANIFEST};
 use crate::OciError;
@@ -194,43 +194,23 @@ impl Transport for Layout {
         let raw = self.files.read_small("index.json", MAX_MANIFEST)?;
         let index = ImageIndex::from_reader(raw.as_slice())
             .map_err(|e| OciError::manifest(&what, format!("not an OCI image index: {e}")))?;
-        let name_of = |d: &oci_spec::image::Descriptor| d.annotations().as_ref().and_then(|a| a.get(REF_NAME)).cloned();
-        let chosen = match &self.tag {
-            Some(tag) => index
-                .manifests()
-                .iter()
-                .find(|d| name_of(d).as_deref() == Some(tag))
-                .ok_or_else(|| {
-                    let names: Vec<String> = index.manifests().iter().filter_map(name_of).collect();
-                    OciError::manifest(
-                        &what,
-                        format!(
-                            "no image named {tag:?} (it names {})",
-                            if names.is_empty() {
-                                "none".to_string()
-                            } else {
-                                names.join(", ")
-                            }
-                        ),
-                    )
-                })?,
-            None => match index.manifests().as_slice() {
-                [only] => only,
-                [] => return Err(OciError::manifest(&what, "the layout holds no image")),
-                many => {
-                    let names: Vec<String> = many.iter().filter_map(name_of).collect();
-                    return Err(OciError::manifest(
-                        &what,
-                        format!(
-                            "the layout holds {} images; name one (DIR:NAME) of: {}",
-                            many.len(),
-                            names.join(", ")
-                        ),
-                    ));
-                }
-            },
+        let name_of = |d: &oci_spec::image::Descriptor| {
+            d.annotations()
+                .as_ref()
+                .and_then(|a| a.get(REF_NAME))
+                .cloned()
+                .into_iter()
+                .collect()
         };
-        let d = Digest::parse(chosen.digest().as_ref()).map_err(|e| OciError::manifest(&what, e))?;
+        let chosen = choose(
+            index.manifests(),
+            self.tag.as_deref(),
+            name_of,
+            &what,
+            "the layout",
+            "DIR:NAME",
+        )?;
+        let d = crate::manifest::descriptor_digest(chosen, &what)?;
         let top = self.fetch(&d, chosen.size())?;
         resolve_manifest(top, Some(d.clone()), &format!("manifest {d}"), platform, &|d, s| {
             self.fetch(d, s)

@@ -102,6 +102,40 @@ pub(crate) fn resolve_manifest(
     Err(OciError::manifest(what, "indexes nested more than 8 deep"))
 }
 
+/// The image of `items` named `wanted` (by the names `names_of` gives
+/// each), or when none is wanted the only one there is; `container` ("the
+/// layout") and `syntax` ("DIR:NAME") phrase the errors.
+pub(crate) fn choose<'a, T>(
+    items: &'a [T],
+    wanted: Option<&str>,
+    names_of: impl Fn(&T) -> Vec<String>,
+    what: &str,
+    container: &str,
+    syntax: &str,
+) -> Result<&'a T, OciError> {
+    let all = || items.iter().flat_map(&names_of).collect::<Vec<_>>().join(", ");
+    match (wanted, items) {
+        (Some(name), _) => items
+            .iter()
+            .find(|i| names_of(i).iter().any(|n| n == name))
+            .ok_or_else(|| {
+                let names = all();
+                let names = if names.is_empty() { "none".to_string() } else { names };
+                OciError::manifest(what, format!("no image named {name:?} (it names {names})"))
+            }),
+        (None, [only]) => Ok(only),
+        (None, []) => Err(OciError::manifest(what, format!("{container} holds no image"))),
+        (None, many) => Err(OciError::manifest(
+            what,
+            format!(
+                "{container} holds {} images; name one ({syntax}) of: {}",
+                many.len(),
+                all()
+            ),
+        )),
+    }
+}
+
 /// Reads a whole small blob (a manifest, a configuration) and checks it.
 pub(crate) fn read_checked(mut r: impl Read, d: &Digest, limit: u64, what: &str) -> Result<Vec<u8>, OciError> {
     let mut bytes = Vec::new();

@@ -68,7 +68,10 @@ impl Registry {
             .enable_all()
             .thread_name("tilefs-registry")
             .build()
-            .map_err(|e| OciError::io(std::path::Path::new("tokio"), "cannot start the registry client", e))?;
+            .map_err(|e| OciError::Registry {
+                registry: registry.clone(),
+                reason: format!("cannot start the client's threads: {e}"),
+            })?;
         // TLS needs a crypto provider chosen once per process.
         let _ = rustls::crypto::ring::default_provider().install_default();
         let client = rt.block_on(async { Client::new(config) });
@@ -106,9 +109,9 @@ impl Registry {
         self.error(what, msg)
     }
 
-    fn manifest(&self, r: &Reference) -> Result<(Vec<u8>, String), OciError> {
+    fn manifest(&self, r: &Reference) -> Result<Vec<u8>, OciError> {
         let fut = self.client.pull_manifest_raw(r, &self.auth, MANIFEST_TYPES);
-        let (bytes, digest) = self
+        let (bytes, _) = self
             .rt
             .block_on(async { tokio::time::timeout(self.timeout * 2, fut).await })
             .map_err(|_| self.error(&format!("manifest of {r}"), "timed out"))?
@@ -116,32 +119,35 @@ impl Registry {
         if bytes.len() as u64 > MAX_MANIFEST {
             return Err(self.error(&format!("manifest of {r}"), "larger than 4 MiB"));
         }
-        Ok((bytes.to_vec(), digest))
+        Ok(bytes.to_vec())
     }
 }
 
 impl Transport for Registry {
     fn resolve(&self, platform: &Platform) -> Result<Resolved, OciError> {
-        let (top, digest) = self.manifest(&self.reference)?;
-        let actual = Digest::sha256_of(&top);
+        let top = self.manifest(&self.reference)?;
         // A manifest asked for by digest must have it.
-        if let Some(want) = self.reference.digest() {
-            if want != actual.to_string() {
-                return Err(OciError::blob(
-                    want,
-                    format!("manifest from {} does not match its digest", self.registry),
-                ));
+        let top_digest = match self.reference.digest() {
+            Some(want) => {
+                let want = Digest::parse(want).map_err(OciError::Reference)?;
+                if !want.matches(&top) {
+                    return Err(OciError::blob(
+                        &want.to_string(),
+                        format!("manifest from {} does not match its digest", self.registry),
+                    ));
+                }
+                want
             }
-        }
-        let top_digest = Digest::parse(&digest).ok().filter(|d| d == &actual).or(Some(actual));
+            None => Digest::sha256_of(&top),
+        };
         resolve_manifest(
             top,
-            top_digest,
+            Some(top_digest),
             &format!("manifest of {}", self.reference),
             platform,
             &|d, _| {
                 let r = self.reference.clone_with_digest(d.to_string());
-                let (bytes, _) = self.manifest(&r)?;
+                let bytes = self.manifest(&r)?;
                 if !d.matches(&bytes) {
                     return Err(OciError::blob(
                         &d.to_string(),
