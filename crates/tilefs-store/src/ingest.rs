@@ -213,7 +213,7 @@ impl<'s> Ingest<'s> {
         let _ = rfs::fcntl_setfl(&src, OFlags::empty());
         let _ = rfs::fadvise(&src, 0, None, rfs::Advice::Sequential);
 
-        let tmp_name = format!("obj-{}-{}", std::process::id(), self.counter.fetch_add(1, Relaxed));
+        let tmp_name = self.temp_name();
         let result = match self.method {
             Method::Hardlink => self.link_in(f, &src, &tmp_name).map(|(n, d)| Hashed(n, d, None)),
             Method::Copy => self.copy_in(f, &src, &tmp_name, size),
@@ -244,24 +244,16 @@ impl<'s> Ingest<'s> {
         }
         self.stats.files.fetch_add(1, Relaxed);
         self.stats.bytes.fetch_add(size, Relaxed);
-        let tmp_name = format!("obj-{}-{}", std::process::id(), self.counter.fetch_add(1, Relaxed));
+        let tmp_name = self.temp_name();
         let hashed = if size <= SMALL_FILE {
-            let mut data = Vec::with_capacity(size as usize);
-            src.take(size + 1)
-                .read_to_end(&mut data)
-                .map_err(|e| StoreError::io(what, "cannot read", e))?;
-            let d = verity::digest_bytes(&data);
-            Hashed(data.len() as u64, d, Some(data))
+            read_small(src, size, what)?
         } else {
             let mut dst = self.create_temp(&tmp_name)?;
-            match hash_stream(&mut src.take(size + 1), &mut dst) {
+            match hash_copy(&mut src.take(size + 1), Some(&mut dst)) {
                 Ok((n, d)) => Hashed(n, d, None),
                 Err(e) => {
                     let _ = rfs::unlinkat(&self.tmp, &tmp_name, AtFlags::empty());
-                    return Err(match e {
-                        CopyError::Read(e) => StoreError::io(what, "cannot read", e),
-                        CopyError::Write(e) => self.write_error(e),
-                    });
+                    return Err(self.copy_error(what, e));
                 }
             }
         };
@@ -284,9 +276,20 @@ impl<'s> Ingest<'s> {
         let size = data.len() as u64;
         self.stats.files.fetch_add(1, Relaxed);
         self.stats.bytes.fetch_add(size, Relaxed);
-        let tmp_name = format!("obj-{}-{}", std::process::id(), self.counter.fetch_add(1, Relaxed));
         let d = verity::digest_bytes(&data);
-        self.place(tmp_name, size, Hashed(size, d, Some(data)))
+        self.place(self.temp_name(), size, Hashed(size, d, Some(data)))
+    }
+
+    /// A name for a new temporary file, unique in the store.
+    fn temp_name(&self) -> String {
+        format!("obj-{}-{}", std::process::id(), self.counter.fetch_add(1, Relaxed))
+    }
+
+    fn copy_error(&self, source: &Path, e: CopyError) -> StoreError {
+        match e {
+            CopyError::Read(e) => StoreError::io(source, "cannot read", e),
+            CopyError::Write(e) => self.write_error(e),
+        }
     }
 
     /// Makes a hashed object pending (or drops it, if present already).
@@ -364,30 +367,17 @@ impl<'s> Ingest<'s> {
                 // Hash the clone: our own copy, which nobody else changes.
                 let mut clone = std::fs::File::open(self.store.join(TMP_DIR).join(tmp_name))
                     .map_err(|e| StoreError::io(f.path, "cannot reopen clone", e))?;
-                let (n, d) = hash_all(&mut clone, None).map_err(|e| StoreError::io(f.path, "cannot read", e))?;
+                let (n, d) = hash_copy(&mut clone, None).map_err(|e| self.copy_error(f.path, e))?;
                 return Ok(Hashed(n, d, None));
             }
             self.cloning.store(false, Relaxed);
             let _ = rfs::unlinkat(&self.tmp, tmp_name, AtFlags::empty());
         }
         if size <= SMALL_FILE {
-            let mut data = Vec::with_capacity(size as usize + 1);
-            (&mut srcf)
-                .take(size + 1)
-                .read_to_end(&mut data)
-                .map_err(|e| StoreError::io(f.path, "cannot read", e))?;
-            let d = verity::digest_bytes(&data);
-            return Ok(Hashed(data.len() as u64, d, Some(data)));
+            return read_small(&mut srcf, size, f.path);
         }
         let mut dst = self.create_temp(tmp_name)?;
-        let (n, d) = hash_all(&mut srcf, Some(&mut dst)).map_err(|e| {
-            if e.get_ref().is_some_and(|i| i.is::<WriteFailed>()) {
-                let inner = e.into_inner().unwrap().downcast::<WriteFailed>().unwrap();
-                self.write_error(inner.0)
-            } else {
-                StoreError::io(f.path, "cannot read", e)
-            }
-        })?;
+        let (n, d) = hash_copy(&mut srcf, Some(&mut dst)).map_err(|e| self.copy_error(f.path, e))?;
         Ok(Hashed(n, d, None))
     }
 
@@ -407,7 +397,7 @@ impl<'s> Ingest<'s> {
             return Err(StoreError::source(f.path, "file was replaced during the build"));
         }
         let mut src = std::fs::File::from(src.try_clone().map_err(|e| StoreError::io(f.path, "cannot dup", e))?);
-        hash_all(&mut src, None).map_err(|e| StoreError::io(f.path, "cannot read", e))
+        hash_copy(&mut src, None).map_err(|e| self.copy_error(f.path, e))
     }
 
     fn try_enable_verity(&self, tmp_name: &str) {
@@ -499,55 +489,31 @@ impl Drop for Ingest<'_> {
 /// when they are held in memory rather than in a temporary file.
 struct Hashed(u64, [u8; 32], Option<Vec<u8>>);
 
-/// A write (not a read) failed while copying.
-#[derive(Debug)]
-struct WriteFailed(io::Error);
-
-impl std::fmt::Display for WriteFailed {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        self.0.fmt(f)
-    }
+/// Reads a small source whole (at most `size` + 1 bytes, so a longer one
+/// shows) and hashes it; its contents stay in memory.
+fn read_small(src: &mut dyn Read, size: u64, path: &Path) -> Result<Hashed, StoreError> {
+    let mut data = Vec::with_capacity(size as usize + 1);
+    src.take(size + 1)
+        .read_to_end(&mut data)
+        .map_err(|e| StoreError::io(path, "cannot read", e))?;
+    let d = verity::digest_bytes(&data);
+    Ok(Hashed(data.len() as u64, d, Some(data)))
 }
 
-impl std::error::Error for WriteFailed {}
-
-/// Reads `src` to the end, hashing it and, if given, writing it to `dst`.
-fn hash_all(src: &mut std::fs::File, mut dst: Option<&mut std::fs::File>) -> io::Result<(u64, [u8; 32])> {
-    let mut h = verity::Hasher::new();
-    let mut buf = vec![0u8; 1 << 20];
-    let mut total = 0u64;
-    loop {
-        let n = match src.read(&mut buf) {
-            Ok(0) => break,
-            Ok(n) => n,
-            Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
-            Err(e) => return Err(e),
-        };
-        h.update(&buf[..n]);
-        if let Some(d) = dst.as_deref_mut() {
-            write_sparse(d, &buf[..n]).map_err(|e| io::Error::other(WriteFailed(e)))?;
-        }
-        total += n as u64;
-    }
-    if let Some(d) = dst {
-        // Trailing holes: give the file its full length.
-        d.set_len(total).map_err(|e| io::Error::other(WriteFailed(e)))?;
-    }
-    Ok((total, h.finalize()))
-}
-
+/// Which side of a copy failed.
 enum CopyError {
     Read(io::Error),
     Write(io::Error),
 }
 
-/// Reads any stream to its end, hashing it and writing it to `dst`.
-fn hash_stream(src: &mut dyn Read, dst: &mut std::fs::File) -> Result<(u64, [u8; 32]), CopyError> {
+/// Reads `src` to its end, hashing it and, if given, writing it to `dst`
+/// (holes kept). Whole buffers are filled: a decompressor hands out small
+/// pieces.
+fn hash_copy(src: &mut dyn Read, mut dst: Option<&mut std::fs::File>) -> Result<(u64, [u8; 32]), CopyError> {
     let mut h = verity::Hasher::new();
     let mut buf = vec![0u8; 1 << 20];
     let mut total = 0u64;
     loop {
-        // Fill whole buffers: a decompressor hands out small pieces.
         let mut n = 0;
         while n < buf.len() {
             match src.read(&mut buf[n..]) {
@@ -557,17 +523,19 @@ fn hash_stream(src: &mut dyn Read, dst: &mut std::fs::File) -> Result<(u64, [u8;
                 Err(e) => return Err(CopyError::Read(e)),
             }
         }
-        if n == 0 {
-            break;
-        }
         h.update(&buf[..n]);
-        write_sparse(dst, &buf[..n]).map_err(CopyError::Write)?;
+        if let Some(d) = dst.as_deref_mut() {
+            write_sparse(d, &buf[..n]).map_err(CopyError::Write)?;
+        }
         total += n as u64;
         if n < buf.len() {
             break;
         }
     }
-    dst.set_len(total).map_err(CopyError::Write)?;
+    if let Some(d) = dst {
+        // Trailing holes: give the file its full length.
+        d.set_len(total).map_err(CopyError::Write)?;
+    }
     Ok((total, h.finalize()))
 }
 
