@@ -452,28 +452,28 @@ fn archives_and_a_registry_give_the_same_image() {
     let store = area.path("store");
     let want = pull(&store, &format!("oci:{}:gz", layout.display()), &[]);
 
+    // Each into a store of its own: a store that has the image already
+    // would not read the archive's layers at all.
     let oci_archive = area.path("img.tar");
-    skopeo(&[
-        "copy",
-        "-q",
-        &format!("oci:{}:gz", layout.display()),
-        &format!("oci-archive:{}:gz", oci_archive.display()),
-    ]);
-    assert_eq!(
-        pull(&store, &format!("oci-archive:{}:gz", oci_archive.display()), &[]),
-        want
-    );
     let docker_archive = area.path("docker.tar");
-    skopeo(&[
-        "copy",
-        "-q",
-        &format!("oci:{}:gz", layout.display()),
-        &format!("docker-archive:{}:team/app:v1", docker_archive.display()),
-    ]);
-    assert_eq!(
-        pull(&store, &format!("docker-archive:{}", docker_archive.display()), &[]),
-        want
-    );
+    for (i, (dest, source)) in [
+        (
+            format!("oci-archive:{}:gz", oci_archive.display()),
+            format!("oci-archive:{}:gz", oci_archive.display()),
+        ),
+        (
+            format!("docker-archive:{}:team/app:v1", docker_archive.display()),
+            format!("docker-archive:{}", docker_archive.display()),
+        ),
+    ]
+    .iter()
+    .enumerate()
+    {
+        skopeo(&["copy", "-q", &format!("oci:{}:gz", layout.display()), dest]);
+        let v = pull_json(&area.path(&format!("archive-store-{i}")), source, &[]);
+        assert_eq!(v["digest"], want.as_str(), "{source}");
+        assert!(v["blob_bytes"].as_u64().unwrap() > 0, "{source}: its layers were read");
+    }
 
     let registry = Registry::start(&area);
     let remote = format!("docker://{}/team/app:v1", registry.addr);
@@ -565,7 +565,7 @@ fn a_registry_that_lies_or_stalls_fails_the_pull_cleanly() {
     let store = area.path("store");
     let err = fails(&store, &remote, &["--tls-verify=false"]);
     assert!(err.contains(&digest), "the error names the blob: {err}");
-    assert!(err.contains("digest") || err.contains("corrupt"), "{err}");
+    assert!(err.contains("does not match its digest"), "{err}");
     assert!(tags_in(&store).is_empty());
     assert_fsck_clean(&store);
 
