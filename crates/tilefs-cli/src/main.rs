@@ -9,6 +9,7 @@ mod mountd_cmd;
 mod output;
 mod progress;
 mod pull_cmd;
+mod push_cmd;
 mod store_arg;
 mod store_cmds;
 
@@ -43,6 +44,8 @@ enum Command {
     Objects(inspect::ObjectsArgs),
     /// Pull an OCI image (layout, archive or registry) into the store as a tagged image
     Pull(pull_cmd::PullArgs),
+    /// Push a tagged image and its objects to an OCI registry (fetchable by range, lazily)
+    Push(push_cmd::PushArgs),
     /// Print the fs-verity SHA-256 digest of files, as `fsverity digest` does
     Digest(digest::DigestArgs),
     /// List the images tagged in a store
@@ -89,6 +92,7 @@ fn main() -> ExitCode {
         Command::Objects(a) => inspect::objects(a),
         Command::Digest(a) => digest::run(a),
         Command::Pull(a) => pull_cmd::run(a),
+        Command::Push(a) => push_cmd::run(a),
         Command::Images(a) => store_cmds::images(a),
         Command::Untag(a) => store_cmds::untag(a),
         Command::Fsck(a) => store_cmds::fsck(a),

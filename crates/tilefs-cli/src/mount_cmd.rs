@@ -148,10 +148,31 @@ pub fn run(req: &Request) -> Result<()> {
     let image = tags::resolve_image(Some(&store), &req.image)?;
     let o = &req.options;
     let verity = o.verity.unwrap_or_default();
+    // A lazily pulled image still missing objects: only FUSE can fetch them.
+    let lazy = std::fs::read(&image)
+        .ok()
+        .and_then(|b| tilefs_store::remote::incomplete(&store, &b));
     // Why an automatic choice fell on FUSE, for the message if FUSE fails.
     let mut no_kernel = None;
     let backend = match req.backend {
+        Some(Backend::Kernel | Backend::Delegated) if lazy.is_some() => {
+            let (absent, total) = lazy.expect("checked");
+            bail!(
+                "{}: cannot be mounted by the kernel: {}",
+                req.image.display(),
+                tilefs_store::remote::incomplete_message(absent, total)
+            );
+        }
         Some(b) => b,
+        None if lazy.is_some() && o.upper.is_none() => {
+            let (absent, total) = lazy.expect("checked");
+            eprintln!(
+                "{}: notice: using the FUSE mount: {absent} of the image's {total} objects are still to be fetched \
+                 (pulled with --lazy), and only it fetches them",
+                prog()
+            );
+            Backend::Fuse
+        }
         None => match tilefs_mount::kernel_available() {
             // Without privilege: the mount service, when it is there and
             // may mount this image for us.
@@ -222,7 +243,7 @@ pub fn run(req: &Request) -> Result<()> {
                 );
             }
         }
-        Backend::Fuse => fuse(req, &image, verity).map_err(|e| match no_kernel {
+        Backend::Fuse => fuse(req, &image, verity, lazy.is_some()).map_err(|e| match no_kernel {
             Some(why) => anyhow!("{e:#} (and no kernel mount: {why})"),
             None => e,
         })?,
@@ -285,8 +306,15 @@ fn record_kernel_mount(store: &Store, m: &tilefs_mount::Mounted) -> Result<(), t
     tilefs_store::mounts::register_kernel(store, &m.image, &m.mountpoint, id)
 }
 
-fn fuse(req: &Request, image: &std::path::Path, verity: Verity) -> Result<()> {
+fn fuse(req: &Request, image: &std::path::Path, verity: Verity, lazy: bool) -> Result<()> {
     let o = &req.options;
+    let fetcher = if lazy {
+        let digest = tilefs_image::verity::digest_bytes(&std::fs::read(image)?);
+        tilefs_oci::fetch::LazySource::open(&req.stores[0], &digest)?
+            .map(|s| tilefs_fuse::Fetcher(std::sync::Arc::new(s)))
+    } else {
+        None
+    };
     if o.upper.is_some() {
         bail!("a writable mount (--upper/--work) needs a kernel mount (--kernel)");
     }
@@ -323,6 +351,7 @@ fn fuse(req: &Request, image: &std::path::Path, verity: Verity) -> Result<()> {
             passthrough: o.passthrough.unwrap_or(true),
             ..tilefs_fuse::Tuning::default()
         },
+        fetcher,
         ..tilefs_fuse::FuseMount::new(image, &req.stores[0], &req.mountpoint)
     })
     .map_err(|e| anyhow!("FUSE mount of {} at {}: {e}", image.display(), req.mountpoint.display()))

@@ -44,6 +44,11 @@ pub struct PullArgs {
     /// Layers read at once [default: one per core, at least 2]
     #[arg(short, long, default_value_t = 0, value_name = "N", hide_default_value = true)]
     pub jobs: usize,
+    /// For an image pushed by `tilefs push`: fetch only the image and its object index; a FUSE
+    /// mount then fetches each file's object on its first read (`tilefs pull` without --lazy
+    /// completes the store)
+    #[arg(long)]
+    pub lazy: bool,
     /// No progress display
     #[arg(short, long)]
     pub quiet: bool,
@@ -80,6 +85,7 @@ pub fn run(a: PullArgs) -> Result<ExitCode> {
         jobs: a.jobs,
         cancel: Some(cancel.clone()),
         progress: Some(counters.clone()),
+        lazy: a.lazy,
     };
     let display = progress::enabled(a.quiet || a.json).then(|| {
         let c = counters.clone();
@@ -114,7 +120,15 @@ pub fn run(a: PullArgs) -> Result<ExitCode> {
         v["seconds"] = started.elapsed().as_secs_f64().into();
         println!("{}", serde_json::to_string_pretty(&v)?);
     } else {
-        if !a.quiet {
+        if a.quiet {
+        } else if report.lazy_objects > 0 {
+            eprintln!(
+                "tilefs: pulled {r} as {tag:?} in {} lazily ({} entries; {} objects to fetch on first read through `tilefs mount --fuse`)",
+                store_path.display(),
+                report.entries,
+                report.lazy_objects
+            );
+        } else {
             eprintln!(
                 "tilefs: pulled {r} as {tag:?} in {} ({} layers, {} entries, {} new objects)",
                 store_path.display(),

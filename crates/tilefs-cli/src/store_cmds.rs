@@ -75,7 +75,7 @@ fn plural(n: u64, what: &str) -> String {
     }
 }
 
-fn open_store(path: &Path) -> Result<Store> {
+pub fn open_store(path: &Path) -> Result<Store> {
     Ok(Store::open(path)?)
 }
 
@@ -227,6 +227,7 @@ fn fsck_json(store: &Store, r: &FsckReport) -> serde_json::Value {
         "corrupt_used_by": r.corrupt_used_by.iter().map(|(o, t)| json!({"object": o, "tags": t})).collect::<Vec<_>>(),
         "unreadable": r.unreadable.iter().map(|(p, why)| json!({"path": p, "reason": why})).collect::<Vec<_>>(),
         "missing": r.missing.iter().map(|(o, t)| json!({"object": o, "tags": t})).collect::<Vec<_>>(),
+        "not_fetched": r.not_fetched,
         "strays": r.strays,
         "bad_images": r.bad_images.iter().map(|(t, why)| json!({"tag": t, "reason": why})).collect::<Vec<_>>(),
         "repaired": r.repaired,
@@ -276,6 +277,13 @@ fn print_fsck(out: &mut impl Write, store: &Store, r: &FsckReport, repair: bool)
         plural(r.images, "tagged image"),
         store.path().display()
     )?;
+    for (tag, n) in &r.not_fetched {
+        writeln!(
+            out,
+            "{tag}: {} not fetched yet (pulled with --lazy: read through a FUSE mount, or `tilefs pull` again to complete it)",
+            plural(*n, "object")
+        )?;
+    }
     if r.leftovers > 0 {
         writeln!(
             out,

@@ -4,13 +4,14 @@
 
 mod common;
 
+use common::registry::Registry;
 use common::*;
 use std::fs;
 use std::io::Write;
 use std::net::TcpListener;
 use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 /// The image `compat_image` writes, as composefs-rs 0.9 identifies it:
@@ -332,71 +333,6 @@ fn skopeo(args: &[&str]) {
         .output()
         .expect("skopeo (scripts/setup installs it)");
     assert!(out.status.success(), "skopeo {args:?}: {}", stderr(&out));
-}
-
-// ---- a real registry on loopback ----------------------------------------
-
-/// Debian's docker-registry, serving plain HTTP on a free 127.0.0.1 port
-/// from a temporary directory; stopped when dropped.
-struct Registry {
-    child: Child,
-    addr: String,
-    root: PathBuf,
-    log: PathBuf,
-}
-
-impl Registry {
-    fn start(area: &Area) -> Registry {
-        Registry::start_with(area, "")
-    }
-
-    /// `extra`: more of the registry's configuration (an `auth:` section).
-    fn start_with(area: &Area, extra: &str) -> Registry {
-        let root = area.dir("registry");
-        let port = TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
-        let addr = format!("127.0.0.1:{port}");
-        let config = root.join("config.yml");
-        fs::write(
-            &config,
-            format!(
-                "version: 0.1\nlog:\n  level: error\n  accesslog:\n    disabled: false\nstorage:\n  filesystem:\n    rootdirectory: {}\n  delete:\n    enabled: true\nhttp:\n  addr: {addr}\n{extra}",
-                root.join("data").display()
-            ),
-        )
-        .unwrap();
-        let log = root.join("log");
-        let child = Command::new("docker-registry")
-            .arg("serve")
-            .arg(&config)
-            .stdout(fs::File::create(&log).unwrap())
-            .stderr(fs::File::create(root.join("stderr")).unwrap())
-            .spawn()
-            .expect("docker-registry (scripts/setup installs it)");
-        let r = Registry { child, addr, root, log };
-        let deadline = Instant::now() + Duration::from_secs(20);
-        while std::net::TcpStream::connect(&r.addr).is_err() {
-            assert!(Instant::now() < deadline, "the registry did not start");
-            std::thread::sleep(Duration::from_millis(50));
-        }
-        r
-    }
-
-    /// Bytes of blobs the registry sent, from its access log.
-    fn blob_bytes_sent(&self) -> u64 {
-        let log = fs::read_to_string(&self.log).unwrap_or_default()
-            + &fs::read_to_string(self.root.join("stderr")).unwrap_or_default();
-        log.lines()
-            .filter(|l| l.contains("GET /v2/") && l.contains("/blobs/"))
-            .filter_map(|l| l.split('"').nth(2)?.split_whitespace().nth(1)?.parse::<u64>().ok())
-            .sum()
-    }
-}
-
-impl Drop for Registry {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
 }
 
 // ---- tests ---------------------------------------------------------------

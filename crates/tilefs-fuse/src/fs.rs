@@ -93,6 +93,8 @@ pub(crate) struct TileFs {
     pub(crate) splicer: Arc<OnceLock<Splicer>>,
     /// The kernel refused a spliced reply: copy them from then on.
     splice_failed: AtomicBool,
+    /// Where absent objects come from (a lazily pulled image).
+    pub(crate) fetcher: Option<crate::Fetcher>,
 }
 
 thread_local! {
@@ -163,6 +165,7 @@ impl TileFs {
             log,
             splicer: Arc::default(),
             splice_failed: AtomicBool::new(false),
+            fetcher: None,
         }
     }
 
@@ -277,7 +280,20 @@ impl TileFs {
         if self.verity == Verity::Require && inode.digest.is_none() {
             return Err(ObjectError::NoDigest);
         }
-        let file = open_object(&self.store, payload)?;
+        let file = match open_object(&self.store, payload) {
+            // Not fetched yet (a lazily pulled image): fetched, checked
+            // against its name and stored whole, then opened as any other.
+            Err(ObjectError::Open(e)) if e.kind() == std::io::ErrorKind::NotFound && self.fetcher.is_some() => {
+                let digest = inode
+                    .digest
+                    .or_else(|| tilefs_store::parse_object_rel(payload))
+                    .ok_or(ObjectError::Open(e))?;
+                let fetcher = self.fetcher.as_ref().expect("checked above");
+                fetcher.0.fetch(&digest).map_err(ObjectError::Fetch)?;
+                open_object(&self.store, payload)?
+            }
+            r => r?,
+        };
         match (self.verity, &inode.digest) {
             (Verity::Off, _) | (_, None) => Ok((file, None)),
             (_, Some(d)) => {

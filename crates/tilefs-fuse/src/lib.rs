@@ -189,6 +189,19 @@ pub struct FuseMount {
     pub tuning: Tuning,
     /// Refuse the image unless its fs-verity digest is this.
     pub image_digest: Option<[u8; 32]>,
+    /// Fetches objects the store lacks (an image pulled lazily).
+    pub fetcher: Option<Fetcher>,
+}
+
+/// Where objects absent from the store come from: each is fetched on the
+/// first open of a file that needs it, then served as any other.
+#[derive(Clone)]
+pub struct Fetcher(pub Arc<dyn tilefs_store::remote::ObjectSource>);
+
+impl std::fmt::Debug for Fetcher {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Fetcher")
+    }
 }
 
 impl FuseMount {
@@ -278,7 +291,8 @@ pub fn mount(m: &FuseMount) -> Result<(), FuseError> {
     };
     let logger = Arc::new(logger);
     let allow_other = m.allow_other;
-    let fs = fs::TileFs::new(tree, info, store, m.verity, tuning, logger.clone(), raise_nofile() / 2);
+    let mut fs = fs::TileFs::new(tree, info, store, m.verity, tuning, logger.clone(), raise_nofile() / 2);
+    fs.fetcher = m.fetcher.clone();
     let splicer = tuning.splice.then(|| fs.splicer.clone());
 
     let fuse_fd = mountpoint::mount_fuse(&mnt, &m.image, allow_other, tuning.default_permissions, m.flags)?;

@@ -33,6 +33,8 @@ pub(crate) enum ObjectError {
     },
     /// Verity::Require and the image has no digest for the file.
     NoDigest,
+    /// The object was absent and fetching it failed (a lazily pulled image).
+    Fetch(String),
 }
 
 impl std::fmt::Display for ObjectError {
@@ -48,6 +50,7 @@ impl std::fmt::Display for ObjectError {
                 tilefs_image::tree::digest_hex(found)
             ),
             ObjectError::NoDigest => f.write_str("the image has no digest for this file and verity is required"),
+            ObjectError::Fetch(why) => f.write_str(why),
         }
     }
 }

@@ -395,6 +395,19 @@ pub fn build_detached(o: &MountOptions, image_file: File) -> Result<Detached, Mo
         }
     }
     let image_abs = std::fs::canonicalize(&o.image).unwrap_or_else(|_| o.image.clone());
+    // A lazily pulled image whose objects are not all here: the kernel
+    // cannot fetch them, and would fail those files' reads.
+    if let Some((absent, total)) = o
+        .stores
+        .first()
+        .and_then(|s| tilefs_store::Store::open(s).ok())
+        .and_then(|s| tilefs_store::remote::incomplete(&s, &bytes))
+    {
+        return Err(MountError::Image {
+            path: o.image.clone(),
+            msg: tilefs_store::remote::incomplete_message(absent, total),
+        });
+    }
 
     // 2. The directories.
     let stores = o

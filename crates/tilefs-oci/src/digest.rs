@@ -48,6 +48,14 @@ impl Digest {
         }
     }
 
+    /// A SHA-256 digest computed elsewhere.
+    pub fn from_sha256(hash: [u8; 32]) -> Digest {
+        Digest {
+            algorithm: Algorithm::Sha256,
+            hex: hex::encode(hash),
+        }
+    }
+
     pub fn algorithm(&self) -> &'static str {
         match self.algorithm {
             Algorithm::Sha256 => "sha256",

@@ -38,7 +38,12 @@ fn record_name(d: &Digest) -> String {
 /// A record's bytes. The store is not trusted: a record is read only if it
 /// is a regular file (never through a symlink, never blocking on a FIFO).
 fn read_record(store: &Store, name: &str) -> Option<Vec<u8>> {
-    let rel = Path::new(LAYER_CACHE).join(name);
+    read_record_in(store, LAYER_CACHE, name)
+}
+
+/// A record's bytes from the store's directory `dir`.
+pub(crate) fn read_record_in(store: &Store, dir: &str, name: &str) -> Option<Vec<u8>> {
+    let rel = Path::new(dir).join(name);
     let mut f = tilefs_store::open_regular(store.dir_fd(), &rel, false).ok()?;
     let mut raw = Vec::new();
     f.read_to_end(&mut raw).ok()?;
@@ -49,10 +54,15 @@ fn read_record(store: &Store, name: &str) -> Option<Vec<u8>> {
 /// The temporary file is created anew, never opened through whatever an
 /// untrusted store left under its name.
 fn write_record(store: &Store, name: &str, bytes: &[u8]) {
-    let Ok(dir) = store.subdir(LAYER_CACHE) else { return };
+    let _ = write_record_in(store, LAYER_CACHE, name, bytes);
+}
+
+/// Writes a record into the store's directory `dir`.
+pub(crate) fn write_record_in(store: &Store, dir: &str, name: &str, bytes: &[u8]) -> std::io::Result<()> {
+    let dir = store.subdir(dir).map_err(std::io::Error::other)?;
     // A real directory of the store, not a symlink to somewhere else.
     if !std::fs::symlink_metadata(&dir).is_ok_and(|m| m.is_dir()) {
-        return;
+        return Err(std::io::Error::other(format!("{}: not a directory", dir.display())));
     }
     let tmp = dir.join(format!(".{name}.{}.tmp", std::process::id()));
     let written = std::fs::OpenOptions::new()
@@ -60,9 +70,39 @@ fn write_record(store: &Store, name: &str, bytes: &[u8]) {
         .create_new(true)
         .mode(0o644)
         .open(&tmp)
-        .and_then(|mut f| f.write_all(bytes));
-    if written.is_err() || std::fs::rename(&tmp, dir.join(name)).is_err() {
+        .and_then(|mut f| f.write_all(bytes).and_then(|()| f.sync_all()))
+        .and_then(|()| std::fs::rename(&tmp, dir.join(name)));
+    if written.is_err() {
         let _ = std::fs::remove_file(&tmp);
+    }
+    written
+}
+
+const ORIGINS: &str = "origins";
+
+/// Other repositories of `registry` this store pushed to or pulled from
+/// (where a push may find blobs to mount), most recent first.
+pub fn origins(store: &Store, registry: &str, except: &str) -> Vec<String> {
+    let list: Vec<(String, String)> = read_record(store, ORIGINS)
+        .and_then(|raw| serde_json::from_slice(&raw).ok())
+        .unwrap_or_default();
+    list.into_iter()
+        .filter(|(r, repo)| r == registry && repo != except)
+        .map(|(_, repo)| repo)
+        .take(4)
+        .collect()
+}
+
+/// Remembers a repository pushed to or pulled from (best effort).
+pub fn add_origin(store: &Store, registry: &str, repository: &str) {
+    let mut list: Vec<(String, String)> = read_record(store, ORIGINS)
+        .and_then(|raw| serde_json::from_slice(&raw).ok())
+        .unwrap_or_default();
+    list.retain(|(r, repo)| !(r == registry && repo == repository));
+    list.insert(0, (registry.to_string(), repository.to_string()));
+    list.truncate(64);
+    if let Ok(bytes) = serde_json::to_vec(&list) {
+        write_record(store, ORIGINS, &bytes);
     }
 }
 

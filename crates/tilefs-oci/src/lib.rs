@@ -1,4 +1,4 @@
-//! tilefs-oci: OCI images in.
+//! tilefs-oci: OCI images in, tilefs images out.
 //!
 //! - [`reference`]: image references in skopeo's transport syntax;
 //! - [`transport`]: where manifests and blobs come from (an OCI layout, an
@@ -11,15 +11,23 @@
 //! - [`apply`]: layers applied in order into one tree (whiteouts, opaque
 //!   directories, replacements, hardlinks);
 //! - [`compat`]: composefs-rs's rules, so both tools give the same image;
-//! - [`pull`]: all of it, from a reference to an image in a store.
+//! - [`pull`]: all of it, from a reference to an image in a store;
+//! - [`artifact`]: tilefs images as OCI artifacts (images, object indexes,
+//!   packs of objects);
+//! - [`push`]: a tagged image and its objects to a registry;
+//! - [`fetch`]: an artifact's objects by range, all the store lacks or
+//!   each when first read (lazy pulls).
 
 pub mod apply;
+pub mod artifact;
 pub mod compat;
 pub mod digest;
+pub mod fetch;
 pub mod layer;
 pub mod layer_cache;
 pub mod manifest;
 pub mod pull;
+pub mod push;
 pub mod reference;
 pub mod transport;
 

@@ -164,13 +164,14 @@ pub fn pick(index: &ImageIndex, platform: &Platform, what: &str) -> Result<(Dige
     ))
 }
 
-/// The layers of an image manifest, checked to be image layers.
-pub fn layers(m: &ImageManifest, what: &str) -> Result<Vec<BlobRef>, OciError> {
+/// The layers of an image manifest, checked to be image layers (unless
+/// `any_type`: the blobs of an artifact).
+pub fn layers(m: &ImageManifest, what: &str, any_type: bool) -> Result<Vec<BlobRef>, OciError> {
     let mut out = Vec::new();
     for (i, l) in m.layers().iter().enumerate() {
         let media_type = l.media_type().to_string();
         let digest = descriptor_digest(l, what)?;
-        if !is_layer_type(&media_type) {
+        if !any_type && !is_layer_type(&media_type) {
             return Err(OciError::manifest(
                 what,
                 format!(

@@ -40,6 +40,9 @@ pub struct PullOptions {
     pub cancel: Option<Arc<AtomicBool>>,
     /// Counters for a progress display.
     pub progress: Option<Arc<PullProgress>>,
+    /// For an image pushed by tilefs: fetch the image and its object index
+    /// only; objects come when a FUSE mount reads them.
+    pub lazy: bool,
 }
 
 /// Counters of a pull, readable while it runs.
@@ -72,6 +75,8 @@ pub struct PullReport {
     /// Notes for the user (the store's filesystem lacks fs-verity, say).
     #[serde(skip)]
     pub notes: Vec<String>,
+    /// Objects left to fetch on demand (`--lazy`).
+    pub lazy_objects: u64,
 }
 
 /// Pulls the image `r` into `store` and tags it `tag`.
@@ -80,10 +85,13 @@ pub fn pull(store: &Store, r: &ImageRef, tag: &str, opts: &PullOptions) -> Resul
     let t = transport::open(r, &opts.registry)?;
     let platform = opts.platform.clone().unwrap_or_else(Platform::host);
     let resolved = t.resolve(&platform)?;
+    let progress = opts.progress.clone().unwrap_or_default();
+    if resolved.artifact {
+        return crate::fetch::pull_artifact(store, r, t.as_ref(), resolved, tag, opts, &progress);
+    }
     if let Some(config) = &resolved.config {
         check_config(t.as_ref(), config, resolved.layers.len())?;
     }
-    let progress = opts.progress.clone().unwrap_or_default();
     progress.layers_total.store(resolved.layers.len() as u64, Relaxed);
     progress
         .blob_total
@@ -113,7 +121,8 @@ pub fn pull(store: &Store, r: &ImageRef, tag: &str, opts: &PullOptions) -> Resul
             blob_bytes: 0,
             entries: known.entries,
             objects: StatsSnapshot::default(),
-            notes: Vec::new(),
+            notes: lazy_note(opts).into_iter().collect(),
+            lazy_objects: 0,
         });
     }
     let layers = read_layers(store, t.as_ref(), &resolved.layers, &ingest, &progress, &presence, opts)?;
@@ -139,7 +148,8 @@ pub fn pull(store: &Store, r: &ImageRef, tag: &str, opts: &PullOptions) -> Resul
     needed.sort_unstable();
     needed.dedup();
     crate::layer_cache::save_image(store, &key, &image.bytes, entries, needed);
-    let notes = ingest.verity_warning().into_iter().collect();
+    let mut notes: Vec<String> = ingest.verity_warning().into_iter().collect();
+    notes.extend(lazy_note(opts));
     drop(ingest);
     Ok(PullReport {
         tag: tag.to_string(),
@@ -152,7 +162,15 @@ pub fn pull(store: &Store, r: &ImageRef, tag: &str, opts: &PullOptions) -> Resul
         entries,
         objects,
         notes,
+        lazy_objects: 0,
     })
+}
+
+/// `--lazy` asked of an image of layers: its files exist only inside the
+/// layers' compressed streams, so it is pulled whole.
+fn lazy_note(opts: &PullOptions) -> Option<String> {
+    opts.lazy
+        .then(|| "--lazy applies to images pushed by `tilefs push`; this image of layers was pulled whole".to_string())
 }
 
 /// The configuration must be an image configuration listing as many

@@ -43,6 +43,9 @@ pub struct FsckReport {
     pub unreadable: Vec<(PathBuf, String)>,
     /// Objects referenced by a tagged image but absent: (object path, tags).
     pub missing: Vec<(String, Vec<String>)>,
+    /// Absent objects that only lazily pulled images need (fetched when
+    /// read, or by pulling again): expected, not damage. By tag: how many.
+    pub not_fetched: BTreeMap<String, u64>,
     /// Entries in the store that are not objects.
     pub strays: Vec<PathBuf>,
     /// Tagged images that cannot be read, or that reference something that
@@ -194,7 +197,9 @@ pub fn fsck(store: &Store, opts: &FsckOptions, progress: &(dyn Fn(u64, u64) + Sy
     // References, after any repair: the report says what is true now.
     report.images = images.tags.len() as u64;
     let checked: Vec<ImageCheck> = pool.install(|| images.tags.par_iter().map(|t| check_image(store, t)).collect());
-    let mut missing: BTreeMap<[u8; 32], BTreeSet<String>> = BTreeMap::new();
+    // Absent objects, with the tags needing them and whether all of those
+    // are lazily pulled images.
+    let mut missing: BTreeMap<[u8; 32], (BTreeSet<String>, bool)> = BTreeMap::new();
     // Corrupt objects still in place (not quarantined), by digest.
     let mut corrupt: BTreeMap<[u8; 32], BTreeSet<String>> = report
         .corrupt
@@ -207,13 +212,19 @@ pub fn fsck(store: &Store, opts: &FsckOptions, progress: &(dyn Fn(u64, u64) + Sy
         match c {
             ImageCheck::Gone => report.images -= 1,
             ImageCheck::Bad(reason) => report.bad_images.push((tag.name.clone(), reason)),
-            ImageCheck::Read { objects, bad_refs } => {
+            ImageCheck::Read {
+                objects,
+                bad_refs,
+                lazy,
+            } => {
                 for r in bad_refs {
                     report.bad_images.push((tag.name.clone(), r));
                 }
                 for d in objects {
                     if !present.contains(&d) && !store.has_object(&d) {
-                        missing.entry(d).or_default().insert(tag.name.clone());
+                        let (tags, all_lazy) = missing.entry(d).or_insert_with(|| (BTreeSet::new(), true));
+                        tags.insert(tag.name.clone());
+                        *all_lazy &= lazy;
                     } else if let Some(users) = corrupt.get_mut(&d) {
                         users.insert(tag.name.clone());
                     }
@@ -221,10 +232,15 @@ pub fn fsck(store: &Store, opts: &FsckOptions, progress: &(dyn Fn(u64, u64) + Sy
             }
         }
     }
-    report.missing = missing
-        .into_iter()
-        .map(|(d, tags)| (Store::object_rel(&d), tags.into_iter().collect()))
-        .collect();
+    for (d, (tags, all_lazy)) in missing {
+        if all_lazy {
+            for t in tags {
+                *report.not_fetched.entry(t).or_default() += 1;
+            }
+        } else {
+            report.missing.push((Store::object_rel(&d), tags.into_iter().collect()));
+        }
+    }
     report.corrupt_used_by = std::mem::take(&mut corrupt)
         .into_iter()
         .filter(|(_, tags)| !tags.is_empty())
@@ -277,6 +293,8 @@ enum ImageCheck {
     Read {
         objects: BTreeSet<[u8; 32]>,
         bad_refs: Vec<String>,
+        /// Pulled lazily: absent objects are expected.
+        lazy: bool,
     },
 }
 
@@ -293,6 +311,7 @@ fn check_image(store: &Store, tag: &TagInfo) -> ImageCheck {
         Ok(t) => t,
         Err(e) => return ImageCheck::Bad(e.to_string()),
     };
+    let lazy = crate::remote::is_lazy(store, &verity::digest_bytes(&bytes));
     drop(bytes);
     let mut objects = BTreeSet::new();
     let mut bad_refs = Vec::new();
@@ -339,7 +358,11 @@ fn check_image(store: &Store, tag: &TagInfo) -> ImageCheck {
     if more_bad > 0 {
         bad_refs.push(format!("and {more_bad} more bad references"));
     }
-    ImageCheck::Read { objects, bad_refs }
+    ImageCheck::Read {
+        objects,
+        bad_refs,
+        lazy,
+    }
 }
 
 /// Moves `path` into the quarantine directory under a name made from its

@@ -128,6 +128,16 @@ pub struct Ingest<'s> {
 impl<'s> Ingest<'s> {
     /// Starts an import: takes the shared lock (waiting for a running gc).
     pub fn new(store: &'s Store, method: Method) -> Result<Ingest<'s>, StoreError> {
+        Ingest::start(store, method, true)
+    }
+
+    /// Starts an import of fetched objects (by copy): as [`Ingest::new`]
+    /// without the digest cache, which only source files use.
+    pub fn for_fetched(store: &'s Store) -> Result<Ingest<'s>, StoreError> {
+        Ingest::start(store, Method::Copy, false)
+    }
+
+    fn start(store: &'s Store, method: Method, use_cache: bool) -> Result<Ingest<'s>, StoreError> {
         let lock = store.lock(LockMode::Shared, true)?;
         let tmp_path = store.subdir(TMP_DIR)?;
         let tmp = rfs::open(
@@ -141,7 +151,11 @@ impl<'s> Ingest<'s> {
             tmp,
             method,
             stats: Stats::default(),
-            cache: DigestCache::load(&store.join(DIGEST_CACHE)),
+            cache: if use_cache {
+                DigestCache::load(&store.join(DIGEST_CACHE))
+            } else {
+                DigestCache::default()
+            },
             pending: Mutex::new(Vec::new()),
             pending_bytes: AtomicU64::new(0),
             seen: Mutex::new(HashSet::new()),
@@ -239,6 +253,33 @@ impl<'s> Ingest<'s> {
     /// unpacked, say) and returns their digest. `what` names the source in
     /// messages. Fails if `src` ends early or holds more than `size` bytes.
     pub fn import_reader(&self, what: &Path, size: u64, src: &mut dyn Read) -> Result<[u8; 32], StoreError> {
+        let (tmp_name, hashed) = self.read_stream(what, size, src)?;
+        self.place(tmp_name, size, hashed)
+    }
+
+    /// Imports `size` bytes from `src` that must have the fs-verity digest
+    /// `expected` (an object fetched from elsewhere). Bytes that do not
+    /// are refused with [`StoreError::Source`] and nothing is stored.
+    pub fn import_expected(
+        &self,
+        what: &Path,
+        size: u64,
+        src: &mut dyn Read,
+        expected: &[u8; 32],
+    ) -> Result<(), StoreError> {
+        let (tmp_name, hashed) = self.read_stream(what, size, src)?;
+        if hashed.1 != *expected {
+            if hashed.2.is_none() {
+                let _ = rfs::unlinkat(&self.tmp, &tmp_name, AtFlags::empty());
+            }
+            return Err(StoreError::source(what, "does not match its fs-verity digest"));
+        }
+        self.place(tmp_name, size, hashed).map(drop)
+    }
+
+    /// Reads and hashes exactly `size` bytes of `src`: small ones into
+    /// memory, others into a new temporary file (named by the result).
+    fn read_stream(&self, what: &Path, size: u64, src: &mut dyn Read) -> Result<(String, Hashed), StoreError> {
         if self.cancel.as_ref().is_some_and(|c| c.load(Relaxed)) {
             return Err(StoreError::Interrupted);
         }
@@ -268,7 +309,7 @@ impl<'s> Ingest<'s> {
                 },
             ));
         }
-        self.place(tmp_name, size, hashed)
+        Ok((tmp_name, hashed))
     }
 
     /// Imports bytes held in memory and returns their digest.
@@ -621,6 +662,7 @@ impl FileState {
 /// The digest cache file: a magic line, records of (key, digest), and a
 /// SHA-256 of everything before it, so a torn or tampered file is ignored
 /// rather than trusted.
+#[derive(Default)]
 struct DigestCache {
     map: Mutex<HashMap<FileState, [u8; 32]>>,
     dirty: AtomicBool,

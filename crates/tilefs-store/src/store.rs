@@ -185,6 +185,7 @@ impl Store {
                 || name == DIGEST_CACHE
                 || name == NO_VERITY_NOTED
                 || name == LAYER_CACHE
+                || name == crate::remote::REMOTE_DIR
                 || name == crate::mounts::MOUNTS_DIR
             {
                 continue;

@@ -4,6 +4,8 @@
 
 #![allow(dead_code)]
 
+pub mod registry;
+
 use std::collections::{BTreeMap, BTreeSet};
 use std::ffi::{OsStr, OsString};
 use std::fs;

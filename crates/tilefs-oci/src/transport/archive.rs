@@ -106,11 +106,16 @@ impl Transport for DockerArchive {
             manifest_digest: None,
             config: None,
             layers,
+            artifact: false,
         })
     }
 
     fn open_blob(&self, blob: &BlobRef) -> Result<Box<dyn Read + Send + '_>, OciError> {
         let member = blob.member.as_deref().expect("docker-archive layers name their member");
         Ok(self.files.open(member)?.0)
+    }
+
+    fn origin(&self) -> String {
+        self.files.describe("")
     }
 }

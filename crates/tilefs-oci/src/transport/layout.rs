@@ -31,6 +31,36 @@ impl Files {
         }
     }
 
+    /// Opens `len` bytes of a file of the layout from `offset` (a shorter
+    /// file reads short: the caller's size check reports it).
+    pub(crate) fn open_range(&self, rel: &str, offset: u64, len: u64) -> Result<Box<dyn Read + Send + '_>, OciError> {
+        match self {
+            Files::Dir(d) => {
+                use std::io::{Seek, SeekFrom};
+                let path = d.join(rel);
+                let mut f = open_regular(&path)?;
+                f.seek(SeekFrom::Start(offset))
+                    .map_err(|e| OciError::io(&path, "cannot seek", e))?;
+                Ok(Box::new(f.take(len)))
+            }
+            Files::Archive(a) => {
+                let &(start, size) = a.members.get(rel).ok_or_else(|| {
+                    OciError::io(
+                        &a.path,
+                        "not in the archive",
+                        io::Error::other(format!("no member {rel}")),
+                    )
+                })?;
+                let from = start + offset.min(size);
+                Ok(Box::new(MemberReader {
+                    file: &a.file,
+                    pos: from,
+                    end: from + len.min(size - offset.min(size)),
+                }))
+            }
+        }
+    }
+
     /// Opens a file of the layout and says how long it is.
     pub(crate) fn open(&self, rel: &str) -> Result<(Box<dyn Read + Send + '_>, u64), OciError> {
         match self {
@@ -220,5 +250,13 @@ impl Transport for Layout {
     fn open_blob(&self, blob: &BlobRef) -> Result<Box<dyn Read + Send + '_>, OciError> {
         let rel = blob.member.clone().unwrap_or_else(|| blob.digest.layout_path());
         Ok(self.files.open(&rel)?.0)
+    }
+
+    fn open_range(&self, blob: &BlobRef, offset: u64, len: u64) -> Result<Box<dyn Read + Send + '_>, OciError> {
+        self.files.open_range(&blob.digest.layout_path(), offset, len)
+    }
+
+    fn origin(&self) -> String {
+        self.files.describe("")
     }
 }

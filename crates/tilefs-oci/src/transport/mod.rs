@@ -20,14 +20,27 @@ pub struct Resolved {
     pub manifest_digest: Option<Digest>,
     pub config: Option<BlobRef>,
     pub layers: Vec<BlobRef>,
+    /// A tilefs image pushed as an artifact ([`crate::artifact`]): the
+    /// layers are its blobs.
+    pub artifact: bool,
 }
 
 /// A source of manifests and blobs.
-pub trait Transport: Sync {
+pub trait Transport: Send + Sync {
     /// The image's manifest, resolved for `platform`, and its layers.
     fn resolve(&self, platform: &Platform) -> Result<Resolved, OciError>;
     /// Opens a blob's raw bytes (unverified: the caller checks them).
     fn open_blob(&self, blob: &BlobRef) -> Result<Box<dyn Read + Send + '_>, OciError>;
+    /// Opens `len` bytes of a blob from `offset` (unverified).
+    fn open_range(&self, blob: &BlobRef, offset: u64, len: u64) -> Result<Box<dyn Read + Send + '_>, OciError> {
+        let _ = (offset, len);
+        Err(OciError::blob(
+            &blob.digest.to_string(),
+            "this transport cannot read part of a blob (pull from a registry or an OCI layout)",
+        ))
+    }
+    /// Where blobs come from, for messages (the registry, the layout).
+    fn origin(&self) -> String;
 }
 
 /// How to reach registries.
@@ -91,10 +104,13 @@ pub(crate) fn resolve_manifest(
                 digest = Some(d);
             }
             Document::Manifest(m) => {
+                let config = manifest::config(&m, &what)?;
+                let artifact = config.media_type == crate::artifact::CONFIG_TYPE;
                 return Ok(Resolved {
                     manifest_digest: digest,
-                    config: Some(manifest::config(&m, &what)?),
-                    layers: manifest::layers(&m, &what)?,
+                    config: Some(config),
+                    layers: manifest::layers(&m, &what, artifact)?,
+                    artifact,
                 });
             }
         }

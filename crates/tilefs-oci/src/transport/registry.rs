@@ -12,10 +12,11 @@ use crate::digest::Digest;
 use crate::manifest::{BlobRef, Platform, MANIFEST_TYPES, MAX_MANIFEST};
 use crate::OciError;
 use futures_util::StreamExt;
-use oci_client::client::{ClientConfig, ClientProtocol};
+use oci_client::client::{BlobResponse, ClientConfig, ClientProtocol};
 use oci_client::secrets::RegistryAuth;
 use oci_client::{Client, Reference};
 use std::io::{self, Read};
+use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use tokio::sync::mpsc;
 
 pub struct Registry {
@@ -61,6 +62,8 @@ impl Registry {
             accept_invalid_certificates: !opts.tls_verify,
             read_timeout: Some(opts.timeout),
             connect_timeout: Some(opts.timeout),
+            // Blobs are pushed whole in one request: their size is known.
+            use_monolithic_push: true,
             ..ClientConfig::default()
         };
         let rt = tokio::runtime::Builder::new_multi_thread()
@@ -74,7 +77,11 @@ impl Registry {
             })?;
         // TLS needs a crypto provider chosen once per process.
         let _ = rustls::crypto::ring::default_provider().install_default();
-        let client = rt.block_on(async { Client::new(config) });
+        let client = rt.block_on(async {
+            let c = Client::new(config);
+            c.store_auth_if_needed(&registry, &auth).await;
+            c
+        });
         Ok(Registry {
             rt,
             client,
@@ -99,11 +106,14 @@ impl Registry {
         if self.tls_verify && msg.contains("InvalidContentType") {
             msg.push_str(" (it does not speak TLS: a plain-HTTP registry needs --tls-verify=false)");
         }
+        // (A HEAD request's refusal comes as a bare status.)
         if matches!(
             e,
             oci_client::errors::OciDistributionError::UnauthorizedError { .. }
                 | oci_client::errors::OciDistributionError::AuthenticationFailure(_)
-        ) {
+        ) || msg.contains("401 Unauthorized")
+            || msg.contains("403 Forbidden")
+        {
             msg.push_str(&format!(" ({})", self.auth_source));
         }
         self.error(what, msg)
@@ -160,6 +170,23 @@ impl Transport for Registry {
     }
 
     fn open_blob(&self, blob: &BlobRef) -> Result<Box<dyn Read + Send + '_>, OciError> {
+        Ok(Box::new(self.stream(blob, None)))
+    }
+
+    fn open_range(&self, blob: &BlobRef, offset: u64, len: u64) -> Result<Box<dyn Read + Send + '_>, OciError> {
+        Ok(Box::new(self.stream(blob, Some((offset, len)))))
+    }
+
+    fn origin(&self) -> String {
+        format!("registry {}", self.registry)
+    }
+}
+
+impl Registry {
+    /// Streams a blob, or `len` bytes of it from `offset`, through a
+    /// bounded channel. A registry that ignores the range and sends the
+    /// whole blob is read past the bytes before the range.
+    fn stream(&self, blob: &BlobRef, range: Option<(u64, u64)>) -> ChannelReader {
         let desc = oci_client::manifest::OciDescriptor {
             media_type: blob.media_type.clone(),
             digest: blob.digest.to_string(),
@@ -173,29 +200,145 @@ impl Transport for Registry {
         let what = blob.digest.to_string();
         self.rt.spawn(async move {
             let err = |e: String| io::Error::other(format!("registry {registry}: blob {what}: {e}"));
-            let mut stream = match client.pull_blob_stream(&reference, &desc).await {
-                Ok(s) => s.stream,
-                Err(e) => {
-                    let _ = tx.send(Err(err(with_causes(&e)))).await;
-                    return;
-                }
+            let (mut stream, mut skip, mut left) = match range {
+                None => match client.pull_blob_stream(&reference, &desc).await {
+                    Ok(s) => (s.stream, 0, u64::MAX),
+                    Err(e) => {
+                        let _ = tx.send(Err(err(with_causes(&e)))).await;
+                        return;
+                    }
+                },
+                Some((offset, len)) => match client
+                    .pull_blob_stream_partial(&reference, &desc, offset, Some(len))
+                    .await
+                {
+                    Ok(BlobResponse::Partial(s)) => (s.stream, 0, len),
+                    Ok(BlobResponse::Full(s)) => (s.stream, offset, len),
+                    Err(e) => {
+                        let _ = tx.send(Err(err(with_causes(&e)))).await;
+                        return;
+                    }
+                },
             };
             while let Some(chunk) = stream.next().await {
                 let item = chunk.map_err(|e| err(with_causes(&e)));
                 let failed = item.is_err();
+                let item = item.map(|mut b| {
+                    let cut = skip.min(b.len() as u64) as usize;
+                    skip -= cut as u64;
+                    let _ = b.split_to(cut);
+                    b.truncate(left.min(b.len() as u64) as usize);
+                    left -= b.len() as u64;
+                    b
+                });
                 // The reader went away (an error elsewhere): stop.
-                if tx.send(item).await.is_err() || failed {
+                if tx.send(item).await.is_err() || failed || left == 0 {
                     return;
                 }
             }
         });
-        Ok(Box::new(ChannelReader {
+        ChannelReader {
             rx,
             current: bytes::Bytes::new(),
             done: false,
-            expected: blob.size,
+            expected: range.map(|r| r.1).or(blob.size),
             received: 0,
-        }))
+            handle: self.rt.handle().clone(),
+            // A stalled transfer fails rather than hangs its reader.
+            stall: self.timeout,
+        }
+    }
+
+    /// Whether the repository has blob `d`.
+    pub fn has_blob(&self, d: &Digest) -> Result<bool, OciError> {
+        let digest = d.to_string();
+        let fut = self.client.blob_exists(&self.reference, &digest);
+        self.run(&format!("blob {d}"), fut)
+    }
+
+    /// Asks the registry to link blob `d` from repository `from` (same
+    /// registry) into ours; false when it will not.
+    pub fn mount_from(&self, d: &Digest, from: &str) -> bool {
+        let Ok(source) = format!("{}/{from}", self.registry).parse::<Reference>() else {
+            return false;
+        };
+        let digest = d.to_string();
+        let fut = self.client.mount_blob(&self.reference, &source, &digest);
+        self.run("mount", fut).is_ok()
+    }
+
+    /// Uploads blob `d` of `size` bytes, read from `src` on a thread of
+    /// its own while it is sent.
+    pub fn upload(&self, d: &Digest, size: u64, src: &mut (dyn Read + Send), sent: &AtomicU64) -> Result<(), OciError> {
+        let (tx, rx) = mpsc::channel::<Result<bytes::Bytes, oci_client::errors::OciDistributionError>>(4);
+        let digest = d.to_string();
+        let (r, read) = std::thread::scope(|s| {
+            let reader = s.spawn(move || -> io::Result<()> {
+                let mut buf = vec![0u8; 1 << 20];
+                loop {
+                    let n = match src.read(&mut buf) {
+                        Ok(0) => return Ok(()),
+                        Ok(n) => n,
+                        Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+                        Err(e) => {
+                            let msg = e.to_string();
+                            let _ = tx
+                                .blocking_send(Err(oci_client::errors::OciDistributionError::GenericError(Some(msg))));
+                            return Err(e);
+                        }
+                    };
+                    sent.fetch_add(n as u64, Relaxed);
+                    if tx.blocking_send(Ok(bytes::Bytes::copy_from_slice(&buf[..n]))).is_err() {
+                        return Ok(());
+                    }
+                }
+            });
+            let stream = futures_util::stream::unfold(rx, |mut rx| async move { rx.recv().await.map(|x| (x, rx)) });
+            let r = self.rt.block_on(
+                self.client
+                    .push_blob_stream(&self.reference, stream, &digest, Some(size)),
+            );
+            let read = reader
+                .join()
+                .unwrap_or_else(|_| Err(io::Error::other("the reading thread failed")));
+            (r, read)
+        });
+        if let Err(e) = read {
+            return Err(self.error(&format!("blob {d}"), format!("cannot read what to upload: {e}")));
+        }
+        r.map(drop)
+            .map_err(|e| self.client_error(&format!("upload of blob {d}"), e))
+    }
+
+    /// Puts `manifest` under the reference's tag; returns the URL.
+    pub fn put_manifest(&self, manifest: Vec<u8>) -> Result<String, OciError> {
+        let fut = self.client.push_manifest_raw(
+            &self.reference,
+            manifest,
+            crate::manifest::OCI_MANIFEST.parse().expect("a valid header value"),
+        );
+        self.run("manifest", fut)
+    }
+
+    /// The repository, as the registry names it.
+    pub fn repository(&self) -> &str {
+        self.reference.repository()
+    }
+
+    pub fn registry(&self) -> &str {
+        &self.registry
+    }
+
+    /// Runs a client call with the timeout.
+    fn run<T>(
+        &self,
+        what: &str,
+        fut: impl std::future::Future<Output = Result<T, oci_client::errors::OciDistributionError>>,
+    ) -> Result<T, OciError> {
+        self.rt
+            .block_on(async { tokio::time::timeout(self.timeout * 2, fut).await })
+            .map_err(|_| self.error(what, "timed out"))?
+            .map_err(|e| self.client_error(what, e))
     }
 }
 
@@ -207,6 +350,9 @@ struct ChannelReader {
     /// The descriptor's size, and how much has come.
     expected: Option<u64>,
     received: u64,
+    handle: tokio::runtime::Handle,
+    /// Longest wait for the next piece.
+    stall: std::time::Duration,
 }
 
 impl Read for ChannelReader {
@@ -215,7 +361,17 @@ impl Read for ChannelReader {
             if self.done {
                 return Ok(0);
             }
-            match self.rx.blocking_recv() {
+            let next = self
+                .handle
+                .block_on(async { tokio::time::timeout(self.stall, self.rx.recv()).await });
+            let Ok(next) = next else {
+                self.done = true;
+                return Err(io::Error::new(
+                    io::ErrorKind::TimedOut,
+                    format!("no data for {} s", self.stall.as_secs()),
+                ));
+            };
+            match next {
                 Some(Ok(b)) => {
                     self.received += b.len() as u64;
                     self.current = b;

@@ -1,0 +1,100 @@
+//! `tilefs push`: a tagged image and its objects out to a registry.
+
+use crate::build::Interrupted;
+use crate::progress::{self, Progress};
+use crate::store_arg::StoreArg;
+use anyhow::{Context, Result};
+use clap::Args;
+use std::process::ExitCode;
+use std::sync::atomic::{AtomicBool, Ordering::Relaxed};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+use tilefs_oci::push::{PushOptions, PushProgress};
+use tilefs_oci::transport::RegistryOptions;
+use tilefs_oci::{ImageRef, OciError};
+
+#[derive(Args)]
+pub struct PushArgs {
+    /// Tag of the image in the store
+    pub name: String,
+    /// Where to: docker://HOST[:PORT]/REPO[:TAG]
+    pub reference: String,
+    #[command(flatten)]
+    pub store: StoreArg,
+    /// Require HTTPS and valid certificates (false: plain HTTP, or HTTPS without certificate
+    /// checks)
+    #[arg(long, value_name = "BOOL", default_value_t = true, action = clap::ArgAction::Set,
+          num_args = 0..=1, require_equals = true, default_missing_value = "true")]
+    pub tls_verify: bool,
+    /// Seconds a registry connection or read may stall before the push fails
+    #[arg(long, default_value_t = 60, value_name = "SECS")]
+    pub timeout: u64,
+    /// Blobs uploaded at once
+    #[arg(short, long, default_value_t = 4, value_name = "N")]
+    pub jobs: usize,
+    /// No progress display
+    #[arg(short, long)]
+    pub quiet: bool,
+    /// Print a JSON summary (manifest digest, blobs sent, present, mounted, bytes, seconds)
+    #[arg(long)]
+    pub json: bool,
+}
+
+pub fn run(a: PushArgs) -> Result<ExitCode> {
+    let started = Instant::now();
+    let r = ImageRef::parse(&a.reference)?;
+    let store = crate::store_cmds::open_store(&a.store.path()?)?;
+    let cancel = Arc::new(AtomicBool::new(false));
+    for sig in [signal_hook::consts::SIGINT, signal_hook::consts::SIGTERM] {
+        signal_hook::flag::register(sig, cancel.clone()).context("cannot handle signals")?;
+    }
+    let counters = Arc::new(PushProgress::default());
+    let opts = PushOptions {
+        registry: RegistryOptions {
+            tls_verify: a.tls_verify,
+            timeout: Duration::from_secs(a.timeout.max(1)),
+        },
+        jobs: a.jobs.max(1),
+        cancel: Some(cancel.clone()),
+        progress: Some(counters.clone()),
+    };
+    let display = progress::enabled(a.quiet || a.json).then(|| {
+        let c = counters.clone();
+        Progress::bytes(
+            "pushing",
+            "blobs",
+            move || (c.blobs_done.load(Relaxed), c.bytes_done.load(Relaxed)),
+            counters.bytes_total.clone(),
+        )
+    });
+    let result = tilefs_oci::push::push(&store, &a.name, &r, &opts);
+    drop(display);
+    let report = match result {
+        Ok(r) => r,
+        Err(e) => {
+            if matches!(e, OciError::Interrupted) || cancel.load(Relaxed) {
+                return Err(Interrupted.into());
+            }
+            return Err(anyhow::Error::new(e).context(format!("cannot push {:?} to {r}", a.name)));
+        }
+    };
+    if a.json {
+        let mut v = serde_json::to_value(&report)?;
+        v["seconds"] = started.elapsed().as_secs_f64().into();
+        println!("{}", serde_json::to_string_pretty(&v)?);
+    } else {
+        if !a.quiet {
+            eprintln!(
+                "tilefs: pushed {:?} to {r}: {} blobs ({} uploaded, {} bytes; {} already there; {} mounted from another repository)",
+                a.name,
+                report.blobs,
+                report.blobs_uploaded,
+                report.bytes_uploaded,
+                report.blobs_present,
+                report.blobs_mounted
+            );
+        }
+        println!("{}", report.manifest_digest);
+    }
+    Ok(ExitCode::SUCCESS)
+}

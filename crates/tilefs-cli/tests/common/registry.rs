@@ -1,0 +1,150 @@
+//! A real registry on loopback for tests: Debian's docker-registry (the
+//! CNCF distribution server), plain HTTP on a free 127.0.0.1 port, storage
+//! in the test's temporary directory, its access log read back to count
+//! what went over the wire.
+
+use super::Area;
+use std::fs;
+use std::net::TcpListener;
+use std::path::PathBuf;
+use std::process::{Child, Command};
+use std::time::{Duration, Instant};
+
+/// The registry server; stopped when dropped.
+pub struct Registry {
+    child: Option<Child>,
+    pub addr: String,
+    pub root: PathBuf,
+    log: PathBuf,
+    config: PathBuf,
+}
+
+/// One line of the access log.
+#[derive(Debug, Clone)]
+pub struct Request {
+    pub method: String,
+    pub path: String,
+    pub status: u16,
+    pub bytes: u64,
+}
+
+impl Registry {
+    pub fn start(area: &Area) -> Registry {
+        Registry::start_with(area, "")
+    }
+
+    /// `extra`: more of the registry's configuration (an `auth:` section).
+    pub fn start_with(area: &Area, extra: &str) -> Registry {
+        let root = area.dir("registry");
+        let port = TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+        let addr = format!("127.0.0.1:{port}");
+        let config = root.join("config.yml");
+        fs::write(
+            &config,
+            format!(
+                "version: 0.1\nlog:\n  level: error\n  accesslog:\n    disabled: false\nstorage:\n  filesystem:\n    rootdirectory: {}\n  delete:\n    enabled: true\nhttp:\n  addr: {addr}\n{extra}",
+                root.join("data").display()
+            ),
+        )
+        .unwrap();
+        let log = root.join("log");
+        let mut r = Registry {
+            child: None,
+            addr,
+            root,
+            log,
+            config,
+        };
+        r.run();
+        r
+    }
+
+    fn run(&mut self) {
+        let child = Command::new("docker-registry")
+            .arg("serve")
+            .arg(&self.config)
+            .stdout(
+                fs::OpenOptions::new()
+                    .create(true)
+                    .append(true)
+                    .open(&self.log)
+                    .unwrap(),
+            )
+            .stderr(
+                fs::OpenOptions::new()
+                    .create(true)
+                    .append(true)
+                    .open(self.root.join("stderr"))
+                    .unwrap(),
+            )
+            .spawn()
+            .expect("docker-registry (scripts/setup installs it)");
+        self.child = Some(child);
+        let deadline = Instant::now() + Duration::from_secs(20);
+        while std::net::TcpStream::connect(&self.addr).is_err() {
+            assert!(Instant::now() < deadline, "the registry did not start");
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+
+    /// Stops the server (its storage stays).
+    pub fn stop(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+
+    /// Starts it again on the same port and storage.
+    pub fn restart(&mut self) {
+        self.stop();
+        self.run();
+    }
+
+    /// Every request logged so far.
+    pub fn requests(&self) -> Vec<Request> {
+        let log = fs::read_to_string(&self.log).unwrap_or_default()
+            + &fs::read_to_string(self.root.join("stderr")).unwrap_or_default();
+        log.lines()
+            .filter_map(|l| {
+                let mut q = l.split('"');
+                let req = q.nth(1)?;
+                let mut rest = q.next()?.split_whitespace();
+                let status = rest.next()?.parse().ok()?;
+                let bytes = rest.next()?.parse().unwrap_or(0);
+                let mut parts = req.split_whitespace();
+                Some(Request {
+                    method: parts.next()?.to_string(),
+                    path: parts.next()?.to_string(),
+                    status,
+                    bytes,
+                })
+            })
+            .collect()
+    }
+
+    /// Bytes of blobs the registry sent, from its access log.
+    pub fn blob_bytes_sent(&self) -> u64 {
+        self.requests()
+            .iter()
+            .filter(|r| r.method == "GET" && r.path.contains("/blobs/"))
+            .map(|r| r.bytes)
+            .sum()
+    }
+
+    /// Where the registry keeps blob `digest` ("sha256:HEX").
+    pub fn blob_file(&self, digest: &str) -> PathBuf {
+        let hex = digest.strip_prefix("sha256:").unwrap();
+        self.root
+            .join("data/docker/registry/v2/blobs/sha256")
+            .join(&hex[..2])
+            .join(hex)
+            .join("data")
+    }
+}
+
+impl Drop for Registry {
+    fn drop(&mut self) {
+        self.stop();
+    }
+}

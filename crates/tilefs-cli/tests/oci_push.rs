@@ -1,0 +1,855 @@
+//! `tilefs push`, incremental pulls and lazy pulls against a real registry
+//! (Debian's docker-registry on loopback): what goes over the wire is read
+//! from the registry's access log, faults come from its own storage being
+//! tampered with, from indexes uploaded by hand, and from a TCP proxy that
+//! cuts or stalls the connection.
+
+mod common;
+
+use common::registry::Registry;
+use common::*;
+use std::ffi::OsStr;
+use std::fs;
+use std::io::{Read, Write};
+use std::net::{TcpListener, TcpStream};
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::Relaxed};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+// ---- trees, images, commands ----------------------------------------------
+
+/// Writes `files` (name, size) of pseudo-random bytes under `root`.
+fn write_files(root: &Path, seed: u64, files: &[(String, usize)]) {
+    let mut rng = Rng::new(seed);
+    for (name, size) in files {
+        let p = root.join(name);
+        fs::create_dir_all(p.parent().unwrap()).unwrap();
+        fs::write(&p, rng.bytes(*size)).unwrap();
+    }
+}
+
+/// A tree of `n` files of `size` bytes in a few directories, plus what
+/// every image has: a small inline file, an empty one, a symlink.
+fn tree(root: &Path, seed: u64, n: usize, size: usize) -> Vec<(String, usize)> {
+    let files: Vec<(String, usize)> = (0..n).map(|i| (format!("d{}/f{i:03}", i % 5), size)).collect();
+    write_files(root, seed, &files);
+    fs::write(root.join("small"), b"inline contents").unwrap();
+    fs::write(root.join("empty"), b"").unwrap();
+    std::os::unix::fs::symlink("d0/f000", root.join("link")).unwrap();
+    files
+}
+
+fn build_tag(store: &Path, tag: &str, src: &Path) -> String {
+    tilefs(&[
+        os("build"),
+        os("-q"),
+        os("--store"),
+        store.as_os_str(),
+        os("--tag"),
+        os(tag),
+        src.as_os_str(),
+    ]);
+    let out = tilefs(&[os("digest"), os("--store"), store.as_os_str(), os(tag)]);
+    let d = String::from_utf8_lossy(&out.stdout)
+        .split_whitespace()
+        .next()
+        .unwrap()
+        .to_string();
+    d.trim_start_matches("sha256:").to_string()
+}
+
+fn push(store: &Path, tag: &str, remote: &str) -> serde_json::Value {
+    let out = tilefs(&[
+        os("push"),
+        os("--json"),
+        os("--tls-verify=false"),
+        os("--store"),
+        store.as_os_str(),
+        os(tag),
+        os(remote),
+    ]);
+    serde_json::from_slice(&out.stdout).unwrap()
+}
+
+fn pull(store: &Path, remote: &str, extra: &[&str]) -> String {
+    let mut args: Vec<&OsStr> = vec![
+        os("pull"),
+        os("-q"),
+        os("--tls-verify=false"),
+        os("--store"),
+        store.as_os_str(),
+    ];
+    args.extend(extra.iter().map(|s| os(s)));
+    args.push(os(remote));
+    let out = tilefs(&args);
+    String::from_utf8_lossy(&out.stdout).trim().to_string()
+}
+
+fn pull_fails(store: &Path, remote: &str, extra: &[&str]) -> String {
+    let mut args: Vec<&OsStr> = vec![
+        os("pull"),
+        os("-q"),
+        os("--tls-verify=false"),
+        os("--store"),
+        store.as_os_str(),
+    ];
+    args.extend(extra.iter().map(|s| os(s)));
+    args.push(os(remote));
+    let out = tilefs_any(&args);
+    assert_eq!(out.status.code(), Some(1), "pull should fail: {}", stderr(&out));
+    stderr(&out)
+}
+
+fn fsck_text(store: &Path) -> String {
+    let out = tilefs_any(&[os("fsck"), os("--store"), store.as_os_str()]);
+    let text = String::from_utf8_lossy(&out.stdout).into_owned() + &stderr(&out);
+    assert!(out.status.success(), "fsck: {text}");
+    text
+}
+
+/// After a failed pull: the store it created is gone, or it is clean.
+fn assert_clean_or_gone(store: &Path) {
+    if store.exists() {
+        assert!(fsck_text(store).contains("clean"));
+    }
+}
+
+fn tags_in(store: &Path) -> Vec<String> {
+    fs::read_dir(store.join("images"))
+        .map(|rd| {
+            rd.map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
+/// Objects present in a store.
+fn objects_in(store: &Path) -> usize {
+    fs::read_dir(store)
+        .unwrap()
+        .flatten()
+        .filter(|e| e.file_name().len() == 2)
+        .map(|e| fs::read_dir(e.path()).unwrap().count())
+        .sum()
+}
+
+fn skopeo_raw(remote: &str) -> serde_json::Value {
+    let out = Command::new("skopeo")
+        .args(["inspect", "--raw", "--tls-verify=false", remote])
+        .output()
+        .expect("skopeo (scripts/setup installs it)");
+    assert!(out.status.success(), "skopeo inspect: {}", stderr(&out));
+    serde_json::from_slice(&out.stdout).unwrap()
+}
+
+/// Bytes of blob GETs logged since `before` requests.
+fn blob_bytes_since(r: &Registry, before: usize) -> u64 {
+    r.requests()[before..]
+        .iter()
+        .filter(|q| q.method == "GET" && q.path.contains("/blobs/"))
+        .map(|q| q.bytes)
+        .sum()
+}
+
+/// A FUSE mount of a tag, taken down when dropped (even when a test
+/// panics).
+struct Mounted(PathBuf);
+
+impl Mounted {
+    fn new(store: &Path, tag: &str, mnt: &Path, log: &Path) -> (Mounted, String) {
+        fs::create_dir_all(mnt).unwrap();
+        let out = tilefs_any(&[
+            os("mount"),
+            os("--store"),
+            store.as_os_str(),
+            os("--log"),
+            log.as_os_str(),
+            os(tag),
+            mnt.as_os_str(),
+        ]);
+        assert!(out.status.success(), "mount: {}", stderr(&out));
+        (Mounted(mnt.to_path_buf()), stderr(&out))
+    }
+}
+
+impl Drop for Mounted {
+    fn drop(&mut self) {
+        if is_mounted(&self.0) {
+            let _ = tilefs_any(&[os("umount"), self.0.as_os_str()]);
+        }
+        if is_mounted(&self.0) {
+            let _ = rustix::mount::unmount(&self.0, rustix::mount::UnmountFlags::DETACH);
+        }
+    }
+}
+
+fn fuse_unavailable() -> Option<String> {
+    if !Path::new("/dev/fuse").exists() {
+        return Some("no /dev/fuse".into());
+    }
+    cannot_mount("fuse")
+}
+
+/// Reads a file the way `cat` would: contents, or the OS error.
+fn read(p: &Path) -> std::io::Result<Vec<u8>> {
+    fs::read(p)
+}
+
+// ---- a TCP proxy that cuts or stalls ---------------------------------------
+
+/// Forwards 127.0.0.1 connections to `upstream`; once `budget` bytes have
+/// gone downstream (over all connections), it cuts every connection
+/// (`stall` false) or stops forwarding and holds them open (`stall`).
+struct Proxy {
+    addr: String,
+    stop: Arc<AtomicBool>,
+}
+
+impl Proxy {
+    fn start(upstream: &str, budget: u64, stall: bool) -> Proxy {
+        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = listener.local_addr().unwrap().to_string();
+        listener.set_nonblocking(true).unwrap();
+        let stop = Arc::new(AtomicBool::new(false));
+        let sent = Arc::new(AtomicU64::new(0));
+        let upstream = upstream.to_string();
+        let stop2 = stop.clone();
+        std::thread::spawn(move || {
+            while !stop2.load(Relaxed) {
+                let Ok((client, _)) = listener.accept() else {
+                    std::thread::sleep(Duration::from_millis(10));
+                    continue;
+                };
+                client.set_nonblocking(false).unwrap();
+                let Ok(server) = TcpStream::connect(&upstream) else {
+                    continue;
+                };
+                let (c2, s2) = (client.try_clone().unwrap(), server.try_clone().unwrap());
+                let stop3 = stop2.clone();
+                // Requests up, unmetered.
+                std::thread::spawn(move || {
+                    let _ = std::io::copy(&mut { c2 }, &mut { s2 });
+                });
+                let sent = sent.clone();
+                std::thread::spawn(move || {
+                    let (mut client, mut server) = (client, server);
+                    let mut buf = [0u8; 16 << 10];
+                    loop {
+                        let n = match server.read(&mut buf) {
+                            Ok(0) | Err(_) => break,
+                            Ok(n) => n,
+                        };
+                        let before = sent.fetch_add(n as u64, Relaxed);
+                        let allowed = budget.saturating_sub(before).min(n as u64) as usize;
+                        if allowed > 0 && client.write_all(&buf[..allowed]).is_err() {
+                            break;
+                        }
+                        if allowed < n {
+                            if stall {
+                                while !stop3.load(Relaxed) {
+                                    std::thread::sleep(Duration::from_millis(50));
+                                }
+                            }
+                            break;
+                        }
+                    }
+                    let _ = client.shutdown(std::net::Shutdown::Both);
+                    let _ = server.shutdown(std::net::Shutdown::Both);
+                });
+            }
+        });
+        Proxy { addr, stop }
+    }
+}
+
+impl Drop for Proxy {
+    fn drop(&mut self) {
+        self.stop.store(true, Relaxed);
+    }
+}
+
+// ---- tests -----------------------------------------------------------------
+
+#[test]
+fn push_and_pull_give_the_same_image_and_send_nothing_twice() {
+    let area = Area::new();
+    let registry = Registry::start(&area);
+    let src = area.dir("src");
+    tree(&src, 1, 30, 100 << 10);
+    write_files(&src, 2, &[("big/one-mib".into(), 1 << 20)]);
+    let store = area.path("store");
+    let digest = build_tag(&store, "app", &src);
+    let remote = format!("docker://{}/team/app:v1", registry.addr);
+
+    let first = push(&store, "app", &remote);
+    assert_eq!(first["digest"], digest.as_str());
+    assert_eq!(first["blobs_uploaded"], first["blobs"], "{first}");
+
+    // A standard OCI manifest: the artifact's media types, as documented.
+    let m = skopeo_raw(&remote);
+    assert_eq!(m["mediaType"], "application/vnd.oci.image.manifest.v1+json");
+    assert_eq!(m["artifactType"], "application/vnd.tilefs.image.v1");
+    assert_eq!(m["config"]["mediaType"], "application/vnd.tilefs.image.config.v1+json");
+    let layers = m["layers"].as_array().unwrap();
+    assert_eq!(layers[0]["mediaType"], "application/vnd.tilefs.image.erofs.v1");
+    assert_eq!(layers[0]["annotations"]["org.tilefs.fsverity"], digest.as_str());
+    assert_eq!(layers[1]["mediaType"], "application/vnd.tilefs.image.objects.v1+json");
+    assert!(layers[2..]
+        .iter()
+        .all(|l| l["mediaType"] == "application/vnd.tilefs.image.pack.v1"));
+    assert_eq!(
+        format!("sha256:{}", sha256_hex(&manifest_bytes(&registry, "team/app", "v1"))),
+        first["manifest_digest"].as_str().unwrap()
+    );
+
+    // Pulled into another store: the same image, byte for byte, whole.
+    let other = area.path("other");
+    assert_eq!(pull(&other, &remote, &[]), digest);
+    assert!(fsck_text(&other).contains("clean"));
+    let built_image = fs::read(store.join("images/app")).unwrap();
+    let tag = format!("{}_team_app:v1", registry.addr);
+    assert_eq!(fs::read(other.join("images").join(&tag)).unwrap(), built_image);
+    if cannot_mount("erofs").is_none() {
+        let mnt = area.dir("mnt");
+        tilefs(&[
+            os("mount"),
+            os("--kernel"),
+            os("--store"),
+            other.as_os_str(),
+            os(&tag),
+            mnt.as_os_str(),
+        ]);
+        let _guard = MountGuard(mnt.clone());
+        assert_same_contents(&src, &mnt, &scan(&src));
+    }
+
+    // Pushing again sends no blob; to another repository, blobs are mounted.
+    let before = registry.requests().len();
+    let again = push(&store, "app", &remote);
+    assert_eq!(again["blobs_present"], again["blobs"], "{again}");
+    let uploads = |from: usize| {
+        registry.requests()[from..]
+            .iter()
+            .filter(|q| q.path.contains("/blobs/uploads/") && q.method != "POST")
+            .count()
+    };
+    assert_eq!(uploads(before), 0, "no blob upload when the repository has them");
+    let before = registry.requests().len();
+    let moved = push(&store, "app", &format!("docker://{}/elsewhere/app:v1", registry.addr));
+    assert_eq!(moved["blobs_mounted"], moved["blobs"], "{moved}");
+    assert_eq!(moved["bytes_uploaded"], 0);
+    assert_eq!(uploads(before), 0, "mounted, not uploaded");
+
+    // Any OCI tool can copy the artifact; the copy pulls the same.
+    let copied = format!("docker://{}/copy/app:v1", registry.addr);
+    let out = Command::new("skopeo")
+        .args([
+            "copy",
+            "-q",
+            "--src-tls-verify=false",
+            "--dest-tls-verify=false",
+            &remote,
+            &copied,
+        ])
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "skopeo copy: {}", stderr(&out));
+    assert_eq!(pull(&area.path("third"), &copied, &[]), digest);
+    // And into an OCI layout, pulled from there by range too.
+    let layout = area.path("layout");
+    let out = Command::new("skopeo")
+        .args(["copy", "-q", "--src-tls-verify=false", &remote])
+        .arg(format!("oci:{}:app", layout.display()))
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "skopeo copy to a layout: {}", stderr(&out));
+    assert_eq!(
+        pull(&area.path("fourth"), &format!("oci:{}:app", layout.display()), &[]),
+        digest
+    );
+}
+
+fn sha256_hex(data: &[u8]) -> String {
+    use sha2::Digest;
+    hex::encode(sha2::Sha256::digest(data))
+}
+
+fn manifest_bytes(r: &Registry, repo: &str, tag: &str) -> Vec<u8> {
+    let out = Command::new("curl")
+        .args(["-sf", "-H", "Accept: application/vnd.oci.image.manifest.v1+json"])
+        .arg(format!("http://{}/v2/{repo}/manifests/{tag}", r.addr))
+        .output()
+        .unwrap();
+    assert!(out.status.success());
+    out.stdout
+}
+
+#[test]
+fn a_second_image_sharing_most_objects_transfers_only_what_is_new() {
+    let area = Area::new();
+    let registry = Registry::start(&area);
+    let src = area.dir("src");
+    let files = tree(&src, 3, 100, 64 << 10);
+    let store = area.path("store");
+    build_tag(&store, "v1", &src);
+    // Ten of the hundred files change.
+    let changed: Vec<(String, usize)> = files.iter().step_by(10).cloned().collect();
+    write_files(&src, 4, &changed);
+    let v2 = build_tag(&store, "v2", &src);
+    let base = format!("docker://{}/team/app", registry.addr);
+    push(&store, "v1", &format!("{base}:v1"));
+    let second = push(&store, "v2", &format!("{base}:v2"));
+    assert!(second["blobs_uploaded"].as_u64().unwrap() >= 1);
+
+    let pulled = area.path("pulled");
+    let n = registry.requests().len();
+    pull(&pulled, &format!("{base}:v1"), &[]);
+    let first_bytes = blob_bytes_since(&registry, n);
+    let n = registry.requests().len();
+    assert_eq!(pull(&pulled, &format!("{base}:v2"), &[]), v2);
+    let second_bytes = blob_bytes_since(&registry, n);
+    assert!(
+        second_bytes * 10 <= first_bytes * 3,
+        "second pull sent {second_bytes} bytes, first {first_bytes}: more than 30%"
+    );
+    // The objects sent are about the ten changed files (plus image and index).
+    assert!(second_bytes >= 10 * (64 << 10), "{second_bytes}");
+    assert!(fsck_text(&pulled).contains("clean"));
+    assert_eq!(
+        fs::read(pulled.join("images").join(format!("{}_team_app:v2", registry.addr))).unwrap(),
+        fs::read(store.join("images/v2")).unwrap()
+    );
+}
+
+#[test]
+fn a_lazy_pull_fetches_each_object_on_first_read() {
+    if let Some(why) = fuse_unavailable() {
+        eprintln!("skipped: {why}");
+        return;
+    }
+    let area = Area::new();
+    let registry = Registry::start(&area);
+    let src = area.dir("src");
+    tree(&src, 5, 40, 256 << 10);
+    write_files(&src, 6, &[("big/one-mib".into(), 1 << 20)]);
+    let store = area.path("store");
+    let digest = build_tag(&store, "app", &src);
+    let remote = format!("docker://{}/team/app:v1", registry.addr);
+    push(&store, "app", &remote);
+    let image_size = fs::metadata(store.join("images/app")).unwrap().len();
+
+    let lazy = area.path("lazy");
+    let n = registry.requests().len();
+    assert_eq!(pull(&lazy, &remote, &["--lazy"]), digest);
+    let sent = blob_bytes_since(&registry, n);
+    assert!(
+        sent < image_size + (64 << 10),
+        "a lazy pull sent {sent} bytes (image {image_size})"
+    );
+    assert_eq!(objects_in(&lazy), 0);
+    let text = fsck_text(&lazy);
+    assert!(text.contains("not fetched yet") && text.contains("clean"), "{text}");
+    let tag = format!("{}_team_app:v1", registry.addr);
+
+    // The kernel cannot fetch: refused, saying how to complete the store.
+    let mnt = area.dir("mnt");
+    let out = tilefs_any(&[
+        os("mount"),
+        os("--kernel"),
+        os("--store"),
+        lazy.as_os_str(),
+        os(&tag),
+        mnt.as_os_str(),
+    ]);
+    assert_eq!(out.status.code(), Some(1));
+    assert!(
+        stderr(&out).contains("--lazy") && stderr(&out).contains("--fuse"),
+        "{}",
+        stderr(&out)
+    );
+    assert!(!is_mounted(&mnt));
+
+    // The automatic choice is FUSE; one file read transfers about itself.
+    let log = area.path("fuse.log");
+    let t = Instant::now();
+    let (m, notice) = Mounted::new(&lazy, &tag, &mnt, &log);
+    assert!(notice.contains("FUSE"), "{notice}");
+    let n = registry.requests().len();
+    let got = read(&mnt.join("big/one-mib")).unwrap();
+    eprintln!("mount and first read of 1 MiB: {:?}", t.elapsed());
+    assert_eq!(got, fs::read(src.join("big/one-mib")).unwrap());
+    let sent = blob_bytes_since(&registry, n);
+    assert!(
+        (1 << 20..(1 << 20) + (64 << 10)).contains(&sent),
+        "reading 1 MiB sent {sent} bytes"
+    );
+    assert_eq!(objects_in(&lazy), 1);
+    // Read again: from the store now.
+    let n = registry.requests().len();
+    assert_eq!(read(&mnt.join("big/one-mib")).unwrap(), got);
+    assert_eq!(blob_bytes_since(&registry, n), 0);
+    assert_same_contents(&src, &mnt, &scan(&src));
+    drop(m);
+
+    // A full pull completes the store with what is still missing, and the
+    // kernel mounts it then.
+    let n = registry.requests().len();
+    assert_eq!(pull(&lazy, &remote, &[]), digest);
+    let rest = blob_bytes_since(&registry, n);
+    let total: u64 = 40 * (256 << 10) + (1 << 20);
+    assert!(rest < total - (1 << 20) + image_size + (128 << 10), "{rest}");
+    let text = fsck_text(&lazy);
+    assert!(!text.contains("not fetched"), "{text}");
+    if cannot_mount("erofs").is_none() {
+        tilefs(&[
+            os("mount"),
+            os("--kernel"),
+            os("--store"),
+            lazy.as_os_str(),
+            os(&tag),
+            mnt.as_os_str(),
+        ]);
+        let _guard = MountGuard(mnt.clone());
+        assert_same_contents(&src, &mnt, &scan(&src));
+    }
+}
+
+/// Flips a byte of the largest blob in the registry's storage (a pack):
+/// returns its digest.
+fn tamper_largest_blob(r: &Registry) -> String {
+    let blobs = r.root.join("data/docker/registry/v2/blobs/sha256");
+    let mut biggest: Option<(u64, PathBuf)> = None;
+    for fan in fs::read_dir(&blobs).unwrap() {
+        for b in fs::read_dir(fan.unwrap().path()).unwrap() {
+            let data = b.unwrap().path().join("data");
+            let len = fs::metadata(&data).unwrap().len();
+            if biggest.as_ref().is_none_or(|(l, _)| len > *l) {
+                biggest = Some((len, data));
+            }
+        }
+    }
+    let (_, data) = biggest.unwrap();
+    let mut bytes = fs::read(&data).unwrap();
+    let mid = bytes.len() / 2;
+    bytes[mid] ^= 0xff;
+    fs::write(&data, &bytes).unwrap();
+    format!(
+        "sha256:{}",
+        data.parent().unwrap().file_name().unwrap().to_string_lossy()
+    )
+}
+
+/// Uploads `data` as a blob of `repo` with curl (a monolithic upload).
+fn upload_blob(r: &Registry, repo: &str, data: &[u8]) -> String {
+    let digest = format!("sha256:{}", sha256_hex(data));
+    let out = Command::new("curl")
+        .args(["-sf", "-D", "-", "-o", "/dev/null", "-X", "POST"])
+        .arg(format!("http://{}/v2/{repo}/blobs/uploads/", r.addr))
+        .output()
+        .unwrap();
+    assert!(out.status.success());
+    let headers = String::from_utf8_lossy(&out.stdout);
+    let location = headers
+        .lines()
+        .find_map(|l| l.strip_prefix("Location: ").or_else(|| l.strip_prefix("location: ")))
+        .unwrap()
+        .trim()
+        .to_string();
+    let sep = if location.contains('?') { '&' } else { '?' };
+    let url = if location.starts_with("http") {
+        format!("{location}{sep}digest={digest}")
+    } else {
+        format!("http://{}{location}{sep}digest={digest}", r.addr)
+    };
+    let mut child = Command::new("curl")
+        .args([
+            "-sf",
+            "-X",
+            "PUT",
+            "-H",
+            "Content-Type: application/octet-stream",
+            "--data-binary",
+            "@-",
+            &url,
+        ])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::null())
+        .spawn()
+        .unwrap();
+    child.stdin.take().unwrap().write_all(data).unwrap();
+    assert!(child.wait().unwrap().success(), "blob upload");
+    digest
+}
+
+fn put_manifest(r: &Registry, repo: &str, tag: &str, manifest: &[u8]) {
+    let mut child = Command::new("curl")
+        .args([
+            "-sf",
+            "-X",
+            "PUT",
+            "-H",
+            "Content-Type: application/vnd.oci.image.manifest.v1+json",
+            "--data-binary",
+            "@-",
+        ])
+        .arg(format!("http://{}/v2/{repo}/manifests/{tag}", r.addr))
+        .stdin(Stdio::piped())
+        .stdout(Stdio::null())
+        .spawn()
+        .unwrap();
+    child.stdin.take().unwrap().write_all(manifest).unwrap();
+    assert!(child.wait().unwrap().success(), "manifest upload");
+}
+
+#[test]
+fn wrong_bytes_and_lying_indexes_store_nothing() {
+    let area = Area::new();
+    let registry = Registry::start(&area);
+    let src = area.dir("src");
+    let files = tree(&src, 7, 20, 100 << 10);
+    let store = area.path("store");
+    build_tag(&store, "app", &src);
+    let remote = format!("docker://{}/team/app:v1", registry.addr);
+    push(&store, "app", &remote);
+
+    // An index that says an object lies where another one does: the bytes
+    // there are not that object.
+    let m = skopeo_raw(&remote);
+    let index_digest = m["layers"][1]["digest"].as_str().unwrap().to_string();
+    let mut index: serde_json::Value =
+        serde_json::from_slice(&fs::read(registry.blob_file(&index_digest)).unwrap()).unwrap();
+    let objs = index["objects"].as_array_mut().unwrap();
+    let (a, b) = (objs[1][2].clone(), objs[2][2].clone());
+    objs[1][2] = b;
+    objs[2][2] = a;
+    let lying = serde_json::to_vec(&index).unwrap();
+    let lying_digest = upload_blob(&registry, "team/app", &lying);
+    let mut liar = m.clone();
+    liar["layers"][1]["digest"] = lying_digest.into();
+    liar["layers"][1]["size"] = lying.len().into();
+    put_manifest(&registry, "team/app", "liar", &serde_json::to_vec(&liar).unwrap());
+    let s = area.path("s-liar");
+    let err = pull_fails(&s, &format!("docker://{}/team/app:liar", registry.addr), &[]);
+    assert!(err.contains("does not match its fs-verity digest"), "{err}");
+    assert!(err.contains("object "), "names the object: {err}");
+    assert!(tags_in(&s).is_empty());
+    assert_clean_or_gone(&s);
+
+    // An index placing an object outside its pack is refused before any
+    // object is fetched.
+    let mut outside = index.clone();
+    outside["objects"][0][2] = (1u64 << 40).into();
+    let bytes = serde_json::to_vec(&outside).unwrap();
+    let d = upload_blob(&registry, "team/app", &bytes);
+    let mut m2 = m.clone();
+    m2["layers"][1]["digest"] = d.into();
+    m2["layers"][1]["size"] = bytes.len().into();
+    put_manifest(&registry, "team/app", "outside", &serde_json::to_vec(&m2).unwrap());
+    let err = pull_fails(
+        &area.path("s-outside"),
+        &format!("docker://{}/team/app:outside", registry.addr),
+        &["--lazy"],
+    );
+    assert!(err.contains("outside pack"), "{err}");
+
+    // The registry's own copy of a pack changed: the full pull names the
+    // pack and the object, and stores nothing wrong.
+    let lazy = area.path("lazy");
+    pull(&lazy, &remote, &["--lazy"]);
+    let pack = tamper_largest_blob(&registry);
+    let s = area.path("s-tampered");
+    let err = pull_fails(&s, &remote, &[]);
+    assert!(
+        err.contains(&pack) && err.contains("does not match its fs-verity digest"),
+        "{err}"
+    );
+    assert!(tags_in(&s).is_empty());
+    assert_clean_or_gone(&s);
+
+    // Through a lazy mount: that one file fails with EIO and the log names
+    // its object; every other file reads.
+    if let Some(why) = fuse_unavailable() {
+        eprintln!("skipped the lazy mount: {why}");
+        return;
+    }
+    let mnt = area.dir("mnt");
+    let log = area.path("fuse.log");
+    let tag = format!("{}_team_app:v1", registry.addr);
+    let (_m, _) = Mounted::new(&lazy, &tag, &mnt, &log);
+    let mut failed = Vec::new();
+    for (name, _) in &files {
+        match read(&mnt.join(name)) {
+            Ok(got) => assert_eq!(got, fs::read(src.join(name)).unwrap(), "{name}"),
+            Err(e) => {
+                assert_eq!(e.raw_os_error(), Some(libc::EIO), "{name}: {e}");
+                failed.push(name.clone());
+            }
+        }
+    }
+    assert_eq!(failed.len(), 1, "exactly the damaged file fails: {failed:?}");
+    let logged = fs::read_to_string(&log).unwrap();
+    assert!(logged.contains("does not match its fs-verity digest"), "{logged}");
+    assert!(logged.contains(&failed[0]) && logged.contains("object "), "{logged}");
+    assert_eq!(objects_in(&lazy), files.len() - 1);
+    assert!(fsck_text(&lazy).contains("clean"));
+}
+
+#[test]
+fn a_registry_that_stops_or_stalls_fails_cleanly_and_a_later_pull_resumes() {
+    let area = Area::new();
+    let mut registry = Registry::start(&area);
+    let src = area.dir("src");
+    let files = tree(&src, 9, 40, 256 << 10);
+    let store = area.path("store");
+    let digest = build_tag(&store, "app", &src);
+    push(&store, "app", &format!("docker://{}/team/app:v1", registry.addr));
+    let image_size = fs::metadata(store.join("images/app")).unwrap().len();
+
+    // The connection is cut after about half the objects, every time: the
+    // pull retries (bounded), then fails naming the registry; what came
+    // whole is kept, nothing else.
+    let cut = Proxy::start(&registry.addr, image_size + (64 << 10) + 5 * (1 << 20), false);
+    // A store of its own already (one a failed pull created is removed).
+    let s = area.path("s");
+    build_tag(&s, "other", &area.dir("empty"));
+    let t = Instant::now();
+    let err = pull_fails(&s, &format!("docker://{}/team/app:v1", cut.addr), &["--timeout", "5"]);
+    assert!(t.elapsed() < Duration::from_secs(60), "took {:?}", t.elapsed());
+    assert!(err.contains("blob sha256:"), "names the blob: {err}");
+    assert_eq!(tags_in(&s), ["other"]);
+    assert!(fsck_text(&s).contains("clean"));
+    let kept = objects_in(&s);
+    assert!(kept > 0 && kept < files.len(), "{kept} objects kept");
+    drop(cut);
+    // Pulled again (directly): only the rest comes.
+    let n = registry.requests().len();
+    assert_eq!(
+        pull(&s, &format!("docker://{}/team/app:v1", registry.addr), &[]),
+        digest
+    );
+    let rest = blob_bytes_since(&registry, n);
+    assert!(
+        rest < (files.len() - kept + 2) as u64 * (256 << 10) + image_size + (64 << 10),
+        "{rest}"
+    );
+
+    // A lazy mount whose registry stalls: a read fails with EIO within the
+    // timeout; the mount keeps answering; once the registry is back, the
+    // file reads.
+    if let Some(why) = fuse_unavailable() {
+        eprintln!("skipped the lazy mount: {why}");
+        return;
+    }
+    let stall = Proxy::start(&registry.addr, image_size + (256 << 10) + (128 << 10), true);
+    let lazy = area.path("lazy");
+    pull(
+        &lazy,
+        &format!("docker://{}/team/app:v1", stall.addr),
+        &["--lazy", "--timeout", "2"],
+    );
+    let tag = format!("{}_team_app:v1", stall.addr);
+    let mnt = area.dir("mnt");
+    let log = area.path("fuse.log");
+    let (_m, _) = Mounted::new(&lazy, &tag, &mnt, &log);
+    // The first file is served; the proxy then stalls.
+    assert_eq!(
+        read(&mnt.join(&files[0].0)).unwrap(),
+        fs::read(src.join(&files[0].0)).unwrap()
+    );
+    let t = Instant::now();
+    let e = read(&mnt.join(&files[1].0)).unwrap_err();
+    assert_eq!(e.raw_os_error(), Some(libc::EIO), "{e}");
+    assert!(
+        t.elapsed() < Duration::from_secs(20),
+        "a stalled read took {:?}",
+        t.elapsed()
+    );
+    assert!(
+        fs::symlink_metadata(mnt.join("small")).is_ok(),
+        "the mount still answers"
+    );
+    assert_eq!(fs::read(mnt.join("small")).unwrap(), b"inline contents");
+    let logged = fs::read_to_string(&log).unwrap();
+    assert!(logged.contains(&files[1].0), "{logged}");
+    assert_eq!(objects_in(&lazy), 1);
+    // The registry stops altogether, then comes back.
+    drop(stall);
+    registry.stop();
+    registry.restart();
+    assert!(fsck_text(&lazy).contains("clean"));
+}
+
+#[test]
+fn push_needs_the_registrys_consent_and_a_complete_image() {
+    let area = Area::new();
+    let htpasswd = area.path("htpasswd");
+    let out = Command::new("htpasswd")
+        .args(["-Bbn", "alice", "s3cret"])
+        .output()
+        .expect("htpasswd (apache2-utils; scripts/setup installs it)");
+    fs::write(&htpasswd, &out.stdout).unwrap();
+    let registry = Registry::start_with(
+        &area,
+        &format!(
+            "auth:\n  htpasswd:\n    realm: tilefs-test\n    path: {}\n",
+            htpasswd.display()
+        ),
+    );
+    let src = area.dir("src");
+    tree(&src, 11, 5, 10 << 10);
+    let store = area.path("store");
+    build_tag(&store, "app", &src);
+    let remote = format!("docker://{}/private/app:v1", registry.addr);
+    let run = |auth: Option<&Path>| {
+        let mut c = Command::new(tilefs_bin());
+        c.args(["push", "-q", "--tls-verify=false", "--store"])
+            .arg(&store)
+            .args(["app", &remote]);
+        c.env("HOME", area.path("home")).env_remove("XDG_RUNTIME_DIR");
+        match auth {
+            Some(f) => c.env("REGISTRY_AUTH_FILE", f),
+            None => c.env_remove("REGISTRY_AUTH_FILE"),
+        };
+        c.output().unwrap()
+    };
+    let refused = run(None);
+    assert_eq!(refused.status.code(), Some(1));
+    assert!(stderr(&refused).contains(&registry.addr), "{}", stderr(&refused));
+    assert!(stderr(&refused).contains("no credentials for"), "{}", stderr(&refused));
+    let auth = area.path("auth.json");
+    {
+        use base64::Engine;
+        let b64 = base64::engine::general_purpose::STANDARD.encode("alice:s3cret");
+        fs::write(
+            &auth,
+            serde_json::json!({"auths": {registry.addr.clone(): {"auth": b64}}}).to_string(),
+        )
+        .unwrap();
+    }
+    let ok = run(Some(&auth));
+    assert!(ok.status.success(), "{}", stderr(&ok));
+
+    // An image whose objects are not all in the store is not pushed.
+    let rel = fs::read_dir(&store)
+        .unwrap()
+        .flatten()
+        .find(|e| e.file_name().len() == 2)
+        .map(|e| fs::read_dir(e.path()).unwrap().next().unwrap().unwrap().path())
+        .unwrap();
+    fs::remove_file(&rel).unwrap();
+    let out = run(Some(&auth));
+    assert_eq!(out.status.code(), Some(1));
+    assert!(stderr(&out).contains("is not in the store"), "{}", stderr(&out));
+    // Only registries take pushes.
+    let out = tilefs_any(&[
+        os("push"),
+        os("--store"),
+        store.as_os_str(),
+        os("app"),
+        os("oci:/tmp/x"),
+    ]);
+    assert_eq!(out.status.code(), Some(1));
+    assert!(stderr(&out).contains("registries only"), "{}", stderr(&out));
+}

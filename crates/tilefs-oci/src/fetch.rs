@@ -1,0 +1,541 @@
+//! Pulling a tilefs artifact ([`crate::artifact`]): the image and its
+//! object index first, then only the objects the store lacks, by HTTP
+//! range from the packs; or, with `--lazy`, none of them yet: a record in
+//! the store says where they are, and [`LazySource`] fetches each one when
+//! a FUSE mount first needs it.
+//!
+//! Every object is checked against its fs-verity digest (its name) before
+//! it is stored, and stored only under that name, whole: a registry that
+//! sends wrong bytes, an index that lies about where an object lies, or a
+//! transfer cut short leave nothing behind but the error.
+
+use crate::artifact::{self, Config, Location, ObjectIndex, ObjectRef};
+use crate::manifest::BlobRef;
+use crate::pull::{PullOptions, PullProgress, PullReport};
+use crate::transport::{self, read_checked, RegistryOptions, Resolved, Transport};
+use crate::{ImageRef, OciError};
+use std::io::{self, Read};
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering::Relaxed};
+use std::sync::{Arc, Mutex, OnceLock};
+use std::time::{Duration, Instant};
+use tilefs_store::ingest::{Ingest, StatsSnapshot};
+use tilefs_store::remote::{self, ObjectSource, REMOTE_DIR};
+use tilefs_store::{tags, Store, StoreError};
+
+/// Objects closer than this in a pack are fetched in one request (the gap
+/// costs less than another round trip).
+const GAP: u64 = 64 << 10;
+/// Longest single range request.
+const MAX_RANGE: u64 = 32 << 20;
+/// Attempts at a range that fails in transit (not one whose bytes are
+/// wrong: that is not retried).
+const ATTEMPTS: u32 = 4;
+
+/// An artifact's image and object index, fetched and checked.
+pub struct RemoteImage {
+    pub config: Config,
+    pub image: Vec<u8>,
+    pub digest: [u8; 32],
+    /// Every object the image needs, in tree order.
+    pub objects: Vec<ObjectRef>,
+    pub index: ObjectIndex,
+    pub packs: Vec<BlobRef>,
+}
+
+/// Fetches and checks the artifact's configuration, image and index.
+pub fn open(t: &dyn Transport, resolved: &Resolved, what: &str) -> Result<RemoteImage, OciError> {
+    let config_ref = resolved.config.as_ref().expect("an artifact has a configuration");
+    let raw = read_checked(
+        t.open_blob(config_ref)?,
+        &config_ref.digest,
+        config_ref
+            .size
+            .unwrap_or(artifact::MAX_CONFIG)
+            .min(artifact::MAX_CONFIG),
+        "configuration",
+    )?;
+    let config: Config = serde_json::from_slice(&raw).map_err(|e| {
+        OciError::manifest(
+            format!("configuration {}", config_ref.digest),
+            format!("not a tilefs image configuration: {e}"),
+        )
+    })?;
+    let [image_ref, index_ref, packs @ ..] = resolved.layers.as_slice() else {
+        return Err(OciError::manifest(
+            what,
+            "a tilefs artifact has an image and an object index",
+        ));
+    };
+    for (b, t_) in [(image_ref, artifact::EROFS_TYPE), (index_ref, artifact::INDEX_TYPE)]
+        .into_iter()
+        .chain(packs.iter().map(|p| (p, artifact::PACK_TYPE)))
+    {
+        if b.media_type != t_ {
+            return Err(OciError::manifest(
+                what,
+                format!(
+                    "blob {} has media type {} where {t_} was expected",
+                    b.digest, b.media_type
+                ),
+            ));
+        }
+    }
+    let image = read_checked(
+        t.open_blob(image_ref)?,
+        &image_ref.digest,
+        image_ref.size.unwrap_or(artifact::MAX_IMAGE).min(artifact::MAX_IMAGE),
+        "image",
+    )?;
+    let digest = tilefs_image::verity::digest_bytes(&image);
+    if hex::encode(digest) != config.fsverity {
+        return Err(OciError::blob(
+            &image_ref.digest.to_string(),
+            format!(
+                "the image's fs-verity digest is {} but the configuration says {}",
+                hex::encode(digest),
+                config.fsverity
+            ),
+        ));
+    }
+    let (tree, _) = tilefs_image::erofs::read_image(&image)
+        .map_err(|e| OciError::blob(&image_ref.digest.to_string(), format!("not a composefs image: {e}")))?;
+    let objects = artifact::objects_of(&tree);
+    drop(tree);
+    let index_what = format!("object index {}", index_ref.digest);
+    let raw = read_checked(
+        t.open_blob(index_ref)?,
+        &index_ref.digest,
+        index_ref.size.unwrap_or(artifact::MAX_INDEX).min(artifact::MAX_INDEX),
+        "object index",
+    )?;
+    let sizes: Vec<u64> = packs.iter().map(|p| p.size.unwrap_or(0)).collect();
+    let index = ObjectIndex::parse(&raw, &sizes, &index_what)?.restrict_to(&objects, &index_what)?;
+    Ok(RemoteImage {
+        config,
+        image,
+        digest,
+        objects,
+        index,
+        packs: packs.to_vec(),
+    })
+}
+
+/// Pulls an artifact: its objects the store lacks (none with `lazy`, which
+/// records where they are instead), then the tag.
+pub(crate) fn pull_artifact(
+    store: &Store,
+    r: &ImageRef,
+    t: &dyn Transport,
+    resolved: Resolved,
+    tag: &str,
+    opts: &PullOptions,
+    progress: &PullProgress,
+) -> Result<PullReport, OciError> {
+    let lazy = opts.lazy;
+    let remote_image = open(t, &resolved, &r.to_string())?;
+    let absent = remote::absent(store, remote_image.objects.iter().map(|o| o.digest));
+    let mut objects = StatsSnapshot::default();
+    if lazy && !absent.is_empty() {
+        let record = LazyRecord {
+            version: RECORD_VERSION,
+            source: r.to_string(),
+            manifest_digest: resolved.manifest_digest.as_ref().map(|d| d.to_string()),
+            tls_verify: opts.registry.tls_verify,
+            timeout_secs: opts.registry.timeout.as_secs(),
+            packs: remote_image
+                .packs
+                .iter()
+                .map(|p| (p.digest.to_string(), p.size.unwrap_or(0)))
+                .collect(),
+            index: remote_image.index.clone(),
+        };
+        record.save(store, &remote_image.digest)?;
+    } else if !absent.is_empty() {
+        let mut ingest = Ingest::for_fetched(store)?;
+        ingest.set_batch_bytes(128 << 20);
+        if let Some(c) = &opts.cancel {
+            ingest.set_cancel(c.clone());
+        }
+        let wanted: Vec<([u8; 32], Location)> = absent
+            .iter()
+            .map(|d| (*d, remote_image.index.get(d).expect("the index places every object")))
+            .collect();
+        progress
+            .blob_total
+            .store(wanted.iter().map(|w| w.1.size).sum(), Relaxed);
+        let jobs = if opts.jobs == 0 { 4 } else { opts.jobs };
+        let fetched = fetch_objects(
+            t,
+            &remote_image.packs,
+            &wanted,
+            &ingest,
+            jobs,
+            opts.cancel.as_deref(),
+            progress,
+        );
+        // Objects that came whole and checked are kept even when others
+        // failed: a later pull does not fetch them again (gc removes them
+        // if none ever does).
+        let finished = ingest.finish();
+        fetched?;
+        objects = finished?;
+    }
+    tags::write_tag(store, tag, &remote_image.image)?;
+    if !lazy || absent.is_empty() {
+        remote::forget(store, &remote_image.digest)?;
+    }
+    if let ImageRef::Registry { reference } = r {
+        if let Ok(parsed) = reference.parse::<oci_client::Reference>() {
+            crate::layer_cache::add_origin(store, parsed.resolve_registry(), parsed.repository());
+        }
+    }
+    let (tree, info) = tilefs_image::erofs::read_image(&remote_image.image)
+        .map_err(|e| OciError::manifest(r.to_string(), format!("cannot read the image: {e}")))?;
+    Ok(PullReport {
+        tag: tag.to_string(),
+        digest: hex::encode(remote_image.digest),
+        image_bytes: remote_image.image.len(),
+        format_version: info.version,
+        manifest_digest: resolved.manifest_digest.map(|d| d.to_string()),
+        layers: 0,
+        blob_bytes: progress.blob_bytes.load(Relaxed),
+        entries: tree.inodes.len(),
+        objects,
+        notes: Vec::new(),
+        lazy_objects: if lazy { absent.len() as u64 } else { 0 },
+    })
+}
+
+/// A run of objects of one pack, fetched by one request.
+struct Range {
+    pack: usize,
+    start: u64,
+    end: u64,
+    objects: Vec<([u8; 32], Location)>,
+}
+
+/// Groups `wanted` into ranges: by pack, in offset order, neighbours
+/// merged across small gaps.
+fn plan_ranges(wanted: &[([u8; 32], Location)]) -> Vec<Range> {
+    let mut sorted = wanted.to_vec();
+    sorted.sort_by_key(|(_, l)| (l.pack, l.offset));
+    let mut out: Vec<Range> = Vec::new();
+    for (d, l) in sorted {
+        let end = l.offset + l.size;
+        match out.last_mut() {
+            Some(r)
+                if r.pack == l.pack as usize
+                    && l.offset >= r.end
+                    && l.offset - r.end <= GAP
+                    && end - r.start <= MAX_RANGE =>
+            {
+                r.end = end;
+                r.objects.push((d, l));
+            }
+            _ => out.push(Range {
+                pack: l.pack as usize,
+                start: l.offset,
+                end,
+                objects: vec![(d, l)],
+            }),
+        }
+    }
+    out
+}
+
+/// Fetches `wanted` into `ingest`, `jobs` ranges at once; the first error
+/// stops the others.
+fn fetch_objects(
+    t: &dyn Transport,
+    packs: &[BlobRef],
+    wanted: &[([u8; 32], Location)],
+    ingest: &Ingest,
+    jobs: usize,
+    cancel: Option<&AtomicBool>,
+    progress: &PullProgress,
+) -> Result<(), OciError> {
+    let ranges = plan_ranges(wanted);
+    let next = AtomicUsize::new(0);
+    let failed: Mutex<Option<OciError>> = Mutex::new(None);
+    let stop = || failed.lock().unwrap().is_some() || cancel.is_some_and(|c| c.load(Relaxed));
+    std::thread::scope(|s| {
+        for _ in 0..jobs.min(ranges.len()).max(1) {
+            s.spawn(|| {
+                while let Some(range) = ranges.get(next.fetch_add(1, Relaxed)) {
+                    if stop() {
+                        break;
+                    }
+                    if let Err(e) = fetch_range(t, &packs[range.pack], range, ingest, progress, None) {
+                        failed.lock().unwrap().get_or_insert(e);
+                    }
+                }
+            });
+        }
+    });
+    if let Some(e) = failed.into_inner().unwrap() {
+        return Err(e);
+    }
+    if cancel.is_some_and(|c| c.load(Relaxed)) {
+        return Err(OciError::Interrupted);
+    }
+    Ok(())
+}
+
+/// Fetches one range, retrying (with back-off, at most [`ATTEMPTS`] times,
+/// and never past `deadline`) from the first object not yet stored when
+/// the transfer fails.
+fn fetch_range(
+    t: &dyn Transport,
+    pack: &BlobRef,
+    range: &Range,
+    ingest: &Ingest,
+    progress: &PullProgress,
+    deadline: Option<Instant>,
+) -> Result<(), OciError> {
+    let mut done = 0;
+    let mut attempt = 0;
+    loop {
+        attempt += 1;
+        let start = range.objects[done].1.offset;
+        let err = match t.open_range(pack, start, range.end - start) {
+            Ok(reader) => {
+                let mut reader = Counting(reader, &progress.blob_bytes);
+                match read_objects(&mut reader, pack, start, &range.objects[done..], ingest, &mut done) {
+                    Ok(()) => return Ok(()),
+                    Err(e) => e,
+                }
+            }
+            Err(e) => Fetch::Transfer(e),
+        };
+        let e = match err {
+            Fetch::Wrong(e) => return Err(e),
+            Fetch::Transfer(e) => e,
+        };
+        let backoff = Duration::from_millis(250 << attempt.min(5));
+        if attempt >= ATTEMPTS || deadline.is_some_and(|d| Instant::now() + backoff >= d) {
+            return Err(e);
+        }
+        std::thread::sleep(backoff);
+    }
+}
+
+enum Fetch {
+    /// Bytes that are not the object: not worth asking again.
+    Wrong(OciError),
+    /// The transfer failed: another attempt may succeed.
+    Transfer(OciError),
+}
+
+/// Reads `objects` (in offset order) from `reader`, which starts at
+/// `start` in `pack`, into the store; counts those stored in `done`.
+fn read_objects(
+    reader: &mut dyn Read,
+    pack: &BlobRef,
+    start: u64,
+    objects: &[([u8; 32], Location)],
+    ingest: &Ingest,
+    done: &mut usize,
+) -> Result<(), Fetch> {
+    let blob = pack.digest.to_string();
+    let mut pos = start;
+    for (d, l) in objects {
+        let rel = Store::object_rel(d);
+        let skip = l.offset - pos;
+        let skipped = io::copy(&mut reader.take(skip), &mut io::sink())
+            .map_err(|e| Fetch::Transfer(OciError::blob(&blob, format!("object {rel}: {e}"))))?;
+        if skipped < skip {
+            return Err(Fetch::Transfer(OciError::blob(
+                &blob,
+                format!("object {rel}: the range ended early"),
+            )));
+        }
+        let what = PathBuf::from(format!("object {rel} (bytes {}..{})", l.offset, l.offset + l.size));
+        match ingest.import_expected(&what, l.size, &mut reader.take(l.size), d) {
+            Ok(()) => {}
+            Err(StoreError::Source { path, msg }) if msg == "does not match its fs-verity digest" => {
+                return Err(Fetch::Wrong(OciError::blob(
+                    &blob,
+                    format!("{}: {msg}", path.display()),
+                )));
+            }
+            Err(StoreError::Source { path, msg }) => {
+                return Err(Fetch::Transfer(OciError::blob(
+                    &blob,
+                    format!("{}: {msg}", path.display()),
+                )));
+            }
+            Err(StoreError::Io { path, what: w, err }) if path == what => {
+                return Err(Fetch::Transfer(OciError::blob(
+                    &blob,
+                    format!("{}: {w}: {err}", path.display()),
+                )));
+            }
+            Err(StoreError::Interrupted) => return Err(Fetch::Wrong(OciError::Interrupted)),
+            Err(e) => return Err(Fetch::Wrong(e.into())),
+        }
+        pos = l.offset + l.size;
+        *done += 1;
+    }
+    Ok(())
+}
+
+/// Counts bytes as they are read.
+struct Counting<'a, R>(R, &'a std::sync::atomic::AtomicU64);
+
+impl<R: Read> Read for Counting<'_, R> {
+    fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+        let n = self.0.read(buf)?;
+        self.1.fetch_add(n as u64, Relaxed);
+        Ok(n)
+    }
+}
+
+const RECORD_VERSION: u32 = 1;
+
+/// Where the objects of a lazily pulled image are: `STORE/.remote/HEX`.
+#[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
+pub struct LazyRecord {
+    version: u32,
+    /// The reference pulled (its transport and repository).
+    pub source: String,
+    pub manifest_digest: Option<String>,
+    pub tls_verify: bool,
+    pub timeout_secs: u64,
+    /// Each pack's digest and size.
+    pub packs: Vec<(String, u64)>,
+    pub index: ObjectIndex,
+}
+
+impl LazyRecord {
+    fn save(&self, store: &Store, image: &[u8; 32]) -> Result<(), OciError> {
+        let bytes = postcard::to_stdvec(self).map_err(|e| OciError::Reference(format!("cannot encode: {e}")))?;
+        crate::layer_cache::write_record_in(store, REMOTE_DIR, &hex::encode(image), &bytes).map_err(|e| {
+            OciError::io(
+                &remote::record_path(store, image),
+                "cannot record where the objects are",
+                e,
+            )
+        })
+    }
+
+    /// The record of `image`, if it was pulled lazily.
+    pub fn load(store: &Store, image: &[u8; 32]) -> Result<Option<LazyRecord>, OciError> {
+        if !remote::is_lazy(store, image) {
+            return Ok(None);
+        }
+        let path = remote::record_path(store, image);
+        let raw = crate::layer_cache::read_record_in(store, REMOTE_DIR, &hex::encode(image))
+            .ok_or_else(|| OciError::io(&path, "cannot read", io::Error::other("not a readable regular file")))?;
+        let r: LazyRecord = postcard::from_bytes(&raw)
+            .map_err(|e| OciError::io(&path, "not a tilefs lazy-pull record", io::Error::other(e)))?;
+        if r.version != RECORD_VERSION {
+            return Err(OciError::io(
+                &path,
+                "a record of another tilefs version",
+                io::Error::other("pull the image again"),
+            ));
+        }
+        Ok(Some(r))
+    }
+
+    fn pack(&self, i: u32) -> Option<BlobRef> {
+        let (d, size) = self.packs.get(i as usize)?;
+        Some(BlobRef {
+            digest: crate::digest::Digest::parse(d).ok()?,
+            size: Some(*size),
+            media_type: artifact::PACK_TYPE.into(),
+            member: None,
+        })
+    }
+}
+
+/// Fetches the objects of a lazily pulled image as a FUSE mount needs
+/// them. The transport (a registry client and its threads) starts on the
+/// first fetch, so a server that forks into the background starts it in
+/// the process that serves.
+pub struct LazySource {
+    store: Store,
+    record: LazyRecord,
+    transport: OnceLock<Result<Box<dyn Transport>, String>>,
+    /// One fetch per object at a time: others wanting it wait and find it.
+    busy: Mutex<rustc_hash::FxHashMap<[u8; 32], Arc<Mutex<()>>>>,
+}
+
+impl LazySource {
+    /// The source of the image `image` in the store at `store`, if it was
+    /// pulled lazily and lacks objects still.
+    pub fn open(store: &Path, image: &[u8; 32]) -> Result<Option<LazySource>, OciError> {
+        let store = Store::open(store)?;
+        let Some(record) = LazyRecord::load(&store, image)? else {
+            return Ok(None);
+        };
+        Ok(Some(LazySource {
+            store,
+            record,
+            transport: OnceLock::new(),
+            busy: Mutex::new(Default::default()),
+        }))
+    }
+
+    /// Where the objects come from, for messages.
+    pub fn source(&self) -> &str {
+        &self.record.source
+    }
+
+    fn transport(&self) -> Result<&dyn Transport, String> {
+        self.transport
+            .get_or_init(|| {
+                let r = ImageRef::parse(&self.record.source).map_err(|e| e.to_string())?;
+                let opts = RegistryOptions {
+                    tls_verify: self.record.tls_verify,
+                    timeout: Duration::from_secs(self.record.timeout_secs.clamp(1, 3600)),
+                };
+                transport::open(&r, &opts).map_err(|e| e.to_string())
+            })
+            .as_ref()
+            .map(|b| b.as_ref())
+            .map_err(Clone::clone)
+    }
+
+    fn fetch_now(&self, digest: &[u8; 32], loc: Location) -> Result<(), OciError> {
+        let t = self.transport().map_err(OciError::Reference)?;
+        let pack = self
+            .record
+            .pack(loc.pack)
+            .ok_or_else(|| OciError::Reference(format!("the record names pack {} that it does not list", loc.pack)))?;
+        let ingest = Ingest::for_fetched(&self.store)?;
+        let range = Range {
+            pack: 0,
+            start: loc.offset,
+            end: loc.offset + loc.size,
+            objects: vec![(*digest, loc)],
+        };
+        let deadline = Instant::now() + Duration::from_secs(self.record.timeout_secs.clamp(1, 3600));
+        fetch_range(t, &pack, &range, &ingest, &PullProgress::default(), Some(deadline))?;
+        ingest.finish()?;
+        Ok(())
+    }
+}
+
+impl ObjectSource for LazySource {
+    fn fetch(&self, digest: &[u8; 32]) -> Result<(), String> {
+        let rel = Store::object_rel(digest);
+        let loc = self
+            .record
+            .index
+            .get(digest)
+            .ok_or_else(|| format!("object {rel} is not in the image's object index"))?;
+        let slot = self.busy.lock().unwrap().entry(*digest).or_default().clone();
+        let _one = slot.lock().unwrap_or_else(|p| p.into_inner());
+        if self.store.has_object(digest) {
+            return Ok(());
+        }
+        let r = self.fetch_now(digest, loc);
+        self.busy.lock().unwrap().remove(digest);
+        r.map_err(|e| {
+            let origin = self.transport().map(|t| t.origin()).unwrap_or_default();
+            format!("object {rel}: fetch from {origin} failed: {e}")
+        })
+    }
+}

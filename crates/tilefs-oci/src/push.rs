@@ -1,0 +1,354 @@
+//! `tilefs push`: a tagged image and its objects to a registry, as the
+//! artifact [`crate::artifact`] describes.
+//!
+//! Every blob is first asked for (HEAD): one the repository has is not
+//! sent again; one another repository of the same registry has (a
+//! repository this store pushed to or pulled from before) is mounted
+//! across; the rest are uploaded, several at once, each streamed from the
+//! store as it is sent. The manifest goes last, so a pushed tag always
+//! names complete blobs.
+
+use crate::artifact::{self, ObjectRef};
+use crate::digest::Digest;
+use crate::transport::registry::Registry;
+use crate::transport::RegistryOptions;
+use crate::{ImageRef, OciError};
+use sha2::{Digest as _, Sha256};
+use std::io::{self, Read};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering::Relaxed};
+use std::sync::{Arc, Mutex};
+use tilefs_store::{tags, Store};
+
+/// How to push.
+#[derive(Debug, Clone, Default)]
+pub struct PushOptions {
+    pub registry: RegistryOptions,
+    /// Blobs uploaded at once (0: 4).
+    pub jobs: usize,
+    pub cancel: Option<Arc<AtomicBool>>,
+    pub progress: Option<Arc<PushProgress>>,
+}
+
+/// Counters of a push, readable while it runs.
+#[derive(Debug, Default)]
+pub struct PushProgress {
+    /// Bytes to hash, then to upload.
+    pub bytes_total: Arc<AtomicU64>,
+    pub bytes_done: Arc<AtomicU64>,
+    pub blobs_done: AtomicU64,
+}
+
+/// What a push did.
+#[derive(Debug, Clone, Default, serde::Serialize)]
+pub struct PushReport {
+    pub reference: String,
+    pub manifest_digest: String,
+    /// The image's fs-verity digest, hex.
+    pub digest: String,
+    pub objects: u64,
+    pub object_bytes: u64,
+    pub blobs: u64,
+    /// Blobs the repository had already.
+    pub blobs_present: u64,
+    /// Blobs linked from another repository of the registry.
+    pub blobs_mounted: u64,
+    pub blobs_uploaded: u64,
+    pub bytes_uploaded: u64,
+}
+
+/// One blob of the artifact and how to read it.
+struct Blob {
+    digest: Digest,
+    size: u64,
+    source: Source,
+}
+
+enum Source {
+    Bytes(Arc<Vec<u8>>),
+    /// Objects `range` of the image's object list, concatenated.
+    Pack(std::ops::Range<usize>),
+}
+
+/// Pushes the image tagged `tag` in `store` to `dest`.
+pub fn push(store: &Store, tag: &str, dest: &ImageRef, opts: &PushOptions) -> Result<PushReport, OciError> {
+    let ImageRef::Registry { reference } = dest else {
+        return Err(OciError::Reference(format!(
+            "{dest}: tilefs pushes to registries only (docker://HOST[:PORT]/REPO[:TAG])"
+        )));
+    };
+    let image = tags::read_tag(store, tag)?;
+    let (tree, _) = tilefs_image::erofs::read_image(&image)
+        .map_err(|e| OciError::manifest(format!("image {tag:?}"), format!("cannot be read: {e}")))?;
+    let fsverity = hex::encode(tilefs_image::verity::digest_bytes(&image));
+    let objects = artifact::objects_of(&tree);
+    drop(tree);
+    // Every object must be here, whole, before anything is sent.
+    for o in &objects {
+        match store.object_size(&o.digest) {
+            Some(s) if s == o.size => {}
+            Some(s) => {
+                return Err(OciError::manifest(
+                    format!("image {tag:?}"),
+                    format!(
+                        "object {} is {s} bytes in the store but {} in the image (run `tilefs fsck`)",
+                        Store::object_rel(&o.digest),
+                        o.size
+                    ),
+                ))
+            }
+            None => {
+                return Err(OciError::manifest(
+                    format!("image {tag:?}"),
+                    format!(
+                        "object {} is not in the store{}",
+                        Store::object_rel(&o.digest),
+                        if tilefs_store::remote::is_lazy(store, &tilefs_image::verity::digest_bytes(&image)) {
+                            " (the image was pulled with --lazy: `tilefs pull` it again to complete it)"
+                        } else {
+                            ""
+                        }
+                    ),
+                ))
+            }
+        }
+    }
+    let (locs, pack_sizes) = artifact::plan_packs(&objects);
+    let progress = opts.progress.clone().unwrap_or_default();
+    let object_bytes: u64 = objects.iter().map(|o| o.size).sum();
+    progress.bytes_total.store(object_bytes, Relaxed);
+
+    // Packs are hashed first: a blob is asked for by digest.
+    let mut pack_ranges = Vec::with_capacity(pack_sizes.len());
+    let mut start = 0;
+    for p in 0..pack_sizes.len() {
+        let end = locs[start..]
+            .iter()
+            .position(|l| l.pack as usize != p)
+            .map_or(objects.len(), |n| start + n);
+        pack_ranges.push(start..end);
+        start = end;
+    }
+    let pack_digests = hash_packs(store, &objects, &pack_ranges, opts, &progress)?;
+
+    let index = Arc::new(artifact::encode_index(&objects, &locs));
+    let config = Arc::new(
+        serde_json::to_vec(&artifact::Config {
+            fsverity: fsverity.clone(),
+            objects: objects.len() as u64,
+            object_bytes,
+        })
+        .expect("a config serializes"),
+    );
+    let image = Arc::new(image);
+    let mem = |b: &Arc<Vec<u8>>| Blob {
+        digest: Digest::sha256_of(b),
+        size: b.len() as u64,
+        source: Source::Bytes(b.clone()),
+    };
+    let mut blobs = vec![mem(&config), mem(&image), mem(&index)];
+    for ((d, size), range) in pack_digests.into_iter().zip(&pack_sizes).zip(pack_ranges) {
+        blobs.push(Blob {
+            digest: d,
+            size: *size,
+            source: Source::Pack(range),
+        });
+    }
+    let manifest = artifact::manifest(
+        (&blobs[0].digest, blobs[0].size),
+        (&blobs[1].digest, blobs[1].size),
+        (&blobs[2].digest, blobs[2].size),
+        &blobs[3..]
+            .iter()
+            .map(|b| (b.digest.clone(), b.size))
+            .collect::<Vec<_>>(),
+        &fsverity,
+    );
+
+    let registry = Registry::open(reference, &opts.registry)?;
+    let sources = crate::layer_cache::origins(store, registry.registry(), registry.repository());
+    progress
+        .bytes_total
+        .store(object_bytes + blobs.iter().map(|b| b.size).sum::<u64>(), Relaxed);
+    let mut report = PushReport {
+        reference: dest.to_string(),
+        digest: fsverity,
+        objects: objects.len() as u64,
+        object_bytes,
+        blobs: blobs.len() as u64,
+        ..PushReport::default()
+    };
+    let counts = [
+        AtomicU64::new(0),
+        AtomicU64::new(0),
+        AtomicU64::new(0),
+        AtomicU64::new(0),
+    ];
+    let next = AtomicUsize::new(0);
+    let first_err: Mutex<Option<OciError>> = Mutex::new(None);
+    let stop = || first_err.lock().unwrap().is_some() || opts.cancel.as_ref().is_some_and(|c| c.load(Relaxed));
+    let jobs = if opts.jobs == 0 { 4 } else { opts.jobs }.min(blobs.len());
+    std::thread::scope(|s| {
+        for _ in 0..jobs {
+            s.spawn(|| {
+                while let Some(b) = blobs.get(next.fetch_add(1, Relaxed)) {
+                    if stop() {
+                        break;
+                    }
+                    match send_blob(store, &registry, &objects, b, &sources, &progress.bytes_done) {
+                        Ok(how) => {
+                            counts[how as usize].fetch_add(1, Relaxed);
+                            if how == Sent::Uploaded {
+                                counts[3].fetch_add(b.size, Relaxed);
+                            } else {
+                                progress.bytes_done.fetch_add(b.size, Relaxed);
+                            }
+                        }
+                        Err(e) => {
+                            first_err.lock().unwrap().get_or_insert(e);
+                        }
+                    }
+                    progress.blobs_done.fetch_add(1, Relaxed);
+                }
+            });
+        }
+    });
+    if let Some(e) = first_err.into_inner().unwrap() {
+        return Err(e);
+    }
+    if opts.cancel.as_ref().is_some_and(|c| c.load(Relaxed)) {
+        return Err(OciError::Interrupted);
+    }
+    registry.put_manifest(manifest.clone())?;
+    crate::layer_cache::add_origin(store, registry.registry(), registry.repository());
+    report.manifest_digest = Digest::sha256_of(&manifest).to_string();
+    report.blobs_present = counts[Sent::Present as usize].load(Relaxed);
+    report.blobs_mounted = counts[Sent::Mounted as usize].load(Relaxed);
+    report.blobs_uploaded = counts[Sent::Uploaded as usize].load(Relaxed);
+    report.bytes_uploaded = counts[3].load(Relaxed);
+    Ok(report)
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Sent {
+    Present = 0,
+    Mounted = 1,
+    Uploaded = 2,
+}
+
+fn send_blob(
+    store: &Store,
+    registry: &Registry,
+    objects: &[ObjectRef],
+    b: &Blob,
+    sources: &[String],
+    sent: &AtomicU64,
+) -> Result<Sent, OciError> {
+    if registry.has_blob(&b.digest)? {
+        return Ok(Sent::Present);
+    }
+    if sources.iter().any(|from| registry.mount_from(&b.digest, from)) {
+        return Ok(Sent::Mounted);
+    }
+    match &b.source {
+        Source::Bytes(bytes) => registry.upload(&b.digest, b.size, &mut io::Cursor::new(bytes.as_slice()), sent)?,
+        Source::Pack(range) => registry.upload(
+            &b.digest,
+            b.size,
+            &mut PackReader::new(store, objects[range.clone()].to_vec()),
+            sent,
+        )?,
+    }
+    Ok(Sent::Uploaded)
+}
+
+/// SHA-256 of each pack, several packs at once.
+fn hash_packs(
+    store: &Store,
+    objects: &[ObjectRef],
+    ranges: &[std::ops::Range<usize>],
+    opts: &PushOptions,
+    progress: &PushProgress,
+) -> Result<Vec<Digest>, OciError> {
+    let threads = std::thread::available_parallelism()
+        .map_or(2, |n| n.get())
+        .min(ranges.len().max(1));
+    let next = AtomicUsize::new(0);
+    let out: Vec<Mutex<Option<Result<Digest, OciError>>>> = ranges.iter().map(|_| Mutex::new(None)).collect();
+    std::thread::scope(|s| {
+        for _ in 0..threads {
+            s.spawn(|| loop {
+                let i = next.fetch_add(1, Relaxed);
+                let Some(range) = ranges.get(i) else { break };
+                if opts.cancel.as_ref().is_some_and(|c| c.load(Relaxed)) {
+                    break;
+                }
+                let mut r = PackReader::new(store, objects[range.clone()].to_vec());
+                let mut h = Sha256::new();
+                let mut buf = vec![0u8; 1 << 20];
+                let result = loop {
+                    match r.read(&mut buf) {
+                        Ok(0) => break Ok(Digest::from_sha256(h.finalize().into())),
+                        Ok(n) => {
+                            h.update(&buf[..n]);
+                            progress.bytes_done.fetch_add(n as u64, Relaxed);
+                        }
+                        Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                        Err(e) => break Err(OciError::io(store.path(), "cannot read an object", e)),
+                    }
+                };
+                *out[i].lock().unwrap() = Some(result);
+            });
+        }
+    });
+    if opts.cancel.as_ref().is_some_and(|c| c.load(Relaxed)) {
+        return Err(OciError::Interrupted);
+    }
+    out.into_iter()
+        .map(|m| m.into_inner().unwrap().unwrap_or(Err(OciError::Interrupted)))
+        .collect()
+}
+
+/// Reads objects from the store one after the other, each exactly its
+/// size (an object that changed size since the check is an error, not a
+/// shifted pack).
+struct PackReader<'s> {
+    store: &'s Store,
+    objects: std::vec::IntoIter<ObjectRef>,
+    current: Option<(io::Take<std::fs::File>, ObjectRef)>,
+}
+
+impl<'s> PackReader<'s> {
+    fn new(store: &'s Store, objects: Vec<ObjectRef>) -> PackReader<'s> {
+        PackReader {
+            store,
+            objects: objects.into_iter(),
+            current: None,
+        }
+    }
+}
+
+impl Read for PackReader<'_> {
+    fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+        loop {
+            if let Some((f, o)) = &mut self.current {
+                let n = f.read(buf)?;
+                if n > 0 {
+                    return Ok(n);
+                }
+                if f.limit() > 0 {
+                    return Err(io::Error::other(format!(
+                        "object {} is shorter than the image says ({} bytes)",
+                        Store::object_rel(&o.digest),
+                        o.size
+                    )));
+                }
+                self.current = None;
+            }
+            let Some(o) = self.objects.next() else { return Ok(0) };
+            let rel = Store::object_rel(&o.digest);
+            let f = tilefs_store::open_regular(self.store.dir_fd(), std::path::Path::new(&rel), false)
+                .map_err(|e| io::Error::new(e.kind(), format!("object {rel}: {e}")))?;
+            self.current = Some((f.take(o.size), o));
+        }
+    }
+}

@@ -1,0 +1,98 @@
+//! Images whose objects are fetched on demand (`tilefs pull --lazy`).
+//!
+//! Such an image is tagged before its objects are all here: a record in
+//! `STORE/.remote/<image fs-verity digest>` says where they can be fetched
+//! from. Its contents belong to whoever fetches (the OCI crate); the store
+//! only knows that the record exists, so that fsck counts the absent
+//! objects of these images as not yet fetched rather than as damage, gc
+//! drops records of images no longer tagged, and a kernel mount (which
+//! cannot fetch) is refused until the store is complete.
+
+use crate::{Store, StoreError};
+use std::path::PathBuf;
+
+/// Where the records live, under the store.
+pub const REMOTE_DIR: &str = ".remote";
+
+/// Fetches objects the store lacks, each checked against its digest and
+/// stored under its final name only when complete.
+pub trait ObjectSource: Send + Sync {
+    /// Makes the object `digest` present in the store, or says why it
+    /// cannot (the message names the object and where it was fetched from).
+    fn fetch(&self, digest: &[u8; 32]) -> Result<(), String>;
+}
+
+/// The record of the image whose fs-verity digest is `image`.
+pub fn record_path(store: &Store, image: &[u8; 32]) -> PathBuf {
+    store.join(REMOTE_DIR).join(hex::encode(image))
+}
+
+/// Whether the image `image` was pulled lazily and not yet completed.
+pub fn is_lazy(store: &Store, image: &[u8; 32]) -> bool {
+    std::fs::symlink_metadata(record_path(store, image)).is_ok_and(|m| m.file_type().is_file())
+}
+
+/// Forgets the record of `image` (its objects are all present now, or the
+/// image is gone).
+pub fn forget(store: &Store, image: &[u8; 32]) -> Result<(), StoreError> {
+    let path = record_path(store, image);
+    match std::fs::remove_file(&path) {
+        Ok(()) => Ok(()),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
+        Err(e) => Err(StoreError::io(&path, "cannot remove", e)),
+    }
+}
+
+/// The objects `objects` of which the store has none: what a lazily pulled
+/// image still lacks.
+pub fn absent(store: &Store, objects: impl IntoIterator<Item = [u8; 32]>) -> Vec<[u8; 32]> {
+    objects.into_iter().filter(|d| !store.has_object(d)).collect()
+}
+
+/// Removes records of images no tag names any more (gc).
+pub(crate) fn prune(store: &Store, tagged: &std::collections::HashSet<[u8; 32]>) {
+    let Ok(rd) = std::fs::read_dir(store.join(REMOTE_DIR)) else {
+        return;
+    };
+    for e in rd.flatten() {
+        let keep = e
+            .file_name()
+            .to_str()
+            .and_then(|n| hex::decode(n).ok())
+            .and_then(|b| <[u8; 32]>::try_from(b).ok())
+            .is_some_and(|d| tagged.contains(&d));
+        if !keep && e.file_type().is_ok_and(|t| t.is_file()) {
+            let _ = std::fs::remove_file(e.path());
+        }
+    }
+}
+
+/// For an image (its bytes) pulled lazily: how many of its objects the
+/// store still lacks, and how many it needs. None when the image was not
+/// pulled lazily or is complete now (its record is then dropped).
+pub fn incomplete(store: &Store, image: &[u8]) -> Option<(usize, usize)> {
+    let digest = tilefs_image::verity::digest_bytes(image);
+    if !is_lazy(store, &digest) {
+        return None;
+    }
+    let (tree, _) = tilefs_image::erofs::read_image(image).ok()?;
+    let objects = tilefs_image::summary::objects(&tree);
+    let total = objects.len();
+    let absent = objects
+        .into_iter()
+        .filter(|p| !crate::parse_object_rel(p).is_some_and(|d| store.has_object(&d)))
+        .count();
+    if absent == 0 {
+        let _ = forget(store, &digest);
+        return None;
+    }
+    Some((absent, total))
+}
+
+/// Why a kernel mount of a lazily pulled, incomplete image is refused.
+pub fn incomplete_message(absent: usize, total: usize) -> String {
+    format!(
+        "{absent} of its {total} objects are not in the store yet (the image was pulled with --lazy): \
+         `tilefs pull` it again to fetch them, or mount it with --fuse, which fetches each as it is first read"
+    )
+}
