@@ -41,6 +41,9 @@ pub struct RemoteImage {
     pub objects: Vec<ObjectRef>,
     pub index: ObjectIndex,
     pub packs: Vec<BlobRef>,
+    /// The image's inodes and format version.
+    pub entries: usize,
+    pub version: u32,
 }
 
 /// Fetches and checks the artifact's configuration, image and index.
@@ -98,9 +101,10 @@ pub fn open(t: &dyn Transport, resolved: &Resolved, what: &str) -> Result<Remote
             ),
         ));
     }
-    let (tree, _) = tilefs_image::erofs::read_image(&image)
+    let (tree, info) = tilefs_image::erofs::read_image(&image)
         .map_err(|e| OciError::blob(&image_ref.digest.to_string(), format!("not a composefs image: {e}")))?;
     let objects = artifact::objects_of(&tree);
+    let entries = tree.inodes.len();
     drop(tree);
     let index_what = format!("object index {}", index_ref.digest);
     let raw = read_checked(
@@ -118,6 +122,8 @@ pub fn open(t: &dyn Transport, resolved: &Resolved, what: &str) -> Result<Remote
         objects,
         index,
         packs: packs.to_vec(),
+        entries,
+        version: info.version,
     })
 }
 
@@ -134,7 +140,7 @@ pub(crate) fn pull_artifact(
 ) -> Result<PullReport, OciError> {
     let lazy = opts.lazy;
     let remote_image = open(t, &resolved, &r.to_string())?;
-    let absent = remote::absent(store, remote_image.objects.iter().map(|o| o.digest));
+    let absent = tilefs_store::presence::absent(store, remote_image.objects.iter().map(|o| o.digest));
     let mut objects = StatsSnapshot::default();
     if lazy && !absent.is_empty() {
         let record = LazyRecord {
@@ -190,17 +196,15 @@ pub(crate) fn pull_artifact(
             crate::layer_cache::add_origin(store, parsed.resolve_registry(), parsed.repository());
         }
     }
-    let (tree, info) = tilefs_image::erofs::read_image(&remote_image.image)
-        .map_err(|e| OciError::manifest(r.to_string(), format!("cannot read the image: {e}")))?;
     Ok(PullReport {
         tag: tag.to_string(),
         digest: hex::encode(remote_image.digest),
         image_bytes: remote_image.image.len(),
-        format_version: info.version,
+        format_version: remote_image.version,
         manifest_digest: resolved.manifest_digest.map(|d| d.to_string()),
         layers: 0,
         blob_bytes: progress.blob_bytes.load(Relaxed),
-        entries: tree.inodes.len(),
+        entries: remote_image.entries,
         objects,
         notes: Vec::new(),
         lazy_objects: if lazy { absent.len() as u64 } else { 0 },
@@ -298,14 +302,15 @@ fn fetch_range(
     loop {
         attempt += 1;
         let start = range.objects[done].1.offset;
-        let err = match t.open_range(pack, start, range.end - start) {
-            Ok(reader) => {
-                let mut reader = Counting(reader, &progress.blob_bytes);
-                match read_objects(&mut reader, pack, start, &range.objects[done..], ingest, &mut done) {
-                    Ok(()) => return Ok(()),
-                    Err(e) => e,
-                }
-            }
+        // One large object alone is fetched in parallel pieces; runs of
+        // objects are already fetched several at once.
+        let split = range.objects.len() - done == 1;
+        let err = match with_range(t, pack, start, range.end - start, split, |reader| {
+            let mut reader = Counting(reader, &progress.blob_bytes);
+            read_objects(&mut reader, pack, start, &range.objects[done..], ingest, &mut done)
+        }) {
+            Ok(Ok(())) => return Ok(()),
+            Ok(Err(e)) => e,
             Err(e) => Fetch::Transfer(e),
         };
         let e = match err {
@@ -317,6 +322,86 @@ fn fetch_range(
             return Err(e);
         }
         std::thread::sleep(backoff);
+    }
+}
+
+/// Ranges longer than this are fetched as [`CHUNK`]-sized requests,
+/// [`PARALLEL`] at a time: one stream alone rarely fills a long link.
+const PARALLEL_FROM: u64 = 16 << 20;
+const CHUNK: u64 = 4 << 20;
+const PARALLEL: u64 = 4;
+
+/// Runs `f` on a reader of `len` bytes of `blob` from `offset`: one range
+/// request, or for a long range when `split`, several at once, read back
+/// in order (at most two chunks per request in memory).
+fn with_range<R>(
+    t: &dyn Transport,
+    blob: &BlobRef,
+    offset: u64,
+    len: u64,
+    split: bool,
+    f: impl FnOnce(&mut dyn Read) -> R,
+) -> Result<R, OciError> {
+    if !split || len <= PARALLEL_FROM {
+        let mut r = t.open_range(blob, offset, len)?;
+        return Ok(f(&mut r));
+    }
+    let chunks = len.div_ceil(CHUNK);
+    let lanes = PARALLEL.min(chunks);
+    Ok(std::thread::scope(|s| {
+        let mut receivers = Vec::new();
+        for lane in 0..lanes {
+            let (tx, rx) = std::sync::mpsc::sync_channel::<io::Result<Vec<u8>>>(1);
+            receivers.push(rx);
+            s.spawn(move || {
+                for c in (lane..chunks).step_by(lanes as usize) {
+                    let from = offset + c * CHUNK;
+                    let n = CHUNK.min(offset + len - from);
+                    let mut buf = Vec::with_capacity(n as usize);
+                    let r = t
+                        .open_range(blob, from, n)
+                        .map_err(io::Error::other)
+                        .and_then(|mut r| r.read_to_end(&mut buf));
+                    let failed = r.is_err();
+                    // The reader went away (done or failed): stop.
+                    if tx.send(r.map(|_| buf)).is_err() || failed {
+                        return;
+                    }
+                }
+            });
+        }
+        let mut reader = InOrder {
+            receivers,
+            next: 0,
+            chunks,
+            current: io::Cursor::new(Vec::new()),
+        };
+        f(&mut reader)
+    }))
+}
+
+/// The chunks of [`with_range`]'s lanes, in order.
+struct InOrder {
+    receivers: Vec<std::sync::mpsc::Receiver<io::Result<Vec<u8>>>>,
+    next: u64,
+    chunks: u64,
+    current: io::Cursor<Vec<u8>>,
+}
+
+impl Read for InOrder {
+    fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+        loop {
+            let n = self.current.read(buf)?;
+            if n > 0 || buf.is_empty() || self.next == self.chunks {
+                return Ok(n);
+            }
+            let lane = (self.next % self.receivers.len() as u64) as usize;
+            let chunk = self.receivers[lane]
+                .recv()
+                .map_err(|_| io::Error::other("a range request ended without an answer"))??;
+            self.current = io::Cursor::new(chunk);
+            self.next += 1;
+        }
     }
 }
 
@@ -457,10 +542,20 @@ impl LazyRecord {
 pub struct LazySource {
     store: Store,
     record: LazyRecord,
+    /// The index's objects in pack order: (pack, offset, position in the
+    /// index), for read-ahead.
+    by_offset: Vec<(u32, u64, usize)>,
     transport: OnceLock<Result<Box<dyn Transport>, String>>,
     /// One fetch per object at a time: others wanting it wait and find it.
     busy: Mutex<rustc_hash::FxHashMap<[u8; 32], Arc<Mutex<()>>>>,
+    /// Where the last fetch ended (pack, offset): a fetch starting there
+    /// is part of a sequential read, and reads ahead.
+    last_end: Mutex<Option<(u32, u64)>>,
 }
+
+/// How far a sequential read fetches ahead of the object asked for.
+const READ_AHEAD: u64 = 1 << 20;
+const READ_AHEAD_OBJECTS: usize = 64;
 
 impl LazySource {
     /// The source of the image `image` in the store at `store`, if it was
@@ -470,11 +565,21 @@ impl LazySource {
         let Some(record) = LazyRecord::load(&store, image)? else {
             return Ok(None);
         };
+        let mut by_offset: Vec<(u32, u64, usize)> = record
+            .index
+            .objects
+            .iter()
+            .enumerate()
+            .map(|(i, (_, l))| (l.pack, l.offset, i))
+            .collect();
+        by_offset.sort_unstable();
         Ok(Some(LazySource {
             store,
             record,
+            by_offset,
             transport: OnceLock::new(),
             busy: Mutex::new(Default::default()),
+            last_end: Mutex::new(None),
         }))
     }
 
@@ -498,23 +603,65 @@ impl LazySource {
             .map_err(Clone::clone)
     }
 
+    /// The range to fetch for `digest` at `loc`: the object alone, or when
+    /// the last fetch ended where it starts (a sequential read: `cat` of a
+    /// directory, an archiver), also the absent objects after it in the
+    /// pack, up to [`READ_AHEAD`] bytes more.
+    fn range_for(&self, digest: &[u8; 32], loc: Location) -> Range {
+        let mut range = Range {
+            pack: loc.pack as usize,
+            start: loc.offset,
+            end: loc.offset + loc.size,
+            objects: vec![(*digest, loc)],
+        };
+        let sequential = self
+            .last_end
+            .lock()
+            .unwrap()
+            .is_some_and(|(p, end)| p == loc.pack && loc.offset >= end && loc.offset - end <= GAP);
+        if !sequential {
+            return range;
+        }
+        let at = self
+            .by_offset
+            .partition_point(|&(p, o, _)| (p, o) <= (loc.pack, loc.offset));
+        for &(p, o, i) in &self.by_offset[at..] {
+            let (d, l) = self.record.index.objects[i];
+            if p != loc.pack
+                || o < range.end
+                || o - range.end > GAP
+                || o + l.size - range.start > loc.size + READ_AHEAD
+                || range.objects.len() > READ_AHEAD_OBJECTS
+            {
+                break;
+            }
+            if self.store.has_object(&d) {
+                continue;
+            }
+            range.end = o + l.size;
+            range.objects.push((d, l));
+        }
+        range
+    }
+
     fn fetch_now(&self, digest: &[u8; 32], loc: Location) -> Result<(), OciError> {
         let t = self.transport().map_err(OciError::Reference)?;
         let pack = self
             .record
             .pack(loc.pack)
             .ok_or_else(|| OciError::Reference(format!("the record names pack {} that it does not list", loc.pack)))?;
-        let ingest = Ingest::for_fetched(&self.store)?;
-        let range = Range {
-            pack: 0,
-            start: loc.offset,
-            end: loc.offset + loc.size,
-            objects: vec![(*digest, loc)],
-        };
+        let mut ingest = Ingest::for_fetched(&self.store)?;
+        ingest.commit_each();
+        let range = self.range_for(digest, loc);
         let deadline = Instant::now() + Duration::from_secs(self.record.timeout_secs.clamp(1, 3600));
-        fetch_range(t, &pack, &range, &ingest, &PullProgress::default(), Some(deadline))?;
+        let fetched = fetch_range(t, &pack, &range, &ingest, &PullProgress::default(), Some(deadline));
         ingest.finish()?;
-        Ok(())
+        *self.last_end.lock().unwrap() = Some((loc.pack, range.end));
+        // Only the object asked for must have come (read-ahead is a bonus).
+        match fetched {
+            Err(_) if self.store.has_object(digest) => Ok(()),
+            r => r,
+        }
     }
 }
 

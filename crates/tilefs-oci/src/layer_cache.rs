@@ -13,11 +13,11 @@
 
 use crate::digest::Digest;
 use crate::layer::{Content, Kind, LayerEntry};
-use std::collections::{HashMap, HashSet};
+use std::collections::HashSet;
 use std::io::{Read, Write};
 use std::os::unix::fs::OpenOptionsExt;
 use std::path::Path;
-use std::sync::{Arc, Mutex};
+use tilefs_store::presence::Presence;
 use tilefs_store::store::LAYER_CACHE;
 use tilefs_store::Store;
 
@@ -129,54 +129,6 @@ pub fn load(store: &Store, d: &Digest, presence: &Presence) -> Option<Vec<LayerE
     }
     needed.sort_unstable_by_key(|o| o[0]);
     presence.all_present(store, &needed).then_some(r.entries)
-}
-
-/// Which objects the store holds, learnt by listing the fan-out
-/// directories (names only: no inode is read per object, which is what a
-/// cold check would cost), each at most once per pull.
-#[derive(Default)]
-pub struct Presence {
-    listed: Mutex<HashMap<u8, Arc<HashSet<[u8; 31]>>>>,
-}
-
-impl Presence {
-    fn fanout(&self, store: &Store, fan: u8) -> Arc<HashSet<[u8; 31]>> {
-        if let Some(set) = self.listed.lock().unwrap().get(&fan) {
-            return set.clone();
-        }
-        let mut set = HashSet::new();
-        if let Ok(rd) = std::fs::read_dir(store.join(format!("{fan:02x}"))) {
-            for e in rd.filter_map(|e| e.ok()) {
-                let mut rest = [0u8; 31];
-                let name = e.file_name();
-                if hex::decode_to_slice(std::os::unix::ffi::OsStrExt::as_bytes(name.as_os_str()), &mut rest).is_ok()
-                    && e.file_type().is_ok_and(|t| t.is_file())
-                {
-                    set.insert(rest);
-                }
-            }
-        }
-        let set = Arc::new(set);
-        self.listed.lock().unwrap().insert(fan, set.clone());
-        set
-    }
-
-    fn all_present(&self, store: &Store, objects: &[&[u8; 32]]) -> bool {
-        let mut current: Option<(u8, Arc<HashSet<[u8; 31]>>)> = None;
-        objects.iter().all(|o| {
-            let set = match &current {
-                Some((fan, set)) if *fan == o[0] => set.clone(),
-                _ => {
-                    let set = self.fanout(store, o[0]);
-                    current = Some((o[0], set.clone()));
-                    set
-                }
-            };
-            let mut rest = [0u8; 31];
-            rest.copy_from_slice(&o[1..]);
-            set.contains(&rest)
-        })
-    }
 }
 
 /// Records a layer's entries (best effort: a pull does not fail for it).

@@ -104,7 +104,7 @@ pub fn pull(store: &Store, r: &ImageRef, tag: &str, opts: &PullOptions) -> Resul
     if let Some(c) = &opts.cancel {
         ingest.set_cancel(c.clone());
     }
-    let presence = crate::layer_cache::Presence::default();
+    let presence = tilefs_store::presence::Presence::default();
     let digests: Vec<&crate::digest::Digest> = resolved.layers.iter().map(|l| &l.digest).collect();
     let key = crate::layer_cache::image_key(&digests, opts.keep_all_xattrs);
     if let Some(known) = crate::layer_cache::load_image(store, &key, &presence) {
@@ -209,7 +209,7 @@ fn read_layers(
     layers: &[BlobRef],
     ingest: &Ingest,
     progress: &PullProgress,
-    presence: &crate::layer_cache::Presence,
+    presence: &tilefs_store::presence::Presence,
     opts: &PullOptions,
 ) -> Result<Vec<Vec<LayerEntry>>, OciError> {
     let mut order: Vec<usize> = (0..layers.len()).collect();

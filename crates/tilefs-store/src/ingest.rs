@@ -122,6 +122,9 @@ pub struct Ingest<'s> {
     batch_bytes: u64,
     /// Set (by a signal handler, say) to stop the import at the next file.
     cancel: Option<std::sync::Arc<AtomicBool>>,
+    /// Commit by syncing each object, not the filesystem (see
+    /// [`Ingest::commit_each`]).
+    commit_each: bool,
     _lock: StoreLock,
 }
 
@@ -165,6 +168,7 @@ impl<'s> Ingest<'s> {
             cloning: AtomicBool::new(true),
             batch_bytes: BATCH_BYTES,
             cancel: None,
+            commit_each: false,
             _lock: lock,
         })
     }
@@ -181,6 +185,14 @@ impl<'s> Ingest<'s> {
     /// of the next instead of all waiting for the end.
     pub fn set_batch_bytes(&mut self, bytes: u64) {
         self.batch_bytes = bytes.max(1);
+    }
+
+    /// Commits by syncing each new object rather than the whole
+    /// filesystem, and leaves the renames to the filesystem's own pace: for
+    /// a few objects fetched on demand, which no tag waits for (an object
+    /// whose rename a crash undoes is only fetched again).
+    pub fn commit_each(&mut self) {
+        self.commit_each = true;
     }
 
     /// Saves the digests learnt so far (an interrupted build keeps them:
@@ -478,7 +490,20 @@ impl<'s> Ingest<'s> {
             return Ok(());
         }
         let store_path = self.store.path();
-        rfs::syncfs(&self.tmp).map_err(|e| StoreError::io(store_path, "cannot sync", e.into()))?;
+        if self.commit_each {
+            for (tmp_name, _) in &batch {
+                rfs::openat(
+                    &self.tmp,
+                    tmp_name.as_str(),
+                    OFlags::RDONLY | OFlags::CLOEXEC,
+                    Mode::empty(),
+                )
+                .and_then(|fd| rfs::fsync(&fd))
+                .map_err(|e| StoreError::io(store_path, "cannot sync", e.into()))?;
+            }
+        } else {
+            rfs::syncfs(&self.tmp).map_err(|e| StoreError::io(store_path, "cannot sync", e.into()))?;
+        }
         let dir = self.store.dir_fd();
         let mut made = HashSet::new();
         for (tmp_name, digest) in &batch {
@@ -493,7 +518,9 @@ impl<'s> Ingest<'s> {
             rfs::renameat(&self.tmp, tmp_name.as_str(), dir, rel.as_str())
                 .map_err(|e| StoreError::io(&self.store.join(&rel), "cannot rename into place", e.into()))?;
         }
-        rfs::syncfs(dir).map_err(|e| StoreError::io(store_path, "cannot sync", e.into()))?;
+        if !self.commit_each {
+            rfs::syncfs(dir).map_err(|e| StoreError::io(store_path, "cannot sync", e.into()))?;
+        }
         Ok(())
     }
 

@@ -6,6 +6,7 @@
 //! - [`tags`]: named images kept in the store (gc roots);
 //! - [`fsck`]: proving a store is whole;
 //! - [`mounts`]: live mounts, gc roots while they live;
+//! - [`presence`]: which of many objects a store holds;
 //! - [`remote`]: images pulled lazily, whose objects come on demand;
 //! - [`gc`]: removing what no tagged image or live mount needs.
 
@@ -14,6 +15,7 @@ pub mod fsck;
 pub mod gc;
 pub mod ingest;
 pub mod mounts;
+pub mod presence;
 pub mod remote;
 pub mod store;
 pub mod tags;

@@ -43,12 +43,6 @@ pub fn forget(store: &Store, image: &[u8; 32]) -> Result<(), StoreError> {
     }
 }
 
-/// The objects `objects` of which the store has none: what a lazily pulled
-/// image still lacks.
-pub fn absent(store: &Store, objects: impl IntoIterator<Item = [u8; 32]>) -> Vec<[u8; 32]> {
-    objects.into_iter().filter(|d| !store.has_object(d)).collect()
-}
-
 /// Removes records of images no tag names any more (gc).
 pub(crate) fn prune(store: &Store, tagged: &std::collections::HashSet<[u8; 32]>) {
     let Ok(rd) = std::fs::read_dir(store.join(REMOTE_DIR)) else {
@@ -78,10 +72,15 @@ pub fn incomplete(store: &Store, image: &[u8]) -> Option<(usize, usize)> {
     let (tree, _) = tilefs_image::erofs::read_image(image).ok()?;
     let objects = tilefs_image::summary::objects(&tree);
     let total = objects.len();
-    let absent = objects
-        .into_iter()
-        .filter(|p| !crate::parse_object_rel(p).is_some_and(|d| store.has_object(&d)))
-        .count();
+    let mut digests = Vec::with_capacity(total);
+    let mut bad = 0;
+    for p in objects {
+        match crate::parse_object_rel(p) {
+            Some(d) => digests.push(d),
+            None => bad += 1,
+        }
+    }
+    let absent = crate::presence::absent(store, digests).len() + bad;
     if absent == 0 {
         let _ = forget(store, &digest);
         return None;
