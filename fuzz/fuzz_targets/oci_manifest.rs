@@ -11,7 +11,8 @@ fuzz_target!(|data: &[u8]| {
             let _ = manifest::pick(&i, &Platform::host(), "fuzz");
         }
         Ok(Document::Manifest(m)) => {
-            let _ = manifest::layers(&m, "fuzz");
+            let _ = manifest::layers(&m, "fuzz", false);
+            let _ = manifest::layers(&m, "fuzz", true);
             let _ = manifest::config(&m, "fuzz");
         }
         Err(_) => {}

@@ -128,6 +128,15 @@ pub fn run(a: PullArgs) -> Result<ExitCode> {
                 report.entries,
                 report.lazy_objects
             );
+        } else if report.layers == 0 {
+            // A tilefs artifact: objects, not layers.
+            eprintln!(
+                "tilefs: pulled {r} as {tag:?} in {} ({} entries, {} objects fetched, {} bytes)",
+                store_path.display(),
+                report.entries,
+                report.objects.new_objects,
+                report.blob_bytes
+            );
         } else {
             eprintln!(
                 "tilefs: pulled {r} as {tag:?} in {} ({} layers, {} entries, {} new objects)",

@@ -107,6 +107,9 @@ struct ImageRow {
     /// Referenced objects absent from the store (or references that cannot
     /// name an object).
     missing: u64,
+    /// Pulled with --lazy: the absent objects are to be fetched on first
+    /// read, not missing.
+    lazy: bool,
     #[serde(skip_serializing_if = "Option::is_none")]
     error: Option<String>,
 }
@@ -119,11 +122,15 @@ fn image_row(store: &Store, t: &tags::TagInfo) -> ImageRow {
         objects: 0,
         external_bytes: 0,
         missing: 0,
+        lazy: false,
         error: None,
     };
     let read = tags::read_tag(store, &t.name)
         .map_err(|e| e.to_string())
-        .and_then(|bytes| tilefs_image::erofs::read_image(&bytes).map_err(|e| e.to_string()));
+        .and_then(|bytes| {
+            row.lazy = tilefs_store::remote::is_lazy(store, &tilefs_image::verity::digest_bytes(&bytes));
+            tilefs_image::erofs::read_image(&bytes).map_err(|e| e.to_string())
+        });
     match read {
         Ok((tree, _)) => {
             let objects: BTreeSet<&[u8]> = tilefs_image::summary::objects(&tree);
@@ -157,7 +164,11 @@ pub fn images(a: ImagesArgs) -> Result<ExitCode> {
                     HumanBytes(r.image_bytes).to_string(),
                     r.objects.to_string(),
                     HumanBytes(r.external_bytes).to_string(),
-                    r.missing.to_string(),
+                    if r.lazy && r.missing > 0 {
+                        format!("{} (lazy)", r.missing)
+                    } else {
+                        r.missing.to_string()
+                    },
                 ],
                 Some(_) => [
                     r.tag.clone(),

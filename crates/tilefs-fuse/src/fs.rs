@@ -289,7 +289,7 @@ impl TileFs {
                     .or_else(|| tilefs_store::parse_object_rel(payload))
                     .ok_or(ObjectError::Open(e))?;
                 let fetcher = self.fetcher.as_ref().expect("checked above");
-                fetcher.0.fetch(&digest).map_err(ObjectError::Fetch)?;
+                fetcher.0.fetch(&digest, inode.size).map_err(ObjectError::Fetch)?;
                 open_object(&self.store, payload)?
             }
             r => r?,

@@ -666,13 +666,20 @@ impl LazySource {
 }
 
 impl ObjectSource for LazySource {
-    fn fetch(&self, digest: &[u8; 32]) -> Result<(), String> {
+    fn fetch(&self, digest: &[u8; 32], size: u64) -> Result<(), String> {
         let rel = Store::object_rel(digest);
         let loc = self
             .record
             .index
             .get(digest)
             .ok_or_else(|| format!("object {rel} is not in the image's object index"))?;
+        // The record is the store's, and the store is not trusted.
+        if loc.size != size {
+            return Err(format!(
+                "object {rel}: the record of where it lies says {} bytes, the image {size}",
+                loc.size
+            ));
+        }
         let slot = self.busy.lock().unwrap().entry(*digest).or_default().clone();
         let _one = slot.lock().unwrap_or_else(|p| p.into_inner());
         if self.store.has_object(digest) {

@@ -17,6 +17,7 @@ use sha2::{Digest as _, Sha256};
 use std::io::{self, Read};
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering::Relaxed};
 use std::sync::{Arc, Mutex};
+use tilefs_store::store::LAYER_CACHE;
 use tilefs_store::{tags, Store};
 
 /// How to push.
@@ -128,7 +129,27 @@ pub fn push(store: &Store, tag: &str, dest: &ImageRef, opts: &PushOptions) -> Re
         pack_ranges.push(start..end);
         start = end;
     }
-    let pack_digests = hash_packs(store, &objects, &pack_ranges, opts, &progress)?;
+    // Hashed once per image: the digests are kept (a pack whose objects
+    // changed since would be refused by the registry's own check).
+    let cache_name = format!("packs-{}-{fsverity}", artifact::PACK_TARGET);
+    let pack_digests = match crate::layer_cache::read_record_in(store, LAYER_CACHE, &cache_name)
+        .and_then(|raw| serde_json::from_slice::<Vec<String>>(&raw).ok())
+        .filter(|v| v.len() == pack_sizes.len())
+        .and_then(|v| v.iter().map(|d| Digest::parse(d).ok()).collect::<Option<Vec<_>>>())
+    {
+        Some(known) => {
+            progress.bytes_done.fetch_add(object_bytes, Relaxed);
+            known
+        }
+        None => {
+            let hashed = hash_packs(store, &objects, &pack_ranges, opts, &progress)?;
+            let list: Vec<String> = hashed.iter().map(|d| d.to_string()).collect();
+            if let Ok(bytes) = serde_json::to_vec(&list) {
+                let _ = crate::layer_cache::write_record_in(store, LAYER_CACHE, &cache_name, &bytes);
+            }
+            hashed
+        }
+    };
 
     let index = Arc::new(artifact::encode_index(&objects, &locs));
     let config = Arc::new(

@@ -17,9 +17,10 @@ pub const REMOTE_DIR: &str = ".remote";
 /// Fetches objects the store lacks, each checked against its digest and
 /// stored under its final name only when complete.
 pub trait ObjectSource: Send + Sync {
-    /// Makes the object `digest` present in the store, or says why it
-    /// cannot (the message names the object and where it was fetched from).
-    fn fetch(&self, digest: &[u8; 32]) -> Result<(), String>;
+    /// Makes the object `digest`, of `size` bytes as the image says,
+    /// present in the store, or says why it cannot (the message names the
+    /// object and where it was fetched from).
+    fn fetch(&self, digest: &[u8; 32], size: u64) -> Result<(), String>;
 }
 
 /// The record of the image whose fs-verity digest is `image`.
