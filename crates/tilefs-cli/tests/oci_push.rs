@@ -12,6 +12,7 @@ use std::ffi::OsStr;
 use std::fs;
 use std::io::{Read, Write};
 use std::net::{TcpListener, TcpStream};
+use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::Relaxed};
@@ -632,6 +633,7 @@ fn wrong_bytes_and_lying_indexes_store_nothing() {
     put_manifest(&registry, "team/app", "liar", &serde_json::to_vec(&liar).unwrap());
     let s = area.path("s-liar");
     let err = pull_fails(&s, &format!("docker://{}/team/app:liar", registry.addr), &[]);
+    eprintln!("liar: {err}");
     assert!(err.contains("does not match its fs-verity digest"), "{err}");
     assert!(err.contains("object "), "names the object: {err}");
     assert!(tags_in(&s).is_empty());
@@ -717,6 +719,7 @@ fn a_registry_that_stops_or_stalls_fails_cleanly_and_a_later_pull_resumes() {
     let t = Instant::now();
     let err = pull_fails(&s, &format!("docker://{}/team/app:v1", cut.addr), &["--timeout", "5"]);
     assert!(t.elapsed() < Duration::from_secs(60), "took {:?}", t.elapsed());
+    eprintln!("cut: {err}");
     assert!(err.contains("blob sha256:"), "names the blob: {err}");
     assert_eq!(tags_in(&s), ["other"]);
     assert!(fsck_text(&s).contains("clean"));
@@ -772,6 +775,7 @@ fn a_registry_that_stops_or_stalls_fails_cleanly_and_a_later_pull_resumes() {
     );
     assert_eq!(fs::read(mnt.join("small")).unwrap(), b"inline contents");
     let logged = fs::read_to_string(&log).unwrap();
+    eprintln!("stalled: {logged}");
     assert!(logged.contains(&files[1].0), "{logged}");
     assert_eq!(objects_in(&lazy), 1);
     // The registry stops altogether, then comes back.
@@ -852,4 +856,69 @@ fn push_needs_the_registrys_consent_and_a_complete_image() {
     ]);
     assert_eq!(out.status.code(), Some(1));
     assert!(stderr(&out).contains("registries only"), "{}", stderr(&out));
+}
+
+#[test]
+fn a_user_without_privilege_pulls_lazily_and_reads_through_fuse() {
+    if !is_root() {
+        eprintln!("skipped: needs root to create the unprivileged user's area");
+        return;
+    }
+    if let Some(why) = fuse_unavailable() {
+        eprintln!("skipped: {why}");
+        return;
+    }
+    let _dev = DevFuseMode::set(0o666);
+    let area = Area::new();
+    give_to_nobody(area.tmp.path());
+    let registry = Registry::start(&area);
+    let src = area.dir("src");
+    tree(&src, 13, 10, 300 << 10);
+    let store = area.path("store");
+    let digest = build_tag(&store, "app", &src);
+    let remote = format!("docker://{}/team/app:v1", registry.addr);
+    push(&store, "app", &remote);
+
+    let home = area.dir("home");
+    give_to_nobody(&home);
+    let mnt = area.dir("mnt");
+    give_to_nobody(&mnt);
+    let user = |args: &[&str]| {
+        let mut c = Command::new(tilefs_bin());
+        c.args(args)
+            .env("HOME", &home)
+            .env("XDG_DATA_HOME", home.join("data"))
+            .env_remove("TILEFS_STORE")
+            .env_remove("XDG_RUNTIME_DIR")
+            .stdin(Stdio::null());
+        as_nobody(&mut c).output().unwrap()
+    };
+    let out = user(&["pull", "-q", "--lazy", "--tls-verify=false", &remote]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    assert_eq!(String::from_utf8_lossy(&out.stdout).trim(), digest);
+    let tag = format!("{}_team_app:v1", registry.addr);
+    let out = user(&["mount", &tag, mnt.to_str().unwrap()]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let _m = Mounted(mnt.clone());
+    // Read as the user: fetched into the user's store, by the user's server.
+    let mut cat = Command::new("cat");
+    cat.arg(mnt.join("d0/f000"));
+    let out = as_nobody(&mut cat).output().unwrap();
+    assert!(out.status.success(), "{}", stderr(&out));
+    assert_eq!(out.stdout, fs::read(src.join("d0/f000")).unwrap());
+    let user_store = home.join("data/tilefs/store");
+    assert_eq!(objects_in(&user_store), 1);
+    let d = fs::read_dir(&user_store)
+        .unwrap()
+        .flatten()
+        .find(|e| e.file_name().len() == 2)
+        .unwrap();
+    let obj = fs::read_dir(d.path()).unwrap().next().unwrap().unwrap();
+    assert_eq!(
+        fs::metadata(obj.path()).unwrap().uid(),
+        NOBODY,
+        "the object is the user's"
+    );
+    let out = user(&["umount", mnt.to_str().unwrap()]);
+    assert!(out.status.success(), "{}", stderr(&out));
 }

@@ -277,13 +277,16 @@ fn fetch_objects(
             });
         }
     });
-    if let Some(e) = failed.into_inner().unwrap() {
-        return Err(e);
+    match failed.into_inner().unwrap() {
+        // Which registry (or layout) sent it, too.
+        Some(OciError::Blob { blob, reason }) => Err(OciError::Blob {
+            blob,
+            reason: format!("{reason} (from {})", t.origin()),
+        }),
+        Some(e) => Err(e),
+        None if cancel.is_some_and(|c| c.load(Relaxed)) => Err(OciError::Interrupted),
+        None => Ok(()),
     }
-    if cancel.is_some_and(|c| c.load(Relaxed)) {
-        return Err(OciError::Interrupted);
-    }
-    Ok(())
 }
 
 /// Fetches one range, retrying (with back-off, at most [`ATTEMPTS`] times,

@@ -199,7 +199,12 @@ impl Registry {
         let registry = self.registry.clone();
         let what = blob.digest.to_string();
         self.rt.spawn(async move {
-            let err = |e: String| io::Error::other(format!("registry {registry}: blob {what}: {e}"));
+            // A part of a blob is read for a caller that names the blob
+            // and the registry itself.
+            let err = |e: String| match range {
+                None => io::Error::other(format!("registry {registry}: blob {what}: {e}")),
+                Some(_) => io::Error::other(e),
+            };
             let (mut stream, mut skip, mut left) = match range {
                 None => match client.pull_blob_stream(&reference, &desc).await {
                     Ok(s) => (s.stream, 0, u64::MAX),
