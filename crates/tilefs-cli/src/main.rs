@@ -14,11 +14,6 @@ mod store_arg;
 mod store_cmds;
 
 use clap::{Parser, Subcommand};
-
-/// Builds and pulls allocate many small strings and vectors (one per
-/// entry); mimalloc serves them faster than glibc's allocator.
-#[global_allocator]
-static ALLOC: mimalloc::MiMalloc = mimalloc::MiMalloc;
 use std::process::ExitCode;
 
 /// `tilefs --version`: the release and the commit it was built from.
