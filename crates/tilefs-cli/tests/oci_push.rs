@@ -452,6 +452,9 @@ fn a_lazy_pull_fetches_each_object_on_first_read() {
     assert_eq!(objects_in(&lazy), 0);
     let text = fsck_text(&lazy);
     assert!(text.contains("not fetched yet") && text.contains("clean"), "{text}");
+    // gc keeps the record of where the objects are while the image is tagged.
+    tilefs(&[os("gc"), os("--store"), lazy.as_os_str()]);
+    assert_eq!(fs::read_dir(lazy.join(".remote")).unwrap().count(), 1);
     let tag = format!("{}_team_app:v1", registry.addr);
 
     // The kernel cannot fetch: refused, saying how to complete the store.
