@@ -97,22 +97,31 @@ pub fn objects_of(tree: &Tree) -> Vec<ObjectRef> {
     out
 }
 
+/// A pack: its size and the objects (a run of the list) it holds.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Pack {
+    pub size: u64,
+    pub objects: std::ops::Range<usize>,
+}
+
 /// Cuts `objects` (in order) into packs; returns each object's location
-/// and the size of each pack.
-pub fn plan_packs(objects: &[ObjectRef]) -> (Vec<Location>, Vec<u64>) {
+/// and the packs.
+pub fn plan_packs(objects: &[ObjectRef]) -> (Vec<Location>, Vec<Pack>) {
     let mut locs = Vec::with_capacity(objects.len());
-    let mut packs: Vec<u64> = Vec::new();
-    for o in objects {
-        if packs.last().is_none_or(|&s| s >= PACK_TARGET) {
-            packs.push(0);
+    let mut packs: Vec<Pack> = Vec::new();
+    for (i, o) in objects.iter().enumerate() {
+        if packs.last().is_none_or(|p| p.size >= PACK_TARGET) {
+            packs.push(Pack { size: 0, objects: i..i });
         }
-        let pack = packs.len() - 1;
+        let n = packs.len() - 1;
+        let pack = &mut packs[n];
         locs.push(Location {
-            pack: pack as u32,
-            offset: packs[pack],
+            pack: n as u32,
+            offset: pack.size,
             size: o.size,
         });
-        packs[pack] += o.size;
+        pack.size += o.size;
+        pack.objects.end = i + 1;
     }
     (locs, packs)
 }
@@ -257,6 +266,7 @@ mod tests {
     fn packs_close_at_the_target_and_index_round_trips() {
         let objs = [obj(1, PACK_TARGET - 10), obj(2, 20), obj(3, 5), obj(4, 0)];
         let (locs, packs) = plan_packs(&objs);
+        let packs: Vec<u64> = packs.iter().map(|p| p.size).collect();
         assert_eq!(packs, vec![PACK_TARGET + 10, 5]);
         assert_eq!(
             locs[1],

@@ -80,7 +80,8 @@ pub fn push(store: &Store, tag: &str, dest: &ImageRef, opts: &PushOptions) -> Re
     let image = tags::read_tag(store, tag)?;
     let (tree, _) = tilefs_image::erofs::read_image(&image)
         .map_err(|e| OciError::manifest(format!("image {tag:?}"), format!("cannot be read: {e}")))?;
-    let fsverity = hex::encode(tilefs_image::verity::digest_bytes(&image));
+    let image_digest = tilefs_image::verity::digest_bytes(&image);
+    let fsverity = hex::encode(image_digest);
     let objects = artifact::objects_of(&tree);
     drop(tree);
     // Every object must be here, whole, before anything is sent.
@@ -103,7 +104,7 @@ pub fn push(store: &Store, tag: &str, dest: &ImageRef, opts: &PushOptions) -> Re
                     format!(
                         "object {} is not in the store{}",
                         Store::object_rel(&o.digest),
-                        if tilefs_store::remote::is_lazy(store, &tilefs_image::verity::digest_bytes(&image)) {
+                        if tilefs_store::remote::is_lazy(store, &image_digest) {
                             " (the image was pulled with --lazy: `tilefs pull` it again to complete it)"
                         } else {
                             ""
@@ -113,28 +114,17 @@ pub fn push(store: &Store, tag: &str, dest: &ImageRef, opts: &PushOptions) -> Re
             }
         }
     }
-    let (locs, pack_sizes) = artifact::plan_packs(&objects);
+    let (locs, packs) = artifact::plan_packs(&objects);
     let progress = opts.progress.clone().unwrap_or_default();
     let object_bytes: u64 = objects.iter().map(|o| o.size).sum();
     progress.bytes_total.store(object_bytes, Relaxed);
 
-    // Packs are hashed first: a blob is asked for by digest.
-    let mut pack_ranges = Vec::with_capacity(pack_sizes.len());
-    let mut start = 0;
-    for p in 0..pack_sizes.len() {
-        let end = locs[start..]
-            .iter()
-            .position(|l| l.pack as usize != p)
-            .map_or(objects.len(), |n| start + n);
-        pack_ranges.push(start..end);
-        start = end;
-    }
     // Hashed once per image: the digests are kept (a pack whose objects
     // changed since would be refused by the registry's own check).
     let cache_name = format!("packs-{}-{fsverity}", artifact::PACK_TARGET);
     let pack_digests = match crate::layer_cache::read_record_in(store, LAYER_CACHE, &cache_name)
         .and_then(|raw| serde_json::from_slice::<Vec<String>>(&raw).ok())
-        .filter(|v| v.len() == pack_sizes.len())
+        .filter(|v| v.len() == packs.len())
         .and_then(|v| v.iter().map(|d| Digest::parse(d).ok()).collect::<Option<Vec<_>>>())
     {
         Some(known) => {
@@ -142,7 +132,7 @@ pub fn push(store: &Store, tag: &str, dest: &ImageRef, opts: &PushOptions) -> Re
             known
         }
         None => {
-            let hashed = hash_packs(store, &objects, &pack_ranges, opts, &progress)?;
+            let hashed = hash_packs(store, &objects, &packs, opts, &progress)?;
             let list: Vec<String> = hashed.iter().map(|d| d.to_string()).collect();
             if let Ok(bytes) = serde_json::to_vec(&list) {
                 let _ = crate::layer_cache::write_record_in(store, LAYER_CACHE, &cache_name, &bytes);
@@ -167,11 +157,11 @@ pub fn push(store: &Store, tag: &str, dest: &ImageRef, opts: &PushOptions) -> Re
         source: Source::Bytes(b.clone()),
     };
     let mut blobs = vec![mem(&config), mem(&image), mem(&index)];
-    for ((d, size), range) in pack_digests.into_iter().zip(&pack_sizes).zip(pack_ranges) {
+    for (d, pack) in pack_digests.into_iter().zip(packs) {
         blobs.push(Blob {
             digest: d,
-            size: *size,
-            source: Source::Pack(range),
+            size: pack.size,
+            source: Source::Pack(pack.objects),
         });
     }
     let manifest = artifact::manifest(
@@ -286,20 +276,22 @@ fn send_blob(
 fn hash_packs(
     store: &Store,
     objects: &[ObjectRef],
-    ranges: &[std::ops::Range<usize>],
+    packs: &[artifact::Pack],
     opts: &PushOptions,
     progress: &PushProgress,
 ) -> Result<Vec<Digest>, OciError> {
     let threads = std::thread::available_parallelism()
         .map_or(2, |n| n.get())
-        .min(ranges.len().max(1));
+        .min(packs.len().max(1));
     let next = AtomicUsize::new(0);
-    let out: Vec<Mutex<Option<Result<Digest, OciError>>>> = ranges.iter().map(|_| Mutex::new(None)).collect();
+    let out: Vec<Mutex<Option<Result<Digest, OciError>>>> = packs.iter().map(|_| Mutex::new(None)).collect();
     std::thread::scope(|s| {
         for _ in 0..threads {
             s.spawn(|| loop {
                 let i = next.fetch_add(1, Relaxed);
-                let Some(range) = ranges.get(i) else { break };
+                let Some(range) = packs.get(i).map(|p| &p.objects) else {
+                    break;
+                };
                 if opts.cancel.as_ref().is_some_and(|c| c.load(Relaxed)) {
                     break;
                 }
