@@ -879,3 +879,38 @@ fn kernel_refusals_carry_the_kernels_reason() {
     );
     assert!(!is_mounted(&mnt));
 }
+
+#[test]
+fn an_image_that_is_a_fifo_does_not_hang_a_mount() {
+    let a = Area::new();
+    let fifo = a.path("image.cfs");
+    rustix::fs::mknodat(
+        rustix::fs::CWD,
+        &fifo,
+        rustix::fs::FileType::Fifo,
+        rustix::fs::Mode::from_raw_mode(0o644),
+        0,
+    )
+    .unwrap();
+    let store = a.dir("store");
+    let mnt = a.dir("mnt");
+    for backend in ["--kernel", "--fuse"] {
+        let child = Command::new(tilefs_bin())
+            .args(["mount", backend, "--store"])
+            .arg(&store)
+            .arg(&fifo)
+            .arg(&mnt)
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap();
+        let out = wait_output(child, Duration::from_secs(20));
+        assert_eq!(out.status.code(), Some(1), "{backend}: {}", stderr(&out));
+        assert!(
+            stderr(&out).contains("not a regular file"),
+            "{backend}: {}",
+            stderr(&out)
+        );
+        assert!(!is_mounted(&mnt));
+    }
+}

@@ -239,7 +239,13 @@ pub fn default_threads() -> usize {
 /// `foreground`, when it has been unmounted).
 pub fn mount(m: &FuseMount) -> Result<(), FuseError> {
     let tuning = m.tuning.from_env()?;
-    let data = std::fs::read(&m.image).map_err(|e| fail(format!("{}: {e}", m.image.display())))?;
+    // Opened without blocking, and only if a regular file.
+    let data = tilefs_store::open_regular(rustix::fs::CWD, &m.image, true)
+        .and_then(|mut f| {
+            let mut data = Vec::new();
+            std::io::Read::read_to_end(&mut f, &mut data).map(|_| data)
+        })
+        .map_err(|e| fail(format!("{}: {e}", m.image.display())))?;
     if let Some(want) = m.image_digest {
         let got = tilefs_image::verity::digest_bytes(&data);
         if got != want {

@@ -340,16 +340,16 @@ pub fn mount(o: &MountOptions) -> Result<Mounted, MountError> {
 }
 
 /// Opens an image file for [`build_detached`]: a regular file.
+/// The open never blocks (a FIFO in the image's place must not hang the
+/// mount).
 pub fn open_image(path: &Path) -> Result<File, MountError> {
-    let f = File::open(path).map_err(io_err(path, "cannot open image"))?;
-    let meta = f.metadata().map_err(io_err(path, "cannot stat image"))?;
-    if !meta.is_file() {
-        return Err(MountError::Image {
+    tilefs_store::open_regular(rustix::fs::CWD, path, true).map_err(|e| match e.raw_os_error() {
+        Some(_) => io_err(path, "cannot open image")(e),
+        None => MountError::Image {
             path: path.to_path_buf(),
             msg: "not a regular file".into(),
-        });
-    }
-    Ok(f)
+        },
+    })
 }
 
 /// A finished mount, attached nowhere yet.
@@ -397,7 +397,7 @@ pub fn build_detached(o: &MountOptions, image_file: File) -> Result<Detached, Mo
     let image_abs = std::fs::canonicalize(&o.image).unwrap_or_else(|_| o.image.clone());
     // A lazily pulled image whose objects are not all here: the kernel
     // cannot fetch them, and would fail those files' reads.
-    if let Some((absent, total)) = o
+    if let Some(missing) = o
         .stores
         .first()
         .and_then(|s| tilefs_store::Store::open(s).ok())
@@ -405,7 +405,7 @@ pub fn build_detached(o: &MountOptions, image_file: File) -> Result<Detached, Mo
     {
         return Err(MountError::Image {
             path: o.image.clone(),
-            msg: tilefs_store::remote::incomplete_message(absent, total),
+            msg: missing.to_string(),
         });
     }
 
