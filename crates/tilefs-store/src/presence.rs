@@ -20,15 +20,33 @@ impl Presence {
         if let Some(set) = self.listed.lock().unwrap().get(&fan) {
             return set.clone();
         }
+        use rustix::fs::{AtFlags, Dir, FileType, Mode, OFlags};
         let mut set = HashSet::new();
-        if let Ok(rd) = std::fs::read_dir(store.join(format!("{fan:02x}"))) {
-            for e in rd.filter_map(|e| e.ok()) {
-                let mut rest = [0u8; 31];
-                let name = e.file_name();
-                if hex::decode_to_slice(std::os::unix::ffi::OsStrExt::as_bytes(name.as_os_str()), &mut rest).is_ok()
-                    && e.file_type().is_ok_and(|t| t.is_file())
-                {
-                    set.insert(rest);
+        // The fan-out directory itself, never one a symlink points to.
+        let dir = rustix::fs::openat(
+            store.dir_fd(),
+            format!("{fan:02x}"),
+            OFlags::RDONLY | OFlags::DIRECTORY | OFlags::NOFOLLOW | OFlags::CLOEXEC,
+            Mode::empty(),
+        );
+        if let Ok(dir) = dir {
+            if let Ok(mut entries) = Dir::read_from(&dir) {
+                while let Some(Ok(e)) = entries.next() {
+                    let mut rest = [0u8; 31];
+                    if hex::decode_to_slice(e.file_name().to_bytes(), &mut rest).is_err() {
+                        continue;
+                    }
+                    // Filesystems that do not say the type in the listing
+                    // are asked (names only would not do: a directory or
+                    // a symlink there is no object).
+                    let regular = match e.file_type() {
+                        FileType::Unknown => rustix::fs::statat(&dir, e.file_name(), AtFlags::SYMLINK_NOFOLLOW)
+                            .is_ok_and(|st| FileType::from_raw_mode(st.st_mode) == FileType::RegularFile),
+                        t => t == FileType::RegularFile,
+                    };
+                    if regular {
+                        set.insert(rest);
+                    }
                 }
             }
         }
@@ -61,4 +79,28 @@ impl Presence {
 pub fn absent(store: &Store, objects: impl IntoIterator<Item = [u8; 32]>) -> Vec<[u8; 32]> {
     let p = Presence::default();
     objects.into_iter().filter(|d| !p.all_present(store, &[d])).collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn objects_behind_a_symlinked_fanout_are_not_present() {
+        let tmp = tempfile::tempdir().unwrap();
+        let store = Store::create(&tmp.path().join("store")).unwrap();
+        let (here, there) = ([0x11u8; 32], [0x22u8; 32]);
+        let put = |root: &std::path::Path, d: &[u8; 32]| {
+            let rel = Store::object_rel(d);
+            std::fs::create_dir_all(root.join(&rel[..2])).unwrap();
+            std::fs::write(root.join(&rel), b"x").unwrap();
+        };
+        put(store.path(), &here);
+        // Another tree's fan-out directory, linked into the store.
+        let outside = tmp.path().join("outside");
+        put(&outside, &there);
+        std::os::unix::fs::symlink(outside.join("22"), store.path().join("22")).unwrap();
+        assert_eq!(absent(&store, [here, there]), vec![there]);
+        assert!(!store.has_object(&there));
+    }
 }
