@@ -149,31 +149,30 @@ pub fn run(req: &Request) -> Result<()> {
     let o = &req.options;
     let verity = o.verity.unwrap_or_default();
     // A lazily pulled image still missing objects: only FUSE can fetch them.
-    let lazy = std::fs::read(&image)
-        .ok()
-        .and_then(|b| tilefs_store::remote::incomplete(&store, &b));
+    // (The image is read for it only when the store has such images.)
+    let lazy = if tilefs_store::remote::records(&store).is_empty() {
+        None
+    } else {
+        read_image(&image)?.and_then(|b| tilefs_store::remote::incomplete(&store, &b))
+    };
     // Why an automatic choice fell on FUSE, for the message if FUSE fails.
     let mut no_kernel = None;
-    let backend = match req.backend {
-        Some(Backend::Kernel | Backend::Delegated) if lazy.is_some() => {
-            let (absent, total) = lazy.expect("checked");
-            bail!(
-                "{}: cannot be mounted by the kernel: {}",
-                req.image.display(),
-                tilefs_store::remote::incomplete_message(absent, total)
-            );
+    let backend = match (req.backend, lazy) {
+        (Some(Backend::Kernel | Backend::Delegated), Some(missing)) => {
+            bail!("{}: cannot be mounted by the kernel: {missing}", req.image.display());
         }
-        Some(b) => b,
-        None if lazy.is_some() && o.upper.is_none() => {
-            let (absent, total) = lazy.expect("checked");
+        (Some(b), _) => b,
+        (None, Some(missing)) if o.upper.is_none() => {
             eprintln!(
-                "{}: notice: using the FUSE mount: {absent} of the image's {total} objects are still to be fetched \
+                "{}: notice: using the FUSE mount: {} of the image's {} objects are still to be fetched \
                  (pulled with --lazy), and only it fetches them",
-                prog()
+                prog(),
+                missing.absent,
+                missing.total
             );
             Backend::Fuse
         }
-        None => match tilefs_mount::kernel_available() {
+        (None, _) => match tilefs_mount::kernel_available() {
             // Without privilege: the mount service, when it is there and
             // may mount this image for us.
             Err(tilefs_mount::MountError::NotPermitted(e)) if o.upper.is_none() => match delegated(req, &store) {
@@ -243,7 +242,7 @@ pub fn run(req: &Request) -> Result<()> {
                 );
             }
         }
-        Backend::Fuse => fuse(req, &image, verity, lazy.is_some()).map_err(|e| match no_kernel {
+        Backend::Fuse => fuse(req, &image, verity, lazy.map(|m| m.digest)).map_err(|e| match no_kernel {
             Some(why) => anyhow!("{e:#} (and no kernel mount: {why})"),
             None => e,
         })?,
@@ -306,14 +305,27 @@ fn record_kernel_mount(store: &Store, m: &tilefs_mount::Mounted) -> Result<(), t
     tilefs_store::mounts::register_kernel(store, &m.image, &m.mountpoint, id)
 }
 
-fn fuse(req: &Request, image: &std::path::Path, verity: Verity, lazy: bool) -> Result<()> {
+/// The bytes of the image file, read without blocking on whatever it is
+/// (None if it is no regular file: the mount itself then says so).
+fn read_image(image: &std::path::Path) -> Result<Option<Vec<u8>>> {
+    use std::io::Read;
+    let Ok(mut f) = tilefs_store::open_regular(rustix::fs::CWD, image, true) else {
+        return Ok(None);
+    };
+    let mut bytes = Vec::new();
+    f.read_to_end(&mut bytes)
+        .map_err(|e| anyhow!("{}: cannot read: {e}", image.display()))?;
+    Ok(Some(bytes))
+}
+
+/// `lazy`: the digest of an image pulled lazily, whose objects the server
+/// fetches as they are read.
+fn fuse(req: &Request, image: &std::path::Path, verity: Verity, lazy: Option<[u8; 32]>) -> Result<()> {
     let o = &req.options;
-    let fetcher = if lazy {
-        let digest = tilefs_image::verity::digest_bytes(&std::fs::read(image)?);
-        tilefs_oci::fetch::LazySource::open(&req.stores[0], &digest)?
-            .map(|s| tilefs_fuse::Fetcher(std::sync::Arc::new(s)))
-    } else {
-        None
+    let fetcher = match lazy {
+        Some(digest) => tilefs_oci::fetch::LazySource::open(&req.stores[0], &digest)?
+            .map(|s| tilefs_fuse::Fetcher(std::sync::Arc::new(s))),
+        None => None,
     };
     if o.upper.is_some() {
         bail!("a writable mount (--upper/--work) needs a kernel mount (--kernel)");

@@ -196,7 +196,9 @@ pub fn fsck(store: &Store, opts: &FsckOptions, progress: &(dyn Fn(u64, u64) + Sy
 
     // References, after any repair: the report says what is true now.
     report.images = images.tags.len() as u64;
-    let checked: Vec<ImageCheck> = pool.install(|| images.tags.par_iter().map(|t| check_image(store, t)).collect());
+    let lazy = crate::remote::records(store);
+    let checked: Vec<ImageCheck> =
+        pool.install(|| images.tags.par_iter().map(|t| check_image(store, t, &lazy)).collect());
     // Absent objects, with the tags needing them and whether all of those
     // are lazily pulled images.
     let mut missing: BTreeMap<[u8; 32], (BTreeSet<String>, bool)> = BTreeMap::new();
@@ -300,7 +302,7 @@ enum ImageCheck {
 
 /// Reads a tagged image: the objects it references, and its references that
 /// cannot be objects.
-fn check_image(store: &Store, tag: &TagInfo) -> ImageCheck {
+fn check_image(store: &Store, tag: &TagInfo, lazy_images: &std::collections::HashSet<[u8; 32]>) -> ImageCheck {
     let bytes = match tags::read_tag_if_present(store, &tag.name) {
         Ok(Some(b)) => b,
         // Untagged since the listing.
@@ -311,7 +313,8 @@ fn check_image(store: &Store, tag: &TagInfo) -> ImageCheck {
         Ok(t) => t,
         Err(e) => return ImageCheck::Bad(e.to_string()),
     };
-    let lazy = crate::remote::is_lazy(store, &verity::digest_bytes(&bytes));
+    // (Hashed only when some image was pulled lazily.)
+    let lazy = !lazy_images.is_empty() && lazy_images.contains(&verity::digest_bytes(&bytes));
     drop(bytes);
     let mut objects = BTreeSet::new();
     let mut bad_refs = Vec::new();

@@ -54,7 +54,10 @@ pub fn gc(store: &Store, opts: &GcOptions) -> Result<GcReport, StoreError> {
             other.display()
         )));
     }
-    let (mut referenced, mut images_kept) = referenced_objects(store, &images.tags)?;
+    // Records of lazily pulled images whose image is no longer tagged or
+    // mounted go too (images are hashed only when there are records).
+    let mut lazy = crate::remote::records(store);
+    let mut referenced = referenced_objects(store, &images.tags, &mut lazy)?;
     report.images = images.tags.len() as u64;
     // Live mounts keep what they use; records of gone ones are cleared.
     for m in crate::mounts::live_mounts(store, !opts.dry_run)? {
@@ -65,7 +68,9 @@ pub fn gc(store: &Store, opts: &GcOptions) -> Result<GcReport, StoreError> {
             ))
         })?;
         add_references(&tree, &mut referenced);
-        images_kept.insert(tilefs_image::verity::digest_bytes(&m.image));
+        if !lazy.is_empty() {
+            lazy.remove(&tilefs_image::verity::digest_bytes(&m.image));
+        }
         report.mounts += 1;
     }
 
@@ -125,7 +130,7 @@ pub fn gc(store: &Store, opts: &GcOptions) -> Result<GcReport, StoreError> {
 
     remove_leftovers(store, tmp_dir.as_ref(), &leftovers, opts.dry_run, &mut report)?;
     if !opts.dry_run {
-        crate::remote::prune(store, &images_kept);
+        crate::remote::prune(store, lazy);
     }
     // Pulls' records of layers and images (caches) may name what went:
     // they are dropped with it. Records whose files are not there are only
@@ -143,12 +148,15 @@ pub fn gc(store: &Store, opts: &GcOptions) -> Result<GcReport, StoreError> {
 }
 
 /// Every object any of `tags` references (by redirect, or by digest for a
-/// file whose redirect is not an object path), and the images' fs-verity
-/// digests. Fails if one cannot be read.
-type References = (HashSet<[u8; 32]>, HashSet<[u8; 32]>);
-fn referenced_objects(store: &Store, tags: &[tags::TagInfo]) -> Result<References, StoreError> {
+/// file whose redirect is not an object path); removes the tagged images
+/// from `lazy` (records of lazily pulled images). Fails if one cannot be
+/// read.
+fn referenced_objects(
+    store: &Store,
+    tags: &[tags::TagInfo],
+    lazy: &mut HashSet<[u8; 32]>,
+) -> Result<HashSet<[u8; 32]>, StoreError> {
     let mut referenced = HashSet::new();
-    let mut images = HashSet::new();
     for tag in tags {
         let refuse = |why: String| {
             StoreError::Invalid(format!(
@@ -164,9 +172,11 @@ fn referenced_objects(store: &Store, tags: &[tags::TagInfo]) -> Result<Reference
         };
         let (tree, _) = tilefs_image::erofs::read_image(&bytes).map_err(|e| refuse(e.to_string()))?;
         add_references(&tree, &mut referenced);
-        images.insert(tilefs_image::verity::digest_bytes(&bytes));
+        if !lazy.is_empty() {
+            lazy.remove(&tilefs_image::verity::digest_bytes(&bytes));
+        }
     }
-    Ok((referenced, images))
+    Ok(referenced)
 }
 
 fn add_references(tree: &tilefs_image::Tree, referenced: &mut HashSet<[u8; 32]>) {

@@ -9,6 +9,7 @@
 //! cannot fetch) is refused until the store is complete.
 
 use crate::{Store, StoreError};
+use std::collections::HashSet;
 use std::path::PathBuf;
 
 /// Where the records live, under the store.
@@ -33,6 +34,28 @@ pub fn is_lazy(store: &Store, image: &[u8; 32]) -> bool {
     std::fs::symlink_metadata(record_path(store, image)).is_ok_and(|m| m.file_type().is_file())
 }
 
+/// The images with a record (usually none: then no caller need hash an
+/// image to ask whether it is one of them).
+pub fn records(store: &Store) -> HashSet<[u8; 32]> {
+    let dir = store.join(REMOTE_DIR);
+    // A real directory of the store, never one a symlink points to.
+    if !std::fs::symlink_metadata(&dir).is_ok_and(|m| m.is_dir()) {
+        return HashSet::new();
+    }
+    let Ok(rd) = std::fs::read_dir(&dir) else {
+        return HashSet::new();
+    };
+    rd.flatten()
+        .filter(|e| e.file_type().is_ok_and(|t| t.is_file()))
+        .filter_map(|e| {
+            let name = e.file_name();
+            let mut d = [0u8; 32];
+            hex::decode_to_slice(name.to_str()?, &mut d).ok()?;
+            Some(d)
+        })
+        .collect()
+}
+
 /// Forgets the record of `image` (its objects are all present now, or the
 /// image is gone).
 pub fn forget(store: &Store, image: &[u8; 32]) -> Result<(), StoreError> {
@@ -44,30 +67,33 @@ pub fn forget(store: &Store, image: &[u8; 32]) -> Result<(), StoreError> {
     }
 }
 
-/// Removes records of images no tag names any more (gc).
-pub(crate) fn prune(store: &Store, tagged: &std::collections::HashSet<[u8; 32]>) {
-    let Ok(rd) = std::fs::read_dir(store.join(REMOTE_DIR)) else {
-        return;
-    };
-    for e in rd.flatten() {
-        let keep = e
-            .file_name()
-            .to_str()
-            .and_then(|n| hex::decode(n).ok())
-            .and_then(|b| <[u8; 32]>::try_from(b).ok())
-            .is_some_and(|d| tagged.contains(&d));
-        if !keep && e.file_type().is_ok_and(|t| t.is_file()) {
-            let _ = std::fs::remove_file(e.path());
-        }
+/// Removes the records of `images` (gc: those no tag or mount names).
+pub(crate) fn prune(store: &Store, images: impl IntoIterator<Item = [u8; 32]>) {
+    for d in images {
+        let _ = forget(store, &d);
     }
 }
 
-/// For an image (its bytes) pulled lazily: how many of its objects the
-/// store still lacks, and how many it needs. None when the image was not
-/// pulled lazily or is complete now (its record is then dropped).
-pub fn incomplete(store: &Store, image: &[u8]) -> Option<(usize, usize)> {
+/// An image pulled lazily whose objects are not all here yet.
+#[derive(Debug, Clone, Copy)]
+pub struct Incomplete {
+    /// The image's fs-verity digest (its record's name).
+    pub digest: [u8; 32],
+    /// Objects the store still lacks, of those the image needs.
+    pub absent: usize,
+    pub total: usize,
+}
+
+/// For an image (its bytes) pulled lazily: what the store still lacks.
+/// None when the image was not pulled lazily or is complete now (its
+/// record is then dropped). A store without records costs one stat.
+pub fn incomplete(store: &Store, image: &[u8]) -> Option<Incomplete> {
+    let records = records(store);
+    if records.is_empty() {
+        return None;
+    }
     let digest = tilefs_image::verity::digest_bytes(image);
-    if !is_lazy(store, &digest) {
+    if !records.contains(&digest) {
         return None;
     }
     let (tree, _) = tilefs_image::erofs::read_image(image).ok()?;
@@ -86,13 +112,17 @@ pub fn incomplete(store: &Store, image: &[u8]) -> Option<(usize, usize)> {
         let _ = forget(store, &digest);
         return None;
     }
-    Some((absent, total))
+    Some(Incomplete { digest, absent, total })
 }
 
-/// Why a kernel mount of a lazily pulled, incomplete image is refused.
-pub fn incomplete_message(absent: usize, total: usize) -> String {
-    format!(
-        "{absent} of its {total} objects are not in the store yet (the image was pulled with --lazy): \
+impl std::fmt::Display for Incomplete {
+    /// Why a kernel mount of it is refused.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let (absent, total) = (self.absent, self.total);
+        write!(
+            f,
+            "{absent} of its {total} objects are not in the store yet (the image was pulled with --lazy): \
          `tilefs pull` it again to fetch them, or mount it with --fuse, which fetches each as it is first read"
-    )
+        )
+    }
 }
