@@ -304,15 +304,6 @@ fn fails(store: &Path, reference: &str, extra: &[&str]) -> String {
     stderr(&out)
 }
 
-fn tags_in(store: &Path) -> Vec<String> {
-    match fs::read_dir(store.join("images")) {
-        Ok(d) => d
-            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
-            .collect(),
-        Err(_) => Vec::new(),
-    }
-}
-
 fn assert_fsck_clean(store: &Path) {
     if store.exists() {
         tilefs(&[os("fsck"), os("--store"), store.as_os_str()]);
@@ -478,26 +469,7 @@ fn a_registry_that_lies_or_stalls_fails_the_pull_cleanly() {
         &remote,
     ]);
     // Change a layer's bytes where the registry keeps them (same size).
-    let blobs = registry.root.join("data/docker/registry/v2/blobs/sha256");
-    let mut biggest: Option<(u64, PathBuf)> = None;
-    for fan in fs::read_dir(&blobs).unwrap() {
-        for b in fs::read_dir(fan.unwrap().path()).unwrap() {
-            let data = b.unwrap().path().join("data");
-            let len = fs::metadata(&data).unwrap().len();
-            if biggest.as_ref().is_none_or(|(l, _)| len > *l) {
-                biggest = Some((len, data));
-            }
-        }
-    }
-    let (_, data) = biggest.unwrap();
-    let digest = format!(
-        "sha256:{}",
-        data.parent().unwrap().file_name().unwrap().to_string_lossy()
-    );
-    let mut bytes = fs::read(&data).unwrap();
-    let mid = bytes.len() / 2;
-    bytes[mid] ^= 0xff;
-    fs::write(&data, &bytes).unwrap();
+    let digest = registry.tamper_largest_blob();
     let store = area.path("store");
     let err = fails(&store, &remote, &["--tls-verify=false"]);
     assert!(err.contains(&digest), "the error names the blob: {err}");

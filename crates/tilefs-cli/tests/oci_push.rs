@@ -74,7 +74,8 @@ fn push(store: &Path, tag: &str, remote: &str) -> serde_json::Value {
     serde_json::from_slice(&out.stdout).unwrap()
 }
 
-fn pull(store: &Path, remote: &str, extra: &[&str]) -> String {
+/// `tilefs pull -q --tls-verify=false --store STORE [extra] REMOTE`.
+fn run_pull(store: &Path, remote: &str, extra: &[&str]) -> std::process::Output {
     let mut args: Vec<&OsStr> = vec![
         os("pull"),
         os("-q"),
@@ -84,21 +85,19 @@ fn pull(store: &Path, remote: &str, extra: &[&str]) -> String {
     ];
     args.extend(extra.iter().map(|s| os(s)));
     args.push(os(remote));
-    let out = tilefs(&args);
+    tilefs_any(&args)
+}
+
+/// A pull that succeeds; the digest it prints.
+fn pull(store: &Path, remote: &str, extra: &[&str]) -> String {
+    let out = run_pull(store, remote, extra);
+    assert!(out.status.success(), "pull {remote}: {}", stderr(&out));
     String::from_utf8_lossy(&out.stdout).trim().to_string()
 }
 
+/// A pull that fails (exit 1); its message.
 fn pull_fails(store: &Path, remote: &str, extra: &[&str]) -> String {
-    let mut args: Vec<&OsStr> = vec![
-        os("pull"),
-        os("-q"),
-        os("--tls-verify=false"),
-        os("--store"),
-        store.as_os_str(),
-    ];
-    args.extend(extra.iter().map(|s| os(s)));
-    args.push(os(remote));
-    let out = tilefs_any(&args);
+    let out = run_pull(store, remote, extra);
     assert_eq!(out.status.code(), Some(1), "pull should fail: {}", stderr(&out));
     stderr(&out)
 }
@@ -115,15 +114,6 @@ fn assert_clean_or_gone(store: &Path) {
     if store.exists() {
         assert!(fsck_text(store).contains("clean"));
     }
-}
-
-fn tags_in(store: &Path) -> Vec<String> {
-    fs::read_dir(store.join("images"))
-        .map(|rd| {
-            rd.map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
-                .collect()
-        })
-        .unwrap_or_default()
 }
 
 /// Objects present in a store.
@@ -494,7 +484,16 @@ fn a_lazy_pull_fetches_each_object_on_first_read() {
     let n = registry.requests().len();
     assert_eq!(read(&mnt.join("big/one-mib")).unwrap(), got);
     assert_eq!(blob_bytes_since(&registry, n), 0);
+    // Reading the 40 other files in order: a sequential read fetches
+    // ahead, so far fewer requests than files.
+    let n = registry.requests().len();
     assert_same_contents(&src, &mnt, &scan(&src));
+    let gets = registry.requests()[n..]
+        .iter()
+        .filter(|q| q.method == "GET" && q.path.contains("/blobs/"))
+        .count();
+    eprintln!("40 files read with {gets} range requests");
+    assert!(gets <= 20, "{gets} requests for 40 files read in order");
     drop(m);
 
     // A full pull completes the store with what is still missing, and the
@@ -518,31 +517,6 @@ fn a_lazy_pull_fetches_each_object_on_first_read() {
         let _guard = MountGuard(mnt.clone());
         assert_same_contents(&src, &mnt, &scan(&src));
     }
-}
-
-/// Flips a byte of the largest blob in the registry's storage (a pack):
-/// returns its digest.
-fn tamper_largest_blob(r: &Registry) -> String {
-    let blobs = r.root.join("data/docker/registry/v2/blobs/sha256");
-    let mut biggest: Option<(u64, PathBuf)> = None;
-    for fan in fs::read_dir(&blobs).unwrap() {
-        for b in fs::read_dir(fan.unwrap().path()).unwrap() {
-            let data = b.unwrap().path().join("data");
-            let len = fs::metadata(&data).unwrap().len();
-            if biggest.as_ref().is_none_or(|(l, _)| len > *l) {
-                biggest = Some((len, data));
-            }
-        }
-    }
-    let (_, data) = biggest.unwrap();
-    let mut bytes = fs::read(&data).unwrap();
-    let mid = bytes.len() / 2;
-    bytes[mid] ^= 0xff;
-    fs::write(&data, &bytes).unwrap();
-    format!(
-        "sha256:{}",
-        data.parent().unwrap().file_name().unwrap().to_string_lossy()
-    )
 }
 
 /// Uploads `data` as a blob of `repo` with curl (a monolithic upload).
@@ -663,7 +637,7 @@ fn wrong_bytes_and_lying_indexes_store_nothing() {
     // pack and the object, and stores nothing wrong.
     let lazy = area.path("lazy");
     pull(&lazy, &remote, &["--lazy"]);
-    let pack = tamper_largest_blob(&registry);
+    let pack = registry.tamper_largest_blob();
     let s = area.path("s-tampered");
     let err = pull_fails(&s, &remote, &[]);
     assert!(

@@ -434,6 +434,16 @@ pub fn stderr(o: &Output) -> String {
     String::from_utf8_lossy(&o.stderr).into_owned()
 }
 
+/// The tags in a store (none when it has no images directory).
+pub fn tags_in(store: &Path) -> Vec<String> {
+    fs::read_dir(store.join("images"))
+        .map(|rd| {
+            rd.map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
 /// A scratch directory for one test.
 pub struct Area {
     pub tmp: tempfile::TempDir,

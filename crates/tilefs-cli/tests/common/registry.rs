@@ -143,6 +143,33 @@ impl Registry {
     }
 }
 
+impl Registry {
+    /// Flips a byte in the middle of the largest blob where the registry
+    /// keeps it (same size, so it serves wrong bytes): returns its digest.
+    pub fn tamper_largest_blob(&self) -> String {
+        let blobs = self.root.join("data/docker/registry/v2/blobs/sha256");
+        let mut biggest: Option<(u64, PathBuf)> = None;
+        for fan in fs::read_dir(&blobs).unwrap() {
+            for b in fs::read_dir(fan.unwrap().path()).unwrap() {
+                let data = b.unwrap().path().join("data");
+                let len = fs::metadata(&data).unwrap().len();
+                if biggest.as_ref().is_none_or(|(l, _)| len > *l) {
+                    biggest = Some((len, data));
+                }
+            }
+        }
+        let (_, data) = biggest.unwrap();
+        let mut bytes = fs::read(&data).unwrap();
+        let mid = bytes.len() / 2;
+        bytes[mid] ^= 0xff;
+        fs::write(&data, &bytes).unwrap();
+        format!(
+            "sha256:{}",
+            data.parent().unwrap().file_name().unwrap().to_string_lossy()
+        )
+    }
+}
+
 impl Drop for Registry {
     fn drop(&mut self) {
         self.stop();
