@@ -10,6 +10,7 @@ mod output;
 mod progress;
 mod pull_cmd;
 mod push_cmd;
+mod registry_arg;
 mod store_arg;
 mod store_cmds;
 

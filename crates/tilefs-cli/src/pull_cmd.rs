@@ -2,16 +2,16 @@
 
 use crate::build::{Interrupted, NewStore};
 use crate::progress::{self, Progress};
+use crate::registry_arg::RegistryArgs;
 use crate::store_arg::StoreArg;
 use anyhow::{Context, Result};
 use clap::Args;
 use std::process::ExitCode;
 use std::sync::atomic::{AtomicBool, Ordering::Relaxed};
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Instant;
 use tilefs_oci::manifest::Platform;
 use tilefs_oci::pull::PullProgress;
-use tilefs_oci::transport::RegistryOptions;
 use tilefs_oci::{ImageRef, OciError, PullOptions};
 use tilefs_store::Store;
 
@@ -26,11 +26,8 @@ pub struct PullArgs {
     /// busybox:1.36, with '/' made '_']
     #[arg(long, value_name = "NAME")]
     pub tag: Option<String>,
-    /// Require HTTPS and valid certificates from registries (false: plain HTTP, or HTTPS without
-    /// certificate checks)
-    #[arg(long, value_name = "BOOL", default_value_t = true, action = clap::ArgAction::Set,
-          num_args = 0..=1, require_equals = true, default_missing_value = "true")]
-    pub tls_verify: bool,
+    #[command(flatten)]
+    pub registry: RegistryArgs,
     /// Platform to pick from a multi-platform image [default: this machine's, e.g. linux/amd64]
     #[arg(long, value_name = "OS/ARCH[/VARIANT]")]
     pub platform: Option<String>,
@@ -38,9 +35,6 @@ pub struct PullArgs {
     /// composefs-rs does, so both tools give the same image)
     #[arg(long)]
     pub all_xattrs: bool,
-    /// Seconds a registry connection or read may stall before the pull fails
-    #[arg(long, default_value_t = 60, value_name = "SECS")]
-    pub timeout: u64,
     /// Layers read at once [default: one per core, at least 2]
     #[arg(short, long, default_value_t = 0, value_name = "N", hide_default_value = true)]
     pub jobs: usize,
@@ -77,10 +71,7 @@ pub fn run(a: PullArgs) -> Result<ExitCode> {
     let counters = Arc::new(PullProgress::default());
     let opts = PullOptions {
         platform,
-        registry: RegistryOptions {
-            tls_verify: a.tls_verify,
-            timeout: Duration::from_secs(a.timeout.max(1)),
-        },
+        registry: a.registry.options(),
         keep_all_xattrs: a.all_xattrs,
         jobs: a.jobs,
         cancel: Some(cancel.clone()),

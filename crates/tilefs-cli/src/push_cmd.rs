@@ -2,15 +2,15 @@
 
 use crate::build::Interrupted;
 use crate::progress::{self, Progress};
+use crate::registry_arg::RegistryArgs;
 use crate::store_arg::StoreArg;
 use anyhow::{Context, Result};
 use clap::Args;
 use std::process::ExitCode;
 use std::sync::atomic::{AtomicBool, Ordering::Relaxed};
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Instant;
 use tilefs_oci::push::{PushOptions, PushProgress};
-use tilefs_oci::transport::RegistryOptions;
 use tilefs_oci::{ImageRef, OciError};
 
 #[derive(Args)]
@@ -21,14 +21,8 @@ pub struct PushArgs {
     pub reference: String,
     #[command(flatten)]
     pub store: StoreArg,
-    /// Require HTTPS and valid certificates (false: plain HTTP, or HTTPS without certificate
-    /// checks)
-    #[arg(long, value_name = "BOOL", default_value_t = true, action = clap::ArgAction::Set,
-          num_args = 0..=1, require_equals = true, default_missing_value = "true")]
-    pub tls_verify: bool,
-    /// Seconds a registry connection or read may stall before the push fails
-    #[arg(long, default_value_t = 60, value_name = "SECS")]
-    pub timeout: u64,
+    #[command(flatten)]
+    pub registry: RegistryArgs,
     /// Blobs uploaded at once
     #[arg(short, long, default_value_t = 4, value_name = "N")]
     pub jobs: usize,
@@ -50,10 +44,7 @@ pub fn run(a: PushArgs) -> Result<ExitCode> {
     }
     let counters = Arc::new(PushProgress::default());
     let opts = PushOptions {
-        registry: RegistryOptions {
-            tls_verify: a.tls_verify,
-            timeout: Duration::from_secs(a.timeout.max(1)),
-        },
+        registry: a.registry.options(),
         jobs: a.jobs.max(1),
         cancel: Some(cancel.clone()),
         progress: Some(counters.clone()),

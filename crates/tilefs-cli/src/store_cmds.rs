@@ -114,7 +114,8 @@ struct ImageRow {
     error: Option<String>,
 }
 
-fn image_row(store: &Store, t: &tags::TagInfo) -> ImageRow {
+/// `lazy`: the images pulled lazily (their absent objects are to come).
+fn image_row(store: &Store, t: &tags::TagInfo, lazy: &std::collections::HashSet<[u8; 32]>) -> ImageRow {
     let mut row = ImageRow {
         tag: t.name.clone(),
         path: t.path.clone(),
@@ -128,7 +129,7 @@ fn image_row(store: &Store, t: &tags::TagInfo) -> ImageRow {
     let read = tags::read_tag(store, &t.name)
         .map_err(|e| e.to_string())
         .and_then(|bytes| {
-            row.lazy = tilefs_store::remote::is_lazy(store, &tilefs_image::verity::digest_bytes(&bytes));
+            row.lazy = !lazy.is_empty() && lazy.contains(&tilefs_image::verity::digest_bytes(&bytes));
             tilefs_image::erofs::read_image(&bytes).map_err(|e| e.to_string())
         });
     match read {
@@ -149,7 +150,8 @@ fn image_row(store: &Store, t: &tags::TagInfo) -> ImageRow {
 pub fn images(a: ImagesArgs) -> Result<ExitCode> {
     let store = open_store(&a.store.path()?)?;
     let tags = tags::list_tags(&store)?;
-    let rows: Vec<ImageRow> = tags.par_iter().map(|t| image_row(&store, t)).collect();
+    let lazy = tilefs_store::remote::records(&store);
+    let rows: Vec<ImageRow> = tags.par_iter().map(|t| image_row(&store, t, &lazy)).collect();
     let bad = rows.iter().filter(|r| r.error.is_some()).count();
     let mut out = std::io::stdout().lock();
     if a.json {

@@ -34,7 +34,6 @@ const ATTEMPTS: u32 = 4;
 
 /// An artifact's image and object index, fetched and checked.
 pub struct RemoteImage {
-    pub config: Config,
     pub image: Vec<u8>,
     pub digest: [u8; 32],
     /// Every object the image needs, in tree order.
@@ -116,7 +115,6 @@ pub fn open(t: &dyn Transport, resolved: &Resolved, what: &str) -> Result<Remote
     let sizes: Vec<u64> = packs.iter().map(|p| p.size.unwrap_or(0)).collect();
     let index = ObjectIndex::parse(&raw, &sizes, &index_what)?.restrict_to(&objects, &index_what)?;
     Ok(RemoteImage {
-        config,
         image,
         digest,
         objects,
@@ -584,11 +582,6 @@ impl LazySource {
             busy: Mutex::new(Default::default()),
             last_end: Mutex::new(None),
         }))
-    }
-
-    /// Where the objects come from, for messages.
-    pub fn source(&self) -> &str {
-        &self.record.source
     }
 
     fn transport(&self) -> Result<&dyn Transport, String> {
