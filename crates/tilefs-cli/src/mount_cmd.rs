@@ -54,6 +54,10 @@ pub struct MountArgs {
     /// itself (passthrough): opening a file then never leaves the kernel, large reads cost more
     #[arg(long, conflicts_with = "kernel")]
     pub no_passthrough: bool,
+    /// FUSE: read requests from /dev/fuse even where the kernel offers FUSE over io_uring
+    /// (the fuse module's enable_uring parameter; requests then stay on the caller's CPU)
+    #[arg(long, conflicts_with = "kernel")]
+    pub no_uring: bool,
     /// FUSE: worker threads (the default is one per core, at least 2)
     #[arg(long, default_value_t = tilefs_fuse::default_threads(), value_name = "N")]
     pub threads: usize,
@@ -100,6 +104,9 @@ pub fn mount(a: MountArgs) -> Result<ExitCode> {
     }
     if a.no_passthrough {
         options.passthrough = Some(false);
+    }
+    if a.no_uring {
+        options.uring = Some(false);
     }
     if a.upper.is_some() {
         options.upper = a.upper.clone();
@@ -364,6 +371,7 @@ fn fuse(req: &Request, image: &std::path::Path, verity: Verity, lazy: Option<[u8
             ..tilefs_fuse::Tuning::default()
         },
         fetcher,
+        no_uring: o.uring == Some(false),
         ..tilefs_fuse::FuseMount::new(image, &req.stores[0], &req.mountpoint)
     })
     .map_err(|e| anyhow!("FUSE mount of {} at {}: {e}", image.display(), req.mountpoint.display()))

@@ -127,6 +127,10 @@ fn fmount(store: &Path, image: &Path, mnt: &Path, extra: &[&str]) -> FuseMounted
 
 /// Mounts in the foreground: the server is the child, its stderr piped.
 fn fmount_foreground(store: &Path, image: &Path, mnt: &Path, env: &[(&str, &str)]) -> FuseMounted {
+    fmount_foreground_with(store, image, mnt, env, &[])
+}
+
+fn fmount_foreground_with(store: &Path, image: &Path, mnt: &Path, env: &[(&str, &str)], args: &[&str]) -> FuseMounted {
     let mut cmd = Command::new(tilefs_bin());
     cmd.args([
         os("mount"),
@@ -135,6 +139,7 @@ fn fmount_foreground(store: &Path, image: &Path, mnt: &Path, env: &[(&str, &str)
         os("--store"),
         store.as_os_str(),
     ])
+    .args(args)
     .arg(image)
     .arg(mnt)
     .stdin(Stdio::null())
@@ -704,14 +709,20 @@ fn pread_full(f: &fs::File, buf: &mut [u8], off: u64) -> usize {
 }
 
 /// Reads served by the server give the source's bytes at any offset and
-/// size, whether spliced from the object (the default) or copied through
-/// the server's buffer: through the page cache (dropped before each read),
-/// across the end, and with O_DIRECT in 1 MiB requests (more than the
-/// splice pipe holds, so those are copied). The server's read(2) count
-/// shows which way a whole-file read went.
+/// size, whether spliced from the object (the default over /dev/fuse) or
+/// copied through the server's buffer (asked for, or through FUSE over
+/// io_uring, whose replies are written into the ring's buffers): through
+/// the page cache (dropped before each read), across the end, and with
+/// O_DIRECT in 1 MiB requests (more than the splice pipe holds, so those
+/// are copied). The server's read(2) count shows which way a whole-file
+/// read went.
 #[test]
 fn served_reads_give_the_source_bytes_spliced_or_copied() {
     need_root_and_fuse!();
+    let uring = FuseUring::on();
+    if let Err(why) = &uring {
+        eprintln!("io_uring rows skipped: {why}");
+    }
     let a = Area::new();
     let src = a.dir("src");
     let data = Rng::new(5).bytes((3 << 20) + 12_345);
@@ -720,9 +731,23 @@ fn served_reads_give_the_source_bytes_spliced_or_copied() {
     let image = a.path("image.cfs");
     build_with_store(&src, &store, &image, &[]);
     let len = data.len() as u64;
-    for tuning in ["no-passthrough", "no-passthrough,no-splice"] {
+    let mut ways = vec![
+        ("no-passthrough", "--no-uring"),
+        ("no-passthrough,no-splice", "--no-uring"),
+    ];
+    if uring.is_ok() {
+        ways.push(("no-passthrough,uring", "--threads=2"));
+    }
+    for (tuning, transport) in ways {
         let mnt = a.dir(&format!("mnt-{tuning}"));
-        let m = fmount_foreground(&store, &image, &mnt, &[("TILEFS_FUSE_TUNING", tuning)]);
+        let env = tuning.trim_end_matches(",uring");
+        let m = fmount_foreground_with(&store, &image, &mnt, &[("TILEFS_FUSE_TUNING", env)], &[transport]);
+        if tuning.ends_with("uring") {
+            let pid = m.child.as_ref().unwrap().id();
+            wait_until("an io_uring queue thread", 10, || {
+                server_threads(pid).iter().any(|t| t.starts_with("fuse-q"))
+            });
+        }
         let f = fs::File::open(mnt.join("big")).unwrap();
         let mut rng = Rng::new(9);
         for _ in 0..300 {
@@ -750,7 +775,7 @@ fn served_reads_give_the_source_bytes_spliced_or_copied() {
         (&f).read_to_end(&mut all).unwrap();
         assert!(all == data, "{tuning}: the whole file differs");
         let read = read_by_server() - before;
-        if tuning.contains("no-splice") {
+        if tuning.contains("no-splice") || tuning.ends_with("uring") {
             assert!(read >= len, "{tuning}: the server read only {read} bytes to copy {len}");
         } else {
             assert!(
@@ -774,6 +799,17 @@ fn served_reads_give_the_source_bytes_spliced_or_copied() {
         }
         assert!(got == data, "{tuning}: O_DIRECT read differs");
     }
+}
+
+/// The names of a process's threads.
+fn server_threads(pid: u32) -> Vec<String> {
+    let mut names = Vec::new();
+    for t in fs::read_dir(format!("/proc/{pid}/task")).unwrap() {
+        if let Ok(n) = fs::read_to_string(t.unwrap().path().join("comm")) {
+            names.push(n.trim().to_string());
+        }
+    }
+    names
 }
 
 /// The kernel's FUSE request tracepoint, under a tracefs mount.

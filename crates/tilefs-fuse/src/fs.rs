@@ -9,29 +9,23 @@
 
 use crate::log::Logger;
 use crate::objects::{open_object, FileState, ObjectError, VerifiedObjects};
-use crate::splice::{Spliced, Splicer};
 use crate::{Tuning, Verity};
-use fuser::{
-    AccessFlags, BackingId, Errno, FileAttr, FileHandle, FileType, Filesystem, FopenFlags, Generation, INodeNo,
-    InitFlags, KernelConfig, LockOwner, OpenAccMode, OpenFlags, ReplyAttr, ReplyData, ReplyDirectory,
-    ReplyDirectoryPlus, ReplyEmpty, ReplyEntry, ReplyOpen, ReplyStatfs, ReplyXattr, Request,
-};
 use rustc_hash::{FxHashMap, FxHashSet};
-use std::cell::RefCell;
-use std::ffi::OsStr;
 use std::fs::File;
-use std::os::fd::OwnedFd;
+use std::os::fd::{AsFd, OwnedFd};
 use std::os::unix::ffi::OsStrExt;
-use std::os::unix::fs::FileExt;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use tilefs_fuse_proto::abi::{self, fopen, init};
+use tilefs_fuse_proto::{
+    BackingId, Connection, DirBuf, Entry, Filesystem, InitConfig, KernelInit, Op, Open, Reply, Request, Ttl,
+};
 use tilefs_image::erofs::ImageInfo;
-use tilefs_image::tree::{Inode, InodeId, Tree, S_IFCHR, S_IFDIR, S_IFMT, S_IFREG};
+use tilefs_image::tree::{Inode, InodeId, Tree, S_IFMT, S_IFREG};
 
 /// Validity of every entry and attribute: ten years, far beyond any mount,
 /// small enough for the kernel's conversion to jiffies.
-const FOREVER: Duration = Duration::from_secs(10 * 365 * 24 * 3600);
+pub(crate) const FOREVER: Ttl = Ttl::from_secs(10 * 365 * 24 * 3600);
 
 /// Object files kept open for reads that name only the inode (fewer if
 /// the limit on open files is low).
@@ -83,43 +77,20 @@ pub(crate) struct TileFs {
     /// Backing files registered with the kernel for passthrough: one per
     /// inode while it is open, with the number of opens.
     backing: Mutex<FxHashMap<InodeId, (BackingId, u32)>>,
+    /// The connection (for passthrough), once INIT is answered.
+    conn: OnceLock<Arc<Connection>>,
     passthrough: AtomicBool,
     /// Objects already reported broken (by inode), so a file opened over
     /// and over logs once per state of its object.
     reported: Mutex<FxHashMap<InodeId, String>>,
     log: Arc<Logger>,
-    /// Read replies spliced from the objects: set by the serving process
-    /// when splicing is on (`Tuning::splice`), left empty otherwise.
-    pub(crate) splicer: Arc<OnceLock<Splicer>>,
-    /// The kernel refused a spliced reply: copy them from then on.
-    splice_failed: AtomicBool,
     /// Where absent objects come from (a lazily pulled image).
     pub(crate) fetcher: Option<crate::Fetcher>,
 }
 
-thread_local! {
-    static READ_BUF: RefCell<Vec<u8>> = const { RefCell::new(Vec::new()) };
-}
-
-fn system_time(sec: i64, nsec: u32) -> SystemTime {
-    let nsec = nsec.min(999_999_999);
-    if sec >= 0 {
-        UNIX_EPOCH + Duration::new(sec as u64, nsec)
-    } else {
-        UNIX_EPOCH - Duration::from_secs(sec.unsigned_abs()) + Duration::from_nanos(u64::from(nsec))
-    }
-}
-
-fn file_type(mode: u32) -> FileType {
-    match mode & S_IFMT {
-        S_IFDIR => FileType::Directory,
-        libc::S_IFLNK => FileType::Symlink,
-        libc::S_IFBLK => FileType::BlockDevice,
-        S_IFCHR => FileType::CharDevice,
-        libc::S_IFIFO => FileType::NamedPipe,
-        libc::S_IFSOCK => FileType::Socket,
-        _ => FileType::RegularFile,
-    }
+/// The `d_type` of a mode, as READDIR gives it.
+pub(crate) fn dirent_type(mode: u32) -> u32 {
+    (mode & S_IFMT) >> 12
 }
 
 impl TileFs {
@@ -160,22 +131,21 @@ impl TileFs {
             unopened: Mutex::new(FxHashMap::default()),
             unopened_max: UNOPENED_MAX.min(fd_budget.try_into().unwrap_or(usize::MAX)).max(1),
             backing: Mutex::new(FxHashMap::default()),
+            conn: OnceLock::new(),
             passthrough: AtomicBool::new(false),
             reported: Mutex::new(FxHashMap::default()),
             log,
-            splicer: Arc::default(),
-            splice_failed: AtomicBool::new(false),
             fetcher: None,
         }
     }
 
-    fn id(&self, ino: INodeNo) -> Option<InodeId> {
-        let id = ino.0.checked_sub(1)?;
+    fn id(&self, ino: u64) -> Option<InodeId> {
+        let id = ino.checked_sub(1)?;
         (id < self.tree.inodes.len() as u64).then_some(id as InodeId)
     }
 
-    fn inode(&self, ino: INodeNo) -> Result<(InodeId, &Inode), Errno> {
-        let id = self.id(ino).ok_or(Errno::ENOENT)?;
+    fn inode(&self, ino: u64) -> Result<(InodeId, &Inode), i32> {
+        let id = self.id(ino).ok_or(libc::ENOENT)?;
         Ok((id, &self.tree.inodes[id as usize]))
     }
 
@@ -189,27 +159,39 @@ impl TileFs {
         }
     }
 
-    fn attr(&self, id: InodeId) -> FileAttr {
+    fn attr(&self, id: InodeId) -> abi::Attr {
         let i = &self.tree.inodes[id as usize];
         let mode = Self::shown_mode(i);
         let size = if i.is_whiteout() { 0 } else { i.size };
-        let t = system_time(i.mtime.sec, i.mtime.nsec);
-        FileAttr {
-            ino: INodeNo(u64::from(id) + 1),
+        // Negative times travel as two's complement, as the kernel reads them.
+        let (sec, nsec) = (i.mtime.sec as u64, i.mtime.nsec.min(999_999_999));
+        abi::Attr {
+            ino: u64::from(id) + 1,
             size,
             blocks: size.div_ceil(4096) * 8,
-            atime: t,
-            mtime: t,
-            ctime: t,
-            crtime: t,
-            kind: file_type(mode),
-            perm: (mode & 0o7777) as u16,
+            atime: sec,
+            mtime: sec,
+            ctime: sec,
+            atimensec: nsec,
+            mtimensec: nsec,
+            ctimensec: nsec,
+            mode,
             nlink: i.nlink,
             uid: i.uid,
             gid: i.gid,
             rdev: if i.is_whiteout() { 0 } else { i.rdev },
             blksize: 4096,
             flags: 0,
+        }
+    }
+
+    fn entry(&self, id: InodeId) -> Entry {
+        Entry {
+            nodeid: u64::from(id) + 1,
+            generation: 0,
+            entry_ttl: FOREVER,
+            attr_ttl: FOREVER,
+            attr: self.attr(id),
         }
     }
 
@@ -241,7 +223,7 @@ impl TileFs {
     /// POSIX ACLs exist only in images flagged as having them: the kernel
     /// mounts the others with `noacl`.
     fn visible(&self, req: &Request, key: &[u8]) -> bool {
-        (!key.starts_with(b"trusted.") || req.uid() == 0) && (self.info.has_acl || !ACL_XATTRS.contains(&key))
+        (!key.starts_with(b"trusted.") || req.uid == 0) && (self.info.has_acl || !ACL_XATTRS.contains(&key))
     }
 
     /// Names answered with EOPNOTSUPP rather than ENODATA: ACLs when the
@@ -346,64 +328,25 @@ impl TileFs {
         Ok(h)
     }
 
-    fn open_flags(&self) -> FopenFlags {
-        let mut f = FopenFlags::empty();
+    fn open_flags(&self) -> u32 {
+        let mut f = 0;
         if self.tune.keep_cache {
-            f |= FopenFlags::FOPEN_KEEP_CACHE;
+            f |= fopen::KEEP_CACHE;
         }
         if self.tune.no_flush {
-            f |= FopenFlags::FOPEN_NOFLUSH;
+            f |= fopen::NOFLUSH;
         }
         f
     }
 
     /// Serves `size` bytes at `offset` of an object already known to be
-    /// in a verified state (so as long as the file), as the reply to
-    /// request `unique`.
-    fn read_object(&self, id: InodeId, file: &File, offset: u64, size: u32, unique: u64, reply: ReplyData) {
+    /// in a verified state (so as long as the file).
+    fn read_object(&self, id: InodeId, file: &File, offset: u64, size: u32, reply: Reply<'_>) {
         let file_size = self.tree.inodes[id as usize].size;
         let len = file_size.saturating_sub(offset).min(u64::from(size)) as usize;
-        if len > 0 && !self.splice_failed.load(Ordering::Relaxed) {
-            if let Some(splicer) = self.splicer.get() {
-                match splicer.reply(unique, file, offset, len) {
-                    Spliced::Sent | Spliced::Gone => {
-                        // Answered (or no longer askable) outside fuser:
-                        // dropping `reply` would send a second answer, an
-                        // EIO. Forgetting it leaks only a reference count
-                        // on the session's device.
-                        std::mem::forget(reply);
-                        return;
-                    }
-                    Spliced::NotSent => {}
-                    Spliced::Failed(e) => {
-                        if !self.splice_failed.swap(true, Ordering::Relaxed) {
-                            self.log.log(&format!(
-                                "splicing read replies failed ({e}); they are copied from now on"
-                            ));
-                        }
-                    }
-                }
-            }
+        if let Err(e) = reply.file(file.as_fd(), offset, len) {
+            self.report(id, &format!("cannot read the object: {e}"));
         }
-        READ_BUF.with(|buf| {
-            let mut buf = buf.borrow_mut();
-            if buf.len() < size as usize {
-                buf.resize(size as usize, 0);
-            }
-            let mut done = 0usize;
-            while done < size as usize {
-                match file.read_at(&mut buf[done..size as usize], offset + done as u64) {
-                    Ok(0) => break,
-                    Ok(n) => done += n,
-                    Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
-                    Err(e) => {
-                        self.report(id, &format!("cannot read the object: {e}"));
-                        return reply.error(Errno::EIO);
-                    }
-                }
-            }
-            reply.data(&buf[..done]);
-        })
     }
 
     /// Calls `add(offset, name, id)` for the directory's entries from
@@ -432,14 +375,14 @@ impl TileFs {
     }
 
     fn permitted(&self, req: &Request, inode: &Inode, mask: i32) -> bool {
-        let uid = req.uid();
+        let uid = req.uid;
         if uid == 0 {
             // Root may do anything but execute files no one may execute.
             return mask & libc::X_OK == 0 || inode.is_dir() || inode.mode & 0o111 != 0;
         }
         let bits = if uid == inode.uid {
             (inode.mode >> 6) & 7
-        } else if req.gid() == inode.gid {
+        } else if req.gid == inode.gid {
             (inode.mode >> 3) & 7
         } else {
             inode.mode & 7
@@ -451,131 +394,97 @@ impl TileFs {
     }
 }
 
-impl Filesystem for TileFs {
-    fn init(&mut self, req: &Request, config: &mut KernelConfig) -> std::io::Result<()> {
-        let _ = req;
-        let caps = config.capabilities();
-        let mut want = InitFlags::FUSE_ASYNC_READ | InitFlags::FUSE_PARALLEL_DIROPS;
-        if self.tune.cache_symlinks {
-            want |= InitFlags::FUSE_CACHE_SYMLINKS;
-        }
-        if self.tune.readdirplus {
-            want |= InitFlags::FUSE_DO_READDIRPLUS;
-            if self.tune.readdirplus_auto {
-                want |= InitFlags::FUSE_READDIRPLUS_AUTO;
-            }
-        }
-        if self.tune.posix_acl && self.info.has_acl {
-            want |= InitFlags::FUSE_POSIX_ACL;
-        }
-        if self.tune.max_pages {
-            want |= InitFlags::FUSE_MAX_PAGES;
-        }
-        // The kernel lets only CAP_SYS_ADMIN register backing files; without
-        // it, do not ask (inside a user namespace the first open still finds
-        // out and falls back).
-        let may = rustix::thread::capabilities(None)
-            .is_ok_and(|c| c.effective.contains(rustix::thread::CapabilitySet::SYS_ADMIN));
-        let passthrough = self.tune.passthrough && may && caps.contains(InitFlags::FUSE_PASSTHROUGH);
-        if passthrough {
-            want |= InitFlags::FUSE_PASSTHROUGH;
-            // 1: the backing files may not be on a stacked filesystem, but
-            // this mount may itself be the lower layer of an overlay.
-            let _ = config.set_max_stack_depth(1);
-        }
-        let _ = config.add_capabilities(want & caps);
-        self.passthrough.store(passthrough, Ordering::Relaxed);
-        if self.tune.max_pages {
-            let _ = config.set_max_write(1 << 20);
-        }
-        let _ = config.set_max_background(64);
-        let _ = config.set_congestion_threshold(48);
-        Ok(())
-    }
-
-    fn lookup(&self, _req: &Request, parent: INodeNo, name: &OsStr, reply: ReplyEntry) {
+impl TileFs {
+    fn lookup(&self, parent: u64, name: &[u8], reply: Reply<'_>) {
         let (_, dir) = match self.inode(parent) {
             Ok(x) => x,
             Err(e) => return reply.error(e),
         };
         if !dir.is_dir() {
-            return reply.error(Errno::ENOTDIR);
+            return reply.error(libc::ENOTDIR);
         }
-        match dir.entry(name.as_bytes()) {
-            Some(e) => reply.entry(&FOREVER, &self.attr(e.inode), Generation(0)),
+        match dir.entry(name) {
+            Some(e) => reply.entry(&self.entry(e.inode)),
             None if self.tune.negative_cache => {
                 // Node id 0: a negative entry the kernel keeps for the timeout.
-                let mut attr = self.attr(0);
-                attr.ino = INodeNo(0);
-                reply.entry(&FOREVER, &attr, Generation(0))
+                reply.entry(&Entry {
+                    nodeid: 0,
+                    entry_ttl: FOREVER,
+                    ..Entry::default()
+                })
             }
-            None => reply.error(Errno::ENOENT),
+            None => reply.error(libc::ENOENT),
         }
     }
 
-    fn getattr(&self, _req: &Request, ino: INodeNo, _fh: Option<FileHandle>, reply: ReplyAttr) {
-        match self.inode(ino) {
-            Ok((id, _)) => reply.attr(&FOREVER, &self.attr(id)),
-            Err(e) => reply.error(e),
-        }
-    }
-
-    fn readlink(&self, _req: &Request, ino: INodeNo, reply: ReplyData) {
-        match self.inode(ino) {
-            Ok((_, i)) if i.mode & S_IFMT == libc::S_IFLNK => reply.data(i.payload.as_deref().unwrap_or_default()),
-            Ok(_) => reply.error(Errno::EINVAL),
-            Err(e) => reply.error(e),
-        }
-    }
-
-    fn open(&self, _req: &Request, ino: INodeNo, flags: OpenFlags, reply: ReplyOpen) {
+    fn open(&self, ino: u64, flags: u32, reply: Reply<'_>) {
         let (id, inode) = match self.inode(ino) {
             Ok(x) => x,
             Err(e) => return reply.error(e),
         };
-        if flags.acc_mode() != OpenAccMode::O_RDONLY || flags.0 & libc::O_TRUNC != 0 {
-            return reply.error(Errno::EROFS);
+        if flags as i32 & libc::O_ACCMODE != libc::O_RDONLY || flags as i32 & libc::O_TRUNC != 0 {
+            return reply.error(libc::EROFS);
         }
         if inode.is_dir() {
-            return reply.error(Errno::EISDIR);
+            return reply.error(libc::EISDIR);
         }
         let passthrough = self.passthrough.load(Ordering::Relaxed);
         if !passthrough && self.tune.no_open && self.tune.keep_cache {
             // The kernel stops asking (the mount is read-only, so it refuses
             // writes itself); reads then name the inode alone.
-            return reply.error(Errno::ENOSYS);
+            return reply.error(libc::ENOSYS);
         }
         if !inode.is_external() {
             // Inline, empty or special: served from the image.
-            return reply.opened(FileHandle(0), self.open_flags());
+            return reply.open(Open {
+                fh: 0,
+                flags: self.open_flags(),
+                backing_id: 0,
+            });
         }
         // The kernel refuses page-cache flags with passthrough, and wants
         // every open of an inode open in passthrough mode to be one too.
-        let noflush = self.open_flags() & FopenFlags::FOPEN_NOFLUSH;
+        let noflush = self.open_flags() & fopen::NOFLUSH;
         if passthrough {
             if let Some((bid, n)) = self.backing.lock().unwrap().get_mut(&id) {
                 *n += 1;
                 let fh = self.add_handle(Handle::Passthrough(id));
-                return reply.opened_passthrough(FileHandle(fh), noflush, bid);
+                return reply.open(Open {
+                    fh,
+                    flags: noflush | fopen::PASSTHROUGH,
+                    backing_id: bid.id(),
+                });
             }
         }
         let o = match self.object(inode) {
             Ok(o) => o,
             Err(e) => {
                 self.report(id, &e.to_string());
-                return reply.error(Errno::EIO);
+                return reply.error(libc::EIO);
             }
         };
-        if !passthrough {
-            return reply.opened(FileHandle(self.add_handle(Handle::Object(o))), self.open_flags());
-        }
-        match reply.open_backing(&o.file) {
+        let served = |o| Open {
+            fh: self.add_handle(Handle::Object(o)),
+            flags: self.open_flags(),
+            backing_id: 0,
+        };
+        let conn = self.conn.get().filter(|_| passthrough);
+        let Some(conn) = conn else {
+            return reply.open(served(o));
+        };
+        match conn.open_backing(o.file.as_fd()) {
             Ok(bid) => {
                 let mut backing = self.backing.lock().unwrap();
                 let entry = backing.entry(id).or_insert((bid, 0));
                 entry.1 += 1;
+                let backing_id = entry.0.id();
+                drop(backing);
                 let fh = self.add_handle(Handle::Passthrough(id));
-                reply.opened_passthrough(FileHandle(fh), noflush, &entry.0)
+                reply.open(Open {
+                    fh,
+                    flags: noflush | fopen::PASSTHROUGH,
+                    backing_id,
+                })
             }
             Err(e) => {
                 // Later opens are answered as without passthrough.
@@ -583,49 +492,39 @@ impl Filesystem for TileFs {
                 self.log.log(&format!(
                     "passthrough refused by the kernel ({e}); serving reads instead"
                 ));
-                reply.opened(FileHandle(self.add_handle(Handle::Object(o))), self.open_flags())
+                reply.open(served(o))
             }
         }
     }
 
-    fn read(
-        &self,
-        req: &Request,
-        ino: INodeNo,
-        fh: FileHandle,
-        offset: u64,
-        size: u32,
-        _flags: OpenFlags,
-        _lock_owner: Option<LockOwner>,
-        reply: ReplyData,
-    ) {
+    fn read(&self, ino: u64, fh: u64, offset: u64, size: u32, reply: Reply<'_>) {
         let (id, inode) = match self.inode(ino) {
             Ok(x) => x,
             Err(e) => return reply.error(e),
         };
-        if fh.0 != 0 {
-            let h = self.handles.lock().unwrap().get(&fh.0).cloned();
+        if fh != 0 {
+            let h = self.handles.lock().unwrap().get(&fh).cloned();
             return match h.as_deref() {
                 // Checked at open; if the object changed since, check it again.
                 Some(Handle::Object(o)) => match o.digest.map(|d| self.verified.recheck(&o.file, &d, &o.key)) {
                     Some(Err(e)) => {
                         self.report(id, &e.to_string());
-                        reply.error(Errno::EIO)
+                        reply.error(libc::EIO)
                     }
-                    _ => self.read_object(id, &o.file, offset, size, req.unique().0, reply),
+                    _ => self.read_object(id, &o.file, offset, size, reply),
                 },
                 // The kernel reads passthrough files itself.
-                Some(Handle::Passthrough(_)) => reply.error(Errno::EIO),
-                None => reply.error(Errno::EBADF),
+                Some(Handle::Passthrough(_)) => reply.error(libc::EIO),
+                None => reply.error(libc::EBADF),
             };
         }
         if inode.is_external() {
             // Opened without asking us (open answered with ENOSYS).
             return match self.unopened_object(id, inode) {
-                Ok(o) => self.read_object(id, &o.file, offset, size, req.unique().0, reply),
+                Ok(o) => self.read_object(id, &o.file, offset, size, reply),
                 Err(e) => {
                     self.report(id, &e.to_string());
-                    reply.error(Errno::EIO)
+                    reply.error(libc::EIO)
                 }
             };
         }
@@ -639,26 +538,15 @@ impl Filesystem for TileFs {
         reply.data(&data[start..end])
     }
 
-    fn release(
-        &self,
-        _req: &Request,
-        _ino: INodeNo,
-        fh: FileHandle,
-        _flags: OpenFlags,
-        _lock_owner: Option<LockOwner>,
-        _flush: bool,
-        reply: ReplyEmpty,
-    ) {
-        if fh.0 != 0 {
-            let h = self.handles.lock().unwrap().remove(&fh.0);
-            if let Some(h) = h {
-                if let Handle::Passthrough(id) = *h {
-                    let mut backing = self.backing.lock().unwrap();
-                    if let Some((_, n)) = backing.get_mut(&id) {
-                        *n -= 1;
-                        if *n == 0 {
-                            backing.remove(&id);
-                        }
+    fn release(&self, fh: u64, reply: Reply<'_>) {
+        if fh != 0 {
+            let h = self.handles.lock().unwrap().remove(&fh);
+            if let Some(Handle::Passthrough(id)) = h.as_deref() {
+                let mut backing = self.backing.lock().unwrap();
+                if let Some((_, n)) = backing.get_mut(id) {
+                    *n -= 1;
+                    if *n == 0 {
+                        backing.remove(id);
                     }
                 }
             }
@@ -666,106 +554,81 @@ impl Filesystem for TileFs {
         reply.ok()
     }
 
-    fn flush(&self, _req: &Request, _ino: INodeNo, _fh: FileHandle, _lock_owner: LockOwner, reply: ReplyEmpty) {
-        if self.tune.no_flush {
-            // The kernel stops sending flush on close.
-            reply.error(Errno::ENOSYS)
-        } else {
-            reply.ok()
-        }
-    }
-
-    fn opendir(&self, _req: &Request, ino: INodeNo, _flags: OpenFlags, reply: ReplyOpen) {
+    fn opendir(&self, ino: u64, reply: Reply<'_>) {
         match self.inode(ino) {
             Ok((_, i)) if i.is_dir() => {}
-            Ok(_) => return reply.error(Errno::ENOTDIR),
+            Ok(_) => return reply.error(libc::ENOTDIR),
             Err(e) => return reply.error(e),
         }
         if self.tune.no_opendir {
             // The kernel stops asking and keeps directory caches by itself.
-            return reply.error(Errno::ENOSYS);
+            return reply.error(libc::ENOSYS);
         }
-        let mut flags = FopenFlags::empty();
-        if self.tune.cache_dir {
-            flags |= FopenFlags::FOPEN_CACHE_DIR | FopenFlags::FOPEN_KEEP_CACHE;
-        }
-        reply.opened(FileHandle(0), flags)
+        let flags = if self.tune.cache_dir {
+            fopen::CACHE_DIR | fopen::KEEP_CACHE
+        } else {
+            0
+        };
+        reply.open(Open {
+            fh: 0,
+            flags,
+            backing_id: 0,
+        })
     }
 
-    fn readdir(&self, _req: &Request, ino: INodeNo, _fh: FileHandle, offset: u64, mut reply: ReplyDirectory) {
+    fn readdir(&self, ino: u64, offset: u64, size: u32, plus: bool, reply: Reply<'_>) {
         let dir = match self.inode(ino) {
             Ok((id, i)) if i.is_dir() => id,
-            Ok(_) => return reply.error(Errno::ENOTDIR),
+            Ok(_) => return reply.error(libc::ENOTDIR),
             Err(e) => return reply.error(e),
         };
+        let mut buf = DirBuf::new(size);
         self.list(dir, offset, |off, name, id| {
-            let mode = Self::shown_mode(&self.tree.inodes[id as usize]);
-            reply.add(
-                INodeNo(u64::from(id) + 1),
-                off,
-                file_type(mode),
-                OsStr::from_bytes(name),
-            )
+            if plus {
+                buf.add_plus(
+                    &self.entry(id),
+                    off,
+                    dirent_type(Self::shown_mode(&self.tree.inodes[id as usize])),
+                    name,
+                )
+            } else {
+                let mode = Self::shown_mode(&self.tree.inodes[id as usize]);
+                buf.add(u64::from(id) + 1, off, dirent_type(mode), name)
+            }
         });
-        reply.ok()
+        reply.data(buf.as_bytes())
     }
 
-    fn readdirplus(&self, _req: &Request, ino: INodeNo, _fh: FileHandle, offset: u64, mut reply: ReplyDirectoryPlus) {
-        let dir = match self.inode(ino) {
-            Ok((id, i)) if i.is_dir() => id,
-            Ok(_) => return reply.error(Errno::ENOTDIR),
-            Err(e) => return reply.error(e),
-        };
-        self.list(dir, offset, |off, name, id| {
-            let attr = self.attr(id);
-            reply.add(attr.ino, off, OsStr::from_bytes(name), &FOREVER, &attr, Generation(0))
-        });
-        reply.ok()
+    fn statfs(&self, reply: Reply<'_>) {
+        reply.statfs(&abi::Kstatfs {
+            blocks: u64::from(self.info.blocks),
+            files: self.tree.inodes.len() as u64,
+            bsize: 4096,
+            namelen: 255,
+            frsize: 4096,
+            ..Default::default()
+        })
     }
 
-    fn releasedir(&self, _req: &Request, _ino: INodeNo, _fh: FileHandle, _flags: OpenFlags, reply: ReplyEmpty) {
-        reply.ok()
-    }
-
-    fn statfs(&self, _req: &Request, _ino: INodeNo, reply: ReplyStatfs) {
-        reply.statfs(
-            u64::from(self.info.blocks),
-            0,
-            0,
-            self.tree.inodes.len() as u64,
-            0,
-            4096,
-            255,
-            4096,
-        )
-    }
-
-    fn getxattr(&self, req: &Request, ino: INodeNo, name: &OsStr, size: u32, reply: ReplyXattr) {
+    fn getxattr(&self, req: &Request, ino: u64, name: &[u8], size: u32, reply: Reply<'_>) {
         let (id, _) = match self.inode(ino) {
             Ok(x) => x,
             Err(e) => return reply.error(e),
         };
-        let name = name.as_bytes();
         if self.unsupported(name) {
-            return reply.error(Errno::EOPNOTSUPP);
+            return reply.error(libc::EOPNOTSUPP);
         }
         if !self.visible(req, name) {
-            return reply.error(Errno::ENODATA);
+            return reply.error(libc::ENODATA);
         }
         let xattrs = self.xattrs(id);
         let Some((_, value)) = xattrs.iter().find(|(k, _)| *k == name) else {
-            return reply.error(Errno::ENODATA);
+            return reply.error(libc::ENODATA);
         };
-        if size == 0 {
-            reply.size(value.len() as u32)
-        } else if (size as usize) < value.len() {
-            reply.error(Errno::ERANGE)
-        } else {
-            reply.data(value)
-        }
+        xattr_reply(value, size, reply)
     }
 
-    fn listxattr(&self, req: &Request, ino: INodeNo, size: u32, reply: ReplyXattr) {
+    fn listxattr(&self, req: &Request, ino: u64, size: u32, reply: Reply<'_>) {
         let (id, _) = match self.inode(ino) {
             Ok(x) => x,
             Err(e) => return reply.error(e),
@@ -777,29 +640,124 @@ impl Filesystem for TileFs {
                 names.push(0);
             }
         }
-        if size == 0 {
-            reply.size(names.len() as u32)
-        } else if (size as usize) < names.len() {
-            reply.error(Errno::ERANGE)
-        } else {
-            reply.data(&names)
-        }
+        xattr_reply(&names, size, reply)
     }
 
-    fn access(&self, req: &Request, ino: INodeNo, mask: AccessFlags, reply: ReplyEmpty) {
+    fn access(&self, req: &Request, ino: u64, mask: u32, reply: Reply<'_>) {
         // Only reached without default_permissions (a measurement setting).
         match self.inode(ino) {
             Ok((_, i)) => {
-                let mask = mask.bits();
+                let mask = mask as i32;
                 if mask & libc::W_OK != 0 {
-                    reply.error(Errno::EROFS)
+                    reply.error(libc::EROFS)
                 } else if self.permitted(req, i, mask) {
                     reply.ok()
                 } else {
-                    reply.error(Errno::EACCES)
+                    reply.error(libc::EACCES)
                 }
             }
             Err(e) => reply.error(e),
+        }
+    }
+}
+
+/// Answers a getxattr or listxattr of `value`: its size when asked with
+/// size 0, ERANGE when it does not fit.
+pub(crate) fn xattr_reply(value: &[u8], size: u32, reply: Reply<'_>) {
+    if size == 0 {
+        reply.xattr_size(value.len() as u32)
+    } else if (size as usize) < value.len() {
+        reply.error(libc::ERANGE)
+    } else {
+        reply.data(value)
+    }
+}
+
+impl Filesystem for TileFs {
+    fn init(&self, kernel: &KernelInit, conn: &Arc<Connection>) -> InitConfig {
+        let _ = self.conn.set(conn.clone());
+        let mut want = init::ASYNC_READ | init::PARALLEL_DIROPS | init::BIG_WRITES;
+        if self.tune.cache_symlinks {
+            want |= init::CACHE_SYMLINKS;
+        }
+        if self.tune.readdirplus {
+            want |= init::DO_READDIRPLUS;
+            if self.tune.readdirplus_auto {
+                want |= init::READDIRPLUS_AUTO;
+            }
+        }
+        if self.tune.posix_acl && self.info.has_acl {
+            want |= init::POSIX_ACL;
+        }
+        if self.tune.max_pages {
+            want |= init::MAX_PAGES;
+        }
+        // The kernel lets only CAP_SYS_ADMIN register backing files; without
+        // it, do not ask (inside a user namespace the first open still finds
+        // out and falls back).
+        let may = rustix::thread::capabilities(None)
+            .is_ok_and(|c| c.effective.contains(rustix::thread::CapabilitySet::SYS_ADMIN));
+        let passthrough = self.tune.passthrough && may && kernel.offers(init::PASSTHROUGH);
+        let mut cfg = InitConfig {
+            want,
+            max_write: if self.tune.max_pages { 1 << 20 } else { 128 * 1024 },
+            max_background: 64,
+            congestion_threshold: 48,
+            ..InitConfig::default()
+        };
+        if passthrough {
+            cfg.want |= init::PASSTHROUGH;
+            // 1: the backing files may not be on a stacked filesystem, but
+            // this mount may itself be the lower layer of an overlay.
+            cfg.max_stack_depth = 1;
+        }
+        self.passthrough.store(passthrough, Ordering::Relaxed);
+        cfg
+    }
+
+    fn handle(&self, req: &Request, op: Op<'_>, reply: Reply<'_>) {
+        let ino = req.nodeid;
+        match op {
+            Op::Lookup { name } => self.lookup(ino, name.as_bytes(), reply),
+            Op::Getattr { .. } => match self.inode(ino) {
+                Ok((id, _)) => reply.attr(FOREVER, &self.attr(id)),
+                Err(e) => reply.error(e),
+            },
+            Op::Readlink => match self.inode(ino) {
+                Ok((_, i)) if i.mode & S_IFMT == libc::S_IFLNK => reply.data(i.payload.as_deref().unwrap_or_default()),
+                Ok(_) => reply.error(libc::EINVAL),
+                Err(e) => reply.error(e),
+            },
+            Op::Open { flags, .. } => self.open(ino, flags, reply),
+            Op::Read(a) => self.read(ino, a.fh, a.offset, a.size, reply),
+            Op::Release(a) => self.release(a.fh, reply),
+            Op::Flush { .. } if self.tune.no_flush => {
+                // The kernel stops sending flush on close.
+                reply.error(libc::ENOSYS)
+            }
+            Op::Flush { .. } | Op::Releasedir(_) => reply.ok(),
+            Op::Opendir { .. } => self.opendir(ino, reply),
+            Op::Readdir { arg, plus } => self.readdir(ino, arg.offset, arg.size, plus, reply),
+            Op::Statfs => self.statfs(reply),
+            Op::Getxattr { name, size } => self.getxattr(req, ino, name.as_bytes(), size, reply),
+            Op::Listxattr { size } => self.listxattr(req, ino, size, reply),
+            Op::Access { mask } => self.access(req, ino, mask, reply),
+            Op::Setattr(_)
+            | Op::Symlink { .. }
+            | Op::Mknod { .. }
+            | Op::Mkdir { .. }
+            | Op::Unlink { .. }
+            | Op::Rmdir { .. }
+            | Op::Rename { .. }
+            | Op::Link { .. }
+            | Op::Write { .. }
+            | Op::Setxattr { .. }
+            | Op::Removexattr { .. }
+            | Op::Create { .. }
+            | Op::Fallocate(_)
+            | Op::CopyFileRange(_) => reply.error(libc::EROFS),
+            Op::Fsync { .. } | Op::Fsyncdir { .. } | Op::Syncfs => reply.ok(),
+            _ => reply.error(libc::ENOSYS),
         }
     }
 }

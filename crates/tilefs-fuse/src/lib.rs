@@ -14,13 +14,13 @@ mod log;
 mod mountpoint;
 mod objects;
 mod server_lock;
-mod splice;
 
 use crate::log::Logger;
-use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::os::fd::{AsRawFd, OwnedFd};
 use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
-use std::sync::{Arc, OnceLock};
+use std::sync::Arc;
+use tilefs_fuse_proto::{ServeConfig, Session};
 
 pub use mountpoint::unmount;
 
@@ -191,6 +191,8 @@ pub struct FuseMount {
     pub image_digest: Option<[u8; 32]>,
     /// Fetches objects the store lacks (an image pulled lazily).
     pub fetcher: Option<Fetcher>,
+    /// Read /dev/fuse even where the kernel offers FUSE over io_uring.
+    pub no_uring: bool,
 }
 
 /// Where objects absent from the store come from: each is fetched on the
@@ -296,34 +298,28 @@ pub fn mount(m: &FuseMount) -> Result<(), FuseError> {
         (None, false) => Logger::syslog(),
     };
     let logger = Arc::new(logger);
-    let allow_other = m.allow_other;
     let mut fs = fs::TileFs::new(tree, info, store, m.verity, tuning, logger.clone(), raise_nofile() / 2);
     fs.fetcher = m.fetcher.clone();
-    let splicer = tuning.splice.then(|| fs.splicer.clone());
 
-    let fuse_fd = mountpoint::mount_fuse(&mnt, &m.image, allow_other, tuning.default_permissions, m.flags)?;
-    let mut config = fuser::Config::default();
-    config.n_threads = Some(if m.threads == 0 { default_threads() } else { m.threads });
-    // Spliced replies are written on our own descriptor of the device,
-    // which the kernel accepts only for requests read from that same
-    // device: no per-worker clones then.
-    config.clone_fd = !tuning.splice;
-    let acl = if allow_other {
-        fuser::SessionACL::All
-    } else {
-        fuser::SessionACL::Owner
-    };
-    let session = match fuser::Session::from_fd(fs, fuse_fd, acl, config) {
+    let fuse_fd = mountpoint::mount_fuse(&mnt, &m.image, m.allow_other, tuning.default_permissions, m.flags)?;
+    let log = logger.clone();
+    let session = match Session::new(fuse_fd, fs, !m.no_uring, Arc::new(move |msg: &str| log.log(msg))) {
         Ok(s) => s,
         Err(e) => {
             mountpoint::take_down(&mnt);
             return Err(fail(format!("{}: FUSE handshake failed: {e}", mnt.display())));
         }
     };
+    let serve_cfg = ServeConfig {
+        threads: if m.threads == 0 { default_threads() } else { m.threads },
+        uring: !m.no_uring,
+        splice: tuning.splice,
+        ..ServeConfig::default()
+    };
     if m.foreground {
-        return serve(session, &mnt, &logger, None, splicer, record);
+        return serve(session, serve_cfg, &mnt, &logger, None, record);
     }
-    daemonize(session, &mnt, logger, m.log_file.as_deref(), splicer, record)
+    daemonize(session, serve_cfg, &mnt, logger, m.log_file.as_deref(), record)
 }
 
 /// Raises the soft limit on open files to the hard one (the server keeps
@@ -349,11 +345,11 @@ fn raise_nofile() -> u64 {
 /// Forks a server for `session`; returns in the parent once the server has
 /// answered a request on the mount.
 fn daemonize(
-    session: fuser::Session<fs::TileFs>,
+    session: Session<fs::TileFs>,
+    cfg: ServeConfig,
     mnt: &Path,
     logger: Arc<Logger>,
     log_file: Option<&Path>,
-    splicer: Option<Arc<OnceLock<splice::Splicer>>>,
     record: Option<tilefs_store::mounts::MountRecord>,
 ) -> Result<(), FuseError> {
     let (rd, wr) = rustix::pipe::pipe_with(rustix::pipe::PipeFlags::CLOEXEC).map_err(|e| fail(format!("pipe: {e}")))?;
@@ -373,12 +369,9 @@ fn daemonize(
         if let Some(r) = record {
             r.leave();
         }
-        // The child owns the connection now: the parent's copy must not
-        // unmount or hold it open.
-        let raw = std::os::fd::AsFd::as_fd(&session).as_raw_fd();
-        std::mem::forget(session);
-        // SAFETY: raw is the session's /dev/fuse fd, forgotten above, closed once.
-        drop(unsafe { OwnedFd::from_raw_fd(raw) });
+        // The child owns the connection now: the parent's copy of the
+        // descriptor is closed with the session.
+        drop(session);
         return wait_ready(rd, pid, mnt);
     }
     drop(rd);
@@ -403,7 +396,7 @@ fn daemonize(
             unsafe { libc::dup2(f.as_raw_fd(), 2) };
         }
     }
-    let code = match serve(session, mnt, &logger, Some(wr), splicer, record) {
+    let code = match serve(session, cfg, mnt, &logger, Some(wr), record) {
         Ok(()) => 0,
         Err(e) => {
             logger.log(&e.to_string());
@@ -470,27 +463,15 @@ fn signal_set() -> libc::sigset_t {
 /// Runs the session until the mount goes away; a termination signal
 /// unmounts. `ready` gets "ready" once the mount answers a request.
 fn serve(
-    session: fuser::Session<fs::TileFs>,
+    session: Session<fs::TileFs>,
+    cfg: ServeConfig,
     mnt: &Path,
     logger: &Logger,
     ready: Option<OwnedFd>,
-    splicer: Option<Arc<OnceLock<splice::Splicer>>>,
     record: Option<tilefs_store::mounts::MountRecord>,
 ) -> Result<(), FuseError> {
     // Declared first, so dropped last, whichever way this returns.
     let mut alive = Liveness { record, lock: None };
-    // The device descriptor for spliced replies is taken here, in the
-    // process that serves, so a parent that forked the server holds none.
-    if let Some(slot) = splicer {
-        match rustix::io::fcntl_dupfd_cloexec(&session, 3) {
-            Ok(dev) => {
-                let _ = slot.set(splice::Splicer::new(dev));
-            }
-            Err(e) => logger.log(&format!(
-                "cannot duplicate the FUSE device ({e}); read replies are copied"
-            )),
-        }
-    }
     let set = signal_set();
     // Block the signals here and in every thread started from here; this
     // thread takes them with sigtimedwait.
@@ -498,7 +479,7 @@ fn serve(
     unsafe { libc::pthread_sigmask(libc::SIG_BLOCK, &set, std::ptr::null_mut()) };
     let runner = std::thread::Builder::new()
         .name("tilefs-fuse".into())
-        .spawn(move || session.run())
+        .spawn(move || session.run(cfg))
         .map_err(|e| fail(format!("cannot start the server: {e}")))?;
     // The first request on the mount: answered only once workers run.
     // Its device names the lock that tells `tilefs umount` we are alive.
@@ -536,7 +517,7 @@ fn serve(
         }
     }
     let result = match runner.join() {
-        Ok(Ok(())) => return Ok(()),
+        Ok(Ok(_)) => return Ok(()),
         Ok(Err(e)) => fail(format!("{}: server failed: {e}", mnt.display())),
         Err(_) => fail(format!("{}: server thread panicked", mnt.display())),
     };

@@ -28,6 +28,9 @@ pub struct ParsedOptions {
     /// FUSE: `nopassthrough` (false) serves every read from the server
     /// even where the kernel could read the object itself.
     pub passthrough: Option<bool>,
+    /// FUSE: `nouring` (false) reads /dev/fuse even where the kernel
+    /// offers FUSE over io_uring.
+    pub uring: Option<bool>,
     /// FUSE: `allow_other`, other users may use the mount (kernel mounts
     /// always let them).
     pub allow_other: bool,
@@ -155,6 +158,8 @@ impl ParsedOptions {
                 "delegated" => self.backend = Some(Backend::Delegated),
                 "passthrough" => self.passthrough = Some(true),
                 "nopassthrough" => self.passthrough = Some(false),
+                "uring" => self.uring = Some(true),
+                "nouring" => self.uring = Some(false),
                 "nosuid" | "suid" => {
                     self.attrs.nosuid = key == "nosuid";
                     self.suid_asked = key == "suid";

@@ -116,6 +116,44 @@ impl Drop for DevFuseMode {
     }
 }
 
+const URING_PARAM: &str = "/sys/module/fuse/parameters/enable_uring";
+
+/// Holders of [`FuseUring`], and the parameter's value before the first.
+static URING_HOLDERS: std::sync::Mutex<(usize, String)> = std::sync::Mutex::new((0, String::new()));
+
+/// FUSE over io_uring enabled in the fuse module (its `enable_uring`
+/// parameter, root only) while held; put back as it was when the last
+/// holder lets go, even when a test panics.
+pub struct FuseUring(());
+
+impl FuseUring {
+    /// None, with the reason, when this kernel or user cannot have it.
+    pub fn on() -> Result<FuseUring, String> {
+        if !is_root() {
+            return Err("not root: only root may enable FUSE over io_uring".into());
+        }
+        let mut h = URING_HOLDERS.lock().unwrap_or_else(|e| e.into_inner());
+        if h.0 == 0 {
+            let was = fs::read_to_string(URING_PARAM)
+                .map_err(|e| format!("{URING_PARAM}: {e} (a kernel without FUSE over io_uring)"))?;
+            fs::write(URING_PARAM, "Y").map_err(|e| format!("{URING_PARAM}: {e}"))?;
+            h.1 = was.trim().to_string();
+        }
+        h.0 += 1;
+        Ok(FuseUring(()))
+    }
+}
+
+impl Drop for FuseUring {
+    fn drop(&mut self) {
+        let mut h = URING_HOLDERS.lock().unwrap_or_else(|e| e.into_inner());
+        h.0 -= 1;
+        if h.0 == 0 {
+            let _ = fs::write(URING_PARAM, &h.1);
+        }
+    }
+}
+
 /// A mount that is detached when dropped, even when a test panics.
 pub struct MountGuard(pub PathBuf);
 

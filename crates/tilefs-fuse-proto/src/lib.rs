@@ -1,0 +1,28 @@
+//! The FUSE protocol as tilefs speaks it: the kernel's structures
+//! ([`abi`], declared once), requests parsed into [`Op`]s, [`Reply`]s that
+//! answer each request exactly once, and a [`Session`] that negotiates the
+//! connection and serves it, through /dev/fuse or, where the kernel
+//! offers it, FUSE over io_uring with one queue per CPU.
+//!
+//! It knows nothing of tilefs: a [`Filesystem`] answers requests. Mounting
+//! (mount(2) or fusermount3) is the caller's job; a session starts from
+//! the connection's /dev/fuse descriptor.
+
+pub mod abi;
+mod dev;
+mod reply;
+mod request;
+mod session;
+mod uring;
+
+pub use reply::{DirBuf, Entry, Open, Reply, Sink, Ttl};
+pub use request::{Layout, Malformed, Op, Request};
+pub use session::{BackingId, Connection, Filesystem, InitConfig, KernelInit, ServeConfig, Session, Transport};
+
+/// Whether this kernel lets FUSE servers use io_uring now: the fuse
+/// module's `enable_uring` parameter (root may change it).
+pub fn uring_enabled() -> Option<bool> {
+    std::fs::read_to_string("/sys/module/fuse/parameters/enable_uring")
+        .ok()
+        .map(|s| s.trim() == "Y" || s.trim() == "1")
+}

@@ -1,0 +1,508 @@
+//! A FUSE connection: the INIT handshake, then serving requests with a
+//! pool of /dev/fuse readers or, where the kernel offers it, per-CPU
+//! io_uring queues, until the filesystem is unmounted.
+
+use crate::abi::{self, opcode};
+use crate::dev::{self, DevSink};
+use crate::reply::{Reply, Sink};
+use crate::request::{self, Layout, Op, Request};
+use std::io;
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd, OwnedFd};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{mpsc, Arc, Mutex};
+use zerocopy::{FromBytes, IntoBytes};
+
+/// What the kernel offered in its INIT.
+#[derive(Debug, Clone, Copy)]
+pub struct KernelInit {
+    pub minor: u32,
+    /// `abi::init` flags, `flags2` shifted up by 32.
+    pub flags: u64,
+    pub max_readahead: u32,
+}
+
+impl KernelInit {
+    pub fn offers(&self, flag: u64) -> bool {
+        self.flags & flag == flag
+    }
+}
+
+/// What the filesystem wants, answered to INIT. Flags the kernel did not
+/// offer are dropped.
+#[derive(Debug, Clone, Copy)]
+pub struct InitConfig {
+    pub want: u64,
+    pub max_write: u32,
+    pub max_readahead: u32,
+    pub max_background: u16,
+    pub congestion_threshold: u16,
+    /// Nanoseconds: the granularity of the times we keep.
+    pub time_gran: u32,
+    /// Passthrough backing files may be on filesystems this deep.
+    pub max_stack_depth: u32,
+}
+
+impl Default for InitConfig {
+    fn default() -> InitConfig {
+        InitConfig {
+            want: abi::init::ASYNC_READ | abi::init::BIG_WRITES,
+            max_write: 128 * 1024,
+            max_readahead: u32::MAX,
+            max_background: 16,
+            congestion_threshold: 12,
+            time_gran: 1,
+            max_stack_depth: 0,
+        }
+    }
+}
+
+/// A filesystem served over FUSE. Requests may arrive on several threads
+/// at once.
+pub trait Filesystem: Send + Sync + 'static {
+    /// Chooses the connection's settings from what the kernel offers.
+    /// `conn` stays valid for the whole session (keep it for passthrough
+    /// and notifications).
+    fn init(&self, kernel: &KernelInit, conn: &Arc<Connection>) -> InitConfig;
+
+    /// Answers one request (every opcode but INIT, FORGET, BATCH_FORGET,
+    /// INTERRUPT and DESTROY).
+    fn handle(&self, req: &Request, op: Op<'_>, reply: Reply<'_>);
+
+    /// The kernel dropped `nlookup` references to `nodeid`.
+    fn forget(&self, nodeid: u64, nlookup: u64) {
+        let _ = (nodeid, nlookup);
+    }
+
+    /// The connection is gone.
+    fn destroy(&self) {}
+}
+
+/// How requests are read.
+#[derive(Debug, Clone, Copy)]
+pub struct ServeConfig {
+    /// /dev/fuse reader threads (when io_uring is not used).
+    pub threads: usize,
+    /// Use FUSE over io_uring when the kernel offers it.
+    pub uring: bool,
+    /// Ring entries per queue.
+    pub uring_depth: u16,
+    /// Splice READ replies from files (the /dev/fuse transport).
+    pub splice: bool,
+}
+
+impl Default for ServeConfig {
+    fn default() -> ServeConfig {
+        ServeConfig {
+            threads: 2,
+            uring: true,
+            uring_depth: 8,
+            splice: true,
+        }
+    }
+}
+
+/// The connection, as the filesystem sees it: passthrough backing files
+/// and notifications to the kernel.
+pub struct Connection {
+    fd: Arc<OwnedFd>,
+    notify: Mutex<Option<mpsc::Sender<Notice>>>,
+    log: Arc<dyn Fn(&str) + Send + Sync>,
+}
+
+enum Notice {
+    InvalEntry(u64, Vec<u8>),
+    InvalInode(u64, i64, i64),
+    Delete(u64, u64, Vec<u8>),
+}
+
+/// A file the kernel reads and writes itself for opens answered with
+/// FOPEN_PASSTHROUGH; unregistered when dropped.
+pub struct BackingId {
+    id: i32,
+    fd: Arc<OwnedFd>,
+}
+
+impl BackingId {
+    pub fn id(&self) -> i32 {
+        self.id
+    }
+}
+
+impl Drop for BackingId {
+    fn drop(&mut self) {
+        let id = self.id as u32;
+        // SAFETY: FUSE_DEV_IOC_BACKING_CLOSE reads one u32 from the pointer.
+        unsafe { libc::ioctl(self.fd.as_raw_fd(), abi::ioctl::DEV_IOC_BACKING_CLOSE as _, &id) };
+    }
+}
+
+impl Connection {
+    /// Registers `file` as a backing file (needs CAP_SYS_ADMIN and
+    /// FUSE_PASSTHROUGH).
+    pub fn open_backing(&self, file: BorrowedFd<'_>) -> io::Result<BackingId> {
+        let map = abi::BackingMap {
+            fd: file.as_raw_fd(),
+            flags: 0,
+            padding: 0,
+        };
+        // SAFETY: FUSE_DEV_IOC_BACKING_OPEN reads a fuse_backing_map from
+        // the pointer, valid for the call.
+        let r = unsafe { libc::ioctl(self.fd.as_raw_fd(), abi::ioctl::DEV_IOC_BACKING_OPEN as _, &map) };
+        if r < 0 {
+            return Err(io::Error::last_os_error());
+        }
+        Ok(BackingId {
+            id: r,
+            fd: self.fd.clone(),
+        })
+    }
+
+    fn queue(&self, n: Notice) {
+        let mut guard = self.notify.lock().unwrap();
+        if guard.is_none() {
+            // Notifications are written by a thread of their own: the
+            // kernel may need locks that a request being answered holds.
+            let (tx, rx) = mpsc::channel::<Notice>();
+            let fd = self.fd.clone();
+            let log = self.log.clone();
+            let spawned = std::thread::Builder::new().name("fuse-notify".into()).spawn(move || {
+                for n in rx {
+                    if let Err(e) = send_notice(fd.as_fd(), &n) {
+                        // ENOENT: nothing cached to invalidate.
+                        if e.raw_os_error() != Some(libc::ENOENT) {
+                            log(&format!("notifying the kernel failed: {e}"));
+                        }
+                    }
+                }
+            });
+            if spawned.is_err() {
+                return;
+            }
+            *guard = Some(tx);
+        }
+        if let Some(tx) = guard.as_ref() {
+            let _ = tx.send(n);
+        }
+    }
+
+    /// Drops the kernel's cached entry `name` of directory `parent`.
+    pub fn inval_entry(&self, parent: u64, name: &[u8]) {
+        self.queue(Notice::InvalEntry(parent, name.to_vec()))
+    }
+
+    /// Drops the kernel's cached attributes of `ino`, and its cached data
+    /// from `off` for `len` bytes (`len` 0: to the end; `off` -1: none).
+    pub fn inval_inode(&self, ino: u64, off: i64, len: i64) {
+        self.queue(Notice::InvalInode(ino, off, len))
+    }
+
+    /// Tells the kernel `child`, named `name` in `parent`, was deleted.
+    pub fn delete(&self, parent: u64, child: u64, name: &[u8]) {
+        self.queue(Notice::Delete(parent, child, name.to_vec()))
+    }
+}
+
+fn send_notice(fd: BorrowedFd<'_>, n: &Notice) -> io::Result<()> {
+    match n {
+        Notice::InvalEntry(parent, name) => {
+            let out = abi::NotifyInvalEntryOut {
+                parent: *parent,
+                namelen: name.len() as u32,
+                flags: 0,
+            };
+            dev::write_message(fd, 0, abi::notify::INVAL_ENTRY, &[out.as_bytes(), name, &[0]])
+        }
+        Notice::InvalInode(ino, off, len) => {
+            let out = abi::NotifyInvalInodeOut {
+                ino: *ino,
+                off: *off,
+                len: *len,
+            };
+            dev::write_message(fd, 0, abi::notify::INVAL_INODE, &[out.as_bytes()])
+        }
+        Notice::Delete(parent, child, name) => {
+            let out = abi::NotifyDeleteOut {
+                parent: *parent,
+                child: *child,
+                namelen: name.len() as u32,
+                padding: 0,
+            };
+            dev::write_message(fd, 0, abi::notify::DELETE, &[out.as_bytes(), name, &[0]])
+        }
+    }
+}
+
+/// An initialized connection, ready to serve.
+pub struct Session<F: Filesystem> {
+    fs: Arc<F>,
+    conn: Arc<Connection>,
+    layout: Layout,
+    /// The kernel agreed to FUSE over io_uring.
+    uring: bool,
+    /// Largest request payload (written data): sizes the buffers.
+    max_write: usize,
+    pub(crate) log: Arc<dyn Fn(&str) + Send + Sync>,
+}
+
+/// Oldest protocol spoken: 7.31 (Linux 5.9), for FUSE_MAX_PAGES,
+/// FUSE_CACHE_SYMLINKS and the modern structure sizes.
+const MIN_MINOR: u32 = 31;
+
+impl<F: Filesystem> Session<F> {
+    /// Answers the kernel's INIT on `fd` (a fresh connection): `fs` chooses
+    /// the settings, `uring` says whether to ask for io_uring. Messages
+    /// about the connection go to `log`.
+    pub fn new(fd: OwnedFd, fs: F, uring: bool, log: Arc<dyn Fn(&str) + Send + Sync>) -> io::Result<Session<F>> {
+        let fd = Arc::new(fd);
+        let conn = Arc::new(Connection {
+            fd: fd.clone(),
+            notify: Mutex::new(None),
+            log: log.clone(),
+        });
+        let fs = Arc::new(fs);
+        let mut buf = vec![0u8; 64 * 1024];
+        loop {
+            let Some(n) = dev::read_request(fd.as_fd(), &mut buf)? else {
+                return Err(io::Error::new(
+                    io::ErrorKind::NotConnected,
+                    "the connection ended before INIT",
+                ));
+            };
+            let (h, body) = split_header(&buf[..n]).ok_or_else(|| io::Error::other("malformed request"))?;
+            if h.opcode != opcode::INIT {
+                dev::write_message(fd.as_fd(), h.unique, -libc::EIO, &[])?;
+                continue;
+            }
+            let mut init = abi::InitIn::default();
+            let take = body.len().min(core::mem::size_of::<abi::InitIn>());
+            init.as_mut_bytes()[..take].copy_from_slice(&body[..take]);
+            if init.major > abi::KERNEL_VERSION {
+                // Ask again in our major version.
+                let out = abi::InitOut {
+                    major: abi::KERNEL_VERSION,
+                    minor: abi::KERNEL_MINOR_VERSION,
+                    ..Default::default()
+                };
+                dev::write_message(fd.as_fd(), h.unique, 0, &[&out.as_bytes()[..8]])?;
+                continue;
+            }
+            if init.major < abi::KERNEL_VERSION || init.minor < MIN_MINOR {
+                dev::write_message(fd.as_fd(), h.unique, -libc::EPROTO, &[])?;
+                return Err(io::Error::other(format!(
+                    "the kernel speaks FUSE {}.{}; at least 7.{MIN_MINOR} is needed",
+                    init.major, init.minor
+                )));
+            }
+            let mut flags = u64::from(init.flags);
+            if flags & abi::init::INIT_EXT != 0 {
+                flags |= u64::from(init.flags2) << 32;
+            }
+            let kernel = KernelInit {
+                minor: init.minor,
+                flags,
+                max_readahead: init.max_readahead,
+            };
+            let mut cfg = fs.init(&kernel, &conn);
+            if uring {
+                cfg.want |= abi::init::OVER_IO_URING;
+            }
+            // Extended flags need INIT_EXT; SETXATTR_EXT is always taken
+            // (its layout is known).
+            cfg.want |= abi::init::INIT_EXT | abi::init::SETXATTR_EXT;
+            let want = cfg.want & flags;
+            let max_pages = cfg.max_write.div_ceil(4096).clamp(1, 256) as u16;
+            let out = abi::InitOut {
+                major: abi::KERNEL_VERSION,
+                minor: init.minor.min(abi::KERNEL_MINOR_VERSION),
+                max_readahead: cfg.max_readahead.min(init.max_readahead),
+                flags: want as u32,
+                max_background: cfg.max_background,
+                congestion_threshold: cfg.congestion_threshold,
+                max_write: cfg.max_write,
+                time_gran: cfg.time_gran,
+                max_pages,
+                map_alignment: 0,
+                flags2: (want >> 32) as u32,
+                max_stack_depth: cfg.max_stack_depth,
+                request_timeout: 0,
+                unused: [0; 11],
+            };
+            dev::write_message(fd.as_fd(), h.unique, 0, &[out.as_bytes()])?;
+            return Ok(Session {
+                fs,
+                conn,
+                layout: Layout {
+                    setxattr_ext: want & abi::init::SETXATTR_EXT != 0,
+                },
+                uring: want & abi::init::OVER_IO_URING != 0,
+                max_write: (cfg.max_write as usize).max(usize::from(max_pages) * 4096),
+                log,
+            });
+        }
+    }
+
+    pub fn connection(&self) -> &Arc<Connection> {
+        &self.conn
+    }
+
+    /// The kernel agreed to FUSE over io_uring (requests then arrive on
+    /// per-CPU queues once [`Session::run`] has registered them).
+    pub fn uring_agreed(&self) -> bool {
+        self.uring
+    }
+
+    /// The device descriptor (to duplicate, e.g. for a parent process to
+    /// give up its copy).
+    pub fn fd(&self) -> BorrowedFd<'_> {
+        self.conn.fd.as_fd()
+    }
+
+    /// Serves until the filesystem is unmounted (or the connection is
+    /// aborted). Returns how requests were carried.
+    pub fn run(self, cfg: ServeConfig) -> io::Result<Transport> {
+        let stop = Arc::new(AtomicBool::new(false));
+        let mut queues = None;
+        if self.uring && cfg.uring {
+            match crate::uring::start(
+                self.fs.clone(),
+                self.conn.fd.clone(),
+                self.layout,
+                self.max_write + 4096,
+                cfg.uring_depth,
+                stop.clone(),
+                self.log.clone(),
+            ) {
+                Ok(q) => queues = Some(q),
+                Err(e) => (self.log)(&format!(
+                    "FUSE over io_uring is unavailable ({e}); reading /dev/fuse instead"
+                )),
+            }
+        }
+        let transport = if let Some(q) = &queues {
+            Transport::Uring { queues: q.len() }
+        } else {
+            Transport::Dev {
+                threads: cfg.threads.max(1),
+            }
+        };
+        // With io_uring, /dev/fuse still carries FORGETs and INTERRUPTs.
+        let readers = if queues.is_some() { 1 } else { cfg.threads.max(1) };
+        let splice = Arc::new(AtomicBool::new(cfg.splice));
+        let buf_size = self.max_write + 4096 + abi::MIN_READ_BUFFER;
+        let mut workers = Vec::new();
+        for i in 1..readers {
+            let fd = dev::clone_fd(self.conn.fd.as_fd())
+                .map(Arc::new)
+                .unwrap_or_else(|| self.conn.fd.clone());
+            let (fs, layout, splice, stop) = (self.fs.clone(), self.layout, splice.clone(), stop.clone());
+            workers.push(
+                std::thread::Builder::new()
+                    .name(format!("fuse-{i}"))
+                    .spawn(move || serve_dev(&*fs, fd.as_fd(), layout, &splice, &stop, buf_size))?,
+            );
+        }
+        let result = serve_dev(&*self.fs, self.conn.fd.as_fd(), self.layout, &splice, &stop, buf_size);
+        stop.store(true, Ordering::Relaxed);
+        for w in workers {
+            let _ = w.join();
+        }
+        if let Some(q) = queues {
+            q.join();
+        }
+        self.fs.destroy();
+        result.map(|()| transport)
+    }
+}
+
+/// How a session carried its requests.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Transport {
+    Dev { threads: usize },
+    Uring { queues: usize },
+}
+
+/// Splits a message read from the device into its header and body (the
+/// extensions at its end left out). None if it is malformed.
+pub(crate) fn split_header(msg: &[u8]) -> Option<(abi::InHeader, &[u8])> {
+    let (h, _) = abi::InHeader::read_from_prefix(msg).ok()?;
+    let len = (h.len as usize).min(msg.len());
+    let body = msg.get(core::mem::size_of::<abi::InHeader>()..len)?;
+    let ext = usize::from(h.total_extlen) * 8;
+    Some((h, &body[..body.len().saturating_sub(ext)]))
+}
+
+/// Handles one request: `head` holds the opcode's fixed structure, `rest`
+/// what follows. Returns false for requests that get no reply.
+pub(crate) fn dispatch<F: Filesystem>(
+    fs: &F,
+    layout: Layout,
+    h: &abi::InHeader,
+    head: &[u8],
+    rest: &[u8],
+    sink: &mut dyn Sink,
+) -> bool {
+    match h.opcode {
+        opcode::FORGET => {
+            if let Ok(n) = request::forget(head) {
+                fs.forget(h.nodeid, n);
+            }
+            false
+        }
+        opcode::BATCH_FORGET => {
+            if let Ok(v) = request::batch_forget(head, rest) {
+                for f in v {
+                    fs.forget(f.nodeid, f.nlookup);
+                }
+            }
+            false
+        }
+        // Requests finish quickly or not at all; nothing to interrupt.
+        opcode::INTERRUPT | opcode::NOTIFY_REPLY => false,
+        opcode::INIT => {
+            let _ = sink.send(h.unique, -libc::EIO, &[]);
+            true
+        }
+        opcode::DESTROY => {
+            let _ = sink.send(h.unique, 0, &[]);
+            true
+        }
+        op => {
+            let req = Request::from_header(h);
+            match request::parse(op, head, rest, layout) {
+                Ok(Op::Other(_)) => {
+                    let _ = sink.send(h.unique, -libc::ENOSYS, &[]);
+                }
+                Ok(parsed) => fs.handle(&req, parsed, Reply::new(h.unique, sink)),
+                Err(_) => {
+                    let _ = sink.send(h.unique, -libc::EINVAL, &[]);
+                }
+            }
+            true
+        }
+    }
+}
+
+fn serve_dev<F: Filesystem>(
+    fs: &F,
+    fd: BorrowedFd<'_>,
+    layout: Layout,
+    splice: &AtomicBool,
+    stop: &AtomicBool,
+    buf_size: usize,
+) -> io::Result<()> {
+    let mut buf = vec![0u8; buf_size];
+    let mut sink = DevSink { fd, splice };
+    while !stop.load(Ordering::Relaxed) {
+        let Some(n) = dev::read_request(fd, &mut buf)? else {
+            stop.store(true, Ordering::Relaxed);
+            return Ok(());
+        };
+        let Some((h, body)) = split_header(&buf[..n]) else {
+            continue;
+        };
+        let split = request::op_header_size(h.opcode, layout).min(body.len());
+        let (head, rest) = body.split_at(split);
+        dispatch(fs, layout, &h, head, rest, &mut sink);
+    }
+    Ok(())
+}
