@@ -169,7 +169,7 @@ pub fn run(req: &Request) -> Result<()> {
             bail!("{}: cannot be mounted by the kernel: {missing}", req.image.display());
         }
         (Some(b), _) => b,
-        (None, Some(missing)) if o.upper.is_none() => {
+        (None, Some(missing)) => {
             eprintln!(
                 "{}: notice: using the FUSE mount: {} of the image's {} objects are still to be fetched \
                  (pulled with --lazy), and only it fetches them",
@@ -182,7 +182,7 @@ pub fn run(req: &Request) -> Result<()> {
         (None, _) => match tilefs_mount::kernel_available() {
             // Without privilege: the mount service, when it is there and
             // may mount this image for us.
-            Err(tilefs_mount::MountError::NotPermitted(e)) if o.upper.is_none() => match delegated(req, &store) {
+            Err(tilefs_mount::MountError::NotPermitted(e)) => match delegated(req, &store) {
                 Ok(()) => return Ok(()),
                 Err(why) => {
                     eprintln!(
@@ -193,22 +193,17 @@ pub fn run(req: &Request) -> Result<()> {
                     Backend::Fuse
                 }
             },
-            Ok(()) if verity == Verity::Require && o.upper.is_none() => {
-                match tilefs_mount::verity_unavailable(&req.stores) {
-                    Some(why) => {
-                        eprintln!(
-                            "{}: notice: using the FUSE mount, which verifies objects itself: {why}",
-                            prog()
-                        );
-                        Backend::Fuse
-                    }
-                    None => Backend::Kernel,
+            Ok(()) if verity == Verity::Require => match tilefs_mount::verity_unavailable(&req.stores) {
+                Some(why) => {
+                    eprintln!(
+                        "{}: notice: using the FUSE mount, which verifies objects itself: {why}",
+                        prog()
+                    );
+                    Backend::Fuse
                 }
-            }
+                None => Backend::Kernel,
+            },
             Ok(()) => Backend::Kernel,
-            Err(e) if o.upper.is_some() => {
-                bail!("a writable mount (--upper/--work) needs a kernel mount, and {e}")
-            }
             Err(e) => {
                 eprintln!("{}: notice: using the FUSE mount: no kernel mount here ({e})", prog());
                 no_kernel = Some(e.to_string());
@@ -334,8 +329,13 @@ fn fuse(req: &Request, image: &std::path::Path, verity: Verity, lazy: Option<[u8
             .map(|s| tilefs_fuse::Fetcher(std::sync::Arc::new(s))),
         None => None,
     };
-    if o.upper.is_some() {
-        bail!("a writable mount (--upper/--work) needs a kernel mount (--kernel)");
+    let upper = match (&o.upper, &o.work) {
+        (Some(u), Some(w)) => Some((u.clone(), w.clone())),
+        (None, None) => None,
+        _ => bail!("a writable mount needs both --upper and --work"),
+    };
+    if (o.uid_map.is_some() || o.gid_map.is_some()) && upper.is_none() {
+        bail!("uidmapping and gidmapping apply to writable mounts (--upper/--work)");
     }
     if let Some((k, _)) = o.overlay.first() {
         bail!("option {k} is an overlayfs option: it needs a kernel mount (--kernel)");
@@ -372,6 +372,9 @@ fn fuse(req: &Request, image: &std::path::Path, verity: Verity, lazy: Option<[u8
         },
         fetcher,
         no_uring: o.uring == Some(false),
+        upper,
+        uid_map: o.uid_map.clone(),
+        gid_map: o.gid_map.clone(),
         ..tilefs_fuse::FuseMount::new(image, &req.stores[0], &req.mountpoint)
     })
     .map_err(|e| anyhow!("FUSE mount of {} at {}: {e}", image.display(), req.mountpoint.display()))

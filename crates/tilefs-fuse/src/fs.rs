@@ -7,37 +7,24 @@
 //! id 0, is FUSE's root, 1); they are also the inode numbers shown, so
 //! hardlinks share one and numbers never collide.
 
-use crate::log::Logger;
-use crate::objects::{open_object, FileState, ObjectError, VerifiedObjects};
-use crate::{Tuning, Verity};
-use rustc_hash::{FxHashMap, FxHashSet};
+use crate::lower::{dirent_type, Lower, Object, FOREVER};
+use crate::objects::{FileState, ObjectError};
+use crate::Tuning;
+use rustc_hash::FxHashMap;
 use std::fs::File;
-use std::os::fd::{AsFd, OwnedFd};
+use std::os::fd::AsFd;
 use std::os::unix::ffi::OsStrExt;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 use tilefs_fuse_proto::abi::{self, fopen, init};
 use tilefs_fuse_proto::{
-    BackingId, Connection, DirBuf, Entry, Filesystem, InitConfig, KernelInit, Op, Open, Reply, Request, Ttl,
+    BackingId, Connection, DirBuf, Entry, Filesystem, InitConfig, KernelInit, Op, Open, Reply, Request,
 };
-use tilefs_image::erofs::ImageInfo;
-use tilefs_image::tree::{Inode, InodeId, Tree, S_IFMT, S_IFREG};
-
-/// Validity of every entry and attribute: ten years, far beyond any mount,
-/// small enough for the kernel's conversion to jiffies.
-pub(crate) const FOREVER: Ttl = Ttl::from_secs(10 * 365 * 24 * 3600);
+use tilefs_image::tree::{Inode, InodeId, S_IFMT};
 
 /// Object files kept open for reads that name only the inode (fewer if
 /// the limit on open files is low).
 const UNOPENED_MAX: usize = 1024;
-
-// Markers the kernel's overlay mount shows on whiteouts from the source
-// (stored as marked empty regular files) and on their directories.
-const WHITEOUT_XATTRS: [&[u8]; 2] = [b"trusted.overlay.whiteout", b"user.overlay.whiteout"];
-const WHITEOUTS_XATTRS: [&[u8]; 2] = [b"trusted.overlay.whiteouts", b"user.overlay.whiteouts"];
-const OPAQUE_XATTRS: [&[u8]; 2] = [b"trusted.overlay.opaque", b"user.overlay.opaque"];
-const SELINUX: &[u8] = b"security.selinux";
-const ACL_XATTRS: [&[u8]; 2] = [b"system.posix_acl_access", b"system.posix_acl_default"];
 
 /// An open file.
 enum Handle {
@@ -47,28 +34,9 @@ enum Handle {
     Passthrough(InodeId),
 }
 
-/// An object file opened (and checked, unless verity is off) for serving.
-struct Object {
-    file: File,
-    /// What its data is checked against; None when nothing is checked.
-    digest: Option<[u8; 32]>,
-    /// The file's state when it was checked.
-    key: FileState,
-}
-
 pub(crate) struct TileFs {
-    tree: Tree,
-    info: ImageInfo,
-    /// Parent of each directory (the root is its own).
-    parent: Vec<InodeId>,
-    /// Directories holding a whiteout (as a primary entry).
-    marked: FxHashSet<InodeId>,
-    /// Some inode has a security.selinux label.
-    has_selinux: bool,
-    store: OwnedFd,
-    verity: Verity,
+    pub(crate) lower: Lower,
     tune: Tuning,
-    verified: VerifiedObjects,
     handles: Mutex<FxHashMap<u64, Arc<Handle>>>,
     next_fh: AtomicU64,
     /// Objects of files opened without asking us, by inode.
@@ -80,52 +48,13 @@ pub(crate) struct TileFs {
     /// The connection (for passthrough), once INIT is answered.
     conn: OnceLock<Arc<Connection>>,
     passthrough: AtomicBool,
-    /// Objects already reported broken (by inode), so a file opened over
-    /// and over logs once per state of its object.
-    reported: Mutex<FxHashMap<InodeId, String>>,
-    log: Arc<Logger>,
-    /// Where absent objects come from (a lazily pulled image).
-    pub(crate) fetcher: Option<crate::Fetcher>,
-}
-
-/// The `d_type` of a mode, as READDIR gives it.
-pub(crate) fn dirent_type(mode: u32) -> u32 {
-    (mode & S_IFMT) >> 12
 }
 
 impl TileFs {
-    pub(crate) fn new(
-        tree: Tree,
-        info: ImageInfo,
-        store: OwnedFd,
-        verity: Verity,
-        tune: Tuning,
-        log: Arc<Logger>,
-        fd_budget: u64,
-    ) -> TileFs {
-        let mut parent = vec![0 as InodeId; tree.inodes.len()];
-        let mut marked = FxHashSet::default();
-        for (id, inode) in tree.inodes.iter().enumerate() {
-            for e in inode.entries.iter().filter(|e| !e.hardlink) {
-                let child = &tree.inodes[e.inode as usize];
-                if child.is_dir() {
-                    parent[e.inode as usize] = id as InodeId;
-                } else if child.is_whiteout() {
-                    marked.insert(id as InodeId);
-                }
-            }
-        }
-        let has_selinux = tree.inodes.iter().any(|i| i.xattr(SELINUX).is_some());
+    pub(crate) fn new(lower: Lower, tune: Tuning, fd_budget: u64) -> TileFs {
         TileFs {
-            tree,
-            info,
-            parent,
-            marked,
-            has_selinux,
-            store,
-            verity,
+            lower,
             tune,
-            verified: VerifiedObjects::default(),
             handles: Mutex::new(FxHashMap::default()),
             next_fh: AtomicU64::new(1),
             unopened: Mutex::new(FxHashMap::default()),
@@ -133,155 +62,6 @@ impl TileFs {
             backing: Mutex::new(FxHashMap::default()),
             conn: OnceLock::new(),
             passthrough: AtomicBool::new(false),
-            reported: Mutex::new(FxHashMap::default()),
-            log,
-            fetcher: None,
-        }
-    }
-
-    fn id(&self, ino: u64) -> Option<InodeId> {
-        let id = ino.checked_sub(1)?;
-        (id < self.tree.inodes.len() as u64).then_some(id as InodeId)
-    }
-
-    fn inode(&self, ino: u64) -> Result<(InodeId, &Inode), i32> {
-        let id = self.id(ino).ok_or(libc::ENOENT)?;
-        Ok((id, &self.tree.inodes[id as usize]))
-    }
-
-    /// The mode shown: a whiteout from the source shows as the marked empty
-    /// regular file the image holds, as the kernel's overlay mount shows it.
-    fn shown_mode(inode: &Inode) -> u32 {
-        if inode.is_whiteout() {
-            S_IFREG | (inode.mode & !S_IFMT)
-        } else {
-            inode.mode
-        }
-    }
-
-    fn attr(&self, id: InodeId) -> abi::Attr {
-        let i = &self.tree.inodes[id as usize];
-        let mode = Self::shown_mode(i);
-        let size = if i.is_whiteout() { 0 } else { i.size };
-        // Negative times travel as two's complement, as the kernel reads them.
-        let (sec, nsec) = (i.mtime.sec as u64, i.mtime.nsec.min(999_999_999));
-        abi::Attr {
-            ino: u64::from(id) + 1,
-            size,
-            blocks: size.div_ceil(4096) * 8,
-            atime: sec,
-            mtime: sec,
-            ctime: sec,
-            atimensec: nsec,
-            mtimensec: nsec,
-            ctimensec: nsec,
-            mode,
-            nlink: i.nlink,
-            uid: i.uid,
-            gid: i.gid,
-            rdev: if i.is_whiteout() { 0 } else { i.rdev },
-            blksize: 4096,
-            flags: 0,
-        }
-    }
-
-    fn entry(&self, id: InodeId) -> Entry {
-        Entry {
-            nodeid: u64::from(id) + 1,
-            generation: 0,
-            entry_ttl: FOREVER,
-            attr_ttl: FOREVER,
-            attr: self.attr(id),
-        }
-    }
-
-    /// The xattrs shown for an inode, sorted by name: the image's, plus the
-    /// overlay markers of whiteouts and of the directories holding them.
-    fn xattrs(&self, id: InodeId) -> Vec<(&[u8], &[u8])> {
-        let inode = &self.tree.inodes[id as usize];
-        let mut v: Vec<(&[u8], &[u8])> = inode.xattrs.iter().map(|x| (&x.key[..], &x.value[..])).collect();
-        let mut extra: Vec<(&[u8], &[u8])> = Vec::new();
-        if inode.is_whiteout() {
-            extra.extend(WHITEOUT_XATTRS.iter().map(|k| (*k, &b""[..])));
-        }
-        if self.marked.contains(&id) {
-            extra.extend(WHITEOUTS_XATTRS.iter().map(|k| (*k, &b""[..])));
-            if self.info.version >= 1 {
-                extra.extend(OPAQUE_XATTRS.iter().map(|k| (*k, &b"x"[..])));
-            }
-        }
-        if !extra.is_empty() {
-            v.retain(|(k, _)| !extra.iter().any(|(e, _)| e == k));
-            v.extend(extra);
-            v.sort_unstable_by(|a, b| a.0.cmp(b.0));
-        }
-        v
-    }
-
-    /// trusted.* xattrs are for privileged callers only, as the kernel
-    /// checks CAP_SYS_ADMIN; uid 0 stands in for that capability here.
-    /// POSIX ACLs exist only in images flagged as having them: the kernel
-    /// mounts the others with `noacl`.
-    fn visible(&self, req: &Request, key: &[u8]) -> bool {
-        (!key.starts_with(b"trusted.") || req.uid == 0) && (self.info.has_acl || !ACL_XATTRS.contains(&key))
-    }
-
-    /// Names answered with EOPNOTSUPP rather than ENODATA: ACLs when the
-    /// image has none (as the kernel's `noacl` mount answers), and SELinux
-    /// labels when no file has one (so `ls -l` stops asking, as it does on
-    /// filesystems without labels, instead of making a round trip per file).
-    fn unsupported(&self, key: &[u8]) -> bool {
-        (!self.info.has_acl && ACL_XATTRS.contains(&key))
-            || (self.tune.selinux_enotsup && !self.has_selinux && key == SELINUX)
-    }
-
-    /// Logs a broken object once for each way it is broken.
-    fn report(&self, id: InodeId, what: &str) {
-        let mut r = self.reported.lock().unwrap();
-        if r.get(&id).map(String::as_str) != Some(what) {
-            r.insert(id, what.to_string());
-            drop(r);
-            self.log.log(&format!("{}: {what}", self.path_of(id)));
-        }
-    }
-
-    /// A path of `id` for messages (its primary entry).
-    fn path_of(&self, id: InodeId) -> String {
-        let mut found = None;
-        self.tree.walk(|path, e, ino| {
-            if found.is_none() && ino == id && !e.is_some_and(|e| e.hardlink) {
-                found = Some(String::from_utf8_lossy(path).into_owned());
-            }
-        });
-        found.unwrap_or_else(|| format!("inode {}", u64::from(id) + 1))
-    }
-
-    /// Opens and checks the object of a regular file.
-    fn open_checked(&self, inode: &Inode) -> Result<(File, Option<FileState>), ObjectError> {
-        let payload = inode.payload.as_deref().ok_or(ObjectError::BadPath)?;
-        if self.verity == Verity::Require && inode.digest.is_none() {
-            return Err(ObjectError::NoDigest);
-        }
-        let file = match open_object(&self.store, payload) {
-            // Not fetched yet (a lazily pulled image): fetched, checked
-            // against its name and stored whole, then opened as any other.
-            Err(ObjectError::Open(e)) if e.kind() == std::io::ErrorKind::NotFound && self.fetcher.is_some() => {
-                let digest = inode
-                    .digest
-                    .or_else(|| tilefs_store::parse_object_rel(payload))
-                    .ok_or(ObjectError::Open(e))?;
-                let fetcher = self.fetcher.as_ref().expect("checked above");
-                fetcher.0.fetch(&digest, inode.size).map_err(ObjectError::Fetch)?;
-                open_object(&self.store, payload)?
-            }
-            r => r?,
-        };
-        match (self.verity, &inode.digest) {
-            (Verity::Off, _) | (_, None) => Ok((file, None)),
-            (_, Some(d)) => {
-                let key = self.verified.check(&file, d)?;
-                Ok((file, Some(key)))
-            }
         }
     }
 
@@ -289,17 +69,6 @@ impl TileFs {
         let fh = self.next_fh.fetch_add(1, Ordering::Relaxed);
         self.handles.lock().unwrap().insert(fh, Arc::new(h));
         fh
-    }
-
-    /// The object of a regular file, opened and checked.
-    fn object(&self, inode: &Inode) -> Result<Object, ObjectError> {
-        let (file, key) = self.open_checked(inode)?;
-        let digest = if self.verity == Verity::Off { None } else { inode.digest };
-        Ok(Object {
-            file,
-            digest,
-            key: key.unwrap_or_default(),
-        })
     }
 
     /// The object of a file the kernel opened without asking us: kept open
@@ -315,7 +84,7 @@ impl TileFs {
             }
         }
         // Replaces a changed object under the same key.
-        let h = Arc::new(self.object(inode)?);
+        let h = Arc::new(self.lower.object(inode)?);
         let mut map = self.unopened.lock().unwrap();
         if map.len() >= self.unopened_max && !map.contains_key(&id) {
             // Any one goes: reopening costs an open and a stat (the check
@@ -342,61 +111,17 @@ impl TileFs {
     /// Serves `size` bytes at `offset` of an object already known to be
     /// in a verified state (so as long as the file).
     fn read_object(&self, id: InodeId, file: &File, offset: u64, size: u32, reply: Reply<'_>) {
-        let file_size = self.tree.inodes[id as usize].size;
+        let file_size = self.lower.tree.inodes[id as usize].size;
         let len = file_size.saturating_sub(offset).min(u64::from(size)) as usize;
         if let Err(e) = reply.file(file.as_fd(), offset, len) {
-            self.report(id, &format!("cannot read the object: {e}"));
+            self.lower.report(id, &format!("cannot read the object: {e}"));
         }
-    }
-
-    /// Calls `add(offset, name, id)` for the directory's entries from
-    /// `offset` on (`.` is 1, `..` 2, entry i is i + 3) until it returns true.
-    fn list(&self, dir: InodeId, offset: u64, mut add: impl FnMut(u64, &[u8], InodeId) -> bool) {
-        let inode = &self.tree.inodes[dir as usize];
-        let mut off = offset;
-        if off == 0 {
-            if add(1, b".", dir) {
-                return;
-            }
-            off = 1;
-        }
-        if off == 1 {
-            if add(2, b"..", self.parent[dir as usize]) {
-                return;
-            }
-            off = 2;
-        }
-        let start = (off - 2) as usize;
-        for (i, e) in inode.entries.iter().enumerate().skip(start) {
-            if add(i as u64 + 3, &e.name, e.inode) {
-                return;
-            }
-        }
-    }
-
-    fn permitted(&self, req: &Request, inode: &Inode, mask: i32) -> bool {
-        let uid = req.uid;
-        if uid == 0 {
-            // Root may do anything but execute files no one may execute.
-            return mask & libc::X_OK == 0 || inode.is_dir() || inode.mode & 0o111 != 0;
-        }
-        let bits = if uid == inode.uid {
-            (inode.mode >> 6) & 7
-        } else if req.gid == inode.gid {
-            (inode.mode >> 3) & 7
-        } else {
-            inode.mode & 7
-        };
-        let want = ((mask & libc::R_OK != 0) as u32) << 2
-            | ((mask & libc::W_OK != 0) as u32) << 1
-            | (mask & libc::X_OK != 0) as u32;
-        bits & want == want
     }
 }
 
 impl TileFs {
     fn lookup(&self, parent: u64, name: &[u8], reply: Reply<'_>) {
-        let (_, dir) = match self.inode(parent) {
+        let (_, dir) = match self.lower.inode(parent) {
             Ok(x) => x,
             Err(e) => return reply.error(e),
         };
@@ -404,7 +129,7 @@ impl TileFs {
             return reply.error(libc::ENOTDIR);
         }
         match dir.entry(name) {
-            Some(e) => reply.entry(&self.entry(e.inode)),
+            Some(e) => reply.entry(&self.lower.entry(e.inode)),
             None if self.tune.negative_cache => {
                 // Node id 0: a negative entry the kernel keeps for the timeout.
                 reply.entry(&Entry {
@@ -418,7 +143,7 @@ impl TileFs {
     }
 
     fn open(&self, ino: u64, flags: u32, reply: Reply<'_>) {
-        let (id, inode) = match self.inode(ino) {
+        let (id, inode) = match self.lower.inode(ino) {
             Ok(x) => x,
             Err(e) => return reply.error(e),
         };
@@ -456,10 +181,10 @@ impl TileFs {
                 });
             }
         }
-        let o = match self.object(inode) {
+        let o = match self.lower.object(inode) {
             Ok(o) => o,
             Err(e) => {
-                self.report(id, &e.to_string());
+                self.lower.report(id, &e.to_string());
                 return reply.error(libc::EIO);
             }
         };
@@ -489,7 +214,7 @@ impl TileFs {
             Err(e) => {
                 // Later opens are answered as without passthrough.
                 self.passthrough.store(false, Ordering::Relaxed);
-                self.log.log(&format!(
+                self.lower.log.log(&format!(
                     "passthrough refused by the kernel ({e}); serving reads instead"
                 ));
                 reply.open(served(o))
@@ -498,7 +223,7 @@ impl TileFs {
     }
 
     fn read(&self, ino: u64, fh: u64, offset: u64, size: u32, reply: Reply<'_>) {
-        let (id, inode) = match self.inode(ino) {
+        let (id, inode) = match self.lower.inode(ino) {
             Ok(x) => x,
             Err(e) => return reply.error(e),
         };
@@ -506,9 +231,9 @@ impl TileFs {
             let h = self.handles.lock().unwrap().get(&fh).cloned();
             return match h.as_deref() {
                 // Checked at open; if the object changed since, check it again.
-                Some(Handle::Object(o)) => match o.digest.map(|d| self.verified.recheck(&o.file, &d, &o.key)) {
+                Some(Handle::Object(o)) => match o.digest.map(|d| self.lower.verified.recheck(&o.file, &d, &o.key)) {
                     Some(Err(e)) => {
-                        self.report(id, &e.to_string());
+                        self.lower.report(id, &e.to_string());
                         reply.error(libc::EIO)
                     }
                     _ => self.read_object(id, &o.file, offset, size, reply),
@@ -523,7 +248,7 @@ impl TileFs {
             return match self.unopened_object(id, inode) {
                 Ok(o) => self.read_object(id, &o.file, offset, size, reply),
                 Err(e) => {
-                    self.report(id, &e.to_string());
+                    self.lower.report(id, &e.to_string());
                     reply.error(libc::EIO)
                 }
             };
@@ -555,7 +280,7 @@ impl TileFs {
     }
 
     fn opendir(&self, ino: u64, reply: Reply<'_>) {
-        match self.inode(ino) {
+        match self.lower.inode(ino) {
             Ok((_, i)) if i.is_dir() => {}
             Ok(_) => return reply.error(libc::ENOTDIR),
             Err(e) => return reply.error(e),
@@ -577,22 +302,22 @@ impl TileFs {
     }
 
     fn readdir(&self, ino: u64, offset: u64, size: u32, plus: bool, reply: Reply<'_>) {
-        let dir = match self.inode(ino) {
+        let dir = match self.lower.inode(ino) {
             Ok((id, i)) if i.is_dir() => id,
             Ok(_) => return reply.error(libc::ENOTDIR),
             Err(e) => return reply.error(e),
         };
         let mut buf = DirBuf::new(size);
-        self.list(dir, offset, |off, name, id| {
+        self.lower.list(dir, offset, |off, name, id| {
             if plus {
                 buf.add_plus(
-                    &self.entry(id),
+                    &self.lower.entry(id),
                     off,
-                    dirent_type(Self::shown_mode(&self.tree.inodes[id as usize])),
+                    dirent_type(Lower::shown_mode(&self.lower.tree.inodes[id as usize])),
                     name,
                 )
             } else {
-                let mode = Self::shown_mode(&self.tree.inodes[id as usize]);
+                let mode = Lower::shown_mode(&self.lower.tree.inodes[id as usize]);
                 buf.add(u64::from(id) + 1, off, dirent_type(mode), name)
             }
         });
@@ -601,8 +326,8 @@ impl TileFs {
 
     fn statfs(&self, reply: Reply<'_>) {
         reply.statfs(&abi::Kstatfs {
-            blocks: u64::from(self.info.blocks),
-            files: self.tree.inodes.len() as u64,
+            blocks: u64::from(self.lower.info.blocks),
+            files: self.lower.tree.inodes.len() as u64,
             bsize: 4096,
             namelen: 255,
             frsize: 4096,
@@ -611,17 +336,17 @@ impl TileFs {
     }
 
     fn getxattr(&self, req: &Request, ino: u64, name: &[u8], size: u32, reply: Reply<'_>) {
-        let (id, _) = match self.inode(ino) {
+        let (id, _) = match self.lower.inode(ino) {
             Ok(x) => x,
             Err(e) => return reply.error(e),
         };
-        if self.unsupported(name) {
+        if self.lower.unsupported(name) {
             return reply.error(libc::EOPNOTSUPP);
         }
-        if !self.visible(req, name) {
+        if !self.lower.visible(req.uid, name) {
             return reply.error(libc::ENODATA);
         }
-        let xattrs = self.xattrs(id);
+        let xattrs = self.lower.xattrs(id);
         let Some((_, value)) = xattrs.iter().find(|(k, _)| *k == name) else {
             return reply.error(libc::ENODATA);
         };
@@ -629,13 +354,13 @@ impl TileFs {
     }
 
     fn listxattr(&self, req: &Request, ino: u64, size: u32, reply: Reply<'_>) {
-        let (id, _) = match self.inode(ino) {
+        let (id, _) = match self.lower.inode(ino) {
             Ok(x) => x,
             Err(e) => return reply.error(e),
         };
         let mut names = Vec::new();
-        for (k, _) in self.xattrs(id) {
-            if self.visible(req, k) {
+        for (k, _) in self.lower.xattrs(id) {
+            if self.lower.visible(req.uid, k) {
                 names.extend_from_slice(k);
                 names.push(0);
             }
@@ -645,12 +370,12 @@ impl TileFs {
 
     fn access(&self, req: &Request, ino: u64, mask: u32, reply: Reply<'_>) {
         // Only reached without default_permissions (a measurement setting).
-        match self.inode(ino) {
+        match self.lower.inode(ino) {
             Ok((_, i)) => {
                 let mask = mask as i32;
                 if mask & libc::W_OK != 0 {
                     reply.error(libc::EROFS)
-                } else if self.permitted(req, i, mask) {
+                } else if Lower::permitted(req.uid, req.gid, i, mask) {
                     reply.ok()
                 } else {
                     reply.error(libc::EACCES)
@@ -686,7 +411,7 @@ impl Filesystem for TileFs {
                 want |= init::READDIRPLUS_AUTO;
             }
         }
-        if self.tune.posix_acl && self.info.has_acl {
+        if self.tune.posix_acl && self.lower.info.has_acl {
             want |= init::POSIX_ACL;
         }
         if self.tune.max_pages {
@@ -719,11 +444,11 @@ impl Filesystem for TileFs {
         let ino = req.nodeid;
         match op {
             Op::Lookup { name } => self.lookup(ino, name.as_bytes(), reply),
-            Op::Getattr { .. } => match self.inode(ino) {
-                Ok((id, _)) => reply.attr(FOREVER, &self.attr(id)),
+            Op::Getattr { .. } => match self.lower.inode(ino) {
+                Ok((id, _)) => reply.attr(FOREVER, &self.lower.attr(id)),
                 Err(e) => reply.error(e),
             },
-            Op::Readlink => match self.inode(ino) {
+            Op::Readlink => match self.lower.inode(ino) {
                 Ok((_, i)) if i.mode & S_IFMT == libc::S_IFLNK => reply.data(i.payload.as_deref().unwrap_or_default()),
                 Ok(_) => reply.error(libc::EINVAL),
                 Err(e) => reply.error(e),

@@ -11,8 +11,10 @@
 
 mod fs;
 mod log;
+mod lower;
 mod mountpoint;
 mod objects;
+mod overlay;
 mod server_lock;
 
 use crate::log::Logger;
@@ -90,6 +92,9 @@ pub struct Tuning {
     /// Answer getxattr of security.selinux with EOPNOTSUPP when no file in
     /// the image has a label (ENODATA otherwise).
     pub selinux_enotsup: bool,
+    /// FUSE_WRITEBACK_CACHE on writable mounts: the kernel caches writes
+    /// and sends them in large requests.
+    pub writeback_cache: bool,
     /// Splice read replies from the object files (one copy, by the kernel)
     /// rather than read them into a buffer and write that (two). All
     /// workers then share one descriptor of the FUSE device.
@@ -113,6 +118,7 @@ impl Default for Tuning {
             passthrough: true,
             max_pages: true,
             selinux_enotsup: true,
+            writeback_cache: true,
             splice: true,
         }
     }
@@ -123,7 +129,7 @@ impl Tuning {
     /// (for measurements): `no-negative`, `no-symlinks`, `no-readdirplus`,
     /// `readdirplus-auto`, `no-cache-dir` (with `opendir`), `opendir`, `no-keep-cache`,
     /// `open`, `flush`, `no-acl`, `no-default-permissions`, `no-passthrough`, `no-max-pages`,
-    /// `no-selinux-enotsup`, `no-splice`.
+    /// `no-selinux-enotsup`, `no-splice`, `no-writeback`.
     pub fn from_env(mut self) -> Result<Tuning, FuseError> {
         let Some(v) = std::env::var_os("TILEFS_FUSE_TUNING") else {
             return Ok(self);
@@ -145,6 +151,7 @@ impl Tuning {
                 "no-max-pages" => self.max_pages = false,
                 "no-selinux-enotsup" => self.selinux_enotsup = false,
                 "no-splice" => self.splice = false,
+                "no-writeback" => self.writeback_cache = false,
                 _ => return Err(FuseError::Failed(format!("TILEFS_FUSE_TUNING: unknown setting {w:?}"))),
             }
         }
@@ -193,6 +200,13 @@ pub struct FuseMount {
     pub fetcher: Option<Fetcher>,
     /// Read /dev/fuse even where the kernel offers FUSE over io_uring.
     pub no_uring: bool,
+    /// Writable: changes go to this upper directory (overlayfs's format),
+    /// with this work directory on the same filesystem.
+    pub upper: Option<(PathBuf, PathBuf)>,
+    /// Writable mounts: ids as stored, shown to the kernel as other ids
+    /// (`STORED:SHOWN:LEN[:...]`, as fuse-overlayfs's uidmapping).
+    pub uid_map: Option<String>,
+    pub gid_map: Option<String>,
 }
 
 /// Where objects absent from the store come from: each is fetched on the
@@ -298,28 +312,69 @@ pub fn mount(m: &FuseMount) -> Result<(), FuseError> {
         (None, false) => Logger::syslog(),
     };
     let logger = Arc::new(logger);
-    let mut fs = fs::TileFs::new(tree, info, store, m.verity, tuning, logger.clone(), raise_nofile() / 2);
-    fs.fetcher = m.fetcher.clone();
-
-    let fuse_fd = mountpoint::mount_fuse(&mnt, &m.image, m.allow_other, tuning.default_permissions, m.flags)?;
-    let log = logger.clone();
-    let session = match Session::new(fuse_fd, fs, !m.no_uring, Arc::new(move |msg: &str| log.log(msg))) {
-        Ok(s) => s,
-        Err(e) => {
-            mountpoint::take_down(&mnt);
-            return Err(fail(format!("{}: FUSE handshake failed: {e}", mnt.display())));
-        }
-    };
+    let mut lower = lower::Lower::new(tree, info, store, m.verity, logger.clone());
+    lower.fetcher = m.fetcher.clone();
+    lower.selinux_enotsup = tuning.selinux_enotsup;
+    let budget = raise_nofile() / 2;
     let serve_cfg = ServeConfig {
         threads: if m.threads == 0 { default_threads() } else { m.threads },
         uring: !m.no_uring,
         splice: tuning.splice,
         ..ServeConfig::default()
     };
+    let Some((upper, work)) = &m.upper else {
+        let fs = fs::TileFs::new(lower, tuning, budget);
+        return start(
+            m,
+            fs,
+            serve_cfg,
+            &mnt,
+            logger,
+            record,
+            tuning.default_permissions,
+            false,
+        );
+    };
+    let map = |s: &Option<String>, what: &str| {
+        s.as_deref()
+            .map(overlay::IdMap::parse)
+            .transpose()
+            .map_err(|e| fail(format!("{what}: {e}")))
+            .map(Option::unwrap_or_default)
+    };
+    let (uids, gids) = (map(&m.uid_map, "uidmapping")?, map(&m.gid_map, "gidmapping")?);
+    let up = overlay::UpperDir::open(upper, work, uids, gids).map_err(fail)?;
+    let fs = overlay::OverlayFs::new(lower, up, tuning).map_err(fail)?;
+    // Permissions are the kernel's to check, against what we show.
+    start(m, fs, serve_cfg, &mnt, logger, record, true, true)
+}
+
+/// Mounts, answers INIT and serves `fs` (in the foreground, or in a
+/// forked server).
+#[allow(clippy::too_many_arguments)]
+fn start<F: tilefs_fuse_proto::Filesystem>(
+    m: &FuseMount,
+    fs: F,
+    serve_cfg: ServeConfig,
+    mnt: &Path,
+    logger: Arc<Logger>,
+    record: Option<tilefs_store::mounts::MountRecord>,
+    default_permissions: bool,
+    writable: bool,
+) -> Result<(), FuseError> {
+    let fuse_fd = mountpoint::mount_fuse(mnt, &m.image, m.allow_other, default_permissions, m.flags, writable)?;
+    let log = logger.clone();
+    let session = match Session::new(fuse_fd, fs, !m.no_uring, Arc::new(move |msg: &str| log.log(msg))) {
+        Ok(s) => s,
+        Err(e) => {
+            mountpoint::take_down(mnt);
+            return Err(fail(format!("{}: FUSE handshake failed: {e}", mnt.display())));
+        }
+    };
     if m.foreground {
-        return serve(session, serve_cfg, &mnt, &logger, None, record);
+        return serve(session, serve_cfg, mnt, &logger, None, record);
     }
-    daemonize(session, serve_cfg, &mnt, logger, m.log_file.as_deref(), record)
+    daemonize(session, serve_cfg, mnt, logger, m.log_file.as_deref(), record)
 }
 
 /// Raises the soft limit on open files to the hard one (the server keeps
@@ -344,8 +399,8 @@ fn raise_nofile() -> u64 {
 
 /// Forks a server for `session`; returns in the parent once the server has
 /// answered a request on the mount.
-fn daemonize(
-    session: Session<fs::TileFs>,
+fn daemonize<F: tilefs_fuse_proto::Filesystem>(
+    session: Session<F>,
     cfg: ServeConfig,
     mnt: &Path,
     logger: Arc<Logger>,
@@ -462,8 +517,8 @@ fn signal_set() -> libc::sigset_t {
 
 /// Runs the session until the mount goes away; a termination signal
 /// unmounts. `ready` gets "ready" once the mount answers a request.
-fn serve(
-    session: Session<fs::TileFs>,
+fn serve<F: tilefs_fuse_proto::Filesystem>(
+    session: Session<F>,
     cfg: ServeConfig,
     mnt: &Path,
     logger: &Logger,

@@ -35,18 +35,19 @@ fn fsname(image: &Path) -> String {
     format!("tilefs:{clean}")
 }
 
-/// Mounts a FUSE filesystem at `mnt` (read-only) and returns the
-/// connection's /dev/fuse fd.
+/// Mounts a FUSE filesystem at `mnt` (read-only unless `writable`) and
+/// returns the connection's /dev/fuse fd.
 pub(crate) fn mount_fuse(
     mnt: &Path,
     image: &Path,
     allow_other: bool,
     default_permissions: bool,
     flags: Flags,
+    writable: bool,
 ) -> Result<OwnedFd, FuseError> {
     let name = fsname(image);
     if rustix::process::geteuid().is_root() {
-        match mount_sys(mnt, &name, allow_other, default_permissions, flags) {
+        match mount_sys(mnt, &name, allow_other, default_permissions, flags, writable) {
             Ok(fd) => return Ok(fd),
             // Root without the capability (a user namespace): the helper
             // may still work.
@@ -54,7 +55,7 @@ pub(crate) fn mount_fuse(
             Err(e) => return Err(fail(format!("{}: mount: {e}", mnt.display()))),
         }
     }
-    mount_helper(mnt, &name, allow_other, default_permissions, flags)
+    mount_helper(mnt, &name, allow_other, default_permissions, flags, writable)
 }
 
 fn mount_sys(
@@ -63,6 +64,7 @@ fn mount_sys(
     allow_other: bool,
     default_permissions: bool,
     flags: Flags,
+    writable: bool,
 ) -> Result<OwnedFd, Errno> {
     let fd = rustix::fs::open(
         "/dev/fuse",
@@ -83,7 +85,10 @@ fn mount_sys(
     if allow_other {
         data.push_str(",allow_other");
     }
-    let mut mflags = MountFlags::RDONLY | MountFlags::NOATIME;
+    let mut mflags = MountFlags::NOATIME;
+    if !writable {
+        mflags |= MountFlags::RDONLY;
+    }
     for (on, f) in [
         (flags.nosuid == Some(true), MountFlags::NOSUID),
         (flags.nodev == Some(true), MountFlags::NODEV),
@@ -110,6 +115,7 @@ fn mount_helper(
     allow_other: bool,
     default_permissions: bool,
     flags: Flags,
+    writable: bool,
 ) -> Result<OwnedFd, FuseError> {
     for (asked_off, what) in [(flags.nosuid, "suid"), (flags.nodev, "dev")] {
         if asked_off == Some(false) {
@@ -128,7 +134,10 @@ fn mount_helper(
         .map_err(|e| fail(format!("socketpair: {e}")))?;
     // fusermount3 makes every mount of a user nosuid and nodev; saying so
     // keeps that true even where it runs for root.
-    let mut opts = format!("ro,noatime,nosuid,nodev,fsname={name},subtype=tilefs");
+    let mut opts = format!(
+        "{},noatime,nosuid,nodev,fsname={name},subtype=tilefs",
+        if writable { "rw" } else { "ro" }
+    );
     if flags.noexec {
         opts.push_str(",noexec");
     }

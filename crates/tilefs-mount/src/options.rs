@@ -31,6 +31,11 @@ pub struct ParsedOptions {
     /// FUSE: `nouring` (false) reads /dev/fuse even where the kernel
     /// offers FUSE over io_uring.
     pub uring: Option<bool>,
+    /// FUSE writable mounts: `uidmapping=STORED:SHOWN:LEN[:...]` (and
+    /// `gidmapping`): ids as stored in the image and the upper directory,
+    /// shown to the kernel as other ids.
+    pub uid_map: Option<String>,
+    pub gid_map: Option<String>,
     /// FUSE: `allow_other`, other users may use the mount (kernel mounts
     /// always let them).
     pub allow_other: bool,
@@ -160,6 +165,8 @@ impl ParsedOptions {
                 "nopassthrough" => self.passthrough = Some(false),
                 "uring" => self.uring = Some(true),
                 "nouring" => self.uring = Some(false),
+                "uidmapping" => self.uid_map = Some(need(&value)?),
+                "gidmapping" => self.gid_map = Some(need(&value)?),
                 "nosuid" | "suid" => {
                     self.attrs.nosuid = key == "nosuid";
                     self.suid_asked = key == "suid";
