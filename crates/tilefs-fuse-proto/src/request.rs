@@ -360,10 +360,16 @@ pub fn parse<'a>(opcode: u32, head: &'a [u8], rest: &'a [u8], layout: Layout) ->
         opcode::ACCESS => Op::Access {
             mask: read::<abi::AccessIn>(head)?.mask,
         },
-        opcode::CREATE | opcode::TMPFILE => Op::Create {
+        opcode::CREATE => Op::Create {
             arg: read(head)?,
             name: name(rest)?.0,
-            tmpfile: opcode == opcode::TMPFILE,
+            tmpfile: false,
+        },
+        // The kernel names an unnamed file's dentry "/": not a name.
+        opcode::TMPFILE => Op::Create {
+            arg: read(head)?,
+            name: OsStr::new(""),
+            tmpfile: true,
         },
         opcode::FALLOCATE => Op::Fallocate(read(head)?),
         opcode::LSEEK => Op::Lseek(read(head)?),

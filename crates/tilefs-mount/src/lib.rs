@@ -451,6 +451,13 @@ pub fn build_detached(o: &MountOptions, image_file: File) -> Result<Detached, Mo
     if let (Some(u), Some(w)) = (&upper, &work) {
         ovl.set_string("upperdir", u)?;
         ovl.set_string("workdir", w)?;
+        // The layers are on different filesystems: without xino a
+        // directory's inode number changes when its inode is evicted,
+        // which tar and find take for a rename. An explicit xino option
+        // is the caller's to give.
+        if !o.overlay_options.iter().any(|(k, _)| k == "xino") {
+            ovl.set_string("xino", "on")?;
+        }
     }
     for (k, v) in &o.overlay_options {
         match v {

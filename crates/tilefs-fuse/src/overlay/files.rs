@@ -1,7 +1,9 @@
 //! Contents and metadata: merged listings, opening, reading and writing,
 //! attributes, symlinks and xattrs.
 
-use super::upper::{self, proc_path, Meta, Override, Target, KEPT_PREFIX, OVERRIDE, S_IFDIR, S_IFLNK, S_IFMT, S_IFREG};
+use super::upper::{
+    proc_path, Meta, Override, Target, XPath, KEPT_PREFIX, OVERRIDE, S_IFDIR, S_IFLNK, S_IFMT, S_IFREG,
+};
 use super::{e, Handle, Listed, Loc, NodeId, OverlayFs, R, UPPER_INO};
 use crate::lower::{dirent_type, Lower};
 use rustix::fs::{AtFlags, Mode, OFlags};
@@ -43,7 +45,7 @@ impl OverlayFs {
                 }
                 let ino = if m.is_dir() {
                     // A merged directory shows its image directory's number.
-                    let path = proc_path(d, Some(name));
+                    let path = XPath::at(d, name);
                     let below = match (self.up.is_opaque(&path), lower) {
                         (true, _) | (_, None) => None,
                         (false, Some(l)) => match self.up.redirect(&path) {
@@ -155,7 +157,7 @@ impl OverlayFs {
         let st = rustix::fs::fstat(fd).map_err(e)?;
         let mut m = Meta::from_stat(&st);
         if !self.up.powers.privileged {
-            if let Ok(Some(v)) = upper::lget(&proc_path(fd.as_fd(), None), OVERRIDE) {
+            if let Ok(Some(v)) = XPath::of(fd.as_fd()).get(OVERRIDE) {
                 if let Some(o) = Override::parse(&v) {
                     m = m.with(&o);
                 }
@@ -352,8 +354,8 @@ impl OverlayFs {
         Some(stored.to_vec())
     }
 
-    fn upper_xattr_path(&self, id: NodeId) -> R<std::ffi::CString> {
-        Ok(self.loc(id)?.path())
+    fn upper_xattr_path(&self, id: NodeId) -> R<XPath> {
+        Ok(self.loc(id)?.xpath())
     }
 
     pub(crate) fn getxattr(&self, id: NodeId, uid: u32, name: &[u8]) -> R<Vec<u8>> {
@@ -383,13 +385,13 @@ impl OverlayFs {
         }
         let path = self.upper_xattr_path(id)?;
         let stored = self.stored_xattr(name);
-        if let Some(v) = upper::lget(&path, &stored).map_err(e)? {
+        if let Some(v) = path.get(&stored).map_err(e)? {
             return Ok(v);
         }
         if !self.up.powers.privileged && !name.starts_with(b"user.") {
             let mut kept = KEPT_PREFIX.to_vec();
             kept.extend_from_slice(name);
-            if let Some(v) = upper::lget(&path, &kept).map_err(e)? {
+            if let Some(v) = path.get(&kept).map_err(e)? {
                 return Ok(v);
             }
         }
@@ -413,7 +415,7 @@ impl OverlayFs {
             }
             return Ok(names);
         }
-        for k in upper::llist(&self.upper_xattr_path(id)?).map_err(e)? {
+        for k in self.upper_xattr_path(id)?.list().map_err(e)? {
             if let Some(shown) = self.shown_xattr(&k) {
                 if self.lower.visible(uid, &shown) {
                     names.extend_from_slice(&shown);
@@ -443,11 +445,11 @@ impl OverlayFs {
         let _changing = self.changing.lock().unwrap_or_else(|e| e.into_inner());
         self.copy_up(id, None)?;
         let path = self.upper_xattr_path(id)?;
-        match rustix::fs::lremovexattr(path.as_c_str(), self.stored_xattr(name).as_slice()) {
+        match path.remove(&self.stored_xattr(name)) {
             Err(Errno::NODATA) if !self.up.powers.privileged && !name.starts_with(b"user.") => {
                 let mut kept = KEPT_PREFIX.to_vec();
                 kept.extend_from_slice(name);
-                rustix::fs::lremovexattr(path.as_c_str(), kept.as_slice()).map_err(e)
+                path.remove(&kept).map_err(e)
             }
             r => r.map_err(e),
         }

@@ -37,9 +37,7 @@ use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
 use tilefs_fuse_proto::abi;
 use tilefs_fuse_proto::{Connection, Entry};
 use tilefs_image::tree::InodeId;
-use upper::{
-    errno, proc_path, Meta, Override, Target, Upper, KEPT_PREFIX, OVERRIDE, S_IFDIR, S_IFLNK, S_IFMT, S_IFREG,
-};
+use upper::{errno, Meta, Override, Target, Upper, XPath, KEPT_PREFIX, OVERRIDE, S_IFDIR, S_IFLNK, S_IFMT, S_IFREG};
 pub(crate) use upper::{IdMap, Upper as UpperDir};
 
 /// Inode numbers of upper entries: the upper inode with the top bit set,
@@ -105,10 +103,10 @@ enum Loc {
 }
 
 impl Loc {
-    fn path(&self) -> CString {
+    fn xpath(&self) -> XPath {
         match self {
-            Loc::At(d, n) => proc_path(d.as_fd(), Some(n)),
-            Loc::Orphan(f) => proc_path(f.as_fd(), None),
+            Loc::At(d, n) => XPath::at(d.as_fd(), n),
+            Loc::Orphan(f) => XPath::of(f.as_fd()),
         }
     }
 }
@@ -130,7 +128,7 @@ impl OverlayFs {
             Mode::empty(),
         )
         .map_err(|e| format!("upper directory: {e}"))?;
-        let opaque = up.is_opaque(&proc_path(root_fd.as_fd(), None));
+        let opaque = up.is_opaque(&XPath::of(root_fd.as_fd()));
         let root = Node {
             refs: 1,
             kind: S_IFDIR,
@@ -263,7 +261,7 @@ impl OverlayFs {
                 Ok(m) if m.is_whiteout() => return Ok(None),
                 Ok(m) => {
                     if m.is_dir() {
-                        let path = proc_path(d.as_fd(), Some(name));
+                        let path = XPath::at(d.as_fd(), name);
                         opaque = self.up.is_opaque(&path);
                         if !opaque {
                             redirect = self.up.redirect(&path);
@@ -416,7 +414,7 @@ impl OverlayFs {
                 if self.up.powers.privileged || st.st_mode & S_IFMT != S_IFREG && st.st_mode & S_IFMT != S_IFDIR {
                     return Ok(m);
                 }
-                Ok(match upper::lget(&proc_path(f.as_fd(), None), OVERRIDE).map_err(e)? {
+                Ok(match XPath::of(f.as_fd()).get(OVERRIDE).map_err(e)? {
                     Some(v) => Override::parse(&v).map_or(m, |o| m.with(&o)),
                     None => m,
                 })
@@ -479,7 +477,7 @@ impl OverlayFs {
         let tmp = self.up.tmp_name();
         rustix::fs::mkdirat(&self.up.work, tmp.as_c_str(), Mode::from_raw_mode(0o700)).map_err(e)?;
         let done = (|| -> Result<(), Errno> {
-            let path = proc_path(self.up.work.as_fd(), Some(tmp.as_bytes()));
+            let path = XPath::at(self.up.work.as_fd(), tmp.as_bytes());
             let t = Target::At(self.up.work.as_fd(), tmp.as_bytes());
             // Owner first: chown drops security.capability.
             self.up
@@ -514,7 +512,7 @@ impl OverlayFs {
 
     /// Copies the image's xattrs of `lower` to the upper entry at `path`:
     /// those the server may not set are kept under our own names.
-    fn copy_xattrs(&self, path: &CString, lower: InodeId) -> Result<(), Errno> {
+    fn copy_xattrs(&self, path: &XPath, lower: InodeId) -> Result<(), Errno> {
         for (k, v) in self.lower.xattrs(lower) {
             if k.starts_with(b"trusted.overlay.") || k.starts_with(b"user.overlay.") {
                 continue;
@@ -526,14 +524,14 @@ impl OverlayFs {
 
     /// Sets an xattr as asked, or keeps it under our own name when the
     /// server may not set it.
-    fn set_xattr_raw(&self, path: &CString, k: &[u8], v: &[u8], flags: rustix::fs::XattrFlags) -> Result<(), Errno> {
-        match rustix::fs::lsetxattr(path.as_c_str(), k, v, flags) {
+    fn set_xattr_raw(&self, path: &XPath, k: &[u8], v: &[u8], flags: rustix::fs::XattrFlags) -> Result<(), Errno> {
+        match path.set(k, v, flags) {
             Err(Errno::PERM) | Err(Errno::ACCESS) | Err(Errno::OPNOTSUPP)
                 if !self.up.powers.privileged && !k.starts_with(b"user.") =>
             {
                 let mut kept = KEPT_PREFIX.to_vec();
                 kept.extend_from_slice(k);
-                rustix::fs::lsetxattr(path.as_c_str(), kept.as_slice(), v, flags)
+                path.set(&kept, v, flags)
             }
             r => r,
         }
@@ -596,7 +594,7 @@ impl OverlayFs {
                     u64::from(inode.rdev),
                 )?;
             }
-            let path = proc_path(work, Some(tmp.as_bytes()));
+            let path = XPath::at(work, tmp.as_bytes());
             let t = Target::At(work, tmp.as_bytes());
             // Owner first: chown drops security.capability.
             self.up.set_owner_mode(

@@ -1,7 +1,7 @@
 //! Changes to names: making, linking, removing and renaming entries, with
 //! overlayfs's whiteouts, opaque directories and redirects.
 
-use super::upper::{self, proc_path, Target, S_IFDIR, S_IFLNK, S_IFMT, S_IFREG};
+use super::upper::{self, proc_path, Target, XPath, S_IFDIR, S_IFLNK, S_IFMT, S_IFREG};
 use super::{e, NodeId, OverlayFs, R};
 use crate::overlay::nodes::Node;
 use rustix::fs::{AtFlags, Mode, OFlags, RenameFlags};
@@ -134,8 +134,7 @@ impl OverlayFs {
                 .set_owner_mode(t, uid, gid, mode, stand_in.then_some(rdev), !stand_in)?;
             if typ == S_IFDIR && matches!(slot, Slot::Whiteout) {
                 // It replaces a deleted image directory: it must hide it.
-                self.up
-                    .set_marker(&proc_path(dir, Some(at.as_bytes())), "opaque", b"y")?;
+                self.up.set_marker(&XPath::at(dir, at.as_bytes()), "opaque", b"y")?;
             }
             if let Slot::Whiteout = slot {
                 if typ == S_IFDIR {
@@ -374,7 +373,7 @@ impl OverlayFs {
             let n = nodes.get(id).ok_or(libc::ENOENT)?;
             (n.lower, n.opaque)
         };
-        let path = proc_path(pfd.as_fd(), Some(name));
+        let path = XPath::at(pfd.as_fd(), name);
         let here = {
             let nodes = self.nodes();
             let p = nodes.get(parent).ok_or(libc::ENOENT)?;

@@ -315,10 +315,10 @@ pub(crate) enum Target<'a> {
 }
 
 impl Target<'_> {
-    pub(crate) fn path(&self) -> CString {
+    pub(crate) fn xpath(&self) -> XPath {
         match *self {
-            Target::At(d, n) => proc_path(d, Some(n)),
-            Target::Fd(f) => proc_path(f, None),
+            Target::At(d, n) => XPath::at(d, n),
+            Target::Fd(f) => XPath::of(f),
         }
     }
 
@@ -336,7 +336,8 @@ impl Target<'_> {
         );
         match *self {
             Target::At(d, n) => rustix::fs::chownat(d, n, u, g, AtFlags::SYMLINK_NOFOLLOW),
-            Target::Fd(f) => rustix::fs::fchown(f, u, g),
+            // Also for O_PATH descriptors, which fchown does not take.
+            Target::Fd(f) => rustix::fs::chownat(f, "", u, g, AtFlags::EMPTY_PATH),
         }
     }
 
@@ -408,44 +409,100 @@ pub(crate) fn errno(e: Errno) -> i32 {
     e.raw_os_error()
 }
 
-/// Gets an xattr of `path` (not following a final symlink).
-pub(crate) fn lget(path: &CString, key: &[u8]) -> Result<Option<Vec<u8>>, Errno> {
-    let mut buf = vec![0u8; 256];
-    loop {
-        match rustix::fs::lgetxattr(path.as_c_str(), key, &mut buf) {
-            Ok(n) => {
-                buf.truncate(n);
-                return Ok(Some(buf));
-            }
-            Err(Errno::NODATA) | Err(Errno::NOTSUP) => return Ok(None),
-            Err(Errno::RANGE) => {
-                let n = rustix::fs::lgetxattr(path.as_c_str(), key, &mut [0u8; 0][..])?;
-                buf.resize(n.max(buf.len() * 2), 0);
-            }
-            Err(e) => return Err(e),
-        }
-    }
+/// Where xattr calls go: an entry of a directory (a symlink there is
+/// never followed), or the file a descriptor of ours holds (through its
+/// magic link, which leads to that very file).
+pub(crate) struct XPath {
+    c: CString,
+    follow: bool,
 }
 
-/// Lists the xattr names of `path` (not following a final symlink).
-pub(crate) fn llist(path: &CString) -> Result<Vec<Vec<u8>>, Errno> {
-    let mut buf = vec![0u8; 1024];
-    let n = loop {
-        match rustix::fs::llistxattr(path.as_c_str(), &mut buf) {
-            Ok(n) => break n,
-            Err(Errno::RANGE) => {
-                let n = rustix::fs::llistxattr(path.as_c_str(), &mut [0u8; 0][..])?;
-                buf.resize(n.max(buf.len() * 2), 0);
-            }
-            Err(Errno::NOTSUP) => return Ok(Vec::new()),
-            Err(e) => return Err(e),
+impl XPath {
+    pub(crate) fn at(dir: BorrowedFd<'_>, name: &[u8]) -> XPath {
+        XPath {
+            c: proc_path(dir, Some(name)),
+            follow: false,
         }
-    };
-    Ok(buf[..n]
-        .split(|&c| c == 0)
-        .filter(|k| !k.is_empty())
-        .map(<[u8]>::to_vec)
-        .collect())
+    }
+
+    pub(crate) fn of(fd: BorrowedFd<'_>) -> XPath {
+        XPath {
+            c: proc_path(fd, None),
+            follow: true,
+        }
+    }
+
+    fn get_into(&self, key: &[u8], buf: &mut [u8]) -> Result<usize, Errno> {
+        if self.follow {
+            rustix::fs::getxattr(self.c.as_c_str(), key, buf)
+        } else {
+            rustix::fs::lgetxattr(self.c.as_c_str(), key, buf)
+        }
+    }
+
+    /// An xattr's value; None if there is none.
+    pub(crate) fn get(&self, key: &[u8]) -> Result<Option<Vec<u8>>, Errno> {
+        let mut buf = vec![0u8; 256];
+        loop {
+            match self.get_into(key, &mut buf) {
+                Ok(n) => {
+                    buf.truncate(n);
+                    return Ok(Some(buf));
+                }
+                Err(Errno::NODATA) | Err(Errno::NOTSUP) => return Ok(None),
+                Err(Errno::RANGE) => {
+                    let n = self.get_into(key, &mut [0u8; 0][..])?;
+                    buf.resize(n.max(buf.len() * 2), 0);
+                }
+                Err(e) => return Err(e),
+            }
+        }
+    }
+
+    fn list_into(&self, buf: &mut [u8]) -> Result<usize, Errno> {
+        if self.follow {
+            rustix::fs::listxattr(self.c.as_c_str(), buf)
+        } else {
+            rustix::fs::llistxattr(self.c.as_c_str(), buf)
+        }
+    }
+
+    /// The names of its xattrs.
+    pub(crate) fn list(&self) -> Result<Vec<Vec<u8>>, Errno> {
+        let mut buf = vec![0u8; 1024];
+        let n = loop {
+            match self.list_into(&mut buf) {
+                Ok(n) => break n,
+                Err(Errno::RANGE) => {
+                    let n = self.list_into(&mut [0u8; 0][..])?;
+                    buf.resize(n.max(buf.len() * 2), 0);
+                }
+                Err(Errno::NOTSUP) => return Ok(Vec::new()),
+                Err(e) => return Err(e),
+            }
+        };
+        Ok(buf[..n]
+            .split(|&c| c == 0)
+            .filter(|k| !k.is_empty())
+            .map(<[u8]>::to_vec)
+            .collect())
+    }
+
+    pub(crate) fn set(&self, key: &[u8], value: &[u8], flags: rustix::fs::XattrFlags) -> Result<(), Errno> {
+        if self.follow {
+            rustix::fs::setxattr(self.c.as_c_str(), key, value, flags)
+        } else {
+            rustix::fs::lsetxattr(self.c.as_c_str(), key, value, flags)
+        }
+    }
+
+    pub(crate) fn remove(&self, key: &[u8]) -> Result<(), Errno> {
+        if self.follow {
+            rustix::fs::removexattr(self.c.as_c_str(), key)
+        } else {
+            rustix::fs::lremovexattr(self.c.as_c_str(), key)
+        }
+    }
 }
 
 impl Upper {
@@ -557,47 +614,42 @@ impl Upper {
     pub(crate) fn meta_at(&self, dir: BorrowedFd<'_>, name: &[u8]) -> Result<Meta, Errno> {
         let st = rustix::fs::statat(dir, name, AtFlags::SYMLINK_NOFOLLOW)?;
         let m = Meta::from_stat(&st);
-        self.with_override(m, || proc_path(dir, Some(name)))
+        self.with_override(m, || XPath::at(dir, name))
     }
 
     /// Stats the directory `fd` itself.
     pub(crate) fn meta_of_dir(&self, fd: BorrowedFd<'_>) -> Result<Meta, Errno> {
         let st = rustix::fs::fstat(fd)?;
-        self.with_override(Meta::from_stat(&st), || proc_path(fd, None))
+        self.with_override(Meta::from_stat(&st), || XPath::of(fd))
     }
 
-    fn with_override(&self, m: Meta, path: impl FnOnce() -> CString) -> Result<Meta, Errno> {
+    fn with_override(&self, m: Meta, path: impl FnOnce() -> XPath) -> Result<Meta, Errno> {
         let t = m.disk_mode & S_IFMT;
         if self.powers.privileged || (t != S_IFREG && t != S_IFDIR) {
             return Ok(m);
         }
-        match lget(&path(), OVERRIDE)? {
+        match path().get(OVERRIDE)? {
             Some(v) => Ok(Override::parse(&v).map_or(m, |o| m.with(&o))),
             None => Ok(m),
         }
     }
 
     /// Whether the directory at `path` (a proc path) is opaque.
-    pub(crate) fn is_opaque(&self, path: &CString) -> bool {
-        matches!(lget(path, self.ns.key("opaque").as_bytes()), Ok(Some(v)) if v == b"y")
+    pub(crate) fn is_opaque(&self, path: &XPath) -> bool {
+        matches!(path.get(self.ns.key("opaque").as_bytes()), Ok(Some(v)) if v == b"y")
     }
 
     /// Where the directory at `path` was moved from, if it was.
-    pub(crate) fn redirect(&self, path: &CString) -> Option<Vec<u8>> {
-        lget(path, self.ns.key("redirect").as_bytes()).ok().flatten()
+    pub(crate) fn redirect(&self, path: &XPath) -> Option<Vec<u8>> {
+        path.get(self.ns.key("redirect").as_bytes()).ok().flatten()
     }
 
-    pub(crate) fn set_marker(&self, path: &CString, what: &str, value: &[u8]) -> Result<(), Errno> {
-        rustix::fs::lsetxattr(
-            path.as_c_str(),
-            self.ns.key(what).as_bytes(),
-            value,
-            rustix::fs::XattrFlags::empty(),
-        )
+    pub(crate) fn set_marker(&self, path: &XPath, what: &str, value: &[u8]) -> Result<(), Errno> {
+        path.set(self.ns.key(what).as_bytes(), value, rustix::fs::XattrFlags::empty())
     }
 
-    pub(crate) fn remove_marker(&self, path: &CString, what: &str) -> Result<(), Errno> {
-        match rustix::fs::lremovexattr(path.as_c_str(), self.ns.key(what).as_bytes()) {
+    pub(crate) fn remove_marker(&self, path: &XPath, what: &str) -> Result<(), Errno> {
+        match path.remove(self.ns.key(what).as_bytes()) {
             Ok(()) | Err(Errno::NODATA) => Ok(()),
             Err(e) => Err(e),
         }
@@ -610,15 +662,10 @@ impl Upper {
 
     /// Records `o` for the entry at `path`, or removes the record when
     /// the entry on disk already says it all.
-    pub(crate) fn set_override(&self, path: &CString, o: Option<&Override>) -> Result<(), Errno> {
+    pub(crate) fn set_override(&self, path: &XPath, o: Option<&Override>) -> Result<(), Errno> {
         match o {
-            Some(o) => rustix::fs::lsetxattr(
-                path.as_c_str(),
-                OVERRIDE,
-                o.format().as_bytes(),
-                rustix::fs::XattrFlags::empty(),
-            ),
-            None => match rustix::fs::lremovexattr(path.as_c_str(), OVERRIDE) {
+            Some(o) => path.set(OVERRIDE, o.format().as_bytes(), rustix::fs::XattrFlags::empty()),
+            None => match path.remove(OVERRIDE) {
                 Ok(()) | Err(Errno::NODATA) => Ok(()),
                 Err(e) => Err(e),
             },
@@ -677,8 +724,12 @@ impl Upper {
         let special = !matches!(typ, S_IFREG | S_IFDIR);
         if special && stand_in.is_none() {
             // Symlinks and special files hold no user xattrs: they are
-            // real only when their owner is.
-            return if owned { Ok(()) } else { Err(Errno::PERM) };
+            // real only when their owner is, and have their exact mode
+            // (the server never opens them).
+            if !owned {
+                return Err(Errno::PERM);
+            }
+            return if typ == S_IFLNK { Ok(()) } else { t.chmod(perm) };
         }
         // chmod may drop setgid for a group we are not in: the override
         // keeps the logical bits either way.
@@ -694,7 +745,7 @@ impl Upper {
             perm,
             typ: stand_in.map(|rdev| (typ, rdev)),
         };
-        self.set_override(&t.path(), needed.then_some(&o))
+        self.set_override(&t.xpath(), needed.then_some(&o))
     }
 
     /// Whether an entry of type `mode` owned by `uid:gid` must be stored
