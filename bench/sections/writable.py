@@ -344,6 +344,11 @@ def _run(b, work: Path, state: State, uring: lib.FuseUring) -> None:
         b.skip("all", TITLE, how)
         return
     b.note("FUSE over io_uring: " + uring.describe())
+    fs = lib.capture(["findmnt", "-no", "FSTYPE,OPTIONS", "-T", str(work)])
+    if fs:
+        fstype, _, opts = fs.partition(" ")
+        b.note(f"native tree, upper and work directories on {fstype} ({opts.strip()})"
+               + (": online discard, so freeing blocks waits for the device (rm -rf)" if ",discard" in fs else ""))
     b.note(f"sources: {CRATE} ({how}); image built with tilefs build --store, owned by uid {NOBODY} "
            "(so that the rootless configuration may write in it)")
     unpack = work / "unpack"
