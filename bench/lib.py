@@ -539,6 +539,107 @@ def is_mountpoint(p: Path) -> bool:
 
 
 # ---------------------------------------------------------------------------
+# FUSE servers: the io_uring switch, the server of a mount, its transport.
+# ---------------------------------------------------------------------------
+
+URING_PARAM = Path("/sys/module/fuse/parameters/enable_uring")
+
+
+class FuseUring:
+    """`with FuseUring() as u:` turns FUSE over io_uring on (the fuse module's
+    enable_uring parameter, root only) for the block and puts the old value
+    back when it ends, also on failure, Ctrl-C or SIGTERM (bench/run raises
+    them as exceptions). Unmount every io_uring mount before the block ends:
+    with the parameter off, the kernel refuses the server's next ring
+    command. `u.available` is False, and nothing is changed, where the kernel
+    has no such parameter or it cannot be set; `u.why` then says why."""
+
+    def __init__(self) -> None:
+        self.old: str | None = None
+        self.changed = False
+        self.available = False
+        self.why = ""
+
+    def __enter__(self) -> "FuseUring":
+        try:
+            self.old = URING_PARAM.read_text().strip()
+        except OSError:
+            self.why = f"this kernel has no FUSE over io_uring (no {URING_PARAM})"
+            return self
+        if self.old == "Y":
+            self.available = True
+            return self
+        try:
+            URING_PARAM.write_text("Y\n")
+            self.changed = self.available = True
+        except OSError as e:
+            self.why = f"cannot turn FUSE over io_uring on ({URING_PARAM}: {e.strerror})"
+        return self
+
+    def restore(self) -> None:
+        if self.changed and self.old is not None:
+            try:
+                URING_PARAM.write_text(self.old + "\n")
+                self.changed = False
+            except OSError as e:
+                warn(f"cannot put {URING_PARAM} back to {self.old}: {e}")
+
+    def __exit__(self, *exc) -> None:
+        self.restore()
+
+    def describe(self) -> str:
+        if not self.available:
+            return self.why
+        was = f"was {self.old}, set to Y for this section and put back after" if self.changed else "was already Y"
+        return f"{URING_PARAM}: {was}"
+
+
+def fuse_server_pid(mnt: Path) -> int | None:
+    """The process serving a `tilefs mount --fuse ... MNT` (found by its command line)."""
+    want = str(mnt).encode()
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            args = (d / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if any(a.endswith(b"mount") for a in args) and want in args:
+            return int(d.name)
+    return None
+
+
+def fuse_transport(pid: int | None) -> str | None:
+    """How a tilefs FUSE server gets its requests, from its threads' names:
+    "io_uring" when it has queue threads (fuse-q0, fuse-q1, ...), else
+    "/dev/fuse"; None without a server."""
+    if pid is None:
+        return None
+    try:
+        tasks = list(Path(f"/proc/{pid}/task").iterdir())
+    except OSError:
+        return None
+    for t in tasks:
+        try:
+            if (t / "comm").read_text().startswith("fuse-q"):
+                return "io_uring"
+        except OSError:
+            continue
+    return "/dev/fuse"
+
+
+def proc_status_kib(pid: int, field: str) -> int | None:
+    """A kB field of /proc/PID/status (VmHWM, VmRSS), or None."""
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    except OSError:
+        pass
+    return None
+
+
+# ---------------------------------------------------------------------------
 # Formatting.
 # ---------------------------------------------------------------------------
 

@@ -21,8 +21,19 @@ the server's RSS. Then each cache setting of the FUSE server switched off in
 turn (`TILEFS_FUSE_TUNING`), against the default: ratio > 1 means the
 setting saves that much.
 
-Root only (kernel mounts, drop_caches, passthrough). Every mount is undone
-when the section ends, also on failure or Ctrl-C.
+Every tilefs FUSE configuration is mounted twice and measured in the same
+loop: over io_uring (the fuse module's enable_uring parameter is set to Y for
+the section and put back after) and over /dev/fuse (`--no-uring`); each row
+names the transport the server really uses, read from its threads (io_uring
+queue threads are fuse-q0, fuse-q1, ...). composefs-fuse gets goal 1.0 on
+every row (ahead of the C reference's FUSE server). Also: the worker pool
+without io_uring (1 and 4 threads against 2), and the cs9 tree ten times
+over under /d0../d9 (642k entries): `ls -lR` cold and warm, the server's
+RSS against the image size + 32 MiB.
+
+Root only (kernel mounts, drop_caches, passthrough, enable_uring). Every
+mount is undone when the section ends, then enable_uring is put back, also
+on failure or Ctrl-C.
 """
 
 from __future__ import annotations
@@ -41,7 +52,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import lib  # noqa: E402
 
 NAME = "fuse"
-TITLE = "FUSE mount vs the tilefs kernel mount: listing, stat, reads, access(2), a C build, RSS, cache settings"
+TITLE = ("FUSE mount (io_uring and /dev/fuse) vs the tilefs kernel mount and composefs-fuse: listing, stat, reads, "
+         "access(2), a C build, RSS, cache settings, worker pool, cs9 × 10")
 ORDER = 45
 
 DUMP = "cs9-x86_64-developer.dump.gz"
@@ -165,36 +177,39 @@ class Cleanup:
                     lib.warn(f"cannot unmount {m}: {r.stderr.strip()}")
 
 
-def server_pid(mnt: Path) -> int | None:
-    want = str(mnt).encode()
-    for d in Path("/proc").iterdir():
-        if not d.name.isdigit():
-            continue
-        try:
-            args = (d / "cmdline").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        if any(a.endswith(b"mount") for a in args) and want in args:
-            return int(d.name)
-    return None
-
-
-def status_kib(pid: int, field: str) -> int | None:
-    try:
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith(field + ":"):
-                return int(line.split()[1])
-    except OSError:
-        pass
-    return None
+# The transports of the tilefs FUSE server: key, what the rows call it, flags.
+TRANSPORTS = (("uring", "io_uring", []), ("dev", "/dev/fuse", ["--no-uring"]))
 
 
 class Mounts:
-    def __init__(self, b, work: Path, cleanup: Cleanup) -> None:
+    def __init__(self, b, work: Path, cleanup: Cleanup, uring: lib.FuseUring) -> None:
         self.b = b
         self.work = work
         self.cleanup = cleanup
+        self.uring = uring
         self.n = 0
+
+    def fuse_transports(self, key: str, what: str, store: Path, image: Path, tuning: str = "",
+                        extra=()) -> list[tuple[str, Path, str, str]]:
+        """`tilefs mount --fuse` once per transport (io_uring where it can be
+        turned on, and --no-uring): [(key/uring or key/dev, mountpoint, error,
+        label)]. The label names the transport the server really uses, from
+        its threads (io_uring queue threads are fuse-q0, fuse-q1, ...)."""
+        out = []
+        for t, name, flags in TRANSPORTS:
+            if t == "uring" and not self.uring.available:
+                continue
+            mnt, err = self.fuse(f"{key}-{t}".replace(",", "+"), store, image, tuning=tuning, extra=[*flags, *extra])
+            used = lib.fuse_transport(lib.fuse_server_pid(mnt)) if not err else None
+            if used is None:
+                label = f"{what} ({name}?: server not found)"
+            elif used != name:
+                label = f"{what} ({used}: {name} refused)"
+                self.b.note(f"{key}: asked for {name}, the server uses {used}")
+            else:
+                label = f"{what} ({used})"
+            out.append((f"{key}/{t}", mnt, err, label))
+        return out
 
     def _mnt(self, name: str) -> Path:
         self.n += 1
@@ -203,6 +218,7 @@ class Mounts:
         return m
 
     def fuse(self, name: str, store: Path, image: Path, tuning: str = "", extra=()) -> tuple[Path, str]:
+        """One `tilefs mount --fuse`; with io_uring available its default transport is io_uring."""
         m = self._mnt(name)
         env = dict(os.environ, TILEFS_FUSE_TUNING=tuning)
         r = subprocess.run(
@@ -317,9 +333,10 @@ def read_file(path: Path, small_folios: bool = False) -> None:
             pass
 
 
-def measure(b, title: str, argv: dict, *, cold: bool, runs: int | None = None, after_drop=None) -> dict:
-    """Runs every configuration's argv, interleaved; returns their Series."""
-    series = {k: lib.Series(k, [str(a) for a in argv[k]]) for k in argv}
+def measure(b, title: str, argv: dict, *, cold: bool, runs: int | None = None, after_drop=None,
+            labels: dict | None = None) -> dict:
+    """Runs every configuration's argv, interleaved; returns their Series (named by labels[key])."""
+    series = {k: lib.Series((labels or {}).get(k, k), [str(a) for a in argv[k]]) for k in argv}
     return b.interleave(title, series, cold=cold, runs=runs, after_drop=after_drop)
 
 
@@ -350,12 +367,62 @@ def run(b) -> None:
             return
     work = b.tmpdir(NAME)
     cleanup = Cleanup(b.tilefs)
-    try:
-        m = Mounts(b, work, cleanup)
-        metadata_rows(b, work, m)
-        data_rows(b, work, m)
-    finally:
-        cleanup.run()
+    with lib.FuseUring() as uring:
+        try:
+            b.note("FUSE over io_uring: " + uring.describe()
+                   + ("" if uring.available else ": the io_uring rows are left out"))
+            cfs = b.tool("composefs-fuse")
+            if cfs:
+                how = b.facts.get("reference_build") or os.environ.get("COMPOSEFS_BUILD") \
+                    or "not recorded (set COMPOSEFS_BUILD)"
+                b.note(f"composefs-fuse (the C reference's FUSE server, libfuse 3, multi-threaded): {cfs}; built: {how}")
+            m = Mounts(b, work, cleanup, uring)
+            metadata_rows(b, work, m)
+            tenfold_rows(b, work, m)
+            data_rows(b, work, m)
+        finally:
+            cleanup.run()  # every io_uring mount is gone before enable_uring goes back
+
+
+LABELS = {"kernel": "tilefs kernel mount", "composefs-fuse": "composefs-fuse (reference)",
+          "composefs-rs": "composefs-rs FUSE (composefs-fuse crate)", "native": "native (ext4)"}
+
+
+def rows_for(b, id: str, title: str, s: dict, fuse_keys: list, refs: dict, label: dict, *, cold: bool,
+             nbytes: int | None = None, notes=(), transports: bool = True) -> None:
+    """A row for each tilefs FUSE configuration of fuse_keys against each
+    reference of refs (key -> goal or None) measured in `s`, and with
+    transports, io_uring against /dev/fuse for each pair of fuse_keys that
+    differ only in it."""
+    for fk in fuse_keys:
+        if fk not in s:
+            continue
+        for rk, goal in refs.items():
+            if rk not in s:  # not mounted (said in a note) or not measured here
+                continue
+            row(b, f"{id}/{fk}/{rk}", f"{title}: {label[fk]} vs {label[rk]}", s[fk], s[rk], label[rk],
+                cold=cold, goal=goal, nbytes=nbytes, notes=notes)
+        base = fk.rsplit("/", 1)[0]
+        if transports and fk.endswith("/uring") and f"{base}/dev" in s:
+            row(b, f"{id}/{base}/uring-vs-dev", f"{title}: {label[fk]} vs {label[base + '/dev']}", s[fk],
+                s[f"{base}/dev"], label[base + "/dev"], cold=cold, nbytes=nbytes, notes=notes)
+
+
+def server_rss(b, id: str, what: str, mnt: Path, label: str, image_size: int) -> None:
+    """The FUSE server's peak and current RSS, against the goal image + 32 MiB."""
+    pid = lib.fuse_server_pid(mnt)
+    if not pid:
+        b.note(f"{label}: the server's process was not found: RSS not measured")
+        return
+    hwm, rss = lib.proc_status_kib(pid, "VmHWM"), lib.proc_status_kib(pid, "VmRSS")
+    if not hwm or not rss:
+        return
+    limit = image_size / 1024 + 32 * 1024
+    verdict = "✓ met" if hwm <= limit else "✗ **missed**"
+    b.info(id, f"{label}: server RSS after {what} (peak / now)",
+           f"{hwm / 1024:.1f} MiB / {rss / 1024:.1f} MiB; goal ≤ image + 32 MiB = {limit / 1024:.1f} MiB {verdict}",
+           value_json={"vm_hwm_kib": hwm, "vm_rss_kib": rss, "image_bytes": image_size, "goal_kib": round(limit),
+                       "goal_met": hwm <= limit})
 
 
 def metadata_rows(b, work: Path, m: Mounts) -> None:
@@ -387,31 +454,31 @@ def metadata_rows(b, work: Path, m: Mounts) -> None:
     for k in ("kernel", "composefs-fuse"):
         images[k] = work / f"cs9-{k}.img"
         shutil.copyfile(image, images[k])
-    mnt = {}
-    why = {}
-    mnt["fuse"], why["fuse"] = m.fuse("fuse", store, image)
+    mnt, why, label = {}, {}, dict(LABELS)
+    for k, mp, err, lab in m.fuse_transports("fuse", "tilefs FUSE", store, image):
+        mnt[k], why[k], label[k] = mp, err, lab
+    fuse_keys = list(mnt)
     mnt["kernel"], why["kernel"] = m.kernel("kernel", store, images["kernel"])
     mnt["composefs-fuse"], why["composefs-fuse"] = m.composefs_fuse("cfs", store, images["composefs-fuse"])
     mnt["composefs-rs"], why["composefs-rs"] = m.composefs_rs_fuse("cfsrs", store, image, dump=dump)
-    if why["fuse"]:
-        b.skip("cs9", "cs9 benchmarks", why["fuse"])
-        return
-    configs = [k for k in mnt if not why[k]]
     for k in mnt:
         if why[k]:
-            b.note(f"{k}: not measured: {why[k]}")
-    labels = {"kernel": "tilefs kernel mount", "composefs-fuse": "composefs-fuse (reference)",
-              "composefs-rs": "composefs-rs FUSE (composefs-fuse crate)"}
-    goals = {"ls-lR/cold": 1.5, "ls-lR/warm": 1.2, "stat": 1.3}
+            b.note(f"{label[k]}: not measured: {why[k]}")
+    fuse_keys = [k for k in fuse_keys if not why[k]]
+    if not fuse_keys:
+        b.skip("cs9", "cs9 benchmarks", "; ".join(why[k] for k in mnt if k.startswith("fuse/")))
+        return
+    configs = [k for k in mnt if not why[k]]
+    main = fuse_keys[0]
+    goals = {"ls-lR/cold": 1.5, "ls-lR/warm": 1.2, "stat": 1.3, "stat-dentries": 1.5}
     b.note(f"cs9-x86_64-developer: {len(paths):,} entries, image {image_size / 1e6:.1f} MB, store empty (metadata only)")
 
     def compare_all(id: str, title: str, argv_of, cold: bool, goal: float | None, after_drop=None) -> dict:
         argv = {k: argv_of(mnt[k]) for k in configs}
-        s = measure(b, title, argv, cold=cold, after_drop=after_drop)
-        for k in configs:
-            if k != "fuse":
-                row(b, f"{id}/{k}", f"{title}: vs {labels[k]}", s["fuse"], s[k], labels[k], cold=cold,
-                    goal=goal if k == "kernel" else None)
+        s = measure(b, title, argv, cold=cold, after_drop=after_drop, labels=label)
+        # Ahead of the C reference's FUSE server on every row: goal 1.0 against it.
+        rows_for(b, id, title, s, fuse_keys, {"kernel": goal, "composefs-fuse": 1.0, "composefs-rs": None}, label,
+                 cold=cold)
         return s
 
     if b.can_drop_caches():
@@ -426,21 +493,14 @@ def metadata_rows(b, work: Path, m: Mounts) -> None:
             # cache: only the lookups are cold. The FUSE server does not use
             # its image file after mounting, so this helps only the others.
             compare_all(f"stat-{n}/dentries", f"stat of {n} random entries, cold dentries, image file cached",
-                        argv_of, True, None, after_drop=lambda k: read_file(images.get(k, image)))
+                        argv_of, True, goals["stat-dentries"], after_drop=lambda k: read_file(images.get(k, image)))
         compare_all(f"stat-{n}/warm", f"stat of {n} random entries, warm cache", argv_of, False, goals["stat"])
 
-    pid = server_pid(mnt["fuse"])
-    if pid:
-        hwm, rss = status_kib(pid, "VmHWM"), status_kib(pid, "VmRSS")
-        limit = image_size / 1024 + 32 * 1024
-        verdict = "✓ met" if hwm and hwm <= limit else "✗ **missed**"
-        b.info("rss", "FUSE server RSS after the cs9 rows (peak / now)",
-               f"{hwm / 1024:.1f} MiB / {rss / 1024:.1f} MiB; goal ≤ image + 32 MiB = {limit / 1024:.1f} MiB {verdict}",
-               value_json={"vm_hwm_kib": hwm, "vm_rss_kib": rss, "image_bytes": image_size})
-    else:
-        b.note("the FUSE server's process was not found: RSS not measured")
+    for k in fuse_keys:
+        server_rss(b, f"rss/{k}", "the cs9 rows", mnt[k], label[k], image_size)
 
-    # Each cache setting switched off, on the listing and stat rows.
+    # Each cache setting switched off, on the listing and stat rows, with the
+    # default transport (io_uring where available).
     variants = [
         ("no-readdirplus", "without readdirplus", ["ls-warm", "ls-cold"]),
         ("readdirplus-auto", "readdirplus auto", ["ls-cold"]),
@@ -449,8 +509,6 @@ def metadata_rows(b, work: Path, m: Mounts) -> None:
         ("no-symlinks", "without FUSE_CACHE_SYMLINKS", ["ls-warm"]),
         ("no-selinux-enotsup", "security.selinux answered ENODATA", ["ls-warm"]),
         ("no-negative", "without negative entries", ["missing"]),
-        ("threads=1", "1 worker thread (default: one per core, at least 2)", ["ls-cold", "stat-cold"]),
-        ("threads=4", "4 worker threads (default: one per core, at least 2)", ["ls-cold", "stat-cold"]),
     ]
     sample = random.Random(SEED).sample(paths, 1000)
     missing = [x + ".missing" for x in random.Random(SEED + 1).sample(paths, 1000)]
@@ -462,11 +520,10 @@ def metadata_rows(b, work: Path, m: Mounts) -> None:
                     lambda p: ["sh", "-c", 'for i in 1 2 3 4 5; do stat "$@" 2>/dev/null; done; true', "sh",
                                *[str(p) + x for x in missing]], False),
     }
+    tr = label[main][label[main].rindex("("):]
     for tuning, what, works in variants:
-        if tuning.startswith("threads="):
-            vm, err = m.fuse(tuning, store, image, extra=["--threads", tuning.split("=")[1]])
-        else:
-            vm, err = m.fuse(tuning.replace(",", "+"), store, image, tuning=tuning)
+        vm, err = m.fuse(tuning.replace(",", "+"), store, image, tuning=tuning,
+                         extra=[] if main.endswith("/uring") else ["--no-uring"])
         if err:
             b.note(f"{tuning}: not measured: {err}")
             continue
@@ -474,11 +531,121 @@ def metadata_rows(b, work: Path, m: Mounts) -> None:
             name, argv_of, cold = work_of[w]
             if cold and not b.can_drop_caches():
                 continue
-            s = measure(b, f"{name}: {what}", {"default": argv_of(mnt["fuse"]), tuning: argv_of(vm)}, cold=cold,
+            s = measure(b, f"{name}: {what}", {"default": argv_of(mnt[main]), tuning: argv_of(vm)}, cold=cold,
                         runs=3)
-            row(b, f"setting/{tuning}/{w}", f"setting: {what} vs default — cs9 {name}", s[tuning], s["default"],
-                "FUSE default", cold=cold)
+            row(b, f"setting/{tuning}/{w}", f"setting: {what} vs default {tr} — cs9 {name}", s[tuning], s["default"],
+                f"FUSE default {tr}", cold=cold)
         subprocess.run([b.tilefs, "umount", vm], capture_output=True)
+
+    # Worker pool sizing without io_uring (with io_uring there is one queue
+    # per CPU and no pool): 1 and 4 /dev/fuse worker threads against 2.
+    pool = {}
+    for n in (2, 1, 4):
+        vm, err = m.fuse(f"threads-{n}", store, image, extra=["--no-uring", "--threads", str(n)])
+        if err:
+            b.note(f"--threads {n}: not measured: {err}")
+        else:
+            pool[n] = vm
+    if 2 in pool:
+        for n in (1, 4):
+            if n not in pool:
+                continue
+            for w in ("ls-cold", "stat-cold"):
+                name, argv_of, cold = work_of[w]
+                if cold and not b.can_drop_caches():
+                    continue
+                s = measure(b, f"{name}: {n} vs 2 worker threads", {"2": argv_of(pool[2]), str(n): argv_of(pool[n])},
+                            cold=cold, runs=3)
+                row(b, f"threads/{n}-vs-2/{w}", f"worker pool: {n} vs 2 /dev/fuse threads (no io_uring) — cs9 {name}",
+                    s[str(n)], s["2"], "2 threads (/dev/fuse)", cold=cold)
+    for vm in pool.values():
+        subprocess.run([b.tilefs, "umount", vm], capture_output=True)
+    b.note("setting rows: ratio = time with the setting off / time with the default (> 1: the setting helps); "
+           "3 runs each (7 for the read with the store cached); worker pool rows: ratio = N threads / 2 threads")
+
+
+# ---------------------------------------------------------------------------
+# The cs9 tree ten times over (642k entries).
+# ---------------------------------------------------------------------------
+
+
+def tenfold_dump(src: Path, dest: Path, copies: int = 10) -> int:
+    """Writes the dump `src` `copies` times under /d0 .. /d9 of one root (the
+    root line once, then every entry of each copy with its path, and a
+    hardlink's target, prefixed); returns the number of entries."""
+    n = 0
+    with open(src, "rb") as f:
+        lines = f.read().splitlines()
+    if not lines or not lines[0].startswith(b"/ "):
+        raise ValueError(f"{src}: the first entry is not the root")
+    with open(dest, "wb") as out:
+        out.write(lines[0] + b"\n")
+        n += 1
+        for i in range(copies):
+            pre = b"/d%d" % i
+            out.write(pre + lines[0][1:] + b"\n")  # the root's metadata for /dN
+            n += 1
+            for ln in lines[1:]:
+                f = ln.split(b" ")
+                f[0] = pre + f[0]
+                if len(f) > 8 and f[2].startswith(b"@") and f[8].startswith(b"/"):
+                    f[8] = pre + f[8]
+                out.write(b" ".join(f) + b"\n")
+                n += 1
+    return n
+
+
+def tenfold_rows(b, work: Path, m: Mounts) -> None:
+    src = b.assets / DUMP
+    if not src.is_file():
+        b.skip("cs9x10", "ls -lR of cs9 × 10", f"{src} not found (set TILEFS_ASSETS)")
+        return
+    one = work / "cs9-one.dump"
+    with gzip.open(src, "rb") as fin, open(one, "wb") as fout:
+        shutil.copyfileobj(fin, fout, 1 << 20)
+    dump = work / "cs9x10.dump"
+    entries = tenfold_dump(one, dump)
+    one.unlink()
+    image = work / "cs9x10.img"
+    r = subprocess.run([b.tilefs, "build", "-q", "--from-dump", dump, image], capture_output=True, text=True)
+    if r.returncode != 0:
+        b.skip("cs9x10", "ls -lR of cs9 × 10", f"tilefs build failed: {r.stderr.strip()[-300:]}")
+        return
+    dump.unlink()
+    image_size = image.stat().st_size
+    store = work / "store-empty-x10"
+    store.mkdir()
+    images = {}
+    for k in ("kernel", "composefs-fuse"):
+        images[k] = work / f"cs9x10-{k}.img"
+        shutil.copyfile(image, images[k])
+    mnt, why, label = {}, {}, dict(LABELS)
+    for k, mp, err, lab in m.fuse_transports("fuse", "tilefs FUSE", store, image):
+        mnt[k], why[k], label[k] = mp, err, lab
+    fuse_keys = [k for k in mnt if not why[k]]
+    mnt["kernel"], why["kernel"] = m.kernel("kernel-x10", store, images["kernel"])
+    mnt["composefs-fuse"], why["composefs-fuse"] = m.composefs_fuse("cfs-x10", store, images["composefs-fuse"])
+    for k in mnt:
+        if why[k]:
+            b.note(f"cs9 × 10, {label[k]}: not measured: {why[k]}")
+    if not fuse_keys:
+        b.skip("cs9x10", "ls -lR of cs9 × 10", "no tilefs FUSE mount")
+        return
+    configs = [k for k in mnt if not why[k]]
+    b.note(f"cs9 × 10: the cs9-x86_64-developer dump under /d0 .. /d9 of one root, {entries:,} entries, "
+           f"image {image_size / 1e6:.1f} MB; {min(b.runs, 3)} warm runs")
+    for cold in ((True, False) if b.can_drop_caches() else (False,)):
+        cw = "cold" if cold else "warm"
+        title = f"ls -lR cs9 × 10 ({entries:,} entries), {cw} cache"
+        s = measure(b, title, {k: ["ls", "-lR", mnt[k]] for k in configs}, cold=cold, labels=label,
+                    runs=None if cold else min(b.runs, 3))
+        rows_for(b, f"cs9x10/ls-lR/{cw}", title, s, fuse_keys, {"kernel": 1.2, "composefs-fuse": 1.0}, label,
+                 cold=cold)
+    for k in fuse_keys:
+        server_rss(b, f"cs9x10/rss/{k}", "ls -lR of cs9 × 10", mnt[k], label[k], image_size)
+    for k in configs:  # 642k inodes: free them for the rows that follow
+        subprocess.run([b.tilefs, "umount", mnt[k]] if k != "composefs-fuse" else ["umount", mnt[k]],
+                       capture_output=True)
 
 
 def data_rows(b, work: Path, m: Mounts) -> None:
@@ -500,22 +667,30 @@ def data_rows(b, work: Path, m: Mounts) -> None:
     if r.returncode != 0:
         b.skip("data", "data benchmarks", f"tilefs build --store failed: {r.stderr.strip()[-300:]}")
         return
-    mnt, why = {}, {}
-    mnt["fuse"], why["fuse"] = m.fuse("dfuse", store, image)
-    mnt["fuse, no passthrough"], why["fuse, no passthrough"] = m.fuse("dfuse-nopt", store, image, tuning="no-passthrough")
+    cfs_image = work / "data-composefs-fuse.img"
+    shutil.copyfile(image, cfs_image)
+    mnt, why, label = {}, {}, dict(LABELS)
+    for key, what, tuning in (("fuse", "tilefs FUSE, passthrough", ""),
+                              ("served", "tilefs FUSE, reads served", "no-passthrough")):
+        for k, mp, err, lab in m.fuse_transports(f"d{key}", what, store, image, tuning=tuning):
+            k = key + k[k.index("/"):]
+            mnt[k], why[k], label[k] = mp, err, lab
+    passthrough = [k for k in mnt if k.startswith("fuse/") and not why[k]]
+    served = [k for k in mnt if k.startswith("served/") and not why[k]]
     mnt["kernel"], why["kernel"] = m.kernel("dkernel", store, image)
+    mnt["composefs-fuse"], why["composefs-fuse"] = m.composefs_fuse("dcfs", store, cfs_image)
     mnt["native"], why["native"] = src, ""
     for k in mnt:
         if why[k]:
-            b.note(f"data rows, {k}: not measured: {why[k]}")
+            b.note(f"data rows, {label[k]}: not measured: {why[k]}")
     ok = [k for k in mnt if not why[k]]
-    if "fuse" not in ok:
-        b.skip("data", "data benchmarks", why["fuse"])
+    fuse_keys = passthrough + served
+    if not fuse_keys:
+        b.skip("data", "data benchmarks", "no tilefs FUSE mount")
         return
     # The first open of each object verifies it: done once here, untimed.
-    for k in ("fuse", "fuse, no passthrough"):
-        if k in ok:
-            subprocess.run(["cat", mnt[k] / "big"], stdout=subprocess.DEVNULL)
+    for k in fuse_keys:
+        subprocess.run(["cat", mnt[k] / "big"], stdout=subprocess.DEVNULL)
     nbytes = BIG_MIB << 20
     big_object = next(p for p in store.rglob("*") if p.is_file() and p.stat().st_size == nbytes)
 
@@ -525,17 +700,18 @@ def data_rows(b, work: Path, m: Mounts) -> None:
     small = work / "big-4k"
     shutil.copyfile(big, small)
     folios = compile_c(gcc, work / "folios", FOLIOS_C)
+    label["native-4k"] = "ext4 copy cached in 4 KiB folios"
     for cold in ((True, False) if b.can_drop_caches() else (False,)):
         cw = "cold" if cold else "warm"
         title = f"sequential read of a {BIG_MIB} MiB file, {cw} cache"
         argv = {k: ["dd", f"if={mnt[k] / 'big'}", "of=/dev/null", "bs=1M"] for k in ok}
         if not cold:
             read_file(small, small_folios=True)
-            argv["native, 4 KiB folios"] = ["dd", f"if={small}", "of=/dev/null", "bs=1M"]
-        s = measure(b, title, argv, cold=cold)
+            argv["native-4k"] = ["dd", f"if={small}", "of=/dev/null", "bs=1M"]
+        s = measure(b, title, argv, cold=cold, labels=label)
         notes = []
-        if not cold and folios and "fuse, no passthrough" in ok:
-            paths = {"FUSE": mnt["fuse, no passthrough"] / "big", "native ext4": big, "4 KiB copy": small}
+        if not cold and folios and served:
+            paths = {"FUSE": mnt[served[0]] / "big", "native ext4": big, "4 KiB copy": small}
             r = subprocess.run([folios, *map(str, paths.values())], capture_output=True, text=True)
             counts = [line.split() for line in r.stdout.splitlines()]
             if r.returncode == 0 and len(counts) == len(paths):
@@ -543,19 +719,12 @@ def data_rows(b, work: Path, m: Mounts) -> None:
                     f"{k} {int(c[1]):,} of {int(c[0]):,}" for k, c in zip(paths, counts)))
             else:
                 notes.append(f"folio counts not measured: {r.stderr.strip()[-200:]}")
-        ref = s.get("native")
-        row(b, f"read/{cw}/passthrough", f"{title}: FUSE (passthrough) vs native", s["fuse"], ref, "native (ext4)",
-            cold=cold, goal=round(1 / 0.95, 3), nbytes=nbytes)
-        if "fuse, no passthrough" in s:
-            row(b, f"read/{cw}/served", f"{title}: FUSE (reads served by the server) vs native",
-                s["fuse, no passthrough"], ref, "native (ext4)", cold=cold, goal=1.25, nbytes=nbytes, notes=notes)
-            if not cold:
-                row(b, "read/warm/served-4k", f"{title}: FUSE (reads served by the server) vs native in 4 KiB folios",
-                    s["fuse, no passthrough"], s["native, 4 KiB folios"], "ext4 copy cached in 4 KiB folios",
-                    cold=False, nbytes=nbytes, notes=notes)
-        if "kernel" in s:
-            row(b, f"read/{cw}/kernel", f"{title}: FUSE (passthrough) vs kernel mount", s["fuse"], s["kernel"],
-                "tilefs kernel mount", cold=cold, nbytes=nbytes)
+        rows_for(b, f"read/{cw}", title, s, passthrough,
+                 {"native": round(1 / 0.95, 3), "kernel": None, "composefs-fuse": 1.0}, label, cold=cold, nbytes=nbytes)
+        refs = {"native": 1.25, "composefs-fuse": 1.0}
+        if not cold:
+            refs["native-4k"] = None
+        rows_for(b, f"read/{cw}", title, s, served, refs, label, cold=cold, nbytes=nbytes, notes=notes)
 
     # access(2).
     prog = compile_c(gcc, work / "access1", ACCESS_C)
@@ -566,10 +735,12 @@ def data_rows(b, work: Path, m: Mounts) -> None:
         for procs in (1, 2):
             title = f"access(2) × {ACCESS_CALLS:,} per process, {procs} process{'es' if procs > 1 else ''}"
             script = " & ".join([f'"$0" {ACCESS_CALLS} "$1"'] * procs) + " & wait"
-            argv = {k: ["sh", "-c", script, prog, mnt[k] / target] for k in ("fuse", "kernel", "native") if k in ok}
-            s = measure(b, title, argv, cold=False)
-            row(b, f"access/{procs}", f"{title}: vs kernel mount", s["fuse"], s.get("kernel"), "tilefs kernel mount",
-                cold=False, goal=round(1 / 0.9, 3), notes=[f"file: {target} (4 path components)"])
+            argv = {k: ["sh", "-c", script, prog, mnt[k] / target]
+                    for k in (*passthrough, "kernel", "composefs-fuse", "native") if k in ok}
+            s = measure(b, title, argv, cold=False, labels=label)
+            rows_for(b, f"access/{procs}", title, s, passthrough,
+                     {"kernel": round(1 / 0.9, 3), "composefs-fuse": 1.0}, label, cold=False,
+                     notes=[f"file: {target} (4 path components)"])
 
     # open(2) + close(2): what every program starting from the image does.
     opener = compile_c(gcc, work / "open1", OPEN_C) if zstd else None
@@ -582,14 +753,12 @@ def data_rows(b, work: Path, m: Mounts) -> None:
         open_list.write_text("".join(f + "\n" for f in files))
         title = f"open(2) + close(2) of the zstd sources' {len(files)} files × {OPEN_ROUNDS}"
         argv = {k: [opener, str(OPEN_ROUNDS), mnt[k] / "zstd-lib", open_list]
-                for k in ("fuse", "fuse, no passthrough", "kernel") if k in ok}
-        s = measure(b, title, argv, cold=False)
-        row(b, "open/passthrough", f"{title}: FUSE (passthrough) vs kernel mount", s["fuse"], s.get("kernel"),
-            "tilefs kernel mount", cold=False, notes=["passthrough needs the server at every open"])
-        if "fuse, no passthrough" in s:
-            row(b, "open/served", f"{title}: FUSE (reads served by the server) vs kernel mount",
-                s["fuse, no passthrough"], s.get("kernel"), "tilefs kernel mount", cold=False,
-                notes=["open answered with ENOSYS: opens stay in the kernel"])
+                for k in (*fuse_keys, "kernel", "composefs-fuse") if k in ok}
+        s = measure(b, title, argv, cold=False, labels=label)
+        rows_for(b, "open", title, s, passthrough, {"kernel": None, "composefs-fuse": 1.0}, label, cold=False,
+                 notes=["passthrough needs the server at every open"])
+        rows_for(b, "open", title, s, served, {"kernel": None, "composefs-fuse": 1.0}, label, cold=False,
+                 notes=["open answered with ENOSYS: opens stay in the kernel"])
 
     # A C build.
     build = None
@@ -598,19 +767,17 @@ def data_rows(b, work: Path, m: Mounts) -> None:
         build.write_text(BUILD_SH)
         build.chmod(0o755)
         title = "C build: zstd lib (gcc -O0, 2 jobs), sources in the image"
-        argv = {k: [build, mnt[k] / "zstd-lib", work / f"out-{k.replace(' ', '').replace(',', '')}"]
-                for k in ("fuse", "fuse, no passthrough", "kernel", "native") if k in ok}
-        s = measure(b, title, argv, cold=False)
-        row(b, "build/kernel", f"{title}: vs kernel mount", s["fuse"], s.get("kernel"), "tilefs kernel mount",
-            cold=False, goal=1.1)
-        if "fuse, no passthrough" in s:
-            row(b, "build/served", f"{title}: FUSE (reads served by the server) vs kernel mount",
-                s["fuse, no passthrough"], s.get("kernel"), "tilefs kernel mount", cold=False)
-        row(b, "build/native", f"{title}: vs native", s["fuse"], s.get("native"), "native (ext4)", cold=False)
+        argv = {k: [build, mnt[k] / "zstd-lib", work / f"out-{k.replace('/', '-')}"]
+                for k in (*fuse_keys, "kernel", "composefs-fuse", "native") if k in ok}
+        s = measure(b, title, argv, cold=False, labels=label)
+        rows_for(b, "build", title, s, passthrough, {"kernel": 1.1, "native": None, "composefs-fuse": 1.0}, label,
+                 cold=False)
+        rows_for(b, "build", title, s, served, {"kernel": None, "native": None, "composefs-fuse": 1.0}, label,
+                 cold=False)
     else:
         b.skip("build", "C build", "gcc or the zstd-sys crate's sources not found (cargo fetch zstd-sys)")
 
-    # Settings that matter for data.
+    # Settings that matter for data, with the default transport (io_uring where available).
     variants = [
         ("no-keep-cache,no-passthrough", "no-passthrough", "without keep_cache", ["read-warm", "build"]),
         ("no-max-pages,no-passthrough", "no-passthrough", "without FUSE_MAX_PAGES (128 KiB requests)", ["read-cold"]),
@@ -621,8 +788,14 @@ def data_rows(b, work: Path, m: Mounts) -> None:
         ("flush", "", "flush answered (not ENOSYS)", ["open"]),
     ]
     for tuning, base_tuning, what, works in variants:
-        base = mnt["fuse, no passthrough"] if base_tuning else mnt["fuse"]
-        vm, err = m.fuse(tuning.replace(",", "+"), store, image, tuning=tuning)
+        group = served if base_tuning else passthrough
+        if not group:
+            continue
+        bk = group[0]
+        base = mnt[bk]
+        tr = label[bk][label[bk].rindex("("):]
+        vm, err = m.fuse(tuning.replace(",", "+"), store, image, tuning=tuning,
+                         extra=[] if bk.endswith("/uring") else ["--no-uring"])
         if err:
             b.note(f"{tuning}: not measured: {err}")
             continue
@@ -660,14 +833,12 @@ def data_rows(b, work: Path, m: Mounts) -> None:
                 name = "C build"
             s = measure(b, f"{name}: {what}", {"default": argv_of(base), tuning: argv_of(vm)}, cold=cold, runs=runs,
                         after_drop=after_drop)
-            row(b, f"setting/{tuning}/{w}", f"setting: {what} vs default — {name}", s[tuning], s["default"],
-                "FUSE default" + (" (no passthrough)" if base_tuning else ""), cold=cold)
+            row(b, f"setting/{tuning}/{w}", f"setting: {what} vs default {tr} — {name}", s[tuning], s["default"],
+                "FUSE default" + (" (no passthrough)" if base_tuning else "") + f" {tr}", cold=cold)
         subprocess.run([b.tilefs, "umount", vm], capture_output=True)
     if b.can_drop_caches():
         b.note("cold: sync; echo 3 > /proc/sys/vm/drop_caches before every run (the FUSE server keeps its "
                "in-memory tree and its record of verified objects)")
-    b.note("setting rows: ratio = time with the setting off / time with the default (> 1: the setting helps); "
-           "3 runs each (7 for the read with the store cached)")
 
 
 def compile_c(gcc: str | None, exe: Path, source: str) -> Path | None:
