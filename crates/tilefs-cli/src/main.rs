@@ -1,6 +1,7 @@
 //! `tilefs`: build, inspect, store and mount composefs-compatible images.
 
 mod build;
+mod commit_cmd;
 mod digest;
 mod docs;
 mod inspect;
@@ -61,6 +62,8 @@ enum Command {
     Mount(mount_cmd::MountArgs),
     /// Unmount what `tilefs mount` mounted
     Umount(mount_cmd::UmountArgs),
+    /// Turn a writable mount's tree into a new tagged image, digesting only what changed
+    Commit(commit_cmd::CommitArgs),
     /// Run the mount service: kernel mounts of trusted images for unprivileged users (as root)
     Mountd(mountd_cmd::MountdArgs),
     /// Print a shell completion script (bash, zsh, fish, elvish, powershell)
@@ -100,6 +103,7 @@ fn main() -> ExitCode {
         Command::Gc(a) => store_cmds::gc(a),
         Command::Mount(a) => mount_cmd::mount(a),
         Command::Umount(a) => mount_cmd::umount(a),
+        Command::Commit(a) => commit_cmd::run(a),
         Command::Mountd(a) => mountd_cmd::run(a),
         Command::Completions(a) => docs::completions::<Cli>(a),
         Command::Man(a) => docs::man::<Cli>(a),
