@@ -20,7 +20,6 @@ pub struct CommitArgs {
     /// Tag the new image NAME in the store (replacing an image of that name)
     #[arg(long, value_name = "NAME")]
     pub tag: String,
-    /// The store the mount was made with (the new image's objects go there too)
     #[command(flatten)]
     pub store: StoreArg,
     /// Threads digesting new and changed files (the default is 8 per core, as for build)

@@ -199,9 +199,16 @@ fn json_of(out: &Output) -> serde_json::Value {
 /// `tilefs commit --json` (as root, or as nobody): its summary.
 fn commit(store: &Path, mnt: &Path, tag: &str, nobody: bool) -> serde_json::Value {
     let mut cmd = Command::new(tilefs_bin());
-    cmd.args([os("commit"), os("--json"), os("--store"), store.as_os_str(), os("--tag"), os(tag)])
-        .arg(mnt)
-        .stdin(Stdio::null());
+    cmd.args([
+        os("commit"),
+        os("--json"),
+        os("--store"),
+        store.as_os_str(),
+        os("--tag"),
+        os(tag),
+    ])
+    .arg(mnt)
+    .stdin(Stdio::null());
     if nobody {
         as_nobody(&mut cmd);
     }
@@ -221,7 +228,11 @@ fn build_of(store: &Path, mnt: &Path, out_image: &Path, nobody: bool) {
         as_nobody(&mut cmd);
     }
     let out = cmd.output().unwrap();
-    assert!(out.status.success(), "tilefs build of the mount failed: {}", stderr(&out));
+    assert!(
+        out.status.success(),
+        "tilefs build of the mount failed: {}",
+        stderr(&out)
+    );
 }
 
 fn fsck_clean(store: &Path, nobody: bool) {
@@ -321,14 +332,14 @@ fn change_everything(m: &Path, kind: Kind) {
     // Metadata of image files (kernel: metacopy copy-ups).
     fs::set_permissions(f.join("f8-100000"), fs::Permissions::from_mode(0o600)).unwrap();
     rustix::fs::chown(
-        &f.join("f4-65"),
+        f.join("f4-65"),
         Some(rustix::fs::Uid::from_raw(1234)),
         Some(rustix::fs::Gid::from_raw(5678)),
     )
     .unwrap();
     times(&f.join("hardlink-3"), 1_234_567_890, 123_456_789);
     sx(&f.join("f0-0"), "user.added", b"to an image file");
-    rustix::fs::lremovexattr(&f.join("f1-1"), "user.unique").unwrap();
+    rustix::fs::lremovexattr(f.join("f1-1"), "user.unique").unwrap();
     sx(&m.join("owned"), "trusted.commit", b"privileged");
     // Deleted files and directories.
     fs::remove_file(f.join("f2-63")).unwrap();
@@ -366,7 +377,7 @@ fn change_everything(m: &Path, kind: Kind) {
         sx(&m.join("sticky"), "user.dir", b"on an image directory");
         fs::set_permissions(m.join("newdir/sub"), fs::Permissions::from_mode(0o2750)).unwrap();
         rustix::fs::chown(
-            &m.join("sticky"),
+            m.join("sticky"),
             Some(rustix::fs::Uid::from_raw(4242)),
             Some(rustix::fs::Gid::from_raw(4343)),
         )
@@ -375,7 +386,7 @@ fn change_everything(m: &Path, kind: Kind) {
     // Special files, owners and modes of directories.
     rustix::fs::mknodat(
         rustix::fs::CWD,
-        &m.join("newdir/fifo"),
+        m.join("newdir/fifo"),
         rustix::fs::FileType::Fifo,
         rustix::fs::Mode::from_raw_mode(0o640),
         0,
@@ -383,7 +394,7 @@ fn change_everything(m: &Path, kind: Kind) {
     .unwrap();
     rustix::fs::mknodat(
         rustix::fs::CWD,
-        &m.join("newdir/null"),
+        m.join("newdir/null"),
         rustix::fs::FileType::CharacterDevice,
         rustix::fs::Mode::from_raw_mode(0o666),
         rustix::fs::makedev(1, 3),
@@ -391,7 +402,7 @@ fn change_everything(m: &Path, kind: Kind) {
     .unwrap();
     rustix::fs::mknodat(
         rustix::fs::CWD,
-        &m.join("newdir/disk"),
+        m.join("newdir/disk"),
         rustix::fs::FileType::BlockDevice,
         rustix::fs::Mode::from_raw_mode(0o660),
         rustix::fs::makedev(259, 70000),
@@ -518,7 +529,7 @@ fn rootless_source(src: &Path) {
     symlink("a/root-small", src.join("link")).unwrap();
     rustix::fs::mknodat(
         rustix::fs::CWD,
-        &src.join("c/fifo"),
+        src.join("c/fifo"),
         rustix::fs::FileType::Fifo,
         rustix::fs::Mode::from_raw_mode(0o644),
         0,
@@ -526,17 +537,15 @@ fn rootless_source(src: &Path) {
     .unwrap();
     rustix::fs::mknodat(
         rustix::fs::CWD,
-        &src.join("c/null"),
+        src.join("c/null"),
         rustix::fs::FileType::CharacterDevice,
         rustix::fs::Mode::from_raw_mode(0o666),
         rustix::fs::makedev(1, 3),
     )
     .unwrap();
-    for p in [
-        "", "a", "a/b", "c", "c/d", "a/b/mine", "c/d/deep", "c/gone",
-    ] {
+    for p in ["", "a", "a/b", "c", "c/d", "a/b/mine", "c/d/deep", "c/gone"] {
         rustix::fs::chown(
-            &src.join(p),
+            src.join(p),
             Some(rustix::fs::Uid::from_raw(NOBODY)),
             Some(rustix::fs::Gid::from_raw(NOBODY)),
         )
@@ -589,7 +598,11 @@ fn rootless_fuse_commit_is_the_build_of_the_mount() {
     for p in [&upper, &work, &mnt, &ro] {
         give_to_nobody(p);
     }
-    let st = Command::new("chown").args(["-R", "65534:65534"]).arg(&store).status().unwrap();
+    let st = Command::new("chown")
+        .args(["-R", "65534:65534"])
+        .arg(&store)
+        .status()
+        .unwrap();
     assert!(st.success());
     fs::set_permissions(a.tmp.path(), fs::Permissions::from_mode(0o755)).unwrap();
     let _dev = DevFuseMode::set(0o666);
@@ -635,9 +648,18 @@ fn rootless_fuse_commit_is_the_build_of_the_mount() {
     fsck_clean(&store, true);
     // The tree holds root's owners and the stand-ins' types.
     let dump = String::from_utf8(tilefs(&[os("dump"), built.as_os_str()]).stdout).unwrap();
-    assert!(dump.lines().any(|l| l.starts_with("/link-moved 12 120777 1 0 0 0 ")), "{dump}");
-    assert!(dump.lines().any(|l| l.starts_with("/c/fifo-moved 0 10644 1 0 0 0 ")), "{dump}");
-    assert!(dump.lines().any(|l| l.starts_with("/c/null-moved 0 20644 1 0 0 259 ")), "{dump}");
+    assert!(
+        dump.lines().any(|l| l.starts_with("/link-moved 12 120777 1 0 0 0 ")),
+        "{dump}"
+    );
+    assert!(
+        dump.lines().any(|l| l.starts_with("/c/fifo-moved 0 10644 1 0 0 0 ")),
+        "{dump}"
+    );
+    assert!(
+        dump.lines().any(|l| l.starts_with("/c/null-moved 0 20644 1 0 0 259 ")),
+        "{dump}"
+    );
     assert!(dump.contains("security.kept=sec"), "{dump}");
     assert!(report["files_digested"].as_u64().unwrap() >= 2, "{report}");
 
@@ -652,4 +674,309 @@ fn rootless_fuse_commit_is_the_build_of_the_mount() {
     ]);
     let _ro = Mounted(ro.clone());
     assert_same_views(&before, &view_as_nobody(&ro), "the rootless mount against its commit");
+
+    // What the user may break in their upper directory is refused, named.
+    let as_user_sh = |script: &str| {
+        let out = as_nobody(
+            Command::new("sh")
+                .args(["-c", script, "sh"])
+                .arg(&upper)
+                .stdin(Stdio::null()),
+        )
+        .output()
+        .unwrap();
+        assert!(out.status.success(), "{script}: {}", stderr(&out));
+    };
+    let refused_as_user = |names: &str, why: &str| {
+        let out = as_nobody(
+            Command::new(tilefs_bin())
+                .args(commit_args(&store, "bad", &mnt))
+                .stdin(Stdio::null()),
+        )
+        .output()
+        .unwrap();
+        let err = stderr(&out);
+        assert_eq!(out.status.code(), Some(1), "{err}");
+        assert!(err.contains(names) && err.contains(why), "{err}");
+        assert!(!tags_in(&store).contains(&"bad".to_string()));
+    };
+    as_user_sh(r#"chmod 000 "$1/e""#);
+    refused_as_user("upper/e", "Permission denied");
+    as_user_sh(r#"chmod 755 "$1/e""#);
+    as_user_sh(r#"setfattr -n user.containers.override_stat -v 0:0:0755:dir "$1/a/b-moved/new-small""#);
+    refused_as_user("upper/a/b-moved/new-small", "says it is a directory");
+    as_user_sh(r#"setfattr -x user.containers.override_stat "$1/a/b-moved/new-small""#);
+    let again = commit(&store, &mnt, "mine", true);
+    assert_eq!(again["digest"], report["digest"]);
+}
+
+/// `tilefs commit` that fails: exit status 1, one line naming `names`,
+/// no tag `tag` and nothing left in the store's temporary directory.
+fn refused(args: &[&OsStr], store: &Path, tag: &str, names: &str, why: &str) -> String {
+    let out = tilefs_any(args);
+    let err = stderr(&out);
+    assert_eq!(out.status.code(), Some(1), "{args:?}: {err}");
+    assert_eq!(err.lines().count(), 1, "{args:?}: one line: {err}");
+    assert!(
+        err.starts_with("tilefs: ") && err.contains(names) && err.contains(why),
+        "{args:?}: {err}"
+    );
+    assert!(!tags_in(store).contains(&tag.to_string()), "{args:?} tagged {tag}");
+    let leftovers: Vec<_> = fs::read_dir(store.join(".tmp"))
+        .map(|rd| rd.map(|e| e.unwrap().file_name()).collect())
+        .unwrap_or_default();
+    assert!(leftovers.is_empty(), "{args:?} left {leftovers:?}");
+    err
+}
+
+fn commit_args<'a>(store: &'a Path, tag: &'a str, mnt: &'a Path) -> Vec<&'a OsStr> {
+    vec![
+        os("commit"),
+        os("--store"),
+        store.as_os_str(),
+        os("--tag"),
+        os(tag),
+        mnt.as_os_str(),
+    ]
+}
+
+/// A small image: a few files, one external, in two directories.
+fn small_image(a: &Area) -> (PathBuf, PathBuf) {
+    let src = a.dir("small");
+    fs::create_dir(src.join("a")).unwrap();
+    w(&src.join("a/file"), &[7u8; 5000]);
+    w(&src.join("top"), b"top");
+    let (store, image) = (a.path("store"), a.path("small.cfs"));
+    build_with_store(&src, &store, &image, &[]);
+    (store, image)
+}
+
+#[test]
+fn commit_refuses_what_is_not_a_writable_tilefs_mount() {
+    need!(cannot(Kind::Fuse));
+    let a = Area::new();
+    let (store, image) = small_image(&a);
+    // Usage errors: exit status 2.
+    let out = tilefs_any(&[os("commit"), a.path("x").as_os_str()]);
+    assert_eq!(out.status.code(), Some(2), "{}", stderr(&out));
+    assert!(stderr(&out).contains("--tag"), "{}", stderr(&out));
+
+    let plain = a.dir("plain");
+    refused(
+        &commit_args(&store, "t", &plain),
+        &store,
+        "t",
+        "plain",
+        "not a mount point",
+    );
+    refused(
+        &commit_args(&store, "t", Path::new("/proc")),
+        &store,
+        "t",
+        "/proc",
+        "not a tilefs mount",
+    );
+    refused(
+        &commit_args(&store, "t", &a.path("absent")),
+        &store,
+        "t",
+        "absent",
+        "No such file",
+    );
+    refused(
+        &commit_args(&store, "bad/tag", &plain),
+        &store,
+        "bad/tag",
+        "bad/tag",
+        "invalid tag name",
+    );
+
+    let ro = a.dir("ro");
+    let m = mount(Kind::Fuse, &store, &image, &ro, None);
+    refused(
+        &commit_args(&store, "t", &ro),
+        &store,
+        "t",
+        "ro",
+        "read-only tilefs mount",
+    );
+    drop(m);
+    if cannot(Kind::Kernel).is_none() {
+        let m = mount(Kind::Kernel, &store, &image, &ro, None);
+        refused(
+            &commit_args(&store, "t", &ro),
+            &store,
+            "t",
+            "ro",
+            "read-only tilefs mount",
+        );
+        drop(m);
+    }
+
+    // A writable mount of another store.
+    let (upper, work, mnt) = (a.dir("upper"), a.dir("work"), a.dir("mnt"));
+    let _m = mount(Kind::Fuse, &store, &image, &mnt, Some((&upper, &work)));
+    let other = a.dir("other-store");
+    tilefs(&[
+        os("build"),
+        os("--quiet"),
+        os("--store"),
+        other.as_os_str(),
+        plain.as_os_str(),
+        a.path("x.cfs").as_os_str(),
+    ]);
+    refused(
+        &commit_args(&other, "t", &mnt),
+        &other,
+        "t",
+        "mnt",
+        "no live FUSE mount of the store",
+    );
+    // A subdirectory of the mount is not its mount point.
+    refused(
+        &commit_args(&store, "t", &mnt.join("a")),
+        &store,
+        "t",
+        "a",
+        "not a mount point",
+    );
+    // The right store commits.
+    tilefs(&commit_args(&store, "t", &mnt));
+    assert!(tags_in(&store).contains(&"t".to_string()));
+}
+
+#[test]
+fn a_broken_or_hostile_upper_directory_is_refused_naming_the_path() {
+    need!(cannot(Kind::Fuse));
+    let a = Area::new();
+    let (store, image) = small_image(&a);
+    // On tmpfs, which holds large xattrs.
+    let t = a.dir("tmpfs");
+    let st = Command::new("mount")
+        .args(["-t", "tmpfs", "-o", "size=64m", "tmpfs"])
+        .arg(&t)
+        .status()
+        .unwrap();
+    assert!(st.success());
+    let _tmpfs = MountGuard(t.clone());
+    let (upper, work, mnt) = (t.join("upper"), t.join("work"), a.dir("mnt"));
+    fs::create_dir(&upper).unwrap();
+    fs::create_dir(&work).unwrap();
+    let _m = mount(Kind::Fuse, &store, &image, &mnt, Some((&upper, &work)));
+    w(&mnt.join("new"), &[1u8; 1000]);
+    let args = commit_args(&store, "bad", &mnt);
+
+    // xattrs beyond what an inode may hold.
+    let huge = upper.join("huge");
+    w(&huge, b"x");
+    for i in 0..3 {
+        sx(&huge, &format!("user.big{i}"), &vec![b'v'; 20_000]);
+    }
+    refused(&args, &store, "bad", "upper/huge", "xattrs need");
+    fs::remove_file(&huge).unwrap();
+
+    // A symlink is recorded as one, never followed: a link to / where the
+    // image has a directory hides that directory and leads nowhere.
+    symlink("/", upper.join("a")).unwrap();
+    tilefs(&commit_args(&store, "link", &mnt));
+    let dump = String::from_utf8(tilefs(&[os("dump"), store.join("images/link").as_os_str()]).stdout).unwrap();
+    assert!(dump.lines().any(|l| l.starts_with("/a 1 120777 ")), "{dump}");
+    assert!(!dump.contains("/a/"), "{dump}");
+    fs::remove_file(upper.join("a")).unwrap();
+
+    // A FIFO, a socket and a device in the upper directory are entries,
+    // never opened (a FIFO opened would hang the reader).
+    rustix::fs::mknodat(
+        rustix::fs::CWD,
+        upper.join("fifo"),
+        rustix::fs::FileType::Fifo,
+        rustix::fs::Mode::from_raw_mode(0o644),
+        0,
+    )
+    .unwrap();
+    tilefs(&commit_args(&store, "fifo", &mnt));
+    fs::remove_file(upper.join("fifo")).unwrap();
+
+    // A mount inside the upper directory is not crossed.
+    let inner = upper.join("inner");
+    fs::create_dir(&inner).unwrap();
+    let st = Command::new("mount")
+        .args(["-t", "tmpfs", "tmpfs"])
+        .arg(&inner)
+        .status()
+        .unwrap();
+    assert!(st.success());
+    let inner_guard = MountGuard(inner.clone());
+    refused(&args, &store, "bad", "upper/inner", "cannot open directory");
+    drop(inner_guard);
+    fs::remove_dir(&inner).unwrap();
+
+    // The upper directory swapped for a symlink (to a copy of it).
+    let real = t.join("upper.real");
+    fs::rename(&upper, &real).unwrap();
+    symlink(&real, &upper).unwrap();
+    refused(&args, &store, "bad", "upper", "cannot open the upper directory");
+    fs::remove_file(&upper).unwrap();
+    fs::rename(&real, &upper).unwrap();
+
+    // Whole again: it commits.
+    tilefs(&commit_args(&store, "good", &mnt));
+    fsck_clean(&store, false);
+}
+
+#[test]
+fn kernel_metacopy_file_without_image_data_is_refused() {
+    need!(cannot(Kind::Kernel));
+    let a = Area::new();
+    let (store, image) = small_image(&a);
+    let (upper, work, mnt) = (a.dir("upper"), a.dir("work"), a.dir("mnt"));
+    let _m = mount(Kind::Kernel, &store, &image, &mnt, Some((&upper, &work)));
+    // Planted by hand: metadata whose data the image does not hold.
+    let p = upper.join("orphan");
+    w(&p, b"");
+    fs::OpenOptions::new()
+        .write(true)
+        .open(&p)
+        .unwrap()
+        .set_len(5000)
+        .unwrap();
+    sx(&p, "trusted.overlay.metacopy", b"");
+    sx(&p, "trusted.overlay.redirect", b"/no/such/file");
+    refused(
+        &commit_args(&store, "bad", &mnt),
+        &store,
+        "bad",
+        "upper/orphan",
+        "metacopy file whose data is not in the image",
+    );
+    // Over image data of another size.
+    sx(&p, "trusted.overlay.redirect", b"/a/file");
+    fs::OpenOptions::new()
+        .write(true)
+        .open(&p)
+        .unwrap()
+        .set_len(4000)
+        .unwrap();
+    refused(
+        &commit_args(&store, "bad", &mnt),
+        &store,
+        "bad",
+        "upper/orphan",
+        "4000 bytes over image data of 5000",
+    );
+    fs::OpenOptions::new()
+        .write(true)
+        .open(&p)
+        .unwrap()
+        .set_len(5000)
+        .unwrap();
+    tilefs(&commit_args(&store, "good", &mnt));
+    let dump = String::from_utf8(tilefs(&[os("dump"), store.join("images/good").as_os_str()]).stdout).unwrap();
+    let file = dump.lines().find(|l| l.starts_with("/a/file ")).unwrap();
+    let orphan = dump.lines().find(|l| l.starts_with("/orphan ")).unwrap();
+    assert_eq!(
+        file.split(' ').nth(8),
+        orphan.split(' ').nth(8),
+        "the image's object:\n{file}\n{orphan}"
+    );
 }

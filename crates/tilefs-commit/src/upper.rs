@@ -252,3 +252,64 @@ fn grow(mut f: impl FnMut(&mut [u8]) -> Result<usize, Errno>) -> Result<Vec<u8>,
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::os::unix::fs::symlink;
+
+    fn dir_with_traps() -> (tempfile::TempDir, Dir) {
+        let t = tempfile::tempdir().unwrap();
+        let p = t.path();
+        std::fs::create_dir(p.join("sub")).unwrap();
+        std::fs::write(p.join("sub/file"), b"inside").unwrap();
+        rustix::fs::mknodat(
+            rustix::fs::CWD,
+            p.join("fifo"),
+            rustix::fs::FileType::Fifo,
+            Mode::from_raw_mode(0o644),
+            0,
+        )
+        .unwrap();
+        symlink("sub/file", p.join("to-file")).unwrap();
+        symlink("sub", p.join("to-dir")).unwrap();
+        symlink("/", p.join("to-root")).unwrap();
+        let _ = rustix::fs::setxattr(
+            p.join("sub/file").as_path(),
+            "user.x",
+            b"1",
+            rustix::fs::XattrFlags::empty(),
+        );
+        let d = Dir::open_root(p).unwrap();
+        (t, d)
+    }
+
+    #[test]
+    fn nothing_but_regular_files_and_real_directories_is_opened() {
+        let (_t, d) = dir_with_traps();
+        // A FIFO is refused at once, not waited on.
+        let e = d.read_file(c"fifo", 10).unwrap_err().to_string();
+        assert!(e.ends_with("fifo: cannot open: Invalid argument (os error 22)"), "{e}");
+        assert!(d.read_file(c"to-file", 10).is_err());
+        assert!(d.open_dir(c"to-dir").is_err());
+        assert!(d.open_dir(c"to-root").is_err());
+        let sub = d.open_dir(c"sub").unwrap();
+        assert_eq!(sub.read_file(c"file", 100).unwrap(), b"inside");
+        assert_eq!(sub.read_file(c"file", 3).unwrap(), b"ins");
+        // xattrs of a symlink are its own, never its target's.
+        assert!(d.xattrs(Some(c"to-file")).unwrap().is_empty());
+        assert_eq!(d.readlink(c"to-root").unwrap(), b"/");
+        assert_eq!(
+            d.names().unwrap(),
+            [c"fifo", c"sub", c"to-dir", c"to-file", c"to-root"].map(CStr::to_owned)
+        );
+    }
+
+    #[test]
+    fn the_upper_directory_is_reached_through_no_symlink() {
+        let (t, _d) = dir_with_traps();
+        assert!(Dir::open_root(&t.path().join("sub")).is_ok());
+        let e = Dir::open_root(&t.path().join("to-dir")).err().unwrap().to_string();
+        assert!(e.contains("cannot open the upper directory"), "{e}");
+    }
+}
