@@ -911,6 +911,13 @@ fn a_broken_or_hostile_upper_directory_is_refused_naming_the_path() {
     drop(inner_guard);
     fs::remove_dir(&inner).unwrap();
 
+    // A redirect to an image directory still in place: shown twice (and
+    // a thousand such would make the tree explode).
+    fs::create_dir(upper.join("dup")).unwrap();
+    sx(&upper.join("dup"), "trusted.overlay.redirect", b"/a");
+    refused(&args, &store, "bad", "mnt/dup", "shows in another place too");
+    fs::remove_dir(upper.join("dup")).unwrap();
+
     // The upper directory swapped for a symlink (to a copy of it).
     let real = t.join("upper.real");
     fs::rename(&upper, &real).unwrap();

@@ -117,6 +117,7 @@ pub fn commit(store: &Store, mnt: &Path, opts: &CommitOptions, progress: &Progre
         });
     }
     let layers = merge::Layers {
+        mount: mnt,
         lower: &lower,
         info: &info,
         kind: w.kind,

@@ -53,6 +53,8 @@ const OPAQUE_XATTRS: [&[u8]; 2] = [b"trusted.overlay.opaque", b"user.overlay.opa
 
 /// What the mount is made of.
 pub(crate) struct Layers<'a> {
+    /// The mount point, for messages about the tree.
+    pub(crate) mount: &'a Path,
     pub(crate) lower: &'a Tree,
     pub(crate) info: &'a ImageInfo,
     pub(crate) kind: Kind,
@@ -96,20 +98,19 @@ pub(crate) struct Merged {
 /// A directory to fill: the new inode, its upper side and its image side.
 struct Job {
     out: InodeId,
+    /// Its path in the tree, relative to the root (and so to the upper
+    /// directory, whose directories sit where the mount shows them).
+    rel: PathBuf,
     upper: Option<UpperSide>,
     lower: Option<InodeId>,
 }
 
 enum UpperSide {
-    /// Open already (the root), at this path relative to the upper root.
-    Open(Arc<Dir>, PathBuf),
+    /// Open already (the root).
+    Open(Arc<Dir>),
     /// To be opened when filled: descriptors stay open for the depth of
     /// the walk only.
-    Child {
-        parent: Arc<Dir>,
-        name: CString,
-        rel: PathBuf,
-    },
+    Child { parent: Arc<Dir>, name: CString },
 }
 
 struct Merger<'a> {
@@ -120,6 +121,11 @@ struct Merger<'a> {
     upper_entries: u64,
     /// Directories of the image that hold a whiteout (as a primary entry).
     marked: Vec<bool>,
+    /// Directories of the image placed in the new tree: overlayfs's own
+    /// changes place each at most once (a rename leaves a whiteout), and a
+    /// hand-made upper directory whose redirects place one again and again
+    /// must not make the tree explode.
+    placed: Vec<bool>,
     key_opaque: Vec<u8>,
     key_redirect: Vec<u8>,
     key_metacopy: Vec<u8>,
@@ -145,6 +151,7 @@ pub(crate) fn merge(l: &Layers<'_>, upper: Dir) -> Result<Merged, CommitError> {
         lower_data: Vec::new(),
         upper_entries: 0,
         marked,
+        placed: vec![false; l.lower.inodes.len()],
         key_opaque: key("opaque"),
         key_redirect: key("redirect"),
         key_metacopy: key("metacopy"),
@@ -165,9 +172,13 @@ pub(crate) fn merge(l: &Layers<'_>, upper: Dir) -> Result<Merged, CommitError> {
     m.out.inodes[tree::ROOT as usize] = root;
     let root_job = Job {
         out: tree::ROOT,
-        upper: Some(UpperSide::Open(Arc::new(upper), PathBuf::new())),
+        rel: PathBuf::new(),
+        upper: Some(UpperSide::Open(Arc::new(upper))),
         lower: (!opaque).then_some(tree::ROOT),
     };
+    if !opaque {
+        m.placed[tree::ROOT as usize] = true;
+    }
     m.fill(root_job)?;
     Ok(Merged {
         tree: m.out,
@@ -182,12 +193,12 @@ impl Merger<'_> {
     fn fill(&mut self, first: Job) -> Result<(), CommitError> {
         let mut stack = vec![first];
         while let Some(job) = stack.pop() {
-            let (dir, rel) = match job.upper {
-                Some(UpperSide::Open(d, rel)) => (Some(d), rel),
-                Some(UpperSide::Child { parent, name, rel }) => (Some(Arc::new(parent.open_dir(&name)?)), rel),
-                None => (None, PathBuf::new()),
+            let dir = match job.upper {
+                Some(UpperSide::Open(d)) => Some(d),
+                Some(UpperSide::Child { parent, name }) => Some(Arc::new(parent.open_dir(&name)?)),
+                None => None,
             };
-            let entries = self.entries_of(dir.as_ref(), &rel, job.lower, &mut stack)?;
+            let entries = self.entries_of(dir.as_ref(), &job.rel, job.lower, &mut stack)?;
             self.out.inodes[job.out as usize].entries = entries;
         }
         Ok(())
@@ -241,7 +252,7 @@ impl Merger<'_> {
             } else {
                 let e = &lower_entries[j];
                 j += 1;
-                let id = self.lower_child(e.inode, stack);
+                let id = self.lower_child(e.inode, rel.join(OsStr::from_bytes(&e.name)), stack)?;
                 entries.push(Entry {
                     name: e.name.clone(),
                     inode: id,
@@ -254,19 +265,37 @@ impl Merger<'_> {
 
     /// An image entry not hidden by the upper directory, as the mount shows
     /// it; a directory is queued to be filled from the image alone.
-    fn lower_child(&mut self, lower: InodeId, stack: &mut Vec<Job>) -> InodeId {
+    fn lower_child(&mut self, lower: InodeId, rel: PathBuf, stack: &mut Vec<Job>) -> Result<InodeId, CommitError> {
         let inode = self.shown_lower(lower);
         let dir = inode.is_dir();
+        if dir {
+            self.place(lower, &rel)?;
+        }
         let id = self.out.add_inode(inode);
         self.note_lower_data(id);
         if dir {
             stack.push(Job {
                 out: id,
+                rel,
                 upper: None,
                 lower: Some(lower),
             });
         }
-        id
+        Ok(id)
+    }
+
+    /// Notes that image directory `lower` is shown at `rel`; an error if it
+    /// is shown elsewhere already.
+    fn place(&mut self, lower: InodeId, rel: &Path) -> Result<(), CommitError> {
+        if std::mem::replace(&mut self.placed[lower as usize], true) {
+            return Err(CommitError::At {
+                path: self.l.mount.join(rel),
+                reason: "an image directory the tree shows in another place too (the upper directory's \
+                         redirects name a directory that was not moved away)"
+                    .into(),
+            });
+        }
+        Ok(())
     }
 
     /// An image inode as the mount shows it, without entries.
@@ -411,13 +440,17 @@ impl Merger<'_> {
                     self.below(parent_lower, name.to_bytes(), redirect.as_deref())
                         .filter(|&b| self.l.lower.inodes[b as usize].is_dir())
                 };
+                let rel = rel.join(OsStr::from_bytes(name.to_bytes()));
+                if let Some(b) = below {
+                    self.place(b, &rel)?;
+                }
                 let id = self.out.add_inode(inode);
                 stack.push(Job {
                     out: id,
+                    rel,
                     upper: Some(UpperSide::Child {
                         parent: dir.clone(),
                         name: name.to_owned(),
-                        rel: rel.join(OsStr::from_bytes(name.to_bytes())),
                     }),
                     lower: below,
                 });
