@@ -85,11 +85,24 @@ pub(crate) fn find(store: &Store, mnt: &Path) -> Result<Writable, CommitError> {
             format!("not a tilefs mount ({} from {})", entry.fstype, entry.source),
         ));
     }
-    if entry.fstype == "overlay" {
-        kernel(store, mnt, root, &entry)
+    let w = if entry.fstype == "overlay" {
+        kernel(store, mnt, root, &entry)?
     } else {
-        fuse(store, mnt, root, &entry)
+        fuse(store, mnt, root, &entry)?
+    };
+    // Without the capability the markers would be silently missing.
+    if w.xattrs == OverlayXattrs::Trusted && !may_read_trusted() {
+        return Err(err(
+            mnt,
+            "its upper directory keeps overlayfs's markers in trusted.* xattrs, which only root \
+             (CAP_SYS_ADMIN) can read: commit it as root",
+        ));
     }
+    Ok(w)
+}
+
+fn may_read_trusted() -> bool {
+    rustix::thread::capabilities(None).is_ok_and(|c| c.effective.contains(rustix::thread::CapabilitySet::SYS_ADMIN))
 }
 
 fn read_only(mnt: &Path) -> CommitError {
