@@ -1,6 +1,7 @@
 //! `tilefs`: build, inspect, store and mount composefs-compatible images.
 
 mod build;
+mod commit_cmd;
 mod digest;
 mod docs;
 mod inspect;
@@ -61,6 +62,17 @@ enum Command {
     Mount(mount_cmd::MountArgs),
     /// Unmount what `tilefs mount` mounted
     Umount(mount_cmd::UmountArgs),
+    /// Turn a writable mount's tree into a new tagged image, digesting only what changed
+    #[command(
+        long_about = "Turn the tree a writable tilefs mount (kernel or FUSE, made with --upper and \
+                            --work) shows into a new image in the store it was mounted with, tagged NAME: \
+                            the same bytes `tilefs build --store STORE MOUNTPOINT` gives, but only the files \
+                            of the upper directory are digested; the image's files are never read again. \
+                            The mount is synced first; what was written before the commit started is in \
+                            it. A failed commit tags nothing and leaves no image. Prints the new image's \
+                            fs-verity digest."
+    )]
+    Commit(commit_cmd::CommitArgs),
     /// Run the mount service: kernel mounts of trusted images for unprivileged users (as root)
     Mountd(mountd_cmd::MountdArgs),
     /// Print a shell completion script (bash, zsh, fish, elvish, powershell)
@@ -100,6 +112,7 @@ fn main() -> ExitCode {
         Command::Gc(a) => store_cmds::gc(a),
         Command::Mount(a) => mount_cmd::mount(a),
         Command::Umount(a) => mount_cmd::umount(a),
+        Command::Commit(a) => commit_cmd::run(a),
         Command::Mountd(a) => mountd_cmd::run(a),
         Command::Completions(a) => docs::completions::<Cli>(a),
         Command::Man(a) => docs::man::<Cli>(a),

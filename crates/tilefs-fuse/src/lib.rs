@@ -278,7 +278,8 @@ pub fn mount(m: &FuseMount) -> Result<(), FuseError> {
     // A gc root while the server lives (the objects of an image mounted by
     // path are protected by no tag). A store we may not write cannot hold
     // one; the mount goes on, and says so.
-    let record = match tilefs_store::Store::open(&m.store).and_then(|s| tilefs_store::mounts::register_fuse(&s, &data))
+    let record = match tilefs_store::Store::open(&m.store)
+        .and_then(|s| tilefs_store::mounts::register_fuse(&s, &data, &record_where(m)))
     {
         Ok(r) => Some(r),
         Err(e) => {
@@ -347,6 +348,22 @@ pub fn mount(m: &FuseMount) -> Result<(), FuseError> {
     let fs = overlay::OverlayFs::new(lower, up, tuning).map_err(fail)?;
     // Permissions are the kernel's to check, against what we show.
     start(m, fs, serve_cfg, &mnt, logger, record, true, true)
+}
+
+/// Where the mount is and, if writable, its layers: the store's record
+/// says so, for `tilefs commit`.
+fn record_where(m: &FuseMount) -> tilefs_store::mounts::FuseWhere {
+    let canon = |p: &Path| std::fs::canonicalize(p).ok();
+    tilefs_store::mounts::FuseWhere {
+        mountpoint: canon(&m.mountpoint),
+        upper: m.upper.as_ref().and_then(|(u, w)| {
+            Some(tilefs_store::mounts::UpperLayer {
+                upper: canon(u)?,
+                work: canon(w)?,
+                xattrs: overlay::xattr_namespace(),
+            })
+        }),
+    }
 }
 
 /// Mounts, answers INIT and serves `fs` (in the foreground, or in a

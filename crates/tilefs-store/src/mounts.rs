@@ -13,8 +13,13 @@
 //!   mount with that id (in gc's mount namespace).
 //!
 //! A record is one file: a header line
-//! `tilefs-mount-record 1 fuse|kernel MOUNT_ID HEX(MOUNTPOINT)\n`, then
-//! the image's bytes. Records are written into `.tmp/` and renamed into
+//! `tilefs-mount-record 1 fuse|kernel MOUNT_ID WHERE\n`, then the image's
+//! bytes. For a kernel mount WHERE is `HEX(MOUNTPOINT)`; for a FUSE mount
+//! (whose id is unknown when it is recorded, so 0) it is `-` or
+//! `HEX(MOUNTPOINT)`, followed for a writable mount by
+//! `:HEX(UPPER):HEX(WORK):trusted|user` (its layers and the namespace of
+//! its overlay xattrs, for `tilefs commit`): one field, so that readers
+//! of the first form read it too. Records are written into `.tmp/` and renamed into
 //! place under the store's shared lock, so gc (exclusive) sees either none
 //! or a whole one. They are not synced: no mount outlives a crash.
 
@@ -54,11 +59,101 @@ impl Drop for MountRecord {
     }
 }
 
-/// Records a FUSE mount of `image` (its bytes); the record stays a gc root
-/// while the returned value, or a forked copy of its descriptor, lives.
-pub fn register_fuse(store: &Store, image: &[u8]) -> Result<MountRecord, StoreError> {
+/// The namespace of a writable mount's overlay xattrs (`overlay.opaque`,
+/// `overlay.redirect`, ...): `trusted.` for the kernel and a privileged
+/// FUSE server, `user.` for one without privilege.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum OverlayXattrs {
+    Trusted,
+    User,
+}
+
+impl OverlayXattrs {
+    /// The prefix of its xattrs: `trusted.overlay.` or `user.overlay.`.
+    pub fn prefix(self) -> &'static [u8] {
+        match self {
+            OverlayXattrs::Trusted => b"trusted.overlay.",
+            OverlayXattrs::User => b"user.overlay.",
+        }
+    }
+
+    fn word(self) -> &'static str {
+        match self {
+            OverlayXattrs::Trusted => "trusted",
+            OverlayXattrs::User => "user",
+        }
+    }
+}
+
+/// A writable mount's layers, as its FUSE record names them.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct UpperLayer {
+    pub upper: PathBuf,
+    pub work: PathBuf,
+    /// The namespace its server keeps overlay xattrs in (`trusted` when it
+    /// runs with privilege, and then also applies owners itself).
+    pub xattrs: OverlayXattrs,
+}
+
+/// Where a FUSE mount is, for its record: what `tilefs commit` needs to
+/// find a writable mount's layers from its mount point.
+#[derive(Debug, Clone, Default)]
+pub struct FuseWhere {
+    /// The mount point (canonical).
+    pub mountpoint: Option<PathBuf>,
+    pub upper: Option<UpperLayer>,
+}
+
+impl FuseWhere {
+    fn field(&self) -> String {
+        let Some(m) = &self.mountpoint else {
+            return "-".into();
+        };
+        let mut f = hex::encode(m.as_os_str().as_bytes());
+        if let Some(u) = &self.upper {
+            f.push_str(&format!(
+                ":{}:{}:{}",
+                hex::encode(u.upper.as_os_str().as_bytes()),
+                hex::encode(u.work.as_os_str().as_bytes()),
+                u.xattrs.word()
+            ));
+        }
+        f
+    }
+
+    fn parse(f: &str) -> Option<FuseWhere> {
+        if f == "-" {
+            return Some(FuseWhere::default());
+        }
+        let path = |h: &str| Some(PathBuf::from(std::ffi::OsStr::from_bytes(&hex::decode(h).ok()?)));
+        let parts: Vec<&str> = f.split(':').collect();
+        let upper = match parts.as_slice() {
+            [_] => None,
+            [_, u, w, ns] => Some(UpperLayer {
+                upper: path(u)?,
+                work: path(w)?,
+                xattrs: match *ns {
+                    "trusted" => OverlayXattrs::Trusted,
+                    "user" => OverlayXattrs::User,
+                    _ => return None,
+                },
+            }),
+            _ => return None,
+        };
+        Some(FuseWhere {
+            mountpoint: Some(path(parts[0])?),
+            upper,
+        })
+    }
+}
+
+/// Records a FUSE mount of `image` (its bytes), at `at`; the record stays a
+/// gc root while the returned value, or a forked copy of its descriptor,
+/// lives.
+pub fn register_fuse(store: &Store, image: &[u8], at: &FuseWhere) -> Result<MountRecord, StoreError> {
     let name = temp_name("fuse-");
-    let (dir, fd) = write_record(store, &name, &format!("{MAGIC} fuse 0 -\n"), image, true)?;
+    let header = format!("{MAGIC} fuse 0 {}\n", at.field());
+    let (dir, fd) = write_record(store, &name, &header, image, true)?;
     Ok(MountRecord {
         dir,
         name,
@@ -125,8 +220,12 @@ pub struct LiveMount {
     pub path: PathBuf,
     /// `fuse` or `kernel`.
     pub kind: &'static str,
-    /// The kernel mount's mount point.
+    /// The mount point (a FUSE mount's only when recorded with it).
     pub mountpoint: Option<PathBuf>,
+    /// A kernel mount's id.
+    pub mount_id: Option<u64>,
+    /// A writable FUSE mount's layers.
+    pub upper: Option<UpperLayer>,
     /// The mounted image's bytes.
     pub image: Vec<u8>,
 }
@@ -173,18 +272,19 @@ pub fn live_mounts(store: &Store, remove_stale: bool) -> Result<Vec<LiveMount>, 
             .ok_or_else(|| bad("no header".into()))?;
         let header = std::str::from_utf8(&bytes[..nl]).map_err(|_| bad("bad header".into()))?;
         let fields: Vec<&str> = header.strip_prefix(MAGIC).unwrap_or("").split_whitespace().collect();
-        let (kind, alive, mountpoint) = match fields.as_slice() {
-            ["fuse", _, _] => {
+        let (kind, alive, mountpoint, mount_id, upper) = match fields.as_slice() {
+            ["fuse", _, at] => {
+                let at = FuseWhere::parse(at).ok_or_else(|| bad("bad mount point or layers".into()))?;
                 // Locked by a living server: our shared try fails.
                 let alive = rfs::flock(&fd, FlockOperation::NonBlockingLockShared).is_err();
-                ("fuse", alive, None)
+                ("fuse", alive, at.mountpoint, None, at.upper)
             }
             ["kernel", id, mnt] => {
                 let id: u64 = id.parse().map_err(|_| bad("bad mount id".into()))?;
                 let mnt = PathBuf::from(std::ffi::OsStr::from_bytes(
                     &hex::decode(mnt).map_err(|_| bad("bad mount point".into()))?,
                 ));
-                ("kernel", mount_id_of(&mnt) == Some(id), Some(mnt))
+                ("kernel", mount_id_of(&mnt) == Some(id), Some(mnt), Some(id), None)
             }
             _ => return Err(bad("unknown header".into())),
         };
@@ -193,6 +293,8 @@ pub fn live_mounts(store: &Store, remove_stale: bool) -> Result<Vec<LiveMount>, 
                 path,
                 kind,
                 mountpoint,
+                mount_id,
+                upper,
                 image: bytes.split_off(nl + 1),
             });
         } else if remove_stale {
@@ -225,7 +327,7 @@ mod tests {
     fn fuse_records_live_while_locked() {
         let dir = tempfile::tempdir().unwrap();
         let s = Store::create(dir.path()).unwrap();
-        let r = register_fuse(&s, b"image bytes").unwrap();
+        let r = register_fuse(&s, b"image bytes", &FuseWhere::default()).unwrap();
         let live = live_mounts(&s, true).unwrap();
         assert_eq!(live.len(), 1);
         assert_eq!((live[0].kind, &live[0].image[..]), ("fuse", &b"image bytes"[..]));
@@ -235,7 +337,7 @@ mod tests {
 
         // A server that died leaves an unlocked record: stale, removed
         // only when asked.
-        register_fuse(&s, b"x").unwrap().leave();
+        register_fuse(&s, b"x", &FuseWhere::default()).unwrap().leave();
         let count = || std::fs::read_dir(dir.path().join(MOUNTS_DIR)).unwrap().count();
         assert!(live_mounts(&s, false).unwrap().is_empty());
         assert_eq!(count(), 1);
@@ -261,6 +363,44 @@ mod tests {
                 .count(),
             1
         );
+    }
+
+    #[test]
+    fn fuse_records_name_their_mount_point_and_layers() {
+        let dir = tempfile::tempdir().unwrap();
+        let s = Store::create(dir.path()).unwrap();
+        let upper = UpperLayer {
+            upper: PathBuf::from("/u p/\n:x"),
+            work: PathBuf::from("/w"),
+            xattrs: OverlayXattrs::User,
+        };
+        let at = FuseWhere {
+            mountpoint: Some(PathBuf::from("/mnt/a b")),
+            upper: Some(upper.clone()),
+        };
+        let _w = register_fuse(&s, b"img", &at).unwrap();
+        let ro = FuseWhere {
+            mountpoint: Some(PathBuf::from("/ro")),
+            upper: None,
+        };
+        let _r = register_fuse(&s, b"img", &ro).unwrap();
+        let mut live = live_mounts(&s, false).unwrap();
+        live.sort_by(|a, b| a.mountpoint.cmp(&b.mountpoint));
+        assert_eq!(live[0].mountpoint.as_deref(), Some(Path::new("/mnt/a b")));
+        assert_eq!(live[0].upper.as_ref(), Some(&upper));
+        assert_eq!(live[1].mountpoint.as_deref(), Some(Path::new("/ro")));
+        assert_eq!(live[1].upper, None);
+        // Still three fields after the magic: older readers parse it too.
+        for l in &live {
+            let bytes = std::fs::read(&l.path).unwrap();
+            let header = &bytes[..bytes.iter().position(|&b| b == b'\n').unwrap()];
+            assert_eq!(
+                header.split(|&b| b == b' ').count(),
+                5,
+                "{}",
+                String::from_utf8_lossy(header)
+            );
+        }
     }
 
     #[test]

@@ -40,6 +40,15 @@ use tilefs_image::tree::InodeId;
 use upper::{errno, Meta, Override, Target, Upper, XPath, KEPT_PREFIX, OVERRIDE, S_IFDIR, S_IFLNK, S_IFMT, S_IFREG};
 pub(crate) use upper::{IdMap, Upper as UpperDir};
 
+/// The namespace this process's server keeps overlay xattrs in (as
+/// [`Upper::open`] decides), for the mount's record.
+pub(crate) fn xattr_namespace() -> tilefs_store::mounts::OverlayXattrs {
+    match upper::Powers::of_this_process().privileged {
+        true => tilefs_store::mounts::OverlayXattrs::Trusted,
+        false => tilefs_store::mounts::OverlayXattrs::User,
+    }
+}
+
 /// Inode numbers of upper entries: the upper inode with the top bit set,
 /// so that they never meet an image inode's (below 2^32).
 const UPPER_INO: u64 = 1 << 63;
