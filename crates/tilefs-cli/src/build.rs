@@ -12,7 +12,8 @@ use std::sync::atomic::{AtomicBool, Ordering::Relaxed};
 use std::sync::Arc;
 use std::time::Instant;
 use tilefs_image::erofs::{self, WriteOptions};
-use tilefs_image::{dump, source, summary, Tree};
+use tilefs_image::flat::FlatTree;
+use tilefs_image::{dump, source, verity};
 use tilefs_store::ingest::{Ingest, Method};
 use tilefs_store::{tags, Store};
 
@@ -162,7 +163,7 @@ pub fn run(a: BuildArgs) -> Result<ExitCode> {
     let progress_counters = Arc::new(source::ScanProgress::default());
     let (tree, entries) = if a.from_dump {
         let tree = read_dump(&a.source, a.strict)?;
-        let n = tree.inodes.len() as u64;
+        let n = tree.len() as u64;
         (tree, n)
     } else {
         let opts = source::ScanOptions {
@@ -187,7 +188,7 @@ pub fn run(a: BuildArgs) -> Result<ExitCode> {
         });
         let sink = ingest.as_ref().map(|i| i as &dyn source::ContentSink);
         let tree = match source::scan_into(&a.source, &opts, sink) {
-            Ok(scan) => scan.tree,
+            Ok(scan) => FlatTree::from_tree(&scan.tree)?,
             Err(e) => {
                 if let (Some(i), true) = (&ingest, cancel.load(Relaxed)) {
                     // What was imported is kept (committed objects, the
@@ -224,25 +225,30 @@ pub fn run(a: BuildArgs) -> Result<ExitCode> {
         min_version: a.min_version,
         max_version: a.max_version,
     };
-    let image =
-        erofs::write_image(&tree, &opts).with_context(|| format!("cannot build from {}", a.source.display()))?;
+    let (bytes, version) =
+        erofs::write_flat(&tree, &opts).with_context(|| format!("cannot build from {}", a.source.display()))?;
+    // The image's fs-verity digest, only computed when it is shown.
+    let digest = (a.print_digest || a.print_digest_only || a.json || (a.tag.is_some() && a.image.is_none()))
+        .then(|| verity::digest_bytes(&bytes));
+    let digest_hex = || digest.map(hex::encode).unwrap_or_default();
     if let Some(path) = a.image.as_deref().filter(|_| !a.print_digest_only) {
-        output::write_atomic(path, &image.bytes)?;
+        output::write_atomic(path, &bytes)?;
     }
     if let (Some(store), Some(tag)) = (&store, &a.tag) {
         if !a.print_digest_only {
-            tags::write_tag(store, tag, &image.bytes)?;
+            tags::write_tag(store, tag, &bytes)?;
             if a.image.is_none() && !a.quiet && !a.json {
                 eprintln!(
                     "tilefs: tagged {tag:?} in {} (digest {})",
                     store.path().display(),
-                    hex::encode(image.digest)
+                    digest_hex()
                 );
             }
         }
     }
     if let Some(store) = store.as_ref().filter(|_| a.from_dump) {
-        let missing = summary::objects(&tree)
+        let missing = tree
+            .objects()
             .into_iter()
             .filter(|o| tilefs_store::parse_object_rel(o).is_none_or(|d| !store.has_object(&d)))
             .count();
@@ -256,16 +262,16 @@ pub fn run(a: BuildArgs) -> Result<ExitCode> {
     drop(ingest);
     new_store.0 = None;
     if a.print_digest || a.print_digest_only {
-        println!("{}", hex::encode(image.digest));
+        println!("{}", digest_hex());
     }
     if a.json {
         let s = stats.unwrap_or_default();
         let report = serde_json::json!({
             "image": a.image.as_ref().map(|p| p.display().to_string()),
             "tag": a.tag,
-            "digest": hex::encode(image.digest),
-            "image_bytes": image.bytes.len(),
-            "format_version": image.version,
+            "digest": digest_hex(),
+            "image_bytes": bytes.len(),
+            "format_version": version,
             "entries": entries,
             "files": progress_counters.files.load(Relaxed),
             "bytes": progress_counters.bytes.load(Relaxed),
@@ -282,7 +288,7 @@ pub fn run(a: BuildArgs) -> Result<ExitCode> {
 }
 
 /// Parses a dump file (or stdin), transparently gunzipping it.
-pub fn read_dump(path: &Path, strict: bool) -> Result<Tree> {
+pub fn read_dump(path: &Path, strict: bool) -> Result<FlatTree> {
     let input: Box<dyn Read> = if path.as_os_str() == "-" {
         Box::new(io::stdin().lock())
     } else {
@@ -298,5 +304,5 @@ pub fn read_dump(path: &Path, strict: bool) -> Result<Tree> {
     } else {
         Box::new(input)
     };
-    dump::parse(input, dump::ParseOptions { strict }).with_context(|| format!("{}", path.display()))
+    dump::parse_flat(input, dump::ParseOptions { strict }).with_context(|| format!("{}", path.display()))
 }
