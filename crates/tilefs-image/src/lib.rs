@@ -13,6 +13,7 @@
 pub mod dump;
 pub mod erofs;
 pub mod flat;
+mod sha_x2;
 pub mod source;
 pub mod summary;
 pub mod tree;
