@@ -187,8 +187,8 @@ pub fn run(a: BuildArgs) -> Result<ExitCode> {
             )
         });
         let sink = ingest.as_ref().map(|i| i as &dyn source::ContentSink);
-        let tree = match source::scan_into(&a.source, &opts, sink) {
-            Ok(scan) => FlatTree::from_tree(&scan.tree)?,
+        let tree = match source::scan_flat(&a.source, &opts, sink) {
+            Ok(tree) => tree,
             Err(e) => {
                 if let (Some(i), true) = (&ingest, cancel.load(Relaxed)) {
                     // What was imported is kept (committed objects, the

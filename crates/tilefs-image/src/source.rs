@@ -18,9 +18,10 @@
 //! end on one thread, in name order, so the result does not depend on the
 //! order the work happened in.
 
+use crate::flat::{FlatTree, Meta, NewInode};
 use crate::tree::{
-    digest_object_path, FileType, Inode, InodeId, Timespec, Tree, Xattr, EXTERNAL_XATTR_BUDGET, MAX_NAME_LEN,
-    RECOMMENDED_INLINE_MAX, ROOT,
+    digest_object_path, validate_name, FileType, Inode, InodeId, Timespec, Tree, Xattr, EXTERNAL_XATTR_BUDGET,
+    MAX_NAME_LEN, RECOMMENDED_INLINE_MAX, ROOT, S_IFDIR, S_IFMT, S_IFREG,
 };
 use crate::verity;
 use rayon::prelude::*;
@@ -142,11 +143,33 @@ pub fn scan(root: &Path, opts: &ScanOptions) -> Result<Scan, SourceError> {
 
 /// Like [`scan`], giving the contents of external files to `sink`.
 pub fn scan_into(root: &Path, opts: &ScanOptions, sink: Option<&dyn ContentSink>) -> Result<Scan, SourceError> {
+    let (root_meta, dirs) = walk(root, opts, sink)?;
+    let mut sources = Vec::new();
+    let flat = assemble(root_meta, dirs, Some(&mut sources))?;
+    Ok(Scan {
+        tree: flat.to_tree(),
+        sources,
+    })
+}
+
+/// Like [`scan_into`], into a [`FlatTree`] (what image builds use), its
+/// inodes numbered the same way.
+pub fn scan_flat(root: &Path, opts: &ScanOptions, sink: Option<&dyn ContentSink>) -> Result<FlatTree, SourceError> {
+    let (root_meta, dirs) = walk(root, opts, sink)?;
+    assemble(root_meta, dirs, None)
+}
+
+/// Scans every directory under `root`, in parallel.
+fn walk(
+    root: &Path,
+    opts: &ScanOptions,
+    sink: Option<&dyn ContentSink>,
+) -> Result<(Meta, Vec<Option<DirScan>>), SourceError> {
     let st = rustix::fs::lstat(root).map_err(|e| SourceError::os(root, "cannot stat", e))?;
     if FileType::from_mode(st.st_mode as u32) != Some(FileType::Directory) {
         return Err(SourceError::new(root, "not a directory"));
     }
-    let root_inode = inode_from_stat(&st, opts);
+    let root_meta = meta_from_stat(&st, opts);
 
     let pool = rayon::ThreadPoolBuilder::new()
         .num_threads(worker_threads(opts.jobs))
@@ -175,7 +198,7 @@ pub fn scan_into(root: &Path, opts: &ScanOptions, sink: Option<&dyn ContentSink>
         return Err(err);
     }
     let dirs = walk.dirs.into_inner().unwrap_or_else(|e| e.into_inner());
-    assemble(root_inode, dirs)
+    Ok((root_meta, dirs))
 }
 
 /// A scanned directory: its own xattrs and its entries, sorted by name.
@@ -185,10 +208,33 @@ struct DirScan {
     entries: Vec<Scanned>,
 }
 
+/// What the scan learns of one file, before it goes into the tree.
+#[derive(Default)]
+struct FileInfo {
+    meta: Meta,
+    /// Symlink target.
+    target: Option<Vec<u8>>,
+    /// Inline contents of a small regular file.
+    content: Option<Vec<u8>>,
+    /// fs-verity digest of a regular file (its object path follows).
+    digest: Option<[u8; 32]>,
+    xattrs: Vec<Xattr>,
+}
+
+impl FileInfo {
+    fn is_dir(&self) -> bool {
+        self.meta.mode & S_IFMT == S_IFDIR
+    }
+
+    fn is_external(&self) -> bool {
+        self.meta.mode & S_IFMT == S_IFREG && self.meta.size > 0 && self.content.is_none()
+    }
+}
+
 /// One entry of a scanned directory.
 struct Scanned {
     name: CString,
-    inode: Inode,
+    info: FileInfo,
     /// For a directory: the index of its own [`DirScan`].
     subdir: Option<usize>,
     /// With [`ScanOptions::hardlinks`], for a non-directory with more than
@@ -238,7 +284,7 @@ impl<'a> Walk<'a> {
             Ok((fd, mut scan)) => {
                 let fd = Arc::new(fd);
                 for entry in scan.entries.iter_mut() {
-                    if !entry.inode.is_dir() {
+                    if !entry.info.is_dir() {
                         continue;
                     }
                     let sub = self.next_dir.fetch_add(1, Ordering::Relaxed);
@@ -316,22 +362,27 @@ fn list_dir(fd: BorrowedFd<'_>) -> Result<Vec<CString>, Errno> {
     Ok(names)
 }
 
-/// The inode fields that come from `lstat`.
+/// The inode fields that come from `lstat` (nlink 1, as the reference
+/// gives every file of a directory source).
 #[allow(clippy::unnecessary_cast)]
-fn inode_from_stat(st: &Stat, opts: &ScanOptions) -> Inode {
-    let mut inode = Inode::new(st.st_mode as u32);
-    inode.uid = st.st_uid as u32;
-    inode.gid = st.st_gid as u32;
-    // The 32-bit kernel encoding is the low half of the 64-bit one.
-    inode.rdev = st.st_rdev as u64 as u32;
-    inode.size = st.st_size as u64;
-    if !opts.use_epoch {
-        inode.mtime = Timespec {
-            sec: st.st_mtime as i64,
-            nsec: st.st_mtime_nsec as u32,
-        };
+fn meta_from_stat(st: &Stat, opts: &ScanOptions) -> Meta {
+    Meta {
+        mode: st.st_mode as u32,
+        nlink: 1,
+        uid: st.st_uid as u32,
+        gid: st.st_gid as u32,
+        // The 32-bit kernel encoding is the low half of the 64-bit one.
+        rdev: st.st_rdev as u64 as u32,
+        size: st.st_size as u64,
+        mtime: if opts.use_epoch {
+            Timespec::default()
+        } else {
+            Timespec {
+                sec: st.st_mtime as i64,
+                nsec: st.st_mtime_nsec as u32,
+            }
+        },
     }
-    inode
 }
 
 /// Examines one entry of a directory; `None` if it is left out.
@@ -367,30 +418,32 @@ fn scan_entry(
     if opts.skip_devices && matches!(ftype, FileType::BlockDevice | FileType::CharDevice) {
         return Ok(None);
     }
-    let mut inode = inode_from_stat(&st, opts);
+    let mut inode = FileInfo {
+        meta: meta_from_stat(&st, opts),
+        ..FileInfo::default()
+    };
     #[allow(clippy::unnecessary_cast)]
     let link_key = (opts.hardlinks && ftype != FileType::Directory && st.st_nlink > 1)
         .then_some((st.st_dev as u64, st.st_ino as u64));
     let mut xattrs_from_path = !opts.skip_xattrs;
     if let Some(p) = &opts.progress {
         p.entries.fetch_add(1, Ordering::Relaxed);
-        if ftype == FileType::Regular && inode.size > 0 {
+        if ftype == FileType::Regular && inode.meta.size > 0 {
             p.files.fetch_add(1, Ordering::Relaxed);
-            p.bytes.fetch_add(inode.size, Ordering::Relaxed);
+            p.bytes.fetch_add(inode.meta.size, Ordering::Relaxed);
         }
     }
     match ftype {
         // Its own task reads its xattrs, through its descriptor.
         FileType::Directory => xattrs_from_path = false,
-        FileType::Regular if inode.size > RECOMMENDED_INLINE_MAX && sink.is_some() => {
+        FileType::Regular if inode.meta.size > RECOMMENDED_INLINE_MAX && sink.is_some() => {
             let digest = sink
                 .unwrap()
                 .store(dirfd, name, &path(), &st)
                 .map_err(|e| SourceError::new(path(), e))?;
             inode.digest = Some(digest);
-            inode.payload = Some(digest_object_path(&digest).into_bytes());
         }
-        FileType::Regular if inode.size > 0 => {
+        FileType::Regular if inode.meta.size > 0 => {
             read_regular(dirfd, name, &mut inode, opts).map_err(|e| e.at(&path()))?;
             xattrs_from_path = false;
         }
@@ -398,8 +451,8 @@ fn scan_entry(
             let target = rustix::fs::readlinkat(dirfd, name, Vec::new())
                 .map_err(|e| SourceError::os(path(), "cannot read symlink", e))?
                 .into_bytes();
-            inode.size = target.len() as u64;
-            inode.payload = Some(target);
+            inode.meta.size = target.len() as u64;
+            inode.target = Some(target);
         }
         _ => {}
     }
@@ -409,7 +462,7 @@ fn scan_entry(
     }
     Ok(Some(Scanned {
         name: name.to_owned(),
-        inode,
+        info: inode,
         subdir: None,
         link_key,
     }))
@@ -432,12 +485,17 @@ impl EntryError {
 
 /// Reads a non-empty regular file: digest, object path, inline contents
 /// for small files, and xattrs through the open descriptor.
-fn read_regular(dirfd: BorrowedFd<'_>, name: &CStr, inode: &mut Inode, opts: &ScanOptions) -> Result<(), EntryError> {
+fn read_regular(
+    dirfd: BorrowedFd<'_>,
+    name: &CStr,
+    inode: &mut FileInfo,
+    opts: &ScanOptions,
+) -> Result<(), EntryError> {
     // NOFOLLOW and NONBLOCK: if the entry was swapped for a symlink or a
     // fifo since it was examined, fail rather than follow or hang.
     let flags = OFlags::RDONLY | OFlags::NOFOLLOW | OFlags::NONBLOCK | OFlags::NOCTTY | OFlags::CLOEXEC;
     let fd = rustix::fs::openat(dirfd, name, flags, Mode::empty()).map_err(|e| EntryError::Os("cannot open", e))?;
-    let size = inode.size;
+    let size = inode.meta.size;
     if size >= FADVISE_MIN {
         // Only a hint: failure changes nothing.
         let _ = rustix::fs::fadvise(&fd, 0, None, rustix::fs::Advice::Sequential);
@@ -450,7 +508,6 @@ fn read_regular(dirfd: BorrowedFd<'_>, name: &CStr, inode: &mut Inode, opts: &Sc
         digest
     };
     inode.digest = Some(digest);
-    inode.payload = Some(digest_object_path(&digest).into_bytes());
     if !opts.skip_xattrs {
         inode.xattrs = read_xattrs(XattrSource::Fd(fd.as_fd()), opts.user_xattrs)?;
     }
@@ -685,51 +742,61 @@ fn read_xattrs(src: XattrSource<'_>, user_only: bool) -> Result<Vec<Xattr>, Entr
 }
 
 /// Builds the tree from the scanned directories, breadth first in name
-/// order, on one thread.
-fn assemble(root: Inode, mut dirs: Vec<Option<DirScan>>) -> Result<Scan, SourceError> {
+/// order, on one thread. With `sources`, also lists the source path of each
+/// external file.
+fn assemble(
+    root: Meta,
+    mut dirs: Vec<Option<DirScan>>,
+    mut sources: Option<&mut Vec<(InodeId, PathBuf)>>,
+) -> Result<FlatTree, SourceError> {
     let mut take = |i: usize| -> Result<DirScan, SourceError> {
         dirs.get_mut(i)
             .and_then(Option::take)
             .ok_or_else(|| SourceError::new("", format!("internal error: directory {i} was not scanned")))
     };
     let first = take(0)?;
-    let mut tree = Tree::new(root);
-    let mut sources = Vec::new();
+    let mut tree = FlatTree::new(root);
     let mut queue = VecDeque::new();
     // Kept hardlinks: the first name met (in this fixed order) is the
     // inode's primary entry, later ones link to it.
     let mut linked: HashMap<(u64, u64), InodeId> = HashMap::new();
+    let too_large = |e: crate::flat::TooLarge| SourceError::new("", e.to_string());
     queue.push_back((first, ROOT));
     while let Some((dir, id)) = queue.pop_front() {
-        let subdirs = dir.entries.iter().filter(|e| e.inode.is_dir()).count();
-        {
-            let inode = tree.inode_mut(id);
-            inode.xattrs = dir.xattrs;
-            inode.nlink = u32::try_from(subdirs + 2).unwrap_or(u32::MAX);
-        }
+        let subdirs = dir.entries.iter().filter(|e| e.info.is_dir()).count();
+        tree.set_xattrs(id, dir.xattrs.iter().map(|x| (&x.key[..], &x.value[..])))
+            .map_err(too_large)?;
+        tree.meta_mut(id).nlink = u32::try_from(subdirs + 2).unwrap_or(u32::MAX);
         for entry in dir.entries {
             let name = entry.name.to_bytes();
             let at = || dir.path.join(OsStr::from_bytes(name));
+            validate_name(name).map_err(|e| SourceError::new(at(), e.to_string()))?;
             if let Some(&target) = entry.link_key.as_ref().and_then(|k| linked.get(k)) {
-                tree.link(id, name, target, true)
-                    .map_err(|e| SourceError::new(at(), e.to_string()))?;
-                let t = tree.inode_mut(target);
+                tree.push_entry(id, name, target, true).map_err(too_large)?;
+                let t = tree.meta_mut(target);
                 t.nlink = t.nlink.saturating_add(1);
                 continue;
             }
-            let external = entry.inode.is_external();
+            let info = &entry.info;
+            let object = info.digest.map(|d| digest_object_path(&d));
+            let new = NewInode {
+                payload: info.target.as_deref().or(object.as_deref().map(str::as_bytes)),
+                content: info.content.as_deref(),
+                digest: info.digest,
+            };
             let child = tree
-                .add_child(id, name, entry.inode)
-                .map_err(|e| SourceError::new(at(), e.to_string()))?;
+                .add_inode(info.meta, new, info.xattrs.iter().map(|x| (&x.key[..], &x.value[..])))
+                .map_err(too_large)?;
+            tree.push_entry(id, name, child, false).map_err(too_large)?;
             if let Some(key) = entry.link_key {
                 linked.insert(key, child);
             }
             if let Some(sub) = entry.subdir {
                 queue.push_back((take(sub)?, child));
-            } else if external {
+            } else if let Some(sources) = sources.as_deref_mut().filter(|_| info.is_external()) {
                 sources.push((child, at()));
             }
         }
     }
-    Ok(Scan { tree, sources })
+    Ok(tree)
 }
