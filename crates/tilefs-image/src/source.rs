@@ -35,7 +35,7 @@ use std::mem::MaybeUninit;
 use std::os::unix::ffi::OsStrExt;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Condvar, Mutex};
 
 /// What to read from the directory.
 #[derive(Debug, Clone, Default)]
@@ -143,9 +143,8 @@ pub fn scan(root: &Path, opts: &ScanOptions) -> Result<Scan, SourceError> {
 
 /// Like [`scan`], giving the contents of external files to `sink`.
 pub fn scan_into(root: &Path, opts: &ScanOptions, sink: Option<&dyn ContentSink>) -> Result<Scan, SourceError> {
-    let (root_meta, dirs) = walk(root, opts, sink)?;
     let mut sources = Vec::new();
-    let flat = assemble(root_meta, dirs, Some(&mut sources))?;
+    let flat = walk(root, opts, sink, Some(&mut sources))?;
     Ok(Scan {
         tree: flat.to_tree(),
         sources,
@@ -155,16 +154,17 @@ pub fn scan_into(root: &Path, opts: &ScanOptions, sink: Option<&dyn ContentSink>
 /// Like [`scan_into`], into a [`FlatTree`] (what image builds use), its
 /// inodes numbered the same way.
 pub fn scan_flat(root: &Path, opts: &ScanOptions, sink: Option<&dyn ContentSink>) -> Result<FlatTree, SourceError> {
-    let (root_meta, dirs) = walk(root, opts, sink)?;
-    assemble(root_meta, dirs, None)
+    walk(root, opts, sink, None)
 }
 
-/// Scans every directory under `root`, in parallel.
+/// Scans every directory under `root`, in parallel, and builds the tree
+/// from them meanwhile (see [`assemble`]).
 fn walk(
     root: &Path,
     opts: &ScanOptions,
     sink: Option<&dyn ContentSink>,
-) -> Result<(Meta, Vec<Option<DirScan>>), SourceError> {
+    sources: Option<&mut Vec<(InodeId, PathBuf)>>,
+) -> Result<FlatTree, SourceError> {
     let st = rustix::fs::lstat(root).map_err(|e| SourceError::os(root, "cannot stat", e))?;
     if FileType::from_mode(st.st_mode as u32) != Some(FileType::Directory) {
         return Err(SourceError::new(root, "not a directory"));
@@ -185,20 +185,26 @@ fn walk(
         sink,
         next_dir: AtomicUsize::new(1),
         dirs: Mutex::new(Vec::new()),
+        ready: Condvar::new(),
         failed: AtomicBool::new(false),
         error: Mutex::new(None),
     };
-    pool.install(|| {
+    let tree = pool.install(|| {
         rayon::scope(|s| {
             walk.dir_task(s, DirRef::Root, root.to_path_buf(), 0);
+            let tree = assemble(root_meta, &walk, sources);
+            if tree.is_err() {
+                // The other tasks stop at their next entry.
+                walk.failed.store(true, Ordering::Relaxed);
+            }
+            tree
         })
     });
-
+    // A scan error comes first: the assembly may have stopped because of it.
     if let Some(err) = walk.error.into_inner().unwrap_or_else(|e| e.into_inner()) {
         return Err(err);
     }
-    let dirs = walk.dirs.into_inner().unwrap_or_else(|e| e.into_inner());
-    Ok((root_meta, dirs))
+    tree
 }
 
 /// A scanned directory: its own xattrs and its entries, sorted by name.
@@ -256,8 +262,10 @@ struct Walk<'a> {
     sink: Option<&'a dyn ContentSink>,
     /// Index of the next directory found (the root is 0).
     next_dir: AtomicUsize,
-    /// Scanned directories by index.
+    /// Scanned directories by index, until the tree takes them.
     dirs: Mutex<Vec<Option<DirScan>>>,
+    /// Signalled when a directory is scanned or the scan fails.
+    ready: Condvar,
     /// Set on the first error: remaining tasks stop early.
     failed: AtomicBool,
     error: Mutex<Option<SourceError>>,
@@ -270,6 +278,36 @@ impl<'a> Walk<'a> {
             *slot = Some(err);
         }
         self.failed.store(true, Ordering::Relaxed);
+        drop(slot);
+        let _dirs = self.dirs.lock().unwrap_or_else(|e| e.into_inner());
+        self.ready.notify_all();
+    }
+
+    /// Directory `i` once it is scanned, running scan tasks meanwhile;
+    /// None if the scan failed.
+    fn wait_for(&self, i: usize) -> Option<DirScan> {
+        loop {
+            if let Some(d) = self
+                .dirs
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .get_mut(i)
+                .and_then(Option::take)
+            {
+                return Some(d);
+            }
+            if self.failed.load(Ordering::Relaxed) {
+                return None;
+            }
+            // Help while it is not there; sleep when there is nothing to do
+            // (the other workers are scanning).
+            if rayon::yield_now() != Some(rayon::Yield::Executed) {
+                let dirs = self.dirs.lock().unwrap_or_else(|e| e.into_inner());
+                if dirs.get(i).is_none_or(Option::is_none) && !self.failed.load(Ordering::Relaxed) {
+                    let _ = self.ready.wait_timeout(dirs, std::time::Duration::from_millis(10));
+                }
+            }
+        }
     }
 
     /// Scans one directory and spawns a task for each subdirectory.
@@ -299,6 +337,7 @@ impl<'a> Walk<'a> {
                     dirs.resize_with(index + 1, || None);
                 }
                 dirs[index] = Some(scan);
+                self.ready.notify_all();
             }
             Err(e) => self.fail(e),
         }
@@ -323,7 +362,7 @@ impl<'a> Walk<'a> {
         let names = list_dir(fd.as_fd()).map_err(|e| SourceError::os(path, "cannot read directory", e))?;
         let dirfd = fd.as_fd();
         let scanned: Vec<Option<Scanned>> = names
-            .par_iter()
+            .into_par_iter()
             .map(|name| {
                 if self.failed.load(Ordering::Relaxed) {
                     return Ok(None);
@@ -346,20 +385,27 @@ impl<'a> Walk<'a> {
 
 /// The names in a directory, without `.` and `..`.
 fn list_dir(fd: BorrowedFd<'_>) -> Result<Vec<CString>, Errno> {
-    let mut buf: Vec<MaybeUninit<u8>> = Vec::with_capacity(32 * 1024);
-    buf.resize(32 * 1024, MaybeUninit::uninit());
-    let mut dir = RawDir::new(fd, &mut buf);
-    let mut names = Vec::new();
-    while let Some(entry) = dir.next() {
-        let entry = entry?;
-        let name = entry.file_name();
-        let bytes = name.to_bytes();
-        if bytes == b"." || bytes == b".." {
-            continue;
-        }
-        names.push(name.to_owned());
+    thread_local! {
+        // One getdents64 buffer per thread, not one per directory.
+        static DIR_BUF: RefCell<Vec<MaybeUninit<u8>>> = const { RefCell::new(Vec::new()) };
     }
-    Ok(names)
+    DIR_BUF.with_borrow_mut(|buf| {
+        if buf.is_empty() {
+            buf.resize(32 * 1024, MaybeUninit::uninit());
+        }
+        let mut dir = RawDir::new(fd, &mut buf[..]);
+        let mut names = Vec::new();
+        while let Some(entry) = dir.next() {
+            let entry = entry?;
+            let name = entry.file_name();
+            let bytes = name.to_bytes();
+            if bytes == b"." || bytes == b".." {
+                continue;
+            }
+            names.push(name.to_owned());
+        }
+        Ok(names)
+    })
 }
 
 /// The inode fields that come from `lstat` (nlink 1, as the reference
@@ -389,10 +435,11 @@ fn meta_from_stat(st: &Stat, opts: &ScanOptions) -> Meta {
 fn scan_entry(
     dirfd: BorrowedFd<'_>,
     dir: &Path,
-    name: &CStr,
+    owned_name: CString,
     opts: &ScanOptions,
     sink: Option<&dyn ContentSink>,
 ) -> Result<Option<Scanned>, SourceError> {
+    let name = owned_name.as_c_str();
     let name_bytes = name.to_bytes();
     let path = || dir.join(OsStr::from_bytes(name_bytes));
     if opts.cancel.as_ref().is_some_and(|c| c.load(Ordering::Relaxed)) {
@@ -461,7 +508,7 @@ fn scan_entry(
         inode.xattrs = xattrs;
     }
     Ok(Some(Scanned {
-        name: name.to_owned(),
+        name: owned_name,
         info: inode,
         subdir: None,
         link_key,
@@ -742,27 +789,29 @@ fn read_xattrs(src: XattrSource<'_>, user_only: bool) -> Result<Vec<Xattr>, Entr
 }
 
 /// Builds the tree from the scanned directories, breadth first in name
-/// order, on one thread. With `sources`, also lists the source path of each
-/// external file.
+/// order, on one thread (so inode numbers do not depend on which directory
+/// was scanned first), taking each directory as soon as it is scanned: the
+/// scans of all directories are never in memory at once, and the tree is
+/// ready soon after the last one. With `sources`, also lists the source
+/// path of each external file.
 fn assemble(
     root: Meta,
-    mut dirs: Vec<Option<DirScan>>,
+    walk: &Walk,
     mut sources: Option<&mut Vec<(InodeId, PathBuf)>>,
 ) -> Result<FlatTree, SourceError> {
-    let mut take = |i: usize| -> Result<DirScan, SourceError> {
-        dirs.get_mut(i)
-            .and_then(Option::take)
-            .ok_or_else(|| SourceError::new("", format!("internal error: directory {i} was not scanned")))
+    let take = |i: usize| -> Result<DirScan, SourceError> {
+        // (A failed scan's own error is what the caller reports.)
+        walk.wait_for(i).ok_or_else(|| SourceError::new("", "scan failed"))
     };
-    let first = take(0)?;
     let mut tree = FlatTree::new(root);
     let mut queue = VecDeque::new();
     // Kept hardlinks: the first name met (in this fixed order) is the
     // inode's primary entry, later ones link to it.
     let mut linked: HashMap<(u64, u64), InodeId> = HashMap::new();
     let too_large = |e: crate::flat::TooLarge| SourceError::new("", e.to_string());
-    queue.push_back((first, ROOT));
-    while let Some((dir, id)) = queue.pop_front() {
+    queue.push_back((0, ROOT));
+    while let Some((index, id)) = queue.pop_front() {
+        let dir = take(index)?;
         let subdirs = dir.entries.iter().filter(|e| e.info.is_dir()).count();
         tree.set_xattrs(id, dir.xattrs.iter().map(|x| (&x.key[..], &x.value[..])))
             .map_err(too_large)?;
@@ -792,7 +841,7 @@ fn assemble(
                 linked.insert(key, child);
             }
             if let Some(sub) = entry.subdir {
-                queue.push_back((take(sub)?, child));
+                queue.push_back((sub, child));
             } else if let Some(sources) = sources.as_deref_mut().filter(|_| info.is_external()) {
                 sources.push((child, at()));
             }
