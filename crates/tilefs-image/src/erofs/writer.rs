@@ -20,6 +20,8 @@ use crate::flat::{hash_pair, FlatTree, Meta, NONE};
 use crate::tree::{self, FileType, InodeId, Timespec, Tree, S_IFMT, S_IFREG};
 use crate::verity;
 use hashbrown::HashTable;
+use std::io;
+use std::os::unix::fs::FileExt;
 
 /// Format version choice, as `mkcomposefs --min-version/--max-version`.
 #[derive(Debug, Clone, Copy)]
@@ -49,6 +51,8 @@ pub enum WriteError {
     Version(u32),
     #[error(transparent)]
     TooLarge(#[from] crate::flat::TooLarge),
+    #[error("cannot write the image: {0}")]
+    Io(io::Error),
 }
 
 /// A written image: its bytes, its fs-verity digest and its format version.
@@ -69,6 +73,22 @@ pub fn write_image(tree: &Tree, opts: &WriteOptions) -> Result<Image, WriteError
 /// Writes `tree` as an image: its bytes and format version (the digest is
 /// left to callers that need it).
 pub fn write_flat(tree: &FlatTree, opts: &WriteOptions) -> Result<(Vec<u8>, u32), WriteError> {
+    write_flat_with(tree, opts, |w, x, shared, version| {
+        let (_, total) = w.layout(shared);
+        // Zeroed memory from the allocator (fresh pages for a large image):
+        // every gap and padding is already there.
+        let mut out = vec![0u8; total as usize];
+        w.emit(x, shared, version, &mut out)?;
+        Ok(out)
+    })
+}
+
+/// Lays the image out, then hands it to `emit` to be written.
+fn write_flat_with<T>(
+    tree: &FlatTree,
+    opts: &WriteOptions,
+    emit: impl FnOnce(&Writer<'_>, &Xattrs<'_>, &Shared, u32) -> io::Result<T>,
+) -> Result<(T, u32), WriteError> {
     if opts.min_version > f::COMPOSEFS_VERSION_MAX {
         return Err(WriteError::Version(opts.min_version));
     }
@@ -107,8 +127,22 @@ pub fn write_flat(tree: &FlatTree, opts: &WriteOptions) -> Result<(Vec<u8>, u32)
     w.rewrite_overlay(&mut x, version)?;
     let shared = x.share();
     w.place_inodes(&x, &shared)?;
-    let bytes = w.emit(&x, &shared, version);
-    Ok((bytes, version))
+    let out = emit(&w, &x, &shared, version).map_err(WriteError::Io)?;
+    Ok((out, version))
+}
+
+/// Writes `tree` as an image into `file` (from offset 0, through two
+/// buffers of 1 MiB, one per region of the image): the image never needs
+/// to be whole in memory. Returns its size and format version; `file` is
+/// extended to the full size, and gaps are left as holes (zeros).
+pub fn write_flat_to(tree: &FlatTree, opts: &WriteOptions, file: &std::fs::File) -> Result<(u64, u32), WriteError> {
+    write_flat_with(tree, opts, |w, x, shared, version| {
+        let (data_start, total) = w.layout(shared);
+        let mut out = FileOut::new(file, data_start);
+        w.emit(x, shared, version, &mut out)?;
+        out.finish(total)?;
+        Ok(total)
+    })
 }
 
 /// Marks a node that is one of the root's whiteouts `00`..`ff` (its
@@ -809,29 +843,35 @@ impl<'a> Writer<'a> {
         }
     }
 
-    fn emit(&self, x: &Xattrs, shared: &Shared, version: u32) -> Vec<u8> {
+    /// Size of the image: metadata (header, superblock, inodes, shared
+    /// xattrs), then the data blocks from `data_start`.
+    fn layout(&self, shared: &Shared) -> (u64, u64) {
         let data_start = (self.inodes_end + shared.size).next_multiple_of(f::BLOCK_SIZE);
-        let total = data_start + self.n_data_blocks * f::BLOCK_SIZE;
-        // Zeroed memory from the allocator (fresh pages for a large image):
-        // every gap and padding is already there.
-        let mut out = vec![0u8; total as usize];
+        (data_start, data_start + self.n_data_blocks * f::BLOCK_SIZE)
+    }
+
+    /// Writes the image to `out`, each of its two regions (metadata, data
+    /// blocks) in increasing offsets; what is not written is zeros.
+    fn emit(&self, x: &Xattrs, shared: &Shared, version: u32, out: &mut dyn Out) -> io::Result<()> {
+        let (data_start, total) = self.layout(shared);
+        let mut head = [0u8; f::EROFS_SUPER_OFFSET + f::EROFS_SUPER_SIZE];
 
         // composefs header
         let has_acl = self.lists.iter().any(|&id| {
             let k = x.key(id);
             k == b"system.posix_acl_access" || k == b"system.posix_acl_default"
         });
-        f::put_u32(&mut out, f::header::MAGIC, f::COMPOSEFS_MAGIC);
-        f::put_u32(&mut out, f::header::VERSION, f::COMPOSEFS_HEADER_VERSION);
+        f::put_u32(&mut head, f::header::MAGIC, f::COMPOSEFS_MAGIC);
+        f::put_u32(&mut head, f::header::VERSION, f::COMPOSEFS_HEADER_VERSION);
         f::put_u32(
-            &mut out,
+            &mut head,
             f::header::FLAGS,
             if has_acl { f::COMPOSEFS_FLAG_HAS_ACL } else { 0 },
         );
-        f::put_u32(&mut out, f::header::COMPOSEFS_VERSION, version);
+        f::put_u32(&mut head, f::header::COMPOSEFS_VERSION, version);
 
         // superblock
-        let sb = &mut out[f::EROFS_SUPER_OFFSET..f::EROFS_SUPER_OFFSET + f::EROFS_SUPER_SIZE];
+        let sb = &mut head[f::EROFS_SUPER_OFFSET..];
         f::put_u32(sb, f::sb::MAGIC, f::EROFS_SUPER_MAGIC);
         f::put_u32(
             sb,
@@ -854,10 +894,13 @@ impl<'a> Writer<'a> {
             ((f::EROFS_SUPER_OFFSET + f::EROFS_SUPER_SIZE) as u64 / f::BLOCK_SIZE) as u32,
         );
         f::put_u32(sb, f::sb::XATTR_BLKADDR, (self.inodes_end / f::BLOCK_SIZE) as u32);
+        out.put(0, &head)?;
 
-        // inodes, and their data blocks in inode order
+        // inodes, and their data blocks in inode order; each assembled in a
+        // zeroed scratch buffer, then handed over whole
         let mut next_block = data_start;
         let mut children = Vec::new();
+        let mut scratch: Vec<u8> = Vec::new();
         for (ino, n) in self.nodes.iter().enumerate() {
             let m = self.node_meta(n);
             let is_dir = m.mode & S_IFMT == tree::S_IFDIR;
@@ -871,9 +914,12 @@ impl<'a> Writer<'a> {
             } else {
                 None
             };
-            let mut at = (n.nid * f::SLOT_SIZE) as usize;
+            let len = if n.compact { 32 } else { 64 } + n.xattr_size as usize + n.tail as usize;
+            scratch.clear();
+            scratch.resize(len, 0);
+            let mut at = 0;
             self.emit_inode(
-                &mut out,
+                &mut scratch,
                 &mut at,
                 x,
                 shared,
@@ -883,35 +929,37 @@ impl<'a> Writer<'a> {
                 blkaddr.map(|b| b as u32),
                 &children,
             );
-            debug_assert_eq!(
-                at as u64,
-                n.nid * f::SLOT_SIZE + if n.compact { 32 } else { 64 } + n.xattr_size as u64 + n.tail as u64
-            );
+            debug_assert_eq!(at, len);
+            out.put(n.nid * f::SLOT_SIZE, &scratch)?;
             let Some(b) = blkaddr else { continue };
-            let start = (b * f::BLOCK_SIZE) as usize;
             let blocks = n.n_blocks as usize;
+            scratch.clear();
+            scratch.resize(blocks * f::BLOCK_SIZE as usize, 0);
             if is_dir {
-                let mut at = start;
+                let mut at = 0;
                 for chunk in dirent_chunks(&children).take(blocks) {
-                    self.put_dirents(&mut out, &mut at, &children[chunk]);
+                    self.put_dirents(&mut scratch, &mut at, &children[chunk]);
                     at = at.next_multiple_of(f::BLOCK_SIZE as usize);
                 }
             } else if n.external {
                 // Chunk indexes that spilled out of the inode: all holes.
-                out[start..start + f::BLOCK_SIZE as usize].fill(0xff);
+                scratch[..f::BLOCK_SIZE as usize].fill(0xff);
             } else {
                 let data = self.content(n).or(self.payload(n)).unwrap_or_default();
                 let len = (blocks * f::BLOCK_SIZE as usize).min(data.len());
-                out[start..start + len].copy_from_slice(&data[..len]);
+                scratch[..len].copy_from_slice(&data[..len]);
             }
+            out.put(b * f::BLOCK_SIZE, &scratch)?;
         }
         debug_assert_eq!(next_block, total);
 
-        let mut at = self.inodes_end as usize;
+        scratch.clear();
+        scratch.resize(shared.size as usize, 0);
+        let mut at = 0;
         for &id in &shared.ids {
-            x.put(&mut out, &mut at, id);
+            x.put(&mut scratch, &mut at, id);
         }
-        out
+        out.put(self.inodes_end, &scratch)
     }
 
     #[allow(clippy::too_many_arguments)]
@@ -1125,6 +1173,98 @@ impl<'a> Writer<'a> {
             p.push(b'/');
         }
         p
+    }
+}
+
+/// Where the image's bytes go. The writer puts each piece once, in
+/// increasing offsets within each of the image's two regions (metadata from
+/// 0, data blocks from `data_start`); what it never puts is zeros.
+trait Out {
+    fn put(&mut self, off: u64, bytes: &[u8]) -> io::Result<()>;
+}
+
+/// The whole image in memory, zeroed beforehand.
+impl Out for Vec<u8> {
+    fn put(&mut self, off: u64, bytes: &[u8]) -> io::Result<()> {
+        let at = off as usize;
+        self[at..at + bytes.len()].copy_from_slice(bytes);
+        Ok(())
+    }
+}
+
+/// An image file, written through one window of `WINDOW` bytes per region.
+struct FileOut<'f> {
+    file: &'f std::fs::File,
+    data_start: u64,
+    windows: [Window; 2],
+}
+
+/// A buffered run of the file: bytes `base..base + used` are in `buf`.
+struct Window {
+    base: u64,
+    used: usize,
+    buf: Vec<u8>,
+}
+
+const WINDOW: usize = 1 << 20;
+
+impl<'f> FileOut<'f> {
+    fn new(file: &'f std::fs::File, data_start: u64) -> FileOut<'f> {
+        let window = |base| Window {
+            base,
+            used: 0,
+            buf: Vec::new(),
+        };
+        FileOut {
+            file,
+            data_start,
+            windows: [window(0), window(data_start)],
+        }
+    }
+
+    /// Writes what is buffered and gives the file its size.
+    fn finish(mut self, total: u64) -> io::Result<()> {
+        for i in 0..2 {
+            self.flush(i)?;
+        }
+        self.file.set_len(total)
+    }
+
+    fn flush(&mut self, i: usize) -> io::Result<()> {
+        let w = &mut self.windows[i];
+        if w.used > 0 {
+            self.file.write_all_at(&w.buf[..w.used], w.base)?;
+            w.buf[..w.used].fill(0);
+            w.base += w.used as u64;
+            w.used = 0;
+        }
+        Ok(())
+    }
+}
+
+impl Out for FileOut<'_> {
+    fn put(&mut self, off: u64, bytes: &[u8]) -> io::Result<()> {
+        let i = usize::from(off >= self.data_start);
+        let w = &self.windows[i];
+        debug_assert!(off >= w.base, "image pieces come in increasing offsets");
+        if off + bytes.len() as u64 > w.base + WINDOW as u64 {
+            self.flush(i)?;
+            // A gap after the flushed bytes stays a hole.
+            self.windows[i].base = off;
+            if bytes.len() >= WINDOW {
+                self.file.write_all_at(bytes, off)?;
+                self.windows[i].base = off + bytes.len() as u64;
+                return Ok(());
+            }
+        }
+        let w = &mut self.windows[i];
+        if w.buf.is_empty() {
+            w.buf = vec![0u8; WINDOW];
+        }
+        let at = (off - w.base) as usize;
+        w.buf[at..at + bytes.len()].copy_from_slice(bytes);
+        w.used = w.used.max(at + bytes.len());
+        Ok(())
     }
 }
 
