@@ -430,10 +430,38 @@ fn digest(f: &[&[u8]; 11], scratch: &mut Vec<u8>, escapes: bool) -> Result<Optio
     if text.is_empty() {
         return Ok(None);
     }
+    decode_digest(text)
+        .map(Some)
+        .ok_or_else(|| invalid(f, DIGEST, "expected 64 hex digits (a SHA-256 fs-verity digest)"))
+}
+
+/// 64 hex digits (either case) as 32 bytes; a table lookup per digit and
+/// one check at the end, since every regular file of a dump has a digest.
+fn decode_digest(text: &[u8]) -> Option<[u8; 32]> {
+    static VALUE: [u8; 256] = {
+        let mut t = [0xffu8; 256];
+        let mut c = 0;
+        while c < 10 {
+            t[b'0' as usize + c] = c as u8;
+            c += 1;
+        }
+        let mut c = 0;
+        while c < 6 {
+            t[b'a' as usize + c] = 10 + c as u8;
+            t[b'A' as usize + c] = 10 + c as u8;
+            c += 1;
+        }
+        t
+    };
+    let text: &[u8; 64] = text.try_into().ok()?;
     let mut raw = [0u8; 32];
-    hex::decode_to_slice(text, &mut raw)
-        .map_err(|_| invalid(f, DIGEST, "expected 64 hex digits (a SHA-256 fs-verity digest)"))?;
-    Ok(Some(raw))
+    let mut bad = 0u8;
+    for (byte, pair) in raw.iter_mut().zip(text.chunks_exact(2)) {
+        let (h, l) = (VALUE[pair[0] as usize], VALUE[pair[1] as usize]);
+        bad |= h | l;
+        *byte = h << 4 | (l & 0xf);
+    }
+    (bad & 0xf0 == 0).then_some(raw)
 }
 
 fn too_large(e: TooLarge) -> String {
@@ -1345,6 +1373,20 @@ mod tests {
             2,
             "too large",
         );
+    }
+
+    #[test]
+    fn digest_decoding() {
+        let hex = "00ff1a2B3c4D5e6F7890abcdefABCDEF0123456789aAbBcCdDeEfF0011223344";
+        assert_eq!(decode_digest(hex.as_bytes()).map(hex::encode), Some(hex.to_lowercase()));
+        for bad in [
+            b"0g", b"g0", b" 0", b"0:", b"0@", b"0G", b"0`", b"0/", b"\xff0", b"0\x80",
+        ] {
+            let mut t = hex.to_string().into_bytes();
+            t[10..12].copy_from_slice(bad);
+            assert_eq!(decode_digest(&t), None, "{bad:?}");
+        }
+        assert_eq!(decode_digest(&hex.as_bytes()[..62]), None);
     }
 
     #[test]
