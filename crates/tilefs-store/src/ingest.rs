@@ -101,6 +101,11 @@ const VERITY_NO: u8 = 2;
 /// took a build 24 MB above the reference's peak RSS).
 const SMALL_FILE: u64 = 256 << 10;
 
+/// The same for a stream (a layer's file): kept in memory up to 4 MiB, so
+/// an object already present is not written out first; streams are read a
+/// few at a time, not by a scan's many threads.
+const SMALL_STREAM: u64 = 4 << 20;
+
 /// Start a commit once this much new data waits in temporary files.
 const BATCH_BYTES: u64 = 1 << 30;
 
@@ -301,7 +306,7 @@ impl<'s> Ingest<'s> {
         self.stats.files.fetch_add(1, Relaxed);
         self.stats.bytes.fetch_add(size, Relaxed);
         let tmp_name = self.temp_name();
-        let hashed = if size <= SMALL_FILE {
+        let hashed = if size <= SMALL_STREAM {
             read_small(src, size, what)?
         } else {
             let mut dst = self.create_temp(&tmp_name)?;
@@ -584,12 +589,15 @@ fn recycle(mut data: Vec<u8>) {
 }
 
 /// Reads a small source whole (at most `size` + 1 bytes, so a longer one
-/// shows) and hashes it; its contents stay in memory, in this thread's
-/// buffer (give it back with [`recycle`]).
+/// shows) and hashes it; its contents stay in memory, up to [`SMALL_FILE`]
+/// in this thread's buffer (give it back with [`recycle`]).
 fn read_small(src: &mut dyn Read, size: u64, path: &Path) -> Result<Hashed, StoreError> {
-    let mut data = SMALL_BUF
-        .take()
-        .unwrap_or_else(|| Vec::with_capacity(SMALL_FILE as usize + 1));
+    let mut data = match size <= SMALL_FILE {
+        true => SMALL_BUF
+            .take()
+            .unwrap_or_else(|| Vec::with_capacity(SMALL_FILE as usize + 1)),
+        false => Vec::new(),
+    };
     data.clear();
     data.reserve_exact(size as usize + 1);
     if let Err(e) = src.take(size + 1).read_to_end(&mut data) {
