@@ -108,6 +108,15 @@ impl SourceError {
     }
 }
 
+/// How regular files are opened. NOFOLLOW and NONBLOCK: if the entry was
+/// swapped for a symlink or a fifo since it was listed, fail (or see it is
+/// no regular file) rather than follow or hang.
+const REGULAR_OPEN: OFlags = OFlags::RDONLY
+    .union(OFlags::NOFOLLOW)
+    .union(OFlags::NONBLOCK)
+    .union(OFlags::NOCTTY)
+    .union(OFlags::CLOEXEC);
+
 /// Read buffer for file contents, one per thread.
 const READ_BUF_SIZE: usize = 256 * 1024;
 /// Files at least this large are announced to the kernel as read
@@ -363,11 +372,11 @@ impl<'a> Walk<'a> {
         let dirfd = fd.as_fd();
         let scanned: Vec<Option<Scanned>> = names
             .into_par_iter()
-            .map(|name| {
+            .map(|(name, is_reg)| {
                 if self.failed.load(Ordering::Relaxed) {
                     return Ok(None);
                 }
-                scan_entry(dirfd, path, name, self.opts, self.sink)
+                scan_entry(dirfd, path, name, is_reg, self.opts, self.sink)
             })
             .collect::<Result<_, SourceError>>()?;
         let mut entries: Vec<Scanned> = scanned.into_iter().flatten().collect();
@@ -383,8 +392,9 @@ impl<'a> Walk<'a> {
     }
 }
 
-/// The names in a directory, without `.` and `..`.
-fn list_dir(fd: BorrowedFd<'_>) -> Result<Vec<CString>, Errno> {
+/// The names in a directory, without `.` and `..`, and whether the
+/// directory says each is a regular file.
+fn list_dir(fd: BorrowedFd<'_>) -> Result<Vec<(CString, bool)>, Errno> {
     thread_local! {
         // One getdents64 buffer per thread, not one per directory.
         static DIR_BUF: RefCell<Vec<MaybeUninit<u8>>> = const { RefCell::new(Vec::new()) };
@@ -402,7 +412,7 @@ fn list_dir(fd: BorrowedFd<'_>) -> Result<Vec<CString>, Errno> {
             if bytes == b"." || bytes == b".." {
                 continue;
             }
-            names.push(name.to_owned());
+            names.push((name.to_owned(), entry.file_type() == rustix::fs::FileType::RegularFile));
         }
         Ok(names)
     })
@@ -432,10 +442,12 @@ fn meta_from_stat(st: &Stat, opts: &ScanOptions) -> Meta {
 }
 
 /// Examines one entry of a directory; `None` if it is left out.
+#[allow(clippy::unnecessary_cast)] // st_mode is not u32 everywhere
 fn scan_entry(
     dirfd: BorrowedFd<'_>,
     dir: &Path,
     owned_name: CString,
+    is_reg: bool,
     opts: &ScanOptions,
     sink: Option<&dyn ContentSink>,
 ) -> Result<Option<Scanned>, SourceError> {
@@ -454,8 +466,26 @@ fn scan_entry(
             ),
         ));
     }
-    let st = rustix::fs::statat(dirfd, name, AtFlags::SYMLINK_NOFOLLOW)
-        .map_err(|e| SourceError::os(path(), "cannot stat", e))?;
+    // A regular file (as the directory listing says) of a build without a
+    // store is opened first and the descriptor stat'ed: one path lookup, not
+    // two. Anything else (or a file that changed meanwhile) is stat'ed by
+    // name, as it always is with a store, whose import opens the file
+    // itself only when its digest is not known already.
+    let opened = (is_reg && sink.is_none())
+        .then(|| rustix::fs::openat(dirfd, name, REGULAR_OPEN, Mode::empty()).ok())
+        .flatten()
+        .and_then(|fd| {
+            let st = rustix::fs::fstat(&fd).ok()?;
+            (FileType::from_mode(st.st_mode as u32) == Some(FileType::Regular)).then_some((fd, st))
+        });
+    let (opened, st) = match opened {
+        Some((fd, st)) => (Some(fd), st),
+        None => (
+            None,
+            rustix::fs::statat(dirfd, name, AtFlags::SYMLINK_NOFOLLOW)
+                .map_err(|e| SourceError::os(path(), "cannot stat", e))?,
+        ),
+    };
     let Some(ftype) = FileType::from_mode(st.st_mode as u32) else {
         return Err(SourceError::new(
             path(),
@@ -491,8 +521,14 @@ fn scan_entry(
             inode.digest = Some(digest);
         }
         FileType::Regular if inode.meta.size > 0 => {
-            read_regular(dirfd, name, &mut inode, opts).map_err(|e| e.at(&path()))?;
+            read_regular(dirfd, name, opened, &mut inode, opts).map_err(|e| e.at(&path()))?;
             xattrs_from_path = false;
+        }
+        FileType::Regular if !opts.skip_xattrs => {
+            if let Some(fd) = &opened {
+                inode.xattrs = read_xattrs(XattrSource::Fd(fd.as_fd()), opts.user_xattrs).map_err(|e| e.at(&path()))?;
+                xattrs_from_path = false;
+            }
         }
         FileType::Symlink => {
             let target = rustix::fs::readlinkat(dirfd, name, Vec::new())
@@ -535,13 +571,15 @@ impl EntryError {
 fn read_regular(
     dirfd: BorrowedFd<'_>,
     name: &CStr,
+    opened: Option<OwnedFd>,
     inode: &mut FileInfo,
     opts: &ScanOptions,
 ) -> Result<(), EntryError> {
-    // NOFOLLOW and NONBLOCK: if the entry was swapped for a symlink or a
-    // fifo since it was examined, fail rather than follow or hang.
-    let flags = OFlags::RDONLY | OFlags::NOFOLLOW | OFlags::NONBLOCK | OFlags::NOCTTY | OFlags::CLOEXEC;
-    let fd = rustix::fs::openat(dirfd, name, flags, Mode::empty()).map_err(|e| EntryError::Os("cannot open", e))?;
+    let fd = match opened {
+        Some(fd) => fd,
+        None => rustix::fs::openat(dirfd, name, REGULAR_OPEN, Mode::empty())
+            .map_err(|e| EntryError::Os("cannot open", e))?,
+    };
     let size = inode.meta.size;
     if size >= FADVISE_MIN {
         // Only a hint: failure changes nothing.
