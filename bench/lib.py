@@ -274,6 +274,7 @@ class Row:
     ref: Series | None = None
     ref_tool: str | None = None
     goal: float | None = None  # wanted: ratio <= goal
+    rss_goal: float | None = None  # wanted: tilefs peak RSS <= rss_goal x the reference's
     nbytes: int | None = None  # set for throughput rows
     identical: bool | None = None
     value: str | None = None  # info rows: the figure, already formatted
@@ -292,6 +293,17 @@ class Row:
             return None
         return r <= self.goal
 
+    def rss_ratio(self) -> float | None:
+        if self.tilefs and self.ref and self.tilefs.ok and self.ref.ok and self.ref.maxrss_kib() > 0:
+            return self.tilefs.maxrss_kib() / self.ref.maxrss_kib()
+        return None
+
+    def rss_goal_met(self) -> bool | None:
+        r = self.rss_ratio()
+        if self.rss_goal is None or r is None:
+            return None
+        return r <= self.rss_goal
+
     def to_json(self) -> dict:
         r = self.ratio()
         return {
@@ -307,6 +319,9 @@ class Row:
             "ratio": round(r, 4) if r is not None else None,
             "goal_ratio_max": self.goal,
             "goal_met": self.goal_met(),
+            "rss_ratio": round(self.rss_ratio(), 4) if self.rss_ratio() is not None else None,
+            "rss_goal_ratio_max": self.rss_goal,
+            "rss_goal_met": self.rss_goal_met(),
             "outputs_identical": self.identical,
             "value": self.value_json,
             "notes": self.notes,
@@ -333,6 +348,11 @@ class Bench:
         self.started = time.monotonic()
         self._tty = sys.stderr.isatty()
         self._drop_caches: bool | None = None
+        # tool -> a note every row against it carries (how it was built, when
+        # that could not be verified or it is unoptimized and allowed).
+        self.ref_notes: dict[str, str] = {}
+        # Unoptimized references used anyway (BENCH_ALLOW_UNOPTIMIZED).
+        self.unoptimized: set[str] = set()
 
     # -- paths and tools ---------------------------------------------------
 
@@ -413,6 +433,7 @@ class Bench:
         warmup: int = 1,
         cold: bool = False,
         goal: float | None = None,
+        rss_goal: float | None = None,
         nbytes: int | None = None,
         prepare: Callable[[str], None] | None = None,
         notes: Sequence[str] = (),
@@ -423,12 +444,20 @@ class Bench:
         run and compared byte for byte after the last. same_stdout compares the
         two tools' standard output instead. cold: sync and drop the page cache
         before every timed run (root only). prepare(tool) runs untimed before
-        every run of tool ("tilefs" or "reference").
+        every run of tool ("tilefs" or "reference"). goal: the wanted time
+        ratio; rss_goal: the wanted ratio of peak RSS.
         """
         runs = runs or (self.cold_runs if cold else self.runs)
         if cold:
             warmup = 0
-        row = Row(self.section, id, title, ref_tool=ref_tool, goal=goal, nbytes=nbytes, cold=cold, notes=list(notes))
+        row = Row(self.section, id, title, ref_tool=ref_tool, goal=goal, rss_goal=rss_goal, nbytes=nbytes, cold=cold,
+                  notes=list(notes))
+        build_note = self.ref_notes.get(ref_tool)
+        if ref_argv is not None and build_note:
+            row.notes.append(build_note)
+        if ref_argv is not None and ref_tool in self.unoptimized:
+            # Allowed by BENCH_ALLOW_UNOPTIMIZED, but no goal is judged on it.
+            row.goal = row.rss_goal = None
         self.rows.append(row)
         series = [Series("tilefs", [str(a) for a in tilefs_argv])]
         row.tilefs = series[0]
@@ -699,7 +728,8 @@ def render_markdown(bench: Bench, meta: dict, sections: list) -> str:
 
     warnings = collect_warnings(bench.rows)
     goals = [r for r in bench.rows if r.goal is not None and r.kind == "compare"]
-    if goals or warnings:
+    rss_goals = [r for r in bench.rows if r.rss_goal is not None and r.kind == "compare"]
+    if goals or rss_goals or warnings:
         met = sum(1 for r in goals if r.goal_met())
         unmeasured = sum(1 for r in goals if r.goal_met() is None)
         if goals:
@@ -707,6 +737,15 @@ def render_markdown(bench: Bench, meta: dict, sections: list) -> str:
                 f"**Goals met: {met}/{len(goals)}**"
                 + (f" ({unmeasured} not measured: a tool failed or is missing)" if unmeasured else "")
                 + " (ratio = tilefs time / reference time, lower is better)."
+            )
+            out.append("")
+        if rss_goals:
+            rmet = sum(1 for r in rss_goals if r.rss_goal_met())
+            runm = sum(1 for r in rss_goals if r.rss_goal_met() is None)
+            out.append(
+                f"**Peak RSS goals met: {rmet}/{len(rss_goals)}**"
+                + (f" ({runm} not measured)" if runm else "")
+                + " (tilefs peak RSS / reference peak RSS)."
             )
             out.append("")
         for w in warnings:
@@ -759,11 +798,17 @@ def render_row(r: Row) -> str:
         if r.goal is not None:
             met = r.goal_met()
             goal = f"≤ {r.goal:g}" + (" (not measured)" if met is None else (" ✓ met" if met else " ✗ **missed**"))
+        if r.rss_goal is not None:
+            met = r.rss_goal_met()
+            g = f"RSS ≤ {r.rss_goal:g}" + (" (not measured)" if met is None else (" ✓" if met else " ✗ **missed**"))
+            goal = g if goal == "—" else f"{goal}; {g}"
         rss = "—"
         if r.tilefs and r.tilefs.ok:
             rss = fmt_rss(r.tilefs.maxrss_kib())
             if r.ref is not None:
                 rss += " / " + (fmt_rss(r.ref.maxrss_kib()) if r.ref.ok else "—")
+            if r.rss_ratio() is not None:
+                rss += f" ({r.rss_ratio():.2f})"
         cores = f"{r.tilefs.cpu_median() / r.tilefs.median():.2f}" if r.tilefs and r.tilefs.ok and r.tilefs.median() > 0 else "—"
         ident = {True: "identical", False: "**MISMATCH**", None: "—"}[r.identical]
         notes = list(r.notes)
@@ -814,6 +859,236 @@ def shell_join(argv: list[str]) -> str:
 
 
 # ---------------------------------------------------------------------------
+# How the reference tools were built: only optimized builds are compared.
+# ---------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class BuildInfo:
+    """What could be learnt of how a binary was compiled."""
+
+    optimized: bool | None  # None: could not tell
+    how: str  # one line for the results
+
+
+# Share of instructions addressing memory relative to %rbp: gcc -O0 keeps
+# every local variable there (about a third of all instructions in
+# composefs, a plain `meson setup` or `-Dbuildtype=debug` build), optimized
+# code keeps them in registers (about 1%, frame pointer or not).
+O0_RBP_SHARE = 0.15
+
+
+def elf_sections(path: str) -> set[str]:
+    """Section names of an ELF file (readelf), empty if it cannot be read."""
+    out = capture(["readelf", "-S", "-W", path]) or ""
+    return set(re.findall(r"\]\s+(\.\S+)", out))
+
+
+def gcc_opt_flags(path: str) -> list[str]:
+    """-O flags of the compilation units, from DWARF producer strings (needs -g)."""
+    out = capture(["readelf", "--debug-dump=info", "--dwarf-depth=1", path]) or ""
+    flags = set()
+    for m in re.finditer(r"DW_AT_producer\s*:.*?:\s*(.*)", out):
+        flags.update(re.findall(r"(?<!\S)-O\S*", m.group(1)))
+    return sorted(flags)
+
+
+def rbp_share(path: str) -> float | None:
+    out = capture(["objdump", "-d", "--no-show-raw-insn", path])
+    if not out:
+        return None
+    insns = [ln for ln in out.splitlines() if re.match(r"\s+[0-9a-f]+:\t", ln)]
+    if len(insns) < 100:
+        return None
+    return sum(1 for ln in insns if "(%rbp)" in ln) / len(insns)
+
+
+def meson_build_dir(binary: Path) -> Path | None:
+    """$COMPOSEFS_BUILDDIR, or the meson build directory the binary lives in."""
+    env = os.environ.get("COMPOSEFS_BUILDDIR")
+    if env:
+        return Path(env)
+    for d in list(binary.parents)[:4]:
+        if (d / "meson-info" / "intro-buildoptions.json").is_file():
+            return d
+    return None
+
+
+def c_build_info(binary: str) -> BuildInfo:
+    """Build type of a C tool and the libcomposefs it loads: meson's options when
+    its build directory is known, else the code itself (DWARF producer flags
+    with -g; without, how much of it addresses locals through %rbp)."""
+    real = Path(binary).resolve()
+    files = [str(real)]
+    for ln in (capture(["ldd", str(real)]) or "").splitlines():
+        m = re.match(r"\s*(libcomposefs\S*) => (\S+)", ln)
+        if m:
+            files.append(str(Path(m.group(2)).resolve()))
+    parts: list[str] = []
+    verdicts: list[bool | None] = []
+    bdir = meson_build_dir(real)
+    if bdir is not None:
+        try:
+            opts = {o["name"]: o["value"] for o in json.loads((bdir / "meson-info" / "intro-buildoptions.json").read_text())}
+            opt = str(opts.get("optimization"))
+            parts.append(f"meson buildtype={opts.get('buildtype')} (optimization={opt}, debug={opts.get('debug')}) in {bdir}")
+            built = bdir / "tools" / real.name
+            if built.is_file() and not filecmp.cmp(built, real, shallow=False):
+                parts.append(f"but {real} differs from {built}")
+            elif opt != "plain":
+                # (plain: the flags came from the environment; the code says.)
+                verdicts.append(opt not in ("0", "g"))
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            parts.append(f"meson options unreadable in {bdir}: {e}")
+    for f in files:
+        name = Path(f).name
+        secs = elf_sections(f)
+        if ".debug_info" in secs:
+            flags = gcc_opt_flags(f)
+            if flags:
+                parts.append(f"{name}: compiled with {' '.join(flags)}")
+                verdicts.append(not any(x in ("-O0", "-Og") for x in flags) and any(x != "-O0" for x in flags))
+                continue
+        share = rbp_share(f)
+        if share is None:
+            parts.append(f"{name}: code not inspected (no objdump, or too little code)")
+            verdicts.append(None)
+        else:
+            opt = share < O0_RBP_SHARE
+            parts.append(f"{name}: {'optimized' if opt else 'UNOPTIMIZED (-O0)'} ({share:.1%} of instructions address %rbp, -O0 ~30%)")
+            verdicts.append(opt)
+    optimized = False if False in verdicts else (True if verdicts and all(verdicts) else None)
+    return BuildInfo(optimized, "; ".join(parts))
+
+
+def rust_build_info(binary: str) -> BuildInfo:
+    """Cargo profile of a Rust tool: from its place in a target directory (or an
+    identical copy there), and whether overflow checks (the dev profile) are
+    compiled in."""
+    real = Path(binary).resolve()
+    parts: list[str] = []
+    profile = None
+    if real.parent.name in ("release", "debug") and real.parent.parent.name == "target":
+        profile = real.parent.name
+        parts.append(f"cargo {profile} profile ({real})")
+    else:
+        for cand in (real.parent.parent / "target" / p / real.name for p in ("release", "debug")):
+            if cand.is_file() and cand.stat().st_size == real.stat().st_size and filecmp.cmp(cand, real, shallow=False):
+                profile = cand.parent.name
+                parts.append(f"cargo {profile} profile (same bytes as {cand})")
+                break
+    try:
+        overflow_checks = b"attempt to add with overflow" in real.read_bytes()
+    except OSError:
+        overflow_checks = None
+    if overflow_checks:
+        parts.append("overflow checks compiled in (the dev profile's)")
+    elif overflow_checks is False:
+        parts.append("no overflow checks (as cargo's release profile)")
+    if profile == "debug" or overflow_checks:
+        optimized: bool | None = False
+    elif profile == "release":
+        optimized = True
+    else:
+        optimized = None
+    ver = capture([str(real), "--version"])
+    if ver:
+        parts.insert(0, ver.splitlines()[0])
+    return BuildInfo(optimized, "; ".join(parts) or "unknown")
+
+
+def allow_unoptimized() -> bool:
+    return os.environ.get("BENCH_ALLOW_UNOPTIMIZED", "") not in ("", "0")
+
+
+# ---------------------------------------------------------------------------
+# Inputs several sections use, made once per run.
+# ---------------------------------------------------------------------------
+
+
+def shared_dir(b: "Bench") -> Path:
+    """A directory under the run's temporary directory that lives for the whole run."""
+    d = b.tmp / "_shared"
+    d.mkdir(parents=True, exist_ok=True)
+    return d
+
+
+def asset_dump(b: "Bench", fname: str) -> Path | None:
+    """A dump of the composefs test assets, decompressed once per run (None if absent)."""
+    import gzip
+
+    src = b.assets / fname
+    if not src.is_file():
+        return None
+    dest = shared_dir(b) / fname.removesuffix(".gz")
+    if not dest.is_file():
+        tmp = dest.with_name(dest.name + ".tmp")
+        with (gzip.open(src, "rb") if fname.endswith(".gz") else open(src, "rb")) as fin, open(tmp, "wb") as fout:
+            shutil.copyfileobj(fin, fout, 1 << 20)
+        os.replace(tmp, dest)
+    return dest
+
+
+def write_tenfold_dump(src: Path, dest: Path, copies: int = 10) -> int:
+    """Writes `src` (a dump) `copies` times under /d0, /d1, ... of one root:
+    every path (and every hardlink target) prefixed; returns the entries."""
+    with open(src, "rb") as f:
+        lines = [ln for ln in f.read().split(b"\n") if ln]
+    if not lines or lines[0].split(b" ", 1)[0] != b"/":
+        raise ValueError(f"{src}: the first line is not the root")
+    root_rest = lines[0].split(b" ", 1)[1]
+    n = 1
+    tmp = dest.with_name(dest.name + ".tmp")
+    with open(tmp, "wb") as out:
+        out.write(lines[0] + b"\n")
+        for i in range(copies):
+            prefix = b"/d%d" % i
+            out.write(prefix + b" " + root_rest + b"\n")
+            n += 1
+            chunk = []
+            for ln in lines[1:]:
+                f = ln.split(b" ", 9)
+                f[0] = prefix + f[0]
+                if len(f) > 8 and f[2].startswith(b"@") and f[8] != b"-":
+                    f[8] = prefix + (f[8] if f[8].startswith(b"/") else b"/" + f[8])
+                chunk.append(b" ".join(f))
+            out.write(b"\n".join(chunk) + b"\n")
+            n += len(chunk)
+    os.replace(tmp, dest)
+    return n
+
+
+TENFOLD_SOURCE = "cs9-x86_64-developer.dump.gz"
+
+
+def tenfold_dump(b: "Bench") -> tuple[Path, int] | None:
+    """The cs9-x86_64-developer dump ten times over under /d0../d9 of one root
+    (642k entries), made once per run: (path, entries), or None without the
+    assets. The build section times building it; a fuse row can mount
+    tenfold_image()."""
+    d = shared_dir(b) / "cs9x10.dump"
+    count = shared_dir(b) / "cs9x10.entries"
+    if not d.is_file():
+        src = asset_dump(b, TENFOLD_SOURCE)
+        if src is None:
+            return None
+        count.write_text(str(write_tenfold_dump(src, d)))
+    return d, int(count.read_text())
+
+
+def tenfold_image(b: "Bench") -> Path | None:
+    """tilefs's image of tenfold_dump() (built untimed, once per run)."""
+    t = tenfold_dump(b)
+    if t is None:
+        return None
+    img = shared_dir(b) / "cs9x10.img"
+    if not img.is_file():
+        subprocess.run([b.tilefs, "build", "--quiet", "--from-dump", str(t[0]), str(img)], check=True,
+                       stdin=subprocess.DEVNULL)
+    return img
+
+
+# ---------------------------------------------------------------------------
 # Machine facts.
 # ---------------------------------------------------------------------------
 
@@ -833,7 +1108,9 @@ FACT_LABELS = [
     ("tilefs_version", "tilefs version"),
     ("tilefs_build", "tilefs build"),
     ("reference", "reference (composefs)"),
+    ("reference_build", "reference build"),
     ("cfsctl", "cfsctl (composefs-rs)"),
+    ("cfsctl_build", "cfsctl build"),
     ("fsverity", "fsverity"),
     ("openssl", "openssl"),
     ("rss_method", "peak RSS from"),

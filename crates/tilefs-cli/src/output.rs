@@ -55,16 +55,26 @@ pub fn write_atomic(path: &Path, data: &[u8]) -> Result<()> {
         out.write_all(data).context("writing to stdout")?;
         return out.flush().context("writing to stdout");
     }
+    write_atomic_with(path, |f| {
+        let mut f: &fs::File = f;
+        f.write_all(data).with_context(|| format!("writing {}", path.display()))
+    })
+}
+
+/// Like [`write_atomic`] (not for stdout), `write` filling the temporary
+/// file; nothing is left behind if it fails.
+pub fn write_atomic_with(path: &Path, write: impl FnOnce(&fs::File) -> Result<()>) -> Result<()> {
     let dir = match path.parent() {
         Some(p) if !p.as_os_str().is_empty() => p,
         _ => Path::new("."),
     };
-    let mut tmp = tempfile::Builder::new()
+    let tmp = tempfile::Builder::new()
         .prefix(".tilefs-")
         .tempfile_in(dir)
         .with_context(|| format!("creating a temporary file in {}", dir.display()))?;
-    tmp.write_all(data)
-        .and_then(|_| tmp.as_file().sync_all())
+    write(tmp.as_file())?;
+    tmp.as_file()
+        .sync_all()
         .with_context(|| format!("writing {}", path.display()))?;
     tmp.as_file()
         .set_permissions(fs::Permissions::from_mode(0o644))

@@ -1,6 +1,8 @@
 //! tilefs-image: the composefs image format.
 //!
 //! - [`tree`]: the in-memory tree model every input and output goes through;
+//! - [`flat`]: the same in a compact, append-only form, which the dump parser
+//!   and directory scanner fill for the writer when building images;
 //! - [`dump`]: the composefs-dump(5) text format, parsed and printed;
 //! - [`erofs`]: the EROFS metadata image in the composefs layout, written
 //!   byte for byte as the reference `mkcomposefs` does, and read back with
@@ -10,6 +12,8 @@
 
 pub mod dump;
 pub mod erofs;
+pub mod flat;
+mod sha_x2;
 pub mod source;
 pub mod summary;
 pub mod tree;

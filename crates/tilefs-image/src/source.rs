@@ -18,9 +18,10 @@
 //! end on one thread, in name order, so the result does not depend on the
 //! order the work happened in.
 
+use crate::flat::{FlatTree, Meta, NewInode};
 use crate::tree::{
-    digest_object_path, FileType, Inode, InodeId, Timespec, Tree, Xattr, EXTERNAL_XATTR_BUDGET, MAX_NAME_LEN,
-    RECOMMENDED_INLINE_MAX, ROOT,
+    digest_object_path, validate_name, FileType, Inode, InodeId, Timespec, Tree, Xattr, EXTERNAL_XATTR_BUDGET,
+    MAX_NAME_LEN, RECOMMENDED_INLINE_MAX, ROOT, S_IFDIR, S_IFMT, S_IFREG,
 };
 use crate::verity;
 use rayon::prelude::*;
@@ -34,7 +35,7 @@ use std::mem::MaybeUninit;
 use std::os::unix::ffi::OsStrExt;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Condvar, Mutex};
 
 /// What to read from the directory.
 #[derive(Debug, Clone, Default)]
@@ -107,6 +108,15 @@ impl SourceError {
     }
 }
 
+/// How regular files are opened. NOFOLLOW and NONBLOCK: if the entry was
+/// swapped for a symlink or a fifo since it was listed, fail (or see it is
+/// no regular file) rather than follow or hang.
+const REGULAR_OPEN: OFlags = OFlags::RDONLY
+    .union(OFlags::NOFOLLOW)
+    .union(OFlags::NONBLOCK)
+    .union(OFlags::NOCTTY)
+    .union(OFlags::CLOEXEC);
+
 /// Read buffer for file contents, one per thread.
 const READ_BUF_SIZE: usize = 256 * 1024;
 /// Files at least this large are announced to the kernel as read
@@ -142,11 +152,33 @@ pub fn scan(root: &Path, opts: &ScanOptions) -> Result<Scan, SourceError> {
 
 /// Like [`scan`], giving the contents of external files to `sink`.
 pub fn scan_into(root: &Path, opts: &ScanOptions, sink: Option<&dyn ContentSink>) -> Result<Scan, SourceError> {
+    let mut sources = Vec::new();
+    let flat = walk(root, opts, sink, Some(&mut sources))?;
+    Ok(Scan {
+        tree: flat.to_tree(),
+        sources,
+    })
+}
+
+/// Like [`scan_into`], into a [`FlatTree`] (what image builds use), its
+/// inodes numbered the same way.
+pub fn scan_flat(root: &Path, opts: &ScanOptions, sink: Option<&dyn ContentSink>) -> Result<FlatTree, SourceError> {
+    walk(root, opts, sink, None)
+}
+
+/// Scans every directory under `root`, in parallel, and builds the tree
+/// from them meanwhile (see [`assemble`]).
+fn walk(
+    root: &Path,
+    opts: &ScanOptions,
+    sink: Option<&dyn ContentSink>,
+    sources: Option<&mut Vec<(InodeId, PathBuf)>>,
+) -> Result<FlatTree, SourceError> {
     let st = rustix::fs::lstat(root).map_err(|e| SourceError::os(root, "cannot stat", e))?;
     if FileType::from_mode(st.st_mode as u32) != Some(FileType::Directory) {
         return Err(SourceError::new(root, "not a directory"));
     }
-    let root_inode = inode_from_stat(&st, opts);
+    let root_meta = meta_from_stat(&st, opts);
 
     let pool = rayon::ThreadPoolBuilder::new()
         .num_threads(worker_threads(opts.jobs))
@@ -162,20 +194,26 @@ pub fn scan_into(root: &Path, opts: &ScanOptions, sink: Option<&dyn ContentSink>
         sink,
         next_dir: AtomicUsize::new(1),
         dirs: Mutex::new(Vec::new()),
+        ready: Condvar::new(),
         failed: AtomicBool::new(false),
         error: Mutex::new(None),
     };
-    pool.install(|| {
+    let tree = pool.install(|| {
         rayon::scope(|s| {
             walk.dir_task(s, DirRef::Root, root.to_path_buf(), 0);
+            let tree = assemble(root_meta, &walk, sources);
+            if tree.is_err() {
+                // The other tasks stop at their next entry.
+                walk.failed.store(true, Ordering::Relaxed);
+            }
+            tree
         })
     });
-
+    // A scan error comes first: the assembly may have stopped because of it.
     if let Some(err) = walk.error.into_inner().unwrap_or_else(|e| e.into_inner()) {
         return Err(err);
     }
-    let dirs = walk.dirs.into_inner().unwrap_or_else(|e| e.into_inner());
-    assemble(root_inode, dirs)
+    tree
 }
 
 /// A scanned directory: its own xattrs and its entries, sorted by name.
@@ -185,10 +223,33 @@ struct DirScan {
     entries: Vec<Scanned>,
 }
 
+/// What the scan learns of one file, before it goes into the tree.
+#[derive(Default)]
+struct FileInfo {
+    meta: Meta,
+    /// Symlink target.
+    target: Option<Vec<u8>>,
+    /// Inline contents of a small regular file.
+    content: Option<Vec<u8>>,
+    /// fs-verity digest of a regular file (its object path follows).
+    digest: Option<[u8; 32]>,
+    xattrs: Vec<Xattr>,
+}
+
+impl FileInfo {
+    fn is_dir(&self) -> bool {
+        self.meta.mode & S_IFMT == S_IFDIR
+    }
+
+    fn is_external(&self) -> bool {
+        self.meta.mode & S_IFMT == S_IFREG && self.meta.size > 0 && self.content.is_none()
+    }
+}
+
 /// One entry of a scanned directory.
 struct Scanned {
     name: CString,
-    inode: Inode,
+    info: FileInfo,
     /// For a directory: the index of its own [`DirScan`].
     subdir: Option<usize>,
     /// With [`ScanOptions::hardlinks`], for a non-directory with more than
@@ -210,8 +271,10 @@ struct Walk<'a> {
     sink: Option<&'a dyn ContentSink>,
     /// Index of the next directory found (the root is 0).
     next_dir: AtomicUsize,
-    /// Scanned directories by index.
+    /// Scanned directories by index, until the tree takes them.
     dirs: Mutex<Vec<Option<DirScan>>>,
+    /// Signalled when a directory is scanned or the scan fails.
+    ready: Condvar,
     /// Set on the first error: remaining tasks stop early.
     failed: AtomicBool,
     error: Mutex<Option<SourceError>>,
@@ -224,6 +287,36 @@ impl<'a> Walk<'a> {
             *slot = Some(err);
         }
         self.failed.store(true, Ordering::Relaxed);
+        drop(slot);
+        let _dirs = self.dirs.lock().unwrap_or_else(|e| e.into_inner());
+        self.ready.notify_all();
+    }
+
+    /// Directory `i` once it is scanned, running scan tasks meanwhile;
+    /// None if the scan failed.
+    fn wait_for(&self, i: usize) -> Option<DirScan> {
+        loop {
+            if let Some(d) = self
+                .dirs
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .get_mut(i)
+                .and_then(Option::take)
+            {
+                return Some(d);
+            }
+            if self.failed.load(Ordering::Relaxed) {
+                return None;
+            }
+            // Help while it is not there; sleep when there is nothing to do
+            // (the other workers are scanning).
+            if rayon::yield_now() != Some(rayon::Yield::Executed) {
+                let dirs = self.dirs.lock().unwrap_or_else(|e| e.into_inner());
+                if dirs.get(i).is_none_or(Option::is_none) && !self.failed.load(Ordering::Relaxed) {
+                    let _ = self.ready.wait_timeout(dirs, std::time::Duration::from_millis(10));
+                }
+            }
+        }
     }
 
     /// Scans one directory and spawns a task for each subdirectory.
@@ -238,7 +331,7 @@ impl<'a> Walk<'a> {
             Ok((fd, mut scan)) => {
                 let fd = Arc::new(fd);
                 for entry in scan.entries.iter_mut() {
-                    if !entry.inode.is_dir() {
+                    if !entry.info.is_dir() {
                         continue;
                     }
                     let sub = self.next_dir.fetch_add(1, Ordering::Relaxed);
@@ -253,6 +346,7 @@ impl<'a> Walk<'a> {
                     dirs.resize_with(index + 1, || None);
                 }
                 dirs[index] = Some(scan);
+                self.ready.notify_all();
             }
             Err(e) => self.fail(e),
         }
@@ -277,12 +371,12 @@ impl<'a> Walk<'a> {
         let names = list_dir(fd.as_fd()).map_err(|e| SourceError::os(path, "cannot read directory", e))?;
         let dirfd = fd.as_fd();
         let scanned: Vec<Option<Scanned>> = names
-            .par_iter()
-            .map(|name| {
+            .into_par_iter()
+            .map(|(name, is_reg)| {
                 if self.failed.load(Ordering::Relaxed) {
                     return Ok(None);
                 }
-                scan_entry(dirfd, path, name, self.opts, self.sink)
+                scan_entry(dirfd, path, name, is_reg, self.opts, self.sink)
             })
             .collect::<Result<_, SourceError>>()?;
         let mut entries: Vec<Scanned> = scanned.into_iter().flatten().collect();
@@ -298,50 +392,66 @@ impl<'a> Walk<'a> {
     }
 }
 
-/// The names in a directory, without `.` and `..`.
-fn list_dir(fd: BorrowedFd<'_>) -> Result<Vec<CString>, Errno> {
-    let mut buf: Vec<MaybeUninit<u8>> = Vec::with_capacity(32 * 1024);
-    buf.resize(32 * 1024, MaybeUninit::uninit());
-    let mut dir = RawDir::new(fd, &mut buf);
-    let mut names = Vec::new();
-    while let Some(entry) = dir.next() {
-        let entry = entry?;
-        let name = entry.file_name();
-        let bytes = name.to_bytes();
-        if bytes == b"." || bytes == b".." {
-            continue;
-        }
-        names.push(name.to_owned());
+/// The names in a directory, without `.` and `..`, and whether the
+/// directory says each is a regular file.
+fn list_dir(fd: BorrowedFd<'_>) -> Result<Vec<(CString, bool)>, Errno> {
+    thread_local! {
+        // One getdents64 buffer per thread, not one per directory.
+        static DIR_BUF: RefCell<Vec<MaybeUninit<u8>>> = const { RefCell::new(Vec::new()) };
     }
-    Ok(names)
+    DIR_BUF.with_borrow_mut(|buf| {
+        if buf.is_empty() {
+            buf.resize(32 * 1024, MaybeUninit::uninit());
+        }
+        let mut dir = RawDir::new(fd, &mut buf[..]);
+        let mut names = Vec::new();
+        while let Some(entry) = dir.next() {
+            let entry = entry?;
+            let name = entry.file_name();
+            let bytes = name.to_bytes();
+            if bytes == b"." || bytes == b".." {
+                continue;
+            }
+            names.push((name.to_owned(), entry.file_type() == rustix::fs::FileType::RegularFile));
+        }
+        Ok(names)
+    })
 }
 
-/// The inode fields that come from `lstat`.
+/// The inode fields that come from `lstat` (nlink 1, as the reference
+/// gives every file of a directory source).
 #[allow(clippy::unnecessary_cast)]
-fn inode_from_stat(st: &Stat, opts: &ScanOptions) -> Inode {
-    let mut inode = Inode::new(st.st_mode as u32);
-    inode.uid = st.st_uid as u32;
-    inode.gid = st.st_gid as u32;
-    // The 32-bit kernel encoding is the low half of the 64-bit one.
-    inode.rdev = st.st_rdev as u64 as u32;
-    inode.size = st.st_size as u64;
-    if !opts.use_epoch {
-        inode.mtime = Timespec {
-            sec: st.st_mtime as i64,
-            nsec: st.st_mtime_nsec as u32,
-        };
+fn meta_from_stat(st: &Stat, opts: &ScanOptions) -> Meta {
+    Meta {
+        mode: st.st_mode as u32,
+        nlink: 1,
+        uid: st.st_uid as u32,
+        gid: st.st_gid as u32,
+        // The 32-bit kernel encoding is the low half of the 64-bit one.
+        rdev: st.st_rdev as u64 as u32,
+        size: st.st_size as u64,
+        mtime: if opts.use_epoch {
+            Timespec::default()
+        } else {
+            Timespec {
+                sec: st.st_mtime as i64,
+                nsec: st.st_mtime_nsec as u32,
+            }
+        },
     }
-    inode
 }
 
 /// Examines one entry of a directory; `None` if it is left out.
+#[allow(clippy::unnecessary_cast)] // st_mode is not u32 everywhere
 fn scan_entry(
     dirfd: BorrowedFd<'_>,
     dir: &Path,
-    name: &CStr,
+    owned_name: CString,
+    is_reg: bool,
     opts: &ScanOptions,
     sink: Option<&dyn ContentSink>,
 ) -> Result<Option<Scanned>, SourceError> {
+    let name = owned_name.as_c_str();
     let name_bytes = name.to_bytes();
     let path = || dir.join(OsStr::from_bytes(name_bytes));
     if opts.cancel.as_ref().is_some_and(|c| c.load(Ordering::Relaxed)) {
@@ -356,8 +466,26 @@ fn scan_entry(
             ),
         ));
     }
-    let st = rustix::fs::statat(dirfd, name, AtFlags::SYMLINK_NOFOLLOW)
-        .map_err(|e| SourceError::os(path(), "cannot stat", e))?;
+    // A regular file (as the directory listing says) of a build without a
+    // store is opened first and the descriptor stat'ed: one path lookup, not
+    // two. Anything else (or a file that changed meanwhile) is stat'ed by
+    // name, as it always is with a store, whose import opens the file
+    // itself only when its digest is not known already.
+    let opened = (is_reg && sink.is_none())
+        .then(|| rustix::fs::openat(dirfd, name, REGULAR_OPEN, Mode::empty()).ok())
+        .flatten()
+        .and_then(|fd| {
+            let st = rustix::fs::fstat(&fd).ok()?;
+            (FileType::from_mode(st.st_mode as u32) == Some(FileType::Regular)).then_some((fd, st))
+        });
+    let (opened, st) = match opened {
+        Some((fd, st)) => (Some(fd), st),
+        None => (
+            None,
+            rustix::fs::statat(dirfd, name, AtFlags::SYMLINK_NOFOLLOW)
+                .map_err(|e| SourceError::os(path(), "cannot stat", e))?,
+        ),
+    };
     let Some(ftype) = FileType::from_mode(st.st_mode as u32) else {
         return Err(SourceError::new(
             path(),
@@ -367,39 +495,47 @@ fn scan_entry(
     if opts.skip_devices && matches!(ftype, FileType::BlockDevice | FileType::CharDevice) {
         return Ok(None);
     }
-    let mut inode = inode_from_stat(&st, opts);
+    let mut inode = FileInfo {
+        meta: meta_from_stat(&st, opts),
+        ..FileInfo::default()
+    };
     #[allow(clippy::unnecessary_cast)]
     let link_key = (opts.hardlinks && ftype != FileType::Directory && st.st_nlink > 1)
         .then_some((st.st_dev as u64, st.st_ino as u64));
     let mut xattrs_from_path = !opts.skip_xattrs;
     if let Some(p) = &opts.progress {
         p.entries.fetch_add(1, Ordering::Relaxed);
-        if ftype == FileType::Regular && inode.size > 0 {
+        if ftype == FileType::Regular && inode.meta.size > 0 {
             p.files.fetch_add(1, Ordering::Relaxed);
-            p.bytes.fetch_add(inode.size, Ordering::Relaxed);
+            p.bytes.fetch_add(inode.meta.size, Ordering::Relaxed);
         }
     }
     match ftype {
         // Its own task reads its xattrs, through its descriptor.
         FileType::Directory => xattrs_from_path = false,
-        FileType::Regular if inode.size > RECOMMENDED_INLINE_MAX && sink.is_some() => {
+        FileType::Regular if inode.meta.size > RECOMMENDED_INLINE_MAX && sink.is_some() => {
             let digest = sink
                 .unwrap()
                 .store(dirfd, name, &path(), &st)
                 .map_err(|e| SourceError::new(path(), e))?;
             inode.digest = Some(digest);
-            inode.payload = Some(digest_object_path(&digest).into_bytes());
         }
-        FileType::Regular if inode.size > 0 => {
-            read_regular(dirfd, name, &mut inode, opts).map_err(|e| e.at(&path()))?;
+        FileType::Regular if inode.meta.size > 0 => {
+            read_regular(dirfd, name, opened, &mut inode, opts).map_err(|e| e.at(&path()))?;
             xattrs_from_path = false;
+        }
+        FileType::Regular if !opts.skip_xattrs => {
+            if let Some(fd) = &opened {
+                inode.xattrs = read_xattrs(XattrSource::Fd(fd.as_fd()), opts.user_xattrs).map_err(|e| e.at(&path()))?;
+                xattrs_from_path = false;
+            }
         }
         FileType::Symlink => {
             let target = rustix::fs::readlinkat(dirfd, name, Vec::new())
                 .map_err(|e| SourceError::os(path(), "cannot read symlink", e))?
                 .into_bytes();
-            inode.size = target.len() as u64;
-            inode.payload = Some(target);
+            inode.meta.size = target.len() as u64;
+            inode.target = Some(target);
         }
         _ => {}
     }
@@ -408,8 +544,8 @@ fn scan_entry(
         inode.xattrs = xattrs;
     }
     Ok(Some(Scanned {
-        name: name.to_owned(),
-        inode,
+        name: owned_name,
+        info: inode,
         subdir: None,
         link_key,
     }))
@@ -432,12 +568,19 @@ impl EntryError {
 
 /// Reads a non-empty regular file: digest, object path, inline contents
 /// for small files, and xattrs through the open descriptor.
-fn read_regular(dirfd: BorrowedFd<'_>, name: &CStr, inode: &mut Inode, opts: &ScanOptions) -> Result<(), EntryError> {
-    // NOFOLLOW and NONBLOCK: if the entry was swapped for a symlink or a
-    // fifo since it was examined, fail rather than follow or hang.
-    let flags = OFlags::RDONLY | OFlags::NOFOLLOW | OFlags::NONBLOCK | OFlags::NOCTTY | OFlags::CLOEXEC;
-    let fd = rustix::fs::openat(dirfd, name, flags, Mode::empty()).map_err(|e| EntryError::Os("cannot open", e))?;
-    let size = inode.size;
+fn read_regular(
+    dirfd: BorrowedFd<'_>,
+    name: &CStr,
+    opened: Option<OwnedFd>,
+    inode: &mut FileInfo,
+    opts: &ScanOptions,
+) -> Result<(), EntryError> {
+    let fd = match opened {
+        Some(fd) => fd,
+        None => rustix::fs::openat(dirfd, name, REGULAR_OPEN, Mode::empty())
+            .map_err(|e| EntryError::Os("cannot open", e))?,
+    };
+    let size = inode.meta.size;
     if size >= FADVISE_MIN {
         // Only a hint: failure changes nothing.
         let _ = rustix::fs::fadvise(&fd, 0, None, rustix::fs::Advice::Sequential);
@@ -450,7 +593,6 @@ fn read_regular(dirfd: BorrowedFd<'_>, name: &CStr, inode: &mut Inode, opts: &Sc
         digest
     };
     inode.digest = Some(digest);
-    inode.payload = Some(digest_object_path(&digest).into_bytes());
     if !opts.skip_xattrs {
         inode.xattrs = read_xattrs(XattrSource::Fd(fd.as_fd()), opts.user_xattrs)?;
     }
@@ -685,51 +827,63 @@ fn read_xattrs(src: XattrSource<'_>, user_only: bool) -> Result<Vec<Xattr>, Entr
 }
 
 /// Builds the tree from the scanned directories, breadth first in name
-/// order, on one thread.
-fn assemble(root: Inode, mut dirs: Vec<Option<DirScan>>) -> Result<Scan, SourceError> {
-    let mut take = |i: usize| -> Result<DirScan, SourceError> {
-        dirs.get_mut(i)
-            .and_then(Option::take)
-            .ok_or_else(|| SourceError::new("", format!("internal error: directory {i} was not scanned")))
+/// order, on one thread (so inode numbers do not depend on which directory
+/// was scanned first), taking each directory as soon as it is scanned: the
+/// scans of all directories are never in memory at once, and the tree is
+/// ready soon after the last one. With `sources`, also lists the source
+/// path of each external file.
+fn assemble(
+    root: Meta,
+    walk: &Walk,
+    mut sources: Option<&mut Vec<(InodeId, PathBuf)>>,
+) -> Result<FlatTree, SourceError> {
+    let take = |i: usize| -> Result<DirScan, SourceError> {
+        // (A failed scan's own error is what the caller reports.)
+        walk.wait_for(i).ok_or_else(|| SourceError::new("", "scan failed"))
     };
-    let first = take(0)?;
-    let mut tree = Tree::new(root);
-    let mut sources = Vec::new();
+    let mut tree = FlatTree::new(root);
     let mut queue = VecDeque::new();
     // Kept hardlinks: the first name met (in this fixed order) is the
     // inode's primary entry, later ones link to it.
     let mut linked: HashMap<(u64, u64), InodeId> = HashMap::new();
-    queue.push_back((first, ROOT));
-    while let Some((dir, id)) = queue.pop_front() {
-        let subdirs = dir.entries.iter().filter(|e| e.inode.is_dir()).count();
-        {
-            let inode = tree.inode_mut(id);
-            inode.xattrs = dir.xattrs;
-            inode.nlink = u32::try_from(subdirs + 2).unwrap_or(u32::MAX);
-        }
+    let too_large = |e: crate::flat::TooLarge| SourceError::new("", e.to_string());
+    queue.push_back((0, ROOT));
+    while let Some((index, id)) = queue.pop_front() {
+        let dir = take(index)?;
+        let subdirs = dir.entries.iter().filter(|e| e.info.is_dir()).count();
+        tree.set_xattrs(id, dir.xattrs.iter().map(|x| (&x.key[..], &x.value[..])))
+            .map_err(too_large)?;
+        tree.meta_mut(id).nlink = u32::try_from(subdirs + 2).unwrap_or(u32::MAX);
         for entry in dir.entries {
             let name = entry.name.to_bytes();
             let at = || dir.path.join(OsStr::from_bytes(name));
+            validate_name(name).map_err(|e| SourceError::new(at(), e.to_string()))?;
             if let Some(&target) = entry.link_key.as_ref().and_then(|k| linked.get(k)) {
-                tree.link(id, name, target, true)
-                    .map_err(|e| SourceError::new(at(), e.to_string()))?;
-                let t = tree.inode_mut(target);
+                tree.push_entry(id, name, target, true).map_err(too_large)?;
+                let t = tree.meta_mut(target);
                 t.nlink = t.nlink.saturating_add(1);
                 continue;
             }
-            let external = entry.inode.is_external();
+            let info = &entry.info;
+            let object = info.digest.map(|d| digest_object_path(&d));
+            let new = NewInode {
+                payload: info.target.as_deref().or(object.as_deref().map(str::as_bytes)),
+                content: info.content.as_deref(),
+                digest: info.digest,
+            };
             let child = tree
-                .add_child(id, name, entry.inode)
-                .map_err(|e| SourceError::new(at(), e.to_string()))?;
+                .add_inode(info.meta, new, info.xattrs.iter().map(|x| (&x.key[..], &x.value[..])))
+                .map_err(too_large)?;
+            tree.push_entry(id, name, child, false).map_err(too_large)?;
             if let Some(key) = entry.link_key {
                 linked.insert(key, child);
             }
             if let Some(sub) = entry.subdir {
-                queue.push_back((take(sub)?, child));
-            } else if external {
+                queue.push_back((sub, child));
+            } else if let Some(sources) = sources.as_deref_mut().filter(|_| info.is_external()) {
                 sources.push((child, at()));
             }
         }
     }
-    Ok(Scan { tree, sources })
+    Ok(tree)
 }

@@ -257,10 +257,10 @@ impl Inode {
     }
 }
 
-const XATTR_HEADER_BUDGET: usize = 12;
+pub(crate) const XATTR_HEADER_BUDGET: usize = 12;
 
 /// The checks [`Inode::set_xattr`] makes on one xattr by itself.
-fn check_xattr(key: &[u8], value: &[u8]) -> Result<(), TreeError> {
+pub(crate) fn check_xattr(key: &[u8], value: &[u8]) -> Result<(), TreeError> {
     if key.is_empty() {
         return Err(TreeError::EmptyXattrName);
     }
@@ -278,7 +278,7 @@ fn check_xattr(key: &[u8], value: &[u8]) -> Result<(), TreeError> {
 
 // Worst case per entry: a 4-byte header, the name and value, and up to 3
 // bytes of alignment.
-fn xattr_entry_budget(key_len: usize, value_len: usize) -> usize {
+pub(crate) fn xattr_entry_budget(key_len: usize, value_len: usize) -> usize {
     7 + key_len + value_len
 }
 

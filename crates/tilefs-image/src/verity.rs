@@ -33,6 +33,32 @@ fn hash_block(block: &[u8]) -> [u8; HASH_SIZE] {
     Sha256::digest(block).into()
 }
 
+/// Calls `f` with the hash of each block of `data` (whole blocks), in
+/// order: two blocks at a time where the CPU can (see [`crate::sha_x2`]).
+#[inline]
+fn hash_blocks(data: &[u8], mut f: impl FnMut([u8; HASH_SIZE])) {
+    debug_assert_eq!(data.len() % BLOCK_SIZE, 0);
+    let mut blocks = data.chunks_exact(BLOCK_SIZE);
+    if data.len() >= 2 * BLOCK_SIZE && crate::sha_x2::available() {
+        while let (Some(a), Some(b)) = (blocks.next(), blocks.next()) {
+            let (Ok(a), Ok(b)) = (a.try_into(), b.try_into()) else {
+                unreachable!("chunks_exact gives whole blocks")
+            };
+            let (ha, hb) = crate::sha_x2::hash_4k_x2(a, b);
+            f(ha);
+            f(hb);
+        }
+        // An odd block was taken by the last `next()` above: hash it.
+        if data.len() / BLOCK_SIZE % 2 == 1 {
+            f(hash_block(&data[data.len() - BLOCK_SIZE..]));
+        }
+        return;
+    }
+    for b in blocks {
+        f(hash_block(b));
+    }
+}
+
 /// One level of the tree under construction: the hashes of the level below
 /// that do not yet fill a tree block, and how many hashes it has received.
 struct Level {
@@ -107,12 +133,9 @@ impl Hasher {
             self.partial_len = 0;
             self.push_hash(0, h);
         }
-        let mut blocks = data.chunks_exact(BLOCK_SIZE);
-        for block in &mut blocks {
-            let h = hash_block(block);
-            self.push_hash(0, h);
-        }
-        let rest = blocks.remainder();
+        let whole = data.len() - data.len() % BLOCK_SIZE;
+        hash_blocks(&data[..whole], |h| self.push_hash(0, h));
+        let rest = &data[whole..];
         self.partial[..rest.len()].copy_from_slice(rest);
         self.partial_len = rest.len();
     }
@@ -214,9 +237,9 @@ impl Default for Hasher {
 /// Appends to `out` the hash of each block of `data` (which starts on a
 /// block boundary), the last one zero-padded.
 pub(crate) fn block_hashes(data: &[u8], out: &mut Vec<[u8; HASH_SIZE]>) {
-    let mut blocks = data.chunks_exact(BLOCK_SIZE);
-    out.extend((&mut blocks).map(hash_block));
-    let rest = blocks.remainder();
+    let whole = data.len() - data.len() % BLOCK_SIZE;
+    hash_blocks(&data[..whole], |h| out.push(h));
+    let rest = &data[whole..];
     if !rest.is_empty() {
         let mut last = [0u8; BLOCK_SIZE];
         last[..rest.len()].copy_from_slice(rest);

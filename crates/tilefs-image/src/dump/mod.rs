@@ -4,5 +4,5 @@
 mod parse;
 mod print;
 
-pub use parse::{parse, DumpError, ParseOptions};
+pub use parse::{parse, parse_flat, DumpError, ParseOptions};
 pub use print::print;

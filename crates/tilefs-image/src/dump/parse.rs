@@ -7,11 +7,16 @@
 //! path in PAYLOAD (which may come later in the dump); every other field
 //! of such a line is ignored.
 //!
-//! The input is read line by line into one reused buffer; directory
-//! lookups are binary searches, so the cost is linear in the input even for
-//! unsorted dumps (names arriving out of order go to a per-directory side
-//! map that is merged in at the end). Inodes are numbered in depth-first
-//! name order at the end, so the tree does not depend on line order.
+//! The dump is parsed into a [`FlatTree`] ([`parse_flat`], what image
+//! builds use) or a [`Tree`] ([`parse`]). Lines are parsed where the reader
+//! buffers them (copied only when one spans two reads), fields without
+//! escapes are used in place, and names, payloads and contents go straight
+//! into the tree's arenas. Directory lookups are binary searches, and the
+//! directories of the previous line's path are remembered (a dump lists a
+//! directory's entries together), so the cost is linear in the input even
+//! for unsorted dumps (names arriving out of order go to a per-directory
+//! side map that is merged in at the end). [`parse`] numbers the inodes in
+//! depth-first name order, so the tree does not depend on line order.
 //!
 //! What is accepted follows the reference `mkcomposefs --from-file`
 //! (lenient by default, its `CFS_PARSE_STRICT` mode with
@@ -36,12 +41,13 @@
 
 use super::print::{escaped, Escape};
 use crate::erofs::format::{chunk_count, MAX_EXTERNAL_CHUNKS};
+use crate::flat::{FlatEntry, FlatInode, FlatTree, Meta, TooLarge};
 use crate::tree::{
-    validate_name, Entry, FileType, Inode, InodeId, Timespec, Tree, EXTERNAL_XATTR_BUDGET, MAX_INLINE_CONTENT,
-    MAX_PAYLOAD_LEN, ROOT,
+    check_xattr, validate_name, xattr_entry_budget, FileType, InodeId, Timespec, Tree, TreeError,
+    EXTERNAL_XATTR_BUDGET, MAX_INLINE_CONTENT, MAX_PAYLOAD_LEN, ROOT, XATTR_HEADER_BUDGET,
 };
 use std::collections::{BTreeMap, HashMap};
-use std::io::{BufRead, Read};
+use std::io::BufRead;
 
 /// How strictly to parse.
 #[derive(Debug, Clone, Copy, Default)]
@@ -96,41 +102,75 @@ const DIGEST: usize = 10;
 /// The first line must be the root directory `/`, and every other entry's
 /// parent directory must come before it. Errors carry the 1-based line
 /// number; errors about the dump as a whole (it is empty) carry line 0.
-pub fn parse(mut input: impl BufRead, opts: ParseOptions) -> Result<Tree, DumpError> {
+pub fn parse(input: impl BufRead, opts: ParseOptions) -> Result<Tree, DumpError> {
+    let flat = parse_flat(input, opts)?;
+    let mut tree = flat.to_tree();
+    drop(flat);
+    renumber(&mut tree);
+    Ok(tree)
+}
+
+/// Parses a whole dump into a [`FlatTree`], as [`parse`] does (the same
+/// checks and errors), with inodes numbered in line order.
+pub fn parse_flat(mut input: impl BufRead, opts: ParseOptions) -> Result<FlatTree, DumpError> {
     let mut parser = Parser::new(opts);
-    let mut buf = Vec::with_capacity(4096);
+    // A line that spans two reads of the buffer.
+    let mut carry: Vec<u8> = Vec::new();
     let mut line_no = 0usize;
+    let too_long = |line: usize| DumpError {
+        line,
+        reason: format!("line is longer than {MAX_LINE_LEN} bytes"),
+    };
     loop {
-        buf.clear();
-        line_no += 1;
-        let n = Read::take(&mut input, MAX_LINE_LEN as u64 + 1)
-            .read_until(b'\n', &mut buf)
-            .map_err(|e| DumpError {
-                line: line_no,
-                reason: format!("read error: {e}"),
-            })?;
-        if n == 0 {
+        let buf = match input.fill_buf() {
+            Ok(b) => b,
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
+            Err(e) => {
+                return Err(DumpError {
+                    line: line_no + 1,
+                    reason: format!("read error: {e}"),
+                })
+            }
+        };
+        if buf.is_empty() {
+            if !carry.is_empty() {
+                // The last line, without a newline.
+                line_no += 1;
+                if opts.strict {
+                    return Err(DumpError {
+                        line: line_no,
+                        reason: "missing newline at the end of the last line".into(),
+                    });
+                }
+                parser
+                    .line(&carry, line_no)
+                    .map_err(|reason| DumpError { line: line_no, reason })?;
+            }
             break;
         }
-        let line = match buf.split_last() {
-            Some((b'\n', line)) => line,
-            _ if buf.len() > MAX_LINE_LEN => {
-                return Err(DumpError {
-                    line: line_no,
-                    reason: format!("line is longer than {MAX_LINE_LEN} bytes"),
-                })
+        let Some(i) = memchr::memchr(b'\n', buf) else {
+            if carry.len() + buf.len() > MAX_LINE_LEN {
+                return Err(too_long(line_no + 1));
             }
-            _ if opts.strict => {
-                return Err(DumpError {
-                    line: line_no,
-                    reason: "missing newline at the end of the last line".into(),
-                })
-            }
-            _ => &buf[..],
+            carry.extend_from_slice(buf);
+            let n = buf.len();
+            input.consume(n);
+            continue;
         };
-        parser
-            .line(line, line_no)
-            .map_err(|reason| DumpError { line: line_no, reason })?;
+        line_no += 1;
+        if carry.len() + i > MAX_LINE_LEN {
+            return Err(too_long(line_no));
+        }
+        let result = if carry.is_empty() {
+            parser.line(&buf[..i], line_no)
+        } else {
+            carry.extend_from_slice(&buf[..i]);
+            let r = parser.line(&carry, line_no);
+            carry.clear();
+            r
+        };
+        result.map_err(|reason| DumpError { line: line_no, reason })?;
+        input.consume(i + 1);
     }
     parser.finish()
 }
@@ -152,23 +192,47 @@ enum Resolution {
     Done(InodeId),
 }
 
+/// Buffers reused from line to line.
+#[derive(Default)]
+struct Scratch {
+    path: Vec<u8>,
+    payload: Vec<u8>,
+    content: Vec<u8>,
+    /// Unescaped xattr names and values of the line, and their ranges.
+    xattr_bytes: Vec<u8>,
+    xattr_ranges: Vec<(usize, usize, usize)>,
+    /// The line's xattrs after repeated names are resolved: indexes into
+    /// `xattr_ranges`.
+    slots: Vec<Option<usize>>,
+    ids: Vec<u32>,
+}
+
 struct Parser {
     strict: bool,
-    tree: Option<Tree>,
+    tree: FlatTree,
+    have_root: bool,
     /// Entries that arrived out of name order, per directory: every name
     /// here sorts before the directory's last entry in the tree.
-    late: HashMap<InodeId, BTreeMap<Vec<u8>, Entry>>,
+    late: HashMap<InodeId, BTreeMap<Vec<u8>, FlatEntry>>,
     fixups: Vec<Fixup>,
-    /// The parent path of the previous line and the directory it named:
-    /// dumps list siblings together, so most lines reuse it.
-    last_parent: Option<(Vec<u8>, InodeId)>,
+    /// The directory path of the previous line (as written, unescaped) and
+    /// the directory each of its components names: dumps list siblings
+    /// together, so most lines reuse all of it and the others part of it.
+    cached_path: Vec<u8>,
+    cached: Vec<(std::ops::Range<usize>, InodeId)>,
+    /// Whether the current line has a `\\` (else no field needs decoding).
+    escapes: bool,
+    /// The previous `cached`, kept for its allocation.
+    resolved: Vec<(std::ops::Range<usize>, InodeId)>,
+    s: Scratch,
 }
 
 /// Splits the next space-separated field off `rest`. Past the end of the
 /// line, fields are empty.
+#[inline]
 fn next_field<'a>(rest: &mut &'a [u8]) -> &'a [u8] {
     let s = *rest;
-    match s.iter().position(|&c| c == b' ') {
+    match memchr::memchr(b' ', s) {
         Some(i) => {
             *rest = &s[i + 1..];
             &s[..i]
@@ -193,11 +257,24 @@ fn hex_digit(c: u8) -> Option<u8> {
     }
 }
 
-/// Decodes the escapes of a text field.
-fn unescape(s: &[u8]) -> Result<Vec<u8>, String> {
-    let mut out = Vec::with_capacity(s.len());
+/// Decodes the escapes of a text field: the field itself when it has none,
+/// else its decoded bytes in `out`.
+#[inline]
+fn unescape<'a>(s: &'a [u8], out: &'a mut Vec<u8>) -> Result<&'a [u8], String> {
+    let Some(first) = memchr::memchr(b'\\', s) else {
+        return Ok(s);
+    };
+    out.clear();
+    unescape_slow(s, first, out)?;
+    Ok(&out[..])
+}
+
+/// Appends the decoded `s` to `out`; `first` is the first `\` in `s`.
+fn unescape_slow(s: &[u8], first: usize, out: &mut Vec<u8>) -> Result<(), String> {
+    out.reserve(s.len());
     let mut rest = s;
-    while let Some(i) = rest.iter().position(|&c| c == b'\\') {
+    let mut next = Some(first);
+    while let Some(i) = next {
         out.extend_from_slice(&rest[..i]);
         let (c, len) = match rest.get(i + 1) {
             None => return Err("'\\' at the end of the field".into()),
@@ -216,34 +293,93 @@ fn unescape(s: &[u8]) -> Result<Vec<u8>, String> {
         };
         out.push(c);
         rest = &rest[i + len..];
+        next = memchr::memchr(b'\\', rest);
     }
     out.extend_from_slice(rest);
-    Ok(out)
+    Ok(())
 }
 
-/// Decodes field `idx` of `f`, naming the field in errors.
-fn text_field(f: &[&[u8]; 11], idx: usize) -> Result<Vec<u8>, String> {
-    unescape(f[idx]).map_err(|e| format!("{}: {e}", FIELD_NAMES[idx]))
+/// Appends the decoded `s` to `out`.
+fn unescape_append(s: &[u8], out: &mut Vec<u8>) -> Result<(), String> {
+    match memchr::memchr(b'\\', s) {
+        None => {
+            out.extend_from_slice(s);
+            Ok(())
+        }
+        Some(first) => unescape_slow(s, first, out),
+    }
+}
+
+/// Decodes field `idx` of `f`, naming the field in errors. `escapes`:
+/// whether the line has any `\` at all.
+#[inline]
+fn text_field<'a>(f: &[&'a [u8]; 11], idx: usize, out: &'a mut Vec<u8>, escapes: bool) -> Result<&'a [u8], String> {
+    if !escapes {
+        return Ok(f[idx]);
+    }
+    unescape(f[idx], out).map_err(|e| format!("{}: {e}", FIELD_NAMES[idx]))
 }
 
 /// Decodes an optional field: `None` for `-`.
-fn optional_field(f: &[&[u8]; 11], idx: usize) -> Result<Option<Vec<u8>>, String> {
+#[inline]
+fn optional_field<'a>(
+    f: &[&'a [u8]; 11],
+    idx: usize,
+    out: &'a mut Vec<u8>,
+    escapes: bool,
+) -> Result<Option<&'a [u8]>, String> {
     if f[idx] == b"-" {
         Ok(None)
     } else {
-        text_field(f, idx).map(Some)
+        text_field(f, idx, out, escapes).map(Some)
     }
+}
+
+/// A line's 11 fields, the xattr text after them, and whether it has a `\\`.
+type Fields<'a> = ([&'a [u8]; 11], &'a [u8], bool);
+
+/// Splits a line into its 11 fields and the xattr text after them, in one
+/// pass that also tells whether the line has any `\` (else no field needs
+/// decoding) and refuses a NUL byte. Past the end of the line, fields are
+/// empty.
+#[inline]
+fn split_line(line: &[u8]) -> Result<Fields<'_>, String> {
+    let mut f: [&[u8]; 11] = [&[]; 11];
+    let mut n = 0;
+    let mut start = 0;
+    let mut escapes = false;
+    for i in memchr::memchr3_iter(b' ', b'\\', 0, line) {
+        match line[i] {
+            0 => return Err(format!("NUL byte at column {} (write it as \\x00)", i + 1)),
+            b'\\' => escapes = true,
+            _ if n < 11 => {
+                f[n] = &line[start..i];
+                n += 1;
+                start = i + 1;
+            }
+            _ => {}
+        }
+    }
+    if n < 11 {
+        f[n] = &line[start..];
+        return Ok((f, &[], escapes));
+    }
+    Ok((f, &line[start..], escapes))
 }
 
 /// An unsigned number: one or more digits of `radix`, no sign, no spaces,
 /// no overflow.
+#[inline]
 fn number(s: &[u8], radix: u32) -> Option<u64> {
     if s.is_empty() {
         return None;
     }
     s.iter().try_fold(0u64, |acc, &c| {
-        let d = (c as char).to_digit(radix)?;
-        acc.checked_mul(radix.into())?.checked_add(d.into())
+        let d = c.wrapping_sub(b'0') as u64;
+        if d >= radix as u64 {
+            return None;
+        }
+        acc.checked_mul(radix.into())?.checked_add(d)
     })
 }
 
@@ -270,7 +406,7 @@ fn dec_u32(f: &[&[u8]; 11], idx: usize) -> Result<u32, String> {
 fn mtime(f: &[&[u8]; 11]) -> Result<Timespec, String> {
     let s = f[MTIME];
     let bad = || invalid(f, MTIME, "expected SECONDS.NANOSECONDS");
-    let dot = s.iter().position(|&c| c == b'.').ok_or_else(bad)?;
+    let dot = memchr::memchr(b'.', s).ok_or_else(bad)?;
     let (sec, nsec) = (&s[..dot], &s[dot + 1..]);
     let sec = match sec.strip_prefix(b"-") {
         Some(abs) => 0u64.wrapping_sub(number(abs, 10).ok_or_else(bad)?),
@@ -283,8 +419,8 @@ fn mtime(f: &[&[u8]; 11]) -> Result<Timespec, String> {
     })
 }
 
-fn digest(f: &[&[u8]; 11]) -> Result<Option<[u8; 32]>, String> {
-    let Some(text) = optional_field(f, DIGEST)? else {
+fn digest(f: &[&[u8]; 11], scratch: &mut Vec<u8>, escapes: bool) -> Result<Option<[u8; 32]>, String> {
+    let Some(text) = optional_field(f, DIGEST, scratch, escapes)? else {
         return Ok(None);
     };
     // The reference decodes whatever hex is there and leaves the rest of
@@ -294,40 +430,82 @@ fn digest(f: &[&[u8]; 11]) -> Result<Option<[u8; 32]>, String> {
     if text.is_empty() {
         return Ok(None);
     }
+    decode_digest(text)
+        .map(Some)
+        .ok_or_else(|| invalid(f, DIGEST, "expected 64 hex digits (a SHA-256 fs-verity digest)"))
+}
+
+/// 64 hex digits (either case) as 32 bytes; a table lookup per digit and
+/// one check at the end, since every regular file of a dump has a digest.
+fn decode_digest(text: &[u8]) -> Option<[u8; 32]> {
+    static VALUE: [u8; 256] = {
+        let mut t = [0xffu8; 256];
+        let mut c = 0;
+        while c < 10 {
+            t[b'0' as usize + c] = c as u8;
+            c += 1;
+        }
+        let mut c = 0;
+        while c < 6 {
+            t[b'a' as usize + c] = 10 + c as u8;
+            t[b'A' as usize + c] = 10 + c as u8;
+            c += 1;
+        }
+        t
+    };
+    let text: &[u8; 64] = text.try_into().ok()?;
     let mut raw = [0u8; 32];
-    hex::decode_to_slice(&text, &mut raw)
-        .map_err(|_| invalid(f, DIGEST, "expected 64 hex digits (a SHA-256 fs-verity digest)"))?;
-    Ok(Some(raw))
+    let mut bad = 0u8;
+    for (byte, pair) in raw.iter_mut().zip(text.chunks_exact(2)) {
+        let (h, l) = (VALUE[pair[0] as usize], VALUE[pair[1] as usize]);
+        bad |= h | l;
+        *byte = h << 4 | (l & 0xf);
+    }
+    (bad & 0xf0 == 0).then_some(raw)
+}
+
+fn too_large(e: TooLarge) -> String {
+    e.to_string()
 }
 
 impl Parser {
     fn new(opts: ParseOptions) -> Parser {
         Parser {
             strict: opts.strict,
-            tree: None,
+            tree: FlatTree::new(Meta::default()),
+            have_root: false,
             late: HashMap::new(),
             fixups: Vec::new(),
-            last_parent: None,
+            cached_path: Vec::new(),
+            cached: Vec::new(),
+            escapes: false,
+            resolved: Vec::new(),
+            s: Scratch::default(),
         }
     }
 
     fn line(&mut self, line: &[u8], line_no: usize) -> Result<(), String> {
-        // (`contains` on bytes is a fast memchr; find the column only when
-        // there is one.)
-        if line.contains(&0) {
-            let pos = line.iter().position(|&c| c == 0).unwrap_or(0);
-            return Err(format!("NUL byte at column {} (write it as \\x00)", pos + 1));
-        }
-        let mut rest = line;
-        let f: [&[u8]; 11] = std::array::from_fn(|_| next_field(&mut rest));
-        let xattr_text = rest;
+        let (f, xattr_text, escapes) = split_line(line)?;
+        self.escapes = escapes;
+        let mut path_buf = std::mem::take(&mut self.s.path);
+        let r = self.line_at(line_no, &f, xattr_text, &mut path_buf);
+        self.s.path = path_buf;
+        r
+    }
 
-        let path = text_field(&f, PATH)?;
+    fn line_at(
+        &mut self,
+        line_no: usize,
+        f: &[&[u8]; 11],
+        xattr_text: &[u8],
+        path_buf: &mut Vec<u8>,
+    ) -> Result<(), String> {
+        let path = text_field(f, PATH, path_buf, self.escapes)?;
         if path.is_empty() {
             return Err("empty path".into());
         }
-        if path.contains(&0) {
-            return Err(format!("path {} contains a NUL byte", show(&path)));
+        if memchr::memchr(0, path).is_some() {
+            return Err(format!("path {} contains a NUL byte", show(path)));
         }
         let (is_hardlink, mode_text) = match f[MODE].strip_prefix(b"@") {
             Some(m) => (true, m),
@@ -335,12 +513,12 @@ impl Parser {
         };
         let mode = number(mode_text, 8)
             .and_then(|m| u32::try_from(m).ok())
-            .ok_or_else(|| invalid(&f, MODE, "expected an octal number"))?;
+            .ok_or_else(|| invalid(f, MODE, "expected an octal number"))?;
         let ftype = FileType::from_mode(mode)
-            .ok_or_else(|| format!("{}: invalid mode {mode:o}: unknown file type", show(&path)))?;
+            .ok_or_else(|| format!("{}: invalid mode {mode:o}: unknown file type", show(path)))?;
 
         if path == b"/" {
-            if self.tree.is_some() {
+            if self.have_root {
                 return Err("second line for the root directory /".into());
             }
             if ftype != FileType::Directory {
@@ -349,23 +527,27 @@ impl Parser {
             if is_hardlink {
                 return Err("the root / cannot be a hardlink".into());
             }
-            let root = self.inode(&path, &f, mode, ftype, xattr_text)?;
-            self.tree = Some(Tree::new(root));
+            let root = self.inode(path, f, mode, ftype, xattr_text)?;
+            self.tree.inodes[ROOT as usize] = root;
+            self.have_root = true;
             return Ok(());
         }
-        if self.tree.is_none() {
-            return Err(format!("{}: the first line must be the root directory /", show(&path)));
+        if !self.have_root {
+            return Err(format!("{}: the first line must be the root directory /", show(path)));
         }
 
-        let (dir, name) = self.place(&path)?;
+        let (dir, name) = self.place(path)?;
         if is_hardlink {
             if ftype == FileType::Directory {
-                return Err(format!("{}: directories cannot be hardlinked", show(&path)));
+                return Err(format!("{}: directories cannot be hardlinked", show(path)));
             }
-            let target = optional_field(&f, PAYLOAD)?
-                .ok_or_else(|| format!("{}: hardlink without a target path in PAYLOAD", show(&path)))?;
+            let mut target = Vec::new();
+            match f[PAYLOAD] {
+                b"-" => return Err(format!("{}: hardlink without a target path in PAYLOAD", show(path))),
+                t => unescape_append(t, &mut target).map_err(|e| format!("{}: {e}", FIELD_NAMES[PAYLOAD]))?,
+            }
             if target.contains(&0) {
-                return Err(format!("{}: hardlink target contains a NUL byte", show(&path)));
+                return Err(format!("{}: hardlink target contains a NUL byte", show(path)));
             }
             let idx = self.fixups.len() as InodeId;
             if idx >= PENDING {
@@ -374,26 +556,25 @@ impl Parser {
             self.insert(dir, name, PENDING | idx, true)?;
             self.fixups.push(Fixup {
                 dir,
-                path,
+                path: path.to_vec(),
                 target,
                 line: line_no,
             });
             return Ok(());
         }
-        let inode = self.inode(&path, &f, mode, ftype, xattr_text)?;
-        let tree = self.tree.as_mut().expect("root checked above");
-        if tree.inodes.len() >= PENDING as usize {
+        let inode = self.inode(path, f, mode, ftype, xattr_text)?;
+        if self.tree.inodes.len() >= PENDING as usize {
             return Err("too many files".into());
         }
-        let is_dir = inode.is_dir();
-        let id = tree.add_inode(inode);
+        let is_dir = inode.meta.is_dir();
+        let id = self.tree.push_inode(inode).map_err(too_large)?;
         self.insert(dir, name, id, false)?;
         if is_dir {
             // The next lines are most likely this directory's children.
-            let (mut p, _) = self.last_parent.take().unwrap_or_default();
-            p.clear();
-            p.extend_from_slice(&path);
-            self.last_parent = Some((p, id));
+            let start = path.len() - name.len();
+            self.cached_path.clear();
+            self.cached_path.extend_from_slice(path);
+            self.cached.push((start..path.len(), id));
         }
         Ok(())
     }
@@ -401,9 +582,10 @@ impl Parser {
     /// The entry `name` in directory `dir`, as stored so far (possibly a
     /// pending hardlink).
     fn child(&self, dir: InodeId, name: &[u8]) -> Option<InodeId> {
-        let tree = self.tree.as_ref()?;
-        if let Some(e) = tree.inode(dir).entry(name) {
-            return Some(e.inode);
+        let t = &self.tree;
+        let entries = t.entries(dir);
+        if let Ok(i) = entries.binary_search_by(|e| t.name(e).cmp(name)) {
+            return Some(entries[i].inode);
         }
         self.late.get(&dir)?.get(name).map(|e| e.inode)
     }
@@ -411,27 +593,21 @@ impl Parser {
     /// Finds the parent directory of `path` and checks that its last
     /// component can be added there.
     fn place<'p>(&mut self, path: &'p [u8]) -> Result<(InodeId, &'p [u8]), String> {
-        let (prefix, name) = match path.iter().rposition(|&c| c == b'/') {
+        let (prefix, name) = match memchr::memrchr(b'/', path) {
             Some(i) => (&path[..i], &path[i + 1..]),
             None => (&path[..0], path),
         };
-        let dir = match &self.last_parent {
-            Some((p, id)) if p.as_slice() == prefix => *id,
-            _ => {
-                let id = self.resolve_dir(path, prefix)?;
-                let (mut p, _) = self.last_parent.take().unwrap_or_default();
-                p.clear();
-                p.extend_from_slice(prefix);
-                self.last_parent = Some((p, id));
-                id
-            }
+        let dir = if self.cached_path == prefix {
+            self.cached.last().map_or(ROOT, |c| c.1)
+        } else {
+            self.resolve_dir(path, prefix)?
         };
         validate_name(name).map_err(|e| format!("{}: {e}", show(path)))?;
         // A name after the directory's last one is new (the common case);
         // only others need a search.
-        let tree = self.tree.as_ref().expect("root is present");
-        let after_last = match tree.inode(dir).entries.last() {
-            Some(last) => last.name.as_slice() < name,
+        let t = &self.tree;
+        let after_last = match t.entries(dir).last() {
+            Some(last) => t.name(last) < name,
             None => true,
         };
         if !after_last && self.child(dir, name).is_some() {
@@ -440,203 +616,312 @@ impl Parser {
         Ok((dir, name))
     }
 
-    /// The directory named by `prefix`, the parent path of `path`.
-    fn resolve_dir(&self, path: &[u8], prefix: &[u8]) -> Result<InodeId, String> {
-        let tree = self.tree.as_ref().expect("root is present");
+    /// The directory named by `prefix`, the parent path of `path`; the
+    /// leading components it shares with the remembered path are not looked
+    /// up again. It becomes the remembered path.
+    fn resolve_dir(&mut self, path: &[u8], prefix: &[u8]) -> Result<InodeId, String> {
         let not_dir = || format!("{}: parent {} is not a directory", show(path), show(prefix));
+        let missing = || format!("{}: parent directory {} is missing", show(path), show(prefix));
+        let mut new = std::mem::take(&mut self.resolved);
+        new.clear();
         let mut cur = ROOT;
-        for comp in prefix.split(|&c| c == b'/').filter(|c| !c.is_empty()) {
-            cur = self
-                .child(cur, comp)
-                .ok_or_else(|| format!("{}: parent directory {} is missing", show(path), show(prefix)))?;
+        let mut pos = 0;
+        let mut same = true;
+        for comp in prefix.split(|&c| c == b'/') {
+            let r = pos..pos + comp.len();
+            pos += comp.len() + 1;
+            if comp.is_empty() {
+                continue;
+            }
+            if same {
+                if let Some((cr, id)) = self.cached.get(new.len()) {
+                    if &self.cached_path[cr.clone()] == comp {
+                        cur = *id;
+                        new.push((r, cur));
+                        continue;
+                    }
+                }
+                same = false;
+            }
+            cur = self.child(cur, comp).ok_or_else(missing)?;
             // A pending hardlink is never a directory.
-            if cur & PENDING != 0 || !tree.inode(cur).is_dir() {
+            if cur & PENDING != 0 || !self.tree.meta(cur).is_dir() {
                 return Err(not_dir());
             }
+            new.push((r, cur));
         }
+        self.cached_path.clear();
+        self.cached_path.extend_from_slice(prefix);
+        self.resolved = std::mem::replace(&mut self.cached, new);
         Ok(cur)
     }
 
     /// Adds the entry `name` -> `id` to `dir`, which does not have it yet.
     fn insert(&mut self, dir: InodeId, name: &[u8], id: InodeId, hardlink: bool) -> Result<(), String> {
-        let tree = self.tree.as_mut().expect("root is present");
-        let in_order = match tree.inode(dir).entries.last() {
-            Some(last) => last.name.as_slice() < name,
+        let t = &self.tree;
+        let in_order = match t.entries(dir).last() {
+            Some(last) => t.name(last) < name,
             None => true,
         };
         if in_order {
             // Appends: no entries move.
-            return tree.link(dir, name, id, hardlink).map_err(|e| e.to_string());
+            return self.tree.push_entry(dir, name, id, hardlink).map_err(too_large);
         }
         validate_name(name).map_err(|e| e.to_string())?;
-        let entry = Entry {
-            name: name.to_vec(),
-            inode: id,
-            hardlink,
-        };
+        let entry = self.tree.new_entry(name, id, hardlink).map_err(too_large)?;
         self.late.entry(dir).or_default().insert(name.to_vec(), entry);
         Ok(())
     }
 
-    /// Builds the inode of a (non-hardlink) line.
+    /// Builds the inode of a (non-hardlink) line, its data and xattrs in
+    /// the tree's arenas.
     fn inode(
-        &self,
+        &mut self,
         path: &[u8],
         f: &[&[u8]; 11],
         mode: u32,
         ftype: FileType,
         xattr_text: &[u8],
-    ) -> Result<Inode, String> {
+    ) -> Result<FlatInode, String> {
         let at = |e: String| format!("{}: {e}", show(path));
         let size = dec_u64(f, SIZE)?;
-        let mut inode = Inode::new(mode);
-        inode.nlink = dec_u32(f, NLINK)?;
-        inode.uid = dec_u32(f, UID)?;
-        inode.gid = dec_u32(f, GID)?;
+        let mut meta = Meta {
+            mode,
+            nlink: dec_u32(f, NLINK)?,
+            uid: dec_u32(f, UID)?,
+            gid: dec_u32(f, GID)?,
+            ..Meta::default()
+        };
         // The image holds a 32-bit device number, as the reference's does.
         let rdev = dec_u64(f, RDEV)?;
-        inode.mtime = mtime(f)?;
-        let payload = optional_field(f, PAYLOAD)?;
-        let content = optional_field(f, CONTENT)?;
-        if let Some(c) = &content {
+        meta.mtime = mtime(f)?;
+        let mut payload_buf = std::mem::take(&mut self.s.payload);
+        let mut content_buf = std::mem::take(&mut self.s.content);
+        let r = self.inode_data(
+            f,
+            meta,
+            size,
+            rdev,
+            ftype,
+            xattr_text,
+            &mut payload_buf,
+            &mut content_buf,
+        );
+        self.s.payload = payload_buf;
+        self.s.content = content_buf;
+        r.map_err(|e| match e {
+            Located::Here(e) => e,
+            Located::At(e) => at(e),
+        })
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn inode_data(
+        &mut self,
+        f: &[&[u8]; 11],
+        mut meta: Meta,
+        size: u64,
+        rdev: u64,
+        ftype: FileType,
+        xattr_text: &[u8],
+        payload_buf: &mut Vec<u8>,
+        content_buf: &mut Vec<u8>,
+    ) -> Result<FlatInode, Located> {
+        use Located::{At, Here};
+        let payload = optional_field(f, PAYLOAD, payload_buf, self.escapes).map_err(Here)?;
+        let content = optional_field(f, CONTENT, content_buf, self.escapes).map_err(Here)?;
+        if let Some(c) = content {
             if c.len() as u64 != size {
-                return Err(at(format!("CONTENT is {} bytes but SIZE is {size}", c.len())));
+                return Err(At(format!("CONTENT is {} bytes but SIZE is {size}", c.len())));
             }
         }
-        inode.digest = digest(f)?;
+        let mut digest_buf = Vec::new();
+        let digest = digest(f, &mut digest_buf, self.escapes).map_err(Here)?;
 
         match ftype {
-            FileType::CharDevice | FileType::BlockDevice => inode.rdev = rdev as u32,
-            _ if self.strict && rdev != 0 => return Err(at(format!("RDEV is {rdev} but a {ftype} has none"))),
+            FileType::CharDevice | FileType::BlockDevice => meta.rdev = rdev as u32,
+            _ if self.strict && rdev != 0 => return Err(At(format!("RDEV is {rdev} but a {ftype} has none"))),
             _ => {}
         }
 
-        if ftype == FileType::Symlink {
+        let (payload, content) = if ftype == FileType::Symlink {
             let target = match payload {
                 Some(t) if !t.is_empty() => t,
-                _ => return Err(at("a symlink needs a target in PAYLOAD".into())),
+                _ => return Err(At("a symlink needs a target in PAYLOAD".into())),
             };
             if target.len() > MAX_PAYLOAD_LEN {
-                return Err(at(format!(
+                return Err(At(format!(
                     "symlink target is {} bytes, longer than {MAX_PAYLOAD_LEN}",
                     target.len()
                 )));
             }
             if target.contains(&0) {
-                return Err(at("symlink target contains a NUL byte".into()));
+                return Err(At("symlink target contains a NUL byte".into()));
             }
             if self.strict {
                 if size != target.len() as u64 {
-                    return Err(at(format!(
+                    return Err(At(format!(
                         "SIZE is {size} but the symlink target is {} bytes",
                         target.len()
                     )));
                 }
-                if content.as_ref().is_some_and(|c| !c.is_empty()) {
-                    return Err(at("a symlink cannot have CONTENT".into()));
+                if content.is_some_and(|c| !c.is_empty()) {
+                    return Err(At("a symlink cannot have CONTENT".into()));
                 }
             }
             // A symlink's size is its target's length, whatever SIZE says;
             // any content is dropped.
-            inode.size = target.len() as u64;
-            inode.payload = Some(target);
+            meta.size = target.len() as u64;
+            (Some(target), None)
         } else {
-            inode.size = size;
-            if let Some(p) = &payload {
+            meta.size = size;
+            if let Some(p) = payload {
                 if p.len() > MAX_PAYLOAD_LEN {
-                    return Err(at(format!(
+                    return Err(At(format!(
                         "PAYLOAD is {} bytes, longer than {MAX_PAYLOAD_LEN}",
                         p.len()
                     )));
                 }
                 if p.contains(&0) {
-                    return Err(at("PAYLOAD contains a NUL byte".into()));
+                    return Err(At("PAYLOAD contains a NUL byte".into()));
                 }
             }
-            // An empty payload means nothing (the reference ignores it).
-            inode.payload = payload.filter(|p| !p.is_empty());
-            if let Some(c) = &content {
+            if let Some(c) = content {
                 if c.len() > MAX_INLINE_CONTENT {
-                    return Err(at(format!(
+                    return Err(At(format!(
                         "inline CONTENT is {} bytes, more than {MAX_INLINE_CONTENT}",
                         c.len()
                     )));
                 }
             }
-            // Empty content is no content (size 0), as in the reference.
-            inode.content = content.filter(|c| !c.is_empty());
-            if ftype == FileType::Regular
-                && size > 0
-                && inode.content.is_none()
-                && chunk_count(size) > MAX_EXTERNAL_CHUNKS
-            {
+            // An empty payload means nothing (the reference ignores it), and
+            // empty content is no content (size 0), as in the reference.
+            let content = content.filter(|c| !c.is_empty());
+            if ftype == FileType::Regular && size > 0 && content.is_none() && chunk_count(size) > MAX_EXTERNAL_CHUNKS {
                 // The reference accepts this line and fails when writing.
-                return Err(at(format!("file of {size} bytes is too large for the image format")));
+                return Err(At(format!("file of {size} bytes is too large for the image format")));
             }
-        }
+            (payload.filter(|p| !p.is_empty()), content)
+        };
 
-        let mut xattrs = Vec::new();
-        let mut rest = xattr_text;
-        let mut total = 0usize;
-        while !rest.is_empty() {
-            let x = next_field(&mut rest);
-            let eq = x
-                .iter()
-                .position(|&c| c == b'=')
-                .ok_or_else(|| at(format!("xattr '{}' has no '='", show(x))))?;
-            let key = unescape(&x[..eq]).map_err(|e| at(format!("xattr name: {e}")))?;
-            let value = unescape(&x[eq + 1..]).map_err(|e| at(format!("xattr {}: {e}", show(&key))))?;
-            total += key.len() + value.len();
-            if total > MAX_XATTR_BYTES {
-                return Err(at(format!(
-                    "too many xattrs: more than {MAX_XATTR_BYTES} bytes of names and values"
-                )));
-            }
-            xattrs.push((key, value));
+        self.xattrs(xattr_text)?;
+
+        let mut inode = FlatInode::new(meta);
+        let t = &mut self.tree;
+        if let Some(p) = payload {
+            inode.payload = t.push_payload(p).map_err(|e| Here(too_large(e)))?;
         }
-        // Set in order: a repeated name replaces the earlier value.
-        if let Err(e) = inode.set_xattrs(xattrs.iter().map(|(k, v)| (k, v)), EXTERNAL_XATTR_BUDGET) {
-            // Name the xattr when it is wrong by itself.
-            let alone = |(k, v): &&(Vec<u8>, Vec<u8>)| Inode::new(mode).set_xattr(k, v, usize::MAX).err();
-            return Err(match xattrs.iter().find(|x| alone(x).as_ref() == Some(&e)) {
-                Some((k, _)) => at(format!("xattr '{}': {e}", escaped(k, Escape::Xattr))),
-                None => at(e.to_string()),
-            });
+        if let Some(c) = content {
+            inode.content = t.push_data(c).map_err(|e| Here(too_large(e)))?;
         }
+        if let Some(d) = digest {
+            inode.digest = t.push_digest(d).map_err(|e| Here(too_large(e)))?;
+        }
+        let mut ids = std::mem::take(&mut self.s.ids);
+        ids.clear();
+        for &slot in self.s.slots.iter().flatten() {
+            let (k, sep, end) = self.s.xattr_ranges[slot];
+            let b = &self.s.xattr_bytes;
+            ids.push(
+                self.tree
+                    .xattrs
+                    .intern(&b[k..sep], &b[sep..end])
+                    .map_err(|e| Here(too_large(e)))?,
+            );
+        }
+        let r = self.tree.push_xattr_list(&ids);
+        self.s.ids = ids;
+        (inode.xattrs, inode.n_xattrs) = r.map_err(|e| Here(too_large(e)))?;
         Ok(inode)
     }
 
-    fn finish(mut self) -> Result<Tree, DumpError> {
-        let mut tree = self.tree.take().ok_or_else(|| DumpError {
-            line: 0,
-            reason: "empty dump: no root directory".into(),
-        })?;
+    /// Parses the xattrs of a line into `self.s.slots`: each name once, its
+    /// last value, in the order [`crate::Inode::set_xattrs`] keeps, within
+    /// the budget of an inode.
+    fn xattrs(&mut self, xattr_text: &[u8]) -> Result<(), Located> {
+        use Located::At;
+        let s = &mut self.s;
+        s.xattr_bytes.clear();
+        s.xattr_ranges.clear();
+        s.slots.clear();
+        if xattr_text.is_empty() {
+            return Ok(());
+        }
+        let mut rest = xattr_text;
+        let mut total = 0usize;
+        let append = |text: &[u8], out: &mut Vec<u8>| {
+            if self.escapes {
+                unescape_append(text, out)
+            } else {
+                out.extend_from_slice(text);
+                Ok(())
+            }
+        };
+        while !rest.is_empty() {
+            let x = next_field(&mut rest);
+            let eq = memchr::memchr(b'=', x).ok_or_else(|| At(format!("xattr '{}' has no '='", show(x))))?;
+            let k = s.xattr_bytes.len();
+            append(&x[..eq], &mut s.xattr_bytes).map_err(|e| At(format!("xattr name: {e}")))?;
+            let sep = s.xattr_bytes.len();
+            append(&x[eq + 1..], &mut s.xattr_bytes)
+                .map_err(|e| At(format!("xattr {}: {e}", show(&s.xattr_bytes[k..sep]))))?;
+            let end = s.xattr_bytes.len();
+            total += end - k;
+            if total > MAX_XATTR_BYTES {
+                return Err(At(format!(
+                    "too many xattrs: more than {MAX_XATTR_BYTES} bytes of names and values"
+                )));
+            }
+            s.xattr_ranges.push((k, sep, end));
+        }
+        // Set in order: a repeated name replaces the earlier value.
+        if let Err(e) = set_xattrs(s, EXTERNAL_XATTR_BUDGET) {
+            // Name the xattr when it is wrong by itself.
+            let b = &s.xattr_bytes;
+            let alone = |&(k, sep, end): &(usize, usize, usize)| check_xattr(&b[k..sep], &b[sep..end]).err();
+            return Err(At(
+                match s.xattr_ranges.iter().find(|x| alone(x).as_ref() == Some(&e)) {
+                    Some(&(k, sep, _)) => format!("xattr '{}': {e}", escaped(&b[k..sep], Escape::Xattr)),
+                    None => e.to_string(),
+                },
+            ));
+        }
+        Ok(())
+    }
+
+    fn finish(mut self) -> Result<FlatTree, DumpError> {
+        if !self.have_root {
+            return Err(DumpError {
+                line: 0,
+                reason: "empty dump: no root directory".into(),
+            });
+        }
+        let mut tree = std::mem::replace(&mut self.tree, FlatTree::new(Meta::default()));
         // Merge the out-of-order entries into their directories.
         for (dir, late) in std::mem::take(&mut self.late) {
-            let entries = std::mem::take(&mut tree.inode_mut(dir).entries);
+            let entries = std::mem::take(tree.entries_mut(dir));
             let mut merged = Vec::with_capacity(entries.len() + late.len());
             let mut a = entries.into_iter().peekable();
             let mut b = late.into_values().peekable();
             loop {
                 let take_a = match (a.peek(), b.peek()) {
-                    (Some(x), Some(y)) => x.name < y.name,
+                    (Some(x), Some(y)) => tree.name(x) < tree.name(y),
                     (Some(_), None) => true,
                     (None, Some(_)) => false,
                     (None, None) => break,
                 };
                 merged.extend(if take_a { a.next() } else { b.next() });
             }
-            tree.inode_mut(dir).entries = merged;
+            *tree.entries_mut(dir) = merged;
         }
         self.resolve_hardlinks(&mut tree)?;
-        renumber(&mut tree);
         Ok(tree)
     }
 
     /// Points every hardlink entry at its target's inode. A target may be
     /// another hardlink (followed to its end), never a directory, never
     /// the link itself or a cycle of links.
-    fn resolve_hardlinks(&self, tree: &mut Tree) -> Result<(), DumpError> {
+    fn resolve_hardlinks(&self, tree: &mut FlatTree) -> Result<(), DumpError> {
         let mut state = vec![Resolution::Unvisited; self.fixups.len()];
         let mut chain = Vec::new();
         for start in 0..self.fixups.len() {
@@ -670,7 +955,7 @@ impl Parser {
                     cur = next;
                     continue;
                 }
-                if tree.inode(id).is_dir() {
+                if tree.meta(id).is_dir() {
                     return Err(err(format!(
                         "hardlink target {} is a directory; directories cannot be hardlinked",
                         show(&fx.target)
@@ -686,13 +971,76 @@ impl Parser {
             let Resolution::Done(id) = *st else {
                 unreachable!("every hardlink was resolved")
             };
-            let dir = tree.inode_mut(fx.dir);
             let name = fx.path.rsplit(|&c| c == b'/').next().unwrap_or_default();
-            let i = dir.find_entry(name).expect("hardlink entry was inserted");
-            dir.entries[i].inode = id;
+            let i = find_entry(tree, fx.dir, name).ok_or_else(|| DumpError {
+                line: fx.line,
+                reason: format!("{}: internal error: hardlink entry not found", show(&fx.path)),
+            })?;
+            tree.entries_mut(fx.dir)[i].inode = id;
         }
         Ok(())
     }
+}
+
+/// Where an error of an inode's line belongs: the message as is, or after
+/// the path.
+enum Located {
+    Here(String),
+    At(String),
+}
+
+/// [`crate::Inode::set_xattrs`] on the line's parsed xattrs: each name
+/// once, its last value, moved to the end when repeated, stopping at the
+/// first error. Repeated names are found through an index once there are
+/// many, so a hostile line costs linear time.
+fn set_xattrs(s: &mut Scratch, budget: usize) -> Result<(), TreeError> {
+    // Below this many xattrs a linear scan beats hashing.
+    const INDEX_FROM: usize = 16;
+    let b = &s.xattr_bytes;
+    let key = |i: usize| {
+        let (k, sep, _) = s.xattr_ranges[i];
+        &b[k..sep]
+    };
+    let mut total = 0usize;
+    let mut index: Option<rustc_hash::FxHashMap<&[u8], usize>> = None;
+    for (i, &(k, sep, end)) in s.xattr_ranges.iter().enumerate() {
+        let (kb, vb) = (&b[k..sep], &b[sep..end]);
+        check_xattr(kb, vb)?;
+        if index.is_none() && s.slots.len() >= INDEX_FROM {
+            index = Some(
+                s.slots
+                    .iter()
+                    .enumerate()
+                    .filter_map(|(pos, slot)| Some((key((*slot)?), pos)))
+                    .collect(),
+            );
+        }
+        let old = match &index {
+            Some(map) => map.get(kb).copied(),
+            None => s.slots.iter().position(|slot| slot.is_some_and(|j| key(j) == kb)),
+        };
+        if let Some(old) = old {
+            if let Some(j) = s.slots[old].take() {
+                let (ok, osep, oend) = s.xattr_ranges[j];
+                total -= xattr_entry_budget(osep - ok, oend - osep);
+            }
+        }
+        let used = total + xattr_entry_budget(kb.len(), vb.len()) + XATTR_HEADER_BUDGET;
+        if used > budget {
+            return Err(TreeError::XattrsTooLarge { used, budget });
+        }
+        total = used - XATTR_HEADER_BUDGET;
+        if let Some(map) = &mut index {
+            map.insert(kb, s.slots.len());
+        }
+        s.slots.push(Some(i));
+    }
+    Ok(())
+}
+
+/// The index of `name` among `dir`'s (sorted) entries.
+fn find_entry(tree: &FlatTree, dir: InodeId, name: &[u8]) -> Option<usize> {
+    tree.entries(dir).binary_search_by(|e| tree.name(e).cmp(name)).ok()
 }
 
 /// Numbers the inodes in the order their primary entries come in a
@@ -747,17 +1095,17 @@ fn renumber(tree: &mut Tree) {
 /// Resolves a path during hardlink resolution, where entries may still be
 /// pending hardlinks (never followed as directories). Empty components are
 /// skipped, so `""` and `/` name the root.
-fn lookup(tree: &Tree, path: &[u8]) -> Option<InodeId> {
+fn lookup(tree: &FlatTree, path: &[u8]) -> Option<InodeId> {
     let mut cur = ROOT;
     for comp in path.split(|&c| c == b'/').filter(|c| !c.is_empty()) {
         if cur & PENDING != 0 {
             return None;
         }
-        let inode = tree.inode(cur);
-        if !inode.is_dir() {
+        if !tree.meta(cur).is_dir() {
             return None;
         }
-        cur = inode.entry(comp)?.inode;
+        let i = find_entry(tree, cur, comp)?;
+        cur = tree.entries(cur)[i].inode;
     }
     Some(cur)
 }
@@ -765,7 +1113,7 @@ fn lookup(tree: &Tree, path: &[u8]) -> Option<InodeId> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::tree::{Xattr, S_IFBLK, S_IFCHR, S_IFDIR, S_IFREG};
+    use crate::tree::{Inode, Xattr, S_IFBLK, S_IFCHR, S_IFDIR, S_IFREG};
 
     const ROOT_LINE: &str = "/ 4096 40755 2 0 0 0 0.0 - - -\n";
 
@@ -1025,6 +1373,20 @@ mod tests {
             2,
             "too large",
         );
+    }
+
+    #[test]
+    fn digest_decoding() {
+        let hex = "00ff1a2B3c4D5e6F7890abcdefABCDEF0123456789aAbBcCdDeEfF0011223344";
+        assert_eq!(decode_digest(hex.as_bytes()).map(hex::encode), Some(hex.to_lowercase()));
+        for bad in [
+            b"0g", b"g0", b" 0", b"0:", b"0@", b"0G", b"0`", b"0/", b"\xff0", b"0\x80",
+        ] {
+            let mut t = hex.to_string().into_bytes();
+            t[10..12].copy_from_slice(bad);
+            assert_eq!(decode_digest(&t), None, "{bad:?}");
+        }
+        assert_eq!(decode_digest(&hex.as_bytes()[..62]), None);
     }
 
     #[test]

@@ -5,4 +5,4 @@ pub mod reader;
 pub mod writer;
 
 pub use reader::{image_version, read_image, read_info, ImageError, ImageInfo};
-pub use writer::{write_image, WriteError, WriteOptions};
+pub use writer::{write_flat, write_flat_to, write_image, Image, WriteError, WriteOptions};
