@@ -27,7 +27,8 @@ pub struct MountArgs {
     /// (without privilege, if its policy allows you the store)
     #[arg(long, conflicts_with_all = ["kernel", "fuse"])]
     pub delegated: bool,
-    /// Make the mount writable: changes go to this directory (overlayfs upperdir; kernel mounts only)
+    /// Make the mount writable: changes go to this directory (overlayfs upperdir), in
+    /// overlayfs's format whether the kernel or the FUSE server serves the mount
     #[arg(long, value_name = "DIR", requires = "work")]
     pub upper: Option<PathBuf>,
     /// Empty directory on the same filesystem as --upper (overlayfs workdir)
@@ -40,8 +41,9 @@ pub struct MountArgs {
     /// Refuse the image unless its fs-verity digest is this (64 hex digits, as `tilefs digest` prints)
     #[arg(long, value_name = "DIGEST")]
     pub digest: Option<String>,
-    /// Mount options as for `mount -o`: ro, nosuid, nodev, noexec, noatime, ...; anything
-    /// unknown to tilefs is passed to overlayfs
+    /// Mount options as for `mount -o`: ro, nosuid, nodev, noexec, noatime, ...; for writable
+    /// FUSE mounts uidmapping=STORED:SHOWN:LEN[:...] and gidmapping=... (ids inside a user
+    /// namespace); anything unknown to tilefs is passed to overlayfs
     #[arg(short = 'o', long = "options", value_name = "OPTS")]
     pub options: Vec<String>,
     /// FUSE: stay in the foreground until unmounted

@@ -11,7 +11,7 @@
 pub mod abi;
 mod dev;
 mod reply;
-mod request;
+pub mod request;
 mod session;
 mod uring;
 

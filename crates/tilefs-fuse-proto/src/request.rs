@@ -380,14 +380,15 @@ pub fn parse<'a>(opcode: u32, head: &'a [u8], rest: &'a [u8], layout: Layout) ->
 }
 
 /// The (nodeid, nlookup) pairs of a BATCH_FORGET.
-pub(crate) fn batch_forget(head: &[u8], rest: &[u8]) -> Result<Vec<abi::ForgetOne>, Malformed> {
+pub fn batch_forget(head: &[u8], rest: &[u8]) -> Result<Vec<abi::ForgetOne>, Malformed> {
     let a: abi::BatchForgetIn = read(head)?;
     let one = core::mem::size_of::<abi::ForgetOne>();
     let n = (a.count as usize).min(rest.len() / one);
     Ok((0..n).filter_map(|i| read(&rest[i * one..]).ok()).collect())
 }
 
-pub(crate) fn forget(head: &[u8]) -> Result<u64, Malformed> {
+/// The nlookup of a FORGET.
+pub fn forget(head: &[u8]) -> Result<u64, Malformed> {
     Ok(read::<abi::ForgetIn>(head)?.nlookup)
 }
 
