@@ -1,0 +1,416 @@
+//! An image served straight from its bytes: the tree [`read_image`] would
+//! give, read on demand, with a few small side tables instead of a whole
+//! in-memory tree (a FUSE server holding a 63 MB image of 642k entries
+//! needs the image and about 10 bytes per inode, not 340).
+//!
+//! [`ImageView::open`] walks the whole image once with the very checks of
+//! [`read_image`] (the same reader, keeping nothing but what the tables
+//! need), so an image one refuses the other refuses too. Inode ids,
+//! entries, hardlinks and xattrs are those of the tree [`read_image`]
+//! returns: id 0 is the root, the other inodes follow in nid order; an
+//! entry is a hardlink unless it is its inode's primary entry; directories
+//! holding whiteouts lose the builder's markers. Every later read goes
+//! through the same checked accessors and gives an [`ImageError`] rather
+//! than a panic, should the bytes ever disagree with the walk.
+//!
+//! [`read_image`]: super::read_image
+
+use super::format::{overlay, BLOCK_SIZE, DIRENT_SIZE, LAYOUT_CHUNK_BASED, XATTR_PREFIXES};
+use super::reader::{
+    choose_primaries, decode_budget, flat_data, get, le16, le64, read_info, unmark, ImageError, ImageInfo, Reader,
+};
+use crate::tree::{FileType, Inode, InodeId, Timespec, ROOT, S_IFCHR, S_IFMT};
+use std::collections::{HashMap, HashSet};
+
+type Result<T> = std::result::Result<T, ImageError>;
+
+/// Which nids are inodes of the tree (the root aside), and their rank.
+#[derive(Default)]
+struct NidRank {
+    words: Vec<u64>,
+    /// Set bits in the words before each word.
+    before: Vec<u32>,
+}
+
+impl NidRank {
+    /// From nids in ascending order.
+    fn new(nids: &[u64]) -> NidRank {
+        let words = nids.last().map_or(0, |&n| (n / 64 + 1) as usize);
+        let mut r = NidRank {
+            words: vec![0; words],
+            before: vec![0; words],
+        };
+        for &n in nids {
+            r.words[(n / 64) as usize] |= 1 << (n % 64);
+        }
+        let mut total = 0u32;
+        for (w, b) in r.words.iter().zip(r.before.iter_mut()) {
+            *b = total;
+            total += w.count_ones();
+        }
+        r
+    }
+
+    fn rank(&self, nid: u64) -> Option<u32> {
+        let w = usize::try_from(nid / 64).ok()?;
+        let word = *self.words.get(w)?;
+        let bit = 1u64 << (nid % 64);
+        (word & bit != 0).then(|| self.before[w] + (word & (bit - 1)).count_ones())
+    }
+}
+
+/// An image and the tables that serve it.
+pub struct ImageView {
+    data: Box<[u8]>,
+    info: ImageInfo,
+    /// nid of each inode, by id.
+    nids: Vec<u64>,
+    rank: NidRank,
+    /// Parent of each directory, by id (the root is its own).
+    parent: Vec<InodeId>,
+    /// Directories holding a whiteout as a primary entry.
+    marked: HashSet<InodeId>,
+    /// Inodes with several entries: the directory and name of the primary.
+    primaries: HashMap<InodeId, (InodeId, Box<[u8]>)>,
+    has_selinux: bool,
+}
+
+/// The attributes of an inode, as the tree holds them.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Attr {
+    pub mode: u32,
+    pub nlink: u32,
+    pub uid: u32,
+    pub gid: u32,
+    pub rdev: u32,
+    pub size: u64,
+    pub mtime: Timespec,
+}
+
+impl Attr {
+    pub fn is_dir(&self) -> bool {
+        self.mode & S_IFMT == crate::tree::S_IFDIR
+    }
+
+    pub fn is_whiteout(&self) -> bool {
+        self.mode & S_IFMT == S_IFCHR && self.rdev == 0
+    }
+}
+
+/// One entry of a directory.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct DirEntry<'a> {
+    pub name: &'a [u8],
+    pub inode: InodeId,
+    /// A secondary link to an inode whose primary entry is elsewhere.
+    pub hardlink: bool,
+}
+
+/// A directory of an image.
+#[derive(Clone, Copy)]
+pub struct Dir<'a> {
+    view: &'a ImageView,
+    id: InodeId,
+    /// Whole blocks, then the inline tail.
+    blocks: &'a [u8],
+    tail: &'a [u8],
+}
+
+/// The dirents of one directory block.
+#[derive(Clone, Copy)]
+struct Block<'a> {
+    b: &'a [u8],
+    count: usize,
+}
+
+impl<'a> Block<'a> {
+    fn new(b: &'a [u8]) -> Option<Block<'a>> {
+        let first = get(b, 8, 2)?;
+        let names_start = usize::from(u16::from_le_bytes([first[0], first[1]]));
+        (names_start % DIRENT_SIZE == 0 && names_start >= DIRENT_SIZE && names_start <= b.len()).then_some(Block {
+            b,
+            count: names_start / DIRENT_SIZE,
+        })
+    }
+
+    /// Name and nid of dirent `i`.
+    fn get(&self, i: usize) -> Option<(&'a [u8], u64)> {
+        let d: &[u8; DIRENT_SIZE] = get(self.b, (i * DIRENT_SIZE) as u64, DIRENT_SIZE as u64)?
+            .try_into()
+            .ok()?;
+        let start = usize::from(le16(d, 8));
+        let end = if i + 1 < self.count {
+            let n = get(self.b, ((i + 1) * DIRENT_SIZE + 8) as u64, 2)?;
+            usize::from(u16::from_le_bytes([n[0], n[1]]))
+        } else {
+            self.b.len()
+        };
+        let raw = self.b.get(start..end)?;
+        let name = if i + 1 == self.count {
+            raw.split(|&c| c == 0).next().unwrap_or(raw)
+        } else {
+            raw
+        };
+        Some((name, le64(d, 0)))
+    }
+}
+
+impl<'a> Dir<'a> {
+    fn block_count(&self) -> usize {
+        self.blocks.len().div_ceil(BLOCK_SIZE as usize) + usize::from(!self.tail.is_empty())
+    }
+
+    fn block(&self, i: usize) -> Option<Block<'a>> {
+        let full = self.blocks.len().div_ceil(BLOCK_SIZE as usize);
+        let b = if i < full {
+            let s = i * BLOCK_SIZE as usize;
+            self.blocks.get(s..(s + BLOCK_SIZE as usize).min(self.blocks.len()))?
+        } else if i == full && !self.tail.is_empty() {
+            self.tail
+        } else {
+            return None;
+        };
+        Block::new(b)
+    }
+
+    fn make(&self, name: &'a [u8], nid: u64) -> Option<DirEntry<'a>> {
+        if name == b"." || name == b".." {
+            return None;
+        }
+        let inode = self.view.id_of_nid(nid)?;
+        Some(DirEntry {
+            name,
+            inode,
+            hardlink: self.view.is_hardlink(self.id, name, inode),
+        })
+    }
+
+    /// The entries in name order (`.`, `..` and the builder's root
+    /// whiteouts left out, as in the tree).
+    pub fn entries(&self) -> impl Iterator<Item = DirEntry<'a>> + 'a {
+        let d = *self;
+        (0..d.block_count())
+            .map_while(move |i| d.block(i))
+            .flat_map(move |b| (0..b.count).map_while(move |i| b.get(i)))
+            .filter_map(move |(name, nid)| d.make(name, nid))
+    }
+
+    /// The entry `name`, found by binary search.
+    pub fn entry(&self, name: &[u8]) -> Option<DirEntry<'a>> {
+        // The last block whose first name is not after `name`.
+        let (mut lo, mut hi) = (0, self.block_count());
+        while lo < hi {
+            let mid = (lo + hi) / 2;
+            let (first, _) = self.block(mid)?.get(0)?;
+            if first <= name {
+                lo = mid + 1;
+            } else {
+                hi = mid;
+            }
+        }
+        let b = self.block(lo.checked_sub(1)?)?;
+        let (mut lo, mut hi) = (0, b.count);
+        while lo < hi {
+            let mid = (lo + hi) / 2;
+            let (n, nid) = b.get(mid)?;
+            match n.cmp(name) {
+                std::cmp::Ordering::Less => lo = mid + 1,
+                std::cmp::Ordering::Greater => hi = mid,
+                std::cmp::Ordering::Equal => return self.make(n, nid),
+            }
+        }
+        None
+    }
+}
+
+impl ImageView {
+    /// Checks a whole image (as [`read_image`](super::read_image) does) and
+    /// keeps it to serve.
+    pub fn open(data: Vec<u8>) -> Result<ImageView> {
+        let info = read_info(&data)?;
+        let mut r = Reader::new(&data, &info, decode_budget(data.len()), false);
+        let dirs = r.walk(info.root_nid)?;
+        let primary = choose_primaries(&r.nodes, &dirs);
+        let nodes = &r.nodes;
+        // The tree's order: the root, then the others by nid.
+        let root = dirs.first().map_or(0, |d| d.dir);
+        let mut order: Vec<usize> = (0..nodes.len()).filter(|&i| i != root && !nodes[i].skip).collect();
+        order.sort_unstable_by_key(|&i| nodes[i].nid);
+        order.insert(0, root);
+        let mut id = vec![u32::MAX; nodes.len()];
+        for (n, &i) in order.iter().enumerate() {
+            id[i] = n as u32;
+        }
+        let nids: Vec<u64> = order.iter().map(|&i| nodes[i].nid).collect();
+        let rank = NidRank::new(&nids[1..]);
+        let mut parent = vec![ROOT; nids.len()];
+        let mut marked = HashSet::new();
+        let mut links = vec![0u8; nodes.len()];
+        for d in &dirs {
+            for &(_, child) in &d.entries {
+                links[child] = links[child].saturating_add(1);
+            }
+        }
+        let mut primaries = HashMap::new();
+        for (d, prim) in dirs.iter().zip(&primary) {
+            for (&(name, child), &p) in d.entries.iter().zip(prim) {
+                if nodes[child].skip || !p {
+                    continue;
+                }
+                if nodes[child].kind == FileType::Directory {
+                    parent[id[child] as usize] = id[d.dir];
+                } else if nodes[child].whiteout {
+                    marked.insert(id[d.dir]);
+                }
+                if links[child] > 1 {
+                    primaries.insert(id[child], (id[d.dir], Box::from(name)));
+                }
+            }
+        }
+        let has_selinux = r.selinux;
+        drop(dirs);
+        drop(primary);
+        drop(r);
+        Ok(ImageView {
+            data: data.into_boxed_slice(),
+            info,
+            nids,
+            rank,
+            parent,
+            marked,
+            primaries,
+            has_selinux,
+        })
+    }
+
+    pub fn info(&self) -> &ImageInfo {
+        &self.info
+    }
+
+    /// The image's bytes.
+    pub fn bytes(&self) -> &[u8] {
+        &self.data
+    }
+
+    /// Number of inodes (ids are 0..len).
+    pub fn len(&self) -> usize {
+        self.nids.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.nids.is_empty()
+    }
+
+    /// Some inode has a security.selinux label.
+    pub fn has_selinux(&self) -> bool {
+        self.has_selinux
+    }
+
+    /// Parent of directory `id` (the root is its own); 0 for others.
+    pub fn parent(&self, id: InodeId) -> InodeId {
+        self.parent.get(id as usize).copied().unwrap_or(ROOT)
+    }
+
+    /// The parents of all inodes, by id.
+    pub fn parents(&self) -> &[InodeId] {
+        &self.parent
+    }
+
+    /// Directory `id` holds a whiteout (as a primary entry).
+    pub fn is_marked(&self, id: InodeId) -> bool {
+        self.marked.contains(&id)
+    }
+
+    /// The id of the inode at `nid`, if it is one of the tree.
+    pub fn id_of_nid(&self, nid: u64) -> Option<InodeId> {
+        if self.nids.first() == Some(&nid) {
+            return Some(ROOT);
+        }
+        self.rank.rank(nid).map(|r| r + 1)
+    }
+
+    fn is_hardlink(&self, dir: InodeId, name: &[u8], child: InodeId) -> bool {
+        self.primaries
+            .get(&child)
+            .is_some_and(|(d, n)| !(*d == dir && **n == *name))
+    }
+
+    fn reader(&self) -> Reader<'_> {
+        Reader::new(&self.data, &self.info, u64::MAX, true)
+    }
+
+    fn nid(&self, id: InodeId) -> Result<u64> {
+        self.nids
+            .get(id as usize)
+            .copied()
+            .ok_or_else(|| ImageError::Corrupt(format!("no inode {id}")))
+    }
+
+    /// The attributes of inode `id`, without decoding more than needed.
+    pub fn attr(&self, id: InodeId) -> Result<Attr> {
+        let r = self.reader();
+        let nid = self.nid(id)?;
+        let h = r.head(nid)?;
+        let mut a = Attr {
+            mode: h.mode,
+            nlink: h.nlink,
+            uid: h.uid,
+            gid: h.gid,
+            rdev: 0,
+            size: h.tree_size(r.build_time()),
+            mtime: h.mtime,
+        };
+        match h.kind {
+            FileType::CharDevice | FileType::BlockDevice => a.rdev = h.i_u,
+            // An empty file marked as a whiteout is one (see the reader).
+            FileType::Regular if h.size == 0 && h.xattr_size > 0 => {
+                let raw = r.read_xattrs(nid, h.xattr_off, h.xattr_size)?;
+                let escaped = |x: &super::reader::RawXattr| {
+                    let p = XATTR_PREFIXES.get(x.index as usize).copied().unwrap_or_default();
+                    overlay::ESCAPED_WHITEOUT.strip_prefix(p) == Some(x.suffix)
+                };
+                if raw.iter().any(escaped) {
+                    a.mode = S_IFCHR | (a.mode & !S_IFMT);
+                }
+            }
+            _ => {}
+        }
+        Ok(a)
+    }
+
+    /// Inode `id` as the tree holds it, but for its entries (see
+    /// [`dir`](Self::dir)).
+    pub fn inode(&self, id: InodeId) -> Result<Inode> {
+        let mut r = self.reader();
+        let (_, mut inode) = r.read_inode(self.nid(id)?)?;
+        if self.is_marked(id) {
+            unmark(&mut inode, self.info.version);
+        }
+        Ok(inode)
+    }
+
+    /// Directory `id`.
+    pub fn dir(&self, id: InodeId) -> Result<Dir<'_>> {
+        let r = self.reader();
+        let nid = self.nid(id)?;
+        let h = r.head(nid)?;
+        if h.kind != FileType::Directory {
+            return Err(ImageError::Corrupt(format!(
+                "nid {nid} is a {}, not a directory",
+                h.kind
+            )));
+        }
+        if h.layout == LAYOUT_CHUNK_BASED {
+            return Err(ImageError::Unsupported(format!(
+                "nid {nid}: directory with a chunk-based layout"
+            )));
+        }
+        let (blocks, tail) = flat_data(&self.data, nid, h.layout, h.size, h.i_u, h.inline_off)?;
+        Ok(Dir {
+            view: self,
+            id,
+            blocks,
+            tail,
+        })
+    }
+}
