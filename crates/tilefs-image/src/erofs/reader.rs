@@ -44,7 +44,7 @@ use crate::tree::{
     Entry, FileType, Inode, Timespec, Tree, Xattr, MAX_INLINE_CONTENT, MAX_NAME_LEN, MAX_PAYLOAD_LEN,
     MAX_XATTR_NAME_LEN, ROOT, S_IFCHR, S_IFMT,
 };
-use std::collections::{HashMap, VecDeque};
+use std::collections::{HashMap, HashSet, VecDeque};
 
 /// What the image says about itself beyond the tree: its composefs header
 /// and EROFS superblock.
@@ -332,6 +332,11 @@ pub(super) struct Reader<'a> {
     pub(super) inodes: Option<Vec<Inode>>,
     /// Some node (not skipped) has a security.selinux label.
     pub(super) selinux: bool,
+    /// Contents of more than a block, by node, when the inodes are not
+    /// kept (their blocks and inline tail are apart in the image).
+    pub(super) long_contents: Vec<(usize, Vec<u8>)>,
+    /// Every xattr name of the tree, when the inodes are not kept.
+    pub(super) keys: HashSet<Box<[u8]>>,
 }
 
 /// An inode's fixed fields, as stored (see [`Reader::head`]).
@@ -394,6 +399,8 @@ impl<'a> Reader<'a> {
             by_nid: HashMap::new(),
             inodes: keep.then(Vec::new),
             selinux: false,
+            long_contents: Vec::new(),
+            keys: HashSet::new(),
         }
     }
 
@@ -497,7 +504,17 @@ impl<'a> Reader<'a> {
         let (node, inode) = self.read_inode(nid)?;
         match &mut self.inodes {
             Some(v) => v.push(inode),
-            None => self.selinux |= !node.skip && inode.xattr(b"security.selinux").is_some(),
+            None => {
+                self.selinux |= !node.skip && inode.xattr(b"security.selinux").is_some();
+                for x in inode.xattrs {
+                    if !self.keys.contains(&x.key[..]) {
+                        self.keys.insert(x.key.into_boxed_slice());
+                    }
+                }
+                if let Some(c) = inode.content.filter(|c| c.len() as u64 > BLOCK_SIZE) {
+                    self.long_contents.push((self.nodes.len(), c));
+                }
+            }
         }
         let i = self.nodes.len();
         self.nodes.push(node);
@@ -798,9 +815,9 @@ impl<'a> Reader<'a> {
 }
 
 // The builder's whiteout markers once unescaped (see `apply_xattrs`).
-const UNESCAPED_WHITEOUT: &[u8] = b"trusted.overlay.whiteout";
-const UNESCAPED_WHITEOUTS: &[u8] = b"trusted.overlay.whiteouts";
-const UNESCAPED_OPAQUE: &[u8] = b"trusted.overlay.opaque";
+pub(super) const UNESCAPED_WHITEOUT: &[u8] = b"trusted.overlay.whiteout";
+pub(super) const UNESCAPED_WHITEOUTS: &[u8] = b"trusted.overlay.whiteouts";
+pub(super) const UNESCAPED_OPAQUE: &[u8] = b"trusted.overlay.opaque";
 
 /// One xattr entry (header, name, value) at `pos` in `buf`; `off` is its
 /// image offset, for messages.

@@ -18,6 +18,7 @@
 use super::format::{overlay, BLOCK_SIZE, DIRENT_SIZE, LAYOUT_CHUNK_BASED, XATTR_PREFIXES};
 use super::reader::{
     choose_primaries, decode_budget, flat_data, get, le16, le64, read_info, unmark, ImageError, ImageInfo, Reader,
+    UNESCAPED_OPAQUE, UNESCAPED_WHITEOUT, UNESCAPED_WHITEOUTS,
 };
 use crate::tree::{FileType, Inode, InodeId, Timespec, ROOT, S_IFCHR, S_IFMT};
 use std::collections::{HashMap, HashSet};
@@ -72,7 +73,24 @@ pub struct ImageView {
     marked: HashSet<InodeId>,
     /// Inodes with several entries: the directory and name of the primary.
     primaries: HashMap<InodeId, (InodeId, Box<[u8]>)>,
+    /// Inline contents longer than a block (apart in the image), joined.
+    long_contents: HashMap<InodeId, Box<[u8]>>,
+    /// Every xattr name the tree holds, so that xattrs borrow their names.
+    keys: HashSet<Box<[u8]>>,
     has_selinux: bool,
+}
+
+/// An inode's attributes and what a regular file or symlink holds, as the
+/// tree has them (borrowed from the image).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Node<'a> {
+    pub attr: Attr,
+    /// Symlink target, or the path of a regular file's object.
+    pub payload: Option<&'a [u8]>,
+    /// Inline contents of a small regular file.
+    pub content: Option<&'a [u8]>,
+    /// fs-verity digest of a regular file's contents.
+    pub digest: Option<[u8; 32]>,
 }
 
 /// The attributes of an inode, as the tree holds them.
@@ -268,6 +286,12 @@ impl ImageView {
             }
         }
         let has_selinux = r.selinux;
+        let keys = std::mem::take(&mut r.keys);
+        let long_contents = std::mem::take(&mut r.long_contents)
+            .into_iter()
+            .filter(|(i, _)| !nodes[*i].skip)
+            .map(|(i, c)| (id[i], c.into_boxed_slice()))
+            .collect();
         drop(dirs);
         drop(primary);
         drop(r);
@@ -279,6 +303,8 @@ impl ImageView {
             parent,
             marked,
             primaries,
+            long_contents,
+            keys,
             has_selinux,
         })
     }
@@ -376,6 +402,122 @@ impl ImageView {
             _ => {}
         }
         Ok(a)
+    }
+
+    /// The attributes of inode `id` and its payload, contents and digest.
+    pub fn node(&self, id: InodeId) -> Result<Node<'_>> {
+        let r = self.reader();
+        let nid = self.nid(id)?;
+        let h = r.head(nid)?;
+        let attr = self.attr(id)?;
+        let mut n = Node {
+            attr,
+            payload: None,
+            content: None,
+            digest: None,
+        };
+        let flat = || -> Result<(&[u8], &[u8])> {
+            if h.layout == LAYOUT_CHUNK_BASED {
+                return Err(ImageError::Unsupported(format!(
+                    "nid {nid}: {} with a chunk-based layout",
+                    h.kind
+                )));
+            }
+            flat_data(&self.data, nid, h.layout, h.size, h.i_u, h.inline_off)
+        };
+        let whole = |parts| self.whole(id, nid, parts);
+        match h.kind {
+            FileType::Symlink => n.payload = Some(whole(flat()?)?),
+            FileType::Regular if attr.is_whiteout() => {}
+            FileType::Regular => {
+                if h.size > 0 && h.layout != LAYOUT_CHUNK_BASED {
+                    n.content = Some(whole(flat()?)?);
+                }
+                for x in r.read_xattrs(nid, h.xattr_off, h.xattr_size)? {
+                    let prefix = XATTR_PREFIXES.get(x.index as usize).copied().unwrap_or_default();
+                    let is = |key: &[u8]| key.strip_prefix(prefix) == Some(x.suffix);
+                    if is(overlay::REDIRECT) {
+                        let path = x.value.strip_prefix(b"/").unwrap_or(x.value);
+                        n.payload = (!path.is_empty()).then_some(path);
+                    } else if is(overlay::METACOPY) && x.value.len() == 36 {
+                        n.digest = x.value.get(4..36).and_then(|d| d.try_into().ok());
+                    }
+                }
+            }
+            _ => {}
+        }
+        Ok(n)
+    }
+
+    /// The xattrs of inode `id` as the tree holds them, sorted by name.
+    pub fn xattrs(&self, id: InodeId) -> Result<Vec<(&[u8], &[u8])>> {
+        let r = self.reader();
+        let nid = self.nid(id)?;
+        let h = r.head(nid)?;
+        let raw = r.read_xattrs(nid, h.xattr_off, h.xattr_size)?;
+        let mut out: Vec<(&[u8], &[u8])> = Vec::with_capacity(raw.len());
+        let mut buf = [0u8; 2 * 256];
+        for x in raw {
+            let prefix = XATTR_PREFIXES.get(x.index as usize).copied().unwrap_or_default();
+            let (p, s) = match (prefix, x.suffix) {
+                // An escaped overlay xattr is the tree's unescaped one.
+                (b"trusted.", s) if s.starts_with(b"overlay.overlay.") => (overlay::PREFIX, &s[16..]),
+                (b"trusted.", s) if s.starts_with(b"overlay.") => continue,
+                (p, s) => (p, s),
+            };
+            let len = p.len() + s.len();
+            let key = buf
+                .get_mut(..len)
+                .ok_or_else(|| ImageError::Corrupt(format!("nid {nid}: xattr name of {len} bytes")))?;
+            key[..p.len()].copy_from_slice(p);
+            key[p.len()..].copy_from_slice(s);
+            // Markers the conventions take off are in no tree.
+            const MARKERS: [&[u8]; 6] = [
+                UNESCAPED_WHITEOUT,
+                UNESCAPED_WHITEOUTS,
+                UNESCAPED_OPAQUE,
+                overlay::USER_WHITEOUT,
+                overlay::USER_WHITEOUTS,
+                overlay::USER_OPAQUE,
+            ];
+            let key = MARKERS
+                .iter()
+                .find(|m| **m == &key[..])
+                .copied()
+                .or_else(|| self.keys.get(&key[..]).map(|k| &k[..]))
+                .ok_or_else(|| ImageError::Corrupt(format!("nid {nid}: xattr \"{}\" unseen", key.escape_ascii())))?;
+            out.push((key, x.value));
+        }
+        out.sort_unstable_by(|a, b| a.0.cmp(b.0));
+        let drop = |out: &mut Vec<(&[u8], &[u8])>, key: &[u8], value: Option<&[u8]>| {
+            out.retain(|(k, v)| !(*k == key && value.is_none_or(|want| want == *v)));
+        };
+        if h.kind == FileType::Regular && h.size == 0 && out.iter().any(|(k, _)| *k == UNESCAPED_WHITEOUT) {
+            drop(&mut out, UNESCAPED_WHITEOUT, None);
+            drop(&mut out, overlay::USER_WHITEOUT, None);
+        }
+        if self.is_marked(id) {
+            drop(&mut out, UNESCAPED_WHITEOUTS, None);
+            drop(&mut out, overlay::USER_WHITEOUTS, None);
+            if self.info.version >= 1 {
+                drop(&mut out, UNESCAPED_OPAQUE, Some(b"x"));
+                drop(&mut out, overlay::USER_OPAQUE, Some(b"x"));
+            }
+        }
+        Ok(out)
+    }
+
+    /// Data in one piece: one of its two parts, or the joined copy of both.
+    fn whole<'s>(&'s self, id: InodeId, nid: u64, (blocks, tail): (&'s [u8], &'s [u8])) -> Result<&'s [u8]> {
+        match (blocks.is_empty(), tail.is_empty()) {
+            (true, _) => Ok(tail),
+            (_, true) => Ok(blocks),
+            _ => self
+                .long_contents
+                .get(&id)
+                .map(|c| &c[..])
+                .ok_or_else(|| ImageError::Corrupt(format!("nid {nid}: data in two parts"))),
+        }
     }
 
     /// Inode `id` as the tree holds it, but for its entries (see

@@ -147,6 +147,14 @@ pub fn check_view(view: &erofs::ImageView, tree: &Tree, info: &ImageInfo) {
             want.mode, want.nlink, want.uid, want.gid, want.rdev, want.size, want.mtime,
         );
         assert_eq!(got, exp, "inode {id}: attributes");
+        let n = view.node(id).unwrap_or_else(|e| panic!("inode {id}: node: {e}"));
+        assert_eq!(n.attr, a, "inode {id}: node attributes");
+        assert_eq!(n.payload, want.payload.as_deref(), "inode {id}: payload");
+        assert_eq!(n.content, want.content.as_deref(), "inode {id}: content");
+        assert_eq!(n.digest, want.digest, "inode {id}: digest");
+        let xattrs = view.xattrs(id).unwrap_or_else(|e| panic!("inode {id}: xattrs: {e}"));
+        let exp: Vec<(&[u8], &[u8])> = want.xattrs.iter().map(|x| (&x.key[..], &x.value[..])).collect();
+        assert_eq!(xattrs, exp, "inode {id}: xattrs");
         let mut inode = view.inode(id).unwrap_or_else(|e| panic!("inode {id}: {e}"));
         inode.entries = want.entries.clone();
         assert!(&inode == want, "inode {id}: {inode:?} vs {want:?}");
