@@ -260,7 +260,7 @@ impl TileFs {
         let data: &[u8] = if inode.is_whiteout() {
             &[]
         } else {
-            inode.content.as_deref().unwrap_or_default()
+            inode.content.unwrap_or_default()
         };
         let start = (offset.min(data.len() as u64)) as usize;
         let end = start.saturating_add(size as usize).min(data.len());
@@ -455,7 +455,7 @@ impl Filesystem for TileFs {
                 Err(e) => reply.error(e),
             },
             Op::Readlink => match self.lower.inode(ino) {
-                Ok((_, i)) if i.mode & S_IFMT == libc::S_IFLNK => reply.data(i.payload.as_deref().unwrap_or_default()),
+                Ok((_, i)) if i.mode & S_IFMT == libc::S_IFLNK => reply.data(i.payload.unwrap_or_default()),
                 Ok(_) => reply.error(libc::EINVAL),
                 Err(e) => reply.error(e),
             },

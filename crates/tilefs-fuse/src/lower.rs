@@ -1,4 +1,5 @@
-//! The image side of a mount: the tree read from the image, how its
+//! The image side of a mount: the image (served from its bytes, see
+//! `ImageView`, with the ids, entries and xattrs of the tree read from it), how its
 //! inodes look through FUSE (as the kernel's composefs mount shows them),
 //! and their contents, opened from the store and verified against the
 //! image's digests. The read-only server serves it as it is; the writable
@@ -33,6 +34,9 @@ pub(crate) const ACL_XATTRS: [&[u8]; 2] = [b"system.posix_acl_access", b"system.
 pub(crate) fn dirent_type(mode: u32) -> u32 {
     (mode & S_IFMT) >> 12
 }
+
+/// Xattrs shown, (name, value) sorted by name.
+pub(crate) type XattrList<'a> = Vec<(&'a [u8], &'a [u8])>;
 
 /// An object file opened (and checked, unless verity is off) for serving.
 pub(crate) struct Object {
@@ -273,7 +277,7 @@ impl Lower {
 
     /// The xattrs shown for an inode, sorted by name: the image's, plus the
     /// overlay markers of whiteouts and of the directories holding them.
-    pub(crate) fn try_xattrs(&self, id: InodeId) -> Result<Vec<(&[u8], &[u8])>, i32> {
+    pub(crate) fn try_xattrs(&self, id: InodeId) -> Result<XattrList<'_>, i32> {
         let mut v = self.view.xattrs(id).map_err(|e| self.corrupt(e))?;
         let a = self.view.attr(id).map_err(|e| self.corrupt(e))?;
         let mut extra: Vec<(&[u8], &[u8])> = Vec::new();
@@ -294,7 +298,7 @@ impl Lower {
         Ok(v)
     }
 
-    pub(crate) fn xattrs(&self, id: InodeId) -> Vec<(&[u8], &[u8])> {
+    pub(crate) fn xattrs(&self, id: InodeId) -> XattrList<'_> {
         self.try_xattrs(id).unwrap_or_default()
     }
 
@@ -364,7 +368,7 @@ impl Lower {
 
     /// Opens and checks the object of a regular file.
     pub(crate) fn open_checked(&self, inode: &LowerNode) -> Result<(File, Option<FileState>), ObjectError> {
-        let payload = inode.payload.as_deref().ok_or(ObjectError::BadPath)?;
+        let payload = inode.payload.ok_or(ObjectError::BadPath)?;
         if self.verity == Verity::Require && inode.digest.is_none() {
             return Err(ObjectError::NoDigest);
         }

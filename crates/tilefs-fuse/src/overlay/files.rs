@@ -68,7 +68,7 @@ impl OverlayFs {
         }
         if let Some(l) = lower {
             for ent in self.lower.node(l).entries() {
-                if seen.contains(&ent.name[..]) {
+                if seen.contains(ent.name) {
                     continue;
                 }
                 let i = &self.lower.node(ent.inode);

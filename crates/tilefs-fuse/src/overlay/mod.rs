@@ -584,12 +584,12 @@ impl OverlayFs {
                         ));
                     })?;
                 } else if typ == S_IFLNK {
-                    rustix::io::write(&f, inode.payload.as_deref().unwrap_or_default())?;
+                    rustix::io::write(&f, inode.payload.unwrap_or_default())?;
                 }
                 // Durable before it can be seen, as overlayfs's copy-up.
                 rustix::fs::fsync(&f)?;
             } else if typ == S_IFLNK {
-                let target = inode.payload.as_deref().unwrap_or_default();
+                let target = inode.payload.unwrap_or_default();
                 let t = CString::new(target).map_err(|_| Errno::INVAL)?;
                 rustix::fs::symlinkat(t.as_c_str(), work, tmp.as_c_str())?;
             } else {
@@ -656,7 +656,7 @@ impl OverlayFs {
             return Ok(());
         }
         if !inode.is_external() {
-            let data = inode.content.as_deref().unwrap_or_default();
+            let data = inode.content.unwrap_or_default();
             let data = &data[..(want as usize).min(data.len())];
             let mut done = 0;
             while done < data.len() {

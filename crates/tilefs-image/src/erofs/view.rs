@@ -556,3 +556,113 @@ impl ImageView {
         })
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::erofs::{read_image, write_image, WriteOptions};
+    use crate::tree::{Tree, S_IFDIR, S_IFLNK, S_IFREG};
+
+    /// A tree with every kind of thing a view decodes: nested and large
+    /// directories, inline contents of one and of two parts, external
+    /// files, symlinks, xattrs (escaped overlay ones too), a whiteout and
+    /// a hardlink.
+    fn tree() -> Tree {
+        let mut t = Tree::new(Inode::new(S_IFDIR | 0o755));
+        let d = t.add_child(ROOT, b"dir", Inode::new(S_IFDIR | 0o755)).unwrap();
+        for i in 0..400 {
+            let mut f = Inode::new(S_IFREG | 0o644);
+            f.size = 100 + i;
+            f.payload = Some(format!("ab/{i:062}").into_bytes());
+            f.digest = Some([i as u8; 32]);
+            f.set_xattr(b"user.n", format!("{i}").as_bytes(), 60000).unwrap();
+            t.add_child(d, format!("file-with-a-long-name-{i:05}").as_bytes(), f)
+                .unwrap();
+        }
+        let mut small = Inode::new(S_IFREG | 0o600);
+        small.size = 5;
+        small.content = Some(b"hello".to_vec());
+        small.set_xattr(b"trusted.overlay.custom", b"kept", 60000).unwrap();
+        let s = t.add_child(ROOT, b"small", small).unwrap();
+        t.link(d, b"small-link", s, true).unwrap();
+        t.inode_mut(s).nlink = 2;
+        let mut long = Inode::new(S_IFREG | 0o644);
+        long.size = 4500;
+        long.content = Some((0..4500).map(|i| i as u8).collect());
+        t.add_child(ROOT, b"long", long).unwrap();
+        let mut l = Inode::new(S_IFLNK | 0o777);
+        l.payload = Some(b"dir/small-link".to_vec());
+        l.size = 14;
+        t.add_child(ROOT, b"link", l).unwrap();
+        t.add_child(d, b"gone", Inode::new(S_IFCHR)).unwrap();
+        t
+    }
+
+    /// Reads everything the view serves, for every inode.
+    fn read_all(v: &ImageView) -> usize {
+        let mut n = 0;
+        for id in 0..v.len() as InodeId + 2 {
+            n += v.attr(id).is_ok() as usize;
+            n += v.node(id).is_ok() as usize;
+            n += v.inode(id).is_ok() as usize;
+            n += v.xattrs(id).is_ok() as usize;
+            if let Ok(d) = v.dir(id) {
+                for e in d.entries() {
+                    n += d.entry(e.name).is_some() as usize;
+                }
+                n += d.entry(b"file-with-a-long-name-00200").is_some() as usize;
+            }
+        }
+        n
+    }
+
+    #[test]
+    fn the_view_is_the_tree() {
+        let img = write_image(&tree(), &WriteOptions::default()).unwrap();
+        let (t, _) = read_image(&img.bytes).unwrap();
+        let v = ImageView::open(img.bytes.clone()).unwrap();
+        assert_eq!(v.len(), t.inodes.len());
+        let long = t.lookup_path(b"long").unwrap();
+        assert_eq!(v.node(long).unwrap().content, t.inode(long).content.as_deref());
+        assert!(
+            v.long_contents.contains_key(&long),
+            "4500 bytes inline are in two parts"
+        );
+        let dir = v.dir(t.lookup_path(b"dir").unwrap()).unwrap();
+        let e = dir.entry(b"small-link").unwrap();
+        assert_eq!((e.inode, e.hardlink), (t.lookup_path(b"small").unwrap(), true));
+        assert_eq!(dir.entries().count(), 402);
+        assert!(v.is_marked(t.lookup_path(b"dir").unwrap()));
+    }
+
+    /// Bytes that change after the checking walk (they never do: the view
+    /// owns them) give errors, never a panic or an out-of-bounds read.
+    #[test]
+    fn damage_after_the_walk_gives_errors() {
+        let img = write_image(&tree(), &WriteOptions::default()).unwrap();
+        let mut v = ImageView::open(img.bytes.clone()).unwrap();
+        let whole = read_all(&v);
+        let mut x = 0x2545_f491_4f6c_dd1du64;
+        let mut rnd = || {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            x
+        };
+        let meta = v.info.meta_blkaddr as usize * BLOCK_SIZE as usize;
+        let mut fewer = 0;
+        for n in 0..3000 {
+            let at = if n % 2 == 0 {
+                meta + rnd() as usize % (v.data.len() - meta).min(8192)
+            } else {
+                rnd() as usize % v.data.len()
+            };
+            let old = v.data[at];
+            v.data[at] = if n % 3 == 0 { 0xff } else { old ^ (1 << (rnd() % 8)) };
+            fewer += (read_all(&v) < whole) as usize;
+            v.data[at] = old;
+        }
+        assert!(fewer > 100, "damage went unnoticed: {fewer}");
+        assert_eq!(read_all(&v), whole);
+    }
+}
