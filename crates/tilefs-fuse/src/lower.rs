@@ -14,7 +14,7 @@ use std::os::fd::OwnedFd;
 use std::sync::{Arc, Mutex};
 use tilefs_fuse_proto::abi;
 use tilefs_fuse_proto::{Entry, Ttl};
-use tilefs_image::erofs::view::{Dir, DirEntry};
+use tilefs_image::erofs::view::{Dir, DirEntry, DirPos, Entries};
 use tilefs_image::erofs::{ImageError, ImageInfo, ImageView};
 use tilefs_image::tree::{InodeId, Timespec, S_IFCHR, S_IFDIR, S_IFMT, S_IFREG};
 
@@ -37,6 +37,9 @@ pub(crate) fn dirent_type(mode: u32) -> u32 {
 
 /// Xattrs shown, (name, value) sorted by name.
 pub(crate) type XattrList<'a> = Vec<(&'a [u8], &'a [u8])>;
+
+/// Directories whose listing position is remembered, at most.
+const MAX_CURSORS: usize = 4096;
 
 /// An object file opened (and checked, unless verity is off) for serving.
 pub(crate) struct Object {
@@ -65,6 +68,8 @@ pub(crate) struct Lower {
     pub(crate) log: Arc<Logger>,
     /// Where absent objects come from (a lazily pulled image).
     pub(crate) fetcher: Option<crate::Fetcher>,
+    /// Where listings of directories stopped (see `LowerNode::entries_from`).
+    cursors: Mutex<FxHashMap<InodeId, DirPos>>,
 }
 
 /// An image inode as the tree holds it (its attributes, payload, inline
@@ -123,6 +128,22 @@ impl<'a> LowerNode<'a> {
     pub(crate) fn entries(&self) -> impl Iterator<Item = DirEntry<'a>> + 'a {
         self.dir().into_iter().flat_map(|d| d.entries())
     }
+
+    /// The entries of a directory from index `start` on, resumed where an
+    /// earlier listing stopped when it stopped there (so that a listing in
+    /// many replies costs time linear in its length).
+    fn entries_from(&self, start: u64) -> Option<Entries<'a>> {
+        let d = self.dir()?;
+        let pos = self.lower.cursors.lock().unwrap().get(&self.id).copied();
+        let mut it = match pos {
+            Some(p) if p.index == start => d.entries_at(p),
+            _ => d.entries(),
+        };
+        while it.pos().index < start {
+            it.next()?;
+        }
+        Some(it)
+    }
 }
 
 impl Lower {
@@ -138,6 +159,7 @@ impl Lower {
             reported: Mutex::new(FxHashMap::default()),
             log,
             fetcher: None,
+            cursors: Mutex::new(FxHashMap::default()),
         }
     }
 
@@ -422,9 +444,21 @@ impl Lower {
             }
             off = 2;
         }
-        let start = (off - 2) as usize;
-        for (i, e) in self.node(dir).entries().enumerate().skip(start) {
-            if add(i as u64 + 3, e.name, e.inode) {
+        let Some(mut it) = self.node(dir).entries_from(off - 2) else {
+            return;
+        };
+        loop {
+            let at = it.pos();
+            let Some(e) = it.next() else {
+                break;
+            };
+            if add(at.index + 3, e.name, e.inode) {
+                // The next reply starts with this entry.
+                let mut c = self.cursors.lock().unwrap();
+                if c.len() >= MAX_CURSORS {
+                    c.clear();
+                }
+                c.insert(dir, at);
                 return;
             }
         }

@@ -124,6 +124,55 @@ pub struct DirEntry<'a> {
     pub hardlink: bool,
 }
 
+/// A place in a directory's listing: before the entry with index `index`
+/// (counted as the tree counts its entries), at a dirent of a block.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct DirPos {
+    block: u32,
+    slot: u32,
+    /// Index of the next entry.
+    pub index: u64,
+}
+
+/// The entries of a directory, from some position on.
+pub struct Entries<'a> {
+    dir: Dir<'a>,
+    block: Option<Block<'a>>,
+    pos: DirPos,
+}
+
+impl Entries<'_> {
+    /// Where the listing stands: before the entry `next` will give.
+    pub fn pos(&self) -> DirPos {
+        self.pos
+    }
+}
+
+impl<'a> Iterator for Entries<'a> {
+    type Item = DirEntry<'a>;
+
+    fn next(&mut self) -> Option<DirEntry<'a>> {
+        loop {
+            let b = match self.block {
+                Some(b) => b,
+                None => *self.block.insert(self.dir.block(self.pos.block as usize)?),
+            };
+            if self.pos.slot as usize >= b.count {
+                self.pos.block += 1;
+                self.pos.slot = 0;
+                self.block = None;
+                continue;
+            }
+            let (name, nid) = b.get(self.pos.slot as usize)?;
+            self.pos.slot += 1;
+            if let Some(e) = self.dir.make(name, nid) {
+                self.pos.index += 1;
+                return Some(e);
+            }
+        }
+    }
+}
+
 /// A directory of an image.
 #[derive(Clone, Copy)]
 pub struct Dir<'a> {
@@ -205,12 +254,18 @@ impl<'a> Dir<'a> {
 
     /// The entries in name order (`.`, `..` and the builder's root
     /// whiteouts left out, as in the tree).
-    pub fn entries(&self) -> impl Iterator<Item = DirEntry<'a>> + 'a {
-        let d = *self;
-        (0..d.block_count())
-            .map_while(move |i| d.block(i))
-            .flat_map(move |b| (0..b.count).map_while(move |i| b.get(i)))
-            .filter_map(move |(name, nid)| d.make(name, nid))
+    pub fn entries(&self) -> Entries<'a> {
+        self.entries_at(DirPos::default())
+    }
+
+    /// The entries from `pos` on (a position an [`Entries`] of this
+    /// directory gave).
+    pub fn entries_at(&self, pos: DirPos) -> Entries<'a> {
+        Entries {
+            dir: *self,
+            block: None,
+            pos,
+        }
     }
 
     /// The entry `name`, found by binary search.
@@ -632,6 +687,15 @@ mod tests {
         let e = dir.entry(b"small-link").unwrap();
         assert_eq!((e.inode, e.hardlink), (t.lookup_path(b"small").unwrap(), true));
         assert_eq!(dir.entries().count(), 402);
+        // A listing resumed where another stopped goes on as it would have.
+        let all: Vec<_> = dir.entries().collect();
+        for k in [0, 1, 57, 200, 401, 402] {
+            let mut it = dir.entries();
+            it.by_ref().take(k).for_each(drop);
+            let pos = it.pos();
+            assert_eq!(pos.index, k as u64);
+            assert_eq!(dir.entries_at(pos).collect::<Vec<_>>(), all[k..]);
+        }
         assert!(v.is_marked(t.lookup_path(b"dir").unwrap()));
     }
 
