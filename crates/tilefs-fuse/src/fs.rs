@@ -7,6 +7,7 @@
 //! id 0, is FUSE's root, 1); they are also the inode numbers shown, so
 //! hardlinks share one and numbers never collide.
 
+use crate::lower::LowerNode;
 use crate::lower::{dirent_type, Lower, Object, FOREVER};
 use crate::objects::{FileState, ObjectError};
 use crate::Tuning;
@@ -20,7 +21,7 @@ use tilefs_fuse_proto::abi::{self, fopen, init};
 use tilefs_fuse_proto::{
     BackingId, Connection, DirBuf, Entry, Filesystem, InitConfig, KernelInit, Op, Open, Reply, Request,
 };
-use tilefs_image::tree::{Inode, InodeId, S_IFMT};
+use tilefs_image::tree::{InodeId, S_IFMT};
 
 /// Object files kept open for reads that name only the inode (fewer if
 /// the limit on open files is low).
@@ -76,7 +77,7 @@ impl TileFs {
     /// A kept object whose file changed since it was checked is opened
     /// again from the store, so a replaced or removed object is seen as an
     /// open would see it.
-    fn unopened_object(&self, id: InodeId, inode: &Inode) -> Result<Arc<Object>, ObjectError> {
+    fn unopened_object(&self, id: InodeId, inode: &LowerNode) -> Result<Arc<Object>, ObjectError> {
         let kept = self.unopened.lock().unwrap().get(&id).cloned();
         if let Some(o) = kept {
             if o.digest.is_none() || FileState::of_fd(&o.file).is_ok_and(|s| s == o.key) {
@@ -111,7 +112,7 @@ impl TileFs {
     /// Serves `size` bytes at `offset` of an object already known to be
     /// in a verified state (so as long as the file).
     fn read_object(&self, id: InodeId, file: &File, offset: u64, size: u32, reply: Reply<'_>) {
-        let file_size = self.lower.tree.inodes[id as usize].size;
+        let file_size = self.lower.node(id).size;
         let len = file_size.saturating_sub(offset).min(u64::from(size)) as usize;
         if let Err(e) = reply.file(file.as_fd(), offset, len) {
             self.lower.report(id, &format!("cannot read the object: {e}"));
@@ -129,7 +130,10 @@ impl TileFs {
             return reply.error(libc::ENOTDIR);
         }
         match dir.entry(name) {
-            Some(e) => reply.entry(&self.lower.entry(e.inode)),
+            Some(e) => match self.lower.try_entry(e.inode) {
+                Ok(e) => reply.entry(&e),
+                Err(e) => reply.error(e),
+            },
             None if self.tune.negative_cache => {
                 // Node id 0: a negative entry the kernel keeps for the timeout.
                 reply.entry(&Entry {
@@ -181,7 +185,7 @@ impl TileFs {
                 });
             }
         }
-        let o = match self.lower.object(inode) {
+        let o = match self.lower.object(&inode) {
             Ok(o) => o,
             Err(e) => {
                 self.lower.report(id, &e.to_string());
@@ -245,7 +249,7 @@ impl TileFs {
         }
         if inode.is_external() {
             // Opened without asking us (open answered with ENOSYS).
-            return match self.unopened_object(id, inode) {
+            return match self.unopened_object(id, &inode) {
                 Ok(o) => self.read_object(id, &o.file, offset, size, reply),
                 Err(e) => {
                     self.lower.report(id, &e.to_string());
@@ -256,7 +260,7 @@ impl TileFs {
         let data: &[u8] = if inode.is_whiteout() {
             &[]
         } else {
-            inode.content.as_deref().unwrap_or_default()
+            inode.content.unwrap_or_default()
         };
         let start = (offset.min(data.len() as u64)) as usize;
         let end = start.saturating_add(size as usize).min(data.len());
@@ -309,16 +313,11 @@ impl TileFs {
         };
         let mut buf = DirBuf::new(size);
         self.lower.list(dir, offset, |off, name, id| {
+            let e = self.lower.entry(id);
             if plus {
-                buf.add_plus(
-                    &self.lower.entry(id),
-                    off,
-                    dirent_type(Lower::shown_mode(&self.lower.tree.inodes[id as usize])),
-                    name,
-                )
+                buf.add_plus(&e, off, dirent_type(e.attr.mode), name)
             } else {
-                let mode = Lower::shown_mode(&self.lower.tree.inodes[id as usize]);
-                buf.add(u64::from(id) + 1, off, dirent_type(mode), name)
+                buf.add(u64::from(id) + 1, off, dirent_type(e.attr.mode), name)
             }
         });
         reply.data(buf.as_bytes())
@@ -327,7 +326,7 @@ impl TileFs {
     fn statfs(&self, reply: Reply<'_>) {
         reply.statfs(&abi::Kstatfs {
             blocks: u64::from(self.lower.info.blocks),
-            files: self.lower.tree.inodes.len() as u64,
+            files: self.lower.len() as u64,
             bsize: 4096,
             namelen: 255,
             frsize: 4096,
@@ -346,7 +345,10 @@ impl TileFs {
         if !self.lower.visible(req.uid, name) {
             return reply.error(libc::ENODATA);
         }
-        let xattrs = self.lower.xattrs(id);
+        let xattrs = match self.lower.try_xattrs(id) {
+            Ok(x) => x,
+            Err(e) => return reply.error(e),
+        };
         let Some((_, value)) = xattrs.iter().find(|(k, _)| *k == name) else {
             return reply.error(libc::ENODATA);
         };
@@ -359,7 +361,11 @@ impl TileFs {
             Err(e) => return reply.error(e),
         };
         let mut names = Vec::new();
-        for (k, _) in self.lower.xattrs(id) {
+        let xattrs = match self.lower.try_xattrs(id) {
+            Ok(x) => x,
+            Err(e) => return reply.error(e),
+        };
+        for (k, _) in xattrs {
             if self.lower.visible(req.uid, k) {
                 names.extend_from_slice(k);
                 names.push(0);
@@ -375,7 +381,7 @@ impl TileFs {
                 let mask = mask as i32;
                 if mask & libc::W_OK != 0 {
                     reply.error(libc::EROFS)
-                } else if Lower::permitted(req.uid, req.gid, i, mask) {
+                } else if Lower::permitted(req.uid, req.gid, &i, mask) {
                     reply.ok()
                 } else {
                     reply.error(libc::EACCES)
@@ -444,12 +450,12 @@ impl Filesystem for TileFs {
         let ino = req.nodeid;
         match op {
             Op::Lookup { name } => self.lookup(ino, name.as_bytes(), reply),
-            Op::Getattr { .. } => match self.lower.inode(ino) {
-                Ok((id, _)) => reply.attr(FOREVER, &self.lower.attr(id)),
+            Op::Getattr { .. } => match self.lower.inode(ino).and_then(|(id, _)| self.lower.try_attr(id)) {
+                Ok(a) => reply.attr(FOREVER, &a),
                 Err(e) => reply.error(e),
             },
             Op::Readlink => match self.lower.inode(ino) {
-                Ok((_, i)) if i.mode & S_IFMT == libc::S_IFLNK => reply.data(i.payload.as_deref().unwrap_or_default()),
+                Ok((_, i)) if i.mode & S_IFMT == libc::S_IFLNK => reply.data(i.payload.unwrap_or_default()),
                 Ok(_) => reply.error(libc::EINVAL),
                 Err(e) => reply.error(e),
             },

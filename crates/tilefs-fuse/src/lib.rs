@@ -273,13 +273,16 @@ pub fn mount(m: &FuseMount) -> Result<(), FuseError> {
             )));
         }
     }
-    let (tree, info) = tilefs_image::erofs::read_image(&data)
+    // Served from its bytes: the image and small tables stay in memory,
+    // never a tree of it.
+    let view = tilefs_image::erofs::ImageView::open(data)
         .map_err(|e| fail(format!("{}: refusing to mount: {e}", m.image.display())))?;
+    trim_heap();
     // A gc root while the server lives (the objects of an image mounted by
     // path are protected by no tag). A store we may not write cannot hold
     // one; the mount goes on, and says so.
     let record = match tilefs_store::Store::open(&m.store)
-        .and_then(|s| tilefs_store::mounts::register_fuse(&s, &data, &record_where(m)))
+        .and_then(|s| tilefs_store::mounts::register_fuse(&s, view.bytes(), &record_where(m)))
     {
         Ok(r) => Some(r),
         Err(e) => {
@@ -289,7 +292,6 @@ pub fn mount(m: &FuseMount) -> Result<(), FuseError> {
             None
         }
     };
-    drop(data);
     let store: OwnedFd = rustix::fs::open(
         &m.store,
         rustix::fs::OFlags::RDONLY | rustix::fs::OFlags::DIRECTORY | rustix::fs::OFlags::CLOEXEC,
@@ -313,7 +315,8 @@ pub fn mount(m: &FuseMount) -> Result<(), FuseError> {
         (None, false) => Logger::syslog(),
     };
     let logger = Arc::new(logger);
-    let mut lower = lower::Lower::new(tree, info, store, m.verity, logger.clone());
+    let name = m.image.display().to_string();
+    let mut lower = lower::Lower::new(view, name, store, m.verity, logger.clone());
     lower.fetcher = m.fetcher.clone();
     lower.selinux_enotsup = tuning.selinux_enotsup;
     let budget = raise_nofile() / 2;
@@ -598,4 +601,14 @@ fn serve<F: tilefs_fuse_proto::Filesystem>(
         mountpoint::take_down(mnt);
     }
     Err(result)
+}
+
+/// Returns the heap the image's checking walk used to the system (glibc's
+/// malloc_trim): its tables were many small allocations, freed by now.
+fn trim_heap() {
+    #[cfg(target_env = "gnu")]
+    // SAFETY: malloc_trim only releases memory no allocation uses.
+    unsafe {
+        libc::malloc_trim(0);
+    }
 }

@@ -1,4 +1,5 @@
-//! The image side of a mount: the tree read from the image, how its
+//! The image side of a mount: the image (served from its bytes, see
+//! `ImageView`, with the ids, entries and xattrs of the tree read from it), how its
 //! inodes look through FUSE (as the kernel's composefs mount shows them),
 //! and their contents, opened from the store and verified against the
 //! image's digests. The read-only server serves it as it is; the writable
@@ -7,14 +8,15 @@
 use crate::log::Logger;
 use crate::objects::{open_object, FileState, ObjectError, VerifiedObjects};
 use crate::Verity;
-use rustc_hash::{FxHashMap, FxHashSet};
+use rustc_hash::FxHashMap;
 use std::fs::File;
 use std::os::fd::OwnedFd;
 use std::sync::{Arc, Mutex};
 use tilefs_fuse_proto::abi;
 use tilefs_fuse_proto::{Entry, Ttl};
-use tilefs_image::erofs::ImageInfo;
-use tilefs_image::tree::{Inode, InodeId, Tree, S_IFMT, S_IFREG};
+use tilefs_image::erofs::view::{Dir, DirEntry, DirPos, Entries};
+use tilefs_image::erofs::{ImageError, ImageInfo, ImageView};
+use tilefs_image::tree::{InodeId, Timespec, S_IFCHR, S_IFDIR, S_IFMT, S_IFREG};
 
 /// Validity of every entry and attribute: ten years, far beyond any mount,
 /// small enough for the kernel's conversion to jiffies.
@@ -33,6 +35,12 @@ pub(crate) fn dirent_type(mode: u32) -> u32 {
     (mode & S_IFMT) >> 12
 }
 
+/// Xattrs shown, (name, value) sorted by name.
+pub(crate) type XattrList<'a> = Vec<(&'a [u8], &'a [u8])>;
+
+/// Directories whose listing position is remembered, at most.
+const MAX_CURSORS: usize = 4096;
+
 /// An object file opened (and checked, unless verity is off) for serving.
 pub(crate) struct Object {
     pub(crate) file: File,
@@ -43,14 +51,11 @@ pub(crate) struct Object {
 }
 
 pub(crate) struct Lower {
-    pub(crate) tree: Tree,
+    /// The image, served from its bytes.
+    pub(crate) view: ImageView,
     pub(crate) info: ImageInfo,
-    /// Parent of each directory (the root is its own).
-    pub(crate) parent: Vec<InodeId>,
-    /// Directories holding a whiteout (as a primary entry).
-    pub(crate) marked: FxHashSet<InodeId>,
-    /// Some inode has a security.selinux label.
-    has_selinux: bool,
+    /// The image, for messages.
+    name: String,
     /// Answer getxattr of security.selinux with EOPNOTSUPP when no file
     /// has a label (see `Tuning::selinux_enotsup`).
     pub(crate) selinux_enotsup: bool,
@@ -63,29 +68,90 @@ pub(crate) struct Lower {
     pub(crate) log: Arc<Logger>,
     /// Where absent objects come from (a lazily pulled image).
     pub(crate) fetcher: Option<crate::Fetcher>,
+    /// Where listings of directories stopped (see `LowerNode::entries_from`).
+    cursors: Mutex<FxHashMap<InodeId, DirPos>>,
+}
+
+/// An image inode as the tree holds it (its attributes, payload, inline
+/// contents and digest), with its directory entries read on demand.
+#[derive(Clone, Copy)]
+pub(crate) struct LowerNode<'a> {
+    lower: &'a Lower,
+    pub(crate) id: InodeId,
+    pub(crate) mode: u32,
+    pub(crate) nlink: u32,
+    pub(crate) uid: u32,
+    pub(crate) gid: u32,
+    pub(crate) rdev: u32,
+    pub(crate) size: u64,
+    pub(crate) mtime: Timespec,
+    /// Symlink target, or the path of a regular file's object.
+    pub(crate) payload: Option<&'a [u8]>,
+    /// Inline contents of a small regular file.
+    pub(crate) content: Option<&'a [u8]>,
+    /// fs-verity digest of a regular file's contents.
+    pub(crate) digest: Option<[u8; 32]>,
+}
+
+impl<'a> LowerNode<'a> {
+    pub(crate) fn is_dir(&self) -> bool {
+        self.mode & S_IFMT == S_IFDIR
+    }
+
+    pub(crate) fn is_reg(&self) -> bool {
+        self.mode & S_IFMT == S_IFREG
+    }
+
+    /// An overlayfs whiteout: a character device with device number 0/0.
+    pub(crate) fn is_whiteout(&self) -> bool {
+        self.mode & S_IFMT == S_IFCHR && self.rdev == 0
+    }
+
+    /// A regular file whose data lives outside the image (in the store).
+    pub(crate) fn is_external(&self) -> bool {
+        self.is_reg() && self.size > 0 && self.content.is_none()
+    }
+
+    fn dir(&self) -> Option<Dir<'a>> {
+        if !self.is_dir() {
+            return None;
+        }
+        self.lower.view.dir(self.id).map_err(|e| self.lower.corrupt(e)).ok()
+    }
+
+    /// The entry `name` of a directory.
+    pub(crate) fn entry(&self, name: &[u8]) -> Option<DirEntry<'a>> {
+        self.dir()?.entry(name)
+    }
+
+    /// The entries of a directory in name order (none for others).
+    pub(crate) fn entries(&self) -> impl Iterator<Item = DirEntry<'a>> + 'a {
+        self.dir().into_iter().flat_map(|d| d.entries())
+    }
+
+    /// The entries of a directory from index `start` on, resumed where an
+    /// earlier listing stopped when it stopped there (so that a listing in
+    /// many replies costs time linear in its length).
+    fn entries_from(&self, start: u64) -> Option<Entries<'a>> {
+        let d = self.dir()?;
+        let pos = self.lower.cursors.lock().unwrap().get(&self.id).copied();
+        let mut it = match pos {
+            Some(p) if p.index == start => d.entries_at(p),
+            _ => d.entries(),
+        };
+        while it.pos().index < start {
+            it.next()?;
+        }
+        Some(it)
+    }
 }
 
 impl Lower {
-    pub(crate) fn new(tree: Tree, info: ImageInfo, store: OwnedFd, verity: Verity, log: Arc<Logger>) -> Lower {
-        let mut parent = vec![0 as InodeId; tree.inodes.len()];
-        let mut marked = FxHashSet::default();
-        for (id, inode) in tree.inodes.iter().enumerate() {
-            for e in inode.entries.iter().filter(|e| !e.hardlink) {
-                let child = &tree.inodes[e.inode as usize];
-                if child.is_dir() {
-                    parent[e.inode as usize] = id as InodeId;
-                } else if child.is_whiteout() {
-                    marked.insert(id as InodeId);
-                }
-            }
-        }
-        let has_selinux = tree.inodes.iter().any(|i| i.xattr(SELINUX).is_some());
+    pub(crate) fn new(view: ImageView, name: String, store: OwnedFd, verity: Verity, log: Arc<Logger>) -> Lower {
         Lower {
-            tree,
-            info,
-            parent,
-            marked,
-            has_selinux,
+            info: view.info().clone(),
+            view,
+            name,
             selinux_enotsup: true,
             store,
             verity,
@@ -93,36 +159,97 @@ impl Lower {
             reported: Mutex::new(FxHashMap::default()),
             log,
             fetcher: None,
+            cursors: Mutex::new(FxHashMap::default()),
         }
+    }
+
+    /// Logs an image that contradicts the walk that checked it (never
+    /// expected: the walk reads everything these reads read).
+    fn corrupt(&self, e: ImageError) -> i32 {
+        self.log.log(&format!("{}: {e}", self.name));
+        libc::EIO
     }
 
     fn id(&self, ino: u64) -> Option<InodeId> {
         let id = ino.checked_sub(1)?;
-        (id < self.tree.inodes.len() as u64).then_some(id as InodeId)
+        (id < self.view.len() as u64).then_some(id as InodeId)
     }
 
-    pub(crate) fn inode(&self, ino: u64) -> Result<(InodeId, &Inode), i32> {
+    /// Number of image inodes (ids are 0..len).
+    pub(crate) fn len(&self) -> usize {
+        self.view.len()
+    }
+
+    /// Parent of image directory `id` (the root is its own).
+    pub(crate) fn parent(&self, id: InodeId) -> InodeId {
+        self.view.parent(id)
+    }
+
+    /// Image inode `id` (a node with no type should the image be broken;
+    /// [`try_node`](Self::try_node) says so).
+    pub(crate) fn node(&self, id: InodeId) -> LowerNode<'_> {
+        self.try_node(id).unwrap_or(LowerNode {
+            lower: self,
+            id,
+            mode: 0,
+            nlink: 0,
+            uid: 0,
+            gid: 0,
+            rdev: 0,
+            size: 0,
+            mtime: Timespec::default(),
+            payload: None,
+            content: None,
+            digest: None,
+        })
+    }
+
+    pub(crate) fn try_node(&self, id: InodeId) -> Result<LowerNode<'_>, i32> {
+        let n = self.view.node(id).map_err(|e| self.corrupt(e))?;
+        let a = n.attr;
+        Ok(LowerNode {
+            lower: self,
+            id,
+            mode: a.mode,
+            nlink: a.nlink,
+            uid: a.uid,
+            gid: a.gid,
+            rdev: a.rdev,
+            size: a.size,
+            mtime: a.mtime,
+            payload: n.payload,
+            content: n.content,
+            digest: n.digest,
+        })
+    }
+
+    pub(crate) fn inode(&self, ino: u64) -> Result<(InodeId, LowerNode<'_>), i32> {
         let id = self.id(ino).ok_or(libc::ENOENT)?;
-        Ok((id, &self.tree.inodes[id as usize]))
+        Ok((id, self.try_node(id)?))
     }
 
     /// The mode shown: a whiteout from the source shows as the marked empty
     /// regular file the image holds, as the kernel's overlay mount shows it.
-    pub(crate) fn shown_mode(inode: &Inode) -> u32 {
-        if inode.is_whiteout() {
-            S_IFREG | (inode.mode & !S_IFMT)
+    pub(crate) fn shown_mode(inode: &LowerNode) -> u32 {
+        Self::shown(inode.mode, inode.rdev)
+    }
+
+    fn shown(mode: u32, rdev: u32) -> u32 {
+        if mode & S_IFMT == S_IFCHR && rdev == 0 {
+            S_IFREG | (mode & !S_IFMT)
         } else {
-            inode.mode
+            mode
         }
     }
 
-    pub(crate) fn attr(&self, id: InodeId) -> abi::Attr {
-        let i = &self.tree.inodes[id as usize];
-        let mode = Self::shown_mode(i);
+    /// The attributes of image inode `id`, as FUSE shows them.
+    pub(crate) fn try_attr(&self, id: InodeId) -> Result<abi::Attr, i32> {
+        let i = self.view.attr(id).map_err(|e| self.corrupt(e))?;
+        let mode = Self::shown(i.mode, i.rdev);
         let size = if i.is_whiteout() { 0 } else { i.size };
         // Negative times travel as two's complement, as the kernel reads them.
         let (sec, nsec) = (i.mtime.sec as u64, i.mtime.nsec.min(999_999_999));
-        abi::Attr {
+        Ok(abi::Attr {
             ino: u64::from(id) + 1,
             size,
             blocks: size.div_ceil(4096) * 8,
@@ -139,7 +266,25 @@ impl Lower {
             rdev: if i.is_whiteout() { 0 } else { i.rdev },
             blksize: 4096,
             flags: 0,
-        }
+        })
+    }
+
+    pub(crate) fn attr(&self, id: InodeId) -> abi::Attr {
+        self.try_attr(id).unwrap_or(abi::Attr {
+            ino: u64::from(id) + 1,
+            blksize: 4096,
+            ..abi::Attr::default()
+        })
+    }
+
+    pub(crate) fn try_entry(&self, id: InodeId) -> Result<Entry, i32> {
+        Ok(Entry {
+            nodeid: u64::from(id) + 1,
+            generation: 0,
+            entry_ttl: FOREVER,
+            attr_ttl: FOREVER,
+            attr: self.try_attr(id)?,
+        })
     }
 
     pub(crate) fn entry(&self, id: InodeId) -> Entry {
@@ -154,14 +299,14 @@ impl Lower {
 
     /// The xattrs shown for an inode, sorted by name: the image's, plus the
     /// overlay markers of whiteouts and of the directories holding them.
-    pub(crate) fn xattrs(&self, id: InodeId) -> Vec<(&[u8], &[u8])> {
-        let inode = &self.tree.inodes[id as usize];
-        let mut v: Vec<(&[u8], &[u8])> = inode.xattrs.iter().map(|x| (&x.key[..], &x.value[..])).collect();
+    pub(crate) fn try_xattrs(&self, id: InodeId) -> Result<XattrList<'_>, i32> {
+        let mut v = self.view.xattrs(id).map_err(|e| self.corrupt(e))?;
+        let a = self.view.attr(id).map_err(|e| self.corrupt(e))?;
         let mut extra: Vec<(&[u8], &[u8])> = Vec::new();
-        if inode.is_whiteout() {
+        if a.is_whiteout() {
             extra.extend(WHITEOUT_XATTRS.iter().map(|k| (*k, &b""[..])));
         }
-        if self.marked.contains(&id) {
+        if self.view.is_marked(id) {
             extra.extend(WHITEOUTS_XATTRS.iter().map(|k| (*k, &b""[..])));
             if self.info.version >= 1 {
                 extra.extend(OPAQUE_XATTRS.iter().map(|k| (*k, &b"x"[..])));
@@ -172,7 +317,11 @@ impl Lower {
             v.extend(extra);
             v.sort_unstable_by(|a, b| a.0.cmp(b.0));
         }
-        v
+        Ok(v)
+    }
+
+    pub(crate) fn xattrs(&self, id: InodeId) -> XattrList<'_> {
+        self.try_xattrs(id).unwrap_or_default()
     }
 
     /// trusted.* xattrs are for privileged callers only, as the kernel
@@ -189,7 +338,7 @@ impl Lower {
     /// filesystems without labels, instead of making a round trip per file).
     pub(crate) fn unsupported(&self, key: &[u8]) -> bool {
         (!self.info.has_acl && ACL_XATTRS.contains(&key))
-            || (self.selinux_enotsup && !self.has_selinux && key == SELINUX)
+            || (self.selinux_enotsup && !self.view.has_selinux() && key == SELINUX)
     }
 
     /// Logs a broken object once for each way it is broken.
@@ -204,18 +353,44 @@ impl Lower {
 
     /// A path of `id` for messages (its primary entry).
     pub(crate) fn path_of(&self, id: InodeId) -> String {
-        let mut found = None;
-        self.tree.walk(|path, e, ino| {
-            if found.is_none() && ino == id && !e.is_some_and(|e| e.hardlink) {
-                found = Some(String::from_utf8_lossy(path).into_owned());
+        let dir_path = |mut d: InodeId| {
+            let mut parts = Vec::new();
+            while d != tilefs_image::tree::ROOT {
+                let p = self.parent(d);
+                let name = self.node(p).entries().find(|e| e.inode == d && !e.hardlink);
+                parts.push(name.map(|e| e.name).unwrap_or_default());
+                d = p;
             }
-        });
-        found.unwrap_or_else(|| format!("inode {}", u64::from(id) + 1))
+            let mut path = Vec::new();
+            for n in parts.iter().rev() {
+                path.push(b'/');
+                path.extend_from_slice(n);
+            }
+            path
+        };
+        let found = if self.view.attr(id).is_ok_and(|a| a.is_dir()) {
+            Some(dir_path(id))
+        } else {
+            (0..self.len() as InodeId)
+                .filter(|&d| self.view.attr(d).is_ok_and(|a| a.is_dir()))
+                .find_map(|d| {
+                    let e = self.node(d).entries().find(|e| e.inode == id && !e.hardlink)?;
+                    let mut p = dir_path(d);
+                    p.push(b'/');
+                    p.extend_from_slice(e.name);
+                    Some(p)
+                })
+        };
+        match found {
+            Some(p) if p.is_empty() => "/".to_string(),
+            Some(p) => String::from_utf8_lossy(&p).into_owned(),
+            None => format!("inode {}", u64::from(id) + 1),
+        }
     }
 
     /// Opens and checks the object of a regular file.
-    pub(crate) fn open_checked(&self, inode: &Inode) -> Result<(File, Option<FileState>), ObjectError> {
-        let payload = inode.payload.as_deref().ok_or(ObjectError::BadPath)?;
+    pub(crate) fn open_checked(&self, inode: &LowerNode) -> Result<(File, Option<FileState>), ObjectError> {
+        let payload = inode.payload.ok_or(ObjectError::BadPath)?;
         if self.verity == Verity::Require && inode.digest.is_none() {
             return Err(ObjectError::NoDigest);
         }
@@ -243,7 +418,7 @@ impl Lower {
     }
 
     /// The object of a regular file, opened and checked.
-    pub(crate) fn object(&self, inode: &Inode) -> Result<Object, ObjectError> {
+    pub(crate) fn object(&self, inode: &LowerNode) -> Result<Object, ObjectError> {
         let (file, key) = self.open_checked(inode)?;
         let digest = if self.verity == Verity::Off { None } else { inode.digest };
         Ok(Object {
@@ -256,7 +431,6 @@ impl Lower {
     /// Calls `add(offset, name, id)` for the directory's entries from
     /// `offset` on (`.` is 1, `..` 2, entry i is i + 3) until it returns true.
     pub(crate) fn list(&self, dir: InodeId, offset: u64, mut add: impl FnMut(u64, &[u8], InodeId) -> bool) {
-        let inode = &self.tree.inodes[dir as usize];
         let mut off = offset;
         if off == 0 {
             if add(1, b".", dir) {
@@ -265,20 +439,32 @@ impl Lower {
             off = 1;
         }
         if off == 1 {
-            if add(2, b"..", self.parent[dir as usize]) {
+            if add(2, b"..", self.parent(dir)) {
                 return;
             }
             off = 2;
         }
-        let start = (off - 2) as usize;
-        for (i, e) in inode.entries.iter().enumerate().skip(start) {
-            if add(i as u64 + 3, &e.name, e.inode) {
+        let Some(mut it) = self.node(dir).entries_from(off - 2) else {
+            return;
+        };
+        loop {
+            let at = it.pos();
+            let Some(e) = it.next() else {
+                break;
+            };
+            if add(at.index + 3, e.name, e.inode) {
+                // The next reply starts with this entry.
+                let mut c = self.cursors.lock().unwrap();
+                if c.len() >= MAX_CURSORS {
+                    c.clear();
+                }
+                c.insert(dir, at);
                 return;
             }
         }
     }
 
-    pub(crate) fn permitted(uid: u32, gid: u32, inode: &Inode, mask: i32) -> bool {
+    pub(crate) fn permitted(uid: u32, gid: u32, inode: &LowerNode, mask: i32) -> bool {
         if uid == 0 {
             // Root may do anything but execute files no one may execute.
             return mask & libc::X_OK == 0 || inode.is_dir() || inode.mode & 0o111 != 0;

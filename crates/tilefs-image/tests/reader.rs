@@ -15,7 +15,10 @@ use std::io::Read;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::Instant;
-use tilefs_image::erofs::{read_image, ImageError};
+use tilefs_image::erofs::{read_image, ImageError, ImageView};
+
+#[allow(dead_code)]
+mod fuzz_checks;
 use tilefs_image::tree::{digest_hex, InodeId, Tree};
 
 fn ref_bin(name: &str) -> Option<PathBuf> {
@@ -238,6 +241,8 @@ fn parent(path: &[u8]) -> Vec<u8> {
 fn compare_with_reference(info_bin: &Path, name: &str, img: &Path) -> usize {
     let image = fs::read(img).unwrap();
     let (tree, info) = read_image(&image).unwrap_or_else(|e| panic!("{name}: {e}"));
+    let view = ImageView::open(image.clone()).unwrap_or_else(|e| panic!("{name}: view: {e}"));
+    fuzz_checks::check_view(&view, &tree, &info);
     assert_eq!(info.blocks as usize * 4096, image.len(), "{name}: block count");
     let acl = tree
         .inodes
@@ -423,7 +428,17 @@ fn damaged_images_never_panic(image: &[u8], label: &str, truncations: usize, fli
         } else {
             old ^ (1 + (rng.next() % 255) as u8)
         };
-        match read_image(&buf) {
+        let read = read_image(&buf);
+        match (&read, ImageView::open(buf.clone())) {
+            (Ok((tree, info)), Ok(view)) => fuzz_checks::check_view(&view, tree, info),
+            (Err(_), Err(_)) => {}
+            (r, v) => panic!(
+                "{label}: flip {n}: the reader says {:?}, the view {:?}",
+                r.is_ok(),
+                v.is_ok()
+            ),
+        }
+        match read {
             Ok(_) => ok += 1,
             Err(e) => {
                 err += 1;
@@ -480,6 +495,8 @@ fn reader_trees_rebuild_the_same_images() {
         };
         let image = fs::read(img).unwrap();
         let (tree, info) = read_image(&image).unwrap_or_else(|e| panic!("{name}: {e}"));
+        let view = ImageView::open(image.clone()).unwrap_or_else(|e| panic!("{name}: view: {e}"));
+        fuzz_checks::check_view(&view, &tree, &info);
         // The version the image has is what its options allowed: min 0 when
         // none were forced, else exactly it.
         let opts = tilefs_image::erofs::WriteOptions {
@@ -521,6 +538,8 @@ fn reader_round_trips_random_trees() {
         compare_with_reference(&info, &name, &img);
         let image = fs::read(&img).unwrap();
         let (tree, info) = read_image(&image).unwrap();
+        let view = ImageView::open(image.clone()).unwrap();
+        fuzz_checks::check_view(&view, &tree, &info);
         let again = tilefs_image::erofs::write_image(&tree, &Default::default()).unwrap();
         assert_eq!(again.version, info.version, "{name}");
         assert!(again.bytes == image, "{name}: rebuilt image differs; dump:\n{text}");

@@ -50,10 +50,10 @@ impl OverlayFs {
                         (true, _) | (_, None) => None,
                         (false, Some(l)) => match self.up.redirect(&path) {
                             Some(r) if r.starts_with(b"/") => self.lower_dir_at(&r),
-                            Some(r) => self.lower.tree.inodes[l as usize].entry(&r).map(|e| e.inode),
-                            None => self.lower.tree.inodes[l as usize].entry(name).map(|e| e.inode),
+                            Some(r) => self.lower.node(l).entry(&r).map(|e| e.inode),
+                            None => self.lower.node(l).entry(name).map(|e| e.inode),
                         }
-                        .filter(|&c| self.lower.tree.inodes[c as usize].is_dir()),
+                        .filter(|&c| self.lower.node(c).is_dir()),
                     };
                     below.map_or_else(|| self.upper_ino(&m), |b| u64::from(b) + 1)
                 } else {
@@ -67,13 +67,13 @@ impl OverlayFs {
             }
         }
         if let Some(l) = lower {
-            for ent in &self.lower.tree.inodes[l as usize].entries {
-                if seen.contains(&ent.name[..]) {
+            for ent in self.lower.node(l).entries() {
+                if seen.contains(ent.name) {
                     continue;
                 }
-                let i = &self.lower.tree.inodes[ent.inode as usize];
+                let i = &self.lower.node(ent.inode);
                 out.push(Listed {
-                    name: ent.name.clone().into_boxed_slice(),
+                    name: ent.name.into(),
                     ino: u64::from(ent.inode) + 1,
                     typ: dirent_type(Lower::shown_mode(i)),
                 });
@@ -111,7 +111,7 @@ impl OverlayFs {
         let write = acc != libc::O_RDONLY || trunc;
         if !upper && !write {
             let l = lower.ok_or(libc::ESTALE)?;
-            let inode = &self.lower.tree.inodes[l as usize];
+            let inode = &self.lower.node(l);
             if !inode.is_external() {
                 return Ok(Handle::Inline(l));
             }
@@ -308,7 +308,7 @@ impl OverlayFs {
         };
         if !upper {
             let l = lower.ok_or(libc::ESTALE)?;
-            return Ok(self.lower.tree.inodes[l as usize].payload.clone().unwrap_or_default());
+            return Ok(self.lower.node(l).payload.unwrap_or_default().to_vec());
         }
         let Loc::At(d, n) = self.loc(id)? else {
             return Err(libc::EINVAL);

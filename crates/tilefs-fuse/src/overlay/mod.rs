@@ -203,16 +203,16 @@ impl OverlayFs {
 
     /// The absolute image path of image directory `dir` (for redirects).
     fn lower_path(&self, dir: InodeId) -> Vec<u8> {
-        let tree = &self.lower.tree;
         let mut parts = Vec::new();
         let mut cur = dir;
         while cur != tilefs_image::tree::ROOT {
-            let parent = self.lower.parent[cur as usize];
-            let name = tree.inodes[parent as usize]
-                .entries
-                .iter()
+            let parent = self.lower.parent(cur);
+            let name = self
+                .lower
+                .node(parent)
+                .entries()
                 .find(|e| e.inode == cur && !e.hardlink)
-                .map(|e| e.name.clone())
+                .map(|e| e.name.to_vec())
                 .unwrap_or_default();
             parts.push(name);
             cur = parent;
@@ -230,12 +230,11 @@ impl OverlayFs {
 
     /// The image directory at absolute path `path`, if it is one.
     fn lower_dir_at(&self, path: &[u8]) -> Option<InodeId> {
-        let tree = &self.lower.tree;
         let mut cur = tilefs_image::tree::ROOT;
         for c in path.split(|&b| b == b'/').filter(|c| !c.is_empty()) {
-            let e = tree.inodes[cur as usize].entry(c)?;
+            let e = self.lower.node(cur).entry(c)?;
             cur = e.inode;
-            if !tree.inodes[cur as usize].is_dir() {
+            if !self.lower.node(cur).is_dir() {
                 return None;
             }
         }
@@ -249,7 +248,7 @@ impl OverlayFs {
             return None;
         }
         let l = dir.lower?;
-        self.lower.tree.inodes[l as usize].entry(name).map(|e| e.inode)
+        self.lower.node(l).entry(name).map(|e| e.inode)
     }
 
     /// What `name` in directory `parent` is.
@@ -294,7 +293,7 @@ impl OverlayFs {
                 }
                 None => lower_child,
             }
-            .filter(|&l| self.lower.tree.inodes[l as usize].is_dir()),
+            .filter(|&l| self.lower.node(l).is_dir()),
             Some(_) => None,
         };
         if upper.is_none() && lower.is_none() {
@@ -330,7 +329,7 @@ impl OverlayFs {
         })
         .or_else(|| match (&f.upper, f.lower) {
             (Some(m), Some(l)) if m.is_dir() => nodes.by_lower_dir.get(&l).copied(),
-            (None, Some(l)) if self.lower.tree.inodes[l as usize].is_dir() => nodes.by_lower_dir.get(&l).copied(),
+            (None, Some(l)) if self.lower.node(l).is_dir() => nodes.by_lower_dir.get(&l).copied(),
             _ => None,
         });
         if let Some(id) = existing {
@@ -348,7 +347,7 @@ impl OverlayFs {
             (Some(m), Some(l)) if m.is_dir() => (S_IFDIR, u64::from(l) + 1, None),
             (Some(m), _) => (m.mode & S_IFMT, self.upper_ino(m), (!m.is_dir()).then_some(m.ino)),
             (None, Some(l)) => {
-                let i = &self.lower.tree.inodes[l as usize];
+                let i = &self.lower.node(l);
                 (Lower::shown_mode(i) & S_IFMT, u64::from(l) + 1, None)
             }
             (None, None) => return Err(libc::ENOENT),
@@ -482,7 +481,7 @@ impl OverlayFs {
             (p, name.to_vec(), n.lower.ok_or(libc::EIO)?)
         };
         let pfd = self.upper_dir(parent)?;
-        let inode = &self.lower.tree.inodes[lower as usize];
+        let inode = &self.lower.node(lower);
         let tmp = self.up.tmp_name();
         rustix::fs::mkdirat(&self.up.work, tmp.as_c_str(), Mode::from_raw_mode(0o700)).map_err(e)?;
         let done = (|| -> Result<(), Errno> {
@@ -563,7 +562,7 @@ impl OverlayFs {
             (p, name.to_vec(), n.lower.ok_or(libc::EIO)?)
         };
         let pfd = self.upper_dir(parent)?;
-        let inode = &self.lower.tree.inodes[lower as usize];
+        let inode = &self.lower.node(lower);
         let mode = Lower::shown_mode(inode);
         let typ = mode & S_IFMT;
         let stand_in = self.up.needs_stand_in(mode, inode.uid, inode.gid);
@@ -585,12 +584,12 @@ impl OverlayFs {
                         ));
                     })?;
                 } else if typ == S_IFLNK {
-                    rustix::io::write(&f, inode.payload.as_deref().unwrap_or_default())?;
+                    rustix::io::write(&f, inode.payload.unwrap_or_default())?;
                 }
                 // Durable before it can be seen, as overlayfs's copy-up.
                 rustix::fs::fsync(&f)?;
             } else if typ == S_IFLNK {
-                let target = inode.payload.as_deref().unwrap_or_default();
+                let target = inode.payload.unwrap_or_default();
                 let t = CString::new(target).map_err(|_| Errno::INVAL)?;
                 rustix::fs::symlinkat(t.as_c_str(), work, tmp.as_c_str())?;
             } else {
@@ -651,13 +650,13 @@ impl OverlayFs {
 
     /// Writes the data of image file `lower` (at most `keep` bytes) to `to`.
     fn copy_data(&self, lower: InodeId, to: &OwnedFd, keep: Option<u64>) -> Result<(), Errno> {
-        let inode = &self.lower.tree.inodes[lower as usize];
+        let inode = &self.lower.node(lower);
         let want = keep.map_or(inode.size, |k| k.min(inode.size));
         if want == 0 {
             return Ok(());
         }
         if !inode.is_external() {
-            let data = inode.content.as_deref().unwrap_or_default();
+            let data = inode.content.unwrap_or_default();
             let data = &data[..(want as usize).min(data.len())];
             let mut done = 0;
             while done < data.len() {

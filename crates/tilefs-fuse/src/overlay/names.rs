@@ -286,7 +286,7 @@ impl OverlayFs {
         let found = self.find(parent, name)?.ok_or(libc::ENOENT)?;
         let is_dir = match &found.upper {
             Some(m) => m.is_dir(),
-            None => found.lower.is_some_and(|l| self.lower.tree.inodes[l as usize].is_dir()),
+            None => found.lower.is_some_and(|l| self.lower.node(l).is_dir()),
         };
         match (dir, is_dir) {
             (true, false) => return Err(libc::ENOTDIR),

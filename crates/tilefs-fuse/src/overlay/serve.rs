@@ -339,17 +339,14 @@ impl Filesystem for OverlayFs {
                                 return reply.error(libc::EIO);
                             }
                         }
-                        let size = self.lower.tree.inodes[*l as usize].size;
+                        let size = self.lower.node(*l).size;
                         let len = size.saturating_sub(a.offset).min(u64::from(a.size)) as usize;
                         if let Err(x) = reply.file(o.file.as_fd(), a.offset, len) {
                             self.lower.report(*l, &format!("cannot read the object: {x}"));
                         }
                     }
                     Handle::Inline(l) => {
-                        let data = self.lower.tree.inodes[*l as usize]
-                            .content
-                            .as_deref()
-                            .unwrap_or_default();
+                        let data = self.lower.node(*l).content.unwrap_or_default();
                         let start = (a.offset.min(data.len() as u64)) as usize;
                         let end = start.saturating_add(a.size as usize).min(data.len());
                         reply.data(&data[start..end])
@@ -466,7 +463,7 @@ impl Filesystem for OverlayFs {
                     Some(Handle::Upper(f)) => rustix::fs::seek(f, whence).map_err(e),
                     Some(Handle::Lower(o, _)) => rustix::fs::seek(&o.file, whence).map_err(e),
                     Some(Handle::Inline(l)) => {
-                        let size = self.lower.tree.inodes[*l as usize].size;
+                        let size = self.lower.node(*l).size;
                         match whence {
                             _ if a.offset >= size => Err(libc::ENXIO),
                             rustix::fs::SeekFrom::Data(o) => Ok(o),

@@ -44,7 +44,7 @@ use crate::tree::{
     Entry, FileType, Inode, Timespec, Tree, Xattr, MAX_INLINE_CONTENT, MAX_NAME_LEN, MAX_PAYLOAD_LEN,
     MAX_XATTR_NAME_LEN, ROOT, S_IFCHR, S_IFMT,
 };
-use std::collections::{HashMap, VecDeque};
+use std::collections::{HashMap, HashSet, VecDeque};
 
 /// What the image says about itself beyond the tree: its composefs header
 /// and EROFS superblock.
@@ -192,20 +192,11 @@ pub fn read_image(image: &[u8]) -> Result<(Tree, ImageInfo)> {
 /// [`read_image`] with an explicit limit on what the tree may hold.
 fn read_image_within(image: &[u8], budget: u64) -> Result<(Tree, ImageInfo)> {
     let info = read_info(image)?;
-    let mut r = Reader {
-        data: image,
-        meta_start: u64::from(info.meta_blkaddr) * BLOCK_SIZE,
-        xattr_start: u64::from(info.xattr_blkaddr) * BLOCK_SIZE,
-        build_time: info.build_time,
-        xattr_filter: info.feature_compat & FEATURE_COMPAT_XATTR_FILTER != 0,
-        budget,
-        limit: budget,
-        nodes: Vec::new(),
-        by_nid: HashMap::new(),
-    };
+    let mut r = Reader::new(image, &info, budget, true);
     let dirs = r.walk(info.root_nid)?;
     let primary = choose_primaries(&r.nodes, &dirs);
-    let tree = build_tree(r.nodes, dirs, primary, info.version);
+    let inodes = r.inodes.take().unwrap_or_default();
+    let tree = build_tree(r.nodes, inodes, dirs, primary, info.version);
     Ok((tree, info))
 }
 
@@ -213,7 +204,7 @@ fn read_image_within(image: &[u8], budget: u64) -> Result<(Tree, ImageInfo)> {
 // Checked access to untrusted bytes.
 
 /// `Ok` if `ok`, else a corrupt-image error with the message `msg` makes.
-fn check(ok: bool, msg: impl FnOnce() -> String) -> Result<()> {
+pub(super) fn check(ok: bool, msg: impl FnOnce() -> String) -> Result<()> {
     if ok {
         Ok(())
     } else {
@@ -222,7 +213,7 @@ fn check(ok: bool, msg: impl FnOnce() -> String) -> Result<()> {
 }
 
 /// `len` bytes of `data` at `off`, if they are all there.
-fn get(data: &[u8], off: u64, len: u64) -> Option<&[u8]> {
+pub(super) fn get(data: &[u8], off: u64, len: u64) -> Option<&[u8]> {
     let start = usize::try_from(off).ok()?;
     let end = usize::try_from(off.checked_add(len)?).ok()?;
     data.get(start..end)
@@ -240,21 +231,21 @@ fn bytes(data: &[u8], off: u64, len: u64, what: impl FnOnce() -> String) -> Resu
 }
 
 /// A fixed-size record at `off`, if it is all there.
-fn array<const N: usize>(data: &[u8], off: u64) -> Option<&[u8; N]> {
+pub(super) fn array<const N: usize>(data: &[u8], off: u64) -> Option<&[u8; N]> {
     get(data, off, N as u64)?.try_into().ok()
 }
 
 // Little-endian fields of fixed-size records; offsets are format constants
 // well inside the records they index.
-fn le16<const N: usize>(b: &[u8; N], off: usize) -> u16 {
+pub(super) fn le16<const N: usize>(b: &[u8; N], off: usize) -> u16 {
     u16::from_le_bytes([b[off], b[off + 1]])
 }
 
-fn le32<const N: usize>(b: &[u8; N], off: usize) -> u32 {
+pub(super) fn le32<const N: usize>(b: &[u8; N], off: usize) -> u32 {
     u32::from_le_bytes([b[off], b[off + 1], b[off + 2], b[off + 3]])
 }
 
-fn le64<const N: usize>(b: &[u8; N], off: usize) -> u64 {
+pub(super) fn le64<const N: usize>(b: &[u8; N], off: usize) -> u64 {
     let mut v = [0u8; 8];
     v.copy_from_slice(&b[off..off + 8]);
     u64::from_le_bytes(v)
@@ -303,48 +294,120 @@ fn read_header(image: &[u8]) -> Result<Header> {
 // ---------------------------------------------------------------------------
 // Inodes.
 
-/// One inode of the image, decoded.
-struct Node<'a> {
-    nid: u64,
-    /// The inode as the tree will hold it (conventions already undone).
-    inode: Inode,
+/// One inode of the image, decoded (the inode itself, as the tree will
+/// hold it, is in [`Reader::inodes`] when kept).
+pub(super) struct Node<'a> {
+    pub(super) nid: u64,
     /// Its type in the image (a whiteout is a regular file there).
-    kind: FileType,
+    pub(super) kind: FileType,
     /// One of the builder's root whiteouts: not part of the tree.
-    skip: bool,
+    pub(super) skip: bool,
+    /// A whiteout (conventions undone).
+    pub(super) whiteout: bool,
+    /// Carries the builder's `whiteouts` marker (once unescaped).
+    pub(super) marked: bool,
     /// A directory that some entry (or the superblock) already leads to.
     dir_reached: bool,
     /// A directory's data, block by block (tail last), until it is walked.
-    dir_blocks: Vec<&'a [u8]>,
+    pub(super) dir_blocks: Vec<&'a [u8]>,
 }
 
 /// A directory's entries, in the image's (name) order, without `.`/`..`.
-struct Listing<'a> {
-    dir: usize,
-    entries: Vec<(&'a [u8], usize)>,
+pub(super) struct Listing<'a> {
+    pub(super) dir: usize,
+    pub(super) entries: Vec<(&'a [u8], usize)>,
 }
 
-struct Reader<'a> {
-    data: &'a [u8],
+pub(super) struct Reader<'a> {
+    pub(super) data: &'a [u8],
     meta_start: u64,
     xattr_start: u64,
     build_time: Timespec,
     xattr_filter: bool,
     budget: u64,
     limit: u64,
-    nodes: Vec<Node<'a>>,
+    pub(super) nodes: Vec<Node<'a>>,
     by_nid: HashMap<u64, usize>,
+    /// The decoded inodes, by node (None: only checked, not kept).
+    pub(super) inodes: Option<Vec<Inode>>,
+    /// Some node (not skipped) has a security.selinux label.
+    pub(super) selinux: bool,
+    /// Contents of more than a block, by node, when the inodes are not
+    /// kept (their blocks and inline tail are apart in the image).
+    pub(super) long_contents: Vec<(usize, Vec<u8>)>,
+    /// Every xattr name of the tree, when the inodes are not kept.
+    pub(super) keys: HashSet<Box<[u8]>>,
+}
+
+/// An inode's fixed fields, as stored (see [`Reader::head`]).
+pub(super) struct Head {
+    pub(super) off: u64,
+    pub(super) extended: bool,
+    pub(super) layout: u16,
+    pub(super) mode: u32,
+    pub(super) kind: FileType,
+    pub(super) nlink: u32,
+    pub(super) uid: u32,
+    pub(super) gid: u32,
+    pub(super) size: u64,
+    pub(super) mtime: Timespec,
+    /// raw_blkaddr, rdev or chunk format.
+    pub(super) i_u: u32,
+    pub(super) xattr_off: u64,
+    pub(super) xattr_size: u64,
+    pub(super) inline_off: u64,
+}
+
+impl Head {
+    /// The size the tree gives a device, fifo or socket stored as an
+    /// extended inode for no reason but a size (see `read_inode`).
+    pub(super) fn tree_size(&self, build_time: Timespec) -> u64 {
+        let special = !matches!(self.kind, FileType::Regular | FileType::Directory | FileType::Symlink);
+        let fits_compact = self.mtime == build_time
+            && self.nlink <= u32::from(u16::MAX)
+            && self.uid <= u32::from(u16::MAX)
+            && self.gid <= u32::from(u16::MAX);
+        if special && self.extended && self.size == 0 && fits_compact {
+            1 << 32
+        } else {
+            self.size
+        }
+    }
 }
 
 /// An xattr as stored: name index, name suffix, value, and where.
-struct RawXattr<'a> {
-    index: u8,
-    suffix: &'a [u8],
-    value: &'a [u8],
+pub(super) struct RawXattr<'a> {
+    pub(super) index: u8,
+    pub(super) suffix: &'a [u8],
+    pub(super) value: &'a [u8],
     off: u64,
 }
 
 impl<'a> Reader<'a> {
+    /// A reader of `image` (whose header and superblock `info` says),
+    /// keeping the inodes it decodes or only checking them.
+    pub(super) fn new(image: &'a [u8], info: &ImageInfo, budget: u64, keep: bool) -> Reader<'a> {
+        Reader {
+            data: image,
+            meta_start: u64::from(info.meta_blkaddr) * BLOCK_SIZE,
+            xattr_start: u64::from(info.xattr_blkaddr) * BLOCK_SIZE,
+            build_time: info.build_time,
+            xattr_filter: info.feature_compat & FEATURE_COMPAT_XATTR_FILTER != 0,
+            budget,
+            limit: budget,
+            nodes: Vec::new(),
+            by_nid: HashMap::new(),
+            inodes: keep.then(Vec::new),
+            selinux: false,
+            long_contents: Vec::new(),
+            keys: HashSet::new(),
+        }
+    }
+
+    pub(super) fn build_time(&self) -> Timespec {
+        self.build_time
+    }
+
     fn spend(&mut self, cost: u64) -> Result<()> {
         match self.budget.checked_sub(cost) {
             Some(left) => {
@@ -361,7 +424,7 @@ impl<'a> Reader<'a> {
 
     /// Walks the directories breadth-first from the root, decoding every
     /// inode reached. Returns the listings in walk order (root first).
-    fn walk(&mut self, root_nid: u64) -> Result<Vec<Listing<'a>>> {
+    pub(super) fn walk(&mut self, root_nid: u64) -> Result<Vec<Listing<'a>>> {
         let root = self.node(root_nid)?;
         let kind = self.nodes[root].kind;
         check(kind == FileType::Directory, || {
@@ -438,14 +501,29 @@ impl<'a> Reader<'a> {
         if self.nodes.len() >= u32::MAX as usize {
             return Err(ImageError::TooLarge("more inodes than a tree holds".into()));
         }
-        let node = self.read_inode(nid)?;
+        let (node, inode) = self.read_inode(nid)?;
+        match &mut self.inodes {
+            Some(v) => v.push(inode),
+            None => {
+                self.selinux |= !node.skip && inode.xattr(b"security.selinux").is_some();
+                for x in inode.xattrs {
+                    if !self.keys.contains(&x.key[..]) {
+                        self.keys.insert(x.key.into_boxed_slice());
+                    }
+                }
+                if let Some(c) = inode.content.filter(|c| c.len() as u64 > BLOCK_SIZE) {
+                    self.long_contents.push((self.nodes.len(), c));
+                }
+            }
+        }
         let i = self.nodes.len();
         self.nodes.push(node);
         self.by_nid.insert(nid, i);
         Ok(i)
     }
 
-    fn read_inode(&mut self, nid: u64) -> Result<Node<'a>> {
+    /// The fixed fields of inode `nid`, checked.
+    pub(super) fn head(&self, nid: u64) -> Result<Head> {
         let data = self.data;
         let off = nid
             .checked_mul(1 << SLOT_BITS)
@@ -474,47 +552,74 @@ impl<'a> Reader<'a> {
         let xattr_icount = le16(c, ino::XATTR_ICOUNT);
         let mode = u32::from(le16(c, ino::MODE));
         let i_u = le32(c, ino::U);
-        let mut inode = Inode::new(mode);
-        let size;
-        let isize;
+        let (size, nlink, uid, gid, mtime, isize);
         if extended {
             let e: &[u8; INODE_EXTENDED_SIZE] =
                 array(data, off).ok_or_else(|| ImageError::Corrupt(format!("{}: truncated extended inode", at())))?;
             size = le64(e, ino::SIZE);
-            inode.nlink = le32(e, ino::E_NLINK);
-            inode.uid = le32(e, ino::UID);
-            inode.gid = le32(e, ino::E_GID);
-            inode.mtime = Timespec {
+            nlink = le32(e, ino::E_NLINK);
+            uid = le32(e, ino::UID);
+            gid = le32(e, ino::E_GID);
+            mtime = Timespec {
                 sec: le64(e, ino::E_MTIME) as i64,
                 nsec: le32(e, ino::E_MTIME_NSEC),
             };
             isize = INODE_EXTENDED_SIZE as u64;
         } else {
             size = u64::from(le32(c, ino::SIZE));
-            inode.nlink = u32::from(le16(c, ino::C_NLINK));
-            inode.uid = u32::from(le16(c, ino::UID));
-            inode.gid = u32::from(le16(c, ino::C_GID));
-            inode.mtime = self.build_time;
+            nlink = u32::from(le16(c, ino::C_NLINK));
+            uid = u32::from(le16(c, ino::UID));
+            gid = u32::from(le16(c, ino::C_GID));
+            mtime = self.build_time;
             isize = INODE_COMPACT_SIZE as u64;
         }
-        inode.size = size;
         let kind = FileType::from_mode(mode)
             .ok_or_else(|| ImageError::Corrupt(format!("{}: unknown file type in mode {mode:o}", at())))?;
-
         let xattr_size = if xattr_icount == 0 {
             0
         } else {
             XATTR_IBODY_HEADER_SIZE as u64 + 4 * (u64::from(xattr_icount) - 1)
         };
         let xattr_off = off + isize;
-        let inline_off = xattr_off + xattr_size;
-        let raw = self.read_xattrs(nid, xattr_off, xattr_size)?;
+        Ok(Head {
+            off,
+            extended,
+            layout,
+            mode,
+            kind,
+            nlink,
+            uid,
+            gid,
+            size,
+            mtime,
+            i_u,
+            xattr_off,
+            xattr_size,
+            inline_off: xattr_off + xattr_size,
+        })
+    }
+
+    /// Inode `nid`, decoded and checked, with the conventions undone.
+    pub(super) fn read_inode(&mut self, nid: u64) -> Result<(Node<'a>, Inode)> {
+        let data = self.data;
+        let h = self.head(nid)?;
+        let off = h.off;
+        let at = || format!("nid {nid} (offset {off})");
+        let (layout, size, i_u, kind, inline_off) = (h.layout, h.size, h.i_u, h.kind, h.inline_off);
+        let mut inode = Inode::new(h.mode);
+        inode.nlink = h.nlink;
+        inode.uid = h.uid;
+        inode.gid = h.gid;
+        inode.mtime = h.mtime;
+        inode.size = h.tree_size(self.build_time);
+        let raw = self.read_xattrs(nid, h.xattr_off, h.xattr_size)?;
 
         let mut node = Node {
             nid,
-            inode,
             kind,
             skip: false,
+            whiteout: false,
+            marked: false,
             dir_reached: false,
             dir_blocks: Vec::new(),
         };
@@ -547,7 +652,7 @@ impl<'a> Reader<'a> {
                     format!("{}: symlink target contains a NUL byte", at())
                 })?;
                 self.spend(target.len() as u64)?;
-                node.inode.payload = Some(target);
+                inode.payload = Some(target);
             }
             FileType::Regular if size == 0 => {}
             FileType::Regular if layout == LAYOUT_CHUNK_BASED => {
@@ -564,33 +669,22 @@ impl<'a> Reader<'a> {
                 })?;
                 let (blocks, tail) = flat()?;
                 self.spend(size)?;
-                node.inode.content = Some([blocks, tail].concat());
+                inode.content = Some([blocks, tail].concat());
             }
-            FileType::CharDevice | FileType::BlockDevice => node.inode.rdev = i_u,
+            FileType::CharDevice | FileType::BlockDevice => inode.rdev = i_u,
             FileType::Fifo | FileType::Socket => {}
         }
-        // The builder stores no size for devices, fifos and sockets, but
-        // (as the reference does) makes the inode extended when the
-        // source's size does not fit in 32 bits. An extended one with no
-        // other reason to be had such a size: give it the smallest, so that
-        // building the tree gives back this inode.
-        let special = !matches!(kind, FileType::Regular | FileType::Directory | FileType::Symlink);
-        let fits_compact = node.inode.mtime == self.build_time
-            && node.inode.nlink <= u32::from(u16::MAX)
-            && node.inode.uid <= u32::from(u16::MAX)
-            && node.inode.gid <= u32::from(u16::MAX);
-        if special && extended && size == 0 && fits_compact {
-            node.inode.size = 1 << 32;
-        }
-        self.apply_xattrs(&mut node, raw)?;
+        self.apply_xattrs(&node, &mut inode, raw)?;
         // The builder's root whiteouts: the only character devices 0/0 an
         // image holds (whiteouts from the source become regular files).
-        node.skip = kind == FileType::CharDevice && node.inode.rdev == 0;
-        Ok(node)
+        node.skip = kind == FileType::CharDevice && inode.rdev == 0;
+        node.whiteout = inode.is_whiteout();
+        node.marked = inode.xattr(UNESCAPED_WHITEOUTS).is_some();
+        Ok((node, inode))
     }
 
     /// Decodes an inode's xattrs (inline ones, then shared ones).
-    fn read_xattrs(&mut self, nid: u64, off: u64, size: u64) -> Result<Vec<RawXattr<'a>>> {
+    pub(super) fn read_xattrs(&self, nid: u64, off: u64, size: u64) -> Result<Vec<RawXattr<'a>>> {
         let mut out = Vec::new();
         if size == 0 {
             return Ok(out);
@@ -638,7 +732,7 @@ impl<'a> Reader<'a> {
 
     /// Turns stored xattrs into the tree's, undoing the composefs overlay
     /// conventions on the way (see the module documentation).
-    fn apply_xattrs(&mut self, node: &mut Node<'a>, raw: Vec<RawXattr<'a>>) -> Result<()> {
+    fn apply_xattrs(&mut self, node: &Node<'a>, inode: &mut Inode, raw: Vec<RawXattr<'a>>) -> Result<()> {
         let nid = node.nid;
         let is_reg = node.kind == FileType::Regular;
         let mut xattrs: Vec<(Vec<u8>, &[u8])> = Vec::with_capacity(raw.len());
@@ -672,7 +766,6 @@ impl<'a> Reader<'a> {
                 show(&w[0].0)
             )));
         }
-        let inode = &mut node.inode;
         for (key, value) in xattrs {
             if key == overlay::REDIRECT {
                 if is_reg {
@@ -722,9 +815,9 @@ impl<'a> Reader<'a> {
 }
 
 // The builder's whiteout markers once unescaped (see `apply_xattrs`).
-const UNESCAPED_WHITEOUT: &[u8] = b"trusted.overlay.whiteout";
-const UNESCAPED_WHITEOUTS: &[u8] = b"trusted.overlay.whiteouts";
-const UNESCAPED_OPAQUE: &[u8] = b"trusted.overlay.opaque";
+pub(super) const UNESCAPED_WHITEOUT: &[u8] = b"trusted.overlay.whiteout";
+pub(super) const UNESCAPED_WHITEOUTS: &[u8] = b"trusted.overlay.whiteouts";
+pub(super) const UNESCAPED_OPAQUE: &[u8] = b"trusted.overlay.opaque";
 
 /// One xattr entry (header, name, value) at `pos` in `buf`; `off` is its
 /// image offset, for messages.
@@ -756,7 +849,14 @@ fn read_xattr_entry<'a>(buf: &'a [u8], pos: u64, off: u64, what: impl Fn() -> St
 
 /// The data of a flat inode: `size` bytes, in whole blocks from block
 /// `blkaddr` and (inline layout) a tail right after the inode's xattrs.
-fn flat_data(data: &[u8], nid: u64, layout: u16, size: u64, blkaddr: u32, inline_off: u64) -> Result<(&[u8], &[u8])> {
+pub(super) fn flat_data(
+    data: &[u8],
+    nid: u64,
+    layout: u16,
+    size: u64,
+    blkaddr: u32,
+    inline_off: u64,
+) -> Result<(&[u8], &[u8])> {
     let block_off = u64::from(blkaddr) * BLOCK_SIZE;
     let what = || format!("nid {nid}: data at block {blkaddr}");
     if size == 0 {
@@ -782,7 +882,7 @@ fn flat_data(data: &[u8], nid: u64, layout: u16, size: u64, blkaddr: u32, inline
 }
 
 /// The entries of one directory block: (name, nid, file type).
-fn read_dir_block(dir_nid: u64, block: &[u8]) -> Result<Vec<(&[u8], u64, u8)>> {
+pub(super) fn read_dir_block(dir_nid: u64, block: &[u8]) -> Result<Vec<(&[u8], u64, u8)>> {
     let dirent = |i: usize| -> Option<&[u8; DIRENT_SIZE]> { array(block, (i * DIRENT_SIZE) as u64) };
     let first = dirent(0).ok_or_else(|| {
         ImageError::Corrupt(format!(
@@ -871,14 +971,14 @@ fn file_type_code(t: FileType) -> u8 {
 /// placed would have given it the same nid. Only a whiteout tells such
 /// entries apart: the builder marks the directory of its primary entry, so
 /// the marked directory's entry is the primary one.
-fn choose_primaries(nodes: &[Node], dirs: &[Listing]) -> Vec<Vec<bool>> {
+pub(super) fn choose_primaries(nodes: &[Node], dirs: &[Listing]) -> Vec<Vec<bool>> {
     let mut by_nid: Vec<usize> = (0..nodes.len()).collect();
     by_nid.sort_unstable_by_key(|&i| nodes[i].nid);
     let mut placed = vec![false; nodes.len()];
     if let Some(root) = dirs.first() {
         placed[root.dir] = true;
     }
-    let marked = |d: &Listing| nodes[d.dir].inode.xattr(UNESCAPED_WHITEOUTS).is_some();
+    let marked = |d: &Listing| nodes[d.dir].marked;
     let mut next = 0;
     let mut first_entry: Vec<Option<(usize, usize)>> = vec![None; nodes.len()];
     let mut primary: Vec<Vec<bool>> = dirs.iter().map(|d| vec![false; d.entries.len()]).collect();
@@ -888,7 +988,7 @@ fn choose_primaries(nodes: &[Node], dirs: &[Listing]) -> Vec<Vec<bool>> {
         for (ei, &(_, child)) in d.entries.iter().enumerate() {
             if placed[child] {
                 if let Some((c, pdi, pei)) = last {
-                    if c == child && nodes[c].inode.is_whiteout() && marked(d) && !marked(&dirs[pdi]) {
+                    if c == child && nodes[c].whiteout && marked(d) && !marked(&dirs[pdi]) {
                         primary[pdi][pei] = false;
                         primary[di][ei] = true;
                         last = Some((c, di, ei));
@@ -917,8 +1017,28 @@ fn choose_primaries(nodes: &[Node], dirs: &[Listing]) -> Vec<Vec<bool>> {
     primary
 }
 
+/// Takes the markers the builder gives a directory holding whiteouts off
+/// it (the builder adds them again).
+pub(super) fn unmark(dir: &mut Inode, version: u32) {
+    dir.remove_xattr(UNESCAPED_WHITEOUTS);
+    dir.remove_xattr(overlay::USER_WHITEOUTS);
+    if version >= 1 {
+        for key in [UNESCAPED_OPAQUE, overlay::USER_OPAQUE] {
+            if dir.xattr(key) == Some(&b"x"[..]) {
+                dir.remove_xattr(key);
+            }
+        }
+    }
+}
+
 /// Assembles the tree: the root first, then the other inodes in nid order.
-fn build_tree(mut nodes: Vec<Node>, dirs: Vec<Listing>, primary: Vec<Vec<bool>>, version: u32) -> Tree {
+fn build_tree(
+    nodes: Vec<Node>,
+    mut all: Vec<Inode>,
+    dirs: Vec<Listing>,
+    primary: Vec<Vec<bool>>,
+    version: u32,
+) -> Tree {
     let root = dirs.first().map_or(0, |d| d.dir);
     let mut order: Vec<usize> = (0..nodes.len()).filter(|&i| i != root && !nodes[i].skip).collect();
     order.sort_unstable_by_key(|&i| nodes[i].nid);
@@ -927,7 +1047,7 @@ fn build_tree(mut nodes: Vec<Node>, dirs: Vec<Listing>, primary: Vec<Vec<bool>>,
     for (n, &i) in order.iter().enumerate() {
         id[i] = n as u32;
     }
-    let mut inodes: Vec<Inode> = order.iter().map(|&i| std::mem::take(&mut nodes[i].inode)).collect();
+    let mut inodes: Vec<Inode> = order.iter().map(|&i| std::mem::take(&mut all[i])).collect();
     for (d, prim) in dirs.into_iter().zip(primary) {
         let entries = d
             .entries
@@ -952,16 +1072,7 @@ fn build_tree(mut nodes: Vec<Node>, dirs: Vec<Listing>, primary: Vec<Vec<bool>>,
         })
         .collect();
     for i in marked {
-        let dir = &mut inodes[i];
-        dir.remove_xattr(UNESCAPED_WHITEOUTS);
-        dir.remove_xattr(overlay::USER_WHITEOUTS);
-        if version >= 1 {
-            for key in [UNESCAPED_OPAQUE, overlay::USER_OPAQUE] {
-                if dir.xattr(key) == Some(&b"x"[..]) {
-                    dir.remove_xattr(key);
-                }
-            }
-        }
+        unmark(&mut inodes[i], version);
     }
     debug_assert_eq!(ROOT, 0);
     Tree { inodes }

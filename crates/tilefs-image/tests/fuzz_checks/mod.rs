@@ -66,9 +66,15 @@ fn check_canonical_image(bytes: &[u8]) {
 /// Target `read_image`: any bytes either read or are refused; a tree that
 /// was read prints and writes (or is refused) without panicking.
 pub fn read_image(data: &[u8]) {
+    let view = erofs::ImageView::open(data.to_vec());
     let Ok((tree, info)) = erofs::read_image(data) else {
+        if let Ok(v) = view {
+            panic!("the view opens an image the reader refuses ({} inodes)", v.len());
+        }
         return;
     };
+    let view = view.unwrap_or_else(|e| panic!("the view refuses an image the reader reads: {e}"));
+    check_view(&view, &tree, &info);
     dump_text(&tree);
     let _ = erofs::write_image(&tree, &same_version(&info));
 }
@@ -107,5 +113,75 @@ pub fn parse_dump(data: &[u8]) {
     assert!(reparsed == tree, "parse(print(tree)) != tree\n{}", head(&text));
     if let Ok(image) = erofs::write_image(&tree, &WriteOptions::default()) {
         check_canonical_image(&image.bytes);
+    }
+}
+
+/// An image served from its bytes shows exactly the tree the reader
+/// gives: the same ids, attributes, inodes, entries (with hardlinks and
+/// lookups), parents and whiteout-marked directories.
+pub fn check_view(view: &erofs::ImageView, tree: &Tree, info: &ImageInfo) {
+    use tilefs_image::tree::InodeId;
+    assert_eq!(view.info(), info);
+    assert_eq!(view.len(), tree.inodes.len(), "inode count");
+    let mut parent = vec![0 as InodeId; tree.inodes.len()];
+    let mut marked = std::collections::HashSet::new();
+    for (id, inode) in tree.inodes.iter().enumerate() {
+        for e in inode.entries.iter().filter(|e| !e.hardlink) {
+            let child = &tree.inodes[e.inode as usize];
+            if child.is_dir() {
+                parent[e.inode as usize] = id as InodeId;
+            } else if child.is_whiteout() {
+                marked.insert(id as InodeId);
+            }
+        }
+    }
+    assert_eq!(view.parents(), &parent[..], "parents");
+    let selinux = tree.inodes.iter().any(|i| i.xattr(b"security.selinux").is_some());
+    assert_eq!(view.has_selinux(), selinux, "selinux");
+    for (id, want) in tree.inodes.iter().enumerate() {
+        let id = id as InodeId;
+        assert_eq!(view.is_marked(id), marked.contains(&id), "inode {id}: marked");
+        let a = view.attr(id).unwrap_or_else(|e| panic!("inode {id}: attr: {e}"));
+        let got = (a.mode, a.nlink, a.uid, a.gid, a.rdev, a.size, a.mtime);
+        let exp = (
+            want.mode, want.nlink, want.uid, want.gid, want.rdev, want.size, want.mtime,
+        );
+        assert_eq!(got, exp, "inode {id}: attributes");
+        let n = view.node(id).unwrap_or_else(|e| panic!("inode {id}: node: {e}"));
+        assert_eq!(n.attr, a, "inode {id}: node attributes");
+        assert_eq!(n.payload, want.payload.as_deref(), "inode {id}: payload");
+        assert_eq!(n.content, want.content.as_deref(), "inode {id}: content");
+        assert_eq!(n.digest, want.digest, "inode {id}: digest");
+        let xattrs = view.xattrs(id).unwrap_or_else(|e| panic!("inode {id}: xattrs: {e}"));
+        let exp: Vec<(&[u8], &[u8])> = want.xattrs.iter().map(|x| (&x.key[..], &x.value[..])).collect();
+        assert_eq!(xattrs, exp, "inode {id}: xattrs");
+        let mut inode = view.inode(id).unwrap_or_else(|e| panic!("inode {id}: {e}"));
+        inode.entries = want.entries.clone();
+        assert!(&inode == want, "inode {id}: {inode:?} vs {want:?}");
+        if !want.is_dir() {
+            assert!(view.dir(id).is_err(), "inode {id}: a directory view of a non-directory");
+            continue;
+        }
+        let dir = view.dir(id).unwrap_or_else(|e| panic!("inode {id}: dir: {e}"));
+        let got: Vec<(Vec<u8>, InodeId, bool)> =
+            dir.entries().map(|e| (e.name.to_vec(), e.inode, e.hardlink)).collect();
+        let exp: Vec<(Vec<u8>, InodeId, bool)> = want
+            .entries
+            .iter()
+            .map(|e| (e.name.clone(), e.inode, e.hardlink))
+            .collect();
+        assert_eq!(got, exp, "inode {id}: entries");
+        for e in &want.entries {
+            let found = dir.entry(&e.name).map(|f| (f.inode, f.hardlink));
+            assert_eq!(found, Some((e.inode, e.hardlink)), "inode {id}: lookup of {:?}", e.name);
+            let mut other = e.name.clone();
+            other.push(0xff);
+            if want.entry(&other).is_none() {
+                assert!(dir.entry(&other).is_none(), "inode {id}: lookup of a missing name");
+            }
+        }
+        for missing in [&b"."[..], b"..", b"", b"\x00"] {
+            assert_eq!(dir.entry(missing).is_some(), want.entry(missing).is_some());
+        }
     }
 }
