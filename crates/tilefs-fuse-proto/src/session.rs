@@ -410,6 +410,7 @@ impl<F: Filesystem> Session<F> {
             q.join();
         }
         self.fs.destroy();
+        stats::report(&*self.log);
         result.map(|()| transport)
     }
 }
@@ -441,6 +442,7 @@ pub(crate) fn dispatch<F: Filesystem>(
     rest: &[u8],
     sink: &mut dyn Sink,
 ) -> bool {
+    let _timer = stats::Timer::start(h.opcode);
     match h.opcode {
         opcode::FORGET => {
             if let Ok(n) = request::forget(head) {
@@ -505,4 +507,55 @@ fn serve_dev<F: Filesystem>(
         dispatch(fs, layout, &h, head, rest, &mut sink);
     }
     Ok(())
+}
+
+/// Requests counted per opcode, with the time spent answering them, when
+/// `TILEFS_FUSE_STATS` is set in the server's environment (for profiling):
+/// written to the server's log when the session ends.
+mod stats {
+    use std::sync::atomic::{AtomicU64, Ordering};
+    use std::sync::OnceLock;
+    use std::time::Instant;
+
+    const N: usize = 64;
+    static COUNT: [AtomicU64; N] = [const { AtomicU64::new(0) }; N];
+    static NANOS: [AtomicU64; N] = [const { AtomicU64::new(0) }; N];
+
+    fn on() -> bool {
+        static ON: OnceLock<bool> = OnceLock::new();
+        *ON.get_or_init(|| std::env::var_os("TILEFS_FUSE_STATS").is_some())
+    }
+
+    pub(crate) struct Timer(Option<(usize, Instant)>);
+
+    impl Timer {
+        pub(crate) fn start(opcode: u32) -> Timer {
+            let i = (opcode as usize).min(N - 1);
+            Timer(on().then(|| (i, Instant::now())))
+        }
+    }
+
+    impl Drop for Timer {
+        fn drop(&mut self) {
+            if let Some((i, t)) = self.0 {
+                COUNT[i].fetch_add(1, Ordering::Relaxed);
+                NANOS[i].fetch_add(t.elapsed().as_nanos() as u64, Ordering::Relaxed);
+            }
+        }
+    }
+
+    pub(crate) fn report(log: &dyn Fn(&str)) {
+        if !on() {
+            return;
+        }
+        let mut line = String::from("requests (opcode: count, ms):");
+        for i in 0..N {
+            let c = COUNT[i].load(Ordering::Relaxed);
+            if c > 0 {
+                let ms = NANOS[i].load(Ordering::Relaxed) / 1_000_000;
+                line.push_str(&format!(" {i}: {c} {ms};"));
+            }
+        }
+        log(&line);
+    }
 }

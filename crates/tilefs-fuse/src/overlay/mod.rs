@@ -305,8 +305,24 @@ impl OverlayFs {
     /// The node for `name` in `parent`, found or made, with one more
     /// lookup counted.
     fn node_for(&self, parent: NodeId, name: &[u8], f: &Found) -> R<NodeId> {
+        self.node_for_as(parent, name, f, true)
+    }
+
+    /// [`Self::node_for`]; `reuse`: an upper directory's descriptor may
+    /// be taken from the node already known by that name.
+    fn node_for_as(&self, parent: NodeId, name: &[u8], f: &Found, reuse: bool) -> R<NodeId> {
+        // An upper directory known by this name already has its
+        // descriptor: the common case, no need to open it again.
+        let known_dir = reuse && matches!(&f.upper, Some(m) if m.is_dir()) && {
+            let nodes = self.nodes();
+            nodes
+                .by_name
+                .get(&(parent, Box::<[u8]>::from(name)))
+                .and_then(|id| nodes.get(*id))
+                .is_some_and(|n| n.is_dir() && n.upper && n.lower == f.lower && n.dir_fd.is_some())
+        };
         let dir_fd = match &f.upper {
-            Some(m) if m.is_dir() => {
+            Some(m) if m.is_dir() && !known_dir => {
                 let pfd = self.dir_fd(parent)?.ok_or(libc::EIO)?;
                 Some(Arc::new(self.up.open_dir_at(pfd.as_fd(), name).map_err(e)?))
             }
@@ -332,6 +348,15 @@ impl OverlayFs {
             (None, Some(l)) if self.lower.node(l).is_dir() => nodes.by_lower_dir.get(&l).copied(),
             _ => None,
         });
+        let upper_dir = matches!(&f.upper, Some(m) if m.is_dir());
+        let has_fd = existing
+            .and_then(|id| nodes.get(id))
+            .is_some_and(|n| n.dir_fd.is_some());
+        if upper_dir && dir_fd.is_none() && !has_fd {
+            // Forgotten meanwhile: open it after all.
+            drop(nodes);
+            return self.node_for_as(parent, name, f, false);
+        }
         if let Some(id) = existing {
             let n = nodes.get_mut(id).expect("indexed");
             n.refs += 1;

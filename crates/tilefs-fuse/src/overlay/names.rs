@@ -312,7 +312,10 @@ impl OverlayFs {
         }
         if found.upper.is_some() {
             // Still in use by the kernel with no other name: a descriptor
-            // keeps it reachable (fstat of an open file, say).
+            // keeps it reachable (fstat of an open file, say). It also
+            // defers freeing the inode's blocks to FORGET: measured, an
+            // unlinkat that frees them costs ~1 ms here (rm -rf of 38k
+            // files: 40 s in UNLINK instead of 3 s, plus 7 s in FORGET).
             if !dir {
                 if let (Some(c), Some(m)) = (child, &found.upper) {
                     if m.nlink <= 1 {
