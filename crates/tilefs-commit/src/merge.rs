@@ -39,11 +39,7 @@ use tilefs_image::tree::{
 use tilefs_image::verity;
 use tilefs_store::mounts::OverlayXattrs;
 
-/// Owners and modes a FUSE server without privilege could not apply (the
-/// containers/storage convention, as tilefs-fuse writes it).
-pub(crate) const OVERRIDE: &[u8] = b"user.containers.override_stat";
-/// xattrs such a server could not set, kept under this prefix.
-pub(crate) const KEPT_PREFIX: &[u8] = b"user.tilefs.x.";
+pub(crate) use tilefs_image::upper::{Override, KEPT_PREFIX, OVERRIDE};
 const ACL_XATTRS: [&[u8]; 2] = [b"system.posix_acl_access", b"system.posix_acl_default"];
 // What the mount shows on the image's whiteouts (stored as marked empty
 // regular files) and on their directories.
@@ -638,81 +634,5 @@ impl Merger<'_> {
         out.sort_by(|a, b| a.0.cmp(&b.0).then(a.2.cmp(&b.2)));
         out.dedup_by(|later, first| later.0 == first.0);
         out.into_iter().map(|(k, v, _)| (k, v)).collect()
-    }
-}
-
-/// What `user.containers.override_stat` says: `UID:GID:MODE[:TYPE]`.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) struct Override {
-    pub(crate) uid: u32,
-    pub(crate) gid: u32,
-    pub(crate) perm: u32,
-    /// For a stand-in regular file: the type (S_IFMT bits) and device.
-    pub(crate) typ: Option<(u32, u64)>,
-}
-
-impl Override {
-    pub(crate) fn parse(v: &[u8]) -> Option<Override> {
-        let s = std::str::from_utf8(v).ok()?;
-        let mut it = s.trim_end_matches('\0').split(':');
-        let uid = it.next()?.parse().ok()?;
-        let gid = it.next()?.parse().ok()?;
-        let perm = u32::from_str_radix(it.next()?, 8).ok()? & 0o7777;
-        let typ = match it.next() {
-            None | Some("file") => None,
-            Some("dir") => Some((S_IFDIR, 0)),
-            Some("symlink") => Some((S_IFLNK, 0)),
-            Some("pipe") => Some((S_IFIFO, 0)),
-            Some("socket") => Some((S_IFSOCK, 0)),
-            Some(dev) => {
-                let (kind, rest) = dev.split_once('-')?;
-                let (maj, min) = rest.split_once('-')?;
-                let rdev = rustix::fs::makedev(maj.parse().ok()?, min.parse().ok()?);
-                match kind {
-                    "block" => Some((S_IFBLK, rdev)),
-                    "char" => Some((S_IFCHR, rdev)),
-                    _ => return None,
-                }
-            }
-        };
-        Some(Override { uid, gid, perm, typ })
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn overrides_parse_as_the_server_writes_them() {
-        assert_eq!(
-            Override::parse(b"0:0:0644"),
-            Some(Override {
-                uid: 0,
-                gid: 0,
-                perm: 0o644,
-                typ: None
-            })
-        );
-        assert_eq!(
-            Override::parse(b"70000:5:4711:char-1-3"),
-            Some(Override {
-                uid: 70000,
-                gid: 5,
-                perm: 0o4711,
-                typ: Some((S_IFCHR, rustix::fs::makedev(1, 3)))
-            })
-        );
-        assert_eq!(Override::parse(b"1:2:777:symlink").unwrap().typ, Some((S_IFLNK, 0)));
-        for bad in [
-            &b""[..],
-            b"x:0:0644",
-            b"0:0",
-            b"0:0:9",
-            b"0:0:0644:char-1",
-            b"0:0:0644:tape-1-2",
-        ] {
-            assert_eq!(Override::parse(bad), None, "{}", String::from_utf8_lossy(bad));
-        }
     }
 }

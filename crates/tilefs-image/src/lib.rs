@@ -8,7 +8,10 @@
 //!   byte for byte as the reference `mkcomposefs` does, and read back with
 //!   every offset checked;
 //! - [`verity`]: fs-verity SHA-256 digests, which name objects in the store;
-//! - [`source`]: building a tree from a directory on disk.
+//! - [`source`]: building a tree from a directory on disk;
+//! - [`upper`]: what a writable mount's upper directory records beyond
+//!   overlayfs's markers (owners and types a server without privilege
+//!   could not apply).
 
 pub mod dump;
 pub mod erofs;
@@ -17,6 +20,7 @@ mod sha_x2;
 pub mod source;
 pub mod summary;
 pub mod tree;
+pub mod upper;
 pub mod verity;
 
 pub use tree::{Entry, FileType, Inode, InodeId, Timespec, Tree, TreeError, Xattr, ROOT};

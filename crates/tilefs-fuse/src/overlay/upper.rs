@@ -38,9 +38,7 @@ pub(crate) const S_IFDIR: u32 = libc::S_IFDIR;
 pub(crate) const S_IFREG: u32 = libc::S_IFREG;
 pub(crate) const S_IFLNK: u32 = libc::S_IFLNK;
 
-pub(crate) const OVERRIDE: &[u8] = b"user.containers.override_stat";
-/// Prefix of xattrs kept for names the server may not set itself.
-pub(crate) const KEPT_PREFIX: &[u8] = b"user.tilefs.x.";
+pub(crate) use tilefs_image::upper::{Override, KEPT_PREFIX, OVERRIDE};
 
 /// The xattr namespace overlayfs's markers live in.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -125,62 +123,6 @@ impl IdMap {
             .iter()
             .find(|r| id >= r.shown && id - r.shown < r.len)
             .map(|r| r.stored + (id - r.shown))
-    }
-}
-
-/// What the override xattr says.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) struct Override {
-    pub(crate) uid: u32,
-    pub(crate) gid: u32,
-    /// Permission bits (07777).
-    pub(crate) perm: u32,
-    /// The type, when the entry on disk is a regular file standing in for
-    /// another (S_IFMT bits), with its device number.
-    pub(crate) typ: Option<(u32, u64)>,
-}
-
-impl Override {
-    pub(crate) fn parse(v: &[u8]) -> Option<Override> {
-        let s = std::str::from_utf8(v).ok()?;
-        let mut it = s.trim_end_matches('\0').split(':');
-        let uid = it.next()?.parse().ok()?;
-        let gid = it.next()?.parse().ok()?;
-        let perm = u32::from_str_radix(it.next()?, 8).ok()? & 0o7777;
-        let typ = match it.next() {
-            None | Some("file") => None,
-            Some("dir") => Some((S_IFDIR, 0)),
-            Some("symlink") => Some((S_IFLNK, 0)),
-            Some("pipe") => Some((libc::S_IFIFO, 0)),
-            Some("socket") => Some((libc::S_IFSOCK, 0)),
-            Some(dev) => {
-                let (kind, rest) = dev.split_once('-')?;
-                let (maj, min) = rest.split_once('-')?;
-                let rdev = rustix::fs::makedev(maj.parse().ok()?, min.parse().ok()?);
-                match kind {
-                    "block" => Some((libc::S_IFBLK, rdev)),
-                    "char" => Some((libc::S_IFCHR, rdev)),
-                    _ => return None,
-                }
-            }
-        };
-        Some(Override { uid, gid, perm, typ })
-    }
-
-    pub(crate) fn format(&self) -> String {
-        let typ = match self.typ {
-            None => String::new(),
-            Some((t, rdev)) => match t {
-                S_IFDIR => ":dir".into(),
-                S_IFLNK => ":symlink".into(),
-                libc::S_IFIFO => ":pipe".into(),
-                libc::S_IFSOCK => ":socket".into(),
-                libc::S_IFBLK => format!(":block-{}-{}", rustix::fs::major(rdev), rustix::fs::minor(rdev)),
-                libc::S_IFCHR => format!(":char-{}-{}", rustix::fs::major(rdev), rustix::fs::minor(rdev)),
-                _ => String::new(),
-            },
-        };
-        format!("{}:{}:{:04o}{typ}", self.uid, self.gid, self.perm)
     }
 }
 
@@ -854,43 +796,6 @@ pub(crate) fn shown(name: &[u8]) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn override_round_trips() {
-        for o in [
-            Override {
-                uid: 0,
-                gid: 0,
-                perm: 0o755,
-                typ: None,
-            },
-            Override {
-                uid: 70000,
-                gid: 5,
-                perm: 0o4711,
-                typ: Some((libc::S_IFCHR, rustix::fs::makedev(1, 3))),
-            },
-            Override {
-                uid: 1,
-                gid: 2,
-                perm: 0o777,
-                typ: Some((S_IFLNK, 0)),
-            },
-        ] {
-            assert_eq!(Override::parse(o.format().as_bytes()), Some(o), "{}", o.format());
-        }
-        assert_eq!(Override::parse(b"0:0:0644").unwrap().perm, 0o644);
-        for bad in [
-            &b""[..],
-            b"x:0:0644",
-            b"0:0",
-            b"0:0:9",
-            b"0:0:0644:char-1",
-            b"0:0:0644:tape-1-2",
-        ] {
-            assert_eq!(Override::parse(bad), None, "{}", String::from_utf8_lossy(bad));
-        }
-    }
 
     #[test]
     fn id_maps() {
