@@ -518,12 +518,19 @@ impl Upper {
             Mode::from_raw_mode(0o600),
         )
         .map_err(|e| format!("{}/{name}/lock: {e}", work.display()))?;
-        rustix::fs::flock(&lock, rustix::fs::FlockOperation::NonBlockingLockExclusive).map_err(|_| {
-            format!(
-                "the work directory {} is in use by another writable mount: an upper directory serves one mount at a time",
-                work.display()
-            )
-        })?;
+        // The server of the previous mount of these directories may still
+        // be on its way out: `tilefs umount` cannot wait for a server
+        // without a runtime directory (see server_lock).
+        let end = std::time::Instant::now() + std::time::Duration::from_secs(5);
+        while rustix::fs::flock(&lock, rustix::fs::FlockOperation::NonBlockingLockExclusive).is_err() {
+            if std::time::Instant::now() >= end {
+                return Err(format!(
+                    "the work directory {} is in use by another writable mount: an upper directory serves one mount at a time",
+                    work.display()
+                ));
+            }
+            std::thread::sleep(std::time::Duration::from_millis(10));
+        }
         clear_dir(ours.as_fd(), &[b"lock"]).map_err(|e| format!("{}/{name}: cannot clear it: {e}", work.display()))?;
         let work = rustix::fs::openat(
             &ours,
