@@ -63,6 +63,11 @@ impl Meta {
     pub fn is_reg(&self) -> bool {
         self.mode & S_IFMT == S_IFREG
     }
+
+    /// An overlay whiteout: a character device 0/0.
+    pub fn is_whiteout(&self) -> bool {
+        self.mode & S_IFMT == crate::tree::S_IFCHR && self.rdev == 0
+    }
 }
 
 /// One inode's record.

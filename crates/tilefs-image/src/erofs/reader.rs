@@ -1031,14 +1031,10 @@ pub(super) fn unmark(dir: &mut Inode, version: u32) {
     }
 }
 
-/// Assembles the tree: the root first, then the other inodes in nid order.
-fn build_tree(
-    nodes: Vec<Node>,
-    mut all: Vec<Inode>,
-    dirs: Vec<Listing>,
-    primary: Vec<Vec<bool>>,
-    version: u32,
-) -> Tree {
+/// The tree's order of the nodes walked: the root first, then the others
+/// by nid. Returns the nodes in that order and each node's id (u32::MAX
+/// for skipped ones).
+pub(super) fn tree_order(nodes: &[Node], dirs: &[Listing]) -> (Vec<usize>, Vec<u32>) {
     let root = dirs.first().map_or(0, |d| d.dir);
     let mut order: Vec<usize> = (0..nodes.len()).filter(|&i| i != root && !nodes[i].skip).collect();
     order.sort_unstable_by_key(|&i| nodes[i].nid);
@@ -1047,6 +1043,18 @@ fn build_tree(
     for (n, &i) in order.iter().enumerate() {
         id[i] = n as u32;
     }
+    (order, id)
+}
+
+/// Assembles the tree: the root first, then the other inodes in nid order.
+fn build_tree(
+    nodes: Vec<Node>,
+    mut all: Vec<Inode>,
+    dirs: Vec<Listing>,
+    primary: Vec<Vec<bool>>,
+    version: u32,
+) -> Tree {
+    let (order, id) = tree_order(&nodes, &dirs);
     let mut inodes: Vec<Inode> = order.iter().map(|&i| std::mem::take(&mut all[i])).collect();
     for (d, prim) in dirs.into_iter().zip(primary) {
         let entries = d

@@ -17,10 +17,11 @@
 
 use super::format::{overlay, BLOCK_SIZE, DIRENT_SIZE, LAYOUT_CHUNK_BASED, XATTR_PREFIXES};
 use super::reader::{
-    choose_primaries, decode_budget, flat_data, get, le16, le64, read_info, unmark, ImageError, ImageInfo, Reader,
-    UNESCAPED_OPAQUE, UNESCAPED_WHITEOUT, UNESCAPED_WHITEOUTS,
+    choose_primaries, decode_budget, flat_data, get, le16, le64, read_info, tree_order, unmark, ImageError, ImageInfo,
+    Reader, UNESCAPED_OPAQUE, UNESCAPED_WHITEOUT, UNESCAPED_WHITEOUTS,
 };
-use crate::tree::{FileType, Inode, InodeId, Timespec, ROOT, S_IFCHR, S_IFMT};
+pub use crate::flat::Meta;
+use crate::tree::{FileType, Inode, InodeId, ROOT, S_IFCHR, S_IFMT};
 use std::collections::{HashMap, HashSet};
 
 type Result<T> = std::result::Result<T, ImageError>;
@@ -84,35 +85,13 @@ pub struct ImageView {
 /// tree has them (borrowed from the image).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Node<'a> {
-    pub attr: Attr,
+    pub attr: Meta,
     /// Symlink target, or the path of a regular file's object.
     pub payload: Option<&'a [u8]>,
     /// Inline contents of a small regular file.
     pub content: Option<&'a [u8]>,
     /// fs-verity digest of a regular file's contents.
     pub digest: Option<[u8; 32]>,
-}
-
-/// The attributes of an inode, as the tree holds them.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Attr {
-    pub mode: u32,
-    pub nlink: u32,
-    pub uid: u32,
-    pub gid: u32,
-    pub rdev: u32,
-    pub size: u64,
-    pub mtime: Timespec,
-}
-
-impl Attr {
-    pub fn is_dir(&self) -> bool {
-        self.mode & S_IFMT == crate::tree::S_IFDIR
-    }
-
-    pub fn is_whiteout(&self) -> bool {
-        self.mode & S_IFMT == S_IFCHR && self.rdev == 0
-    }
 }
 
 /// One entry of a directory.
@@ -305,15 +284,7 @@ impl ImageView {
         let dirs = r.walk(info.root_nid)?;
         let primary = choose_primaries(&r.nodes, &dirs);
         let nodes = &r.nodes;
-        // The tree's order: the root, then the others by nid.
-        let root = dirs.first().map_or(0, |d| d.dir);
-        let mut order: Vec<usize> = (0..nodes.len()).filter(|&i| i != root && !nodes[i].skip).collect();
-        order.sort_unstable_by_key(|&i| nodes[i].nid);
-        order.insert(0, root);
-        let mut id = vec![u32::MAX; nodes.len()];
-        for (n, &i) in order.iter().enumerate() {
-            id[i] = n as u32;
-        }
+        let (order, id) = tree_order(nodes, &dirs);
         let nids: Vec<u64> = order.iter().map(|&i| nodes[i].nid).collect();
         let rank = NidRank::new(&nids[1..]);
         let mut parent = vec![ROOT; nids.len()];
@@ -428,11 +399,11 @@ impl ImageView {
     }
 
     /// The attributes of inode `id`, without decoding more than needed.
-    pub fn attr(&self, id: InodeId) -> Result<Attr> {
+    pub fn attr(&self, id: InodeId) -> Result<Meta> {
         let r = self.reader();
         let nid = self.nid(id)?;
         let h = r.head(nid)?;
-        let mut a = Attr {
+        let mut a = Meta {
             mode: h.mode,
             nlink: h.nlink,
             uid: h.uid,
