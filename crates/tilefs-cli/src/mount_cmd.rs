@@ -53,7 +53,8 @@ pub struct MountArgs {
     #[arg(long, value_name = "FILE")]
     pub log: Option<PathBuf>,
     /// FUSE: serve every read from the server, even as root where the kernel could read objects
-    /// itself (passthrough): opening a file then never leaves the kernel, large reads cost more
+    /// itself (passthrough): opening a file then never leaves the kernel, large reads cost more.
+    /// Writable mounts: upper files are then written through the server with writeback caching
     #[arg(long, conflicts_with = "kernel")]
     pub no_passthrough: bool,
     /// FUSE: read requests from /dev/fuse even where the kernel offers FUSE over io_uring

@@ -1040,6 +1040,66 @@ fn copy_up_keeps_metadata_and_inode_numbers() {
     umount(fuse);
 }
 
+/// Files kept open across a copy-up, with passthrough of upper files (as
+/// root) and without: a reader opened before the copy-up keeps working, a
+/// writer opened while it is open writes the upper file, and later opens,
+/// mmap writes, appends and truncation see the upper data. The kernel
+/// wants every open of a file in one I/O mode; a wrong choice would fail
+/// the open with EIO.
+#[test]
+fn files_open_across_a_copy_up_keep_working() {
+    need_root!();
+    let s = setup(false);
+    for (name, extra) in [("pt", &[][..]), ("nopt", &["--no-passthrough"][..])] {
+        let (fm, fu, fw) = dirs(&s, name);
+        let m = mount_rw("fuse", &s.store, &s.image, (&fm, &fu, &fw), extra);
+        let p = fm.join("pub/own/f1");
+        let lower = fs::read(s.src.join("pub/own/f1")).unwrap();
+        let reader = fs::File::open(&p).unwrap();
+        let mut head = vec![0u8; 4];
+        rustix::io::pread(&reader, &mut head, 0).unwrap();
+        assert_eq!(head, lower[..4], "{name}");
+        {
+            let w = fs::OpenOptions::new().write(true).open(&p).unwrap();
+            rustix::io::pwrite(&w, b"WXYZ", 0).unwrap();
+        }
+        assert!(fu.join("pub/own/f1").exists(), "{name}: not copied up");
+        drop(reader);
+        let mut want = lower.clone();
+        want[..4].copy_from_slice(b"WXYZ");
+        assert_eq!(fs::read(&p).unwrap(), want, "{name}");
+        // Written through a shared mapping while a reader is open.
+        let f = fs::OpenOptions::new().read(true).write(true).open(&p).unwrap();
+        let reader = fs::File::open(&p).unwrap();
+        let len = f.metadata().unwrap().len() as usize;
+        // SAFETY: the mapping is ours alone while it lives (nothing else
+        // truncates the file meanwhile).
+        let mut map = unsafe { memmap2::MmapMut::map_mut(&f) }.unwrap();
+        map[..4].copy_from_slice(b"mmap");
+        map.flush().unwrap();
+        drop(map);
+        rustix::io::pread(&reader, &mut head, 0).unwrap();
+        assert_eq!(&head, b"mmap", "{name}: a reader open during the mmap write");
+        drop((f, reader));
+        // Append and truncate, then the sizes the kernel reports.
+        let mut a = fs::OpenOptions::new().append(true).open(&p).unwrap();
+        std::io::Write::write_all(&mut a, b"tail").unwrap();
+        drop(a);
+        assert_eq!(fs::metadata(&p).unwrap().len() as usize, len + 4, "{name}");
+        let t = fs::OpenOptions::new().write(true).open(&p).unwrap();
+        t.set_len(3).unwrap();
+        drop(t);
+        assert_eq!(fs::metadata(&p).unwrap().len(), 3, "{name}");
+        assert_eq!(fs::read(&p).unwrap(), b"mma", "{name}");
+        assert_eq!(
+            fs::read(fu.join("pub/own/f1")).unwrap(),
+            b"mma",
+            "{name}: the upper file"
+        );
+        umount(m);
+    }
+}
+
 /// A tmpfs of `size` at `path`, unmounted when dropped.
 struct Tmpfs(PathBuf);
 

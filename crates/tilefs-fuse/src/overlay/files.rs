@@ -167,6 +167,17 @@ impl OverlayFs {
         Ok(self.attr_of_meta(&m, ino, false))
     }
 
+    /// Clears setuid, and setgid where group execute is set, as the kernel
+    /// does on write, truncate and chown of a non-directory (we handle
+    /// that: FUSE_HANDLE_KILLPRIV_V2).
+    pub(crate) fn kill_suidgid(&self, id: NodeId) -> R<()> {
+        let a = abi::SetattrIn {
+            valid: fattr::KILL_SUIDGID,
+            ..abi::SetattrIn::default()
+        };
+        self.setattr(id, &a, None).map(|_| ())
+    }
+
     /// Changes attributes (SETATTR); `fd`: the open upper file it names.
     pub(crate) fn setattr(&self, id: NodeId, a: &abi::SetattrIn, fd: Option<&OwnedFd>) -> R<abi::Attr> {
         let _changing = self.changing.lock().unwrap_or_else(|e| e.into_inner());
@@ -197,7 +208,7 @@ impl OverlayFs {
                 }
             }
         }
-        if v & (fattr::MODE | fattr::UID | fattr::GID) != 0 {
+        if v & (fattr::MODE | fattr::UID | fattr::GID | fattr::KILL_SUIDGID) != 0 {
             let m = self.upper_meta(id)?;
             let uid = if v & fattr::UID != 0 {
                 self.up.uids.store(a.uid).ok_or(libc::EINVAL)?
@@ -209,19 +220,30 @@ impl OverlayFs {
             } else {
                 m.gid
             };
-            let mode = if v & fattr::MODE != 0 {
+            let mut mode = if v & fattr::MODE != 0 {
                 (m.mode & S_IFMT) | (a.mode & 0o7777)
             } else {
                 m.mode
             };
-            let stand_in = (m.disk_mode & S_IFMT == S_IFREG && m.mode & S_IFMT != S_IFREG).then_some(m.rdev);
-            match self.up.set_owner_mode(target(&loc), uid, gid, mode, stand_in, false) {
-                Err(Errno::PERM) if !self.up.powers.privileged && stand_in.is_none() => {
-                    // A symlink or special file given to someone else: it
-                    // becomes a stand-in that can record its owner.
-                    self.make_stand_in(&loc, &m, uid, gid, mode)?;
+            if v & fattr::KILL_SUIDGID != 0 && mode & S_IFMT != S_IFDIR {
+                // Setuid always; setgid only with group execute (without
+                // it, the bit means mandatory locking, not privilege).
+                mode &= !0o4000;
+                if mode & 0o2010 == 0o2010 {
+                    mode &= !0o2000;
                 }
-                r => r.map_err(e)?,
+            }
+            let stand_in = (m.disk_mode & S_IFMT == S_IFREG && m.mode & S_IFMT != S_IFREG).then_some(m.rdev);
+            // A kill that finds nothing to clear changes nothing.
+            if v & (fattr::MODE | fattr::UID | fattr::GID) != 0 || mode != m.mode {
+                match self.up.set_owner_mode(target(&loc), uid, gid, mode, stand_in, false) {
+                    Err(Errno::PERM) if !self.up.powers.privileged && stand_in.is_none() => {
+                        // A symlink or special file given to someone else:
+                        // it becomes a stand-in that can record its owner.
+                        self.make_stand_in(&loc, &m, uid, gid, mode)?;
+                    }
+                    r => r.map_err(e)?,
+                }
             }
         }
         if v & (fattr::ATIME | fattr::MTIME | fattr::ATIME_NOW | fattr::MTIME_NOW) != 0 {

@@ -18,6 +18,7 @@
 //!   and a file copied up (its inode number or link count may change).
 
 mod files;
+mod io_mode;
 mod names;
 mod nodes;
 mod serve;
@@ -102,6 +103,9 @@ pub(crate) struct OverlayFs {
     tune: Tuning,
     /// The kernel caches writes (FUSE_WRITEBACK_CACHE).
     writeback: AtomicBool,
+    /// We clear setuid/setgid (FUSE_HANDLE_KILLPRIV_V2).
+    killpriv: AtomicBool,
+    io: io_mode::IoModes,
 }
 
 /// A location in the upper directory: an entry of a directory, or a file
@@ -160,6 +164,8 @@ impl OverlayFs {
             conn: OnceLock::new(),
             tune,
             writeback: AtomicBool::new(false),
+            killpriv: AtomicBool::new(false),
+            io: io_mode::IoModes::new(),
         })
     }
 

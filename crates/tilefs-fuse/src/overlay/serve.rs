@@ -1,5 +1,6 @@
 //! The FUSE side of the writable mount: INIT and each request.
 
+use super::io_mode::IoMode;
 use super::names::NewEntry;
 use super::upper::{S_IFDIR, S_IFMT, S_IFREG};
 use super::{e, Handle, OverlayFs, R};
@@ -11,7 +12,7 @@ use std::os::fd::AsFd;
 use std::os::unix::ffi::OsStrExt;
 use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex};
-use tilefs_fuse_proto::abi::{fattr, fopen, init};
+use tilefs_fuse_proto::abi::{self, fattr, fopen, init};
 use tilefs_fuse_proto::{Connection, DirBuf, Entry, Filesystem, InitConfig, KernelInit, Op, Open, Reply, Request};
 
 impl OverlayFs {
@@ -47,8 +48,27 @@ impl OverlayFs {
         }
     }
 
-    fn open_flags(&self) -> u32 {
-        fopen::KEEP_CACHE
+    /// Registers open handle `h` of node `id` and tells how the kernel is
+    /// to do its I/O (see [`super::io_mode`]).
+    fn opened(&self, id: u64, h: Handle) -> Open {
+        let fh = self.next_fh.fetch_add(1, Ordering::Relaxed);
+        let upper = match &h {
+            Handle::Upper(f) => Some(f.as_fd()),
+            _ => None,
+        };
+        let log = |m: &str| self.log().log(m);
+        let (flags, backing_id) = match self.io.open(self.conn.get().map(|c| &**c), id, fh, upper, &log) {
+            IoMode::Passthrough(b) => (fopen::PASSTHROUGH, b),
+            // Pages of an upper file cached before it was written through
+            // passthrough would be stale: only image files keep theirs.
+            IoMode::Cached if upper.is_some() && self.io.passthrough() => (0, 0),
+            IoMode::Cached => (fopen::KEEP_CACHE, 0),
+        };
+        self.handles
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .insert(fh, Arc::new(h));
+        Open { fh, flags, backing_id }
     }
 
     fn readdir(&self, id: u64, fh: u64, offset: u64, size: u32, plus: bool, reply: Reply<'_>) {
@@ -149,15 +169,33 @@ impl Filesystem for OverlayFs {
             | init::ATOMIC_O_TRUNC
             | init::DO_READDIRPLUS
             | init::CACHE_SYMLINKS
-            | init::MAX_PAGES;
-        if self.tune.writeback_cache {
+            | init::MAX_PAGES
+            // We clear setuid/setgid on write, truncate and chown, as the
+            // kernel would: it then marks the superblock SB_NOSEC and stops
+            // asking for security.capability before every write(2), and
+            // chown no longer needs a GETATTR first.
+            | init::HANDLE_KILLPRIV_V2;
+        // As root, upper files are read and written by the kernel itself
+        // (passthrough); it refuses that together with writeback caching,
+        // which costs a GETATTR after every close(2) besides (it drops the
+        // cached block count).
+        let may = self.up.powers.privileged
+            && rustix::thread::capabilities(None)
+                .is_ok_and(|c| c.effective.contains(rustix::thread::CapabilitySet::SYS_ADMIN));
+        let passthrough = self.tune.passthrough && may && kernel.offers(init::PASSTHROUGH);
+        self.io.set_passthrough(passthrough);
+        if passthrough {
+            want |= init::PASSTHROUGH;
+        } else if self.tune.writeback_cache {
             want |= init::WRITEBACK_CACHE;
         }
         if self.lower.info.has_acl && self.tune.posix_acl {
             want |= init::POSIX_ACL;
         }
+        self.killpriv
+            .store(kernel.offers(init::HANDLE_KILLPRIV_V2), Ordering::Relaxed);
         self.writeback.store(
-            kernel.offers(init::WRITEBACK_CACHE) && self.tune.writeback_cache,
+            !passthrough && kernel.offers(init::WRITEBACK_CACHE) && self.tune.writeback_cache,
             Ordering::Relaxed,
         );
         InitConfig {
@@ -165,6 +203,9 @@ impl Filesystem for OverlayFs {
             max_write: 1 << 20,
             max_background: 64,
             congestion_threshold: 48,
+            // The upper directory may not be on a stacked filesystem; this
+            // mount may itself be a lower layer.
+            max_stack_depth: if passthrough { 1 } else { 0 },
             ..InitConfig::default()
         }
     }
@@ -195,7 +236,16 @@ impl Filesystem for OverlayFs {
                     Err(x) => reply.error(x),
                 }
             }
-            Op::Setattr(a) => {
+            Op::Setattr(mut a) => {
+                // With KILLPRIV_V2 the kernel leaves setuid/setgid to us but
+                // flags only chown and truncate: a write through passthrough
+                // (file_remove_privs) or chown(f, -1, -1) reaches us as a
+                // SETATTR with nothing else to change. Those are exactly
+                // the changes that drop the bits on the kernel's overlay.
+                let nothing_else = a.valid & !(fattr::FH | fattr::LOCKOWNER | fattr::CTIME) == 0;
+                if nothing_else && self.killpriv.load(Ordering::Relaxed) {
+                    a.valid |= fattr::KILL_SUIDGID;
+                }
                 let h = (a.valid & fattr::FH != 0).then(|| self.handle_of(a.fh)).flatten();
                 let fd = h.as_deref().and_then(|h| match h {
                     Handle::Upper(f) => Some(f),
@@ -275,12 +325,15 @@ impl Filesystem for OverlayFs {
                 },
                 Err(x) => reply.error(x),
             },
-            Op::Open { flags, .. } => match self.open_node(id, flags, self.writeback.load(Ordering::Relaxed)) {
-                Ok(h) => reply.open(Open {
-                    fh: self.add_handle(h),
-                    flags: self.open_flags(),
-                    backing_id: 0,
-                }),
+            Op::Open { flags, open_flags } => match self
+                .open_node(id, flags, self.writeback.load(Ordering::Relaxed))
+                .and_then(|h| {
+                    if open_flags & abi::OPEN_KILL_SUIDGID != 0 {
+                        self.kill_suidgid(id)?;
+                    }
+                    Ok(h)
+                }) {
+                Ok(h) => reply.open(self.opened(id, h)),
                 Err(x) => reply.error(x),
             },
             Op::Create { name, arg, tmpfile } => {
@@ -299,17 +352,7 @@ impl Filesystem for OverlayFs {
                 };
                 match made {
                     Ok((child, Some(f))) => match self.entry(child) {
-                        Ok(en) => {
-                            let fh = self.add_handle(Handle::Upper(f));
-                            reply.create(
-                                &en,
-                                Open {
-                                    fh,
-                                    flags: self.open_flags(),
-                                    backing_id: 0,
-                                },
-                            )
-                        }
+                        Ok(en) => reply.create(&en, self.opened(child, Handle::Upper(f))),
                         Err(x) => {
                             self.nodes().forget(child, 1);
                             reply.error(x)
@@ -371,9 +414,15 @@ impl Filesystem for OverlayFs {
                         Err(_) => break,
                     }
                 }
+                if arg.write_flags & abi::WRITE_KILL_SUIDGID != 0 && done > 0 {
+                    if let Err(x) = self.kill_suidgid(id) {
+                        return reply.error(x);
+                    }
+                }
                 reply.write(done as u32)
             }
             Op::Release(a) | Op::Releasedir(a) => {
+                self.io.release(a.fh);
                 self.handles.lock().unwrap_or_else(|e| e.into_inner()).remove(&a.fh);
                 reply.ok()
             }
