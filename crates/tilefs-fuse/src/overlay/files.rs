@@ -234,8 +234,20 @@ impl OverlayFs {
                 }
             }
             let stand_in = (m.disk_mode & S_IFMT == S_IFREG && m.mode & S_IFMT != S_IFREG).then_some(m.rdev);
-            // A kill that finds nothing to clear changes nothing.
-            if v & (fattr::MODE | fattr::UID | fattr::GID) != 0 || mode != m.mode {
+            let chown = v & (fattr::UID | fattr::GID) != 0;
+            if self.up.powers.privileged && stand_in.is_none() {
+                // Only the calls asked for (each updates ctime): chown, then
+                // chmod if the mode changes or chown cleared setuid/setgid.
+                let t = target(&loc);
+                if chown {
+                    t.chown(uid, gid).map_err(e)?;
+                }
+                let set_mode = v & fattr::MODE != 0 || mode != m.mode || (chown && mode & 0o6000 != 0);
+                if set_mode && mode & S_IFMT != S_IFLNK {
+                    t.chmod(mode & 0o7777).map_err(e)?;
+                }
+            } else if chown || v & fattr::MODE != 0 || mode != m.mode {
+                // (A kill that finds nothing to clear changes nothing.)
                 match self.up.set_owner_mode(target(&loc), uid, gid, mode, stand_in, false) {
                     Err(Errno::PERM) if !self.up.powers.privileged && stand_in.is_none() => {
                         // A symlink or special file given to someone else:
