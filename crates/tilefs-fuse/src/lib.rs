@@ -84,16 +84,17 @@ pub struct Tuning {
     /// `default_permissions`: permission checks (access(2), path walks)
     /// stay in the kernel.
     pub default_permissions: bool,
-    /// FUSE passthrough of object files (used only when the server may:
-    /// it needs CAP_SYS_ADMIN).
+    /// FUSE passthrough of object files, and of upper files on writable
+    /// mounts (used only when the server may: it needs CAP_SYS_ADMIN).
     pub passthrough: bool,
     /// FUSE_MAX_PAGES and 1 MiB requests.
     pub max_pages: bool,
     /// Answer getxattr of security.selinux with EOPNOTSUPP when no file in
     /// the image has a label (ENODATA otherwise).
     pub selinux_enotsup: bool,
-    /// FUSE_WRITEBACK_CACHE on writable mounts: the kernel caches writes
-    /// and sends them in large requests.
+    /// FUSE_WRITEBACK_CACHE on writable mounts without passthrough of
+    /// upper files: the kernel caches writes and sends them in large
+    /// requests.
     pub writeback_cache: bool,
     /// Splice read replies from the object files (one copy, by the kernel)
     /// rather than read them into a buffer and write that (two). All
