@@ -20,7 +20,7 @@ use super::reader::{
     choose_primaries, decode_budget, flat_data, get, le16, le64, read_info, tree_order, unmark, ImageError, ImageInfo,
     Reader, UNESCAPED_OPAQUE, UNESCAPED_WHITEOUT, UNESCAPED_WHITEOUTS,
 };
-pub use crate::flat::Meta;
+use crate::flat::Meta;
 use crate::tree::{FileType, Inode, InodeId, ROOT, S_IFCHR, S_IFMT};
 use std::collections::{HashMap, HashSet};
 

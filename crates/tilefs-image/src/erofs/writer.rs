@@ -545,7 +545,7 @@ impl<'a> Writer<'a> {
 
     fn node_of_inode(&self, id: InodeId, parent: u32) -> Node {
         let m = self.tree.meta(id);
-        let whiteout_in_source = m.mode & S_IFMT == tree::S_IFCHR && m.rdev == 0;
+        let whiteout_in_source = m.is_whiteout();
         Node {
             src: id,
             parent,
