@@ -423,12 +423,7 @@ impl Filesystem for TileFs {
         if self.tune.max_pages {
             want |= init::MAX_PAGES;
         }
-        // The kernel lets only CAP_SYS_ADMIN register backing files; without
-        // it, do not ask (inside a user namespace the first open still finds
-        // out and falls back).
-        let may = rustix::thread::capabilities(None)
-            .is_ok_and(|c| c.effective.contains(rustix::thread::CapabilitySet::SYS_ADMIN));
-        let passthrough = self.tune.passthrough && may && kernel.offers(init::PASSTHROUGH);
+        let passthrough = crate::passthrough_possible(&self.tune, kernel);
         let mut cfg = InitConfig {
             want,
             max_write: if self.tune.max_pages { 1 << 20 } else { 128 * 1024 },

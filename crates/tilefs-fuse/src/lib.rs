@@ -160,6 +160,17 @@ impl Tuning {
     }
 }
 
+/// Whether to ask the kernel for FUSE passthrough: wanted, offered, and
+/// ours to use. The kernel lets only CAP_SYS_ADMIN register backing files;
+/// without it, do not ask (inside a user namespace the first open still
+/// finds out and falls back).
+pub(crate) fn passthrough_possible(tune: &Tuning, kernel: &tilefs_fuse_proto::KernelInit) -> bool {
+    tune.passthrough
+        && kernel.offers(tilefs_fuse_proto::abi::init::PASSTHROUGH)
+        && rustix::thread::capabilities(None)
+            .is_ok_and(|c| c.effective.contains(rustix::thread::CapabilitySet::SYS_ADMIN))
+}
+
 /// Per-mount flags of a FUSE mount (`mount -o`), enforced by the kernel.
 /// `nosuid` and `nodev` are `None` when not asked either way: a mount made
 /// by root then honours setuid bits and devices (as a kernel mount does),

@@ -16,13 +16,14 @@ use tilefs_fuse_proto::abi::{self, fattr, fopen, init};
 use tilefs_fuse_proto::{Connection, DirBuf, Entry, Filesystem, InitConfig, KernelInit, Op, Open, Reply, Request};
 
 impl OverlayFs {
-    fn add_handle(&self, h: Handle) -> u64 {
+    fn add_handle(&self, h: Handle) -> (u64, Arc<Handle>) {
         let fh = self.next_fh.fetch_add(1, Ordering::Relaxed);
+        let h = Arc::new(h);
         self.handles
             .lock()
             .unwrap_or_else(|e| e.into_inner())
-            .insert(fh, Arc::new(h));
-        fh
+            .insert(fh, h.clone());
+        (fh, h)
     }
 
     fn handle_of(&self, fh: u64) -> Option<Arc<Handle>> {
@@ -51,8 +52,8 @@ impl OverlayFs {
     /// Registers open handle `h` of node `id` and tells how the kernel is
     /// to do its I/O (see [`super::io_mode`]).
     fn opened(&self, id: u64, h: Handle) -> Open {
-        let fh = self.next_fh.fetch_add(1, Ordering::Relaxed);
-        let upper = match &h {
+        let (fh, h) = self.add_handle(h);
+        let upper = match &*h {
             Handle::Upper(f) => Some(f.as_fd()),
             _ => None,
         };
@@ -64,10 +65,6 @@ impl OverlayFs {
             IoMode::Cached if upper.is_some() && self.io.passthrough() => (0, 0),
             IoMode::Cached => (fopen::KEEP_CACHE, 0),
         };
-        self.handles
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .insert(fh, Arc::new(h));
         Open { fh, flags, backing_id }
     }
 
@@ -179,10 +176,7 @@ impl Filesystem for OverlayFs {
         // (passthrough); it refuses that together with writeback caching,
         // which costs a GETATTR after every close(2) besides (it drops the
         // cached block count).
-        let may = self.up.powers.privileged
-            && rustix::thread::capabilities(None)
-                .is_ok_and(|c| c.effective.contains(rustix::thread::CapabilitySet::SYS_ADMIN));
-        let passthrough = self.tune.passthrough && may && kernel.offers(init::PASSTHROUGH);
+        let passthrough = crate::passthrough_possible(&self.tune, kernel);
         self.io.set_passthrough(passthrough);
         if passthrough {
             want |= init::PASSTHROUGH;
@@ -443,7 +437,7 @@ impl Filesystem for OverlayFs {
                 _ => reply.ok(),
             },
             Op::Opendir { .. } => {
-                let fh = self.add_handle(Handle::Dir(Mutex::new(None)));
+                let (fh, _) = self.add_handle(Handle::Dir(Mutex::new(None)));
                 reply.open(Open {
                     fh,
                     flags: fopen::CACHE_DIR | fopen::KEEP_CACHE,
