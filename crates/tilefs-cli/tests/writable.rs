@@ -1070,6 +1070,13 @@ fn files_open_across_a_copy_up_keep_working() {
         assert_eq!(fs::read(&p).unwrap(), want, "{name}");
         // Written through a shared mapping while a reader is open.
         let f = fs::OpenOptions::new().read(true).write(true).open(&p).unwrap();
+        rustix::io::pwrite(&f, b"EFGH", 4).unwrap();
+        if name == "pt" {
+            // Passthrough: the kernel wrote the upper file itself, before
+            // any close or writeback.
+            let upper = fs::read(fu.join("pub/own/f1")).unwrap();
+            assert_eq!(&upper[4..8], b"EFGH", "{name}: the write did not reach the upper file");
+        }
         let reader = fs::File::open(&p).unwrap();
         let len = f.metadata().unwrap().len() as usize;
         // SAFETY: the mapping is ours alone while it lives (nothing else
@@ -1095,6 +1102,14 @@ fn files_open_across_a_copy_up_keep_working() {
             fs::read(fu.join("pub/own/f1")).unwrap(),
             b"mma",
             "{name}: the upper file"
+        );
+        // chown(f, -1, -1) drops setuid on ext4 and on the kernel's overlay.
+        set_mode(&p, 0o4755);
+        rustix::fs::chown(&p, None, None).unwrap();
+        assert_eq!(
+            fs::metadata(&p).unwrap().mode() & 0o7777,
+            0o755,
+            "{name}: setuid kept by chown(f, -1, -1)"
         );
         umount(m);
     }
