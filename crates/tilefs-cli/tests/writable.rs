@@ -1460,3 +1460,100 @@ fn locks_mmap_statfs_and_tmpfile_work() {
     drop(t);
     umount(mounted);
 }
+
+/// Free bytes of the filesystem holding `p`.
+fn free_bytes(p: &Path) -> u64 {
+    let st = rustix::fs::statvfs(p).unwrap();
+    st.f_bavail * st.f_frsize
+}
+
+/// The threads of the server that mounted with upper directory `upper`.
+fn server_threads_of(upper: &Path) -> Vec<String> {
+    let out = Command::new("pgrep")
+        .args(["-f", "--", &format!("--upper {}", upper.display())])
+        .output()
+        .unwrap();
+    let mut names = Vec::new();
+    for pid in String::from_utf8_lossy(&out.stdout).split_whitespace() {
+        for t in fs::read_dir(format!("/proc/{pid}/task"))
+            .into_iter()
+            .flatten()
+            .flatten()
+        {
+            if let Ok(n) = fs::read_to_string(t.path().join("comm")) {
+                names.push(n.trim().to_string());
+            }
+        }
+    }
+    names
+}
+
+/// Removing a file through the mount gives its space back on the upper
+/// filesystem (the server lets go of the file when the kernel forgets it,
+/// over /dev/fuse and over io_uring, where forgets are batched), and an
+/// open file keeps its data until it is closed, as POSIX has it: four 20
+/// MB files written one after the other into a 48 MB upper, each removed
+/// before the next.
+#[test]
+fn removed_files_give_their_space_back() {
+    need_root!();
+    let s = setup(false);
+    let uring = FuseUring::on();
+    let mut ways = vec![("dev", vec!["--no-uring"])];
+    match &uring {
+        Ok(_) => ways.push(("uring", vec![])),
+        Err(why) => eprintln!("the io_uring case is skipped: {why}"),
+    }
+    let chunk: Vec<u8> = (0..1 << 20).map(|i: u32| (i % 253) as u8).collect();
+    for (name, extra) in ways {
+        let base = s.a.path(&format!("space-{name}"));
+        let _fs = Tmpfs::new(&base, "48m");
+        let (u, w) = (base.join("upper"), base.join("work"));
+        fs::create_dir_all(&u).unwrap();
+        fs::create_dir_all(&w).unwrap();
+        let m = s.a.dir(&format!("mnt-space-{name}"));
+        let mounted = mount_rw("fuse", &s.store, &s.image, (&m, &u, &w), &extra);
+        if name == "uring" {
+            assert!(
+                server_threads_of(&u).iter().any(|t| t.starts_with("fuse-q")),
+                "the server did not start its io_uring queues: {:?}",
+                server_threads_of(&u)
+            );
+        }
+        let empty = free_bytes(&u);
+        for round in 0..4 {
+            let p = m.join(format!("big{round}"));
+            let write = || -> std::io::Result<()> {
+                use std::io::Write;
+                let mut f = fs::File::create(&p)?;
+                for _ in 0..20 {
+                    f.write_all(&chunk)?;
+                }
+                f.sync_all()
+            };
+            write().unwrap_or_else(|e| panic!("{name}: writing 20 MB, round {round}: {e}"));
+            let held = fs::File::open(&p).unwrap();
+            fs::remove_file(&p).unwrap();
+            // Open: the data stays readable, and its space is not free.
+            let mut head = vec![0u8; 4096];
+            assert_eq!(rustix::io::pread(&held, &mut head, 19 << 20).unwrap(), 4096);
+            assert!(head == chunk[..4096], "{name}: an open, removed file lost its data");
+            assert!(
+                free_bytes(&u) < empty - (15 << 20),
+                "{name}: the space of an open file was freed"
+            );
+            drop(held);
+            let end = std::time::Instant::now() + std::time::Duration::from_secs(10);
+            while free_bytes(&u) < empty - (2 << 20) {
+                assert!(
+                    std::time::Instant::now() < end,
+                    "{name}: the space of a removed file did not come back ({} of {} bytes free)",
+                    free_bytes(&u),
+                    empty
+                );
+                std::thread::sleep(std::time::Duration::from_millis(5));
+            }
+        }
+        umount(mounted);
+    }
+}

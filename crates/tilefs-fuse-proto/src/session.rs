@@ -10,6 +10,7 @@ use std::io;
 use std::os::fd::{AsFd, AsRawFd, BorrowedFd, OwnedFd};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{mpsc, Arc, Mutex};
+use std::time::Duration;
 use zerocopy::{FromBytes, IntoBytes};
 
 /// What the kernel offered in its INIT.
@@ -387,6 +388,7 @@ impl<F: Filesystem> Session<F> {
         };
         // With io_uring, /dev/fuse still carries FORGETs and INTERRUPTs.
         let readers = if queues.is_some() { 1 } else { cfg.threads.max(1) };
+        let forgets_only = queues.is_some();
         let splice = Arc::new(AtomicBool::new(cfg.splice));
         let buf_size = self.max_write + 4096 + abi::MIN_READ_BUFFER;
         let mut workers = Vec::new();
@@ -398,10 +400,18 @@ impl<F: Filesystem> Session<F> {
             workers.push(
                 std::thread::Builder::new()
                     .name(format!("fuse-{i}"))
-                    .spawn(move || serve_dev(&*fs, fd.as_fd(), layout, &splice, &stop, buf_size))?,
+                    .spawn(move || serve_dev(&*fs, fd.as_fd(), layout, &splice, &stop, buf_size, false))?,
             );
         }
-        let result = serve_dev(&*self.fs, self.conn.fd.as_fd(), self.layout, &splice, &stop, buf_size);
+        let result = serve_dev(
+            &*self.fs,
+            self.conn.fd.as_fd(),
+            self.layout,
+            &splice,
+            &stop,
+            buf_size,
+            forgets_only,
+        );
         stop.store(true, Ordering::Relaxed);
         for w in workers {
             let _ = w.join();
@@ -484,6 +494,17 @@ pub(crate) fn dispatch<F: Filesystem>(
     }
 }
 
+/// How long the /dev/fuse reader waits after a FORGET when io_uring carries
+/// every other request. The kernel wakes the reader for each FORGET it
+/// queues (an inode evicted: one per file `rm -rf` removes), which on a
+/// 2-vCPU VM is a wake-up of a halted CPU each; forgets that queue up
+/// meanwhile arrive as one BATCH_FORGET. Nothing waits for a FORGET, and
+/// INTERRUPTs, the only other requests left on /dev/fuse, are ignored.
+const FORGET_BATCH_WAIT: Duration = Duration::from_millis(5);
+
+/// Reads and answers requests from /dev/fuse until the connection ends.
+/// `forgets_only`: io_uring carries the requests that take a reply, so
+/// FORGETs may be left to batch up (see FORGET_BATCH_WAIT).
 fn serve_dev<F: Filesystem>(
     fs: &F,
     fd: BorrowedFd<'_>,
@@ -491,6 +512,7 @@ fn serve_dev<F: Filesystem>(
     splice: &AtomicBool,
     stop: &AtomicBool,
     buf_size: usize,
+    forgets_only: bool,
 ) -> io::Result<()> {
     let mut buf = vec![0u8; buf_size];
     let mut sink = DevSink { fd, splice };
@@ -505,6 +527,9 @@ fn serve_dev<F: Filesystem>(
         let split = request::op_header_size(h.opcode, layout).min(body.len());
         let (head, rest) = body.split_at(split);
         dispatch(fs, layout, &h, head, rest, &mut sink);
+        if forgets_only && matches!(h.opcode, opcode::FORGET | opcode::BATCH_FORGET) {
+            std::thread::sleep(FORGET_BATCH_WAIT);
+        }
     }
     Ok(())
 }
