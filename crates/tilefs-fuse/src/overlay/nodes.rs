@@ -163,21 +163,19 @@ impl Nodes {
         Some(id)
     }
 
-    /// The kernel dropped `count` lookups of `id`.
-    pub(crate) fn forget(&mut self, id: NodeId, count: u64) {
+    /// The kernel dropped `count` lookups of `id`. Returns the node if
+    /// that was the last: the caller drops it once the lock is released,
+    /// since closing its descriptors may free a removed file's blocks.
+    pub(crate) fn forget(&mut self, id: NodeId, count: u64) -> Option<Node> {
         if id == ROOT {
-            return;
+            return None;
         }
-        let gone = match self.map.get_mut(&id) {
-            Some(n) => {
-                n.refs = n.refs.saturating_sub(count);
-                n.refs == 0
-            }
-            None => false,
-        };
-        if gone {
-            self.unindex(id);
-            self.map.remove(&id);
+        let n = self.map.get_mut(&id)?;
+        n.refs = n.refs.saturating_sub(count);
+        if n.refs > 0 {
+            return None;
         }
+        self.unindex(id);
+        self.map.remove(&id)
     }
 }

@@ -205,7 +205,11 @@ impl Filesystem for OverlayFs {
     }
 
     fn forget(&self, nodeid: u64, nlookup: u64) {
-        self.nodes().forget(nodeid, nlookup);
+        // Dropped after the lock: the last close of a removed file's
+        // descriptor frees its blocks (deferred there from UNLINK), which
+        // the queue threads must not wait behind.
+        let gone = self.nodes().forget(nodeid, nlookup);
+        drop(gone);
     }
 
     fn handle(&self, req: &Request, op: Op<'_>, reply: Reply<'_>) {
