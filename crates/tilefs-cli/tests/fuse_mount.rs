@@ -801,17 +801,6 @@ fn served_reads_give_the_source_bytes_spliced_or_copied() {
     }
 }
 
-/// The names of a process's threads.
-fn server_threads(pid: u32) -> Vec<String> {
-    let mut names = Vec::new();
-    for t in fs::read_dir(format!("/proc/{pid}/task")).unwrap() {
-        if let Ok(n) = fs::read_to_string(t.unwrap().path().join("comm")) {
-            names.push(n.trim().to_string());
-        }
-    }
-    names
-}
-
 /// The kernel's FUSE request tracepoint, under a tracefs mount.
 const FUSE_TRACE: &str = "events/fuse/fuse_request_send";
 

@@ -1263,15 +1263,7 @@ fn a_killed_server_leaves_the_upper_directory_usable() {
         })
     };
     std::thread::sleep(std::time::Duration::from_millis(100));
-    let pid = Command::new("pgrep")
-        .args(["-f", "--", &format!("--upper {}", u.display())])
-        .output()
-        .unwrap();
-    let pid = String::from_utf8_lossy(&pid.stdout)
-        .split_whitespace()
-        .next()
-        .unwrap()
-        .to_string();
+    let pid = server_pid(&u).to_string();
     assert!(Command::new("kill").args(["-KILL", &pid]).status().unwrap().success());
     let _ = writer.join();
     std::mem::forget(mounted);
@@ -1467,25 +1459,20 @@ fn free_bytes(p: &Path) -> u64 {
     st.f_bavail * st.f_frsize
 }
 
-/// The threads of the server that mounted with upper directory `upper`.
-fn server_threads_of(upper: &Path) -> Vec<String> {
+/// The server that mounted with upper directory `upper`.
+fn server_pid(upper: &Path) -> u32 {
     let out = Command::new("pgrep")
         .args(["-f", "--", &format!("--upper {}", upper.display())])
         .output()
         .unwrap();
-    let mut names = Vec::new();
-    for pid in String::from_utf8_lossy(&out.stdout).split_whitespace() {
-        for t in fs::read_dir(format!("/proc/{pid}/task"))
-            .into_iter()
-            .flatten()
-            .flatten()
-        {
-            if let Ok(n) = fs::read_to_string(t.path().join("comm")) {
-                names.push(n.trim().to_string());
-            }
-        }
+    let pid = String::from_utf8_lossy(&out.stdout)
+        .split_whitespace()
+        .next()
+        .map(str::parse);
+    match pid {
+        Some(Ok(pid)) => pid,
+        _ => panic!("no server with upper directory {}", upper.display()),
     }
-    names
 }
 
 /// Removing a file through the mount gives its space back on the upper
@@ -1514,10 +1501,10 @@ fn removed_files_give_their_space_back() {
         let m = s.a.dir(&format!("mnt-space-{name}"));
         let mounted = mount_rw("fuse", &s.store, &s.image, (&m, &u, &w), &extra);
         if name == "uring" {
+            let threads = server_threads(server_pid(&u));
             assert!(
-                server_threads_of(&u).iter().any(|t| t.starts_with("fuse-q")),
-                "the server did not start its io_uring queues: {:?}",
-                server_threads_of(&u)
+                threads.iter().any(|t| t.starts_with("fuse-q")),
+                "the server did not start its io_uring queues: {threads:?}"
             );
         }
         let empty = free_bytes(&u);

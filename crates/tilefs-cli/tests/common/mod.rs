@@ -661,3 +661,15 @@ pub fn digest_hex(file: &Path) -> String {
 pub fn object_rel(hex: &str) -> String {
     format!("{}/{}", &hex[..2], &hex[2..])
 }
+
+/// The names of a process's threads (a FUSE server's `fuse-q*` are its
+/// io_uring queues).
+pub fn server_threads(pid: u32) -> Vec<String> {
+    let mut names = Vec::new();
+    for t in fs::read_dir(format!("/proc/{pid}/task")).unwrap() {
+        if let Ok(n) = fs::read_to_string(t.unwrap().path().join("comm")) {
+            names.push(n.trim().to_string());
+        }
+    }
+    names
+}
