@@ -101,8 +101,26 @@ impl Registry {
         self.run();
     }
 
-    /// Every request logged so far.
+    /// Every request logged so far. The registry logs a request after it
+    /// has sent the response, so a client may be done before its line is
+    /// written: wait until the logs have stopped growing for 100 ms.
     pub fn requests(&self) -> Vec<Request> {
+        let size = || {
+            [self.log.clone(), self.root.join("stderr")]
+                .iter()
+                .map(|p| fs::metadata(p).map_or(0, |m| m.len()))
+                .sum::<u64>()
+        };
+        let deadline = Instant::now() + Duration::from_secs(5);
+        let mut last = size();
+        loop {
+            std::thread::sleep(Duration::from_millis(100));
+            let now = size();
+            if now == last || Instant::now() > deadline {
+                break;
+            }
+            last = now;
+        }
         let log = fs::read_to_string(&self.log).unwrap_or_default()
             + &fs::read_to_string(self.root.join("stderr")).unwrap_or_default();
         log.lines()
