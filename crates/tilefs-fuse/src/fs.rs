@@ -9,7 +9,7 @@
 
 use crate::lower::LowerNode;
 use crate::lower::{dirent_type, Lower, Object, FOREVER};
-use crate::objects::{FileState, ObjectError};
+use crate::objects::ObjectError;
 use crate::Tuning;
 use rustc_hash::FxHashMap;
 use std::fs::File;
@@ -27,6 +27,84 @@ use tilefs_image::tree::{InodeId, S_IFMT};
 /// the limit on open files is low).
 const UNOPENED_MAX: usize = 1024;
 
+/// Backing files kept registered while no open uses them (fewer if the
+/// limit on open files is low): registering one is most of an OPEN's time.
+const IDLE_BACKING_MAX: usize = 1024;
+
+/// Backing files registered for passthrough: one per inode while it is
+/// open (the kernel refuses a second for the same inode), kept idle after
+/// that for the next open.
+#[derive(Default)]
+struct BackingFiles {
+    map: FxHashMap<InodeId, Backed>,
+    /// Entries with no open.
+    idle: usize,
+}
+
+struct Backed {
+    id: BackingId,
+    /// What it was registered from: an idle one is used again only if the
+    /// object has not changed since it was checked.
+    object: Object,
+    opens: u32,
+}
+
+impl BackingFiles {
+    /// The backing id for one more open of `id`, if one is registered and
+    /// still good: in use, or idle and its object unchanged since checked.
+    /// An idle one whose object changed is dropped: the open registers the
+    /// object as the store has it now.
+    fn reuse(&mut self, id: InodeId) -> (Option<i32>, Option<Backed>) {
+        let Some(e) = self.map.get_mut(&id) else {
+            return (None, None);
+        };
+        if e.opens == 0 {
+            self.idle -= 1;
+            if !e.object.unchanged() {
+                return (None, self.map.remove(&id));
+            }
+        }
+        e.opens += 1;
+        (Some(e.id.id()), None)
+    }
+
+    /// Records an open of `id` with backing file `bid`, registered from
+    /// `object`, and returns the id the open must use: if another open
+    /// registered one meanwhile, that one (the kernel takes one per inode).
+    fn add_open(&mut self, id: InodeId, bid: BackingId, object: Object) -> i32 {
+        if let Some(kept) = self.reuse(id).0 {
+            return kept;
+        }
+        self.map.insert(
+            id,
+            Backed {
+                id: bid,
+                object,
+                opens: 1,
+            },
+        );
+        self.map[&id].id.id()
+    }
+
+    /// An open of `id` was released; its backing file stays registered,
+    /// idle, unless `max` are idle already. Returns what to drop.
+    fn release(&mut self, id: InodeId, max: usize) -> Option<Backed> {
+        let e = self.map.get_mut(&id)?;
+        e.opens = e.opens.checked_sub(1)?;
+        if e.opens > 0 {
+            return None;
+        }
+        self.idle += 1;
+        if self.idle <= max {
+            return None;
+        }
+        // Any idle one goes; registering it again costs one OPEN's work.
+        let old = *self.map.iter().find(|(_, e)| e.opens == 0)?.0;
+        self.idle -= 1;
+        self.map.remove(&old)
+    }
+}
+
 /// An open file.
 enum Handle {
     /// Served by us from an object.
@@ -43,9 +121,9 @@ pub(crate) struct TileFs {
     /// Objects of files opened without asking us, by inode.
     unopened: Mutex<FxHashMap<InodeId, Arc<Object>>>,
     unopened_max: usize,
-    /// Backing files registered with the kernel for passthrough: one per
-    /// inode while it is open, with the number of opens.
-    backing: Mutex<FxHashMap<InodeId, (BackingId, u32)>>,
+    /// Backing files registered with the kernel for passthrough.
+    backing: Mutex<BackingFiles>,
+    idle_backing_max: usize,
     /// The connection (for passthrough), once INIT is answered.
     conn: OnceLock<Arc<Connection>>,
     passthrough: AtomicBool,
@@ -60,7 +138,11 @@ impl TileFs {
             next_fh: AtomicU64::new(1),
             unopened: Mutex::new(FxHashMap::default()),
             unopened_max: UNOPENED_MAX.min(fd_budget.try_into().unwrap_or(usize::MAX)).max(1),
-            backing: Mutex::new(FxHashMap::default()),
+            backing: Mutex::new(BackingFiles::default()),
+            // Half the budget: the rest is for the unopened objects.
+            idle_backing_max: IDLE_BACKING_MAX
+                .min((fd_budget / 2).try_into().unwrap_or(usize::MAX))
+                .max(1),
             conn: OnceLock::new(),
             passthrough: AtomicBool::new(false),
         }
@@ -80,7 +162,7 @@ impl TileFs {
     fn unopened_object(&self, id: InodeId, inode: &LowerNode) -> Result<Arc<Object>, ObjectError> {
         let kept = self.unopened.lock().unwrap().get(&id).cloned();
         if let Some(o) = kept {
-            if o.digest.is_none() || FileState::of_fd(&o.file).is_ok_and(|s| s == o.key) {
+            if o.unchanged() {
                 return Ok(o);
             }
         }
@@ -175,13 +257,14 @@ impl TileFs {
         // every open of an inode open in passthrough mode to be one too.
         let noflush = self.open_flags() & fopen::NOFLUSH;
         if passthrough {
-            if let Some((bid, n)) = self.backing.lock().unwrap().get_mut(&id) {
-                *n += 1;
+            let (kept, stale) = self.backing.lock().unwrap().reuse(id);
+            drop(stale);
+            if let Some(backing_id) = kept {
                 let fh = self.add_handle(Handle::Passthrough(id));
                 return reply.open(Open {
                     fh,
                     flags: noflush | fopen::PASSTHROUGH,
-                    backing_id: bid.id(),
+                    backing_id,
                 });
             }
         }
@@ -203,11 +286,7 @@ impl TileFs {
         };
         match conn.open_backing(o.file.as_fd()) {
             Ok(bid) => {
-                let mut backing = self.backing.lock().unwrap();
-                let entry = backing.entry(id).or_insert((bid, 0));
-                entry.1 += 1;
-                let backing_id = entry.0.id();
-                drop(backing);
+                let backing_id = self.backing.lock().unwrap().add_open(id, bid, o);
                 let fh = self.add_handle(Handle::Passthrough(id));
                 reply.open(Open {
                     fh,
@@ -271,13 +350,8 @@ impl TileFs {
         if fh != 0 {
             let h = self.handles.lock().unwrap().remove(&fh);
             if let Some(Handle::Passthrough(id)) = h.as_deref() {
-                let mut backing = self.backing.lock().unwrap();
-                if let Some((_, n)) = backing.get_mut(id) {
-                    *n -= 1;
-                    if *n == 0 {
-                        backing.remove(id);
-                    }
-                }
+                // Dropped (unregistered, its object closed) after the lock.
+                let _evicted = self.backing.lock().unwrap().release(*id, self.idle_backing_max);
             }
         }
         reply.ok()

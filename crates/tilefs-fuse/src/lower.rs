@@ -50,6 +50,14 @@ pub(crate) struct Object {
     pub(crate) key: FileState,
 }
 
+impl Object {
+    /// Whether the file is as it was when checked (true when nothing is
+    /// checked), so what it holds may be used again without a new check.
+    pub(crate) fn unchanged(&self) -> bool {
+        self.digest.is_none() || FileState::of_fd(&self.file).is_ok_and(|s| s == self.key)
+    }
+}
+
 pub(crate) struct Lower {
     /// The image, served from its bytes.
     pub(crate) view: ImageView,
