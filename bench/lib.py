@@ -657,6 +657,22 @@ def fuse_transport(pid: int | None) -> str | None:
     return "/dev/fuse"
 
 
+def fuse_idle_poll(pid: int | None) -> str:
+    """Whether a tilefs FUSE server keeps idle CPUs polling while it serves
+    (`--idle-poll`): it then holds /dev/cpu_dma_latency open."""
+    if pid is None:
+        return "unknown (server not found)"
+    try:
+        held = any(os.readlink(f) == "/dev/cpu_dma_latency" for f in Path(f"/proc/{pid}/fd").iterdir())
+    except OSError:
+        return "unknown (cannot read the server's descriptors)"
+    if held:
+        return ("on: the server holds a 0 µs CPU latency request (/dev/cpu_dma_latency) while requests flow, "
+                "relaxed 1 ms after the last, so idle CPUs poll instead of halting (--idle-poll auto: "
+                "a VM without guest halt polling); the reference servers hold none")
+    return "off (--idle-poll auto: not a VM without guest halt polling, or not root)"
+
+
 def proc_status_kib(pid: int, field: str) -> int | None:
     """A kB field of /proc/PID/status (VmHWM, VmRSS), or None."""
     try:

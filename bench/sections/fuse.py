@@ -188,6 +188,7 @@ class Mounts:
         self.cleanup = cleanup
         self.uring = uring
         self.n = 0
+        self.idle_poll_noted = False
 
     def fuse_transports(self, key: str, what: str, store: Path, image: Path, tuning: str = "",
                         extra=()) -> list[tuple[str, Path, str, str]]:
@@ -209,6 +210,10 @@ class Mounts:
             else:
                 label = f"{what} ({used})"
             out.append((f"{key}/{t}", mnt, err, label))
+            if used and not self.idle_poll_noted:
+                self.idle_poll_noted = True
+                self.b.note("idle CPU polling of the tilefs FUSE servers: "
+                            + lib.fuse_idle_poll(lib.fuse_server_pid(mnt)))
         return out
 
     def _mnt(self, name: str) -> Path:
@@ -509,6 +514,7 @@ def metadata_rows(b, work: Path, m: Mounts) -> None:
         ("no-symlinks", "without FUSE_CACHE_SYMLINKS", ["ls-warm"]),
         ("no-selinux-enotsup", "security.selinux answered ENODATA", ["ls-warm"]),
         ("no-negative", "without negative entries", ["missing"]),
+        ("--idle-poll=off", "idle CPUs left to halt (--idle-poll=off)", ["stat-cold", "ls-cold"]),
     ]
     sample = random.Random(SEED).sample(paths, 1000)
     missing = [x + ".missing" for x in random.Random(SEED + 1).sample(paths, 1000)]
@@ -522,8 +528,9 @@ def metadata_rows(b, work: Path, m: Mounts) -> None:
     }
     tr = label[main][label[main].rindex("("):]
     for tuning, what, works in variants:
-        vm, err = m.fuse(tuning.replace(",", "+"), store, image, tuning=tuning,
-                         extra=[] if main.endswith("/uring") else ["--no-uring"])
+        env, flags = variant_args(tuning)
+        vm, err = m.fuse(tuning.replace(",", "+"), store, image, tuning=env,
+                         extra=[*flags, *([] if main.endswith("/uring") else ["--no-uring"])])
         if err:
             b.note(f"{tuning}: not measured: {err}")
             continue
@@ -786,6 +793,7 @@ def data_rows(b, work: Path, m: Mounts) -> None:
         ("no-negative", "", "without negative entries", ["build"]),
         ("open,no-passthrough", "no-passthrough", "open answered (not ENOSYS)", ["open", "build"]),
         ("flush", "", "flush answered (not ENOSYS)", ["open"]),
+        ("--idle-poll=off", "", "idle CPUs left to halt (--idle-poll=off)", ["open", "build"]),
     ]
     for tuning, base_tuning, what, works in variants:
         group = served if base_tuning else passthrough
@@ -794,8 +802,9 @@ def data_rows(b, work: Path, m: Mounts) -> None:
         bk = group[0]
         base = mnt[bk]
         tr = label[bk][label[bk].rindex("("):]
-        vm, err = m.fuse(tuning.replace(",", "+"), store, image, tuning=tuning,
-                         extra=[] if bk.endswith("/uring") else ["--no-uring"])
+        env, flags = variant_args(tuning)
+        vm, err = m.fuse(tuning.replace(",", "+"), store, image, tuning=env,
+                         extra=[*flags, *([] if bk.endswith("/uring") else ["--no-uring"])])
         if err:
             b.note(f"{tuning}: not measured: {err}")
             continue
@@ -839,6 +848,12 @@ def data_rows(b, work: Path, m: Mounts) -> None:
     if b.can_drop_caches():
         b.note("cold: sync; echo 3 > /proc/sys/vm/drop_caches before every run (the FUSE server keeps its "
                "in-memory tree and its record of verified objects)")
+
+
+def variant_args(setting: str) -> tuple[str, list[str]]:
+    """A setting row's (TILEFS_FUSE_TUNING, command-line flags): a setting
+    starting with -- is a flag of `tilefs mount`, any other a tuning."""
+    return ("", [setting]) if setting.startswith("--") else (setting, [])
 
 
 def compile_c(gcc: str | None, exe: Path, source: str) -> Path | None:

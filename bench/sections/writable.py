@@ -14,6 +14,9 @@ rotated every round:
   kernel       `tilefs mount --kernel --upper U --work W` (overlayfs),
   fuse-uring   `tilefs mount --fuse --upper U --work W`, FUSE over io_uring,
   fuse-dev     the same with `--no-uring` (/dev/fuse worker threads),
+  fuse-halt    fuse-uring with `--idle-poll=off`: idle CPUs halt between
+               requests (the default keeps them polling while requests
+               flow, where that pays: see `tilefs mount --help`),
   fuse-overlayfs  fuse-overlayfs (lowerdir = a read-only `tilefs mount
                --fuse` of the image, upperdir/workdir on ext4): the stack
                users would use today,
@@ -72,6 +75,7 @@ LABELS = {
     "kernel": "tilefs kernel overlay",
     "fuse-uring": "tilefs FUSE writable",
     "fuse-dev": "tilefs FUSE writable",
+    "fuse-halt": "tilefs FUSE writable, idle CPUs left to halt (--idle-poll=off)",
     "fuse-overlayfs": "fuse-overlayfs on tilefs FUSE",
     "fuse-user": "tilefs FUSE writable, rootless (uid 65534)",
 }
@@ -248,8 +252,8 @@ def mount_all(b, work: Path, state: State, uring: lib.FuseUring, src: Path, imag
     cfgs["kernel"] = mount("kernel", [tilefs, "mount", "--kernel", "--upper", u, "--work", w, "--store", store, image, m],
                            [], m)
 
-    for key, extra in (("fuse-uring", []), ("fuse-dev", ["--no-uring"])):
-        if key == "fuse-uring" and not uring.available:
+    for key, extra in (("fuse-uring", []), ("fuse-dev", ["--no-uring"]), ("fuse-halt", ["--idle-poll=off"])):
+        if key in ("fuse-uring", "fuse-halt") and not uring.available:
             b.note(f"{key}: not measured: {uring.why}")
             continue
         m, u, w = dirs(key)
@@ -284,7 +288,7 @@ def mount_all(b, work: Path, state: State, uring: lib.FuseUring, src: Path, imag
     elif shutil.which("setpriv") is None:
         b.note("fuse-user: not measured: setpriv (util-linux) not found")
 
-    for key in ("fuse-uring", "fuse-dev", "fuse-user"):
+    for key in ("fuse-uring", "fuse-dev", "fuse-halt", "fuse-user"):
         c = cfgs.get(key)
         if c and not c.error:
             c.pid = lib.fuse_server_pid(c.root)
@@ -295,6 +299,8 @@ def mount_all(b, work: Path, state: State, uring: lib.FuseUring, src: Path, imag
             c.label += f" ({tr})" if c.key != "fuse-overlayfs" else f" ({tr} under it)"
         if c.error:
             b.note(f"{c.label}: not measured: {c.error}")
+    if "fuse-uring" in cfgs and cfgs["fuse-uring"].pid:
+        b.note("idle CPU polling of the tilefs FUSE servers (root): " + lib.fuse_idle_poll(cfgs["fuse-uring"].pid))
     if "fuse-uring" in cfgs and cfgs["fuse-uring"].transport == "/dev/fuse":
         b.note("fuse-uring: the server has no io_uring queue threads: the kernel refused FUSE over io_uring")
     return cfgs
@@ -561,7 +567,7 @@ def rows(b, id: str, title: str, ser: dict, cfgs: dict, phase: str, *, goals: di
     """Each tilefs configuration against each reference configuration of `refs`;
     goals: reference key -> the ratio wanted of the tilefs FUSE rows (root, both transports)."""
     goals = goals or {}
-    measured = ("fuse-uring", "fuse-dev", "fuse-user", "kernel")
+    measured = ("fuse-uring", "fuse-dev", "fuse-halt", "fuse-user", "kernel")
     for ref in refs:
         if ref not in ser:
             continue

@@ -10,11 +10,13 @@
 
 pub mod abi;
 mod dev;
+mod poll;
 mod reply;
 pub mod request;
 mod session;
 mod uring;
 
+pub use poll::{worth_it as idle_poll_worth_it, WINDOW as IDLE_POLL_WINDOW};
 pub use reply::{DirBuf, Entry, Open, Reply, Sink, Ttl};
 pub use request::{Layout, Malformed, Op, Request};
 pub use session::{BackingId, Connection, Filesystem, InitConfig, KernelInit, ServeConfig, Session, Transport};

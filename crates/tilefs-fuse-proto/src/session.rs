@@ -89,6 +89,9 @@ pub struct ServeConfig {
     pub uring_depth: u16,
     /// Splice READ replies from files (the /dev/fuse transport).
     pub splice: bool,
+    /// Keep idle CPUs polling, not halting, while requests flow (root
+    /// only; see [`crate::idle_poll_worth_it`]).
+    pub idle_poll: bool,
 }
 
 impl Default for ServeConfig {
@@ -98,6 +101,7 @@ impl Default for ServeConfig {
             uring: true,
             uring_depth: 8,
             splice: true,
+            idle_poll: false,
         }
     }
 }
@@ -362,6 +366,15 @@ impl<F: Filesystem> Session<F> {
     /// aborted). Returns how requests were carried.
     pub fn run(self, cfg: ServeConfig) -> io::Result<Transport> {
         let stop = Arc::new(AtomicBool::new(false));
+        let _idle_poll = match cfg.idle_poll.then(crate::poll::Guard::start) {
+            Some(Err(e)) => {
+                (self.log)(&format!(
+                    "idle CPUs will halt between requests: /dev/cpu_dma_latency: {e}"
+                ));
+                None
+            }
+            g => g.and_then(Result::ok),
+        };
         let mut queues = None;
         if self.uring && cfg.uring {
             match crate::uring::start(
@@ -453,6 +466,7 @@ pub(crate) fn dispatch<F: Filesystem>(
     sink: &mut dyn Sink,
 ) -> bool {
     let _timer = stats::Timer::start(h.opcode);
+    crate::poll::request();
     match h.opcode {
         opcode::FORGET => {
             if let Ok(n) = request::forget(head) {

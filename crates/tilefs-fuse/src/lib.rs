@@ -212,6 +212,9 @@ pub struct FuseMount {
     pub fetcher: Option<Fetcher>,
     /// Read /dev/fuse even where the kernel offers FUSE over io_uring.
     pub no_uring: bool,
+    /// Keep idle CPUs polling while requests flow (root only); None: where
+    /// it pays ([`tilefs_fuse_proto::idle_poll_worth_it`]).
+    pub idle_poll: Option<bool>,
     /// Writable: changes go to this upper directory (overlayfs's format),
     /// with this work directory on the same filesystem.
     pub upper: Option<(PathBuf, PathBuf)>,
@@ -336,6 +339,9 @@ pub fn mount(m: &FuseMount) -> Result<(), FuseError> {
         threads: if m.threads == 0 { default_threads() } else { m.threads },
         uring: !m.no_uring,
         splice: tuning.splice,
+        idle_poll: m
+            .idle_poll
+            .unwrap_or_else(|| tilefs_fuse_proto::idle_poll_worth_it().is_ok() && rustix::process::geteuid().is_root()),
         ..ServeConfig::default()
     };
     let Some((upper, work)) = &m.upper else {

@@ -31,6 +31,9 @@ pub struct ParsedOptions {
     /// FUSE: `nouring` (false) reads /dev/fuse even where the kernel
     /// offers FUSE over io_uring.
     pub uring: Option<bool>,
+    /// FUSE: `idlepoll` (true) or `noidlepoll` (false): idle CPUs poll,
+    /// not halt, while requests flow (root only); unset: where it pays.
+    pub idle_poll: Option<bool>,
     /// FUSE writable mounts: `uidmapping=STORED:SHOWN:LEN[:...]` (and
     /// `gidmapping`): ids as stored in the image and the upper directory,
     /// shown to the kernel as other ids.
@@ -165,6 +168,8 @@ impl ParsedOptions {
                 "nopassthrough" => self.passthrough = Some(false),
                 "uring" => self.uring = Some(true),
                 "nouring" => self.uring = Some(false),
+                "idlepoll" => self.idle_poll = Some(true),
+                "noidlepoll" => self.idle_poll = Some(false),
                 "uidmapping" => self.uid_map = Some(need(&value)?),
                 "gidmapping" => self.gid_map = Some(need(&value)?),
                 "nosuid" | "suid" => {
