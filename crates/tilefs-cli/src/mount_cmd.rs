@@ -62,8 +62,9 @@ pub struct MountArgs {
     #[arg(long, conflicts_with = "kernel")]
     pub no_uring: bool,
     /// FUSE, as root: keep idle CPUs polling instead of halting while requests flow (a CPU
-    /// latency request of 0 µs, relaxed 1 ms after the last request). auto: in a VM whose kernel
-    /// does not poll before halting, where waking a halted CPU costs more than the request
+    /// latency request of 0 µs, for every CPU, relaxed 1 ms after the last request). auto: in a
+    /// VM of 2 to 8 CPUs whose kernel does not poll before halting, where waking a halted CPU
+    /// costs more than the request
     #[arg(long, value_name = "WHEN", default_value = "auto", value_parser = ["auto", "on", "off"], conflicts_with = "kernel")]
     pub idle_poll: String,
     /// FUSE: worker threads (the default is one per core, at least 2)

@@ -69,12 +69,20 @@ fn set_latency(us: i32) {
     }
 }
 
+/// CPUs at most for `worth_it`: the request holds every idle CPU of the
+/// machine polling, not only those a caller and the server run on.
+const MAX_CPUS: usize = 8;
+
 /// Whether keeping CPUs polling is worth it here: in a VM (where a halted
 /// CPU wakes through the hypervisor) whose kernel does not poll before
-/// halting already, with more than one CPU. Otherwise the reason not to.
+/// halting already, with 2 to MAX_CPUS CPUs. Otherwise the reason not to.
 pub fn worth_it() -> Result<(), &'static str> {
-    if std::thread::available_parallelism().map_or(1, |n| n.get()) < 2 {
+    let cpus = std::thread::available_parallelism().map_or(1, |n| n.get());
+    if cpus < 2 {
         return Err("one CPU");
+    }
+    if cpus > MAX_CPUS {
+        return Err("more than 8 CPUs: every idle one would poll");
     }
     let cpuinfo = std::fs::read_to_string("/proc/cpuinfo").unwrap_or_default();
     let in_vm = cpuinfo
