@@ -415,11 +415,31 @@ fn start<F: tilefs_fuse_proto::Filesystem>(
     daemonize(session, serve_cfg, mnt, logger, m.log_file.as_deref(), record)
 }
 
-/// Raises the soft limit on open files to the hard one (the server keeps
-/// objects open for the kernel's reads); returns the limit in force.
+/// Raises the soft limit on open files to the hard one, and as root the
+/// hard one to the kernel's ceiling (fs.nr_open): the server keeps objects
+/// open for the kernel's reads, and removed files until the kernel forgets
+/// them. Returns the limit in force.
 fn raise_nofile() -> u64 {
     use rustix::process::{getrlimit, setrlimit, Resource};
     let mut l = getrlimit(Resource::Nofile);
+    let ceiling = std::fs::read_to_string("/proc/sys/fs/nr_open")
+        .ok()
+        .and_then(|s| s.trim().parse::<u64>().ok());
+    if let (Some(c), Some(max)) = (ceiling, l.maximum) {
+        // Refused without CAP_SYS_RESOURCE; the hard limit then stands.
+        if c > max
+            && setrlimit(
+                Resource::Nofile,
+                rustix::process::Rlimit {
+                    current: Some(c),
+                    maximum: Some(c),
+                },
+            )
+            .is_ok()
+        {
+            return c;
+        }
+    }
     if l.current != l.maximum
         && setrlimit(
             Resource::Nofile,

@@ -319,12 +319,15 @@ impl OverlayFs {
             if !dir {
                 if let (Some(c), Some(m)) = (child, &found.upper) {
                     if m.nlink <= 1 {
-                        if let Ok(fd) = rustix::fs::openat(
+                        if let Some(fd) = rustix::fs::openat(
                             pfd.as_fd(),
                             name,
                             OFlags::PATH | OFlags::NOFOLLOW | OFlags::CLOEXEC,
                             Mode::empty(),
-                        ) {
+                        )
+                        .ok()
+                        .filter(room_for_orphan)
+                        {
                             if let Some(n) = self.nodes().get_mut(c) {
                                 n.orphan = Some(Arc::new(fd));
                             }
@@ -550,4 +553,20 @@ fn rename_in(nodes: &mut super::Nodes, id: NodeId, parent: NodeId, name: &[u8], 
 #[allow(dead_code)]
 fn shown(name: &[u8]) -> String {
     std::ffi::OsStr::from_bytes(name).to_string_lossy().into_owned()
+}
+
+/// Whether a removed file's descriptor `fd` may be kept until FORGET: not
+/// when the descriptor table is three quarters full (descriptors are
+/// numbered lowest free first, so its number tells). The kernel forgets a
+/// removed file at once unless something holds it; if many are held, the
+/// rest of the server keeps the descriptors it needs, and a file removed
+/// then frees its blocks inside UNLINK instead.
+fn room_for_orphan(fd: &OwnedFd) -> bool {
+    use std::os::fd::AsRawFd;
+    static HIGH: std::sync::OnceLock<u64> = std::sync::OnceLock::new();
+    let high = *HIGH.get_or_init(|| {
+        let l = rustix::process::getrlimit(rustix::process::Resource::Nofile);
+        l.current.map_or(u64::MAX, |n| n / 4 * 3)
+    });
+    (fd.as_raw_fd() as u64) < high
 }
