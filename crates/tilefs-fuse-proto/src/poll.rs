@@ -12,9 +12,9 @@
 //! 0 µs (/dev/cpu_dma_latency, root only): the cpuidle governor then picks
 //! its polling state, the idle task spins instead of halting, and a wake-up
 //! there needs no interrupt. The CPUs stay truly idle for the scheduler
-//! (unlike a spinning thread, which kept compilers from balancing onto
-//! them: a build ran 10-20% slower). The request is relaxed once no request
-//! came for [`WINDOW`], and re-armed by the next one.
+//! (unlike a spinning thread of ours, which kept compilers from being
+//! pulled onto them: a build ran 10-60% slower). The request is relaxed
+//! once no request came for [`WINDOW`], and re-armed by the next one.
 
 use std::fs::File;
 use std::io::{self, Write};
