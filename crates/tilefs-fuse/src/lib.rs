@@ -334,14 +334,15 @@ pub fn mount(m: &FuseMount) -> Result<(), FuseError> {
     let mut lower = lower::Lower::new(view, name, store, m.verity, logger.clone());
     lower.fetcher = m.fetcher.clone();
     lower.selinux_enotsup = tuning.selinux_enotsup;
-    let budget = raise_nofile() / 2;
+    let nofile = raise_nofile();
+    let budget = nofile / 2;
     let serve_cfg = ServeConfig {
         threads: if m.threads == 0 { default_threads() } else { m.threads },
         uring: !m.no_uring,
         splice: tuning.splice,
         idle_poll: m
             .idle_poll
-            .unwrap_or_else(|| tilefs_fuse_proto::idle_poll_worth_it().is_ok() && rustix::process::geteuid().is_root()),
+            .unwrap_or_else(|| rustix::process::geteuid().is_root() && tilefs_fuse_proto::idle_poll_worth_it().is_ok()),
         ..ServeConfig::default()
     };
     let Some((upper, work)) = &m.upper else {
@@ -366,7 +367,7 @@ pub fn mount(m: &FuseMount) -> Result<(), FuseError> {
     };
     let (uids, gids) = (map(&m.uid_map, "uidmapping")?, map(&m.gid_map, "gidmapping")?);
     let up = overlay::UpperDir::open(upper, work, uids, gids).map_err(fail)?;
-    let fs = overlay::OverlayFs::new(lower, up, tuning).map_err(fail)?;
+    let fs = overlay::OverlayFs::new(lower, up, tuning, nofile).map_err(fail)?;
     // Permissions are the kernel's to check, against what we show.
     start(m, fs, serve_cfg, &mnt, logger, record, true, true)
 }

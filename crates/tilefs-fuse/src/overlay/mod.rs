@@ -106,6 +106,9 @@ pub(crate) struct OverlayFs {
     /// We clear setuid/setgid (FUSE_HANDLE_KILLPRIV_V2).
     killpriv: AtomicBool,
     io: io_mode::IoModes,
+    /// Removed files' descriptors are kept (until FORGET) only below this
+    /// descriptor number: three quarters of the limit on open files.
+    orphan_fd_max: u64,
 }
 
 /// A location in the upper directory: an entry of a directory, or a file
@@ -130,7 +133,8 @@ fn time_of(t: (i64, u32)) -> (u64, u32) {
 }
 
 impl OverlayFs {
-    pub(crate) fn new(lower: Lower, up: Upper, tune: Tuning) -> Result<OverlayFs, String> {
+    /// `nofile`: the limit on open files in force.
+    pub(crate) fn new(lower: Lower, up: Upper, tune: Tuning, nofile: u64) -> Result<OverlayFs, String> {
         // Exact modes in the upper directory: nothing masked by ours.
         rustix::process::umask(Mode::empty());
         let root_lower = tilefs_image::tree::ROOT;
@@ -166,6 +170,7 @@ impl OverlayFs {
             writeback: AtomicBool::new(false),
             killpriv: AtomicBool::new(false),
             io: io_mode::IoModes::new(),
+            orphan_fd_max: nofile / 4 * 3,
         })
     }
 

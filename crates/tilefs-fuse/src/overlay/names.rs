@@ -7,7 +7,7 @@ use crate::overlay::nodes::Node;
 use rustix::fs::{AtFlags, Mode, OFlags, RenameFlags};
 use rustix::io::Errno;
 use std::ffi::CString;
-use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd, OwnedFd};
 use std::os::unix::ffi::OsStrExt;
 use std::sync::Arc;
 
@@ -326,7 +326,11 @@ impl OverlayFs {
                             Mode::empty(),
                         )
                         .ok()
-                        .filter(room_for_orphan)
+                        // Descriptors are numbered lowest free first, so its
+                        // number tells how full the table is: near full, the
+                        // rest of the server keeps the descriptors it needs,
+                        // and this file's blocks are freed by the unlink.
+                        .filter(|fd| (fd.as_raw_fd() as u64) < self.orphan_fd_max)
                         {
                             if let Some(n) = self.nodes().get_mut(c) {
                                 n.orphan = Some(Arc::new(fd));
@@ -553,20 +557,4 @@ fn rename_in(nodes: &mut super::Nodes, id: NodeId, parent: NodeId, name: &[u8], 
 #[allow(dead_code)]
 fn shown(name: &[u8]) -> String {
     std::ffi::OsStr::from_bytes(name).to_string_lossy().into_owned()
-}
-
-/// Whether a removed file's descriptor `fd` may be kept until FORGET: not
-/// when the descriptor table is three quarters full (descriptors are
-/// numbered lowest free first, so its number tells). The kernel forgets a
-/// removed file at once unless something holds it; if many are held, the
-/// rest of the server keeps the descriptors it needs, and a file removed
-/// then frees its blocks inside UNLINK instead.
-fn room_for_orphan(fd: &OwnedFd) -> bool {
-    use std::os::fd::AsRawFd;
-    static HIGH: std::sync::OnceLock<u64> = std::sync::OnceLock::new();
-    let high = *HIGH.get_or_init(|| {
-        let l = rustix::process::getrlimit(rustix::process::Resource::Nofile);
-        l.current.map_or(u64::MAX, |n| n / 4 * 3)
-    });
-    (fd.as_raw_fd() as u64) < high
 }
