@@ -18,7 +18,7 @@
 
 use std::fs::File;
 use std::io::{self, Write};
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 use std::thread::{JoinHandle, Thread};
 use std::time::Duration;
@@ -32,7 +32,10 @@ const NO_CONSTRAINT_US: i32 = 2_000_000_000;
 
 /// What the request path touches, and the guard's state.
 struct Activity {
-    requests: AtomicU64,
+    /// A request came since the manager last looked. Set only when clear,
+    /// so that requests in a burst read it and do not bounce its line
+    /// between CPUs.
+    busy: AtomicBool,
     /// Our QoS request is 0 now (or about to be).
     armed: AtomicBool,
     /// /dev/cpu_dma_latency, held open while a guard runs; writes to it
@@ -42,30 +45,29 @@ struct Activity {
 }
 
 static ACTIVITY: Activity = Activity {
-    requests: AtomicU64::new(0),
+    busy: AtomicBool::new(false),
     armed: AtomicBool::new(true),
     qos: Mutex::new(None),
     manager: OnceLock::new(),
 };
 
-/// Called for every request received: counts it, and arms the latency
-/// request if it was relaxed. (Without a guard, `armed` stays true.)
+/// Called for every request received: marks the mount busy, and arms the
+/// latency request if it was relaxed. (Without a guard, `armed` stays
+/// true.)
 #[inline]
 pub(crate) fn request() {
     let a = &ACTIVITY;
-    a.requests.fetch_add(1, Ordering::Relaxed);
+    if !a.busy.load(Ordering::Relaxed) {
+        a.busy.store(true, Ordering::Relaxed);
+    }
     if !a.armed.load(Ordering::Relaxed) && !a.armed.swap(true, Ordering::AcqRel) {
-        set_latency(0);
+        if let Some(f) = a.qos.lock().unwrap_or_else(|e| e.into_inner()).as_mut() {
+            // The device takes the value as a binary s32.
+            let _ = f.write_all(&0i32.to_ne_bytes());
+        }
         if let Some(t) = a.manager.get() {
             t.unpark();
         }
-    }
-}
-
-fn set_latency(us: i32) {
-    if let Some(f) = ACTIVITY.qos.lock().unwrap_or_else(|e| e.into_inner()).as_mut() {
-        // The device takes the value as a binary s32.
-        let _ = f.write_all(&us.to_ne_bytes());
     }
 }
 
@@ -154,22 +156,19 @@ impl Drop for Guard {
 /// `request` to arm it again.
 fn manage(stop: &AtomicBool) {
     let a = &ACTIVITY;
-    let mut seen = a.requests.load(Ordering::Relaxed);
     while !stop.load(Ordering::SeqCst) {
         if !a.armed.load(Ordering::SeqCst) {
             std::thread::park();
             continue;
         }
         std::thread::sleep(WINDOW);
-        let now = a.requests.load(Ordering::Relaxed);
-        if now != seen {
-            seen = now;
+        if a.busy.swap(false, Ordering::Relaxed) {
             continue;
         }
         // Under the device's lock, so an arming write cannot come between
         // our flag and our write and be undone by it.
         let mut qos = a.qos.lock().unwrap_or_else(|e| e.into_inner());
-        if a.requests.load(Ordering::Relaxed) == seen {
+        if !a.busy.load(Ordering::Relaxed) {
             a.armed.store(false, Ordering::SeqCst);
             if let Some(f) = qos.as_mut() {
                 let _ = f.write_all(&NO_CONSTRAINT_US.to_ne_bytes());
