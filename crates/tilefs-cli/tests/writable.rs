@@ -9,7 +9,8 @@
 //! and shows the same tree).
 //!
 //! `TILEFS_WRITABLE_OPS` sets the number of operations per sequence
-//! (default 400).
+//! (default 400); `TILEFS_WRITABLE_SEEDS` (`A-B` or `A,B,...`) replaces
+//! each test's fixed seeds, for soaking with many more sequences.
 
 mod common;
 
@@ -595,6 +596,24 @@ fn run_ops_as_nobody(roots: &[PathBuf], seed: u64, count: usize) -> Vec<String> 
         .collect()
 }
 
+/// The seeds of a test's sequences: `fixed`, unless TILEFS_WRITABLE_SEEDS
+/// names others.
+fn seeds(fixed: &[u64]) -> Vec<u64> {
+    let Ok(v) = std::env::var("TILEFS_WRITABLE_SEEDS") else {
+        return fixed.to_vec();
+    };
+    let bad = || panic!("TILEFS_WRITABLE_SEEDS={v:?}: want A-B or A,B,...");
+    match v.split_once('-') {
+        Some((a, b)) => {
+            (a.trim().parse().unwrap_or_else(|_| bad())..=b.trim().parse().unwrap_or_else(|_| bad())).collect()
+        }
+        None => v
+            .split(',')
+            .map(|x| x.trim().parse().unwrap_or_else(|_| bad()))
+            .collect(),
+    }
+}
+
 fn op_count() -> usize {
     std::env::var("TILEFS_WRITABLE_OPS")
         .ok()
@@ -922,7 +941,7 @@ fn root_writes_match_the_kernel_overlay_and_a_plain_copy() {
     let fuse = mount_rw("fuse", &s.store, &s.image, (&fm, &fu, &fw), &[]);
     let roots = vec![km.clone(), fm.clone(), plain.clone()];
     let mut diffs = Vec::new();
-    for seed in [1, 2] {
+    for seed in seeds(&[1, 2]) {
         diffs.extend(run_ops(&roots, seed, op_count(), true));
     }
     let (k, f, p) = (scan_tree(&km), scan_tree(&fm), scan_tree(&plain));
@@ -953,7 +972,7 @@ fn unprivileged_writes_match_the_kernel_overlay() {
     let fuse = mount_rw("fuse", &s.store, &s.image, (&fm, &fu, &fw), &[]);
     let roots = vec![km.clone(), fm.clone()];
     let mut diffs = Vec::new();
-    for seed in [3, 4] {
+    for seed in seeds(&[3, 4]) {
         diffs.extend(run_ops_as_nobody(&roots, seed, op_count()));
     }
     diffs.extend(compare("fuse vs kernel", &scan_tree(&km), &scan_tree(&fm), true));
@@ -985,7 +1004,10 @@ fn a_server_without_privilege_matches_the_kernel_overlay() {
     let kernel = mount_rw("kernel", &s.store, &s.image, (&km, &ku, &kw), &[]);
     let fuse = mount_rw("fuse-nobody", &s.store, &s.image, (&fm, &fu, &fw), &[]);
     let roots = vec![km.clone(), fm.clone()];
-    let mut diffs = run_ops_as_nobody(&roots, 5, op_count());
+    let mut diffs = Vec::new();
+    for seed in seeds(&[5]) {
+        diffs.extend(run_ops_as_nobody(&roots, seed, op_count()));
+    }
     // Only its user may enter a FUSE mount made without privilege: both
     // are seen as that user, owners of the image (root...) as they are.
     let f = scan_as_nobody(&fm);
