@@ -392,7 +392,7 @@ def _run(b, work: Path, state: State, uring: lib.FuseUring) -> None:
     if "native" not in ok:
         b.skip("all", TITLE, "the native copy failed")
         return
-    runs = lib.env_int("BENCH_WRITABLE_RUNS", min(b.runs, 3))
+    runs = lib.env_int("BENCH_WRITABLE_RUNS", b.runs)
     notes = [f"build: {CRATE}, cmake {' '.join(CMAKE_ARGS)} (libgit2 then builds Debug: gcc -O0 -g), "
              f"make -j{JOBS}; {runs} runs per configuration",
              "build, warm: one untimed warm-up build per configuration first; the build directory removed and "
