@@ -10,6 +10,7 @@ use rustix::fs::{AtFlags, Mode, OFlags};
 use rustix::io::Errno;
 use std::collections::HashSet;
 use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
+use std::sync::Arc;
 use tilefs_fuse_proto::abi::{self, fattr};
 use tilefs_image::tree::InodeId;
 
@@ -149,7 +150,7 @@ impl OverlayFs {
             )
             .map_err(e)?,
         };
-        Ok(Handle::Upper(fd))
+        Ok(Handle::Upper(Arc::new(fd)))
     }
 
     /// Attributes of node `id` through an open upper file `fd`.

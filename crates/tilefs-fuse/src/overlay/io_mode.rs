@@ -103,6 +103,19 @@ impl IoModes {
         mode
     }
 
+    /// The open handles of node `id`.
+    pub(crate) fn opens_of(&self, id: NodeId) -> Vec<u64> {
+        let st = self.state.lock().unwrap_or_else(|e| e.into_inner());
+        if !st.nodes.contains_key(&id) {
+            return Vec::new();
+        }
+        st.opens
+            .iter()
+            .filter(|(_, (n, _))| *n == id)
+            .map(|(fh, _)| *fh)
+            .collect()
+    }
+
     /// Open `fh` was released.
     pub(crate) fn release(&self, fh: u64) {
         let mut st = self.state.lock().unwrap_or_else(|e| e.into_inner());

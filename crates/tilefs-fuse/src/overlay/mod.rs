@@ -66,8 +66,9 @@ pub(crate) enum Handle {
     Lower(Object, InodeId),
     /// A file of the image stored inline (or empty).
     Inline(InodeId),
-    /// An upper file.
-    Upper(OwnedFd),
+    /// An upper file (shared with its node once the file is removed: see
+    /// `OverlayFs::remove`).
+    Upper(Arc<OwnedFd>),
     /// A directory: its merged listing, taken at the first READDIR.
     Dir(Mutex<Option<Arc<Vec<Listed>>>>),
 }

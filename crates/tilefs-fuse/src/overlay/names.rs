@@ -2,7 +2,7 @@
 //! overlayfs's whiteouts, opaque directories and redirects.
 
 use super::upper::{self, proc_path, Target, XPath, S_IFDIR, S_IFLNK, S_IFMT, S_IFREG};
-use super::{e, NodeId, OverlayFs, R};
+use super::{e, Handle, NodeId, OverlayFs, R};
 use crate::overlay::nodes::Node;
 use rustix::fs::{AtFlags, Mode, OFlags, RenameFlags};
 use rustix::io::Errno;
@@ -281,6 +281,16 @@ impl OverlayFs {
     }
 
     /// Removes `name` from `parent` (a directory when `dir`).
+    /// The descriptor of an open upper file of node `id`, if it has one.
+    fn upper_handle_of(&self, id: NodeId) -> Option<Arc<OwnedFd>> {
+        let fhs = self.io.opens_of(id);
+        let handles = self.handles.lock().unwrap_or_else(|e| e.into_inner());
+        fhs.iter().find_map(|fh| match handles.get(fh).map(|h| &**h) {
+            Some(Handle::Upper(f)) => Some(f.clone()),
+            _ => None,
+        })
+    }
+
     pub(crate) fn remove(&self, parent: NodeId, name: &[u8], dir: bool) -> R<()> {
         let _changing = self.changing.lock().unwrap_or_else(|e| e.into_inner());
         let found = self.find(parent, name)?.ok_or(libc::ENOENT)?;
@@ -319,21 +329,26 @@ impl OverlayFs {
             if !dir {
                 if let (Some(c), Some(m)) = (child, &found.upper) {
                     if m.nlink <= 1 {
-                        if let Some(fd) = rustix::fs::openat(
-                            pfd.as_fd(),
-                            name,
-                            OFlags::PATH | OFlags::NOFOLLOW | OFlags::CLOEXEC,
-                            Mode::empty(),
-                        )
-                        .ok()
-                        // Descriptors are numbered lowest free first, so its
-                        // number tells how full the table is: near full, the
-                        // rest of the server keeps the descriptors it needs,
-                        // and this file's blocks are freed by the unlink.
-                        .filter(|fd| (fd.as_raw_fd() as u64) < self.orphan_fd_max)
-                        {
+                        // An open file's own descriptor serves, costing none.
+                        let kept = self.upper_handle_of(c).or_else(|| {
+                            rustix::fs::openat(
+                                pfd.as_fd(),
+                                name,
+                                OFlags::PATH | OFlags::NOFOLLOW | OFlags::CLOEXEC,
+                                Mode::empty(),
+                            )
+                            .ok()
+                            // Descriptors are numbered lowest free first, so
+                            // its number tells how full the table is: near
+                            // full, the rest of the server keeps the
+                            // descriptors it needs, and this file's blocks
+                            // are freed by the unlink.
+                            .filter(|fd| (fd.as_raw_fd() as u64) < self.orphan_fd_max)
+                            .map(Arc::new)
+                        });
+                        if let Some(fd) = kept {
                             if let Some(n) = self.nodes().get_mut(c) {
-                                n.orphan = Some(Arc::new(fd));
+                                n.orphan = Some(fd);
                             }
                         }
                     }

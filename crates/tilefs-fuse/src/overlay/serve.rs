@@ -246,7 +246,7 @@ impl Filesystem for OverlayFs {
                 }
                 let h = (a.valid & fattr::FH != 0).then(|| self.handle_of(a.fh)).flatten();
                 let fd = h.as_deref().and_then(|h| match h {
-                    Handle::Upper(f) => Some(f),
+                    Handle::Upper(f) => Some(&**f),
                     _ => None,
                 });
                 match self.setattr(id, &a, fd) {
@@ -350,7 +350,7 @@ impl Filesystem for OverlayFs {
                 };
                 match made {
                     Ok((child, Some(f))) => match self.entry(child) {
-                        Ok(en) => reply.create(&en, self.opened(child, Handle::Upper(f))),
+                        Ok(en) => reply.create(&en, self.opened(child, Handle::Upper(Arc::new(f)))),
                         Err(x) => {
                             self.nodes().forget(child, 1);
                             reply.error(x)
