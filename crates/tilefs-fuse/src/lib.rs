@@ -421,37 +421,26 @@ fn start<F: tilefs_fuse_proto::Filesystem>(
 /// open for the kernel's reads, and removed files until the kernel forgets
 /// them. Returns the limit in force.
 fn raise_nofile() -> u64 {
-    use rustix::process::{getrlimit, setrlimit, Resource};
-    let mut l = getrlimit(Resource::Nofile);
+    use rustix::process::{getrlimit, setrlimit, Resource, Rlimit};
+    let l = getrlimit(Resource::Nofile);
     let ceiling = std::fs::read_to_string("/proc/sys/fs/nr_open")
         .ok()
-        .and_then(|s| s.trim().parse::<u64>().ok());
-    if let (Some(c), Some(max)) = (ceiling, l.maximum) {
-        // Refused without CAP_SYS_RESOURCE; the hard limit then stands.
-        if c > max
-            && setrlimit(
+        .and_then(|s| s.trim().parse::<u64>().ok())
+        .filter(|&c| l.maximum.is_none_or(|max| c > max));
+    // Highest first; the ceiling is refused without CAP_SYS_RESOURCE.
+    for want in [ceiling, l.maximum].into_iter().flatten() {
+        if l.current == Some(want)
+            || setrlimit(
                 Resource::Nofile,
-                rustix::process::Rlimit {
-                    current: Some(c),
-                    maximum: Some(c),
+                Rlimit {
+                    current: Some(want),
+                    maximum: Some(want),
                 },
             )
             .is_ok()
         {
-            return c;
+            return want;
         }
-    }
-    if l.current != l.maximum
-        && setrlimit(
-            Resource::Nofile,
-            rustix::process::Rlimit {
-                current: l.maximum,
-                ..l
-            },
-        )
-        .is_ok()
-    {
-        l.current = l.maximum;
     }
     l.current.unwrap_or(u64::MAX)
 }
