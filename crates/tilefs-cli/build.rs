@@ -32,7 +32,9 @@ fn main() {
     if let Some(r) = git(&["symbolic-ref", "-q", "HEAD"]) {
         watch.push(git_path(&r));
     }
-    for p in watch.into_iter().flatten() {
+    // Only files that exist: cargo takes a missing one (a repository
+    // without packed-refs) as changed, and would build tilefs every time.
+    for p in watch.into_iter().flatten().filter(|p| p.exists()) {
         println!("cargo:rerun-if-changed={}", p.display());
     }
 }
