@@ -165,7 +165,23 @@ pub fn mount(a: MountArgs) -> Result<ExitCode> {
 /// the kernel can (privilege, EROFS and overlayfs, and fs-verity when
 /// verification is required); otherwise with FUSE.
 pub fn run(req: &Request) -> Result<()> {
-    let store = Store::open(&req.stores[0])?;
+    let store = match Store::open(&req.stores[0]) {
+        Ok(s) => s,
+        // A store this user may not read (root's, mode 0700): only the
+        // mount service can mount its images for them.
+        Err(tilefs_store::StoreError::Io { err, .. })
+            if err.kind() == std::io::ErrorKind::PermissionDenied
+                && matches!(req.backend, None | Some(Backend::Delegated)) =>
+        {
+            return delegated(req, &req.stores[0]).map_err(|why| {
+                anyhow!(
+                    "{}: cannot read the store ({err}), and the mount service did not mount it: {why:#}",
+                    req.stores[0].display()
+                )
+            });
+        }
+        Err(e) => return Err(e.into()),
+    };
     let image = tags::resolve_image(Some(&store), &req.image)?;
     let o = &req.options;
     let verity = o.verity.unwrap_or_default();
@@ -196,7 +212,7 @@ pub fn run(req: &Request) -> Result<()> {
         (None, _) => match tilefs_mount::kernel_available() {
             // Without privilege: the mount service, when it is there and
             // may mount this image for us.
-            Err(tilefs_mount::MountError::NotPermitted(e)) => match delegated(req, &store) {
+            Err(tilefs_mount::MountError::NotPermitted(e)) => match delegated(req, store.path()) {
                 Ok(()) => return Ok(()),
                 Err(why) => {
                     eprintln!(
@@ -226,7 +242,7 @@ pub fn run(req: &Request) -> Result<()> {
         },
     };
     match backend {
-        Backend::Delegated => delegated(req, &store)?,
+        Backend::Delegated => delegated(req, store.path())?,
         Backend::Kernel => {
             // Held from the mount to its record, so a gc cannot run between.
             let lock = store.lock(tilefs_store::LockMode::Shared, true);
@@ -242,7 +258,6 @@ pub fn run(req: &Request) -> Result<()> {
                 attrs: o.attrs,
                 overlay_options: o.overlay.clone(),
                 erofs_backing: req.erofs_backing,
-                upper_creds: None,
             })
             .map_err(|e| match e {
                 tilefs_mount::MountError::NotPermitted(_) => anyhow!("{e}; the FUSE mount (--fuse) needs no privilege"),
@@ -268,7 +283,7 @@ pub fn run(req: &Request) -> Result<()> {
 
 /// Has the mount service make the mount (a tagged image only: the service
 /// mounts only what its policy trusts).
-fn delegated(req: &Request, store: &Store) -> Result<()> {
+fn delegated(req: &Request, store: &std::path::Path) -> Result<()> {
     let o = &req.options;
     if req.stores.len() > 1 {
         bail!("a delegated mount serves one object store");
@@ -293,7 +308,7 @@ fn delegated(req: &Request, store: &Store) -> Result<()> {
         .filter(|t| tags::validate_tag(t).is_ok() && !req.image.exists())
         .ok_or_else(|| anyhow!("{}: the mount service mounts tagged images only", req.image.display()))?;
     let socket = tilefs_mount::mountd::server::socket_path();
-    let store_path = std::fs::canonicalize(store.path())?;
+    let store_path = std::fs::canonicalize(store).map_err(|e| anyhow!("{}: {e}", store.display()))?;
     let verity = o.verity.map(|v| v.to_string());
     let notices = tilefs_mount::mountd::client::mount(
         &socket,

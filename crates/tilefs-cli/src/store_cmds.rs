@@ -245,6 +245,7 @@ fn fsck_json(store: &Store, r: &FsckReport) -> serde_json::Value {
         "bad_images": r.bad_images.iter().map(|(t, why)| json!({"tag": t, "reason": why})).collect::<Vec<_>>(),
         "repaired": r.repaired,
         "quarantine": store.join(QUARANTINE_DIR),
+        "exposed": r.exposed,
     })
 }
 
@@ -296,6 +297,9 @@ fn print_fsck(out: &mut impl Write, store: &Store, r: &FsckReport, repair: bool)
             "{tag}: {} not fetched yet (pulled with --lazy: read through a FUSE mount, or `tilefs pull` again to complete it)",
             plural(*n, "object")
         )?;
+    }
+    if let Some(why) = &r.exposed {
+        writeln!(out, "warning: {why}")?;
     }
     if r.leftovers > 0 {
         writeln!(

@@ -18,7 +18,7 @@ use std::ffi::OsStr;
 use std::fs;
 use std::io::Read;
 use std::os::unix::ffi::OsStrExt;
-use std::os::unix::fs::{MetadataExt, OpenOptionsExt};
+use std::os::unix::fs::{MetadataExt, OpenOptionsExt, PermissionsExt};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
@@ -473,6 +473,8 @@ fn mounted_without_root() {
     let store = a.path("store");
     let image = a.path("image.cfs");
     build_with_store(&src, &store, &image, &["--hardlink"]);
+    // A store root made is root's alone (0700): this one is shared on purpose.
+    fs::set_permissions(&store, fs::Permissions::from_mode(0o755)).unwrap();
     let mnt = a.dir("mnt");
     give_to_nobody(&mnt);
 

@@ -122,6 +122,9 @@ fn privileged_tree(a: &Area) -> (PathBuf, PathBuf) {
         src.as_os_str(),
         image.as_os_str(),
     ]);
+    // Shared with the unprivileged user on purpose (a store root makes is
+    // root's alone).
+    fs::set_permissions(&store, fs::Permissions::from_mode(0o755)).unwrap();
     (store, image)
 }
 

@@ -1,26 +1,33 @@
 //! The mount service (`tilefs mountd`), run as root by the test on a socket
-//! and policy of its own, with an unprivileged user (uid/gid 65534,
-//! "nobody") as the client: kernel mounts of tagged images by policy,
-//! always nosuid and nodev, attached only where the caller may, unmounted
-//! only for the user they were made for; refusals say which rule refused;
-//! garbage, stalled and many clients do not stop the service.
+//! and policy of its own, with unprivileged users (uid/gid 65534 "nobody",
+//! and uid 1 "daemon") as its clients: kernel mounts of tagged images by
+//! policy, always nosuid and nodev, attached only where the caller may,
+//! unmounted only for the user they were made for; and the attacks a
+//! hostile local user tried on it, each refused.
 
 mod common;
 
 use common::*;
+use rustix::fd::OwnedFd;
 use std::ffi::OsStr;
 use std::fs;
-use std::os::unix::fs::PermissionsExt;
+use std::io::{BufRead, BufReader};
+use std::os::unix::fs::{MetadataExt, PermissionsExt};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Output, Stdio};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
-use tilefs_mount::mountd::{client, proto};
+use tilefs_mount::mountd::proto;
+
+const SECRET: &[u8] = b"root's secret, mode 0600, long enough (over 64 bytes) to be an object of the store\n";
+const PRIVATE: &[u8] = b"a 0644 file in a 0700 root directory\n";
+const DAEMON: u32 = 1;
 
 /// The tests here run one at a time: `unshare -m` in one test copies every
 /// mount of the others into its new namespace, and a mount that propagates
 /// to such a copy while it is being made can be reported busy.
 fn serial() -> std::sync::MutexGuard<'static, ()> {
-    static LOCK: std::sync::Mutex<()> = std::sync::Mutex::new(());
+    static LOCK: Mutex<()> = Mutex::new(());
     LOCK.lock().unwrap_or_else(|e| e.into_inner())
 }
 
@@ -35,7 +42,7 @@ fn mount_line(mnt: &Path) -> String {
 }
 
 /// A raw connection to the service at `socket`.
-fn connect(socket: &Path) -> rustix::fd::OwnedFd {
+fn connect(socket: &Path) -> OwnedFd {
     let fd = rustix::net::socket(
         rustix::net::AddressFamily::UNIX,
         rustix::net::SocketType::SEQPACKET,
@@ -46,11 +53,40 @@ fn connect(socket: &Path) -> rustix::fd::OwnedFd {
     fd
 }
 
+/// Runs `f` on a thread of its own whose credentials are `uid`/`gid`: the
+/// kernel keeps credentials per thread, so a connection it makes carries
+/// them (SO_PEERCRED), and its opens are checked against them.
+fn on_thread_as<T: Send>(uid: u32, f: impl FnOnce() -> T + Send) -> T {
+    std::thread::scope(|s| {
+        s.spawn(|| {
+            let gid = rustix::process::Gid::from_raw(uid);
+            rustix::thread::set_thread_groups(&[gid]).unwrap();
+            rustix::thread::set_thread_res_gid(gid, gid, gid).unwrap();
+            let u = rustix::process::Uid::from_raw(uid);
+            rustix::thread::set_thread_res_uid(u, u, u).unwrap();
+            f()
+        })
+        .join()
+        .unwrap()
+    })
+}
+
+/// Sends `bytes` with `fds` and reads the reply (the service may answer
+/// before it reads, so a failed send is not the end).
+fn exchange(socket: &Path, bytes: &[u8], fds: &[OwnedFd]) -> proto::Reply {
+    let fd = connect(socket);
+    let _ = proto::send(&fd, bytes, fds);
+    let (reply, _) = proto::recv(&fd).unwrap();
+    serde_json::from_slice(&reply).unwrap()
+}
+
 /// The service, killed when dropped; whatever it mounted goes too.
 struct Service {
     child: Child,
     socket: PathBuf,
     mounts: Vec<PathBuf>,
+    /// What it logged so far.
+    log: Arc<Mutex<String>>,
 }
 
 impl Drop for Service {
@@ -67,14 +103,49 @@ impl Drop for Service {
     }
 }
 
+impl Service {
+    /// Starts `cmd` (the service) and waits for its socket.
+    fn start(mut cmd: Command, socket: &Path) -> Service {
+        let mut child = cmd.stderr(Stdio::piped()).spawn().unwrap();
+        let log = Arc::new(Mutex::new(String::new()));
+        let (stderr, sink) = (child.stderr.take().unwrap(), log.clone());
+        std::thread::spawn(move || {
+            for line in BufReader::new(stderr).lines().map_while(Result::ok) {
+                sink.lock().unwrap().push_str(&(line + "\n"));
+            }
+        });
+        let end = Instant::now() + Duration::from_secs(20);
+        while !socket.exists() {
+            if let Some(st) = child.try_wait().unwrap() {
+                panic!("the service exited ({st}): {}", log.lock().unwrap());
+            }
+            assert!(Instant::now() < end, "the service did not start");
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        Service {
+            child,
+            socket: socket.to_path_buf(),
+            mounts: Vec::new(),
+            log,
+        }
+    }
+
+    fn log(&self) -> String {
+        self.log.lock().unwrap().clone()
+    }
+}
+
 struct Setup {
     area: Area,
     store: PathBuf,
+    policy: PathBuf,
     service: Service,
 }
 
-/// A store with a tagged image holding a setuid-root `id` and /dev/zero's
-/// device, a policy letting nobody mount it, and the service on it.
+/// A store with a tagged image holding what a hostile user would want:
+/// a setuid-root `id`, /dev/zero's device, a root-only file, a 0644 file
+/// in a 0700 directory; a file of nobody's own; a policy letting nobody
+/// (and daemon) mount it; and the service on it.
 fn setup(policy_extra: &str) -> Option<Setup> {
     if let Some(why) = cannot_mount("erofs").or_else(|| cannot_mount("overlay")) {
         eprintln!("skipping: {why}");
@@ -93,6 +164,14 @@ fn setup(policy_extra: &str) -> Option<Setup> {
         .success());
     fs::set_permissions(src.join("zero"), fs::Permissions::from_mode(0o666)).unwrap();
     fs::write(src.join("hello"), b"hello from a delegated mount").unwrap();
+    fs::create_dir_all(src.join("srv/private")).unwrap();
+    fs::write(src.join("srv/private/file"), PRIVATE).unwrap();
+    fs::set_permissions(src.join("srv/private"), fs::Permissions::from_mode(0o700)).unwrap();
+    fs::create_dir(src.join("root")).unwrap();
+    fs::write(src.join("root/secret.txt"), SECRET).unwrap();
+    fs::set_permissions(src.join("root/secret.txt"), fs::Permissions::from_mode(0o600)).unwrap();
+    fs::write(src.join("own"), b"nobody's own file in the image\n").unwrap();
+    give_to_nobody(&src.join("own"));
     let store = area.path("store");
     for tag in ["os:1", "other"] {
         tilefs(&[
@@ -109,43 +188,46 @@ fn setup(policy_extra: &str) -> Option<Setup> {
     fs::write(
         &policy,
         format!(
-            "[[store]]\npath = \"{}\"\nusers = [\"nobody\"]\n{policy_extra}",
+            "[[store]]\npath = \"{}\"\nusers = [\"nobody\", \"daemon\"]\n{policy_extra}",
             store.display()
         ),
     )
     .unwrap();
     let socket = area.path("mountd.sock");
-    let child = Command::new(tilefs_bin())
-        .args([
-            os("mountd"),
-            os("--socket"),
-            socket.as_os_str(),
-            os("--policy"),
-            policy.as_os_str(),
-        ])
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    let service = Service {
-        child,
-        socket: socket.clone(),
-        mounts: Vec::new(),
-    };
-    let end = Instant::now() + Duration::from_secs(20);
-    while !socket.exists() {
-        assert!(Instant::now() < end, "the service did not start");
-        std::thread::sleep(Duration::from_millis(10));
-    }
-    Some(Setup { area, store, service })
+    let mut cmd = Command::new(tilefs_bin());
+    cmd.args([
+        os("mountd"),
+        os("--socket"),
+        socket.as_os_str(),
+        os("--policy"),
+        policy.as_os_str(),
+    ]);
+    let service = Service::start(cmd, &socket);
+    Some(Setup {
+        area,
+        store,
+        policy,
+        service,
+    })
 }
 
 impl Setup {
-    /// A mount point owned by nobody.
-    fn mountpoint(&mut self, name: &str) -> PathBuf {
+    /// A mount point owned by `uid`.
+    fn mountpoint_of(&mut self, name: &str, uid: u32) -> PathBuf {
         let m = self.area.dir(name);
-        give_to_nobody(&m);
+        rustix::fs::chown(
+            &m,
+            Some(rustix::fs::Uid::from_raw(uid)),
+            Some(rustix::fs::Gid::from_raw(uid)),
+        )
+        .unwrap();
         self.service.mounts.push(m.clone());
         m
+    }
+
+    /// A mount point owned by nobody.
+    fn mountpoint(&mut self, name: &str) -> PathBuf {
+        self.mountpoint_of(name, NOBODY)
     }
 
     /// `prog args` as nobody, with the service's socket; killed after 30 s.
@@ -168,6 +250,10 @@ impl Setup {
         child.wait_with_output().unwrap()
     }
 
+    fn sh_as_nobody(&self, script: &str) -> Output {
+        self.as_nobody(Path::new("/bin/sh"), &[os("-c"), os(script)])
+    }
+
     fn tilefs_as_nobody(&self, args: &[&OsStr]) -> Output {
         self.as_nobody(&tilefs_bin(), args)
     }
@@ -179,13 +265,34 @@ impl Setup {
         self.tilefs_as_nobody(&args)
     }
 
-    /// A raw request as root (uid 0, whom the policy does not name).
-    fn raw(&self, bytes: &[u8]) -> proto::Reply {
-        let fd = connect(&self.service.socket);
-        proto::send(&fd, bytes, &[]).unwrap();
-        let (reply, _) = proto::recv(&fd).unwrap();
-        serde_json::from_slice(&reply).unwrap()
+    fn writable_as_nobody(&self, mnt: &Path, upper: &Path, work: &Path) -> Output {
+        self.mount_as_nobody(
+            "os:1",
+            mnt,
+            &["--upper", upper.to_str().unwrap(), "--work", work.to_str().unwrap()],
+        )
     }
+
+    fn umount_as_nobody(&self, mnt: &Path) -> Output {
+        self.tilefs_as_nobody(&[os("umount"), mnt.as_os_str()])
+    }
+
+    /// A mount request of os:1 as raw JSON, with `attach` and `upper` as given.
+    fn request(&self, attach: bool, upper: bool) -> String {
+        format!(
+            r#"{{"op":"mount","store":"{}","image":"os:1","attach":{attach},"upper":{upper}}}"#,
+            self.store.display()
+        )
+    }
+}
+
+fn ok(out: &Output) {
+    assert!(out.status.success(), "{}", stderr(out));
+}
+
+fn refused(out: &Output, why: &str) {
+    assert!(!out.status.success(), "not refused (wanted: {why})");
+    assert!(stderr(out).contains(why), "wanted {why:?}, got: {}", stderr(out));
 }
 
 #[test]
@@ -194,7 +301,7 @@ fn a_user_gets_a_kernel_mount_of_a_trusted_image() {
     let Some(mut s) = setup("") else { return };
     let mnt = s.mountpoint("mnt");
     let out = s.mount_as_nobody("os:1", &mnt, &[]);
-    assert!(out.status.success(), "{}", stderr(&out));
+    ok(&out);
     let line = mount_line(&mnt);
     assert!(line.contains(" - overlay "), "a kernel mount: {line}");
     assert!(line.contains("nosuid") && line.contains("nodev"), "{line}");
@@ -204,39 +311,50 @@ fn a_user_gets_a_kernel_mount_of_a_trusted_image() {
     assert_eq!(String::from_utf8_lossy(&id.stdout).trim(), "65534", "setuid honoured");
     let dev = s.as_nobody(Path::new("/usr/bin/head"), &[os("-c4"), mnt.join("zero").as_os_str()]);
     assert!(!dev.status.success(), "a device opened");
+    // The image's permissions hold for its user.
+    let secret = s.sh_as_nobody(&format!("cat {}/root/secret.txt", mnt.display()));
+    assert!(!secret.status.success() && secret.stdout.is_empty());
 
-    // Only for the user it was made for.
-    let e = client::umount(&s.service.socket, &mnt, false).unwrap_err().to_string();
-    assert!(e.contains("not a mount this service made for you"), "{e}");
+    // Only for the user it was made for (daemon is allowed the store too).
+    let target = rustix::fs::open(&mnt, rustix::fs::OFlags::PATH, rustix::fs::Mode::empty()).unwrap();
+    let r = on_thread_as(DAEMON, || exchange(&s.service.socket, br#"{"op":"umount"}"#, &[target]));
+    assert!(
+        r.error
+            .as_deref()
+            .unwrap_or_default()
+            .contains("not a mount this service made for you"),
+        "{r:?}"
+    );
     assert!(is_mounted(&mnt));
-    // Busy: refused; then unmounted by its user.
+    // Busy: refused, saying what holds it; then unmounted by its user.
     let mut busy = Command::new("sleep").arg("60").current_dir(&mnt).spawn().unwrap();
-    let out = s.tilefs_as_nobody(&[os("umount"), mnt.as_os_str()]);
+    let out = s.umount_as_nobody(&mnt);
     busy.kill().unwrap();
     busy.wait().unwrap();
-    assert!(
-        !out.status.success() && stderr(&out).contains("busy"),
-        "{}",
-        stderr(&out)
-    );
-    let out = s.tilefs_as_nobody(&[os("umount"), mnt.as_os_str()]);
-    assert!(out.status.success(), "{}", stderr(&out));
+    refused(&out, "busy (the working directory of process");
+    assert!(is_mounted(&mnt));
+    let held = fs::File::open(mnt.join("hello")).unwrap();
+    refused(&s.umount_as_nobody(&mnt), "busy (an open file of process");
+    drop(held);
+    ok(&s.umount_as_nobody(&mnt));
     assert!(!is_mounted(&mnt));
+    // --lazy unmounts whatever holds it.
+    ok(&s.mount_as_nobody("os:1", &mnt, &[]));
+    let held = fs::File::open(mnt.join("hello")).unwrap();
+    ok(&s.tilefs_as_nobody(&[os("umount"), os("--lazy"), mnt.as_os_str()]));
+    assert!(!is_mounted(&mnt));
+    drop(held);
 
     // Options asked for reach the mount, or are refused.
     let out = s.mount_as_nobody("os:1", &mnt, &["-o", "noexec,nosymfollow"]);
-    assert!(out.status.success(), "{}", stderr(&out));
+    ok(&out);
     let line = mount_line(&mnt);
     assert!(line.contains("noexec") && line.contains("nosymfollow"), "{line}");
     let exec = s.as_nobody(Path::new("/bin/sh"), &[os("-c"), mnt.join("id").as_os_str()]);
     assert!(!exec.status.success(), "exec on a noexec mount");
-    assert!(s.tilefs_as_nobody(&[os("umount"), mnt.as_os_str()]).status.success());
+    ok(&s.umount_as_nobody(&mnt));
     let out = s.mount_as_nobody("os:1", &mnt, &["-o", "strictatime"]);
-    assert!(
-        stderr(&out).contains("access-time options cannot be honoured"),
-        "{}",
-        stderr(&out)
-    );
+    refused(&out, "access-time options cannot be honoured");
 
     // Plain `tilefs mount` without privilege uses the service and says so.
     let out = s.tilefs_as_nobody(&[
@@ -246,10 +364,13 @@ fn a_user_gets_a_kernel_mount_of_a_trusted_image() {
         os("os:1"),
         mnt.as_os_str(),
     ]);
-    assert!(out.status.success(), "{}", stderr(&out));
+    ok(&out);
     assert!(stderr(&out).contains("mount service"), "{}", stderr(&out));
-    let out = s.tilefs_as_nobody(&[os("umount"), mnt.as_os_str()]);
-    assert!(out.status.success(), "{}", stderr(&out));
+    // Mounting again on it: it is already a mount point, whoever owns its root.
+    refused(&s.mount_as_nobody("os:1", &mnt, &[]), "already a mount point");
+    ok(&s.umount_as_nobody(&mnt));
+    let log = s.service.log();
+    assert!(log.contains("mounted os:1") && log.contains("unmounted mount"), "{log}");
 }
 
 #[test]
@@ -263,108 +384,109 @@ fn refusals_name_the_rule() {
     };
     let mnt = s.mountpoint("mnt");
     // A tag the policy does not list.
-    let out = s.mount_as_nobody("other", &mnt, &[]);
-    assert!(stderr(&out).contains("not among the images"), "{}", stderr(&out));
-    // A pinned digest that does not match (the tag does not even exist:
-    // a tag is needed first).
+    refused(&s.mount_as_nobody("other", &mnt, &[]), "not among the images");
+    // A pinned digest that does not match.
     fs::copy(s.store.join("images/os:1"), s.store.join("images/pinned")).unwrap();
-    let out = s.mount_as_nobody("pinned", &mnt, &[]);
-    assert!(stderr(&out).contains("fs-verity digest"), "{}", stderr(&out));
+    refused(&s.mount_as_nobody("pinned", &mnt, &[]), "fs-verity digest");
     // An image by path: the service serves tags only.
-    let out = s.mount_as_nobody(s.store.join("images/os:1").to_str().unwrap(), &mnt, &[]);
-    assert!(stderr(&out).contains("tagged images only"), "{}", stderr(&out));
+    let by_path = s.store.join("images/os:1");
+    refused(
+        &s.mount_as_nobody(by_path.to_str().unwrap(), &mnt, &[]),
+        "tagged images only",
+    );
     // A mount point the caller does not own, or a symlink to one it does.
     let root_owned = s.area.dir("rootdir");
     s.service.mounts.push(root_owned.clone());
-    let out = s.mount_as_nobody("os:1", &root_owned, &[]);
-    assert!(stderr(&out).contains("owned by uid 0"), "{}", stderr(&out));
+    refused(&s.mount_as_nobody("os:1", &root_owned, &[]), "owned by uid 0");
     let link = s.area.path("link");
     std::os::unix::fs::symlink(&mnt, &link).unwrap();
-    let out = s.mount_as_nobody("os:1", &link, &[]);
-    assert!(stderr(&out).contains("symlink is never followed"), "{}", stderr(&out));
+    refused(&s.mount_as_nobody("os:1", &link, &[]), "symlink is never followed");
     // suid or dev asked: refused, not ignored.
-    let out = s.mount_as_nobody("os:1", &mnt, &["-o", "suid"]);
-    assert!(stderr(&out).contains("always nosuid"), "{}", stderr(&out));
+    refused(&s.mount_as_nobody("os:1", &mnt, &["-o", "suid"]), "always nosuid");
     // Writable: not allowed by this policy.
     let up = s.mountpoint("up");
     let wk = s.mountpoint("wk");
-    let out = s.mount_as_nobody(
-        "os:1",
-        &mnt,
-        &["--upper", up.to_str().unwrap(), "--work", wk.to_str().unwrap()],
-    );
-    assert!(stderr(&out).contains("writable"), "{}", stderr(&out));
-    assert!(!out.status.success(), "a writable mount was made");
+    refused(&s.writable_as_nobody(&mnt, &up, &wk), "writable");
     assert!(!is_mounted(&mnt) && !is_mounted(&root_owned));
 
-    // Raw requests, as root, whom the policy does not name; a store not
-    // listed; a tag that escapes; garbage.
+    // Raw requests: a store not listed; garbage; an oversized request.
     let store = s.store.display().to_string();
-    let r = s.raw(format!(r#"{{"op":"mount","store":"{store}","image":"os:1","attach":false}}"#).as_bytes());
-    assert!(r.error.unwrap().contains("not among the users"));
-    let r = s.raw(br#"{"op":"mount","store":"/etc","image":"os:1","attach":false}"#);
+    let socket = s.service.socket.clone();
+    let r = on_thread_as(NOBODY, || {
+        exchange(
+            &socket,
+            br#"{"op":"mount","store":"/etc","image":"os:1","attach":true}"#,
+            &[],
+        )
+    });
     assert!(r.error.unwrap().contains("not listed in the policy"));
     for garbage in [&b"\x00\x01garbage"[..], b"{}", br#"{"op":"mount","uid":0}"#, b""] {
-        let r = s.raw(garbage);
+        let r = on_thread_as(NOBODY, || exchange(&socket, garbage, &[]));
         assert!(!r.ok && r.error.unwrap().contains("malformed"));
     }
+    let big = format!(r#"{{"op":"mount","store":"{store}","image":"{}"}}"#, "x".repeat(20_000));
+    let r = on_thread_as(NOBODY, || exchange(&socket, big.as_bytes(), &[]));
+    assert!(
+        r.error.unwrap().contains("larger than"),
+        "an oversized request is answered"
+    );
+    // Root is not in the policy: turned away before anything is read, and
+    // told so without the policy's list of users.
+    let r = exchange(&socket, s.request(true, false).as_bytes(), &[]);
+    let e = r.error.unwrap();
+    assert!(
+        e.contains("uid 0 may not use this mount service") && !e.contains("nobody"),
+        "{e}"
+    );
 }
 
+/// Item 1a of the hostile probe: a directory the caller made in its upper
+/// before mounting must not open the image's 0700 directory under it.
+/// Item 1b: a file the caller moved in its upper between mounts must not
+/// read the root-only file whose name it took.
 #[test]
-fn stalled_garbage_and_many_clients_do_not_stop_the_service() {
+fn a_writable_mount_keeps_the_images_permissions() {
     let _serial = serial();
-    let Some(mut s) = setup("") else { return };
-    // A client that connects and says nothing; another that leaves.
-    let stalled = connect(&s.service.socket);
-    drop(connect(&s.service.socket));
-    // 50 at once, all answered (refused: root is not in the policy).
-    let socket = s.service.socket.clone();
-    let store = s.store.display().to_string();
-    let threads: Vec<_> = (0..50)
-        .map(|_| {
-            let socket = socket.clone();
-            let store = store.clone();
-            std::thread::spawn(move || {
-                let fd = connect(&socket);
-                let req = format!(r#"{{"op":"mount","store":"{store}","image":"os:1","attach":false}}"#);
-                proto::send(&fd, req.as_bytes(), &[]).unwrap();
-                let (reply, _) = proto::recv(&fd).unwrap();
-                serde_json::from_slice::<proto::Reply>(&reply).unwrap()
-            })
-        })
-        .collect();
-    for t in threads {
-        let r = t.join().unwrap();
-        assert!(!r.ok && r.error.is_some());
-    }
-    // And the stalled client holds nobody up.
+    let Some(mut s) = setup("writable = true\n") else {
+        return;
+    };
     let mnt = s.mountpoint("mnt");
-    let out = s.mount_as_nobody("os:1", &mnt, &[]);
-    assert!(out.status.success(), "{}", stderr(&out));
-    let out = s.tilefs_as_nobody(&[os("umount"), mnt.as_os_str()]);
-    assert!(out.status.success(), "{}", stderr(&out));
-    drop(stalled);
-}
-
-#[test]
-fn inside_a_user_namespace_the_mount_is_its_own() {
-    let _serial = serial();
-    let Some(mut s) = setup("") else { return };
-    let mnt = s.mountpoint("mnt");
-    let script = format!(
-        "{t} mount --delegated --store {st} os:1 {m} && cat {m}/hello && grep -c ' {m} ' /proc/self/mountinfo",
-        t = tilefs_bin().display(),
-        st = s.store.display(),
-        m = mnt.display()
+    let upper = s.mountpoint("upper");
+    let work = s.mountpoint("work");
+    let m = mnt.display().to_string();
+    let u = upper.display().to_string();
+    // (a) The upper's own directory over the image's 0700 one.
+    ok(&s.sh_as_nobody(&format!("mkdir -p {u}/srv/private")));
+    ok(&s.writable_as_nobody(&mnt, &upper, &work));
+    let line = mount_line(&mnt);
+    assert!(
+        line.contains("userxattr") && line.contains("nosuid") && line.contains("nodev"),
+        "{line}"
     );
-    let out = s.as_nobody(
-        Path::new("/usr/bin/unshare"),
-        &[os("-Urm"), os("sh"), os("-c"), os(&script)],
+    let read = s.sh_as_nobody(&format!("cat {m}/srv/private/file; ls {m}/srv/private"));
+    assert!(
+        !String::from_utf8_lossy(&read.stdout).contains("0644 file"),
+        "read a 0700 directory's file"
     );
-    assert!(out.status.success(), "{}", stderr(&out));
-    let text = String::from_utf8_lossy(&out.stdout);
-    assert!(text.contains("hello from a delegated mount"), "{text}");
-    assert!(!is_mounted(&mnt), "visible outside the user's namespace");
+    assert!(!read.status.success(), "listed a 0700 directory");
+    // (b) chmod of the caller's own file, then its upper copy moved to the
+    // name of the root-only file.
+    ok(&s.sh_as_nobody(&format!("chmod 600 {m}/own && echo mine >> {m}/own")));
+    let secret = s.sh_as_nobody(&format!("cat {m}/root/secret.txt"));
+    assert!(!secret.status.success() && secret.stdout.is_empty());
+    ok(&s.umount_as_nobody(&mnt));
+    ok(&s.sh_as_nobody(&format!("mkdir -p {u}/root && mv {u}/own {u}/root/secret.txt")));
+    ok(&s.writable_as_nobody(&mnt, &upper, &work));
+    let moved = s.sh_as_nobody(&format!("cat {m}/root/secret.txt"));
+    assert!(
+        !String::from_utf8_lossy(&moved.stdout).contains("secret"),
+        "the root-only file was read: {}",
+        String::from_utf8_lossy(&moved.stdout)
+    );
+    // And through the image's own name, never.
+    let direct = s.sh_as_nobody(&format!("cat {m}/srv/private/file"));
+    assert!(direct.stdout.is_empty());
+    ok(&s.umount_as_nobody(&mnt));
 }
 
 #[test]
@@ -378,40 +500,20 @@ fn writable_mounts_write_as_the_caller() {
     let work = s.mountpoint("work");
     // Layers the caller does not own are refused.
     let root_work = s.area.dir("rootwork");
-    let out = s.mount_as_nobody(
-        "os:1",
-        &mnt,
-        &[
-            "--upper",
-            upper.to_str().unwrap(),
-            "--work",
-            root_work.to_str().unwrap(),
-        ],
-    );
-    assert!(
-        stderr(&out).contains("work directory is owned by uid 0"),
-        "{}",
-        stderr(&out)
+    refused(
+        &s.writable_as_nobody(&mnt, &upper, &root_work),
+        "work directory is owned by uid 0",
     );
     assert!(!is_mounted(&mnt));
 
-    let out = s.mount_as_nobody(
-        "os:1",
-        &mnt,
-        &["--upper", upper.to_str().unwrap(), "--work", work.to_str().unwrap()],
-    );
-    assert!(out.status.success(), "{}", stderr(&out));
-    let sh = |script: &str| s.as_nobody(Path::new("/bin/sh"), &[os("-c"), os(script)]);
+    ok(&s.writable_as_nobody(&mnt, &upper, &work));
     let m = mnt.display();
-    assert!(sh(&format!("echo new > {m}/new && rm {m}/hello")).status.success());
+    ok(&s.sh_as_nobody(&format!("echo new > {m}/new && rm {m}/hello && echo more >> {m}/own")));
     // The root-owned setuid binary stays out of the user's reach.
-    assert!(!sh(&format!("echo x >> {m}/id")).status.success());
+    assert!(!s.sh_as_nobody(&format!("echo x >> {m}/id")).status.success());
     let new = fs::metadata(upper.join("new")).unwrap();
     assert_eq!(
-        (
-            std::os::unix::fs::MetadataExt::uid(&new),
-            std::os::unix::fs::MetadataExt::gid(&new)
-        ),
+        (new.uid(), new.gid()),
         (NOBODY, NOBODY),
         "written with the caller's ids"
     );
@@ -420,6 +522,420 @@ fn writable_mounts_write_as_the_caller() {
         std::os::unix::fs::FileTypeExt::is_char_device(&wh.file_type()),
         "a whiteout"
     );
-    let out = s.tilefs_as_nobody(&[os("umount"), mnt.as_os_str()]);
-    assert!(out.status.success(), "{}", stderr(&out));
+    // Only user.* overlay attributes: nothing the caller could not write.
+    let xattrs = xattrs(&upper.join("own"));
+    assert!(
+        xattrs.keys().all(|k| !k.to_string_lossy().starts_with("trusted.")),
+        "{xattrs:?}"
+    );
+    ok(&s.umount_as_nobody(&mnt));
+    // What was written is there on the next mount.
+    ok(&s.writable_as_nobody(&mnt, &upper, &work));
+    let out = s.sh_as_nobody(&format!("cat {m}/new {m}/own; test -e {m}/hello || echo gone"));
+    assert_eq!(
+        String::from_utf8_lossy(&out.stdout),
+        "new\nnobody's own file in the image\nmore\ngone\n"
+    );
+    ok(&s.umount_as_nobody(&mnt));
+}
+
+/// Item 2: mount points on pseudo filesystems, not writable by the caller,
+/// or under a directory the caller cannot search.
+#[test]
+fn mount_points_the_caller_could_not_use_are_refused() {
+    let _serial = serial();
+    let Some(mut s) = setup("writable = true\n") else {
+        return;
+    };
+    // The caller's own /proc/PID directory.
+    let mut sleeper = Command::new("sleep");
+    sleeper.arg("60");
+    let mut sleeper = as_nobody(&mut sleeper).spawn().unwrap();
+    let proc_dir = PathBuf::from(format!("/proc/{}", sleeper.id()));
+    assert_eq!(fs::metadata(&proc_dir).unwrap().uid(), NOBODY);
+    s.service.mounts.push(proc_dir.clone());
+    let out = s.mount_as_nobody("os:1", &proc_dir, &[]);
+    let upper = s.mountpoint("upper");
+    let work = s.mountpoint("work");
+    let out_w = s.writable_as_nobody(&proc_dir, &upper, &work);
+    sleeper.kill().unwrap();
+    sleeper.wait().unwrap();
+    refused(&out, "on a proc filesystem");
+    refused(&out_w, "on a proc filesystem");
+    // A directory of the caller's on devtmpfs and on a cgroup filesystem.
+    for (dir, fstype) in [
+        (PathBuf::from("/dev/tilefs-mountd-test"), "devtmpfs"),
+        (PathBuf::from("/sys/fs/cgroup/cpu/tilefs-mountd-test"), "cgroup"),
+    ] {
+        if fs::create_dir(&dir).is_err() {
+            eprintln!("note: cannot make {} here; not tried", dir.display());
+            continue;
+        }
+        give_to_nobody(&dir);
+        s.service.mounts.push(dir.clone());
+        let out = s.mount_as_nobody("os:1", &dir, &[]);
+        let _ = fs::remove_dir(&dir);
+        refused(&out, &format!("on a {fstype} filesystem"));
+    }
+    // Owned but not writable by the caller.
+    let ro = s.mountpoint("ro");
+    fs::set_permissions(&ro, fs::Permissions::from_mode(0o555)).unwrap();
+    refused(&s.mount_as_nobody("os:1", &ro, &[]), "may write to");
+    // A descriptor opened while the parent was searchable, sent after root
+    // made it 0700.
+    let parent = s.area.dir("closed");
+    fs::set_permissions(&parent, fs::Permissions::from_mode(0o755)).unwrap();
+    let inner = parent.join("mnt");
+    fs::create_dir(&inner).unwrap();
+    give_to_nobody(&inner);
+    s.service.mounts.push(inner.clone());
+    let socket = s.service.socket.clone();
+    let req = s.request(true, false);
+    let fd = on_thread_as(NOBODY, || {
+        rustix::fs::open(
+            &inner,
+            rustix::fs::OFlags::PATH | rustix::fs::OFlags::DIRECTORY,
+            rustix::fs::Mode::empty(),
+        )
+        .unwrap()
+    });
+    fs::set_permissions(&parent, fs::Permissions::from_mode(0o700)).unwrap();
+    let r = on_thread_as(NOBODY, || exchange(&socket, req.as_bytes(), &[fd]));
+    assert!(
+        r.error
+            .as_deref()
+            .unwrap_or_default()
+            .contains("not searchable by the caller"),
+        "{r:?}"
+    );
+    assert!(!is_mounted(&inner));
+}
+
+/// Item 7: a stale descriptor of a directory something was mounted on
+/// since; a detached mount asked for from the initial namespace.
+#[test]
+fn stale_descriptors_and_detached_mounts_in_the_initial_namespace_are_refused() {
+    let _serial = serial();
+    let Some(mut s) = setup("") else { return };
+    let mnt = s.mountpoint("mnt");
+    let socket = s.service.socket.clone();
+    let req = s.request(true, false);
+    let stale = on_thread_as(NOBODY, || {
+        rustix::fs::open(
+            &mnt,
+            rustix::fs::OFlags::PATH | rustix::fs::OFlags::DIRECTORY,
+            rustix::fs::Mode::empty(),
+        )
+        .unwrap()
+    });
+    ok(&s.mount_as_nobody("os:1", &mnt, &[]));
+    let r = on_thread_as(NOBODY, || exchange(&socket, req.as_bytes(), &[stale]));
+    assert!(
+        r.error
+            .as_deref()
+            .unwrap_or_default()
+            .contains("covered by another mount"),
+        "{r:?}"
+    );
+    let stacked = fs::read_to_string("/proc/self/mountinfo")
+        .unwrap()
+        .lines()
+        .filter(|l| l.split(' ').nth(4) == Some(mnt.to_str().unwrap()))
+        .count();
+    assert_eq!(stacked, 1, "a second mount was stacked");
+    ok(&s.umount_as_nobody(&mnt));
+    // A detached mount for a caller in the initial user namespace.
+    let r = on_thread_as(NOBODY, || exchange(&socket, s.request(false, false).as_bytes(), &[]));
+    assert!(
+        r.error
+            .as_deref()
+            .unwrap_or_default()
+            .contains("user namespace of its own"),
+        "{r:?}"
+    );
+}
+
+/// Item 3 and the usability items: in the caller's own user and mount
+/// namespace (`unshare -Urm`), the mount's flags are locked (no remount
+/// with suid or dev, no device opens), and writable mounts work there.
+#[test]
+fn inside_a_user_namespace_the_mount_is_its_own_and_locked() {
+    let _serial = serial();
+    let Some(mut s) = setup("writable = true\n") else {
+        return;
+    };
+    let mnt = s.mountpoint("mnt");
+    let upper = s.mountpoint("upper");
+    let work = s.mountpoint("work");
+    let script = format!(
+        "set -x; {t} mount --delegated --store {st} os:1 {m} && cat {m}/hello && grep -c ' {m} ' /proc/self/mountinfo \
+         && if mount -o remount,bind,suid,dev {m}; then echo REMOUNTED; fi \
+         && if head -c4 {m}/zero >/dev/null; then echo DEVICE; fi \
+         && {t} umount {m} \
+         && {t} mount --delegated --store {st} --upper {u} --work {w} os:1 {m} \
+         && echo written > {m}/new && cat {m}/new \
+         && if mount -o remount,bind,suid,dev {m}; then echo REMOUNTED; fi \
+         && if head -c4 {m}/zero >/dev/null; then echo DEVICE; fi \
+         && umount {m}",
+        t = tilefs_bin().display(),
+        st = s.store.display(),
+        m = mnt.display(),
+        u = upper.display(),
+        w = work.display(),
+    );
+    let out = s.as_nobody(
+        Path::new("/usr/bin/unshare"),
+        &[os("-Urm"), os("sh"), os("-c"), os(&script)],
+    );
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{text}\n{}", stderr(&out));
+    assert!(text.contains("hello from a delegated mount"), "{text}");
+    assert!(!text.contains("REMOUNTED"), "the flags are not locked: {text}");
+    assert!(!text.contains("DEVICE"), "a device of the image opened: {text}");
+    assert!(text.contains("written"), "{text}");
+    assert!(!is_mounted(&mnt), "visible outside the user's namespace");
+    assert_eq!(fs::read(upper.join("new")).unwrap(), b"written\n");
+    let log = s.service.log();
+    assert!(log.contains("for its own namespace"), "not logged: {log}");
+}
+
+/// Item 6: idle connections of users the policy does not name take no
+/// slot; one user cannot take every slot; a user's live mounts are
+/// limited; accept errors (out of descriptors) are waited out.
+#[test]
+fn no_user_can_deny_the_service_to_others() {
+    let _serial = serial();
+    let Some(mut s) = setup("") else { return };
+    // With a limit of two live mounts a user.
+    s.service.child.kill().unwrap();
+    s.service.child.wait().unwrap();
+    fs::write(
+        &s.policy,
+        format!(
+            "max_mounts_per_user = 2\n[[store]]\npath = \"{}\"\nusers = [\"nobody\", \"daemon\"]\n",
+            s.store.display()
+        ),
+    )
+    .unwrap();
+    let _ = fs::remove_file(&s.service.socket);
+    let mut cmd = Command::new(tilefs_bin());
+    cmd.args([
+        os("mountd"),
+        os("--socket"),
+        s.service.socket.as_os_str(),
+        os("--policy"),
+        s.policy.as_os_str(),
+    ]);
+    let mounts = std::mem::take(&mut s.service.mounts);
+    s.service = Service::start(cmd, &s.service.socket.clone());
+    s.service.mounts = mounts;
+    let socket = s.service.socket.clone();
+    let connect_as =
+        |uid: u32, n: usize| -> Vec<OwnedFd> { on_thread_as(uid, || (0..n).map(|_| connect(&socket)).collect()) };
+
+    // An unlisted user (uid 4242) with 100 connections: each is answered at
+    // once and holds nothing.
+    let unlisted = connect_as(4242, 100);
+    for fd in &unlisted {
+        let (bytes, _) = proto::recv(fd).unwrap();
+        let r: proto::Reply = serde_json::from_slice(&bytes).unwrap();
+        assert!(r.error.unwrap().contains("uid 4242 may not use this mount service"));
+    }
+    drop(unlisted);
+    // A listed user holding idle connections gets "busy" past its share,
+    // while another user is served.
+    let idle = connect_as(DAEMON, 4);
+    std::thread::sleep(Duration::from_millis(300));
+    let r = on_thread_as(DAEMON, || exchange(&socket, s.request(true, false).as_bytes(), &[]));
+    assert!(r.error.as_deref().unwrap_or_default().contains("busy"), "{r:?}");
+    drop(idle);
+    let mnt = s.mountpoint("mnt");
+    ok(&s.mount_as_nobody("os:1", &mnt, &[]));
+    // Out of descriptors: the service waits, then serves what queued up.
+    // (The idle connections are held for 5 s at most: all this is quick.)
+    let more_idle = connect_as(NOBODY, 2);
+    std::thread::sleep(Duration::from_millis(300));
+    let pid = s.service.child.id();
+    let open = fs::read_dir(format!("/proc/{pid}/fd")).unwrap().count();
+    // The soft limit only: raising a hard limit again needs more than root
+    // may have in a container.
+    let limit = format!("--nofile={open}:");
+    assert!(Command::new("prlimit")
+        .args(["--pid", &pid.to_string(), &limit])
+        .status()
+        .unwrap()
+        .success());
+    let mnt2 = s.mountpoint("mnt2");
+    let waiting = {
+        let (store, mnt2) = (s.store.clone(), mnt2.clone());
+        let socket = socket.clone();
+        std::thread::spawn(move || {
+            let mut cmd = Command::new(tilefs_bin());
+            cmd.args([
+                os("mount"),
+                os("--delegated"),
+                os("--store"),
+                store.as_os_str(),
+                os("os:1"),
+                mnt2.as_os_str(),
+            ])
+            .env("TILEFS_MOUNTD_SOCKET", &socket);
+            as_nobody(&mut cmd).output().unwrap()
+        })
+    };
+    std::thread::sleep(Duration::from_millis(500));
+    assert!(!is_mounted(&mnt2), "served beyond the descriptor limit");
+    assert!(Command::new("prlimit")
+        .args(["--pid", &pid.to_string(), "--nofile=1024:"])
+        .status()
+        .unwrap()
+        .success());
+    drop(more_idle);
+    ok(&waiting.join().unwrap());
+    // Turned away at accept, or for the descriptors the request carried.
+    let log = s.service.log();
+    assert!(
+        log.contains("waiting for resources") || log.contains("no descriptors left") || log.contains("busy: "),
+        "{log}"
+    );
+    // Two live mounts at most.
+    let mnt3 = s.mountpoint("mnt3");
+    refused(&s.mount_as_nobody("os:1", &mnt3, &[]), "the most the policy allows");
+    ok(&s.umount_as_nobody(&mnt2));
+    ok(&s.mount_as_nobody("os:1", &mnt3, &[]));
+    for m in [&mnt, &mnt3] {
+        ok(&s.umount_as_nobody(m));
+    }
+}
+
+/// Item 8: a client's strings cannot forge lines of the service's log.
+#[test]
+fn the_log_escapes_what_clients_send() {
+    let _serial = serial();
+    let Some(s) = setup("") else { return };
+    let socket = s.service.socket.clone();
+    let req = br#"{"op":"mount","store":"/x\nFORGED: uid 0 mounted everything","image":"a","attach":true}"#;
+    let r = on_thread_as(NOBODY, || exchange(&socket, req, &[]));
+    assert!(!r.ok);
+    std::thread::sleep(Duration::from_millis(200));
+    let log = s.service.log();
+    assert!(log.contains("\\nFORGED"), "{log}");
+    assert!(!log.lines().any(|l| l.starts_with("FORGED")), "{log}");
+}
+
+/// SIGTERM: the service says so, removes its socket and exits at once.
+#[test]
+fn sigterm_ends_the_service_cleanly() {
+    let _serial = serial();
+    let Some(mut s) = setup("") else { return };
+    let t = Instant::now();
+    rustix::process::kill_process(
+        rustix::process::Pid::from_raw(s.service.child.id() as i32).unwrap(),
+        rustix::process::Signal::TERM,
+    )
+    .unwrap();
+    let st = s.service.child.wait().unwrap();
+    assert!(st.success(), "{st}");
+    assert!(t.elapsed() < Duration::from_secs(2), "took {:?}", t.elapsed());
+    assert!(!s.service.socket.exists(), "the socket file was left behind");
+    std::thread::sleep(Duration::from_millis(100));
+    assert!(
+        s.service.log().contains("shutting down (SIGTERM)"),
+        "{}",
+        s.service.log()
+    );
+}
+
+/// The service under contrib/systemd's sandbox (capability bounding set,
+/// system call filter, namespace restrictions, no new privileges, umask),
+/// applied by scripts/unit-sandbox: read-only and writable mounts work.
+#[test]
+fn the_systemd_units_sandbox_lets_the_service_work() {
+    let _serial = serial();
+    let Some(mut s) = setup("writable = true\n") else {
+        return;
+    };
+    s.service.child.kill().unwrap();
+    s.service.child.wait().unwrap();
+    let _ = fs::remove_file(&s.service.socket);
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("../..");
+    let mut cmd = Command::new(root.join("scripts/unit-sandbox"));
+    cmd.arg(root.join("contrib/systemd/tilefs-mountd.service"))
+        .arg("--")
+        .arg(tilefs_bin())
+        .args([
+            os("mountd"),
+            os("--socket"),
+            s.service.socket.as_os_str(),
+            os("--policy"),
+            s.policy.as_os_str(),
+        ]);
+    let mounts = std::mem::take(&mut s.service.mounts);
+    s.service = Service::start(cmd, &s.service.socket.clone());
+    s.service.mounts = mounts;
+    let mnt = s.mountpoint("mnt");
+    let upper = s.mountpoint("upper");
+    let work = s.mountpoint("work");
+    ok(&s.mount_as_nobody("os:1", &mnt, &[]));
+    ok(&s.umount_as_nobody(&mnt));
+    ok(&s.writable_as_nobody(&mnt, &upper, &work));
+    ok(&s.sh_as_nobody(&format!("echo x > {}/new", mnt.display())));
+    ok(&s.umount_as_nobody(&mnt));
+    let log = s.service.log();
+    assert!(log.contains("unit-sandbox: applied"), "{log}");
+}
+
+/// Item 4: a store root made holds the contents of root-only files: other
+/// users cannot read its objects or images, they get the image through the
+/// service with its permissions; fsck warns about a store others can read.
+#[test]
+fn a_roots_store_is_roots_alone() {
+    let _serial = serial();
+    let Some(mut s) = setup("") else { return };
+    let st = fs::metadata(&s.store).unwrap();
+    assert_eq!(st.mode() & 0o777, 0o700, "a new store's mode");
+    let secret_object = {
+        let dump = tilefs(&[os("dump"), s.store.join("images/os:1").as_os_str()]);
+        let line = String::from_utf8_lossy(&dump.stdout)
+            .lines()
+            .find(|l| l.starts_with("/root/secret.txt "))
+            .map(str::to_string)
+            .unwrap();
+        s.store.join(line.split(' ').nth(8).unwrap())
+    };
+    assert_eq!(
+        fs::read(&secret_object).unwrap(),
+        SECRET,
+        "the object holds the root-only file"
+    );
+    let store = s.store.display().to_string();
+    for attack in [
+        format!("cat {}", secret_object.display()),
+        format!("find {store} -type f"),
+        format!("{} dump --store {store} os:1", tilefs_bin().display()),
+    ] {
+        let out = s.sh_as_nobody(&attack);
+        assert!(
+            !out.status.success(),
+            "{attack}: {}",
+            String::from_utf8_lossy(&out.stdout)
+        );
+        assert!(!String::from_utf8_lossy(&out.stdout).contains("secret"), "{attack}");
+    }
+    // Through the service, the image with its permissions.
+    let mnt = s.mountpoint("mnt");
+    ok(&s.mount_as_nobody("os:1", &mnt, &[]));
+    let out = s.sh_as_nobody(&format!("cat {0}/hello; cat {0}/root/secret.txt", mnt.display()));
+    assert_eq!(out.stdout, b"hello from a delegated mount");
+    ok(&s.umount_as_nobody(&mnt));
+    // A store opened up: fsck says so (and stays clean: it is not damage).
+    let clean = tilefs(&[os("fsck"), os("--store"), s.store.as_os_str()]);
+    assert!(!String::from_utf8_lossy(&clean.stdout).contains("warning"));
+    fs::set_permissions(&s.store, fs::Permissions::from_mode(0o755)).unwrap();
+    let out = tilefs(&[os("fsck"), os("--store"), s.store.as_os_str()]);
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        text.contains("warning:") && text.contains("every local user can read"),
+        "{text}"
+    );
 }

@@ -1021,6 +1021,8 @@ fn a_server_without_privilege_matches_the_kernel_overlay() {
         give_to_nobody(p);
     }
     give_to_nobody(&s.a.path(""));
+    // The store root made is root's alone (0700): shared with nobody here.
+    fs::set_permissions(&s.store, fs::Permissions::from_mode(0o755)).unwrap();
     let kernel = mount_rw("kernel", &s.store, &s.image, (&km, &ku, &kw), &[]);
     let fuse = mount_rw("fuse-nobody", &s.store, &s.image, (&fm, &fu, &fw), &[]);
     let roots = vec![km.clone(), fm.clone()];

@@ -92,7 +92,7 @@ pub struct MountAttrs {
 }
 
 impl MountAttrs {
-    fn flags(&self, read_only: bool) -> MountAttrFlags {
+    pub(crate) fn flags(&self, read_only: bool) -> MountAttrFlags {
         let mut f = MountAttrFlags::empty();
         let mut set = |on: bool, flag: MountAttrFlags| {
             if on {
@@ -146,48 +146,6 @@ pub struct MountOptions {
     /// More overlayfs options (key, value), passed as they are.
     pub overlay_options: Vec<(String, Option<String>)>,
     pub erofs_backing: ErofsBacking,
-    /// A writable overlay's upper layer is written with these file-system
-    /// credentials instead of the mounter's (the mount service, for its
-    /// callers): overlayfs keeps the credentials it was created with.
-    pub upper_creds: Option<FsCreds>,
-}
-
-/// File-system credentials: fsuid, fsgid and supplementary groups.
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
-pub struct FsCreds {
-    pub uid: u32,
-    pub gid: u32,
-    pub groups: Vec<u32>,
-}
-
-/// Runs `f` with this thread's file-system ids set to `c`, so that what
-/// overlayfs creates in the upper layer (it keeps the credentials it was
-/// created with) belongs to the caller. The kernel drops the file-system
-/// capabilities with a non-root fsuid; they are raised again, because
-/// overlayfs's own housekeeping needs them (its work directory is mode 0,
-/// copy-up keeps other owners), as in any rootless overlay: what a user
-/// may do is checked against the user's own credentials on the overlay
-/// before overlayfs acts. Put back after.
-fn with_fs_creds<T>(c: &FsCreds, f: impl FnOnce() -> T) -> Result<T, MountError> {
-    use rustix::process::Gid;
-    let groups: Vec<Gid> = c.groups.iter().map(|&g| Gid::from_raw(g)).collect();
-    let old_groups = rustix::process::getgroups().map_err(|e| MountError::Unsupported(format!("getgroups: {e}")))?;
-    rustix::thread::set_thread_groups(&groups).map_err(|e| MountError::Unsupported(format!("setgroups: {e}")))?;
-    // SAFETY: setfsgid/setfsuid change this thread's file-system ids only
-    // (the kernel keeps them per thread; glibc does not broadcast them).
-    let (old_gid, old_uid) = unsafe { (libc::setfsgid(c.gid), libc::setfsuid(c.uid)) };
-    if let Ok(mut caps) = rustix::thread::capabilities(None) {
-        caps.effective = caps.permitted;
-        let _ = rustix::thread::set_capabilities(None, caps);
-    }
-    let r = f();
-    // SAFETY: as above, back to the ids this thread had.
-    unsafe {
-        libc::setfsuid(old_uid as libc::uid_t);
-        libc::setfsgid(old_gid as libc::gid_t);
-    }
-    let _ = rustix::thread::set_thread_groups(&old_groups);
-    Ok(r)
 }
 
 /// A mount that succeeded.
@@ -415,15 +373,16 @@ pub fn build_detached(o: &MountOptions, image_file: File) -> Result<Detached, Mo
         .iter()
         .map(|s| existing_dir(s, "object store"))
         .collect::<Result<Vec<_>, _>>()?;
-    // The mount service's layers are descriptors it checked
-    // (/proc/self/fd/N): used as they are, never resolved to a path anyone
-    // could change.
-    let layer = |p: &Path, what: &str| match o.upper_creds {
-        Some(_) => Ok(p.to_path_buf()),
-        None => existing_dir(p, what),
-    };
-    let upper = o.upper.as_deref().map(|p| layer(p, "upper directory")).transpose()?;
-    let work = o.work.as_deref().map(|p| layer(p, "work directory")).transpose()?;
+    let upper = o
+        .upper
+        .as_deref()
+        .map(|p| existing_dir(p, "upper directory"))
+        .transpose()?;
+    let work = o
+        .work
+        .as_deref()
+        .map(|p| existing_dir(p, "work directory"))
+        .transpose()?;
 
     // 3. Verification.
     let verity = decide_verity(o.verity, &o.image, &bytes, &stores, &mut notices)?;
@@ -465,10 +424,7 @@ pub fn build_detached(o: &MountOptions, image_file: File) -> Result<Detached, Mo
             None => ovl.set_flag(k)?,
         }
     }
-    match &o.upper_creds {
-        Some(c) => with_fs_creds(c, || ovl.create())??,
-        None => ovl.create()?,
-    }
+    ovl.create()?;
     // The overlay holds its own private clone of the EROFS mount now.
     drop(erofs_mnt);
     let read_only = o.read_only || upper.is_none();

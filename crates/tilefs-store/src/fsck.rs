@@ -55,6 +55,9 @@ pub struct FsckReport {
     pub leftovers: u64,
     /// Paths moved to `.quarantine/` by --repair.
     pub repaired: Vec<PathBuf>,
+    /// Who other than its owner can read the store, if anyone (a warning,
+    /// not damage).
+    pub exposed: Option<String>,
 }
 
 impl FsckReport {
@@ -94,7 +97,10 @@ pub fn fsck(store: &Store, opts: &FsckOptions, progress: &(dyn Fn(u64, u64) + Sy
         mut strays,
         leftovers,
     } = store.scan_objects()?;
-    let mut report = FsckReport::default();
+    let mut report = FsckReport {
+        exposed: store.exposure(),
+        ..FsckReport::default()
+    };
     // The store's own directories must be directories: a symlink there
     // would lead tilefs out of the store.
     let mut leftovers = leftovers;

@@ -76,13 +76,45 @@ impl Store {
         })
     }
 
-    /// Opens a store, creating its directory (and parents) if needed.
+    /// Opens a store, creating its directory (and parents) if needed. A
+    /// new store is mode 0700: its objects are the contents of every file
+    /// of every image, whatever their modes there, so only the owner (and
+    /// mounts, which check each file's own mode) may read them.
     pub fn create(path: &Path) -> Result<Store, StoreError> {
+        use std::os::unix::fs::DirBuilderExt;
         if std::fs::metadata(path).is_ok_and(|m| !m.is_dir()) {
             return Err(not_a_directory(path));
         }
-        std::fs::create_dir_all(path).map_err(|e| StoreError::io(path, "cannot create store", e))?;
+        if let Some(parent) = path.parent().filter(|p| !p.as_os_str().is_empty()) {
+            std::fs::create_dir_all(parent).map_err(|e| StoreError::io(parent, "cannot create store", e))?;
+        }
+        match std::fs::DirBuilder::new().mode(0o700).create(path) {
+            Ok(()) => {}
+            Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {}
+            Err(e) => return Err(StoreError::io(path, "cannot create store", e)),
+        }
         Store::open(path)
+    }
+
+    /// Who besides the owner can read the store's objects, if anyone: a
+    /// store's mode is for its owner to decide, but a store readable by
+    /// every local user gives each of them every file of every image,
+    /// root-only ones included.
+    pub fn exposure(&self) -> Option<String> {
+        let st = rfs::fstat(&self.dir).ok()?;
+        let mode = st.st_mode & 0o777;
+        let who = if mode & 0o005 == 0o005 {
+            "every local user"
+        } else if mode & 0o050 == 0o050 {
+            "the members of its group"
+        } else {
+            return None;
+        };
+        Some(format!(
+            "{} is mode {mode:04o}: {who} can read its objects and images, which hold the contents of every file of every image whatever their modes (chmod 700 {} unless that is meant)",
+            self.root.display(),
+            self.root.display()
+        ))
     }
 
     pub fn path(&self) -> &Path {

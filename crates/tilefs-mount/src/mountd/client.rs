@@ -52,22 +52,47 @@ fn connect(socket: &Path) -> Result<OwnedFd, ClientError> {
     Ok(fd)
 }
 
-/// Sends `req` with `fds` (closed here once sent: the service holds the
-/// only copies then) and returns the reply.
-fn ask(socket: &Path, req: &Request, fds: Vec<OwnedFd>) -> Result<(Reply, Option<OwnedFd>), ClientError> {
-    let conn = connect(socket)?;
+/// How long a busy service is asked again before its "busy" is the answer.
+const BUSY_PATIENCE: Duration = Duration::from_secs(10);
+
+/// Sends `req` with the descriptors `fds` opens (closed once sent: the
+/// service holds the only copies then, so that none of ours keeps a mount
+/// busy) and returns the reply. A busy service is asked again, with the
+/// descriptors opened anew, for up to [`BUSY_PATIENCE`].
+fn ask(
+    socket: &Path,
+    req: &Request,
+    fds: impl Fn() -> Result<Vec<OwnedFd>, ClientError>,
+) -> Result<(Reply, Option<OwnedFd>), ClientError> {
     let bytes = serde_json::to_vec(req).map_err(|e| ClientError::Failed(e.to_string()))?;
-    proto::send(&conn, &bytes, &fds).map_err(|e| ClientError::Failed(format!("sending the request: {e}")))?;
-    drop(fds);
-    let (bytes, back) = proto::recv(&conn).map_err(|e| ClientError::Failed(format!("reading the reply: {e}")))?;
-    let back = back.into_iter().next();
-    let reply: Reply = serde_json::from_slice(&bytes).map_err(|e| ClientError::Failed(format!("bad reply: {e}")))?;
-    if !reply.ok {
-        return Err(ClientError::Refused(
-            reply.error.unwrap_or_else(|| "no reason given".into()),
-        ));
+    let give_up = std::time::Instant::now() + BUSY_PATIENCE;
+    let mut pause = Duration::from_millis(50);
+    loop {
+        let conn = connect(socket)?;
+        let fds = fds()?;
+        // A service that refuses a caller at once answers before reading
+        // the request: its reply is then waiting even though the send failed.
+        let sent = proto::send(&conn, &bytes, &fds);
+        drop(fds);
+        if let Err(e) = sent {
+            if !matches!(e, Errno::PIPE | Errno::CONNRESET) {
+                return Err(ClientError::Failed(format!("sending the request: {e}")));
+            }
+        }
+        let (bytes, back) = proto::recv(&conn).map_err(|e| ClientError::Failed(format!("reading the reply: {e}")))?;
+        let reply: Reply =
+            serde_json::from_slice(&bytes).map_err(|e| ClientError::Failed(format!("bad reply: {e}")))?;
+        if reply.ok {
+            return Ok((reply, back.into_iter().next()));
+        }
+        if !reply.busy || std::time::Instant::now() + pause > give_up {
+            return Err(ClientError::Refused(
+                reply.error.unwrap_or_else(|| "no reason given".into()),
+            ));
+        }
+        std::thread::sleep(pause);
+        pause = (pause * 2).min(Duration::from_secs(1));
     }
-    Ok((reply, back))
 }
 
 /// Opens a directory (mount point, upper or work) as the service will use
@@ -94,7 +119,12 @@ fn open_mountpoint(p: &Path) -> Result<OwnedFd, ClientError> {
 /// mount namespace. Returns the service's notices.
 pub fn mount(socket: &Path, m: &DelegatedMount) -> Result<Vec<String>, ClientError> {
     let attach = crate::in_initial_user_namespace();
-    let target = open_mountpoint(m.mountpoint)?;
+    // Where a mount that comes back is attached: opened before asking.
+    let target = if attach {
+        None
+    } else {
+        Some(open_mountpoint(m.mountpoint)?)
+    };
     let req = Request::Mount {
         store: m.store.to_path_buf(),
         image: m.image.to_string(),
@@ -104,20 +134,21 @@ pub fn mount(socket: &Path, m: &DelegatedMount) -> Result<Vec<String>, ClientErr
         verity: m.verity.map(str::to_string),
         upper: m.upper.is_some(),
     };
-    let mut dirs = Vec::new();
-    if let Some((upper, work)) = m.upper {
-        dirs.push(open_mountpoint(upper)?);
-        dirs.push(open_mountpoint(work)?);
-    }
-    let (reply, back) = if attach {
-        dirs.insert(0, target);
-        ask(socket, &req, dirs)?
-    } else {
-        let (reply, back) = ask(socket, &req, dirs)?;
-        attach_here(back, &target, m.mountpoint)?;
-        (reply, None)
+    let dirs = || {
+        let mut dirs = Vec::new();
+        if attach {
+            dirs.push(open_mountpoint(m.mountpoint)?);
+        }
+        if let Some((upper, work)) = m.upper {
+            dirs.push(open_mountpoint(upper)?);
+            dirs.push(open_mountpoint(work)?);
+        }
+        Ok(dirs)
     };
-    drop(back);
+    let (reply, back) = ask(socket, &req, dirs)?;
+    if let Some(target) = target {
+        attach_here(back, &target, m.mountpoint)?;
+    }
     Ok(reply.notices)
 }
 
@@ -140,6 +171,8 @@ fn attach_here(back: Option<OwnedFd>, target: &OwnedFd, mountpoint: &Path) -> Re
 
 /// Has the service unmount the mount at `mountpoint` (one it made for us).
 pub fn umount(socket: &Path, mountpoint: &Path, lazy: bool) -> Result<(), ClientError> {
-    let target = open_mountpoint(mountpoint)?;
-    ask(socket, &Request::Umount { lazy }, vec![target]).map(drop)
+    ask(socket, &Request::Umount { lazy }, || {
+        Ok(vec![open_mountpoint(mountpoint)?])
+    })
+    .map(drop)
 }

@@ -7,9 +7,14 @@
 //! - [`policy`]: the policy file and its checks;
 //! - [`proto`]: requests and replies on the socket;
 //! - [`server`]: the service;
+//! - [`checks`]: where a mount may be attached, and whether it is in use;
+//! - [`helper`]: the steps that need namespaces of their own (locked
+//!   flags, writable overlays made with the caller's credentials);
 //! - [`client`]: asking it.
 
+mod checks;
 pub mod client;
+pub mod helper;
 pub mod policy;
 pub mod proto;
 pub mod server;

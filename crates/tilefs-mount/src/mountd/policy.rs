@@ -2,6 +2,8 @@
 //! images mounted by the kernel, and how.
 //!
 //! ```toml
+//! max_mounts_per_user = 64          # optional: live mounts the service keeps for one user
+//!
 //! [[store]]
 //! path = "/var/lib/tilefs/store"   # absolute; the store's images/ tags
 //! users = ["alice"]                 # user names allowed
@@ -25,6 +27,9 @@ use std::path::{Path, PathBuf};
 pub struct Policy {
     #[serde(default, rename = "store")]
     pub stores: Vec<StoreRule>,
+    /// Live mounts the service keeps for one user (default 64).
+    #[serde(default)]
+    pub max_mounts_per_user: Option<usize>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -43,6 +48,13 @@ pub struct StoreRule {
     pub writable: bool,
     #[serde(default)]
     pub pinned: BTreeMap<String, String>,
+    /// `users` and `groups` as ids, resolved once when the policy is read:
+    /// a request is never refused because the user database could not be
+    /// read at that moment.
+    #[serde(skip)]
+    uids: Vec<u32>,
+    #[serde(skip)]
+    gids: Vec<u32>,
 }
 
 /// Who asks: from the socket's peer credentials, never from the request.
@@ -61,8 +73,17 @@ impl Policy {
     }
 
     pub fn parse(text: &str) -> Result<Policy, String> {
-        let p: Policy = toml::from_str(text).map_err(|e| e.to_string())?;
-        for s in &p.stores {
+        let mut p: Policy = toml::from_str(text).map_err(|e| e.to_string())?;
+        for s in &mut p.stores {
+            // A name that names nobody is a mistake to fix, not to ignore.
+            for u in &s.users {
+                let uid = uid_of(u).ok_or_else(|| format!("store {}: no user {u:?}", s.path.display()))?;
+                s.uids.push(uid);
+            }
+            for g in &s.groups {
+                let gid = gid_of(g).ok_or_else(|| format!("store {}: no group {g:?}", s.path.display()))?;
+                s.gids.push(gid);
+            }
             if !s.path.is_absolute() {
                 return Err(format!("store path {:?} is not absolute", s.path));
             }
@@ -76,25 +97,25 @@ impl Policy {
         Ok(p)
     }
 
+    /// Whether any rule names `caller` (by user or group): others are
+    /// turned away before their request is read.
+    pub fn lists(&self, caller: &Caller) -> bool {
+        self.stores.iter().any(|r| r.names(caller))
+    }
+
     /// The rule that lets `caller` mount tag `image` of `store`, or why
-    /// none does (naming the rule that refused).
+    /// none does (naming the rule that refused, but not whom it allows:
+    /// any local user may ask).
     pub fn allow(&self, caller: &Caller, store: &Path, image: &str) -> Result<&StoreRule, String> {
         let rule = self
             .stores
             .iter()
             .find(|s| s.path == store)
             .ok_or_else(|| format!("store {} is not listed in the policy", store.display()))?;
-        let by_user = rule.users.iter().any(|u| uid_of(u) == Some(caller.uid));
-        let by_group = rule
-            .groups
-            .iter()
-            .any(|g| gid_of(g).is_some_and(|gid| caller.gids.contains(&gid)));
-        if !by_user && !by_group {
+        if !rule.names(caller) {
             return Err(format!(
-                "uid {} is not among the users {:?} or groups {:?} the policy allows for store {}",
+                "uid {} is not among the users or groups the policy allows for store {}",
                 caller.uid,
-                rule.users,
-                rule.groups,
                 store.display()
             ));
         }
@@ -109,37 +130,21 @@ impl Policy {
     }
 }
 
+impl StoreRule {
+    /// Whether the rule names `caller`, as a user or by one of its groups.
+    fn names(&self, caller: &Caller) -> bool {
+        self.uids.contains(&caller.uid) || self.gids.iter().any(|g| caller.gids.contains(g))
+    }
+}
+
 /// The uid of a user name (or a number), from the system's user database.
 fn uid_of(name: &str) -> Option<u32> {
-    if let Ok(n) = name.parse() {
-        return Some(n);
-    }
-    let c = std::ffi::CString::new(name).ok()?;
-    let mut buf = vec![0u8; 16 * 1024];
-    // SAFETY: getpwnam_r writes into `pwd` and `buf` (of the given length)
-    // only, and sets `out` to &pwd or null; nothing is kept after return.
-    unsafe {
-        let mut pwd: libc::passwd = std::mem::zeroed();
-        let mut out: *mut libc::passwd = std::ptr::null_mut();
-        let r = libc::getpwnam_r(c.as_ptr(), &mut pwd, buf.as_mut_ptr().cast(), buf.len(), &mut out);
-        (r == 0 && !out.is_null()).then_some(pwd.pw_uid)
-    }
+    name.parse().ok().or_else(|| tilefs_sys::users::uid_of(name))
 }
 
 /// The gid of a group name (or a number), from the system's group database.
 fn gid_of(name: &str) -> Option<u32> {
-    if let Ok(n) = name.parse() {
-        return Some(n);
-    }
-    let c = std::ffi::CString::new(name).ok()?;
-    let mut buf = vec![0u8; 64 * 1024];
-    // SAFETY: as in uid_of, for getgrnam_r.
-    unsafe {
-        let mut grp: libc::group = std::mem::zeroed();
-        let mut out: *mut libc::group = std::ptr::null_mut();
-        let r = libc::getgrnam_r(c.as_ptr(), &mut grp, buf.as_mut_ptr().cast(), buf.len(), &mut out);
-        (r == 0 && !out.is_null()).then_some(grp.gr_gid)
-    }
+    name.parse().ok().or_else(|| tilefs_sys::users::gid_of(name))
 }
 
 #[cfg(test)]
@@ -186,6 +191,8 @@ groups = ["root"]
             "[[store]]\npath = \"/s\"\nverity = \"maybe\"\n",
             "[[store]]\npath = \"/s\"\n[store.pinned]\n\"a\" = \"abc\"\n",
             "stores = 1\n",
+            "[[store]]\npath = \"/s\"\nusers = [\"no-such-user-here\"]\n",
+            "[[store]]\npath = \"/s\"\ngroups = [\"no-such-group-here\"]\n",
         ] {
             assert!(Policy::parse(bad).is_err(), "{bad}");
         }

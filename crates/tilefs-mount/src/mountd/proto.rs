@@ -62,6 +62,34 @@ pub struct Reply {
     pub error: Option<String>,
     #[serde(default)]
     pub notices: Vec<String>,
+    /// Refused for want of room (too many requests, descriptors): worth
+    /// trying again shortly.
+    #[serde(default)]
+    pub busy: bool,
+}
+
+impl Reply {
+    pub fn default_ok() -> Reply {
+        Reply {
+            ok: true,
+            ..Reply::default()
+        }
+    }
+
+    pub fn error(e: impl Into<String>) -> Reply {
+        Reply {
+            ok: false,
+            error: Some(e.into()),
+            ..Reply::default()
+        }
+    }
+
+    pub fn busy(e: impl Into<String>) -> Reply {
+        Reply {
+            busy: true,
+            ..Reply::error(e)
+        }
+    }
 }
 
 impl Request {
@@ -76,9 +104,9 @@ impl Request {
 
 /// Sends one message, with `fds` beside it.
 pub fn send(sock: impl AsFd, msg: &[u8], fds: &[OwnedFd]) -> Result<(), Errno> {
-    let mut space = [MaybeUninit::uninit(); rustix::cmsg_space!(ScmRights(MAX_FDS))];
+    let mut space = [MaybeUninit::uninit(); rustix::cmsg_space!(ScmRights(8))];
     let mut control = SendAncillaryBuffer::new(&mut space);
-    let fds: Vec<_> = fds.iter().take(MAX_FDS).map(|f| f.as_fd()).collect();
+    let fds: Vec<_> = fds.iter().take(8).map(|f| f.as_fd()).collect();
     if !fds.is_empty() {
         control.push(SendAncillaryMessage::ScmRights(&fds));
     }
@@ -95,9 +123,16 @@ pub fn send(sock: impl AsFd, msg: &[u8], fds: &[OwnedFd]) -> Result<(), Errno> {
 /// [`MAX_FDS`]; more are closed). A message longer than [`MAX_MESSAGE`] is
 /// an error (EMSGSIZE).
 pub fn recv(sock: impl AsFd) -> Result<(Vec<u8>, Vec<OwnedFd>), Errno> {
+    recv_at_most(sock, MAX_FDS)
+}
+
+/// [`recv`], keeping up to `max_fds` descriptors (at most 8).
+pub fn recv_at_most(sock: impl AsFd, max_fds: usize) -> Result<(Vec<u8>, Vec<OwnedFd>), Errno> {
+    let max_fds = max_fds.min(8);
     let mut buf = vec![0u8; MAX_MESSAGE + 1];
-    let mut space = [MaybeUninit::uninit(); rustix::cmsg_space!(ScmRights(MAX_FDS + 1))];
+    let mut space = [MaybeUninit::uninit(); rustix::cmsg_space!(ScmRights(9))];
     let mut control = RecvAncillaryBuffer::new(&mut space);
+    let mut reset = false;
     let got = loop {
         match recvmsg(
             &sock,
@@ -106,6 +141,11 @@ pub fn recv(sock: impl AsFd) -> Result<(Vec<u8>, Vec<OwnedFd>), Errno> {
             RecvFlags::CMSG_CLOEXEC,
         ) {
             Err(Errno::INTR) => continue,
+            // A peer that closed without reading what we sent resets the
+            // connection, but what it sent before is still queued: the
+            // service answers a refused caller before reading its request.
+            Err(Errno::CONNRESET) if !reset => reset = true,
+            Ok(r) if reset && r.bytes == 0 => return Err(Errno::CONNRESET),
             r => break r?,
         }
     };
@@ -115,9 +155,14 @@ pub fn recv(sock: impl AsFd) -> Result<(Vec<u8>, Vec<OwnedFd>), Errno> {
             fds.extend(got);
         }
     }
-    fds.truncate(MAX_FDS);
+    fds.truncate(max_fds);
     if got.bytes > MAX_MESSAGE || got.flags.contains(rustix::net::ReturnFlags::TRUNC) {
         return Err(Errno::MSGSIZE);
+    }
+    // Descriptors sent but not received: this process had no room for
+    // them (or more than 8 came).
+    if got.flags.contains(rustix::net::ReturnFlags::CTRUNC) {
+        return Err(Errno::MFILE);
     }
     buf.truncate(got.bytes);
     Ok((buf, fds))

@@ -1,92 +1,538 @@
 //! The service: checks each caller against the policy and builds the
 //! kernel mount of a trusted image for it, detached, always nosuid and
-//! nodev; attaches it at a directory the caller owns (held by descriptor
-//! from the client's open to the attach, so nothing can be swapped in
-//! between), or hands the detached mount back to a client in its own
-//! mount namespace. Every refusal is logged with the caller and the reason.
+//! nodev, and never able to do for the caller what the caller's own
+//! credentials could not:
+//!
+//! - a read-only mount is attached at a directory the caller owns, may
+//!   write and can reach (see [`checks`](super::checks)), held by
+//!   descriptor from the client's open to the attach; or, for a client in
+//!   a user namespace of its own, handed back with its flags locked;
+//! - a writable mount is the overlay a rootless user would make (see
+//!   [`helper`](super::helper)): created with the caller's credentials in a
+//!   user namespace that maps only the caller, over the read-only mount.
+//!
+//! Every request and refusal is logged with the caller, escaped.
 
+use super::checks::{self, STATX_MNT_ID_UNIQUE};
+use super::helper::{self, HelperCommand, Ids, WritableLayers};
 use super::policy::{Caller, Policy};
 use super::proto::{self, Reply, Request};
 use crate::{build_detached, MountAttrs, MountOptions, Verity};
-use rustix::fd::{AsFd, BorrowedFd, OwnedFd};
-use rustix::fs::{AtFlags, Mode, OFlags, ResolveFlags, StatxAttributes, StatxFlags};
+use rustix::fd::{AsFd, AsRawFd, BorrowedFd, OwnedFd};
+use rustix::fs::{AtFlags, Mode, OFlags, ResolveFlags, StatxFlags};
 use rustix::io::Errno;
 use rustix::mount::MoveMountFlags;
 use rustix::net::{AddressFamily, SocketAddrUnix, SocketFlags, SocketType};
-use std::os::fd::{AsRawFd, FromRawFd};
-use std::os::unix::ffi::OsStrExt;
+use std::collections::HashMap;
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::Arc;
-use std::time::Duration;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
 
 pub const DEFAULT_SOCKET: &str = "/run/tilefs/mountd.sock";
 pub const DEFAULT_POLICY: &str = "/etc/tilefs/mountd.toml";
-/// Mounts made for users, by unique mount id: a file holding the uid.
+/// Mounts made for users, by unique mount id: a file holding the uid. The
+/// helper also mounts its scratch space here, in its private namespace.
 const RECORDS: &str = "/run/tilefs/mountd";
 /// Requests served at once; more are refused (busy), not queued.
 const MAX_CLIENTS: usize = 64;
+/// Requests of one user served at once.
+const MAX_CLIENTS_PER_USER: usize = 4;
+/// Live mounts the service keeps for one user, unless the policy says.
+const DEFAULT_MAX_MOUNTS_PER_USER: usize = 64;
 /// A client has this long to send its request and take its reply.
 const CLIENT_TIMEOUT: Duration = Duration::from_secs(5);
-/// statx's STATX_MNT_ID_UNIQUE (Linux 6.8): an id never reused.
-const STATX_MNT_ID_UNIQUE: u32 = 0x4000;
 
+/// A line of the service's log: every control character escaped, so that
+/// nothing a client sent (a path with a newline, say) can forge a line.
 fn log(msg: &str) {
-    eprintln!("tilefs-mountd: {msg}");
+    let escaped: String = msg
+        .chars()
+        .flat_map(|c| -> Box<dyn Iterator<Item = char>> {
+            if c.is_control() {
+                Box::new(c.escape_default())
+            } else {
+                Box::new(std::iter::once(c))
+            }
+        })
+        .collect();
+    eprintln!("tilefs-mountd: {escaped}");
 }
 
-/// Runs the service until killed: on the socket systemd passed
-/// (`LISTEN_FDS`), else on `socket` (created, mode 0666: the policy, not
-/// the socket's mode, decides who gets what).
-pub fn run(socket: &Path, policy_path: &Path) -> Result<(), String> {
-    if !rustix::process::geteuid().is_root() {
-        return Err("the mount service must run as root".into());
+/// What the service is started with.
+#[derive(Debug, Clone)]
+pub struct Config {
+    /// Where to listen (unless systemd passes a socket).
+    pub socket: PathBuf,
+    pub policy: PathBuf,
+    /// How to run the helper (`tilefs mountd --helper`).
+    pub helper: HelperCommand,
+}
+
+/// The service, bound and ready to serve.
+pub struct Service {
+    listener: OwnedFd,
+    /// The socket file this service created (removed at shutdown); none
+    /// when systemd passed the socket.
+    bound: Option<PathBuf>,
+    policy: Policy,
+    helper: HelperCommand,
+    slots: Mutex<Slots>,
+    /// Held from checking a mount point to attaching there, and while
+    /// unmounting: two requests never race each other.
+    attaching: Mutex<()>,
+}
+
+#[derive(Default)]
+struct Slots {
+    total: usize,
+    by_uid: HashMap<u32, usize>,
+}
+
+/// A request being served; frees its slot when dropped (also when the
+/// thread serving it panics).
+struct Slot<'a> {
+    svc: &'a Service,
+    uid: u32,
+}
+
+impl Drop for Slot<'_> {
+    fn drop(&mut self) {
+        let mut s = self.svc.slots.lock().unwrap_or_else(|e| e.into_inner());
+        s.total -= 1;
+        if let Some(n) = s.by_uid.get_mut(&self.uid) {
+            *n -= 1;
+            if *n == 0 {
+                s.by_uid.remove(&self.uid);
+            }
+        }
     }
-    let policy = Arc::new(Policy::load(policy_path)?);
-    let listener = match activated_socket() {
-        Some(fd) => fd,
-        None => bind(socket)?,
-    };
-    std::fs::create_dir_all(RECORDS).map_err(|e| format!("{RECORDS}: {e}"))?;
-    log(&format!(
-        "serving {} with policy {} ({} stores)",
-        socket.display(),
-        policy_path.display(),
-        policy.stores.len()
-    ));
-    let active = Arc::new(AtomicUsize::new(0));
-    loop {
-        let conn = match rustix::net::accept_with(&listener, SocketFlags::CLOEXEC) {
-            Ok(c) => c,
-            Err(Errno::INTR) | Err(Errno::CONNABORTED) => continue,
-            Err(e) => return Err(format!("accept: {e}")),
+}
+
+impl Service {
+    /// Loads the policy and listens: on the socket systemd passed
+    /// (`LISTEN_FDS`), else on `config.socket` (created, mode 0666: the
+    /// policy, not the socket's mode, decides who gets what).
+    pub fn bind(config: &Config) -> Result<Service, String> {
+        if !rustix::process::geteuid().is_root() {
+            return Err("the mount service must run as root".into());
+        }
+        let policy = Policy::load(&config.policy)?;
+        std::fs::create_dir_all(RECORDS).map_err(|e| format!("{RECORDS}: {e}"))?;
+        let (listener, bound) = match activated_socket() {
+            Some(fd) => (fd, None),
+            None => (bind(&config.socket)?, Some(config.socket.clone())),
         };
-        if active.fetch_add(1, Ordering::SeqCst) >= MAX_CLIENTS {
-            active.fetch_sub(1, Ordering::SeqCst);
-            let _ = reply(&conn, Err("the mount service is busy; try again".into()), None);
-            log("refused a client: too many at once");
-            continue;
-        }
-        let (policy, active) = (policy.clone(), active.clone());
-        let spawned = std::thread::Builder::new().name("mountd-client".into()).spawn(move || {
-            serve_client(conn, &policy);
-            active.fetch_sub(1, Ordering::SeqCst);
-        });
-        if let Err(e) = spawned {
-            log(&format!("cannot start a thread: {e}"));
+        log(&format!(
+            "serving {} with policy {} ({} stores)",
+            config.socket.display(),
+            config.policy.display(),
+            policy.stores.len()
+        ));
+        Ok(Service {
+            listener,
+            bound,
+            policy,
+            helper: config.helper.clone(),
+            slots: Mutex::new(Slots::default()),
+            attaching: Mutex::new(()),
+        })
+    }
+
+    /// Serves clients until the process ends. A failed accept (out of
+    /// descriptors or memory) is waited out, never the end of the service.
+    pub fn serve(self: &Arc<Self>) -> Result<(), String> {
+        let mut last_complaint: Option<Instant> = None;
+        loop {
+            let conn = match rustix::net::accept_with(&self.listener, SocketFlags::CLOEXEC) {
+                Ok(c) => c,
+                Err(Errno::INTR) | Err(Errno::CONNABORTED) | Err(Errno::AGAIN) => continue,
+                Err(e @ (Errno::MFILE | Errno::NFILE | Errno::NOBUFS | Errno::NOMEM | Errno::PERM)) => {
+                    if last_complaint.is_none_or(|t| t.elapsed() > Duration::from_secs(10)) {
+                        log(&format!("accept: {e}; waiting for resources"));
+                        last_complaint = Some(Instant::now());
+                    }
+                    std::thread::sleep(Duration::from_millis(100));
+                    continue;
+                }
+                Err(e) => return Err(format!("accept: {e}")),
+            };
+            let svc = self.clone();
+            let spawned = std::thread::Builder::new()
+                .name("mountd-client".into())
+                .spawn(move || svc.client(conn));
+            if let Err(e) = spawned {
+                log(&format!("cannot start a thread: {e}"));
+                std::thread::sleep(Duration::from_millis(100));
+            }
         }
     }
+
+    /// Ends the service: waits for a mount being attached, removes the
+    /// socket file it created and logs it. The caller then exits.
+    pub fn shutdown(&self, why: &str) {
+        let _attaching = self.attaching.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(p) = &self.bound {
+            let _ = std::fs::remove_file(p);
+        }
+        log(&format!("shutting down ({why})"));
+    }
+
+    /// One connection: who it is, a slot for it, its request.
+    fn client(&self, conn: OwnedFd) {
+        use rustix::net::sockopt;
+        let _ = sockopt::set_socket_timeout(&conn, sockopt::Timeout::Recv, Some(CLIENT_TIMEOUT));
+        let _ = sockopt::set_socket_timeout(&conn, sockopt::Timeout::Send, Some(CLIENT_TIMEOUT));
+        let caller = match peer(&conn) {
+            Ok(c) => c,
+            Err(e) => return log(&format!("a client without credentials: {e}")),
+        };
+        let who = format!("uid {} (pid {})", caller.uid, caller.pid);
+        // Users the policy does not name are answered at once, before they
+        // can hold a slot.
+        if !self.policy.lists(&caller) {
+            log(&format!("{who}: refused: not a user the policy names"));
+            let _ = reply(
+                &conn,
+                Err(format!("uid {} may not use this mount service", caller.uid)),
+                None,
+            );
+            return;
+        }
+        let Some(_slot) = self.slot(caller.uid) else {
+            log(&format!("{who}: refused: too many requests at once"));
+            let _ = send_reply(&conn, &Reply::busy("the mount service is busy; try again"), None);
+            return;
+        };
+        let served = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| self.request(&conn, &caller, &who)));
+        if served.is_err() {
+            log(&format!("{who}: internal error serving the request"));
+            let _ = reply(&conn, Err("internal error in the mount service".into()), None);
+        }
+    }
+
+    fn slot(&self, uid: u32) -> Option<Slot<'_>> {
+        let mut s = self.slots.lock().unwrap_or_else(|e| e.into_inner());
+        let mine = s.by_uid.get(&uid).copied().unwrap_or(0);
+        if s.total >= MAX_CLIENTS || mine >= MAX_CLIENTS_PER_USER {
+            return None;
+        }
+        s.total += 1;
+        *s.by_uid.entry(uid).or_default() += 1;
+        Some(Slot { svc: self, uid })
+    }
+
+    fn request(&self, conn: &OwnedFd, caller: &Caller, who: &str) {
+        let result = match proto::recv(conn) {
+            Ok((bytes, fds)) => Request::parse(&bytes).and_then(|req| self.handle(caller, conn, req, fds)),
+            Err(Errno::AGAIN) => return log(&format!("{who}: no request within {CLIENT_TIMEOUT:?}")),
+            Err(Errno::MFILE) => {
+                log(&format!(
+                    "{who}: refused: no descriptors left for the ones the request carried"
+                ));
+                let _ = send_reply(
+                    conn,
+                    &Reply::busy("the mount service is busy (out of descriptors); try again"),
+                    None,
+                );
+                return;
+            }
+            Err(Errno::MSGSIZE) => Err(format!("the request is larger than {} bytes", proto::MAX_MESSAGE)),
+            Err(e) => return log(&format!("{who}: cannot read the request: {e}")),
+        };
+        let (result, back) = match result {
+            Ok((notices, back)) => (Ok(notices), back),
+            // Whatever failed, it may have failed for want of descriptors:
+            // then the request is not refused, the service is busy.
+            Err(e) if out_of_descriptors() => {
+                log(&format!("{who}: busy: {e}"));
+                let _ = send_reply(
+                    conn,
+                    &Reply::busy(format!("the mount service is busy ({e}); try again")),
+                    None,
+                );
+                return;
+            }
+            Err(e) => {
+                log(&format!("{who}: refused: {e}"));
+                (Err(e), None)
+            }
+        };
+        if let Err(e) = reply(conn, result, back.as_ref()) {
+            log(&format!("{who}: cannot send the reply: {e}"));
+        }
+    }
+
+    fn handle(&self, caller: &Caller, conn: &OwnedFd, req: Request, fds: Vec<OwnedFd>) -> Result<Handled, String> {
+        let who = format!("uid {} (pid {})", caller.uid, caller.pid);
+        let mut fds = fds.into_iter();
+        match req {
+            Request::Mount {
+                store,
+                image,
+                attach,
+                noexec,
+                nosymfollow,
+                verity,
+                upper,
+            } => {
+                let rule = self.policy.allow(caller, &store, &image)?;
+                if upper && !rule.writable {
+                    return Err(format!(
+                        "the policy does not allow writable mounts of store {}",
+                        store.display()
+                    ));
+                }
+                let target = if attach {
+                    let t = fds.next().ok_or("no mount point came with the request")?;
+                    // Refused before anything is built.
+                    checks::mount_point(caller, t.as_fd())?;
+                    self.room_for_one_more(caller.uid)?;
+                    Some(t)
+                } else {
+                    // A detached mount is for a client that will attach it
+                    // in a mount namespace of its own, never in the
+                    // service's (where nobody would know it is theirs).
+                    let pidfd = peer_pidfd(conn)?;
+                    if in_initial_user_namespace(caller, &pidfd)? {
+                        return Err("only a client in a user namespace of its own takes the mount detached; in the initial namespace the service attaches it".into());
+                    }
+                    None
+                };
+                let layers = if upper {
+                    let (u, w) = fds
+                        .next()
+                        .zip(fds.next())
+                        .ok_or("no upper and work directories came with the request")?;
+                    check_layers(caller, u.as_fd(), w.as_fd())?;
+                    Some(WritableLayers {
+                        upper: u,
+                        work: w,
+                        caller_pidfd: peer_pidfd(conn)?,
+                    })
+                } else {
+                    None
+                };
+                tilefs_store::tags::validate_tag(&image).map_err(|e| e.to_string())?;
+                let image_path = rule.path.join(tilefs_store::store::IMAGES_DIR).join(&image);
+                let file = open_tag(&rule.path, &image).map_err(|e| format!("{}: {e}", image_path.display()))?;
+                // The policy's verity wins over the request's, where it says one.
+                let verity: Verity = match (&rule.verity, &verity) {
+                    (Some(v), _) | (None, Some(v)) => v.parse()?,
+                    (None, None) => Verity::Auto,
+                };
+                let digest = match rule.pinned.get(&image) {
+                    Some(d) => Some(crate::options::parse_digest(d)?),
+                    None => None,
+                };
+                let attrs = MountAttrs {
+                    nosuid: true,
+                    nodev: true,
+                    noexec,
+                    nosymfollow,
+                    ..MountAttrs::default()
+                };
+                let o = MountOptions {
+                    image: image_path,
+                    stores: vec![rule.path.clone()],
+                    verity,
+                    digest,
+                    read_only: true,
+                    attrs,
+                    ..MountOptions::default()
+                };
+                let built = build_detached(&o, file).map_err(|e| e.to_string())?;
+                let ids = Ids {
+                    uid: caller.uid,
+                    gid: caller.gids[0],
+                    groups: caller.gids.clone(),
+                };
+                // The read-only mount serves as it is only where the
+                // service attaches it itself.
+                let mount = if layers.is_some() || !attach {
+                    let order = helper::Order {
+                        caller: ids,
+                        lower: built.mount,
+                        writable: layers,
+                        attrs: attrs.flags(false),
+                        source: format!("{}:{}", crate::MOUNT_SOURCE, o.image.display()),
+                        scratch: PathBuf::from(RECORDS),
+                    };
+                    helper::run_job(&self.helper, order)?
+                } else {
+                    built.mount
+                };
+                let kind = if upper { "writable" } else { "read-only" };
+                let Some(target) = target else {
+                    log(&format!(
+                        "{who}: made a {kind} mount of {image} of {} for its own namespace",
+                        store.display()
+                    ));
+                    return Ok((built.notices, Some(mount)));
+                };
+                let id = self.attach(caller, &mount, target.as_fd())?;
+                log(&format!(
+                    "{who}: mounted {image} of {} {kind} (mount {id})",
+                    store.display()
+                ));
+                Ok((built.notices, None))
+            }
+            Request::Umount { lazy } => {
+                let target = fds.next().ok_or("no mount point came with the request")?;
+                if !checks::is_mount_root(&target)? {
+                    return Err("not a mount point".into());
+                }
+                let id = unique_mount_id(target.as_fd()).map_err(|e| format!("the mount's id: {e}"))?;
+                if Record::read(id).map(|r| r.uid) != Some(caller.uid) {
+                    return Err("not a mount this service made for you".into());
+                }
+                let _one_at_a_time = self.attaching.lock().unwrap_or_else(|e| e.into_inner());
+                if !lazy {
+                    if let Some(why) = checks::in_use(target.as_fd())? {
+                        return Err(format!(
+                            "the mount is busy ({why}); close what uses it and retry, or unmount with --lazy"
+                        ));
+                    }
+                }
+                detach(&target).map_err(|e| format!("unmount: {e}"))?;
+                let _ = std::fs::remove_file(Record::path(id));
+                log(&format!("{who}: unmounted mount {id}"));
+                Ok((Vec::new(), None))
+            }
+        }
+    }
+
+    /// Refuses a user who has as many live mounts from the service as the
+    /// policy allows; forgets records of mounts that are gone.
+    fn room_for_one_more(&self, uid: u32) -> Result<(), String> {
+        let limit = self.policy.max_mounts_per_user.unwrap_or(DEFAULT_MAX_MOUNTS_PER_USER);
+        let mountinfo =
+            std::fs::read_to_string("/proc/self/mountinfo").map_err(|e| format!("/proc/self/mountinfo: {e}"))?;
+        let mut live = 0;
+        for e in std::fs::read_dir(RECORDS)
+            .map_err(|e| format!("{RECORDS}: {e}"))?
+            .flatten()
+        {
+            let Some(r) = e
+                .file_name()
+                .to_str()
+                .and_then(|n| n.parse::<u64>().ok())
+                .and_then(Record::read)
+            else {
+                continue;
+            };
+            if !r.alive(&mountinfo) {
+                let _ = std::fs::remove_file(e.path());
+            } else if r.uid == uid {
+                live += 1;
+            }
+        }
+        if live >= limit {
+            return Err(format!(
+                "uid {uid} has {live} mounts from this service already, the most the policy allows; unmount one first"
+            ));
+        }
+        Ok(())
+    }
+
+    /// Attaches `mount` at `target` after checking the mount point again
+    /// (nothing may have changed since the request's check), and records
+    /// it as the caller's. Returns its unique id.
+    fn attach(&self, caller: &Caller, mount: &OwnedFd, target: BorrowedFd<'_>) -> Result<u64, String> {
+        let _one_at_a_time = self.attaching.lock().unwrap_or_else(|e| e.into_inner());
+        checks::mount_point(caller, target)?;
+        rustix::mount::move_mount(
+            mount,
+            "",
+            target,
+            "",
+            MoveMountFlags::MOVE_MOUNT_F_EMPTY_PATH | MoveMountFlags::MOVE_MOUNT_T_EMPTY_PATH,
+        )
+        .map_err(|e| format!("attaching the mount: {e}"))?;
+        let recorded = Record::write(caller.uid, mount.as_fd());
+        if recorded.is_err() {
+            // An unrecorded mount could never be unmounted by its user.
+            let _ = detach(mount);
+        }
+        recorded
+    }
+}
+
+type Handled = (Vec<String>, Option<OwnedFd>);
+
+/// What the service knows of a mount it attached for a user:
+/// `RECORDS/<unique mount id>` holds the user's uid, then the mount's id as
+/// /proc shows it and its device, by which the service tells whether it
+/// is still mounted (ids shown by /proc are reused; the pair rarely).
+struct Record {
+    uid: u32,
+    /// `ID MAJ:MIN`, as in mountinfo's first and third fields.
+    seen_as: String,
+}
+
+impl Record {
+    fn path(unique_id: u64) -> PathBuf {
+        Path::new(RECORDS).join(unique_id.to_string())
+    }
+
+    fn read(unique_id: u64) -> Option<Record> {
+        let text = std::fs::read_to_string(Record::path(unique_id)).ok()?;
+        let mut lines = text.lines();
+        Some(Record {
+            uid: lines.next()?.trim().parse().ok()?,
+            seen_as: lines.next()?.trim().to_string(),
+        })
+    }
+
+    /// Records the mount `fd` is as `uid`'s; returns its unique id.
+    fn write(uid: u32, fd: BorrowedFd<'_>) -> Result<u64, String> {
+        let unique = unique_mount_id(fd).map_err(|e| format!("the new mount's id: {e}"))?;
+        let st = rustix::fs::statx(
+            fd,
+            "",
+            AtFlags::EMPTY_PATH,
+            StatxFlags::from_bits_retain(checks::STATX_MNT_ID),
+        )
+        .map_err(|e| format!("the new mount's id: {e}"))?;
+        let text = format!("{uid}\n{} {}:{}\n", st.stx_mnt_id, st.stx_dev_major, st.stx_dev_minor);
+        std::fs::write(Record::path(unique), text).map_err(|e| format!("cannot record the mount: {e}"))?;
+        Ok(unique)
+    }
+
+    fn alive(&self, mountinfo: &str) -> bool {
+        mountinfo.lines().any(|l| {
+            let f: Vec<&str> = l.splitn(4, ' ').collect();
+            f.len() == 4 && format!("{} {}", f[0], f[2]) == self.seen_as
+        })
+    }
+}
+
+/// Unmounts the mount whose root `fd` is, by that descriptor: nothing
+/// anyone does to the path meanwhile can make it another mount. Detached
+/// lazily, since the descriptor itself keeps the mount busy; callers ask
+/// [`checks::in_use`] first when the unmount must not be lazy.
+fn detach(fd: &OwnedFd) -> Result<(), Errno> {
+    rustix::mount::unmount(
+        format!("/proc/self/fd/{}", fd.as_raw_fd()),
+        rustix::mount::UnmountFlags::DETACH,
+    )
+}
+
+/// Whether this process has (nearly) every descriptor its limit allows
+/// open, so that opening one more may have failed.
+fn out_of_descriptors() -> bool {
+    let Ok(limit) = rustix::process::getrlimit(rustix::process::Resource::Nofile)
+        .current
+        .ok_or(())
+    else {
+        return false;
+    };
+    let open = std::fs::read_dir("/proc/self/fd").map_or(0, |d| d.count() as u64);
+    open + 8 >= limit
 }
 
 /// The listening socket systemd passed, if it did (socket activation).
 fn activated_socket() -> Option<OwnedFd> {
-    let pid: i32 = std::env::var("LISTEN_PID").ok()?.parse().ok()?;
-    let n: i32 = std::env::var("LISTEN_FDS").ok()?.parse().ok()?;
-    if pid != rustix::process::getpid().as_raw_nonzero().get() || n < 1 {
-        return None;
-    }
-    // SAFETY: systemd passed fd 3 to this process for us to own.
-    let fd = unsafe { OwnedFd::from_raw_fd(3) };
+    let fd = tilefs_sys::socket::systemd_listen_fd()?;
     let _ = rustix::io::fcntl_setfd(&fd, rustix::io::FdFlags::CLOEXEC);
     Some(fd)
 }
@@ -109,47 +555,19 @@ fn bind(path: &Path) -> Result<OwnedFd, String> {
     Ok(fd)
 }
 
-fn serve_client(conn: OwnedFd, policy: &Policy) {
-    use rustix::net::sockopt;
-    let _ = sockopt::set_socket_timeout(&conn, sockopt::Timeout::Recv, Some(CLIENT_TIMEOUT));
-    let _ = sockopt::set_socket_timeout(&conn, sockopt::Timeout::Send, Some(CLIENT_TIMEOUT));
-    let caller = match peer(&conn) {
-        Ok(c) => c,
-        Err(e) => return log(&format!("a client without credentials: {e}")),
-    };
-    let who = format!("uid {} (pid {})", caller.uid, caller.pid);
-    let (bytes, fds) = match proto::recv(&conn) {
-        Ok(m) => m,
-        Err(Errno::AGAIN) => return log(&format!("{who}: no request within {CLIENT_TIMEOUT:?}")),
-        Err(e) => return log(&format!("{who}: cannot read the request: {e}")),
-    };
-    let result = Request::parse(&bytes).and_then(|req| handle(policy, &caller, req, fds));
-    let (result, back) = match result {
-        Ok((notices, back)) => (Ok(notices), back),
-        Err(e) => {
-            log(&format!("{who}: refused: {e}"));
-            (Err(e), None)
-        }
-    };
-    if let Err(e) = reply(&conn, result, back.as_ref()) {
-        log(&format!("{who}: cannot send the reply: {e}"));
-    }
-}
-
 fn reply(conn: impl AsFd, result: Result<Vec<String>, String>, fd: Option<&OwnedFd>) -> Result<(), Errno> {
     let r = match result {
         Ok(notices) => Reply {
-            ok: true,
-            error: None,
             notices,
+            ..Reply::default_ok()
         },
-        Err(e) => Reply {
-            ok: false,
-            error: Some(e),
-            notices: Vec::new(),
-        },
+        Err(e) => Reply::error(e),
     };
-    let bytes = serde_json::to_vec(&r).unwrap_or_default();
+    send_reply(conn, &r, fd)
+}
+
+fn send_reply(conn: impl AsFd, r: &Reply, fd: Option<&OwnedFd>) -> Result<(), Errno> {
+    let bytes = serde_json::to_vec(r).unwrap_or_default();
     proto::send(conn, &bytes, fd.map(std::slice::from_ref).unwrap_or_default())
 }
 
@@ -157,21 +575,8 @@ fn reply(conn: impl AsFd, result: Result<Vec<String>, String>, fd: Option<&Owned
 fn peer(conn: &OwnedFd) -> Result<Caller, Errno> {
     let cred = rustix::net::sockopt::socket_peercred(conn)?;
     let mut gids = vec![cred.gid.as_raw()];
-    let mut buf = [0u32; 1024];
-    let mut len = std::mem::size_of_val(&buf) as libc::socklen_t;
-    // SAFETY: getsockopt writes at most `len` bytes into `buf` and the
-    // length it wrote into `len`.
-    let r = unsafe {
-        libc::getsockopt(
-            conn.as_raw_fd(),
-            libc::SOL_SOCKET,
-            libc::SO_PEERGROUPS,
-            buf.as_mut_ptr().cast(),
-            &mut len,
-        )
-    };
-    if r == 0 {
-        gids.extend_from_slice(&buf[..len as usize / 4]);
+    if let Ok(groups) = tilefs_sys::socket::peer_groups(conn) {
+        gids.extend(groups);
     }
     Ok(Caller {
         uid: cred.uid.as_raw(),
@@ -180,177 +585,29 @@ fn peer(conn: &OwnedFd) -> Result<Caller, Errno> {
     })
 }
 
-type Handled = (Vec<String>, Option<OwnedFd>);
-
-fn handle(policy: &Policy, caller: &Caller, req: Request, fds: Vec<OwnedFd>) -> Result<Handled, String> {
-    let mut fds = fds.into_iter();
-    match req {
-        Request::Mount {
-            store,
-            image,
-            attach,
-            noexec,
-            nosymfollow,
-            verity,
-            upper,
-        } => {
-            let rule = policy.allow(caller, &store, &image)?;
-            if upper && !rule.writable {
-                return Err(format!(
-                    "the policy does not allow writable mounts of store {}",
-                    store.display()
-                ));
-            }
-            let target = if attach {
-                Some(fds.next().ok_or("no mount point came with the request")?)
-            } else {
-                None
-            };
-            let layers = if upper {
-                let (u, w) = fds
-                    .next()
-                    .zip(fds.next())
-                    .ok_or("no upper and work directories came with the request")?;
-                check_layers(caller, u.as_fd(), w.as_fd())?;
-                Some((u, w))
-            } else {
-                None
-            };
-            tilefs_store::tags::validate_tag(&image).map_err(|e| e.to_string())?;
-            let image_path = rule.path.join(tilefs_store::store::IMAGES_DIR).join(&image);
-            let file = open_tag(&rule.path, &image).map_err(|e| format!("{}: {e}", image_path.display()))?;
-            // The policy's verity wins over the request's, where it says one.
-            let verity: Verity = match (&rule.verity, &verity) {
-                (Some(v), _) | (None, Some(v)) => v.parse()?,
-                (None, None) => Verity::Auto,
-            };
-            let digest = match rule.pinned.get(&image) {
-                Some(d) => Some(crate::options::parse_digest(d)?),
-                None => None,
-            };
-            let fd_path = |f: &OwnedFd| PathBuf::from(format!("/proc/self/fd/{}", f.as_raw_fd()));
-            let o = MountOptions {
-                image: image_path,
-                stores: vec![rule.path.clone()],
-                // The directories checked, by descriptor; written with the
-                // caller's file-system credentials, never root's.
-                upper: layers.as_ref().map(|(u, _)| fd_path(u)),
-                work: layers.as_ref().map(|(_, w)| fd_path(w)),
-                upper_creds: layers.as_ref().map(|_| crate::FsCreds {
-                    uid: caller.uid,
-                    gid: caller.gids[0],
-                    groups: caller.gids[1..].to_vec(),
-                }),
-                verity,
-                digest,
-                read_only: !upper,
-                attrs: MountAttrs {
-                    nosuid: true,
-                    nodev: true,
-                    noexec,
-                    nosymfollow,
-                    ..MountAttrs::default()
-                },
-                ..MountOptions::default()
-            };
-            let built = build_detached(&o, file).map_err(|e| e.to_string())?;
-            if !attach {
-                return Ok((built.notices, Some(built.mount)));
-            }
-            let target = target.ok_or("no mount point came with the request")?;
-            attach_for(caller, &built.mount, target.as_fd())?;
-            let id = unique_mount_id(built.mount.as_fd()).map_err(|e| format!("the new mount's id: {e}"))?;
-            std::fs::write(Path::new(RECORDS).join(id.to_string()), caller.uid.to_string())
-                .map_err(|e| format!("cannot record the mount: {e}"))?;
-            log(&format!(
-                "uid {} (pid {}): mounted {image} of {} (mount {id})",
-                caller.uid,
-                caller.pid,
-                store.display()
-            ));
-            Ok((built.notices, None))
-        }
-        Request::Umount { lazy } => {
-            let target = fds.next().ok_or("no mount point came with the request")?;
-            let st = rustix::fs::statx(&target, "", AtFlags::EMPTY_PATH, StatxFlags::empty())
-                .map_err(|e| format!("the mount point: {e}"))?;
-            if !st.stx_attributes.contains(StatxAttributes::MOUNT_ROOT) {
-                return Err("not a mount point".into());
-            }
-            let id = unique_mount_id(target.as_fd()).map_err(|e| format!("the mount's id: {e}"))?;
-            let record = Path::new(RECORDS).join(id.to_string());
-            let owner = std::fs::read_to_string(&record)
-                .ok()
-                .and_then(|s| s.trim().parse::<u32>().ok());
-            if owner != Some(caller.uid) {
-                return Err("not a mount this service made for you".into());
-            }
-            unmount_by_fd(target, id, lazy)?;
-            let _ = std::fs::remove_file(&record);
-            log(&format!(
-                "uid {} (pid {}): unmounted mount {id}",
-                caller.uid, caller.pid
-            ));
-            Ok((Vec::new(), None))
-        }
-    }
+fn peer_pidfd(conn: &OwnedFd) -> Result<OwnedFd, String> {
+    tilefs_sys::socket::peer_pidfd(conn).map_err(|e| format!("the caller's pidfd: {e}"))
 }
 
-/// Unmounts the mount whose root `target` is (unique id `id`), without a
-/// path anyone else could change: from the mount point's parent directory,
-/// held by descriptor as this thread's own working directory, by its last
-/// name alone (a mount point can be neither renamed nor removed while
-/// mounted). `target` is closed first: it would keep the mount busy.
-fn unmount_by_fd(target: OwnedFd, id: u64, lazy: bool) -> Result<(), String> {
-    let name = rustix::fs::readlinkat(
-        rustix::fs::CWD,
-        format!("/proc/self/fd/{}", target.as_raw_fd()),
-        Vec::new(),
-    )
-    .map_err(|e| format!("the mount point's name: {e}"))?;
-    let name = Path::new(std::ffi::OsStr::from_bytes(name.as_bytes()))
-        .file_name()
-        .map(|n| n.to_os_string())
-        .ok_or("the mount point has no name")?;
-    let parent = rustix::fs::openat(
-        &target,
-        "..",
+/// Whether the caller is in the service's user namespace: read through
+/// /proc while its pidfd shows it alive, so the pid names the caller.
+fn in_initial_user_namespace(caller: &Caller, pidfd: &OwnedFd) -> Result<bool, String> {
+    let dir = rustix::fs::open(
+        format!("/proc/{}", caller.pid),
         OFlags::PATH | OFlags::DIRECTORY | OFlags::CLOEXEC,
         Mode::empty(),
     )
-    .map_err(|e| format!("the mount point's directory: {e}"))?;
-    let there = rustix::fs::statx(
-        &parent,
-        name.as_os_str(),
-        AtFlags::SYMLINK_NOFOLLOW | AtFlags::NO_AUTOMOUNT,
-        StatxFlags::from_bits_retain(STATX_MNT_ID_UNIQUE),
-    )
-    .map_err(|e| format!("the mount point: {e}"))?;
-    if there.stx_mnt_id != id || !there.stx_attributes.contains(StatxAttributes::MOUNT_ROOT) {
-        return Err("the mount point moved while it was being unmounted".into());
+    .map_err(|e| format!("the caller's /proc: {e}"))?;
+    let theirs =
+        rustix::fs::readlinkat(&dir, "ns/user", Vec::new()).map_err(|e| format!("the caller's user namespace: {e}"))?;
+    let mut poll = [rustix::event::PollFd::new(pidfd, rustix::event::PollFlags::IN)];
+    let zero = rustix::event::Timespec { tv_sec: 0, tv_nsec: 0 };
+    if rustix::event::poll(&mut poll, Some(&zero)).map_err(|e| format!("the caller's pidfd: {e}"))? != 0 {
+        return Err("the caller has exited".into());
     }
-    drop(target);
-    // This thread's working directory only (its own fs context).
-    // SAFETY: CLONE_FS gives this thread its own root, cwd and umask; its
-    // file table, memory and everything Rust relies on stay shared.
-    unsafe { rustix::thread::unshare_unsafe(rustix::thread::UnshareFlags::FS) }.map_err(|e| format!("unshare: {e}"))?;
-    rustix::process::fchdir(&parent).map_err(|e| format!("fchdir: {e}"))?;
-    let flags = rustix::mount::UnmountFlags::NOFOLLOW
-        | if lazy {
-            rustix::mount::UnmountFlags::DETACH
-        } else {
-            rustix::mount::UnmountFlags::empty()
-        };
-    let r = rustix::mount::unmount(name.as_os_str(), flags);
-    let _ = rustix::process::chdir("/");
-    match r {
-        Ok(()) => Ok(()),
-        Err(Errno::BUSY) => Err(
-            "the mount is busy (a process has a file open or its working directory in it); close them and retry, or unmount with --lazy"
-                .into(),
-        ),
-        Err(e) => Err(format!("unmount: {e}")),
-    }
+    let mine =
+        rustix::fs::readlink("/proc/self/ns/user", Vec::new()).map_err(|e| format!("our user namespace: {e}"))?;
+    Ok(theirs == mine)
 }
 
 /// Opens `STORE/images/TAG` beneath the store, following no symlink,
@@ -405,34 +662,6 @@ fn check_layers(caller: &Caller, upper: BorrowedFd<'_>, work: BorrowedFd<'_>) ->
         return Err("the upper and work directories must be on the same filesystem".into());
     }
     Ok(())
-}
-
-/// Attaches `mount` at `target` if the caller may have it there: a
-/// directory the caller owns that is not itself a mount point, checked and
-/// used through the same descriptor.
-fn attach_for(caller: &Caller, mount: &OwnedFd, target: BorrowedFd<'_>) -> Result<(), String> {
-    let st = rustix::fs::statx(target, "", AtFlags::EMPTY_PATH, StatxFlags::TYPE | StatxFlags::UID)
-        .map_err(|e| format!("the mount point: {e}"))?;
-    if u32::from(st.stx_mode) & libc::S_IFMT != libc::S_IFDIR {
-        return Err("the mount point is not a directory".into());
-    }
-    if st.stx_uid != caller.uid {
-        return Err(format!(
-            "the mount point is owned by uid {}, not by the caller (uid {})",
-            st.stx_uid, caller.uid
-        ));
-    }
-    if st.stx_attributes.contains(StatxAttributes::MOUNT_ROOT) {
-        return Err("the mount point is already a mount point".into());
-    }
-    rustix::mount::move_mount(
-        mount,
-        "",
-        target,
-        "",
-        MoveMountFlags::MOVE_MOUNT_F_EMPTY_PATH | MoveMountFlags::MOVE_MOUNT_T_EMPTY_PATH,
-    )
-    .map_err(|e| format!("attaching the mount: {e}"))
 }
 
 /// The never-reused id of the mount `fd` is in (or the mount `fd` is).
