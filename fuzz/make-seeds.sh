@@ -1,6 +1,11 @@
 #!/bin/sh
 # Fills the seed corpora fuzz/corpus/{parse_dump,read_image,roundtrip_image}
-# (git-ignored) from dump files:
+# (git-ignored) from dump files, and fuzz/corpus/oci_layer from the layers
+# of the limit tests in crates/tilefs-cli/tests/oci_pull.rs (names of 252-259
+# bytes, whiteouts and opaque markers of them, paths past PATH_MAX, 4095-byte
+# symlink targets, xattrs at their limits, and each one past its limit),
+# which that test writes when TILEFS_WRITE_LAYER_SEEDS names a directory.
+# The dumps come from:
 #   - fuzz/seeds/*.dump (small, in git),
 #   - the small *.dump files of $ASSETS (composefs test vectors),
 #   - any *.dump under the directories given as arguments.
@@ -25,7 +30,7 @@ MAX_IMAGE=${MAX_IMAGE:-262144}
 MAX_SMALL_IMAGE=${MAX_SMALL_IMAGE:-65536}
 [ -x "$TILEFS" ] || { echo "no tilefs binary at $TILEFS" >&2; exit 1; }
 corpus=$here/corpus
-mkdir -p "$corpus/parse_dump" "$corpus/read_image" "$corpus/roundtrip_image"
+mkdir -p "$corpus/parse_dump" "$corpus/read_image" "$corpus/roundtrip_image" "$corpus/oci_layer"
 tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
 
@@ -58,6 +63,8 @@ add() { # add FILE DIR: copy FILE into DIR named by its sha256
         done
     done
 done
-for t in parse_dump read_image roundtrip_image; do
+(cd "$here/.." && TILEFS_WRITE_LAYER_SEEDS="$corpus/oci_layer" \
+    cargo test -q --release --locked -p tilefs --test oci_pull names_and_paths_at_their_limits >/dev/null)
+for t in parse_dump read_image roundtrip_image oci_layer; do
     echo "$t: $(ls "$corpus/$t" | wc -l) seeds"
 done

@@ -1,6 +1,9 @@
-//! The layer reader and applier: any bytes as a layer (applied twice, over
-//! itself, as a later layer would) give an image or an error naming the
-//! layer, never a panic; an image made is one the writer accepts.
+//! The layer reader and applier: any bytes as a layer give an image or an
+//! error naming the layer, never a panic; an image made is one the writer
+//! accepts. The bytes after the first tar archive's end (past its zero
+//! blocks) are a second layer, applied over the first, so that whiteouts
+//! have something below to remove; without them the layer is applied
+//! twice, over itself, as a later layer would be.
 #![no_main]
 
 use libfuzzer_sys::fuzz_target;
@@ -20,10 +23,30 @@ fn store() -> &'static Store {
 }
 
 fuzz_target!(|data: &[u8]| {
+    // As pulls make images: keeping only `security.capability`, and
+    // keeping every xattr (so that all of them meet the limits).
+    for keep_all_xattrs in [false, true] {
+        apply(data, keep_all_xattrs);
+    }
+});
+
+fn apply(data: &[u8], keep_all_xattrs: bool) {
     let ingest = Ingest::new(store(), Method::Copy).unwrap();
-    let mut applier = Applier::new();
-    for _ in 0..2 {
-        match read_entries(&mut &data[..], "fuzz", &ingest, ReadOptions::default()) {
+    let mut applier = Applier::new(keep_all_xattrs);
+    let mut rest = data;
+    for i in 0..2 {
+        let mut layer = if i == 0 { data } else { rest };
+        let read = read_entries(&mut layer, "fuzz", &ingest, ReadOptions::default());
+        if i == 0 {
+            rest = layer;
+            while rest.len() >= 512 && rest[..512].iter().all(|&b| b == 0) {
+                rest = &rest[512..];
+            }
+            if rest.is_empty() {
+                rest = data;
+            }
+        }
+        match read {
             Ok(entries) => {
                 if let Err(e) = applier.apply_layer("fuzz", entries) {
                     assert!(e.to_string().starts_with("layer fuzz"), "{e}");
@@ -36,7 +59,7 @@ fuzz_target!(|data: &[u8]| {
             }
         }
     }
-    tilefs_oci::compat::normalize(applier.tree_mut(), false);
+    tilefs_oci::compat::normalize(applier.tree_mut());
     let tree = applier.finish();
     let _ = write_image(&tree, &WriteOptions { min_version: 1, max_version: 1 });
-});
+}

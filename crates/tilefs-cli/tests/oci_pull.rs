@@ -6,6 +6,7 @@ mod common;
 
 use common::registry::Registry;
 use common::*;
+use std::collections::BTreeMap;
 use std::fs;
 use std::io::Write;
 use std::net::TcpListener;
@@ -30,6 +31,7 @@ enum Comp {
 }
 
 /// One tar member.
+#[derive(Clone)]
 struct E {
     name: String,
     kind: tar::EntryType,
@@ -928,4 +930,541 @@ fn a_user_without_privilege_pulls_the_same_image() {
     let store = home.join("data/tilefs/store");
     assert_eq!(tags_in(&store), ["layout:compat"]);
     assert_eq!(fs::metadata(&store).unwrap().uid(), NOBODY);
+}
+
+// ---- names and lengths at their limits ------------------------------------
+
+/// The deepest directory an image may hold (tilefs's image reader reads no
+/// deeper: `tilefs_image::erofs::reader::MAX_DEPTH`).
+const MAX_DEPTH: usize = 2048;
+
+/// A name of `len` bytes that starts with `tag`.
+fn long(tag: &str, len: usize) -> String {
+    format!("{tag}{}", "x".repeat(len - tag.len()))
+}
+
+/// `x` with its name (and link target) in PAX records, the header holding
+/// a short stand-in: tar carries long names this way or in GNU long-name
+/// members (which the tar writer uses by itself), and layers use both.
+fn pax_named(mut x: E) -> E {
+    x.pax.push(("path".into(), std::mem::take(&mut x.name).into_bytes()));
+    x.name = "stand-in".into();
+    if let Some(l) = x.link.take() {
+        x.pax.push(("linkpath".into(), l.into_bytes()));
+        x.link = Some("stand-in".into());
+    }
+    x
+}
+
+/// `x` with these xattrs, in PAX records.
+fn with_xattrs<K: AsRef<str>>(mut x: E, xattrs: &[(K, Vec<u8>)]) -> E {
+    for (k, v) in xattrs {
+        x.pax.push((format!("SCHILY.xattr.{}", k.as_ref()), v.clone()));
+    }
+    x
+}
+
+/// Directories `a`, `a/b`, ... down to `path`, each listed (composefs-rs
+/// refuses parents no entry lists).
+fn dirs_down_to(path: &str) -> Vec<E> {
+    let parts: Vec<&str> = path.split('/').collect();
+    (1..=parts.len()).map(|n| dir(&parts[..n].join("/"))).collect()
+}
+
+/// `n` nested one-byte directories: a path of 2n-1 bytes, past PATH_MAX
+/// once n passes 2048.
+fn nested(n: usize) -> String {
+    vec!["n"; n].join("/")
+}
+
+/// 20 directories of 255-byte names: a path of 5119 bytes, past PATH_MAX.
+fn deep_dir() -> String {
+    (0..20)
+        .map(|i| long(&format!("deep{i:02}-"), 255))
+        .collect::<Vec<_>>()
+        .join("/")
+}
+
+/// The layers of the image `limits`: names of 252 to 255 bytes whited out
+/// by names of up to 259, an opaque directory and a whited-out directory
+/// of 255-byte names, paths and a hardlink target past PATH_MAX, a 4095-byte
+/// symlink target, the longest `security.capability` value EROFS holds,
+/// and xattrs past the limits that the image drops (as composefs-rs
+/// drops every xattr but `security.capability`).
+fn limit_layers() -> Vec<(Vec<E>, Comp)> {
+    use tar::EntryType as T;
+    let deep = deep_dir();
+    let mut l1 = vec![dir("usr"), dir("d")];
+    for len in 252..=255 {
+        l1.push(file(&format!("d/{}", long(&format!("w{len}-"), len)), b"whited out"));
+    }
+    l1.push(file(&format!("d/{}", long("kept-", 255)), b"kept"));
+    let opaque = format!("d/{}", long("opaque-", 255));
+    l1.extend([dir(&opaque), file(&format!("{opaque}/a"), b"a")]);
+    let gone = format!("d/{}", long("gone-", 255));
+    l1.extend([dir(&gone), file(&format!("{gone}/inner"), b"inner")]);
+    l1.extend(dirs_down_to(&deep));
+    l1.push(pax_named(file(&format!("{deep}/{}", long("file-", 255)), b"deep file")));
+    l1.push(file(&format!("{deep}/{}", long("gone-", 255)), b"deep, whited out"));
+    l1.push(pax_named(link(
+        &format!("d/{}", long("link-", 255)),
+        T::Link,
+        &format!("{deep}/{}", long("file-", 255)),
+    )));
+    l1.push(link(
+        &format!("{deep}/{}", long("link-", 255)),
+        T::Link,
+        &format!("d/{}", long("kept-", 255)),
+    ));
+    // A symlink target of PATH_MAX - 1 bytes, like a path: "/t/t/.../t".
+    l1.push(link("s4095", T::Symlink, &"/t".repeat(2048)[..4095]));
+    l1.push(pax_named(link("p4095", T::Symlink, &"p".repeat(4095))));
+    l1.push(with_xattrs(
+        file("cap", b"capable"),
+        &[
+            ("security.capability", vec![7; 65535]),
+            (long("user.", 256).as_str(), b"name past XATTR_NAME_MAX".to_vec()),
+            ("user.big", vec![1; 65536]),
+        ],
+    ));
+    let mut l2 = Vec::new();
+    for len in 252..=255 {
+        let whiteout = file(&format!("d/.wh.{}", long(&format!("w{len}-"), len)), b"");
+        // GNU long names for some, PAX records for others.
+        l2.push(if len % 2 == 0 { whiteout } else { pax_named(whiteout) });
+    }
+    l2.push(file(&format!("{opaque}/.wh..wh..opq"), b""));
+    l2.push(file(&format!("{opaque}/b"), b"b"));
+    l2.push(file(&format!("d/.wh.{}", long("gone-", 255)), b""));
+    l2.push(pax_named(file(&format!("{deep}/.wh.{}", long("gone-", 255)), b"")));
+    vec![(l1, Comp::Gzip), (l2, Comp::Zstd)]
+}
+
+/// xattrs at their limits, kept with `--all-xattrs` (and by composefs-rs
+/// with `--xattrs keep-user-xattrs`): the longest name, the longest value,
+/// and a directory with three of those (near all an EROFS inode holds).
+fn xattr_layer() -> Vec<E> {
+    let values: Vec<(String, Vec<u8>)> = (b'a'..=b'c')
+        .map(|c| (format!("user.{}", c as char), vec![c; 65535]))
+        .collect();
+    vec![
+        dir("usr"),
+        with_xattrs(
+            file("x", b"x"),
+            &[
+                (long("user.", 255).as_str(), b"longest name".to_vec()),
+                ("user.big", vec![b'v'; 65535]),
+            ],
+        ),
+        with_xattrs(dir("big"), &values),
+        file("big/f", b"f"),
+    ]
+}
+
+/// The layer below each of [`past_limits`].
+fn limits_base() -> Vec<E> {
+    vec![dir("usr"), dir("d"), file("d/f", b"f")]
+}
+
+/// Layers past a limit, each over [`limits_base`]: the name of the
+/// image, the layer, whether it needs `--all-xattrs` to be refused, and
+/// what the error must say.
+fn past_limits() -> Vec<(&'static str, Vec<E>, bool, &'static str)> {
+    use tar::EntryType as T;
+    vec![
+        (
+            "name256",
+            vec![file(&format!("d/{}", long("n-", 256)), b"x")],
+            false,
+            "name 2 of its path is 256 bytes, longer than NAME_MAX (255)",
+        ),
+        (
+            "dir256",
+            vec![pax_named(file(&format!("{}/f", long("n-", 256)), b"x"))],
+            false,
+            "name 1 of its path is 256 bytes, longer than NAME_MAX (255)",
+        ),
+        (
+            "whiteout256",
+            vec![file(&format!("d/.wh.{}", long("n-", 256)), b"")],
+            false,
+            "name 2 of the path it removes is 256 bytes, longer than NAME_MAX (255)",
+        ),
+        (
+            "opaque256",
+            vec![pax_named(file(&format!("d/{}/.wh..wh..opq", long("n-", 256)), b""))],
+            false,
+            "name 2 of the directory it hides is 256 bytes, longer than NAME_MAX (255)",
+        ),
+        (
+            "hardlink256",
+            vec![link("d/h", T::Link, &format!("d/{}", long("n-", 256)))],
+            false,
+            "name 2 of its target is 256 bytes, longer than NAME_MAX (255)",
+        ),
+        (
+            "symlink4096",
+            vec![link("s", T::Symlink, &"/t".repeat(2048))],
+            false,
+            "symlink target is 4096 bytes, longer than 4095 (PATH_MAX",
+        ),
+        (
+            "cap65536",
+            vec![with_xattrs(file("c", b"c"), &[("security.capability", vec![7; 65536])])],
+            false,
+            "xattr value is 65536 bytes, longer than the 65535 an EROFS image holds",
+        ),
+        (
+            "xname256",
+            vec![with_xattrs(
+                file("c", b"c"),
+                &[(long("user.", 256).as_str(), b"v".to_vec())],
+            )],
+            true,
+            "xattr name is 256 bytes, longer than 255 (XATTR_NAME_MAX)",
+        ),
+        (
+            "xvalue65536",
+            vec![with_xattrs(file("c", b"c"), &[("user.big", vec![1; 65536])])],
+            true,
+            "xattr value is 65536 bytes, longer than the 65535 an EROFS image holds",
+        ),
+        (
+            "xattrs4x65535",
+            vec![with_xattrs(
+                file("c", b"c"),
+                &[
+                    ("user.a", vec![1; 65535]),
+                    ("user.b", vec![2; 65535]),
+                    ("user.c", vec![3; 65535]),
+                    ("user.d", vec![4; 65535]),
+                ],
+            )],
+            true,
+            "an inode may use",
+        ),
+        (
+            "nested2049",
+            dirs_down_to(&nested(MAX_DEPTH + 1)),
+            false,
+            "its path is 2049 directories deep, more than the 2048 tilefs reads from an image",
+        ),
+    ]
+}
+
+/// Writes every layer of these tests to `dir` as a seed of the `oci_layer`
+/// fuzz target: a tar of the layer below, then one of the layer itself
+/// (the target applies what follows the first archive over it). Listed
+/// parents of the deepest paths are left implied (they would make seeds
+/// of megabytes).
+fn write_layer_seeds(dir: &Path) {
+    fs::create_dir_all(dir).unwrap();
+    let small = |l: &[E]| -> Vec<u8> {
+        let listed = |x: &E| x.kind == tar::EntryType::Directory && x.name.starts_with("n/n/n/");
+        let (last, parents) = l.split_last().unwrap();
+        let kept: Vec<E> = parents.iter().filter(|x| !listed(x)).chain([last]).cloned().collect();
+        tar_of(&kept)
+    };
+    let limits = limit_layers();
+    let mut seeds = vec![(
+        "limits".to_string(),
+        [small(&limits[0].0), small(&limits[1].0)].concat(),
+    )];
+    let base = small(&limits_base());
+    seeds.push(("xattrs".into(), small(&xattr_layer())));
+    seeds.push((
+        "nested2048".into(),
+        small(&[file(&format!("{}/f", nested(MAX_DEPTH)), b"f")]),
+    ));
+    for (name, layer, _, _) in past_limits() {
+        seeds.push((name.to_string(), [base.clone(), small(&layer)].concat()));
+    }
+    for (name, tar) in seeds {
+        fs::write(dir.join(format!("limits-{name}.tar")), tar).unwrap();
+    }
+}
+
+/// composefs-rs's `cfsctl`, found as the bench finds it: `$CFSCTL`, else
+/// on PATH; or why there is none.
+fn cfsctl() -> Result<PathBuf, String> {
+    if let Some(p) = std::env::var_os("CFSCTL") {
+        let p = PathBuf::from(p);
+        return if p.is_file() {
+            Ok(p)
+        } else {
+            Err(format!("CFSCTL={} is not a file", p.display()))
+        };
+    }
+    let out = Command::new("sh").args(["-c", "command -v cfsctl"]).output().unwrap();
+    match String::from_utf8_lossy(&out.stdout).trim() {
+        "" => Err(concat!(
+            "cfsctl not found: set CFSCTL to composefs-rs's cfsctl ",
+            "(`cargo build --release -p composefs-ctl` at v0.9.0), or put it on PATH"
+        )
+        .into()),
+        p => Ok(PathBuf::from(p)),
+    }
+}
+
+/// What composefs-rs makes of the image `name` of `layout`, in the
+/// `fsverity-sha256-12` repository `repo`: its digest, or its error.
+fn composefs_rs_digest(cfsctl: &Path, repo: &Path, layout: &Path, name: &str, xattrs: &str) -> Result<String, String> {
+    let run = |args: &[&std::ffi::OsStr]| {
+        let out = Command::new(cfsctl).args(args).output().unwrap();
+        if out.status.success() {
+            Ok(String::from_utf8_lossy(&out.stdout).trim().to_string())
+        } else {
+            Err(stderr(&out).trim().to_string())
+        }
+    };
+    if !repo.exists() {
+        let init = ["init", "--algorithm", "fsverity-sha256-12", "--insecure"];
+        let mut args: Vec<&std::ffi::OsStr> = init.iter().map(|s| os(s)).collect();
+        args.push(repo.as_os_str());
+        run(&args).expect("cfsctl init");
+    }
+    let oci = |args: &[&str]| {
+        let mut all = vec![os("--repo"), repo.as_os_str(), os("oci")];
+        all.extend(args.iter().map(|s| os(s)));
+        run(&all)
+    };
+    oci(&["pull", &format!("oci:{}:{name}", layout.display()), name])?;
+    oci(&["compute-id", "--xattrs", xattrs, name])
+}
+
+/// One file as `find` shows it.
+#[derive(Debug, Clone, PartialEq)]
+struct Found {
+    kind: char,
+    nlink: u64,
+    ino: u64,
+    target: String,
+}
+
+/// Everything under `mnt` as `find` lists it (it walks trees deeper than
+/// PATH_MAX), by path relative to `mnt`.
+fn find_all(mnt: &Path) -> BTreeMap<String, Found> {
+    let out = Command::new("find")
+        .arg(mnt)
+        .args(["-mindepth", "1", "-printf", "%P\\0%y\\0%n\\0%i\\0%l\\0"])
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "find: {}", stderr(&out));
+    let fields: Vec<String> = out
+        .stdout
+        .split(|&b| b == 0)
+        .map(|f| String::from_utf8(f.to_vec()).unwrap())
+        .collect();
+    fields
+        .chunks_exact(5)
+        .map(|c| {
+            let found = Found {
+                kind: c[1].chars().next().unwrap(),
+                nlink: c[2].parse().unwrap(),
+                ino: c[3].parse().unwrap(),
+                target: c[4].clone(),
+            };
+            (c[0].clone(), found)
+        })
+        .collect()
+}
+
+/// What `look` sees of the image `tag` of `store`, mounted at `mnt`.
+fn look_at<T>(store: &Path, tag: &str, mnt: &Path, look: impl FnOnce(&Path) -> T) -> T {
+    tilefs(&[os("mount"), os("--store"), store.as_os_str(), os(tag), mnt.as_os_str()]);
+    let guard = MountGuard(mnt.to_path_buf());
+    let seen = look(mnt);
+    tilefs(&[os("umount"), mnt.as_os_str()]);
+    drop(guard);
+    seen
+}
+
+/// The tar member name of `x`, as the layer gives it.
+fn member_name(x: &E) -> String {
+    x.pax
+        .iter()
+        .find(|(k, _)| k == "path")
+        .map_or_else(|| x.name.clone(), |(_, v)| String::from_utf8(v.clone()).unwrap())
+}
+
+#[test]
+fn names_and_paths_at_their_limits_pull_as_composefs_rs_pulls_them() {
+    if let Some(dir) = std::env::var_os("TILEFS_WRITE_LAYER_SEEDS") {
+        write_layer_seeds(Path::new(&dir));
+        return;
+    }
+    let area = Area::new();
+    let layout = area.path("layout");
+    let layers = limit_layers();
+    let refs: Vec<(&[E], Comp)> = layers.iter().map(|(l, c)| (l.as_slice(), *c)).collect();
+    write_image(&layout, "limits", &refs);
+    let deepest = nested(MAX_DEPTH);
+    let nested_layer = [
+        vec![dir("usr")],
+        dirs_down_to(&deepest),
+        vec![file(&format!("{deepest}/f"), b"f")],
+    ]
+    .concat();
+    write_image(&layout, "nested", &[(&nested_layer, Comp::Gzip)]);
+    write_image(&layout, "xattrs", &[(&xattr_layer(), Comp::Gzip)]);
+    let store = area.path("store");
+    let reference = |name: &str| format!("oci:{}:{name}", layout.display());
+    let images = [
+        (
+            "limits",
+            pull(&store, &reference("limits"), &["--tag", "limits"]),
+            "allowlist-only",
+        ),
+        (
+            "nested",
+            pull(&store, &reference("nested"), &["--tag", "nested"]),
+            "allowlist-only",
+        ),
+        // Only user.* and security.capability xattrs: what composefs-rs
+        // keeps with keep-user-xattrs, tilefs with --all-xattrs.
+        (
+            "xattrs",
+            pull(&store, &reference("xattrs"), &["--tag", "xattrs", "--all-xattrs"]),
+            "keep-user-xattrs",
+        ),
+    ];
+    match cfsctl() {
+        Err(why) => eprintln!("NOT compared with composefs-rs: {why}"),
+        Ok(cfsctl) => {
+            for (name, digest, xattrs) in &images {
+                let theirs = composefs_rs_digest(&cfsctl, &area.path("cfs"), &layout, name, xattrs)
+                    .unwrap_or_else(|e| panic!("composefs-rs refused {name}: {e}"));
+                assert_eq!(digest, &theirs, "{name}: not the image composefs-rs makes");
+            }
+            eprintln!(
+                "compared with composefs-rs ({}): {} images, the same digests",
+                cfsctl.display(),
+                images.len()
+            );
+        }
+    }
+    assert_fsck_clean(&store);
+
+    // What a user sees.
+    if let Some(why) = cannot_mount("erofs") {
+        eprintln!("mounts NOT checked: {why}");
+        return;
+    }
+    let mnt = area.dir("mnt");
+    let seen = look_at(&store, "limits", &mnt, find_all);
+    let names_in = |dir: &str| -> Vec<String> {
+        let prefix = format!("{dir}/");
+        let mut v: Vec<String> = seen
+            .keys()
+            .filter_map(|k| k.strip_prefix(&prefix).filter(|rest| !rest.contains('/')))
+            .map(|n| n.split('x').next().unwrap().to_string())
+            .collect();
+        v.sort();
+        v
+    };
+    // The 252- to 255-byte names and the directory are whited out, the
+    // opaque directory holds only what its own layer put there.
+    assert_eq!(names_in("d"), ["kept-", "link-", "opaque-"]);
+    let opaque = format!("d/{}", long("opaque-", 255));
+    assert_eq!(names_in(&opaque), ["b"]);
+    let deep = deep_dir();
+    assert!(deep.len() > 4096, "a path past PATH_MAX");
+    assert_eq!(names_in(&deep), ["file-", "link-"]);
+    let at = |p: &str| {
+        seen.get(p)
+            .unwrap_or_else(|| panic!("{p} missing from the mount"))
+            .clone()
+    };
+    // Hardlinks across paths past PATH_MAX share their inode.
+    let (file, kept) = (
+        format!("{deep}/{}", long("file-", 255)),
+        format!("d/{}", long("kept-", 255)),
+    );
+    assert_eq!(at(&file), at(&format!("d/{}", long("link-", 255))));
+    assert_eq!(at(&kept), at(&format!("{deep}/{}", long("link-", 255))));
+    assert_eq!((at(&file).kind, at(&file).nlink), ('f', 2));
+    assert_eq!((at(&kept).kind, at(&kept).nlink), ('f', 2));
+    assert_eq!(
+        (at("s4095").kind, at("s4095").target),
+        ('l', "/t".repeat(2048)[..4095].to_string())
+    );
+    assert_eq!(at("p4095").target, "p".repeat(4095));
+    assert_eq!(at("cap").kind, 'f');
+
+    let seen = look_at(&store, "nested", &mnt, find_all);
+    assert_eq!(seen.get(&format!("{deepest}/f")).map(|s| s.kind), Some('f'));
+    assert_eq!(seen.len(), MAX_DEPTH + 2, "usr, the directories and f");
+
+    let (x, big, f) = look_at(&store, "xattrs", &mnt, |mnt| {
+        let f = fs::read(mnt.join("big/f")).unwrap();
+        (xattrs(&mnt.join("x")), xattrs(&mnt.join("big")), f)
+    });
+    assert_eq!(
+        x.get(std::ffi::OsStr::new(&long("user.", 255))).map(Vec::as_slice),
+        Some(&b"longest name"[..])
+    );
+    assert_eq!(x.get(std::ffi::OsStr::new("user.big")), Some(&vec![b'v'; 65535]));
+    for c in b'a'..=b'c' {
+        assert_eq!(
+            big.get(std::ffi::OsStr::new(&format!("user.{}", c as char))),
+            Some(&vec![c; 65535])
+        );
+    }
+    assert_eq!(f, b"f");
+}
+
+#[test]
+fn layers_past_a_limit_are_refused_naming_it() {
+    let area = Area::new();
+    let layout = area.path("layout");
+    let base = limits_base();
+    let cases = past_limits();
+    for (name, layer, _, _) in &cases {
+        write_image(&layout, name, &[(&base, Comp::Gzip), (layer, Comp::Gzip)]);
+    }
+    let store = area.path("store");
+    let peer = cfsctl();
+    if let Err(why) = &peer {
+        eprintln!("NOT compared with composefs-rs: {why}");
+    }
+    let reference = |name: &str| format!("oci:{}:{name}", layout.display());
+    let mut pulled = Vec::new();
+    for (name, layer, all_xattrs, why) in &cases {
+        let blob = sha256_hex(&compress(&tar_of(layer), Comp::Gzip).0);
+        let entry = member_name(layer.last().unwrap());
+        let extra: &[&str] = if *all_xattrs { &["--all-xattrs"] } else { &[] };
+        let err = fails(&store, &reference(name), extra);
+        let head = format!("layer sha256:{blob}: {entry}: ");
+        assert!(
+            err.contains(&head) && err.contains(why),
+            "{name}: want {head}...{why}, got: {err}"
+        );
+        // Where composefs-rs takes the layer, say what it makes of it.
+        let theirs = peer
+            .as_ref()
+            .ok()
+            .map(|c| composefs_rs_digest(c, &area.path("cfs"), &layout, name, "allowlist-only"));
+        if *all_xattrs {
+            // Without --all-xattrs the xattr past its limit is dropped,
+            // as composefs-rs drops it: the same image.
+            let digest = pull(&store, &reference(name), &["--tag", name]);
+            if let Some(theirs) = theirs {
+                assert_eq!(Ok(digest), theirs, "{name}: not the image composefs-rs makes");
+            }
+            pulled.push(name.to_string());
+        } else if let Some(theirs) = theirs {
+            eprintln!(
+                "{name}: tilefs refuses it; composefs-rs {}",
+                match theirs {
+                    Ok(d) => format!("makes {d}"),
+                    Err(e) => format!("refuses it: {}", e.lines().next().unwrap_or("")),
+                }
+            );
+        }
+    }
+    let mut tags = tags_in(&store);
+    tags.sort();
+    pulled.sort();
+    assert_eq!(tags, pulled, "only the images without a limit passed are tagged");
+    assert_fsck_clean(&store);
 }

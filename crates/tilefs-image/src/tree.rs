@@ -15,10 +15,13 @@ pub type InodeId = u32;
 /// The root directory's id.
 pub const ROOT: InodeId = 0;
 
-/// Longest file name the format holds (bytes).
+/// Longest file name the format holds (bytes), as the kernel's NAME_MAX.
 pub const MAX_NAME_LEN: usize = 255;
 /// Longest xattr name (bytes), as the kernel's XATTR_NAME_MAX.
 pub const MAX_XATTR_NAME_LEN: usize = 255;
+/// Longest xattr value (bytes): EROFS stores its length in 16 bits, one
+/// byte short of the kernel's XATTR_SIZE_MAX (65536).
+pub const MAX_XATTR_VALUE_LEN: usize = u16::MAX as usize;
 /// Largest inline content the reader and writer accept.
 pub const MAX_INLINE_CONTENT: usize = 5000;
 /// Regular files up to this size are stored inline when built from a
@@ -29,6 +32,11 @@ pub const MAX_PAYLOAD_LEN: usize = 4095;
 /// Xattr budget per inode for external input (dumps, directories): half of
 /// what EROFS can hold, leaving room for the overlay xattrs we add.
 pub const EXTERNAL_XATTR_BUDGET: usize = u16::MAX as usize / 2;
+/// Xattr budget per inode for input whose every xattr at its limits must
+/// fit (OCI layers: composefs-rs writes them): what EROFS can hold (an
+/// inode counts its xattr space in 16 bits of 4-byte words, after a
+/// 12-byte header), less room for the overlay xattrs the writer adds.
+pub const IMAGE_XATTR_BUDGET: usize = (u16::MAX as usize - 1) * 4 + XATTR_HEADER_BUDGET - 1024;
 
 pub const S_IFMT: u32 = 0o170000;
 pub const S_IFSOCK: u32 = 0o140000;
@@ -270,7 +278,7 @@ pub(crate) fn check_xattr(key: &[u8], value: &[u8]) -> Result<(), TreeError> {
     if key.contains(&0) {
         return Err(TreeError::XattrNameNul);
     }
-    if value.len() > u16::MAX as usize {
+    if value.len() > MAX_XATTR_VALUE_LEN {
         return Err(TreeError::XattrValueTooLong(value.len()));
     }
     Ok(())
@@ -301,7 +309,7 @@ fn xattr_budget(it: impl Iterator<Item = (usize, usize)>) -> usize {
 pub enum TreeError {
     #[error("empty file name")]
     EmptyName,
-    #[error("file name is {0} bytes, longer than the 255 the format holds")]
+    #[error("file name is {0} bytes, longer than the 255 the format holds (NAME_MAX)")]
     NameTooLong(usize),
     #[error("file name contains '/' or a NUL byte")]
     BadNameChar,
@@ -313,11 +321,11 @@ pub enum TreeError {
     Exists,
     #[error("empty xattr name")]
     EmptyXattrName,
-    #[error("xattr name is {0} bytes, longer than 255")]
+    #[error("xattr name is {0} bytes, longer than 255 (XATTR_NAME_MAX)")]
     XattrNameTooLong(usize),
     #[error("xattr name contains a NUL byte")]
     XattrNameNul,
-    #[error("xattr value is {0} bytes, longer than 65535")]
+    #[error("xattr value is {0} bytes, longer than the 65535 an EROFS image holds (its length is 16 bits)")]
     XattrValueTooLong(usize),
     #[error("xattrs need {used} bytes, more than the {budget} an inode may use")]
     XattrsTooLarge { used: usize, budget: usize },

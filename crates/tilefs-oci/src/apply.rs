@@ -16,12 +16,12 @@
 //! dump (depth first, by name): the first name of a hardlinked file is
 //! its primary entry.
 
-use crate::layer::{display_components, Content, Kind, LayerEntry};
-use crate::OciError;
+use crate::layer::{display_components, Content, Kind, LayerEntry, Meta};
+use crate::{compat, OciError};
 use rustc_hash::FxHashMap;
 use tilefs_image::tree::{
-    digest_object_path, Inode, InodeId, Tree, TreeError, EXTERNAL_XATTR_BUDGET, ROOT, S_IFDIR, S_IFIFO, S_IFLNK,
-    S_IFMT, S_IFREG,
+    digest_object_path, Inode, InodeId, Tree, TreeError, IMAGE_XATTR_BUDGET, ROOT, S_IFDIR, S_IFIFO, S_IFLNK, S_IFMT,
+    S_IFREG,
 };
 
 /// Mode of directories a layer implies but does not list.
@@ -30,20 +30,18 @@ const IMPLIED_DIR_MODE: u32 = S_IFDIR | 0o755;
 /// The tree as the layers applied so far make it.
 pub struct Applier {
     tree: Tree,
-}
-
-impl Default for Applier {
-    fn default() -> Self {
-        Self::new()
-    }
+    keep_all_xattrs: bool,
 }
 
 impl Applier {
     /// An empty root directory (`0755`, root-owned, time zero); the
-    /// composefs-rs rules later give it `/usr`'s metadata.
-    pub fn new() -> Applier {
+    /// composefs-rs rules later give it `/usr`'s metadata. Entries get the
+    /// xattrs [`compat::keeps_xattr`] keeps: those dropped are never
+    /// checked against the limits, as composefs-rs never checks them.
+    pub fn new(keep_all_xattrs: bool) -> Applier {
         Applier {
             tree: Tree::new(Inode::new(IMPLIED_DIR_MODE)),
+            keep_all_xattrs,
         }
     }
 
@@ -120,7 +118,12 @@ impl Applier {
         let LayerEntry { path, meta, .. } = e;
         let Some((name, parent_path)) = path.split_last() else {
             // The root's own entry: its metadata, like any directory's.
-            set_meta(self.tree.inode_mut(ROOT), meta.perm | S_IFDIR, meta)?;
+            set_meta(
+                self.tree.inode_mut(ROOT),
+                meta.perm | S_IFDIR,
+                meta,
+                self.keep_all_xattrs,
+            )?;
             return Ok(());
         };
         let parent = self.dir_at(parent_path)?;
@@ -130,7 +133,7 @@ impl Applier {
                 if let Some(id) = existing.filter(|&id| self.tree.inode(id).is_dir()) {
                     // A directory over a directory: the newer metadata, the
                     // union of the contents.
-                    return set_meta(self.tree.inode_mut(id), meta.perm | S_IFDIR, meta);
+                    return set_meta(self.tree.inode_mut(id), meta.perm | S_IFDIR, meta, self.keep_all_xattrs);
                 }
                 Inode::new(S_IFDIR)
             }
@@ -176,7 +179,7 @@ impl Applier {
             Kind::Whiteout | Kind::Opaque => unreachable!("applied before"),
         };
         let type_bits = inode.mode & S_IFMT;
-        set_meta(&mut inode, meta.perm | type_bits, meta)?;
+        set_meta(&mut inode, meta.perm | type_bits, meta, self.keep_all_xattrs)?;
         self.unlink(parent, name);
         self.tree.add_child(parent, name, inode).map_err(tree_error)?;
         Ok(())
@@ -279,15 +282,20 @@ impl Applier {
     }
 }
 
-fn set_meta(inode: &mut Inode, mode: u32, meta: &crate::layer::Meta) -> Result<(), String> {
+fn set_meta(inode: &mut Inode, mode: u32, meta: &Meta, keep_all_xattrs: bool) -> Result<(), String> {
     inode.mode = mode;
     inode.uid = meta.uid;
     inode.gid = meta.gid;
     inode.mtime = meta.mtime;
     inode.xattrs.clear();
-    inode
-        .set_xattrs(meta.xattrs.iter().map(|(k, v)| (k, v)), EXTERNAL_XATTR_BUDGET)
-        .map_err(tree_error)
+    // Every xattr within its own limits fits: an inode may use what EROFS
+    // holds.
+    let kept = meta
+        .xattrs
+        .iter()
+        .filter(|(k, _)| compat::keeps_xattr(k, keep_all_xattrs))
+        .map(|(k, v)| (k, v));
+    inode.set_xattrs(kept, IMAGE_XATTR_BUDGET).map_err(tree_error)
 }
 
 fn not_a_dir(inode: &Inode, path: &[Vec<u8>]) -> String {
@@ -328,7 +336,6 @@ fn tree_error(e: TreeError) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::layer::Meta;
 
     fn p(s: &str) -> Vec<Vec<u8>> {
         crate::layer::split_path(s.as_bytes()).unwrap()
@@ -363,7 +370,7 @@ mod tests {
 
     #[test]
     fn whiteouts_and_opaque_dirs_hide_lower_layers_only() {
-        let mut a = Applier::new();
+        let mut a = Applier::new(false);
         a.apply_layer(
             "l1",
             vec![e("d", Kind::Dir), file("d/a", "1"), file("d/b", "2"), file("x", "x")],
@@ -386,7 +393,7 @@ mod tests {
 
     #[test]
     fn whiteout_of_something_absent_is_an_error() {
-        let mut a = Applier::new();
+        let mut a = Applier::new(false);
         let err = a.apply_layer("l1", vec![e("nope", Kind::Whiteout)]).unwrap_err();
         assert!(err.to_string().contains(".wh.nope"), "{err}");
         assert!(err.to_string().contains("absent"), "{err}");
@@ -394,7 +401,7 @@ mod tests {
 
     #[test]
     fn replacements_and_hardlinks() {
-        let mut a = Applier::new();
+        let mut a = Applier::new(false);
         a.apply_layer(
             "l1",
             vec![
@@ -415,7 +422,7 @@ mod tests {
         // The second name keeps the old file, now its only name.
         let f2 = t.inode(t.lookup_path(b"/f2").unwrap());
         assert_eq!((f2.content.as_deref(), f2.nlink), (Some(&b"file"[..]), 1));
-        let err = Applier::new()
+        let err = Applier::new(false)
             .apply_layer("l", vec![e("h", Kind::Hardlink(p("missing")))])
             .unwrap_err();
         assert!(err.to_string().contains("missing target missing"), "{err}");
@@ -423,7 +430,7 @@ mod tests {
 
     #[test]
     fn hardlinks_share_an_inode_whose_first_name_is_primary() {
-        let mut a = Applier::new();
+        let mut a = Applier::new(false);
         a.apply_layer("l1", vec![file("z", "data"), e("a", Kind::Hardlink(p("z")))])
             .unwrap();
         let t = a.finish();
@@ -436,12 +443,12 @@ mod tests {
 
     #[test]
     fn parents_are_implied_but_never_symlinks() {
-        let mut a = Applier::new();
+        let mut a = Applier::new(false);
         a.apply_layer("l1", vec![file("a/b/c", "c")]).unwrap();
         let t = a.finish();
         let b = t.inode(t.lookup_path(b"/a/b").unwrap());
         assert_eq!((b.mode, b.uid, b.mtime.sec, b.mtime.nsec), (IMPLIED_DIR_MODE, 0, 0, 0));
-        let mut a = Applier::new();
+        let mut a = Applier::new(false);
         a.apply_layer("l1", vec![e("etc", Kind::Symlink(b"/etc".to_vec()))])
             .unwrap();
         let err = a.apply_layer("l2", vec![file("etc/passwd", "x")]).unwrap_err();

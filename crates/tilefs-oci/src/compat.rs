@@ -9,7 +9,7 @@
 //! - mtimes are the tar header's whole seconds, or a PAX record's seconds
 //!   and nanoseconds;
 //! - among xattrs only `security.capability` is kept, unless the caller
-//!   asks for all of them;
+//!   asks for all of them (applied as layers are, [`keeps_xattr`]);
 //! - the image is written in format version 1.
 
 use tilefs_image::tree::{Tree, ROOT};
@@ -20,14 +20,15 @@ pub const KEPT_XATTR: &[u8] = b"security.capability";
 /// The image format version composefs-rs writes for OCI images.
 pub const FORMAT_VERSION: u32 = 1;
 
-/// Applies the rules to the working tree of an [`crate::apply::Applier`]
-/// (before its `finish`, which then counts links without what was removed).
-pub fn normalize(tree: &mut Tree, keep_all_xattrs: bool) {
-    if !keep_all_xattrs {
-        for inode in &mut tree.inodes {
-            inode.xattrs.retain(|x| x.key == KEPT_XATTR);
-        }
-    }
+/// Whether the image keeps a layer's xattr `key`.
+pub fn keeps_xattr(key: &[u8], keep_all_xattrs: bool) -> bool {
+    keep_all_xattrs || key == KEPT_XATTR
+}
+
+/// Applies the other rules to the working tree of an
+/// [`crate::apply::Applier`] (before its `finish`, which then counts links
+/// without what was removed).
+pub fn normalize(tree: &mut Tree) {
     let Some(usr) = tree.lookup_path(b"/usr").filter(|&id| tree.inode(id).is_dir()) else {
         return;
     };

@@ -6,13 +6,38 @@
 //! ([`crate::apply`]) is ordered. Names are checked here: every entry's
 //! path must stay below the root (no `..`, no absolute name), and is kept
 //! as its list of components.
+//!
+//! Limits are those of the kernel and of EROFS. A layer within them is
+//! taken whole; past one, the layer is refused, naming the entry and the
+//! limit:
+//!
+//! - a name an entry puts in the tree is at most 255 bytes (NAME_MAX, and
+//!   what an EROFS directory entry holds). A whiteout `.wh.NAME` puts no
+//!   name there: it is judged by the NAME it removes (up to 255 bytes, so
+//!   its own name may have 259), an opaque marker by its directory;
+//! - a path as a whole has no limit: PATH_MAX (4096 with its NUL) bounds
+//!   one path handed to a system call, not how deep a tree nests (a tree
+//!   deeper than that is built with `*at` calls, EROFS stores one name per
+//!   entry, the kernel mounts it, composefs-rs takes it). Only the nesting
+//!   is bounded, by the [`MAX_DEPTH`] directories the image reader takes
+//!   (what a PATH_MAX path of one-byte names reaches);
+//! - a symlink target is 1 to 4095 bytes, without NUL (PATH_MAX counts the
+//!   NUL: symlink(2) takes no longer target);
+//! - a hardlink's target is a path like an entry's;
+//! - xattr names are at most 255 bytes (XATTR_NAME_MAX) and values at most
+//!   65535 (EROFS's 16-bit length, one short of XATTR_SIZE_MAX): checked
+//!   by [`crate::apply`], and only for the xattrs the image keeps.
 
 use crate::OciError;
 use std::io::{self, Read};
 use std::path::Path;
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use tar::EntryType;
-use tilefs_image::tree::{Timespec, RECOMMENDED_INLINE_MAX, S_IFBLK, S_IFCHR, S_IFDIR, S_IFIFO, S_IFLNK, S_IFREG};
+use tilefs_image::erofs::reader::MAX_DEPTH;
+use tilefs_image::tree::{
+    Timespec, MAX_NAME_LEN, MAX_PAYLOAD_LEN, RECOMMENDED_INLINE_MAX, S_IFBLK, S_IFCHR, S_IFDIR, S_IFIFO, S_IFLNK,
+    S_IFREG,
+};
 use tilefs_store::ingest::Ingest;
 
 /// The whiteout prefix of the OCI layer format.
@@ -226,19 +251,12 @@ pub fn read_entries(
             n.fetch_add(1, Relaxed);
         }
 
-        // Whiteouts are recognized by name, whatever their type.
+        // Whiteouts are recognized by name, whatever their type, and
+        // judged by the path they remove or hide.
         if let Some(last) = path.last() {
-            if last.as_slice() == OPAQUE_MARKER {
-                let mut dir = path.clone();
-                dir.pop();
-                out.push(LayerEntry {
-                    path: dir,
-                    kind: Kind::Opaque,
-                    meta,
-                });
-                continue;
-            }
-            if let Some(target) = last.strip_prefix(WHITEOUT_PREFIX) {
+            let marker = if last.as_slice() == OPAQUE_MARKER {
+                Some((Kind::Opaque, path[..path.len() - 1].to_vec()))
+            } else if let Some(target) = last.strip_prefix(WHITEOUT_PREFIX) {
                 // Other `.wh..wh.` names are bookkeeping of old tools (aufs
                 // hardlink directories): runtimes skip them.
                 if target.starts_with(WHITEOUT_PREFIX) {
@@ -249,14 +267,22 @@ pub fn read_entries(
                 }
                 let mut removed = path.clone();
                 *removed.last_mut().unwrap() = target.to_vec();
-                out.push(LayerEntry {
-                    path: removed,
-                    kind: Kind::Whiteout,
-                    meta,
-                });
+                Some((Kind::Whiteout, removed))
+            } else {
+                None
+            };
+            if let Some((kind, path)) = marker {
+                let what = if kind == Kind::Opaque {
+                    "the directory it hides"
+                } else {
+                    "the path it removes"
+                };
+                check_path(&path, kind == Kind::Opaque, what).map_err(fail)?;
+                out.push(LayerEntry { path, kind, meta });
                 continue;
             }
         }
+        check_path(&path, etype == EntryType::Directory, "its path").map_err(fail)?;
 
         let kind = match etype {
             EntryType::Directory => Kind::Dir,
@@ -313,8 +339,14 @@ pub fn read_entries(
                 if target.is_empty() {
                     return Err(fail("symlink with an empty target".into()));
                 }
-                if target.len() > tilefs_image::tree::MAX_PAYLOAD_LEN || target.contains(&0) {
-                    return Err(fail("symlink target too long or holding a NUL byte".into()));
+                if target.contains(&0) {
+                    return Err(fail("symlink target holds a NUL byte".into()));
+                }
+                if target.len() > MAX_PAYLOAD_LEN {
+                    return Err(fail(format!(
+                        "symlink target is {} bytes, longer than {MAX_PAYLOAD_LEN} (PATH_MAX, 4096, counts the NUL)",
+                        target.len()
+                    )));
                 }
                 Kind::Symlink(target)
             }
@@ -327,6 +359,7 @@ pub fn read_entries(
                 if target.is_empty() {
                     return Err(fail("hardlink to the root".into()));
                 }
+                check_path(&target, false, "its target").map_err(fail)?;
                 Kind::Hardlink(target)
             }
             EntryType::Char | EntryType::Block => {
@@ -519,7 +552,8 @@ impl Read for SparseReader<'_> {
 
 /// Splits a tar member name into components below the root: `./` and
 /// repeated or trailing slashes are dropped; `..` and absolute names are
-/// refused (a layer never names anything outside its root).
+/// refused (a layer never names anything outside its root). Lengths are
+/// for [`check_path`], once it is known what the path names.
 pub fn split_path(raw: &[u8]) -> Result<Vec<Vec<u8>>, &'static str> {
     if raw.first() == Some(&b'/') {
         return Err("absolute name (escapes the root)");
@@ -532,11 +566,30 @@ pub fn split_path(raw: &[u8]) -> Result<Vec<Vec<u8>>, &'static str> {
         match comp {
             b"" | b"." => {}
             b".." => return Err("name holds `..` (escapes the root)"),
-            c if c.len() > tilefs_image::tree::MAX_NAME_LEN => return Err("a name component is longer than 255 bytes"),
             c => out.push(c.to_vec()),
         }
     }
     Ok(out)
+}
+
+/// Checks a path against the limits of the module's rules: each name at
+/// most NAME_MAX bytes, and no deeper than [`MAX_DEPTH`] directories
+/// (`dir`: the path names a directory). `what` says whose path it is.
+pub fn check_path(path: &[Vec<u8>], dir: bool, what: &str) -> Result<(), String> {
+    if let Some((i, c)) = path.iter().enumerate().find(|(_, c)| c.len() > MAX_NAME_LEN) {
+        return Err(format!(
+            "name {} of {what} is {} bytes, longer than NAME_MAX ({MAX_NAME_LEN})",
+            i + 1,
+            c.len()
+        ));
+    }
+    let dirs = if dir { path.len() } else { path.len().saturating_sub(1) };
+    if dirs > MAX_DEPTH {
+        return Err(format!(
+            "{what} is {dirs} directories deep, more than the {MAX_DEPTH} tilefs reads from an image"
+        ));
+    }
+    Ok(())
 }
 
 fn id_field(v: io::Result<u64>, what: &str) -> Result<u32, String> {
@@ -581,6 +634,70 @@ mod tests {
         assert!(split_path(b"/etc/passwd").is_err());
         assert!(split_path(b"usr/../../etc").is_err());
         assert!(split_path(b"..").is_err());
+    }
+
+    /// The entries of a layer of empty files named by PAX `path` records.
+    fn read_names(names: &[Vec<u8>]) -> Result<Vec<LayerEntry>, OciError> {
+        let mut b = tar::Builder::new(Vec::new());
+        for n in names {
+            b.append_pax_extensions([("path", n.as_slice())]).unwrap();
+            let mut h = tar::Header::new_ustar();
+            h.set_path("stand-in").unwrap();
+            h.set_mode(0o644);
+            h.set_uid(0);
+            h.set_gid(0);
+            h.set_mtime(0);
+            h.set_size(0);
+            h.set_cksum();
+            b.append(&h, io::empty()).unwrap();
+        }
+        let tar = b.into_inner().unwrap();
+        let dir = tempfile::tempdir().unwrap();
+        let store = tilefs_store::Store::create(&dir.path().join("store")).unwrap();
+        let ingest = Ingest::new(&store, tilefs_store::ingest::Method::Copy).unwrap();
+        read_entries(&mut &tar[..], "l", &ingest, ReadOptions::default())
+    }
+
+    #[test]
+    fn whiteouts_are_judged_by_the_name_they_remove() {
+        let n = |len| vec![b'n'; len];
+        let cat = |parts: &[&[u8]]| parts.concat();
+        // `.wh.` and 255 bytes: a name of 259 bytes, a whiteout of 255.
+        let e = read_names(&[cat(&[b"d/.wh.", &n(255)])]).unwrap();
+        assert_eq!(
+            (&e[0].kind, &e[0].path),
+            (&Kind::Whiteout, &vec![b"d".to_vec(), n(255)])
+        );
+        let e = read_names(&[cat(&[&n(255), b"/.wh..wh..opq"])]).unwrap();
+        assert_eq!((&e[0].kind, &e[0].path), (&Kind::Opaque, &vec![n(255)]));
+        // No name below can be 256 bytes long.
+        let err = read_names(&[cat(&[b"d/.wh.", &n(256)])]).unwrap_err().to_string();
+        assert!(
+            err.contains("name 2 of the path it removes is 256 bytes, longer than NAME_MAX (255)"),
+            "{err}"
+        );
+        let err = read_names(&[cat(&[&n(256), b"/.wh..wh..opq"])])
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("name 1 of the directory it hides is 256 bytes"), "{err}");
+        let err = read_names(&[cat(&[b"d/", &n(256)])]).unwrap_err().to_string();
+        assert!(
+            err.starts_with("layer l: d/nnnn") && err.contains("name 2 of its path is 256 bytes"),
+            "{err}"
+        );
+    }
+
+    #[test]
+    fn paths_past_path_max_are_taken_down_to_the_depth_an_image_holds() {
+        let path = |dirs: usize| format!("{}/f", vec!["d"; dirs].join("/")).into_bytes();
+        let long = vec![vec![b'n'; 255]; 20].join(&b'/');
+        let e = read_names(&[long.clone(), path(MAX_DEPTH)]).unwrap();
+        assert_eq!((e[0].path.len(), e[1].path.len()), (20, MAX_DEPTH + 1));
+        let err = read_names(&[path(MAX_DEPTH + 1)]).unwrap_err().to_string();
+        assert!(
+            err.contains("its path is 2049 directories deep, more than the 2048"),
+            "{err}"
+        );
     }
 
     #[test]

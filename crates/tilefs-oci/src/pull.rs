@@ -126,13 +126,13 @@ pub fn pull(store: &Store, r: &ImageRef, tag: &str, opts: &PullOptions) -> Resul
         });
     }
     let layers = read_layers(store, t.as_ref(), &resolved.layers, &ingest, &progress, &presence, opts)?;
-    let mut applier = Applier::new();
+    let mut applier = Applier::new(opts.keep_all_xattrs);
     let mut entries = 0;
     for (blob, l) in resolved.layers.iter().zip(layers) {
         entries += l.len();
         applier.apply_layer(&blob.digest.to_string(), l)?;
     }
-    compat::normalize(applier.tree_mut(), opts.keep_all_xattrs);
+    compat::normalize(applier.tree_mut());
     let tree = applier.finish();
     let image = erofs::write_image(
         &tree,
