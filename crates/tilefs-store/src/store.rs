@@ -139,6 +139,32 @@ impl Store {
             .filter(|st| rfs::FileType::from_raw_mode(st.st_mode) == rfs::FileType::RegularFile)
     }
 
+    /// Creates (if needed) a store subdirectory and opens it, refusing
+    /// anything but a real directory (never a symlink: in a store others may
+    /// write, one would lead our writes out of the store).
+    pub fn open_subdir(&self, name: &str) -> Result<OwnedFd, StoreError> {
+        let path = self.subdir(name)?;
+        self.open_existing_subdir(name)
+            .map_err(|e| StoreError::io(&path, "cannot open directory", e))
+    }
+
+    /// Opens an existing store subdirectory without following a symlink.
+    pub fn open_existing_subdir(&self, name: &str) -> std::io::Result<OwnedFd> {
+        rfs::openat(
+            &self.dir,
+            name,
+            OFlags::RDONLY | OFlags::DIRECTORY | OFlags::NOFOLLOW | OFlags::CLOEXEC,
+            Mode::empty(),
+        )
+        .map_err(|e| {
+            if e == rustix::io::Errno::LOOP || e == rustix::io::Errno::NOTDIR {
+                std::io::Error::other("not a directory (a symlink or file where the store keeps a directory)")
+            } else {
+                e.into()
+            }
+        })
+    }
+
     /// Creates (if needed) and returns a store subdirectory.
     pub fn subdir(&self, name: &str) -> Result<PathBuf, StoreError> {
         match rfs::mkdirat(&self.dir, name, Mode::from_raw_mode(0o755)) {
@@ -313,6 +339,18 @@ mod tests {
         drop(_b);
         let _c = s.lock(LockMode::Exclusive, false).unwrap();
     }
+}
+
+/// A name for a temporary file, unique in this process and (with the pid
+/// and the time) across processes, even one whose pid a crashed one had.
+pub fn temp_name(prefix: &str) -> String {
+    static COUNTER: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+    let n = COUNTER.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.subsec_nanos())
+        .unwrap_or(0);
+    format!("{prefix}{}-{nanos:09}-{n}", std::process::id())
 }
 
 /// Opens `path` (relative to `dir`) for reading, without blocking whatever
