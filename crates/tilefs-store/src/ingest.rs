@@ -150,13 +150,7 @@ impl<'s> Ingest<'s> {
 
     fn start(store: &'s Store, method: Method, use_cache: bool) -> Result<Ingest<'s>, StoreError> {
         let lock = store.lock(LockMode::Shared, true)?;
-        let tmp_path = store.subdir(TMP_DIR)?;
-        let tmp = rfs::open(
-            &tmp_path,
-            OFlags::RDONLY | OFlags::DIRECTORY | OFlags::CLOEXEC,
-            Mode::empty(),
-        )
-        .map_err(|e| StoreError::io(&tmp_path, "cannot open", e.into()))?;
+        let tmp = store.open_subdir(TMP_DIR)?;
         Ok(Ingest {
             store,
             tmp,
@@ -206,7 +200,7 @@ impl<'s> Ingest<'s> {
     /// Saves the digests learnt so far (an interrupted build keeps them:
     /// the next one does not read those files again).
     pub fn save_cache(&self) -> Result<(), StoreError> {
-        self.cache.save(&self.store.join(DIGEST_CACHE), &self.tmp)
+        self.cache.save(self.store, &self.tmp)
     }
 
     /// Why objects are not fs-verity protected, if they are not.
@@ -431,8 +425,14 @@ impl<'s> Ingest<'s> {
             let dst = self.create_temp(tmp_name)?;
             if rfs::ioctl_ficlone(&dst, src).is_ok() {
                 // Hash the clone: our own copy, which nobody else changes.
-                let mut clone = std::fs::File::open(self.store.join(TMP_DIR).join(tmp_name))
-                    .map_err(|e| StoreError::io(f.path, "cannot reopen clone", e))?;
+                let mut clone = rfs::openat(
+                    &self.tmp,
+                    tmp_name,
+                    OFlags::RDONLY | OFlags::NOFOLLOW | OFlags::CLOEXEC,
+                    Mode::empty(),
+                )
+                .map(std::fs::File::from)
+                .map_err(|e| StoreError::io(f.path, "cannot reopen clone", e.into()))?;
                 let (n, d) = hash_copy(&mut clone, None).map_err(|e| self.copy_error(f.path, e))?;
                 return Ok(Hashed(n, d, None));
             }
@@ -498,7 +498,7 @@ impl<'s> Ingest<'s> {
 
     /// Makes every pending object durable and visible.
     fn commit_batch(&self) -> Result<(), StoreError> {
-        let batch = std::mem::take(&mut *self.pending.lock().unwrap());
+        let mut batch = std::mem::take(&mut *self.pending.lock().unwrap());
         if batch.is_empty() {
             return Ok(());
         }
@@ -517,22 +517,22 @@ impl<'s> Ingest<'s> {
         } else {
             rfs::syncfs(&self.tmp).map_err(|e| StoreError::io(store_path, "cannot sync", e.into()))?;
         }
-        let dir = self.store.dir_fd();
-        let mut made = HashSet::new();
+        // Each object renamed into its fan-out directory, opened without
+        // following a symlink: a store others may write must not lead our
+        // objects anywhere else. In digest order, each directory once.
+        batch.sort_unstable_by_key(|b| b.1);
+        let mut fanout: Option<(u8, OwnedFd)> = None;
         for (tmp_name, digest) in &batch {
-            let rel = Store::object_rel(digest);
-            let fanout = &rel[..2];
-            if made.insert(fanout.to_string()) {
-                match rfs::mkdirat(dir, fanout, Mode::from_raw_mode(0o755)) {
-                    Ok(()) | Err(rustix::io::Errno::EXIST) => {}
-                    Err(e) => return Err(StoreError::io(&self.store.join(fanout), "cannot create", e.into())),
-                }
+            if fanout.as_ref().is_none_or(|(f, _)| *f != digest[0]) {
+                fanout = Some((digest[0], self.store.open_fanout(digest)?));
             }
-            rfs::renameat(&self.tmp, tmp_name.as_str(), dir, rel.as_str())
+            let (_, fan) = fanout.as_ref().expect("opened above");
+            let rel = Store::object_rel(digest);
+            rfs::renameat(&self.tmp, tmp_name.as_str(), fan, &rel[3..])
                 .map_err(|e| StoreError::io(&self.store.join(&rel), "cannot rename into place", e.into()))?;
         }
         if !self.commit_each {
-            rfs::syncfs(dir).map_err(|e| StoreError::io(store_path, "cannot sync", e.into()))?;
+            rfs::syncfs(self.store.dir_fd()).map_err(|e| StoreError::io(store_path, "cannot sync", e.into()))?;
         }
         Ok(())
     }
@@ -811,7 +811,10 @@ impl DigestCache {
         }
     }
 
-    fn save(&self, path: &Path, tmp_dir: &OwnedFd) -> Result<(), StoreError> {
+    /// Saves the cache as the store's `.digest-cache`: written anew under
+    /// `.tmp` (never through whatever a store others may write has there)
+    /// and renamed into place.
+    fn save(&self, store: &Store, tmp_dir: &OwnedFd) -> Result<(), StoreError> {
         use sha2::Digest;
         if !self.dirty.load(Relaxed) || self.closed.load(Relaxed) {
             return Ok(());
@@ -825,30 +828,23 @@ impl DigestCache {
         }
         let sum = sha2::Sha256::digest(&out);
         out.extend_from_slice(&sum);
-        let tmp_name = format!("cache-{}", std::process::id());
+        let tmp_name = crate::store::temp_name("cache-");
         let write = || -> io::Result<()> {
             let fd = rfs::openat(
                 tmp_dir,
                 tmp_name.as_str(),
-                OFlags::WRONLY | OFlags::CREATE | OFlags::TRUNC | OFlags::CLOEXEC,
+                OFlags::WRONLY | OFlags::CREATE | OFlags::EXCL | OFlags::NOFOLLOW | OFlags::CLOEXEC,
                 Mode::from_raw_mode(0o644),
             )?;
             let mut f = std::fs::File::from(fd);
             f.write_all(&out)?;
             f.sync_all()?;
-            let parent = path.parent().unwrap_or(Path::new("."));
-            let name = path.file_name().unwrap_or_default();
-            let dir = rfs::open(
-                parent,
-                OFlags::RDONLY | OFlags::DIRECTORY | OFlags::CLOEXEC,
-                Mode::empty(),
-            )?;
-            rfs::renameat(tmp_dir, tmp_name.as_str(), &dir, name)?;
+            rfs::renameat(tmp_dir, tmp_name.as_str(), store.dir_fd(), DIGEST_CACHE)?;
             Ok(())
         };
         write().map_err(|e| {
             let _ = rfs::unlinkat(tmp_dir, tmp_name.as_str(), AtFlags::empty());
-            StoreError::io(path, "cannot save the digest cache", e)
+            StoreError::io(&store.join(DIGEST_CACHE), "cannot save the digest cache", e)
         })
     }
 }

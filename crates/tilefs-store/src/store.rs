@@ -165,6 +165,13 @@ impl Store {
         })
     }
 
+    /// Opens (creating it if needed) the fan-out directory `XX` of an object
+    /// about to be stored; a symlink or file in its place is refused, never
+    /// written through.
+    pub fn open_fanout(&self, digest: &[u8; 32]) -> Result<OwnedFd, StoreError> {
+        self.open_subdir(&format!("{:02x}", digest[0]))
+    }
+
     /// Creates (if needed) and returns a store subdirectory.
     pub fn subdir(&self, name: &str) -> Result<PathBuf, StoreError> {
         match rfs::mkdirat(&self.dir, name, Mode::from_raw_mode(0o755)) {
@@ -184,7 +191,7 @@ impl Store {
         let fd = rfs::openat(
             &self.dir,
             LOCK_FILE,
-            OFlags::RDWR | OFlags::CREATE | OFlags::CLOEXEC,
+            OFlags::RDWR | OFlags::CREATE | OFlags::NOFOLLOW | OFlags::CLOEXEC,
             Mode::from_raw_mode(0o644),
         )
         .map_err(|e| StoreError::io(&path, "cannot open lock file", e.into()))?;
