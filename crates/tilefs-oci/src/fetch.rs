@@ -439,12 +439,7 @@ fn read_objects(
         let what = PathBuf::from(format!("object {rel} (bytes {}..{})", l.offset, l.offset + l.size));
         match ingest.import_expected(&what, l.size, &mut reader.take(l.size), d) {
             Ok(()) => {}
-            Err(StoreError::Source { path, msg }) if msg == "does not match its fs-verity digest" => {
-                return Err(Fetch::Wrong(OciError::blob(
-                    &blob,
-                    format!("{}: {msg}", path.display()),
-                )));
-            }
+            Err(e @ StoreError::Mismatch(_)) => return Err(Fetch::Wrong(OciError::blob(&blob, e.to_string()))),
             Err(StoreError::Source { path, msg }) => {
                 return Err(Fetch::Transfer(OciError::blob(
                     &blob,

@@ -118,11 +118,10 @@ pub struct Ingest<'s> {
     pub stats: Stats,
     cache: DigestCache,
     /// New objects waiting for commit: (temporary name, digest, size).
-    pending: Mutex<Vec<(String, [u8; 32])>>,
+    pending: Mutex<Vec<(String, [u8; 32], u64)>>,
     pending_bytes: AtomicU64,
     /// Digests imported in this run (a second copy is not written).
     seen: Mutex<HashSet<[u8; 32]>>,
-    counter: AtomicU64,
     verity: AtomicU8,
     verity_warning: Mutex<Option<String>>,
     cloning: AtomicBool,
@@ -164,7 +163,6 @@ impl<'s> Ingest<'s> {
             pending: Mutex::new(Vec::new()),
             pending_bytes: AtomicU64::new(0),
             seen: Mutex::new(HashSet::new()),
-            counter: AtomicU64::new(0),
             verity: AtomicU8::new(VERITY_UNKNOWN),
             verity_warning: Mutex::new(None),
             cloning: AtomicBool::new(true),
@@ -286,7 +284,7 @@ impl<'s> Ingest<'s> {
             if hashed.2.is_none() {
                 let _ = rfs::unlinkat(&self.tmp, &tmp_name, AtFlags::empty());
             }
-            return Err(StoreError::source(what, "does not match its fs-verity digest"));
+            return Err(StoreError::Mismatch(what.to_path_buf()));
         }
         self.place(tmp_name, size, hashed).map(drop)
     }
@@ -335,9 +333,11 @@ impl<'s> Ingest<'s> {
         self.place(self.temp_name(), size, Hashed(size, d, Some(data)))
     }
 
-    /// A name for a new temporary file, unique in the store.
+    /// A name for a new temporary file, unique in the store: imports
+    /// running at once in one process (a lazy mount's fetches) must not
+    /// pick the same one.
     fn temp_name(&self) -> String {
-        format!("obj-{}-{}", std::process::id(), self.counter.fetch_add(1, Relaxed))
+        crate::store::temp_name("obj-")
     }
 
     fn copy_error(&self, source: &Path, e: CopyError) -> StoreError {
@@ -374,7 +374,7 @@ impl<'s> Ingest<'s> {
         }
         self.stats.new_objects.fetch_add(1, Relaxed);
         self.stats.new_bytes.fetch_add(size, Relaxed);
-        self.pending.lock().unwrap().push((tmp_name, digest));
+        self.pending.lock().unwrap().push((tmp_name, digest, size));
         if self.pending_bytes.fetch_add(size, Relaxed) + size >= self.batch_bytes {
             self.pending_bytes.store(0, Relaxed);
             self.commit_batch()?;
@@ -504,11 +504,11 @@ impl<'s> Ingest<'s> {
         }
         let store_path = self.store.path();
         if self.commit_each {
-            for (tmp_name, _) in &batch {
+            for (tmp_name, ..) in &batch {
                 rfs::openat(
                     &self.tmp,
                     tmp_name.as_str(),
-                    OFlags::RDONLY | OFlags::CLOEXEC,
+                    OFlags::RDONLY | OFlags::NOFOLLOW | OFlags::CLOEXEC,
                     Mode::empty(),
                 )
                 .and_then(|fd| rfs::fsync(&fd))
@@ -522,19 +522,45 @@ impl<'s> Ingest<'s> {
         // objects anywhere else. In digest order, each directory once.
         batch.sort_unstable_by_key(|b| b.1);
         let mut fanout: Option<(u8, OwnedFd)> = None;
-        for (tmp_name, digest) in &batch {
+        for (tmp_name, digest, size) in &batch {
             if fanout.as_ref().is_none_or(|(f, _)| *f != digest[0]) {
                 fanout = Some((digest[0], self.store.open_fanout(digest)?));
             }
             let (_, fan) = fanout.as_ref().expect("opened above");
             let rel = Store::object_rel(digest);
-            rfs::renameat(&self.tmp, tmp_name.as_str(), fan, &rel[3..])
-                .map_err(|e| StoreError::io(&self.store.join(&rel), "cannot rename into place", e.into()))?;
+            self.rename_into(tmp_name, fan, &rel[3..], *size)
+                .map_err(|e| StoreError::io(&self.store.join(&rel), "cannot rename into place", e))?;
         }
         if !self.commit_each {
             rfs::syncfs(self.store.dir_fd()).map_err(|e| StoreError::io(store_path, "cannot sync", e.into()))?;
         }
         Ok(())
+    }
+
+    /// Gives a temporary file its object name. An object stored meanwhile
+    /// by another import (a fetch of the same object) is kept and ours
+    /// dropped: it was checked as ours was, and readers may have it open.
+    /// Only one of another size (damaged) is replaced.
+    fn rename_into(&self, tmp_name: &str, fan: &OwnedFd, name: &str, size: u64) -> io::Result<()> {
+        match rfs::renameat_with(&self.tmp, tmp_name, fan, name, rfs::RenameFlags::NOREPLACE) {
+            Err(rustix::io::Errno::EXIST) => {
+                let st = rfs::statat(fan, name, AtFlags::SYMLINK_NOFOLLOW)?;
+                if rfs::FileType::from_raw_mode(st.st_mode).is_file() && st.st_size as u64 == size {
+                    let _ = rfs::unlinkat(&self.tmp, tmp_name, AtFlags::empty());
+                    return Ok(());
+                }
+            }
+            // A filesystem without RENAME_NOREPLACE.
+            Err(rustix::io::Errno::INVAL) => {}
+            r => return Ok(r?),
+        }
+        Ok(rfs::renameat(&self.tmp, tmp_name, fan, name)?)
+    }
+
+    /// Makes the objects imported so far durable and visible now (a fetch
+    /// does before it lets others that wait for them look).
+    pub fn commit(&self) -> Result<(), StoreError> {
+        self.commit_batch()
     }
 
     /// Commits what remains and saves the digest cache. Call before writing
@@ -563,7 +589,7 @@ impl tilefs_image::source::ContentSink for Ingest<'_> {
 impl Drop for Ingest<'_> {
     fn drop(&mut self) {
         // A failed or abandoned import leaves no temporary files behind.
-        for (tmp_name, _) in self.pending.get_mut().unwrap().drain(..) {
+        for (tmp_name, ..) in self.pending.get_mut().unwrap().drain(..) {
             let _ = rfs::unlinkat(&self.tmp, tmp_name.as_str(), AtFlags::empty());
         }
     }
@@ -846,5 +872,40 @@ impl DigestCache {
             let _ = rfs::unlinkat(tmp_dir, tmp_name.as_str(), AtFlags::empty());
             StoreError::io(&store.join(DIGEST_CACHE), "cannot save the digest cache", e)
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::os::unix::fs::MetadataExt;
+
+    /// Imports running at once in one process (a lazy mount's fetches):
+    /// none takes another's temporary name, and an object another stored
+    /// first is kept and counts as stored.
+    #[test]
+    fn imports_at_once_share_the_store() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = Store::create(dir.path()).unwrap();
+        let (a, b) = (
+            Ingest::for_fetched(&store).unwrap(),
+            Ingest::for_fetched(&store).unwrap(),
+        );
+        let (x, y) = (vec![1u8; 5000], vec![2u8; 300_000]);
+        let (dx, dy) = (verity::digest_bytes(&x), verity::digest_bytes(&y));
+        let what = Path::new("object");
+        a.import_expected(what, 5000, &mut &x[..], &dx).unwrap();
+        b.import_expected(what, 300_000, &mut &y[..], &dy).unwrap();
+        b.import_expected(what, 5000, &mut &x[..], &dx).unwrap();
+        a.commit().unwrap();
+        let first = std::fs::metadata(store.object_path(&dx)).unwrap().ino();
+        b.finish().unwrap();
+        assert_eq!(std::fs::metadata(store.object_path(&dx)).unwrap().ino(), first);
+        assert_eq!(store.object_size(&dy), Some(300_000));
+        assert!(matches!(
+            a.import_expected(what, 5000, &mut &y[..5000], &dx),
+            Err(StoreError::Mismatch(_))
+        ));
+        assert_eq!(std::fs::read_dir(dir.path().join(TMP_DIR)).unwrap().count(), 0);
     }
 }

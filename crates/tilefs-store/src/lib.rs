@@ -41,6 +41,11 @@ pub enum StoreError {
     Busy(PathBuf),
     #[error("{0}")]
     Invalid(String),
+    /// Bytes fetched for an object that are not it (they do not have its
+    /// fs-verity digest): nothing was stored, and asking again for the
+    /// same bytes is no use.
+    #[error("{}: does not match its fs-verity digest", .0.display())]
+    Mismatch(PathBuf),
     /// A source file that is not what it was when the tree was read.
     #[error("{}: {msg}", path.display())]
     Source { path: PathBuf, msg: &'static str },
