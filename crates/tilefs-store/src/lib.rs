@@ -8,8 +8,10 @@
 //! - [`mounts`]: live mounts, gc roots while they live;
 //! - [`presence`]: which of many objects a store holds;
 //! - [`remote`]: images pulled lazily, whose objects come on demand;
+//! - [`fetch_lock`]: objects being fetched, one fetch each across processes;
 //! - [`gc`]: removing what no tagged image or live mount needs.
 
+pub mod fetch_lock;
 pub mod file_state;
 pub mod fsck;
 pub mod gc;

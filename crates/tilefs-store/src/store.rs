@@ -6,6 +6,7 @@
 //! - `.tmp/`: objects and images being written (leftovers of an interrupted
 //!   import live here until `gc`);
 //! - `.lock`: builds hold it shared, `gc` exclusive;
+//! - `.fetch-lock`: fetches lock ranges of it for the objects they bring;
 //! - `.quarantine/`: objects `fsck --repair` moved aside;
 //! - `.digest-cache`: digests of source files already imported;
 //! - `.mounts/`: images of live mounts (gc roots while they live);
@@ -224,6 +225,7 @@ impl Store {
                 || name == TMP_DIR
                 || name == QUARANTINE_DIR
                 || name == LOCK_FILE
+                || name == crate::fetch_lock::FETCH_LOCK
                 || name == DIGEST_CACHE
                 || name == NO_VERITY_NOTED
                 || name == LAYER_CACHE
