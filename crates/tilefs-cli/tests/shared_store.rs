@@ -9,9 +9,14 @@ use common::oci::*;
 use common::registry::Registry;
 use common::*;
 use std::fs;
+use std::io::{Read, Write};
+use std::net::TcpListener;
 use std::os::unix::fs::{MetadataExt, PermissionsExt};
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering::Relaxed};
+use std::sync::Arc;
+use std::time::Duration;
 
 fn need_root() -> bool {
     if !is_root() {
@@ -165,4 +170,226 @@ fn symlinks_planted_in_a_shared_store_are_refused_not_written_through() {
         "{logged}"
     );
     assert_eq!(untouched(&outside), before, "nothing written outside the store");
+}
+
+/// A registry impostor on loopback: answers every request 401, asking for
+/// HTTP Basic credentials, and remembers what it was sent.
+struct Impostor {
+    addr: String,
+    requests: Arc<AtomicUsize>,
+    credentials: Arc<AtomicBool>,
+    stop: Arc<AtomicBool>,
+}
+
+impl Impostor {
+    fn start() -> Impostor {
+        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+        listener.set_nonblocking(true).unwrap();
+        let addr = listener.local_addr().unwrap().to_string();
+        let (requests, credentials, stop) = Default::default();
+        let me = Impostor {
+            addr,
+            requests,
+            credentials,
+            stop,
+        };
+        let (requests, credentials, stop) = (me.requests.clone(), me.credentials.clone(), me.stop.clone());
+        std::thread::spawn(move || {
+            while !stop.load(Relaxed) {
+                let Ok((mut c, _)) = listener.accept() else {
+                    std::thread::sleep(Duration::from_millis(10));
+                    continue;
+                };
+                c.set_nonblocking(false).unwrap();
+                c.set_read_timeout(Some(Duration::from_secs(2))).unwrap();
+                let mut head = Vec::new();
+                let mut buf = [0u8; 4096];
+                while !head.windows(4).any(|w| w == b"\r\n\r\n") {
+                    match c.read(&mut buf) {
+                        Ok(n @ 1..) => head.extend_from_slice(&buf[..n]),
+                        _ => break,
+                    }
+                }
+                requests.fetch_add(1, Relaxed);
+                if String::from_utf8_lossy(&head)
+                    .to_lowercase()
+                    .contains("\nauthorization:")
+                {
+                    credentials.store(true, Relaxed);
+                }
+                let _ = c.write_all(
+                    b"HTTP/1.1 401 Unauthorized\r\nWWW-Authenticate: Basic realm=\"impostor\"\r\n\
+                      Content-Length: 0\r\nConnection: close\r\n\r\n",
+                );
+            }
+        });
+        me
+    }
+}
+
+impl Drop for Impostor {
+    fn drop(&mut self) {
+        self.stop.store(true, Relaxed);
+    }
+}
+
+#[test]
+fn lazy_records_in_a_shared_store_do_not_send_credentials_elsewhere() {
+    if !need_root() {
+        return;
+    }
+    if let Some(why) = fuse_unavailable() {
+        eprintln!("skipped: {why}");
+        return;
+    }
+    let (area, store, _) = shared_area();
+    let htpasswd = area.path("htpasswd");
+    let out = Command::new("htpasswd")
+        .args(["-Bbn", "alice", "s3cret"])
+        .output()
+        .expect("htpasswd (apache2-utils; scripts/setup installs it)");
+    fs::write(&htpasswd, &out.stdout).unwrap();
+    let registry = Registry::start_with(
+        &area,
+        &format!(
+            "auth:\n  htpasswd:\n    realm: tilefs-test\n    path: {}\n",
+            htpasswd.display()
+        ),
+    );
+    let impostor = Impostor::start();
+    assert_eq!(
+        impostor.addr.len(),
+        registry.addr.len(),
+        "same-length addresses, for the edit below"
+    );
+    // Root's credentials: for the registry it pulls from, and for another
+    // it logs in to (any of them is where a record could point).
+    let auth = area.path("auth.json");
+    {
+        use base64::Engine;
+        let b64 = base64::engine::general_purpose::STANDARD.encode("alice:s3cret");
+        let entry = serde_json::json!({ "auth": b64 });
+        fs::write(
+            &auth,
+            serde_json::json!({"auths": {registry.addr.clone(): entry, impostor.addr.clone(): entry}}).to_string(),
+        )
+        .unwrap();
+    }
+    let root = |args: &[&std::ffi::OsStr]| {
+        Command::new(tilefs_bin())
+            .args(args)
+            .env("REGISTRY_AUTH_FILE", &auth)
+            .env("HOME", area.path("home"))
+            .env_remove("XDG_RUNTIME_DIR")
+            .output()
+            .unwrap()
+    };
+    let src = area.dir("src");
+    let files = tree(&src, 9, 3, 5000);
+    let pushed = area.path("pushed");
+    build_tag(&pushed, "app", &src);
+    let remote = format!("docker://{}/private/app:v1", registry.addr);
+    let out = root(&[
+        os("push"),
+        os("-q"),
+        os("--tls-verify=false"),
+        os("--store"),
+        pushed.as_os_str(),
+        os("app"),
+        os(&remote),
+    ]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let pulled = root(&[
+        os("pull"),
+        os("-q"),
+        os("--lazy"),
+        os("--tls-verify=false"),
+        os("--store"),
+        store.as_os_str(),
+        os(&remote),
+    ]);
+    assert!(pulled.status.success(), "{}", stderr(&pulled));
+    let tag = format!("{}_private_app:v1", registry.addr);
+    let record = store
+        .join(".remote")
+        .join(String::from_utf8_lossy(&pulled.stdout).trim());
+    let edited = area.path("edited-record");
+    let bytes = fs::read(&record).unwrap();
+    let at = bytes
+        .windows(registry.addr.len())
+        .position(|w| w == registry.addr.as_bytes())
+        .unwrap();
+    let mut pointed = bytes.clone();
+    pointed[at..at + impostor.addr.len()].copy_from_slice(impostor.addr.as_bytes());
+    fs::write(&edited, &pointed).unwrap();
+    let mnt = area.dir("mnt");
+    let log = area.path("fuse.log");
+    let mount = || {
+        let out = root(&[
+            os("mount"),
+            os("--store"),
+            store.as_os_str(),
+            os("--log"),
+            log.as_os_str(),
+            os(&tag),
+            mnt.as_os_str(),
+        ]);
+        // (Before the fix, the mount was made: then a read shows where
+        // the credentials went.)
+        let m = out.status.success().then(|| Mounted(mnt.clone()));
+        if m.is_some() {
+            for (f, _) in &files {
+                let _ = read(&mnt.join(f));
+            }
+        }
+        (out, m)
+    };
+
+    // Root's own record in root's store, shared or not: the credentials go
+    // to the registry root pulled from (one file read: the others are left
+    // to fetch).
+    let out = root(&[os("mount"), os("--store"), store.as_os_str(), os(&tag), mnt.as_os_str()]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let m = Mounted(mnt.clone());
+    assert_eq!(
+        read(&mnt.join(&files[0].0)).unwrap(),
+        fs::read(src.join(&files[0].0)).unwrap()
+    );
+    drop(m);
+
+    let refused = |why: &str, what: &str| {
+        let (out, m) = mount();
+        drop(m);
+        assert!(
+            !impostor.credentials.load(Relaxed),
+            "{what}: root's credentials went to the impostor"
+        );
+        assert_eq!(
+            impostor.requests.load(Relaxed),
+            0,
+            "{what}: root's server went to the impostor"
+        );
+        assert!(!is_mounted(&mnt));
+        refused_naming(&out, &record, what);
+        assert!(stderr(&out).contains(why), "{what}: {}", stderr(&out));
+    };
+    // The other user swaps in a record of theirs pointing elsewhere.
+    nobody_sh(&format!(
+        "mv {s}/.remote {s}/.remote-was && mkdir {s}/.remote && cp {e} {r}",
+        s = store.display(),
+        e = edited.display(),
+        r = record.display()
+    ));
+    refused("belongs to uid 65534", "a record of another user's");
+    fs::remove_dir_all(store.join(".remote")).unwrap();
+    fs::rename(store.join(".remote-was"), store.join(".remote")).unwrap();
+    // Root's record, left writable by others, edited in place.
+    fs::set_permissions(&record, fs::Permissions::from_mode(0o666)).unwrap();
+    nobody_sh(&format!("cat {} > {}", edited.display(), record.display()));
+    refused("others may write it (mode 0666)", "a record others may write");
+    fs::write(&record, &bytes).unwrap();
+    fs::set_permissions(&record, fs::Permissions::from_mode(0o644)).unwrap();
+    // Root's untouched record in a store of the other user's.
+    std::os::unix::fs::chown(&store, Some(NOBODY), Some(NOBODY)).unwrap();
+    refused("belongs to uid 65534", "a store of another user's");
 }

@@ -16,6 +16,7 @@ use crate::pull::{PullOptions, PullProgress, PullReport};
 use crate::transport::{self, read_checked, RegistryOptions, Resolved, Transport};
 use crate::{ImageRef, OciError};
 use std::io::{self, Read};
+use std::os::fd::AsFd;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering::Relaxed};
 use std::sync::{Mutex, OnceLock};
@@ -579,6 +580,38 @@ impl<R: Read> Read for Counting<'_, R> {
 
 const RECORD_VERSION: u32 = 1;
 
+/// Why a lazy-pull record may not decide where this user's credentials go,
+/// if it may not: its registry and `tls_verify` do, so a user who can write
+/// it could send them to another host, or over plain HTTP. It must be the
+/// user's (or root's) and writable by no one else, in a store that is the
+/// user's (or root's).
+fn untrusted(store: &Store, record: &std::fs::File) -> Option<String> {
+    let me = rustix::process::geteuid().as_raw();
+    let stat = |fd| rustix::fs::fstat(fd).map_err(|e| format!("cannot stat: {e}"));
+    let (dir, file) = match (stat(store.dir_fd()), stat(record.as_fd())) {
+        (Ok(d), Ok(f)) => (d, f),
+        (Err(e), _) | (_, Err(e)) => return Some(e),
+    };
+    let theirs = |uid: u32| uid != me && uid != 0;
+    if theirs(dir.st_uid) {
+        return Some(format!(
+            "the store {} belongs to uid {}, not to you (uid {me}) or root",
+            store.path().display(),
+            dir.st_uid
+        ));
+    }
+    if theirs(file.st_uid) {
+        return Some(format!(
+            "it belongs to uid {}, not to you (uid {me}) or root",
+            file.st_uid
+        ));
+    }
+    if file.st_mode & 0o022 != 0 {
+        return Some(format!("others may write it (mode {:04o})", file.st_mode & 0o7777));
+    }
+    None
+}
+
 /// Where the objects of a lazily pulled image are: `STORE/.remote/HEX`.
 #[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
 pub struct LazyRecord {
@@ -605,14 +638,28 @@ impl LazyRecord {
         })
     }
 
-    /// The record of `image`, if it was pulled lazily.
+    /// The record of `image`, if it was pulled lazily, and if it may say
+    /// where this user's credentials go (see [`untrusted`]).
     pub fn load(store: &Store, image: &[u8; 32]) -> Result<Option<LazyRecord>, OciError> {
         if !remote::is_lazy(store, image) {
             return Ok(None);
         }
         let path = remote::record_path(store, image);
-        let raw = crate::layer_cache::read_record_in(store, REMOTE_DIR, &hex::encode(image))
-            .ok_or_else(|| OciError::io(&path, "cannot read", io::Error::other("not a readable regular file")))?;
+        let mut f = crate::layer_cache::open_record_in(store, REMOTE_DIR, &hex::encode(image))
+            .map_err(|e| OciError::io(&path, "cannot read", e))?;
+        if let Some(why) = untrusted(store, &f) {
+            return Err(OciError::io(
+                &path,
+                "refusing this lazy-pull record",
+                io::Error::other(format!(
+                    "{why}; it says which registry gets your credentials, so only a record of yours (or root's), \
+                     in a store of yours (or root's), is used: pull the image again into a store of yours"
+                )),
+            ));
+        }
+        let mut raw = Vec::new();
+        f.read_to_end(&mut raw)
+            .map_err(|e| OciError::io(&path, "cannot read", e))?;
         let r: LazyRecord = postcard::from_bytes(&raw)
             .map_err(|e| OciError::io(&path, "not a tilefs lazy-pull record", io::Error::other(e)))?;
         if r.version != RECORD_VERSION {
