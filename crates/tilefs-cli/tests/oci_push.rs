@@ -6,187 +6,18 @@
 
 mod common;
 
+use common::oci::*;
 use common::registry::Registry;
 use common::*;
-use std::ffi::OsStr;
 use std::fs;
 use std::io::{Read, Write};
 use std::net::{TcpListener, TcpStream};
 use std::os::unix::fs::MetadataExt;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::{Command, Stdio};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::Relaxed};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
-
-// ---- trees, images, commands ----------------------------------------------
-
-/// Writes `files` (name, size) of pseudo-random bytes under `root`.
-fn write_files(root: &Path, seed: u64, files: &[(String, usize)]) {
-    let mut rng = Rng::new(seed);
-    for (name, size) in files {
-        let p = root.join(name);
-        fs::create_dir_all(p.parent().unwrap()).unwrap();
-        fs::write(&p, rng.bytes(*size)).unwrap();
-    }
-}
-
-/// A tree of `n` files of `size` bytes in a few directories, plus what
-/// every image has: a small inline file, an empty one, a symlink.
-fn tree(root: &Path, seed: u64, n: usize, size: usize) -> Vec<(String, usize)> {
-    let files: Vec<(String, usize)> = (0..n).map(|i| (format!("d{}/f{i:03}", i % 5), size)).collect();
-    write_files(root, seed, &files);
-    fs::write(root.join("small"), b"inline contents").unwrap();
-    fs::write(root.join("empty"), b"").unwrap();
-    std::os::unix::fs::symlink("d0/f000", root.join("link")).unwrap();
-    files
-}
-
-fn build_tag(store: &Path, tag: &str, src: &Path) -> String {
-    tilefs(&[
-        os("build"),
-        os("-q"),
-        os("--store"),
-        store.as_os_str(),
-        os("--tag"),
-        os(tag),
-        src.as_os_str(),
-    ]);
-    let out = tilefs(&[os("digest"), os("--store"), store.as_os_str(), os(tag)]);
-    let d = String::from_utf8_lossy(&out.stdout)
-        .split_whitespace()
-        .next()
-        .unwrap()
-        .to_string();
-    d.trim_start_matches("sha256:").to_string()
-}
-
-fn push(store: &Path, tag: &str, remote: &str) -> serde_json::Value {
-    let out = tilefs(&[
-        os("push"),
-        os("--json"),
-        os("--tls-verify=false"),
-        os("--store"),
-        store.as_os_str(),
-        os(tag),
-        os(remote),
-    ]);
-    serde_json::from_slice(&out.stdout).unwrap()
-}
-
-/// `tilefs pull -q --tls-verify=false --store STORE [extra] REMOTE`.
-fn run_pull(store: &Path, remote: &str, extra: &[&str]) -> std::process::Output {
-    let mut args: Vec<&OsStr> = vec![
-        os("pull"),
-        os("-q"),
-        os("--tls-verify=false"),
-        os("--store"),
-        store.as_os_str(),
-    ];
-    args.extend(extra.iter().map(|s| os(s)));
-    args.push(os(remote));
-    tilefs_any(&args)
-}
-
-/// A pull that succeeds; the digest it prints.
-fn pull(store: &Path, remote: &str, extra: &[&str]) -> String {
-    let out = run_pull(store, remote, extra);
-    assert!(out.status.success(), "pull {remote}: {}", stderr(&out));
-    String::from_utf8_lossy(&out.stdout).trim().to_string()
-}
-
-/// A pull that fails (exit 1); its message.
-fn pull_fails(store: &Path, remote: &str, extra: &[&str]) -> String {
-    let out = run_pull(store, remote, extra);
-    assert_eq!(out.status.code(), Some(1), "pull should fail: {}", stderr(&out));
-    stderr(&out)
-}
-
-fn fsck_text(store: &Path) -> String {
-    let out = tilefs_any(&[os("fsck"), os("--store"), store.as_os_str()]);
-    let text = String::from_utf8_lossy(&out.stdout).into_owned() + &stderr(&out);
-    assert!(out.status.success(), "fsck: {text}");
-    text
-}
-
-/// After a failed pull: the store it created is gone, or it is clean.
-fn assert_clean_or_gone(store: &Path) {
-    if store.exists() {
-        assert!(fsck_text(store).contains("clean"));
-    }
-}
-
-/// Objects present in a store.
-fn objects_in(store: &Path) -> usize {
-    fs::read_dir(store)
-        .unwrap()
-        .flatten()
-        .filter(|e| e.file_name().len() == 2)
-        .map(|e| fs::read_dir(e.path()).unwrap().count())
-        .sum()
-}
-
-fn skopeo_raw(remote: &str) -> serde_json::Value {
-    let out = Command::new("skopeo")
-        .args(["inspect", "--raw", "--tls-verify=false", remote])
-        .output()
-        .expect("skopeo (scripts/setup installs it)");
-    assert!(out.status.success(), "skopeo inspect: {}", stderr(&out));
-    serde_json::from_slice(&out.stdout).unwrap()
-}
-
-/// Bytes of blob GETs logged since `before` requests.
-fn blob_bytes_since(r: &Registry, before: usize) -> u64 {
-    r.requests()[before..]
-        .iter()
-        .filter(|q| q.method == "GET" && q.path.contains("/blobs/"))
-        .map(|q| q.bytes)
-        .sum()
-}
-
-/// A FUSE mount of a tag, taken down when dropped (even when a test
-/// panics).
-struct Mounted(PathBuf);
-
-impl Mounted {
-    fn new(store: &Path, tag: &str, mnt: &Path, log: &Path) -> (Mounted, String) {
-        fs::create_dir_all(mnt).unwrap();
-        let out = tilefs_any(&[
-            os("mount"),
-            os("--store"),
-            store.as_os_str(),
-            os("--log"),
-            log.as_os_str(),
-            os(tag),
-            mnt.as_os_str(),
-        ]);
-        assert!(out.status.success(), "mount: {}", stderr(&out));
-        (Mounted(mnt.to_path_buf()), stderr(&out))
-    }
-}
-
-impl Drop for Mounted {
-    fn drop(&mut self) {
-        if is_mounted(&self.0) {
-            let _ = tilefs_any(&[os("umount"), self.0.as_os_str()]);
-        }
-        if is_mounted(&self.0) {
-            let _ = rustix::mount::unmount(&self.0, rustix::mount::UnmountFlags::DETACH);
-        }
-    }
-}
-
-fn fuse_unavailable() -> Option<String> {
-    if !Path::new("/dev/fuse").exists() {
-        return Some("no /dev/fuse".into());
-    }
-    cannot_mount("fuse")
-}
-
-/// Reads a file the way `cat` would: contents, or the OS error.
-fn read(p: &Path) -> std::io::Result<Vec<u8>> {
-    fs::read(p)
-}
 
 // ---- a TCP proxy that cuts or stalls ---------------------------------------
 

@@ -236,6 +236,13 @@ impl std::fmt::Debug for Fetcher {
 }
 
 impl FuseMount {
+    /// Whether to ask for FUSE over io_uring: not for a mount that fetches
+    /// objects, where a queue waiting for a fetch would hold up every
+    /// caller on its CPU.
+    fn uring(&self) -> bool {
+        !self.no_uring && self.fetcher.is_none()
+    }
+
     /// A request with default settings.
     pub fn new(image: impl Into<PathBuf>, store: impl Into<PathBuf>, mountpoint: impl Into<PathBuf>) -> FuseMount {
         FuseMount {
@@ -265,6 +272,12 @@ fn fail(msg: impl Into<String>) -> FuseError {
 pub fn default_threads() -> usize {
     std::thread::available_parallelism().map_or(2, |n| n.get()).clamp(2, 16)
 }
+
+/// Worker threads, at least, of a mount that fetches objects (a lazily
+/// pulled image): a fetch holds its thread for a round trip to the
+/// registry, or for its timeout, and readers of other files (a container
+/// start has many in flight) must find threads free.
+pub const LAZY_THREADS: usize = 16;
 
 /// Mounts and serves `m`. Returns when the mount is ready (or, with
 /// `foreground`, when it has been unmounted).
@@ -336,9 +349,14 @@ pub fn mount(m: &FuseMount) -> Result<(), FuseError> {
     lower.selinux_enotsup = tuning.selinux_enotsup;
     let nofile = raise_nofile();
     let budget = nofile / 2;
+    let threads = if m.threads == 0 { default_threads() } else { m.threads };
     let serve_cfg = ServeConfig {
-        threads: if m.threads == 0 { default_threads() } else { m.threads },
-        uring: !m.no_uring,
+        threads: if m.fetcher.is_some() {
+            threads.max(LAZY_THREADS)
+        } else {
+            threads
+        },
+        uring: m.uring(),
         splice: tuning.splice,
         idle_poll: m
             .idle_poll
@@ -403,7 +421,7 @@ fn start<F: tilefs_fuse_proto::Filesystem>(
 ) -> Result<(), FuseError> {
     let fuse_fd = mountpoint::mount_fuse(mnt, &m.image, m.allow_other, default_permissions, m.flags, writable)?;
     let log = logger.clone();
-    let session = match Session::new(fuse_fd, fs, !m.no_uring, Arc::new(move |msg: &str| log.log(msg))) {
+    let session = match Session::new(fuse_fd, fs, m.uring(), Arc::new(move |msg: &str| log.log(msg))) {
         Ok(s) => s,
         Err(e) => {
             mountpoint::take_down(mnt);

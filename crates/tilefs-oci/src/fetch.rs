@@ -10,15 +10,18 @@
 //! transfer cut short leave nothing behind but the error.
 
 use crate::artifact::{self, Config, Location, ObjectIndex, ObjectRef};
+use crate::flights::{Flights, Joined, Lead};
 use crate::manifest::BlobRef;
 use crate::pull::{PullOptions, PullProgress, PullReport};
 use crate::transport::{self, read_checked, RegistryOptions, Resolved, Transport};
 use crate::{ImageRef, OciError};
 use std::io::{self, Read};
+use std::os::fd::AsFd;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering::Relaxed};
-use std::sync::{Arc, Mutex, OnceLock};
+use std::sync::{Mutex, OnceLock};
 use std::time::{Duration, Instant};
+use tilefs_store::fetch_lock::{FetchLocks, Span};
 use tilefs_store::ingest::{Ingest, StatsSnapshot};
 use tilefs_store::remote::{self, ObjectSource, REMOTE_DIR};
 use tilefs_store::{tags, Store, StoreError};
@@ -161,7 +164,7 @@ pub(crate) fn pull_artifact(
         if let Some(c) = &opts.cancel {
             ingest.set_cancel(c.clone());
         }
-        let wanted: Vec<([u8; 32], Location)> = absent
+        let wanted: Vec<Placed> = absent
             .iter()
             .map(|d| (*d, remote_image.index.get(d).expect("the index places every object")))
             .collect();
@@ -170,13 +173,17 @@ pub(crate) fn pull_artifact(
             .store(wanted.iter().map(|w| w.1.size).sum(), Relaxed);
         let jobs = if opts.jobs == 0 { 4 } else { opts.jobs };
         let fetched = fetch_objects(
-            t,
-            &remote_image.packs,
+            &Fetching {
+                store,
+                t,
+                packs: &remote_image.packs,
+                ingest: &ingest,
+                cancel: opts.cancel.as_deref(),
+                progress,
+            },
             &wanted,
-            &ingest,
             jobs,
-            opts.cancel.as_deref(),
-            progress,
+            opts.registry.timeout,
         );
         // Objects that came whole and checked are kept even when others
         // failed: a later pull does not fetch them again (gc removes them
@@ -209,17 +216,20 @@ pub(crate) fn pull_artifact(
     })
 }
 
+/// An object (its digest) and where it lies.
+type Placed = ([u8; 32], Location);
+
 /// A run of objects of one pack, fetched by one request.
 struct Range {
     pack: usize,
     start: u64,
     end: u64,
-    objects: Vec<([u8; 32], Location)>,
+    objects: Vec<Placed>,
 }
 
 /// Groups `wanted` into ranges: by pack, in offset order, neighbours
 /// merged across small gaps.
-fn plan_ranges(wanted: &[([u8; 32], Location)]) -> Vec<Range> {
+fn plan_ranges(wanted: &[Placed]) -> Vec<Range> {
     let mut sorted = wanted.to_vec();
     sorted.sort_by_key(|(_, l)| (l.pack, l.offset));
     let mut out: Vec<Range> = Vec::new();
@@ -246,21 +256,75 @@ fn plan_ranges(wanted: &[([u8; 32], Location)]) -> Vec<Range> {
     out
 }
 
-/// Fetches `wanted` into `ingest`, `jobs` ranges at once; the first error
-/// stops the others.
-fn fetch_objects(
-    t: &dyn Transport,
-    packs: &[BlobRef],
-    wanted: &[([u8; 32], Location)],
-    ingest: &Ingest,
+/// What a pull's fetches share.
+struct Fetching<'a> {
+    store: &'a Store,
+    t: &'a dyn Transport,
+    packs: &'a [BlobRef],
+    ingest: &'a Ingest<'a>,
+    cancel: Option<&'a AtomicBool>,
+    progress: &'a PullProgress,
+}
+
+/// The span of the store's fetch lock ([`tilefs_store::fetch_lock`]) that
+/// stands for the object at `loc` in the pack `pack`: the same in every
+/// process, and neighbours in a pack next to each other, so that the locks
+/// of a run of objects merge into one. The pack's digest picks one of 2^22
+/// slots of 2^40 bytes (two packs sharing a slot only wait for each other
+/// now and then).
+fn span(pack: &crate::digest::Digest, loc: Location) -> Span {
+    let slot = pack
+        .hex()
+        .get(..16)
+        .and_then(|h| u64::from_str_radix(h, 16).ok())
+        .unwrap_or(0)
+        >> 42;
+    Span {
+        start: slot << 40 | (loc.offset & ((1 << 40) - 1)),
+        len: loc.size.max(1),
+    }
+}
+
+/// Fetches `wanted` into the store, `jobs` ranges at once; the first error
+/// stops the others. Objects another fetch (a lazy mount, another pull) is
+/// bringing are left to it and waited for, up to `wait`; those it did not
+/// bring are fetched then.
+fn fetch_objects(f: &Fetching, wanted: &[Placed], jobs: usize, wait: Duration) -> Result<(), OciError> {
+    let deferred = Mutex::new(Vec::new());
+    fetch_ranges(f, wanted, jobs, Some(&deferred))?;
+    let deferred = deferred.into_inner().unwrap();
+    if deferred.is_empty() {
+        return Ok(());
+    }
+    let deadline = Instant::now() + wait;
+    let left: Vec<Placed> = deferred
+        .into_iter()
+        .filter(|(d, l)| {
+            if let Some(locks) = FetchLocks::open(f.store) {
+                let s = span(&f.packs[l.pack as usize].digest, *l);
+                if locks.lock(s, deadline) {
+                    locks.unlock(s);
+                }
+            }
+            !f.store.has_object(d)
+        })
+        .collect();
+    fetch_ranges(f, &left, jobs, None)
+}
+
+/// Fetches `wanted` by ranges, `jobs` at once, each object under its fetch
+/// lock. An object whose lock another fetch holds is put in `defer`, or
+/// with no `defer`, fetched all the same.
+fn fetch_ranges(
+    f: &Fetching,
+    wanted: &[Placed],
     jobs: usize,
-    cancel: Option<&AtomicBool>,
-    progress: &PullProgress,
+    defer: Option<&Mutex<Vec<Placed>>>,
 ) -> Result<(), OciError> {
     let ranges = plan_ranges(wanted);
     let next = AtomicUsize::new(0);
     let failed: Mutex<Option<OciError>> = Mutex::new(None);
-    let stop = || failed.lock().unwrap().is_some() || cancel.is_some_and(|c| c.load(Relaxed));
+    let stop = || failed.lock().unwrap().is_some() || f.cancel.is_some_and(|c| c.load(Relaxed));
     std::thread::scope(|s| {
         for _ in 0..jobs.min(ranges.len()).max(1) {
             s.spawn(|| {
@@ -268,7 +332,7 @@ fn fetch_objects(
                     if stop() {
                         break;
                     }
-                    if let Err(e) = fetch_range(t, &packs[range.pack], range, ingest, progress, None) {
+                    if let Err(e) = fetch_claimed(f, range, defer) {
                         failed.lock().unwrap().get_or_insert(e);
                     }
                 }
@@ -279,12 +343,54 @@ fn fetch_objects(
         // Which registry (or layout) sent it, too.
         Some(OciError::Blob { blob, reason }) => Err(OciError::Blob {
             blob,
-            reason: format!("{reason} (from {})", t.origin()),
+            reason: format!("{reason} (from {})", f.t.origin()),
         }),
         Some(e) => Err(e),
-        None if cancel.is_some_and(|c| c.load(Relaxed)) => Err(OciError::Interrupted),
+        None if f.cancel.is_some_and(|c| c.load(Relaxed)) => Err(OciError::Interrupted),
         None => Ok(()),
     }
+}
+
+/// Fetches the objects of `range` this pull may bring: those whose fetch
+/// lock it takes and that are still absent then, in runs cut where an
+/// object is left out (its bytes are not fetched twice). They are stored
+/// for good before the locks go, so a fetch waiting for one finds it.
+fn fetch_claimed(f: &Fetching, range: &Range, defer: Option<&Mutex<Vec<Placed>>>) -> Result<(), OciError> {
+    let pack = &f.packs[range.pack];
+    let locks = FetchLocks::open(f.store);
+    let mut runs: Vec<Range> = Vec::new();
+    let mut cut = true;
+    for &(d, l) in &range.objects {
+        let s = span(&pack.digest, l);
+        if let (false, Some(defer)) = (locks.as_ref().is_none_or(|k| k.try_lock(s)), defer) {
+            defer.lock().unwrap().push((d, l));
+            cut = true;
+            continue;
+        }
+        if f.store.has_object(&d) {
+            cut = true;
+            continue;
+        }
+        match runs.last_mut() {
+            Some(r) if !cut => {
+                r.end = l.offset + l.size;
+                r.objects.push((d, l));
+            }
+            _ => runs.push(Range {
+                pack: range.pack,
+                start: l.offset,
+                end: l.offset + l.size,
+                objects: vec![(d, l)],
+            }),
+        }
+        cut = false;
+    }
+    for run in &runs {
+        fetch_range(f.t, pack, run, f.ingest, f.progress, None)?;
+    }
+    f.ingest.commit()?;
+    drop(locks);
+    Ok(())
 }
 
 /// Fetches one range, retrying (with back-off, at most [`ATTEMPTS`] times,
@@ -419,7 +525,7 @@ fn read_objects(
     reader: &mut dyn Read,
     pack: &BlobRef,
     start: u64,
-    objects: &[([u8; 32], Location)],
+    objects: &[Placed],
     ingest: &Ingest,
     done: &mut usize,
 ) -> Result<(), Fetch> {
@@ -439,12 +545,7 @@ fn read_objects(
         let what = PathBuf::from(format!("object {rel} (bytes {}..{})", l.offset, l.offset + l.size));
         match ingest.import_expected(&what, l.size, &mut reader.take(l.size), d) {
             Ok(()) => {}
-            Err(StoreError::Source { path, msg }) if msg == "does not match its fs-verity digest" => {
-                return Err(Fetch::Wrong(OciError::blob(
-                    &blob,
-                    format!("{}: {msg}", path.display()),
-                )));
-            }
+            Err(e @ StoreError::Mismatch(_)) => return Err(Fetch::Wrong(OciError::blob(&blob, e.to_string()))),
             Err(StoreError::Source { path, msg }) => {
                 return Err(Fetch::Transfer(OciError::blob(
                     &blob,
@@ -479,6 +580,38 @@ impl<R: Read> Read for Counting<'_, R> {
 
 const RECORD_VERSION: u32 = 1;
 
+/// Why a lazy-pull record may not decide where this user's credentials go,
+/// if it may not: its registry and `tls_verify` do, so a user who can write
+/// it could send them to another host, or over plain HTTP. It must be the
+/// user's (or root's) and writable by no one else, in a store that is the
+/// user's (or root's).
+fn untrusted(store: &Store, record: &std::fs::File) -> Option<String> {
+    let me = rustix::process::geteuid().as_raw();
+    let stat = |fd| rustix::fs::fstat(fd).map_err(|e| format!("cannot stat: {e}"));
+    let (dir, file) = match (stat(store.dir_fd()), stat(record.as_fd())) {
+        (Ok(d), Ok(f)) => (d, f),
+        (Err(e), _) | (_, Err(e)) => return Some(e),
+    };
+    let theirs = |uid: u32| uid != me && uid != 0;
+    if theirs(dir.st_uid) {
+        return Some(format!(
+            "the store {} belongs to uid {}, not to you (uid {me}) or root",
+            store.path().display(),
+            dir.st_uid
+        ));
+    }
+    if theirs(file.st_uid) {
+        return Some(format!(
+            "it belongs to uid {}, not to you (uid {me}) or root",
+            file.st_uid
+        ));
+    }
+    if file.st_mode & 0o022 != 0 {
+        return Some(format!("others may write it (mode {:04o})", file.st_mode & 0o7777));
+    }
+    None
+}
+
 /// Where the objects of a lazily pulled image are: `STORE/.remote/HEX`.
 #[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
 pub struct LazyRecord {
@@ -505,14 +638,28 @@ impl LazyRecord {
         })
     }
 
-    /// The record of `image`, if it was pulled lazily.
+    /// The record of `image`, if it was pulled lazily, and if it may say
+    /// where this user's credentials go (see [`untrusted`]).
     pub fn load(store: &Store, image: &[u8; 32]) -> Result<Option<LazyRecord>, OciError> {
         if !remote::is_lazy(store, image) {
             return Ok(None);
         }
         let path = remote::record_path(store, image);
-        let raw = crate::layer_cache::read_record_in(store, REMOTE_DIR, &hex::encode(image))
-            .ok_or_else(|| OciError::io(&path, "cannot read", io::Error::other("not a readable regular file")))?;
+        let mut f = crate::layer_cache::open_record_in(store, REMOTE_DIR, &hex::encode(image))
+            .map_err(|e| OciError::io(&path, "cannot read", e))?;
+        if let Some(why) = untrusted(store, &f) {
+            return Err(OciError::io(
+                &path,
+                "refusing this lazy-pull record",
+                io::Error::other(format!(
+                    "{why}; it says which registry gets your credentials, so only a record of yours (or root's), \
+                     in a store of yours (or root's), is used: pull the image again into a store of yours"
+                )),
+            ));
+        }
+        let mut raw = Vec::new();
+        f.read_to_end(&mut raw)
+            .map_err(|e| OciError::io(&path, "cannot read", e))?;
         let r: LazyRecord = postcard::from_bytes(&raw)
             .map_err(|e| OciError::io(&path, "not a tilefs lazy-pull record", io::Error::other(e)))?;
         if r.version != RECORD_VERSION {
@@ -540,15 +687,20 @@ impl LazyRecord {
 /// them. The transport (a registry client and its threads) starts on the
 /// first fetch, so a server that forks into the background starts it in
 /// the process that serves.
+///
+/// Each object is fetched once however many readers want it: readers in
+/// this process wait for the fetch under way ([`Flights`]), other
+/// processes for its lock in the store ([`FetchLocks`]), and all then find
+/// it stored. A failed fetch is answered to those waiting for it and
+/// forgotten: the next reader tries again.
 pub struct LazySource {
     store: Store,
     record: LazyRecord,
     /// The index's objects in pack order: (pack, offset, position in the
     /// index), for read-ahead.
     by_offset: Vec<(u32, u64, usize)>,
-    transport: OnceLock<Result<Box<dyn Transport>, String>>,
-    /// One fetch per object at a time: others wanting it wait and find it.
-    busy: Mutex<rustc_hash::FxHashMap<[u8; 32], Arc<Mutex<()>>>>,
+    transport: OnceLock<Box<dyn Transport>>,
+    flights: Flights,
     /// Where the last fetch ended (pack, offset): a fetch starting there
     /// is part of a sequential read, and reads ahead.
     last_end: Mutex<Option<(u32, u64)>>,
@@ -579,44 +731,67 @@ impl LazySource {
             record,
             by_offset,
             transport: OnceLock::new(),
-            busy: Mutex::new(Default::default()),
+            flights: Flights::default(),
             last_end: Mutex::new(None),
         }))
     }
 
+    /// The transport, started now if it is not yet (a failure to start it
+    /// is not kept: the next fetch tries again).
     fn transport(&self) -> Result<&dyn Transport, String> {
-        self.transport
-            .get_or_init(|| {
-                let r = ImageRef::parse(&self.record.source).map_err(|e| e.to_string())?;
-                let opts = RegistryOptions {
-                    tls_verify: self.record.tls_verify,
-                    timeout: Duration::from_secs(self.record.timeout_secs.clamp(1, 3600)),
-                };
-                transport::open(&r, &opts).map_err(|e| e.to_string())
-            })
-            .as_ref()
-            .map(|b| b.as_ref())
-            .map_err(Clone::clone)
+        if let Some(t) = self.transport.get() {
+            return Ok(t.as_ref());
+        }
+        let r = ImageRef::parse(&self.record.source).map_err(|e| e.to_string())?;
+        let opts = RegistryOptions {
+            tls_verify: self.record.tls_verify,
+            timeout: self.timeout(),
+        };
+        let t = transport::open(&r, &opts).map_err(|e| e.to_string())?;
+        Ok(self.transport.get_or_init(|| t).as_ref())
+    }
+
+    fn timeout(&self) -> Duration {
+        Duration::from_secs(self.record.timeout_secs.clamp(1, 3600))
+    }
+
+    /// Why the fetch of `digest` failed, for its readers' log.
+    fn failed(&self, digest: &[u8; 32], e: impl std::fmt::Display) -> String {
+        let origin = self
+            .transport
+            .get()
+            .map(|t| t.origin())
+            .unwrap_or_else(|| self.record.source.clone());
+        format!("object {}: fetch from {origin} failed: {e}", Store::object_rel(digest))
     }
 
     /// The range to fetch for `digest` at `loc`: the object alone, or when
     /// the last fetch ended where it starts (a sequential read: `cat` of a
     /// directory, an archiver), also the absent objects after it in the
-    /// pack, up to [`READ_AHEAD`] bytes more.
-    fn range_for(&self, digest: &[u8; 32], loc: Location) -> Range {
+    /// pack, up to [`READ_AHEAD`] bytes more, each claimed for this fetch
+    /// (led here, locked in the store): the read-ahead stops at the first
+    /// one another fetch is bringing. Returns the range and the claims.
+    fn range_for(
+        &self,
+        digest: &[u8; 32],
+        loc: Location,
+        pack: &crate::digest::Digest,
+        locks: Option<&FetchLocks>,
+    ) -> (Range, Vec<Lead<'_>>) {
         let mut range = Range {
             pack: loc.pack as usize,
             start: loc.offset,
             end: loc.offset + loc.size,
             objects: vec![(*digest, loc)],
         };
+        let mut ahead = Vec::new();
         let sequential = self
             .last_end
             .lock()
             .unwrap()
             .is_some_and(|(p, end)| p == loc.pack && loc.offset >= end && loc.offset - end <= GAP);
         if !sequential {
-            return range;
+            return (range, ahead);
         }
         let at = self
             .by_offset
@@ -634,30 +809,66 @@ impl LazySource {
             if self.store.has_object(&d) {
                 continue;
             }
+            let s = span(pack, l);
+            if locks.is_some_and(|k| !k.try_lock(s)) {
+                break;
+            }
+            let Some(lead) = self.flights.try_lead(&d) else {
+                locks.inspect(|k| k.unlock(s));
+                break;
+            };
+            ahead.push(lead);
             range.end = o + l.size;
             range.objects.push((d, l));
         }
-        range
+        (range, ahead)
     }
 
-    fn fetch_now(&self, digest: &[u8; 32], loc: Location) -> Result<(), OciError> {
-        let t = self.transport().map_err(OciError::Reference)?;
+    /// Brings `digest`, at `loc`, whose fetch this reader leads: waits
+    /// for another process fetching it, if one is, then fetches it unless
+    /// that one brought it.
+    fn lead(&self, digest: &[u8; 32], loc: Location) -> Result<(), String> {
+        if self.store.has_object(digest) {
+            return Ok(());
+        }
         let pack = self
             .record
             .pack(loc.pack)
-            .ok_or_else(|| OciError::Reference(format!("the record names pack {} that it does not list", loc.pack)))?;
-        let mut ingest = Ingest::for_fetched(&self.store)?;
-        ingest.commit_each();
-        let range = self.range_for(digest, loc);
-        let deadline = Instant::now() + Duration::from_secs(self.record.timeout_secs.clamp(1, 3600));
-        let fetched = fetch_range(t, &pack, &range, &ingest, &PullProgress::default(), Some(deadline));
-        ingest.finish()?;
-        *self.last_end.lock().unwrap() = Some((loc.pack, range.end));
-        // Only the object asked for must have come (read-ahead is a bonus).
-        match fetched {
-            Err(_) if self.store.has_object(digest) => Ok(()),
-            r => r,
+            .ok_or_else(|| format!("the record names pack {} that it does not list", loc.pack))?;
+        let locks = FetchLocks::open(&self.store);
+        if let Some(k) = &locks {
+            // Past the deadline (a fetch elsewhere that hangs), fetched
+            // here all the same.
+            k.lock(span(&pack.digest, loc), Instant::now() + self.timeout());
+            if self.store.has_object(digest) {
+                return Ok(());
+            }
         }
+        let t = self.transport()?;
+        let mut ingest = Ingest::for_fetched(&self.store).map_err(|e| e.to_string())?;
+        ingest.commit_each();
+        let (range, ahead) = self.range_for(digest, loc, &pack.digest, locks.as_ref());
+        let deadline = Instant::now() + self.timeout();
+        let fetched = fetch_range(t, &pack, &range, &ingest, &PullProgress::default(), Some(deadline));
+        // Stored for good before the locks go and those waiting look.
+        let committed = ingest.finish();
+        drop(locks);
+        *self.last_end.lock().unwrap() = Some((loc.pack, range.end));
+        // Each object of the range is answered by whether it came (the
+        // read-ahead is a bonus: only the one asked for must).
+        let error = fetched
+            .err()
+            .map(|e| e.to_string())
+            .or_else(|| committed.err().map(|e| e.to_string()));
+        let came = |d: &[u8; 32]| match self.store.has_object(d) {
+            true => Ok(()),
+            false => Err(error.clone().unwrap_or_else(|| "the fetch ended before it".into())),
+        };
+        for a in ahead {
+            let r = came(a.digest()).map_err(|e| self.failed(a.digest(), e));
+            a.answer(r);
+        }
+        came(digest)
     }
 }
 
@@ -676,16 +887,13 @@ impl ObjectSource for LazySource {
                 loc.size
             ));
         }
-        let slot = self.busy.lock().unwrap().entry(*digest).or_default().clone();
-        let _one = slot.lock().unwrap_or_else(|p| p.into_inner());
-        if self.store.has_object(digest) {
-            return Ok(());
+        match self.flights.join(digest) {
+            Joined::Follow(flight) => flight.wait(),
+            Joined::Lead(lead) => {
+                let r = self.lead(digest, loc).map_err(|e| self.failed(digest, e));
+                lead.answer(r.clone());
+                r
+            }
         }
-        let r = self.fetch_now(digest, loc);
-        self.busy.lock().unwrap().remove(digest);
-        r.map_err(|e| {
-            let origin = self.transport().map(|t| t.origin()).unwrap_or_default();
-            format!("object {rel}: fetch from {origin} failed: {e}")
-        })
     }
 }

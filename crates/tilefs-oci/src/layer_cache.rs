@@ -13,9 +13,9 @@
 
 use crate::digest::Digest;
 use crate::layer::{Content, Kind, LayerEntry};
+use rustix::fs::{Mode, OFlags};
 use std::collections::HashSet;
 use std::io::{Read, Write};
-use std::os::unix::fs::OpenOptionsExt;
 use std::path::Path;
 use tilefs_store::presence::Presence;
 use tilefs_store::store::LAYER_CACHE;
@@ -43,11 +43,16 @@ fn read_record(store: &Store, name: &str) -> Option<Vec<u8>> {
 
 /// A record's bytes from the store's directory `dir`.
 pub(crate) fn read_record_in(store: &Store, dir: &str, name: &str) -> Option<Vec<u8>> {
-    let rel = Path::new(dir).join(name);
-    let mut f = tilefs_store::open_regular(store.dir_fd(), &rel, false).ok()?;
     let mut raw = Vec::new();
-    f.read_to_end(&mut raw).ok()?;
+    open_record_in(store, dir, name).ok()?.read_to_end(&mut raw).ok()?;
     Some(raw)
+}
+
+/// Opens a record of the store's directory `dir`: a regular file in a
+/// real directory, no symlink followed on the way.
+pub(crate) fn open_record_in(store: &Store, dir: &str, name: &str) -> std::io::Result<std::fs::File> {
+    let dir = store.open_existing_subdir(dir)?;
+    tilefs_store::open_regular(&dir, Path::new(name), false)
 }
 
 /// Writes a record atomically (best effort: a pull does not fail for it).
@@ -57,23 +62,24 @@ fn write_record(store: &Store, name: &str, bytes: &[u8]) {
     let _ = write_record_in(store, LAYER_CACHE, name, bytes);
 }
 
-/// Writes a record into the store's directory `dir`.
+/// Writes a record into the store's directory `dir`, through descriptors
+/// of real directories only: in a store others may write, a symlink there
+/// must not take the record anywhere else.
 pub(crate) fn write_record_in(store: &Store, dir: &str, name: &str, bytes: &[u8]) -> std::io::Result<()> {
-    let dir = store.subdir(dir).map_err(std::io::Error::other)?;
-    // A real directory of the store, not a symlink to somewhere else.
-    if !std::fs::symlink_metadata(&dir).is_ok_and(|m| m.is_dir()) {
-        return Err(std::io::Error::other(format!("{}: not a directory", dir.display())));
-    }
-    let tmp = dir.join(format!(".{name}.{}.tmp", std::process::id()));
-    let written = std::fs::OpenOptions::new()
-        .write(true)
-        .create_new(true)
-        .mode(0o644)
-        .open(&tmp)
-        .and_then(|mut f| f.write_all(bytes).and_then(|()| f.sync_all()))
-        .and_then(|()| std::fs::rename(&tmp, dir.join(name)));
+    let dir = store.open_subdir(dir).map_err(std::io::Error::other)?;
+    let tmp = tilefs_store::store::temp_name(&format!(".{name}."));
+    let written = rustix::fs::openat(
+        &dir,
+        tmp.as_str(),
+        OFlags::WRONLY | OFlags::CREATE | OFlags::EXCL | OFlags::NOFOLLOW | OFlags::CLOEXEC,
+        Mode::from_raw_mode(0o644),
+    )
+    .map_err(std::io::Error::from)
+    .map(std::fs::File::from)
+    .and_then(|mut f| f.write_all(bytes).and_then(|()| f.sync_all()))
+    .and_then(|()| Ok(rustix::fs::renameat(&dir, tmp.as_str(), &dir, name)?));
     if written.is_err() {
-        let _ = std::fs::remove_file(&tmp);
+        let _ = rustix::fs::unlinkat(&dir, tmp.as_str(), rustix::fs::AtFlags::empty());
     }
     written
 }

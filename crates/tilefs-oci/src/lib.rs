@@ -16,13 +16,15 @@
 //!   packs of objects);
 //! - [`push`]: a tagged image and its objects to a registry;
 //! - [`fetch`]: an artifact's objects by range, all the store lacks or
-//!   each when first read (lazy pulls).
+//!   each when first read (lazy pulls); `flights`: one fetch of an object
+//!   at a time in a process, its answer shared by every reader waiting.
 
 pub mod apply;
 pub mod artifact;
 pub mod compat;
 pub mod digest;
 pub mod fetch;
+mod flights;
 pub mod layer;
 pub mod layer_cache;
 pub mod manifest;

@@ -77,7 +77,7 @@ pub fn gc(store: &Store, opts: &GcOptions) -> Result<GcReport, StoreError> {
     // Only a real .tmp directory is emptied (never one a symlink points
     // to); checked before anything is removed.
     let tmp_path = store.join(TMP_DIR);
-    let tmp_dir = match tags::open_existing_subdir(store, TMP_DIR) {
+    let tmp_dir = match store.open_existing_subdir(TMP_DIR) {
         Ok(fd) => Some(fd),
         Err(e) if e.kind() == io::ErrorKind::NotFound => None,
         Err(e) => {

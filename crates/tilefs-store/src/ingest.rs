@@ -118,11 +118,10 @@ pub struct Ingest<'s> {
     pub stats: Stats,
     cache: DigestCache,
     /// New objects waiting for commit: (temporary name, digest, size).
-    pending: Mutex<Vec<(String, [u8; 32])>>,
+    pending: Mutex<Vec<(String, [u8; 32], u64)>>,
     pending_bytes: AtomicU64,
     /// Digests imported in this run (a second copy is not written).
     seen: Mutex<HashSet<[u8; 32]>>,
-    counter: AtomicU64,
     verity: AtomicU8,
     verity_warning: Mutex<Option<String>>,
     cloning: AtomicBool,
@@ -150,13 +149,7 @@ impl<'s> Ingest<'s> {
 
     fn start(store: &'s Store, method: Method, use_cache: bool) -> Result<Ingest<'s>, StoreError> {
         let lock = store.lock(LockMode::Shared, true)?;
-        let tmp_path = store.subdir(TMP_DIR)?;
-        let tmp = rfs::open(
-            &tmp_path,
-            OFlags::RDONLY | OFlags::DIRECTORY | OFlags::CLOEXEC,
-            Mode::empty(),
-        )
-        .map_err(|e| StoreError::io(&tmp_path, "cannot open", e.into()))?;
+        let tmp = store.open_subdir(TMP_DIR)?;
         Ok(Ingest {
             store,
             tmp,
@@ -170,7 +163,6 @@ impl<'s> Ingest<'s> {
             pending: Mutex::new(Vec::new()),
             pending_bytes: AtomicU64::new(0),
             seen: Mutex::new(HashSet::new()),
-            counter: AtomicU64::new(0),
             verity: AtomicU8::new(VERITY_UNKNOWN),
             verity_warning: Mutex::new(None),
             cloning: AtomicBool::new(true),
@@ -206,7 +198,7 @@ impl<'s> Ingest<'s> {
     /// Saves the digests learnt so far (an interrupted build keeps them:
     /// the next one does not read those files again).
     pub fn save_cache(&self) -> Result<(), StoreError> {
-        self.cache.save(&self.store.join(DIGEST_CACHE), &self.tmp)
+        self.cache.save(self.store, &self.tmp)
     }
 
     /// Why objects are not fs-verity protected, if they are not.
@@ -292,7 +284,7 @@ impl<'s> Ingest<'s> {
             if hashed.2.is_none() {
                 let _ = rfs::unlinkat(&self.tmp, &tmp_name, AtFlags::empty());
             }
-            return Err(StoreError::source(what, "does not match its fs-verity digest"));
+            return Err(StoreError::Mismatch(what.to_path_buf()));
         }
         self.place(tmp_name, size, hashed).map(drop)
     }
@@ -341,9 +333,11 @@ impl<'s> Ingest<'s> {
         self.place(self.temp_name(), size, Hashed(size, d, Some(data)))
     }
 
-    /// A name for a new temporary file, unique in the store.
+    /// A name for a new temporary file, unique in the store: imports
+    /// running at once in one process (a lazy mount's fetches) must not
+    /// pick the same one.
     fn temp_name(&self) -> String {
-        format!("obj-{}-{}", std::process::id(), self.counter.fetch_add(1, Relaxed))
+        crate::store::temp_name("obj-")
     }
 
     fn copy_error(&self, source: &Path, e: CopyError) -> StoreError {
@@ -380,7 +374,7 @@ impl<'s> Ingest<'s> {
         }
         self.stats.new_objects.fetch_add(1, Relaxed);
         self.stats.new_bytes.fetch_add(size, Relaxed);
-        self.pending.lock().unwrap().push((tmp_name, digest));
+        self.pending.lock().unwrap().push((tmp_name, digest, size));
         if self.pending_bytes.fetch_add(size, Relaxed) + size >= self.batch_bytes {
             self.pending_bytes.store(0, Relaxed);
             self.commit_batch()?;
@@ -431,8 +425,14 @@ impl<'s> Ingest<'s> {
             let dst = self.create_temp(tmp_name)?;
             if rfs::ioctl_ficlone(&dst, src).is_ok() {
                 // Hash the clone: our own copy, which nobody else changes.
-                let mut clone = std::fs::File::open(self.store.join(TMP_DIR).join(tmp_name))
-                    .map_err(|e| StoreError::io(f.path, "cannot reopen clone", e))?;
+                let mut clone = rfs::openat(
+                    &self.tmp,
+                    tmp_name,
+                    OFlags::RDONLY | OFlags::NOFOLLOW | OFlags::CLOEXEC,
+                    Mode::empty(),
+                )
+                .map(std::fs::File::from)
+                .map_err(|e| StoreError::io(f.path, "cannot reopen clone", e.into()))?;
                 let (n, d) = hash_copy(&mut clone, None).map_err(|e| self.copy_error(f.path, e))?;
                 return Ok(Hashed(n, d, None));
             }
@@ -498,17 +498,17 @@ impl<'s> Ingest<'s> {
 
     /// Makes every pending object durable and visible.
     fn commit_batch(&self) -> Result<(), StoreError> {
-        let batch = std::mem::take(&mut *self.pending.lock().unwrap());
+        let mut batch = std::mem::take(&mut *self.pending.lock().unwrap());
         if batch.is_empty() {
             return Ok(());
         }
         let store_path = self.store.path();
         if self.commit_each {
-            for (tmp_name, _) in &batch {
+            for (tmp_name, ..) in &batch {
                 rfs::openat(
                     &self.tmp,
                     tmp_name.as_str(),
-                    OFlags::RDONLY | OFlags::CLOEXEC,
+                    OFlags::RDONLY | OFlags::NOFOLLOW | OFlags::CLOEXEC,
                     Mode::empty(),
                 )
                 .and_then(|fd| rfs::fsync(&fd))
@@ -517,24 +517,50 @@ impl<'s> Ingest<'s> {
         } else {
             rfs::syncfs(&self.tmp).map_err(|e| StoreError::io(store_path, "cannot sync", e.into()))?;
         }
-        let dir = self.store.dir_fd();
-        let mut made = HashSet::new();
-        for (tmp_name, digest) in &batch {
-            let rel = Store::object_rel(digest);
-            let fanout = &rel[..2];
-            if made.insert(fanout.to_string()) {
-                match rfs::mkdirat(dir, fanout, Mode::from_raw_mode(0o755)) {
-                    Ok(()) | Err(rustix::io::Errno::EXIST) => {}
-                    Err(e) => return Err(StoreError::io(&self.store.join(fanout), "cannot create", e.into())),
-                }
+        // Each object renamed into its fan-out directory, opened without
+        // following a symlink: a store others may write must not lead our
+        // objects anywhere else. In digest order, each directory once.
+        batch.sort_unstable_by_key(|b| b.1);
+        let mut fanout: Option<(u8, OwnedFd)> = None;
+        for (tmp_name, digest, size) in &batch {
+            if fanout.as_ref().is_none_or(|(f, _)| *f != digest[0]) {
+                fanout = Some((digest[0], self.store.open_fanout(digest)?));
             }
-            rfs::renameat(&self.tmp, tmp_name.as_str(), dir, rel.as_str())
-                .map_err(|e| StoreError::io(&self.store.join(&rel), "cannot rename into place", e.into()))?;
+            let (_, fan) = fanout.as_ref().expect("opened above");
+            let rel = Store::object_rel(digest);
+            self.rename_into(tmp_name, fan, &rel[3..], *size)
+                .map_err(|e| StoreError::io(&self.store.join(&rel), "cannot rename into place", e))?;
         }
         if !self.commit_each {
-            rfs::syncfs(dir).map_err(|e| StoreError::io(store_path, "cannot sync", e.into()))?;
+            rfs::syncfs(self.store.dir_fd()).map_err(|e| StoreError::io(store_path, "cannot sync", e.into()))?;
         }
         Ok(())
+    }
+
+    /// Gives a temporary file its object name. An object stored meanwhile
+    /// by another import (a fetch of the same object) is kept and ours
+    /// dropped: it was checked as ours was, and readers may have it open.
+    /// Only one of another size (damaged) is replaced.
+    fn rename_into(&self, tmp_name: &str, fan: &OwnedFd, name: &str, size: u64) -> io::Result<()> {
+        match rfs::renameat_with(&self.tmp, tmp_name, fan, name, rfs::RenameFlags::NOREPLACE) {
+            Err(rustix::io::Errno::EXIST) => {
+                let st = rfs::statat(fan, name, AtFlags::SYMLINK_NOFOLLOW)?;
+                if rfs::FileType::from_raw_mode(st.st_mode).is_file() && st.st_size as u64 == size {
+                    let _ = rfs::unlinkat(&self.tmp, tmp_name, AtFlags::empty());
+                    return Ok(());
+                }
+            }
+            // A filesystem without RENAME_NOREPLACE.
+            Err(rustix::io::Errno::INVAL) => {}
+            r => return Ok(r?),
+        }
+        Ok(rfs::renameat(&self.tmp, tmp_name, fan, name)?)
+    }
+
+    /// Makes the objects imported so far durable and visible now (a fetch
+    /// does before it lets others that wait for them look).
+    pub fn commit(&self) -> Result<(), StoreError> {
+        self.commit_batch()
     }
 
     /// Commits what remains and saves the digest cache. Call before writing
@@ -563,7 +589,7 @@ impl tilefs_image::source::ContentSink for Ingest<'_> {
 impl Drop for Ingest<'_> {
     fn drop(&mut self) {
         // A failed or abandoned import leaves no temporary files behind.
-        for (tmp_name, _) in self.pending.get_mut().unwrap().drain(..) {
+        for (tmp_name, ..) in self.pending.get_mut().unwrap().drain(..) {
             let _ = rfs::unlinkat(&self.tmp, tmp_name.as_str(), AtFlags::empty());
         }
     }
@@ -811,7 +837,10 @@ impl DigestCache {
         }
     }
 
-    fn save(&self, path: &Path, tmp_dir: &OwnedFd) -> Result<(), StoreError> {
+    /// Saves the cache as the store's `.digest-cache`: written anew under
+    /// `.tmp` (never through whatever a store others may write has there)
+    /// and renamed into place.
+    fn save(&self, store: &Store, tmp_dir: &OwnedFd) -> Result<(), StoreError> {
         use sha2::Digest;
         if !self.dirty.load(Relaxed) || self.closed.load(Relaxed) {
             return Ok(());
@@ -825,30 +854,58 @@ impl DigestCache {
         }
         let sum = sha2::Sha256::digest(&out);
         out.extend_from_slice(&sum);
-        let tmp_name = format!("cache-{}", std::process::id());
+        let tmp_name = crate::store::temp_name("cache-");
         let write = || -> io::Result<()> {
             let fd = rfs::openat(
                 tmp_dir,
                 tmp_name.as_str(),
-                OFlags::WRONLY | OFlags::CREATE | OFlags::TRUNC | OFlags::CLOEXEC,
+                OFlags::WRONLY | OFlags::CREATE | OFlags::EXCL | OFlags::NOFOLLOW | OFlags::CLOEXEC,
                 Mode::from_raw_mode(0o644),
             )?;
             let mut f = std::fs::File::from(fd);
             f.write_all(&out)?;
             f.sync_all()?;
-            let parent = path.parent().unwrap_or(Path::new("."));
-            let name = path.file_name().unwrap_or_default();
-            let dir = rfs::open(
-                parent,
-                OFlags::RDONLY | OFlags::DIRECTORY | OFlags::CLOEXEC,
-                Mode::empty(),
-            )?;
-            rfs::renameat(tmp_dir, tmp_name.as_str(), &dir, name)?;
+            rfs::renameat(tmp_dir, tmp_name.as_str(), store.dir_fd(), DIGEST_CACHE)?;
             Ok(())
         };
         write().map_err(|e| {
             let _ = rfs::unlinkat(tmp_dir, tmp_name.as_str(), AtFlags::empty());
-            StoreError::io(path, "cannot save the digest cache", e)
+            StoreError::io(&store.join(DIGEST_CACHE), "cannot save the digest cache", e)
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::os::unix::fs::MetadataExt;
+
+    /// Imports running at once in one process (a lazy mount's fetches):
+    /// none takes another's temporary name, and an object another stored
+    /// first is kept and counts as stored.
+    #[test]
+    fn imports_at_once_share_the_store() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = Store::create(dir.path()).unwrap();
+        let (a, b) = (
+            Ingest::for_fetched(&store).unwrap(),
+            Ingest::for_fetched(&store).unwrap(),
+        );
+        let (x, y) = (vec![1u8; 5000], vec![2u8; 300_000]);
+        let (dx, dy) = (verity::digest_bytes(&x), verity::digest_bytes(&y));
+        let what = Path::new("object");
+        a.import_expected(what, 5000, &mut &x[..], &dx).unwrap();
+        b.import_expected(what, 300_000, &mut &y[..], &dy).unwrap();
+        b.import_expected(what, 5000, &mut &x[..], &dx).unwrap();
+        a.commit().unwrap();
+        let first = std::fs::metadata(store.object_path(&dx)).unwrap().ino();
+        b.finish().unwrap();
+        assert_eq!(std::fs::metadata(store.object_path(&dx)).unwrap().ino(), first);
+        assert_eq!(store.object_size(&dy), Some(300_000));
+        assert!(matches!(
+            a.import_expected(what, 5000, &mut &y[..5000], &dx),
+            Err(StoreError::Mismatch(_))
+        ));
+        assert_eq!(std::fs::read_dir(dir.path().join(TMP_DIR)).unwrap().count(), 0);
     }
 }

@@ -8,8 +8,10 @@
 //! - [`mounts`]: live mounts, gc roots while they live;
 //! - [`presence`]: which of many objects a store holds;
 //! - [`remote`]: images pulled lazily, whose objects come on demand;
+//! - [`fetch_lock`]: objects being fetched, one fetch each across processes;
 //! - [`gc`]: removing what no tagged image or live mount needs.
 
+pub mod fetch_lock;
 pub mod file_state;
 pub mod fsck;
 pub mod gc;
@@ -41,6 +43,11 @@ pub enum StoreError {
     Busy(PathBuf),
     #[error("{0}")]
     Invalid(String),
+    /// Bytes fetched for an object that are not it (they do not have its
+    /// fs-verity digest): nothing was stored, and asking again for the
+    /// same bytes is no use.
+    #[error("{}: does not match its fs-verity digest", .0.display())]
+    Mismatch(PathBuf),
     /// A source file that is not what it was when the tree was read.
     #[error("{}: {msg}", path.display())]
     Source { path: PathBuf, msg: &'static str },

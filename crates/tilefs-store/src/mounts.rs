@@ -23,8 +23,7 @@
 //! place under the store's shared lock, so gc (exclusive) sees either none
 //! or a whole one. They are not synced: no mount outlives a crash.
 
-use crate::store::TMP_DIR;
-use crate::tags::{open_existing_subdir, open_subdir, temp_name};
+use crate::store::{temp_name, TMP_DIR};
 use crate::{LockMode, Store, StoreError};
 use rustix::fd::OwnedFd;
 use rustix::fs::{self as rfs, AtFlags, FlockOperation, Mode, OFlags};
@@ -182,8 +181,8 @@ fn write_record(
 ) -> Result<(OwnedFd, OwnedFd), StoreError> {
     // Not while gc decides what is referenced.
     let _lock = store.lock(LockMode::Shared, true)?;
-    let dir = open_subdir(store, MOUNTS_DIR)?;
-    let tmp = open_subdir(store, TMP_DIR)?;
+    let dir = store.open_subdir(MOUNTS_DIR)?;
+    let tmp = store.open_subdir(TMP_DIR)?;
     let at = store.join(MOUNTS_DIR);
     let fd = rfs::openat(
         &tmp,
@@ -234,7 +233,7 @@ pub struct LiveMount {
 /// is gone are removed (call under the store's exclusive lock). A record
 /// that cannot be read is an error: what it protects is unknown.
 pub fn live_mounts(store: &Store, remove_stale: bool) -> Result<Vec<LiveMount>, StoreError> {
-    let dir = match open_existing_subdir(store, MOUNTS_DIR) {
+    let dir = match store.open_existing_subdir(MOUNTS_DIR) {
         Ok(fd) => fd,
         Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(Vec::new()),
         Err(e) => return Err(StoreError::io(&store.join(MOUNTS_DIR), "cannot open directory", e)),

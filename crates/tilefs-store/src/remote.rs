@@ -60,7 +60,11 @@ pub fn records(store: &Store) -> HashSet<[u8; 32]> {
 /// image is gone).
 pub fn forget(store: &Store, image: &[u8; 32]) -> Result<(), StoreError> {
     let path = record_path(store, image);
-    match std::fs::remove_file(&path) {
+    // Through the real directory, never one a symlink points to.
+    let removed = store.open_existing_subdir(REMOTE_DIR).and_then(|dir| {
+        rustix::fs::unlinkat(&dir, hex::encode(image), rustix::fs::AtFlags::empty()).map_err(Into::into)
+    });
+    match removed {
         Ok(()) => Ok(()),
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
         Err(e) => Err(StoreError::io(&path, "cannot remove", e)),

@@ -6,6 +6,7 @@
 //! - `.tmp/`: objects and images being written (leftovers of an interrupted
 //!   import live here until `gc`);
 //! - `.lock`: builds hold it shared, `gc` exclusive;
+//! - `.fetch-lock`: fetches lock ranges of it for the objects they bring;
 //! - `.quarantine/`: objects `fsck --repair` moved aside;
 //! - `.digest-cache`: digests of source files already imported;
 //! - `.mounts/`: images of live mounts (gc roots while they live);
@@ -171,6 +172,39 @@ impl Store {
             .filter(|st| rfs::FileType::from_raw_mode(st.st_mode) == rfs::FileType::RegularFile)
     }
 
+    /// Creates (if needed) a store subdirectory and opens it, refusing
+    /// anything but a real directory (never a symlink: in a store others may
+    /// write, one would lead our writes out of the store).
+    pub fn open_subdir(&self, name: &str) -> Result<OwnedFd, StoreError> {
+        let path = self.subdir(name)?;
+        self.open_existing_subdir(name)
+            .map_err(|e| StoreError::io(&path, "cannot open directory", e))
+    }
+
+    /// Opens an existing store subdirectory without following a symlink.
+    pub fn open_existing_subdir(&self, name: &str) -> std::io::Result<OwnedFd> {
+        rfs::openat(
+            &self.dir,
+            name,
+            OFlags::RDONLY | OFlags::DIRECTORY | OFlags::NOFOLLOW | OFlags::CLOEXEC,
+            Mode::empty(),
+        )
+        .map_err(|e| {
+            if e == rustix::io::Errno::LOOP || e == rustix::io::Errno::NOTDIR {
+                std::io::Error::other("not a directory (a symlink or file where the store keeps a directory)")
+            } else {
+                e.into()
+            }
+        })
+    }
+
+    /// Opens (creating it if needed) the fan-out directory `XX` of an object
+    /// about to be stored; a symlink or file in its place is refused, never
+    /// written through.
+    pub fn open_fanout(&self, digest: &[u8; 32]) -> Result<OwnedFd, StoreError> {
+        self.open_subdir(&format!("{:02x}", digest[0]))
+    }
+
     /// Creates (if needed) and returns a store subdirectory.
     pub fn subdir(&self, name: &str) -> Result<PathBuf, StoreError> {
         match rfs::mkdirat(&self.dir, name, Mode::from_raw_mode(0o755)) {
@@ -190,7 +224,7 @@ impl Store {
         let fd = rfs::openat(
             &self.dir,
             LOCK_FILE,
-            OFlags::RDWR | OFlags::CREATE | OFlags::CLOEXEC,
+            OFlags::RDWR | OFlags::CREATE | OFlags::NOFOLLOW | OFlags::CLOEXEC,
             Mode::from_raw_mode(0o644),
         )
         .map_err(|e| StoreError::io(&path, "cannot open lock file", e.into()))?;
@@ -223,6 +257,7 @@ impl Store {
                 || name == TMP_DIR
                 || name == QUARANTINE_DIR
                 || name == LOCK_FILE
+                || name == crate::fetch_lock::FETCH_LOCK
                 || name == DIGEST_CACHE
                 || name == NO_VERITY_NOTED
                 || name == LAYER_CACHE
@@ -345,6 +380,18 @@ mod tests {
         drop(_b);
         let _c = s.lock(LockMode::Exclusive, false).unwrap();
     }
+}
+
+/// A name for a temporary file, unique in this process and (with the pid
+/// and the time) across processes, even one whose pid a crashed one had.
+pub fn temp_name(prefix: &str) -> String {
+    static COUNTER: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+    let n = COUNTER.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.subsec_nanos())
+        .unwrap_or(0);
+    format!("{prefix}{}-{nanos:09}-{n}", std::process::id())
 }
 
 /// Opens `path` (relative to `dir`) for reading, without blocking whatever

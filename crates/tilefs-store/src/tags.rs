@@ -7,13 +7,12 @@
 //! Nothing here follows a symlink inside the store: `images/` and `.tmp/`
 //! must be real directories, and only regular files in `images/` are tags.
 
-use crate::store::{IMAGES_DIR, TMP_DIR};
+use crate::store::{temp_name, IMAGES_DIR, TMP_DIR};
 use crate::{Store, StoreError};
 use rustix::fs::{self as rfs, AtFlags, Mode, OFlags};
 use std::io::{self, Write};
 use std::os::unix::ffi::OsStrExt;
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicU64, Ordering};
 
 /// One tagged image.
 #[derive(Debug, Clone, serde::Serialize)]
@@ -52,42 +51,6 @@ pub fn tag_path(store: &Store, name: &str) -> PathBuf {
     store.join(IMAGES_DIR).join(name)
 }
 
-/// Creates (if needed) a store subdirectory and opens it, refusing anything
-/// but a real directory (never a symlink).
-pub(crate) fn open_subdir(store: &Store, name: &str) -> Result<rustix::fd::OwnedFd, StoreError> {
-    let path = store.subdir(name)?;
-    open_existing_subdir(store, name).map_err(|e| StoreError::io(&path, "cannot open directory", e))
-}
-
-/// Opens an existing store subdirectory without following a symlink.
-pub(crate) fn open_existing_subdir(store: &Store, name: &str) -> io::Result<rustix::fd::OwnedFd> {
-    rfs::openat(
-        store.dir_fd(),
-        name,
-        OFlags::RDONLY | OFlags::DIRECTORY | OFlags::NOFOLLOW | OFlags::CLOEXEC,
-        Mode::empty(),
-    )
-    .map_err(|e| {
-        if e == rustix::io::Errno::LOOP || e == rustix::io::Errno::NOTDIR {
-            io::Error::other("not a directory (a symlink or file where the store keeps a directory)")
-        } else {
-            e.into()
-        }
-    })
-}
-
-/// A name for a temporary file, unique in this process and (with the pid)
-/// across processes.
-pub(crate) fn temp_name(prefix: &str) -> String {
-    static COUNTER: AtomicU64 = AtomicU64::new(0);
-    let n = COUNTER.fetch_add(1, Ordering::Relaxed);
-    let nanos = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map(|d| d.subsec_nanos())
-        .unwrap_or(0);
-    format!("{prefix}{}-{nanos:09}-{n}", std::process::id())
-}
-
 /// Records `image` under `name`, atomically (replacing an older image).
 ///
 /// Takes no lock: a build calls this while it still holds the store lock
@@ -96,8 +59,8 @@ pub(crate) fn temp_name(prefix: &str) -> String {
 pub fn write_tag(store: &Store, name: &str, image: &[u8]) -> Result<PathBuf, StoreError> {
     validate_tag(name)?;
     let final_path = tag_path(store, name);
-    let images = open_subdir(store, IMAGES_DIR)?;
-    let tmp = open_subdir(store, TMP_DIR)?;
+    let images = store.open_subdir(IMAGES_DIR)?;
+    let tmp = store.open_subdir(TMP_DIR)?;
     let tmp_dir_path = store.join(TMP_DIR);
 
     // O_EXCL with a fresh name; a clash (a pid reused after a crash) just
@@ -158,7 +121,7 @@ pub(crate) struct ImagesScan {
 pub(crate) fn scan_images(store: &Store) -> Result<ImagesScan, StoreError> {
     let dir_path = store.join(IMAGES_DIR);
     let mut scan = ImagesScan::default();
-    let fd = match open_existing_subdir(store, IMAGES_DIR) {
+    let fd = match store.open_existing_subdir(IMAGES_DIR) {
         Ok(fd) => fd,
         Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(scan),
         Err(_)
@@ -224,7 +187,7 @@ pub fn read_tag(store: &Store, name: &str) -> Result<Vec<u8>, StoreError> {
 pub(crate) fn read_tag_if_present(store: &Store, name: &str) -> Result<Option<Vec<u8>>, StoreError> {
     validate_tag(name)?;
     let path = tag_path(store, name);
-    let dir = match open_existing_subdir(store, IMAGES_DIR) {
+    let dir = match store.open_existing_subdir(IMAGES_DIR) {
         Ok(fd) => fd,
         Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(None),
         Err(e) => return Err(StoreError::io(&store.join(IMAGES_DIR), "cannot open directory", e)),
@@ -277,7 +240,7 @@ pub fn remove_tag(store: &Store, name: &str) -> Result<(), StoreError> {
     validate_tag(name)?;
     let _lock = store.lock(crate::LockMode::Shared, true)?;
     let dir_path = store.join(IMAGES_DIR);
-    let dir = open_existing_subdir(store, IMAGES_DIR).map_err(|e| {
+    let dir = store.open_existing_subdir(IMAGES_DIR).map_err(|e| {
         if e.kind() == io::ErrorKind::NotFound {
             no_such_tag(store, name)
         } else {

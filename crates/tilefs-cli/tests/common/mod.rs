@@ -4,6 +4,7 @@
 
 #![allow(dead_code)]
 
+pub mod oci;
 pub mod registry;
 
 use std::collections::{BTreeMap, BTreeSet};
