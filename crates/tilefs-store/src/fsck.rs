@@ -11,6 +11,7 @@ use crate::store::{ObjectScan, QUARANTINE_DIR, TMP_DIR};
 use crate::tags::{self, TagInfo};
 use crate::{parse_object_rel, LockMode, Store, StoreError};
 use rayon::prelude::*;
+use rustix::fd::OwnedFd;
 use rustix::fs::{self as rfs, Mode, OFlags};
 use std::collections::{BTreeMap, BTreeSet, HashSet};
 use std::io;
@@ -175,13 +176,20 @@ pub fn fsck(store: &Store, opts: &FsckOptions, progress: &(dyn Fn(u64, u64) + Sy
     report.strays = strays;
 
     if opts.repair && (!report.corrupt.is_empty() || !report.strays.is_empty()) {
-        let qdir = store.subdir(QUARANTINE_DIR)?;
-        if !std::fs::symlink_metadata(&qdir).is_ok_and(|m| m.file_type().is_dir()) {
-            return Err(StoreError::Invalid(format!(
-                "{}: not a directory (a symlink or file): cannot repair; remove it and run fsck --repair again",
-                qdir.display()
-            )));
-        }
+        // By descriptor, never following a symlink: in a store others can
+        // write, a symlink swapped in could otherwise make root move files
+        // into, or out of, places outside the store.
+        let qdir = store.open_subdir(QUARANTINE_DIR).map_err(|e| match e {
+            StoreError::Io { path, err, .. }
+                if err.raw_os_error() == Some(libc::ENOTDIR) || err.raw_os_error() == Some(libc::ELOOP) =>
+            {
+                StoreError::Invalid(format!(
+                    "{}: not a directory (a symlink or file): cannot repair; remove it and run fsck --repair again",
+                    path.display()
+                ))
+            }
+            e => e,
+        })?;
         for path in report.corrupt.iter().chain(&report.strays) {
             quarantine(store, &qdir, path)?;
             report.repaired.push(path.clone());
@@ -195,9 +203,7 @@ pub fn fsck(store: &Store, opts: &FsckOptions, progress: &(dyn Fn(u64, u64) + Sy
             }
         }
         // The quarantine moves are metadata: make them durable.
-        if let Ok(f) = std::fs::File::open(&qdir) {
-            let _ = f.sync_all();
-        }
+        let _ = rfs::fsync(&qdir);
     }
 
     // References, after any repair: the report says what is true now.
@@ -374,27 +380,50 @@ fn check_image(store: &Store, tag: &TagInfo, lazy_images: &std::collections::Has
     }
 }
 
-/// Moves `path` into the quarantine directory under a name made from its
-/// store-relative path, never replacing anything there.
-fn quarantine(store: &Store, qdir: &Path, path: &Path) -> Result<PathBuf, StoreError> {
+/// Moves `path` into the quarantine directory `qdir` under a name made from
+/// its store-relative path, never replacing anything there. The path is
+/// reached from the store's own descriptor without following a symlink.
+fn quarantine(store: &Store, qdir: &OwnedFd, path: &Path) -> Result<PathBuf, StoreError> {
     let rel = path.strip_prefix(store.path()).unwrap_or(path);
+    let (parent, name) = match (rel.parent(), rel.file_name()) {
+        (Some(p), Some(n)) => (p, n),
+        _ => return Err(StoreError::Invalid(format!("{}: not in the store", path.display()))),
+    };
+    let from = if parent.as_os_str().is_empty() {
+        rfs::openat(
+            store.dir_fd(),
+            ".",
+            OFlags::PATH | OFlags::DIRECTORY | OFlags::CLOEXEC,
+            Mode::empty(),
+        )
+    } else {
+        rfs::openat2(
+            store.dir_fd(),
+            parent,
+            OFlags::PATH | OFlags::DIRECTORY | OFlags::CLOEXEC,
+            Mode::empty(),
+            rfs::ResolveFlags::BENEATH | rfs::ResolveFlags::NO_SYMLINKS | rfs::ResolveFlags::NO_MAGICLINKS,
+        )
+    }
+    .map_err(|e| StoreError::io(path, "cannot move to quarantine", e.into()))?;
     let base: String = rel.to_string_lossy().replace('/', "_");
     let base = base.trim_start_matches('_').to_string();
+    let qpath = store.join(QUARANTINE_DIR);
     for n in 0u32.. {
-        let name = if n == 0 { base.clone() } else { format!("{base}.{n}") };
-        let dest = qdir.join(&name);
+        let dest = if n == 0 { base.clone() } else { format!("{base}.{n}") };
         // renameat2(RENAME_NOREPLACE) where the filesystem has it; else a
         // check first (the store lock keeps other tilefs processes out of
         // the quarantine, which only fsck --repair writes).
-        match rfs::renameat_with(rfs::CWD, path, rfs::CWD, &dest, rfs::RenameFlags::NOREPLACE) {
-            Ok(()) => return Ok(dest),
+        match rfs::renameat_with(&from, name, qdir, &dest, rfs::RenameFlags::NOREPLACE) {
+            Ok(()) => return Ok(qpath.join(dest)),
             Err(rustix::io::Errno::EXIST) => continue,
             Err(rustix::io::Errno::INVAL | rustix::io::Errno::NOSYS) => {
-                if std::fs::symlink_metadata(&dest).is_ok() {
+                if rfs::statat(qdir, &dest, rfs::AtFlags::SYMLINK_NOFOLLOW).is_ok() {
                     continue;
                 }
-                std::fs::rename(path, &dest).map_err(|e| StoreError::io(path, "cannot move to quarantine", e))?;
-                return Ok(dest);
+                rfs::renameat(&from, name, qdir, &dest)
+                    .map_err(|e| StoreError::io(path, "cannot move to quarantine", e.into()))?;
+                return Ok(qpath.join(dest));
             }
             Err(e) => return Err(StoreError::io(path, "cannot move to quarantine", e.into())),
         }
