@@ -4,8 +4,10 @@ mod build;
 mod commit_cmd;
 mod digest;
 mod docs;
+mod fuse_serve;
 mod inspect;
 mod mount_cmd;
+mod mount_helper;
 mod mountd_cmd;
 mod output;
 mod progress;
@@ -97,6 +99,15 @@ fn one_line(msg: &str) -> String {
 }
 
 fn main() -> ExitCode {
+    // mount(8) runs us as mount.tilefs (a link to this binary).
+    let name = std::env::args_os().next().map(std::path::PathBuf::from);
+    if name
+        .as_deref()
+        .and_then(|n| n.file_name())
+        .is_some_and(|n| n == "mount.tilefs")
+    {
+        return mount_helper::main();
+    }
     let cli = Cli::parse();
     let result = match cli.command {
         Command::Build(a) => build::run(a),

@@ -27,10 +27,6 @@ fn serial() -> std::sync::MutexGuard<'static, ()> {
     LOCK.lock().unwrap_or_else(|e| e.into_inner())
 }
 
-fn mount_tilefs_bin() -> PathBuf {
-    tilefs_bin().with_file_name("mount-tilefs")
-}
-
 /// Whatever is mounted at the path is taken down when dropped, even when a
 /// test panics.
 struct Unmount(PathBuf);
@@ -201,7 +197,7 @@ fn mount_options_hold_on_every_path() {
 
     // mount.tilefs: `verity` (required) cannot be had from this kernel's
     // mount, so it falls back to FUSE, says so, and keeps every option.
-    let out = Command::new(mount_tilefs_bin())
+    let out = Command::new(mount_helper_bin())
         .arg(&image)
         .arg(&mnt)
         .arg("-o")

@@ -66,10 +66,6 @@ fn assets_dir() -> Option<PathBuf> {
     }
 }
 
-fn mount_helper_bin() -> PathBuf {
-    PathBuf::from(env!("CARGO_BIN_EXE_mount-tilefs"))
-}
-
 /// A tilefs kernel mount, unmounted when dropped (even when a test panics).
 struct Mounted(PathBuf);
 
@@ -552,7 +548,8 @@ impl InstalledHelper {
             None
         };
         let guard = InstalledHelper { path, saved };
-        fs::copy(mount_helper_bin(), &guard.path).map_err(|e| format!("/sbin is not writable: {e}"))?;
+        // The tilefs binary itself: called by that name, it is the helper.
+        fs::copy(tilefs_bin(), &guard.path).map_err(|e| format!("/sbin is not writable: {e}"))?;
         Ok(guard)
     }
 }

@@ -12,6 +12,11 @@
 //! (default 400); `TILEFS_WRITABLE_SEEDS` (`A-B` or `A,B,...`) replaces
 //! each test's fixed seeds, for soaking with many more sequences.
 
+// The operations are applied with raw system calls (each one's errno is
+// compared across the three trees) and files are changed through shared
+// mappings, as a program in the mount would.
+#![allow(unsafe_code)]
+
 mod common;
 
 use common::*;

@@ -12,7 +12,7 @@
 
 use crate::upper::{Dir, BENEATH};
 use crate::CommitError;
-use rustix::fd::{AsRawFd, OwnedFd};
+use rustix::fd::{AsFd, OwnedFd};
 use rustix::fs::{AtFlags, FlockOperation, Mode, OFlags, StatxAttributes, StatxFlags};
 use rustix::io::Errno;
 use std::path::{Path, PathBuf};
@@ -151,7 +151,10 @@ fn kernel(store: &Store, mnt: &Path, root: OwnedFd, entry: &MountEntry) -> Resul
     let upper = Dir::open_root(Path::new(upper))?;
     // The overlay's uuid is kept on its upper directory: the directory
     // mountinfo names must be the one the overlay writes to.
-    if let (Some(mine), Some(kept)) = (fs_uuid(&root), upper.own_xattr(b"trusted.overlay.uuid")?) {
+    if let (Some(mine), Some(kept)) = (
+        tilefs_sys::fs::fs_uuid(root.as_fd()),
+        upper.own_xattr(b"trusted.overlay.uuid")?,
+    ) {
         if kept != mine {
             return Err(err(
                 mnt,
@@ -170,17 +173,6 @@ fn kernel(store: &Store, mnt: &Path, root: OwnedFd, entry: &MountEntry) -> Resul
         xattrs,
         rootless: false,
     })
-}
-
-/// The filesystem's uuid (FS_IOC_GETFSUUID), if it has one.
-fn fs_uuid(root: &OwnedFd) -> Option<Vec<u8>> {
-    // struct fsuuid2 { __u8 len; __u8 uuid[16]; }
-    const FS_IOC_GETFSUUID: libc::c_ulong = 0x8011_1500;
-    let mut buf = [0u8; 17];
-    // SAFETY: the ioctl writes at most the 17 bytes of `buf`.
-    let r = unsafe { libc::ioctl(root.as_raw_fd(), FS_IOC_GETFSUUID as _, buf.as_mut_ptr()) };
-    let len = usize::from(buf[0]);
-    (r == 0 && (1..=16).contains(&len) && buf[1..=len].iter().any(|&b| b != 0)).then(|| buf[1..=len].to_vec())
 }
 
 fn fuse(store: &Store, mnt: &Path, root: OwnedFd, entry: &MountEntry) -> Result<Writable, CommitError> {

@@ -360,12 +360,6 @@ wire! {
         pub padding: u32,
     }
 
-    pub struct BackingMap {
-        pub fd: i32,
-        pub flags: u32,
-        pub padding: u64,
-    }
-
     /// Part of [`UringReqHeader`]: what the kernel says of the request in
     /// a ring entry, and where the reply says how much payload it has.
     pub struct UringEntInOut {
@@ -543,19 +537,6 @@ pub const FSYNC_FDATASYNC: u32 = 1 << 0;
 pub const OPEN_KILL_SUIDGID: u32 = 1 << 0;
 pub const SETXATTR_ACL_KILL_SGID: u32 = 1 << 0;
 
-/// Device ioctls (`_IOR`/`_IOW` with magic 229).
-pub mod ioctl {
-    const MAGIC: u32 = 229;
-    const fn ioc(dir: u32, nr: u32, size: usize) -> u32 {
-        (dir << 30) | ((size as u32) << 16) | (MAGIC << 8) | nr
-    }
-    const WRITE: u32 = 1;
-    const READ: u32 = 2;
-    pub const DEV_IOC_CLONE: u32 = ioc(READ, 0, 4);
-    pub const DEV_IOC_BACKING_OPEN: u32 = ioc(WRITE, 1, core::mem::size_of::<super::BackingMap>());
-    pub const DEV_IOC_BACKING_CLOSE: u32 = ioc(WRITE, 2, 4);
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -597,17 +578,8 @@ mod tests {
         assert_eq!(size_of::<NotifyInvalInodeOut>(), 24);
         assert_eq!(size_of::<NotifyInvalEntryOut>(), 16);
         assert_eq!(size_of::<NotifyDeleteOut>(), 24);
-        assert_eq!(size_of::<BackingMap>(), 16);
         assert_eq!(size_of::<UringEntInOut>(), 32);
         assert_eq!(size_of::<UringReqHeader>(), 288);
         assert_eq!(size_of::<UringCmdReq>(), 24);
-    }
-
-    /// The ioctl numbers libfuse and the kernel use.
-    #[test]
-    fn ioctl_numbers() {
-        assert_eq!(ioctl::DEV_IOC_CLONE, 0x8004_e500);
-        assert_eq!(ioctl::DEV_IOC_BACKING_OPEN, 0x4010_e501);
-        assert_eq!(ioctl::DEV_IOC_BACKING_CLOSE, 0x4004_e502);
     }
 }

@@ -9,7 +9,7 @@ use rustix::io::Errno;
 use rustix::pipe::{fcntl_getpipe_size, fcntl_setpipe_size, pipe_with, splice, PipeFlags, SpliceFlags};
 use std::cell::RefCell;
 use std::io::{self, IoSlice};
-use std::os::fd::{AsFd, AsRawFd, BorrowedFd, OwnedFd};
+use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
 use std::sync::atomic::{AtomicBool, Ordering};
 use zerocopy::IntoBytes;
 
@@ -23,11 +23,8 @@ pub(crate) fn clone_fd(fd: BorrowedFd<'_>) -> Option<OwnedFd> {
         rustix::fs::Mode::empty(),
     )
     .ok()?;
-    let mut master = fd.as_raw_fd() as u32;
-    // SAFETY: FUSE_DEV_IOC_CLONE reads one u32 (the descriptor to clone)
-    // from the pointer, which is valid for the call.
-    let r = unsafe { libc::ioctl(new.as_raw_fd(), abi::ioctl::DEV_IOC_CLONE as _, &mut master) };
-    (r == 0).then_some(new)
+    tilefs_sys::fuse_dev::clone_device(new.as_fd(), fd).ok()?;
+    Some(new)
 }
 
 /// Reads one request into `buf`; returns its length. `Ok(None)` when the

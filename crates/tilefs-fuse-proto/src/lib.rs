@@ -6,7 +6,9 @@
 //!
 //! It knows nothing of tilefs: a [`Filesystem`] answers requests. Mounting
 //! (mount(2) or fusermount3) is the caller's job; a session starts from
-//! the connection's /dev/fuse descriptor.
+//! the connection's /dev/fuse descriptor. Other transports (virtqueues)
+//! use the same pieces: [`negotiate`] answers INIT, a [`Handler`] answers
+//! each request given its bytes and a [`Sink`] for the reply.
 
 pub mod abi;
 mod dev;
@@ -14,12 +16,18 @@ mod poll;
 mod reply;
 pub mod request;
 mod session;
+// io_uring entries point at buffers the kernel uses after submission:
+// pushing them is unsafe by the io-uring crate's contract.
+#[allow(unsafe_code)]
 mod uring;
 
 pub use poll::{worth_it as idle_poll_worth_it, WINDOW as IDLE_POLL_WINDOW};
 pub use reply::{DirBuf, Entry, Open, Reply, Sink, Ttl};
 pub use request::{Layout, Malformed, Op, Request};
-pub use session::{BackingId, Connection, Filesystem, InitConfig, KernelInit, ServeConfig, Session, Transport};
+pub use session::{
+    negotiate, Agreed, BackingId, Connection, Filesystem, Handler, Init, InitConfig, KernelInit, ServeConfig, Session,
+    Transport,
+};
 
 /// Whether this kernel lets FUSE servers use io_uring now: the fuse
 /// module's `enable_uring` parameter (root may change it).

@@ -7,7 +7,7 @@ use crate::dev::{self, DevSink};
 use crate::reply::{Reply, Sink};
 use crate::request::{self, Layout, Op, Request};
 use std::io;
-use std::os::fd::{AsFd, AsRawFd, BorrowedFd, OwnedFd};
+use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{mpsc, Arc, Mutex};
 use std::time::Duration;
@@ -107,9 +107,11 @@ impl Default for ServeConfig {
 }
 
 /// The connection, as the filesystem sees it: passthrough backing files
-/// and notifications to the kernel.
+/// and notifications to the kernel. A transport other than /dev/fuse (a
+/// virtqueue) has neither: backing files are refused and notifications
+/// dropped there.
 pub struct Connection {
-    fd: Arc<OwnedFd>,
+    fd: Option<Arc<OwnedFd>>,
     notify: Mutex<Option<mpsc::Sender<Notice>>>,
     log: Arc<dyn Fn(&str) + Send + Sync>,
 }
@@ -135,40 +137,48 @@ impl BackingId {
 
 impl Drop for BackingId {
     fn drop(&mut self) {
-        let id = self.id as u32;
-        // SAFETY: FUSE_DEV_IOC_BACKING_CLOSE reads one u32 from the pointer.
-        unsafe { libc::ioctl(self.fd.as_raw_fd(), abi::ioctl::DEV_IOC_BACKING_CLOSE as _, &id) };
+        tilefs_sys::fuse_dev::backing_close(self.fd.as_fd(), self.id);
     }
 }
 
 impl Connection {
-    /// Registers `file` as a backing file (needs CAP_SYS_ADMIN and
-    /// FUSE_PASSTHROUGH).
-    pub fn open_backing(&self, file: BorrowedFd<'_>) -> io::Result<BackingId> {
-        let map = abi::BackingMap {
-            fd: file.as_raw_fd(),
-            flags: 0,
-            padding: 0,
-        };
-        // SAFETY: FUSE_DEV_IOC_BACKING_OPEN reads a fuse_backing_map from
-        // the pointer, valid for the call.
-        let r = unsafe { libc::ioctl(self.fd.as_raw_fd(), abi::ioctl::DEV_IOC_BACKING_OPEN as _, &map) };
-        if r < 0 {
-            return Err(io::Error::last_os_error());
-        }
-        Ok(BackingId {
-            id: r,
-            fd: self.fd.clone(),
+    /// The connection of a /dev/fuse descriptor.
+    pub fn of_device(fd: Arc<OwnedFd>, log: Arc<dyn Fn(&str) + Send + Sync>) -> Arc<Connection> {
+        Arc::new(Connection {
+            fd: Some(fd),
+            notify: Mutex::new(None),
+            log,
         })
     }
 
+    /// A connection without a /dev/fuse descriptor (requests carried some
+    /// other way): no passthrough, no notifications.
+    pub fn without_device(log: Arc<dyn Fn(&str) + Send + Sync>) -> Arc<Connection> {
+        Arc::new(Connection {
+            fd: None,
+            notify: Mutex::new(None),
+            log,
+        })
+    }
+
+    /// Registers `file` as a backing file (needs CAP_SYS_ADMIN and
+    /// FUSE_PASSTHROUGH).
+    pub fn open_backing(&self, file: BorrowedFd<'_>) -> io::Result<BackingId> {
+        let Some(dev) = &self.fd else {
+            return Err(io::Error::from(io::ErrorKind::Unsupported));
+        };
+        let r = tilefs_sys::fuse_dev::backing_open(dev.as_fd(), file)?;
+        Ok(BackingId { id: r, fd: dev.clone() })
+    }
+
     fn queue(&self, n: Notice) {
+        let Some(dev) = &self.fd else { return };
         let mut guard = self.notify.lock().unwrap();
         if guard.is_none() {
             // Notifications are written by a thread of their own: the
             // kernel may need locks that a request being answered holds.
             let (tx, rx) = mpsc::channel::<Notice>();
-            let fd = self.fd.clone();
+            let fd = dev.clone();
             let log = self.log.clone();
             let spawned = std::thread::Builder::new().name("fuse-notify".into()).spawn(move || {
                 for n in rx {
@@ -240,12 +250,9 @@ fn send_notice(fd: BorrowedFd<'_>, n: &Notice) -> io::Result<()> {
 /// An initialized connection, ready to serve.
 pub struct Session<F: Filesystem> {
     fs: Arc<F>,
+    dev: Arc<OwnedFd>,
     conn: Arc<Connection>,
-    layout: Layout,
-    /// The kernel agreed to FUSE over io_uring.
-    uring: bool,
-    /// Largest request payload (written data): sizes the buffers.
-    max_write: usize,
+    agreed: Agreed,
     pub(crate) log: Arc<dyn Fn(&str) + Send + Sync>,
 }
 
@@ -253,21 +260,154 @@ pub struct Session<F: Filesystem> {
 /// FUSE_CACHE_SYMLINKS and the modern structure sizes.
 const MIN_MINOR: u32 = 31;
 
+/// What the INIT exchange settled, whatever carried it.
+#[derive(Debug, Clone, Copy)]
+pub struct Agreed {
+    pub layout: Layout,
+    /// The kernel agreed to FUSE over io_uring.
+    pub uring: bool,
+    /// Largest request payload (written data): sizes the buffers.
+    pub max_write: usize,
+}
+
+/// The answer to one INIT request.
+#[derive(Debug)]
+pub enum Init {
+    /// Reply `out`; requests follow as agreed.
+    Agreed { out: Vec<u8>, agreed: Agreed },
+    /// Reply `out` (our major version): the kernel asks again.
+    AskAgain { out: Vec<u8> },
+    /// Refuse it with this errno: the kernel is too old.
+    Refused { errno: i32, why: String },
+}
+
+/// Answers an INIT request whose body (after the header) is `body`: `fs`
+/// chooses the settings from what the kernel offers, `uring` says whether
+/// to ask for FUSE over io_uring. The same for every transport.
+pub fn negotiate<F: Filesystem>(fs: &F, conn: &Arc<Connection>, body: &[u8], uring: bool) -> Init {
+    let mut init = abi::InitIn::default();
+    let take = body.len().min(core::mem::size_of::<abi::InitIn>());
+    init.as_mut_bytes()[..take].copy_from_slice(&body[..take]);
+    if init.major > abi::KERNEL_VERSION {
+        let out = abi::InitOut {
+            major: abi::KERNEL_VERSION,
+            minor: abi::KERNEL_MINOR_VERSION,
+            ..Default::default()
+        };
+        return Init::AskAgain {
+            out: out.as_bytes()[..8].to_vec(),
+        };
+    }
+    if init.major < abi::KERNEL_VERSION || init.minor < MIN_MINOR {
+        return Init::Refused {
+            errno: libc::EPROTO,
+            why: format!(
+                "the kernel speaks FUSE {}.{}; at least 7.{MIN_MINOR} is needed",
+                init.major, init.minor
+            ),
+        };
+    }
+    let mut flags = u64::from(init.flags);
+    if flags & abi::init::INIT_EXT != 0 {
+        flags |= u64::from(init.flags2) << 32;
+    }
+    let kernel = KernelInit {
+        minor: init.minor,
+        flags,
+        max_readahead: init.max_readahead,
+    };
+    let mut cfg = fs.init(&kernel, conn);
+    if uring {
+        cfg.want |= abi::init::OVER_IO_URING;
+    }
+    // Extended flags need INIT_EXT; SETXATTR_EXT is always taken (its
+    // layout is known).
+    cfg.want |= abi::init::INIT_EXT | abi::init::SETXATTR_EXT;
+    let want = cfg.want & flags;
+    let max_pages = cfg.max_write.div_ceil(4096).clamp(1, 256) as u16;
+    let out = abi::InitOut {
+        major: abi::KERNEL_VERSION,
+        minor: init.minor.min(abi::KERNEL_MINOR_VERSION),
+        max_readahead: cfg.max_readahead.min(init.max_readahead),
+        flags: want as u32,
+        max_background: cfg.max_background,
+        congestion_threshold: cfg.congestion_threshold,
+        max_write: cfg.max_write,
+        time_gran: cfg.time_gran,
+        max_pages,
+        map_alignment: 0,
+        flags2: (want >> 32) as u32,
+        max_stack_depth: cfg.max_stack_depth,
+        request_timeout: 0,
+        unused: [0; 11],
+    };
+    Init::Agreed {
+        out: out.as_bytes().to_vec(),
+        agreed: Agreed {
+            layout: Layout {
+                setxattr_ext: want & abi::init::SETXATTR_EXT != 0,
+            },
+            uring: want & abi::init::OVER_IO_URING != 0,
+            max_write: (cfg.max_write as usize).max(usize::from(max_pages) * 4096),
+        },
+    }
+}
+
+/// Answers requests of a negotiated connection, one message at a time,
+/// whatever carries them: /dev/fuse, io_uring or a virtqueue.
+pub struct Handler<F: Filesystem> {
+    fs: Arc<F>,
+    layout: Layout,
+}
+
+impl<F: Filesystem> Handler<F> {
+    pub fn new(fs: Arc<F>, agreed: &Agreed) -> Handler<F> {
+        Handler {
+            fs,
+            layout: agreed.layout,
+        }
+    }
+
+    /// Answers the request `msg` (header and body, as the kernel sent it)
+    /// into `sink`. Returns false for a request that takes no reply (and
+    /// for a malformed message, which is dropped).
+    pub fn handle(&self, msg: &[u8], sink: &mut dyn Sink) -> bool {
+        let Some((h, body)) = split_header(msg) else {
+            return false;
+        };
+        let split = request::op_header_size(h.opcode, self.layout).min(body.len());
+        let (head, rest) = body.split_at(split);
+        self.handle_parts(&h, head, rest, sink)
+    }
+
+    /// [`Handler::handle`] for a transport that carries a request in
+    /// parts: its header, the opcode's fixed structure (`head`, of
+    /// [`Handler::head_size`] bytes) and what follows it (`rest`).
+    pub fn handle_parts(&self, h: &abi::InHeader, head: &[u8], rest: &[u8], sink: &mut dyn Sink) -> bool {
+        dispatch(&*self.fs, self.layout, h, head, rest, sink)
+    }
+
+    /// The size of `opcode`'s fixed structure on this connection.
+    pub fn head_size(&self, opcode: u32) -> usize {
+        request::op_header_size(opcode, self.layout)
+    }
+
+    pub fn filesystem(&self) -> &Arc<F> {
+        &self.fs
+    }
+}
+
 impl<F: Filesystem> Session<F> {
     /// Answers the kernel's INIT on `fd` (a fresh connection): `fs` chooses
     /// the settings, `uring` says whether to ask for io_uring. Messages
     /// about the connection go to `log`.
     pub fn new(fd: OwnedFd, fs: F, uring: bool, log: Arc<dyn Fn(&str) + Send + Sync>) -> io::Result<Session<F>> {
-        let fd = Arc::new(fd);
-        let conn = Arc::new(Connection {
-            fd: fd.clone(),
-            notify: Mutex::new(None),
-            log: log.clone(),
-        });
+        let dev = Arc::new(fd);
+        let conn = Connection::of_device(dev.clone(), log.clone());
         let fs = Arc::new(fs);
         let mut buf = vec![0u8; 64 * 1024];
         loop {
-            let Some(n) = dev::read_request(fd.as_fd(), &mut buf)? else {
+            let Some(n) = dev::read_request(dev.as_fd(), &mut buf)? else {
                 return Err(io::Error::new(
                     io::ErrorKind::NotConnected,
                     "the connection ended before INIT",
@@ -275,74 +415,26 @@ impl<F: Filesystem> Session<F> {
             };
             let (h, body) = split_header(&buf[..n]).ok_or_else(|| io::Error::other("malformed request"))?;
             if h.opcode != opcode::INIT {
-                dev::write_message(fd.as_fd(), h.unique, -libc::EIO, &[])?;
+                dev::write_message(dev.as_fd(), h.unique, -libc::EIO, &[])?;
                 continue;
             }
-            let mut init = abi::InitIn::default();
-            let take = body.len().min(core::mem::size_of::<abi::InitIn>());
-            init.as_mut_bytes()[..take].copy_from_slice(&body[..take]);
-            if init.major > abi::KERNEL_VERSION {
-                // Ask again in our major version.
-                let out = abi::InitOut {
-                    major: abi::KERNEL_VERSION,
-                    minor: abi::KERNEL_MINOR_VERSION,
-                    ..Default::default()
-                };
-                dev::write_message(fd.as_fd(), h.unique, 0, &[&out.as_bytes()[..8]])?;
-                continue;
+            match negotiate(&*fs, &conn, body, uring) {
+                Init::AskAgain { out } => dev::write_message(dev.as_fd(), h.unique, 0, &[&out])?,
+                Init::Refused { errno, why } => {
+                    dev::write_message(dev.as_fd(), h.unique, -errno, &[])?;
+                    return Err(io::Error::other(why));
+                }
+                Init::Agreed { out, agreed } => {
+                    dev::write_message(dev.as_fd(), h.unique, 0, &[&out])?;
+                    return Ok(Session {
+                        fs,
+                        dev,
+                        conn,
+                        agreed,
+                        log,
+                    });
+                }
             }
-            if init.major < abi::KERNEL_VERSION || init.minor < MIN_MINOR {
-                dev::write_message(fd.as_fd(), h.unique, -libc::EPROTO, &[])?;
-                return Err(io::Error::other(format!(
-                    "the kernel speaks FUSE {}.{}; at least 7.{MIN_MINOR} is needed",
-                    init.major, init.minor
-                )));
-            }
-            let mut flags = u64::from(init.flags);
-            if flags & abi::init::INIT_EXT != 0 {
-                flags |= u64::from(init.flags2) << 32;
-            }
-            let kernel = KernelInit {
-                minor: init.minor,
-                flags,
-                max_readahead: init.max_readahead,
-            };
-            let mut cfg = fs.init(&kernel, &conn);
-            if uring {
-                cfg.want |= abi::init::OVER_IO_URING;
-            }
-            // Extended flags need INIT_EXT; SETXATTR_EXT is always taken
-            // (its layout is known).
-            cfg.want |= abi::init::INIT_EXT | abi::init::SETXATTR_EXT;
-            let want = cfg.want & flags;
-            let max_pages = cfg.max_write.div_ceil(4096).clamp(1, 256) as u16;
-            let out = abi::InitOut {
-                major: abi::KERNEL_VERSION,
-                minor: init.minor.min(abi::KERNEL_MINOR_VERSION),
-                max_readahead: cfg.max_readahead.min(init.max_readahead),
-                flags: want as u32,
-                max_background: cfg.max_background,
-                congestion_threshold: cfg.congestion_threshold,
-                max_write: cfg.max_write,
-                time_gran: cfg.time_gran,
-                max_pages,
-                map_alignment: 0,
-                flags2: (want >> 32) as u32,
-                max_stack_depth: cfg.max_stack_depth,
-                request_timeout: 0,
-                unused: [0; 11],
-            };
-            dev::write_message(fd.as_fd(), h.unique, 0, &[out.as_bytes()])?;
-            return Ok(Session {
-                fs,
-                conn,
-                layout: Layout {
-                    setxattr_ext: want & abi::init::SETXATTR_EXT != 0,
-                },
-                uring: want & abi::init::OVER_IO_URING != 0,
-                max_write: (cfg.max_write as usize).max(usize::from(max_pages) * 4096),
-                log,
-            });
         }
     }
 
@@ -353,13 +445,13 @@ impl<F: Filesystem> Session<F> {
     /// The kernel agreed to FUSE over io_uring (requests then arrive on
     /// per-CPU queues once [`Session::run`] has registered them).
     pub fn uring_agreed(&self) -> bool {
-        self.uring
+        self.agreed.uring
     }
 
     /// The device descriptor (to duplicate, e.g. for a parent process to
     /// give up its copy).
     pub fn fd(&self) -> BorrowedFd<'_> {
-        self.conn.fd.as_fd()
+        self.dev.as_fd()
     }
 
     /// Serves until the filesystem is unmounted (or the connection is
@@ -376,12 +468,12 @@ impl<F: Filesystem> Session<F> {
             g => g.and_then(Result::ok),
         };
         let mut queues = None;
-        if self.uring && cfg.uring {
+        let handler = Arc::new(Handler::new(self.fs.clone(), &self.agreed));
+        if self.agreed.uring && cfg.uring {
             match crate::uring::start(
-                self.fs.clone(),
-                self.conn.fd.clone(),
-                self.layout,
-                self.max_write + 4096,
+                handler.clone(),
+                self.dev.clone(),
+                self.agreed.max_write + 4096,
                 cfg.uring_depth,
                 stop.clone(),
                 self.log.clone(),
@@ -403,28 +495,20 @@ impl<F: Filesystem> Session<F> {
         let readers = if queues.is_some() { 1 } else { cfg.threads.max(1) };
         let forgets_only = queues.is_some();
         let splice = Arc::new(AtomicBool::new(cfg.splice));
-        let buf_size = self.max_write + 4096 + abi::MIN_READ_BUFFER;
+        let buf_size = self.agreed.max_write + 4096 + abi::MIN_READ_BUFFER;
         let mut workers = Vec::new();
         for i in 1..readers {
-            let fd = dev::clone_fd(self.conn.fd.as_fd())
+            let fd = dev::clone_fd(self.dev.as_fd())
                 .map(Arc::new)
-                .unwrap_or_else(|| self.conn.fd.clone());
-            let (fs, layout, splice, stop) = (self.fs.clone(), self.layout, splice.clone(), stop.clone());
+                .unwrap_or_else(|| self.dev.clone());
+            let (handler, splice, stop) = (handler.clone(), splice.clone(), stop.clone());
             workers.push(
                 std::thread::Builder::new()
                     .name(format!("fuse-{i}"))
-                    .spawn(move || serve_dev(&*fs, fd.as_fd(), layout, &splice, &stop, buf_size, false))?,
+                    .spawn(move || serve_dev(&handler, fd.as_fd(), &splice, &stop, buf_size, false))?,
             );
         }
-        let result = serve_dev(
-            &*self.fs,
-            self.conn.fd.as_fd(),
-            self.layout,
-            &splice,
-            &stop,
-            buf_size,
-            forgets_only,
-        );
+        let result = serve_dev(&handler, self.dev.as_fd(), &splice, &stop, buf_size, forgets_only);
         stop.store(true, Ordering::Relaxed);
         for w in workers {
             let _ = w.join();
@@ -520,9 +604,8 @@ const FORGET_BATCH_WAIT: Duration = Duration::from_millis(5);
 /// `forgets_only`: io_uring carries the requests that take a reply, so
 /// FORGETs may be left to batch up (see FORGET_BATCH_WAIT).
 fn serve_dev<F: Filesystem>(
-    fs: &F,
+    handler: &Handler<F>,
     fd: BorrowedFd<'_>,
-    layout: Layout,
     splice: &AtomicBool,
     stop: &AtomicBool,
     buf_size: usize,
@@ -535,13 +618,12 @@ fn serve_dev<F: Filesystem>(
             stop.store(true, Ordering::Relaxed);
             return Ok(());
         };
-        let Some((h, body)) = split_header(&buf[..n]) else {
-            continue;
-        };
-        let split = request::op_header_size(h.opcode, layout).min(body.len());
-        let (head, rest) = body.split_at(split);
-        dispatch(fs, layout, &h, head, rest, &mut sink);
-        if forgets_only && matches!(h.opcode, opcode::FORGET | opcode::BATCH_FORGET) {
+        let msg = &buf[..n];
+        handler.handle(msg, &mut sink);
+        if forgets_only
+            && abi::InHeader::read_from_prefix(msg)
+                .is_ok_and(|(h, _)| matches!(h.opcode, opcode::FORGET | opcode::BATCH_FORGET))
+        {
             std::thread::sleep(FORGET_BATCH_WAIT);
         }
     }

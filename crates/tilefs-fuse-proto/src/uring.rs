@@ -11,8 +11,7 @@
 
 use crate::abi;
 use crate::reply::{read_full, Sink};
-use crate::request::{op_header_size, Layout};
-use crate::session::{dispatch, Filesystem};
+use crate::session::{Filesystem, Handler};
 use io_uring::{cqueue, squeue, types, IoUring};
 use std::io;
 use std::os::fd::{AsRawFd, BorrowedFd, OwnedFd};
@@ -58,9 +57,8 @@ fn possible_cpus() -> usize {
 /// registered its entries (the kernel then routes requests to them), or
 /// the first error.
 pub(crate) fn start<F: Filesystem>(
-    fs: Arc<F>,
+    handler: Arc<Handler<F>>,
     fd: Arc<OwnedFd>,
-    layout: Layout,
     payload: usize,
     depth: u16,
     stop: Arc<AtomicBool>,
@@ -70,7 +68,7 @@ pub(crate) fn start<F: Filesystem>(
     let (tx, rx) = mpsc::channel::<io::Result<()>>();
     let mut threads = Vec::new();
     for qid in 0..n {
-        let (fs, fd, stop, tx, log) = (fs.clone(), fd.clone(), stop.clone(), tx.clone(), log.clone());
+        let (handler, fd, stop, tx, log) = (handler.clone(), fd.clone(), stop.clone(), tx.clone(), log.clone());
         threads.push(
             std::thread::Builder::new()
                 .name(format!("fuse-q{qid}"))
@@ -84,7 +82,7 @@ pub(crate) fn start<F: Filesystem>(
                     };
                     let _ = tx.send(Ok(()));
                     drop(tx);
-                    if let Err(e) = q.serve(&*fs, layout, &stop) {
+                    if let Err(e) = q.serve(&handler, &stop) {
                         log(&format!("io_uring queue {qid} stopped: {e}"));
                     }
                 })?,
@@ -224,7 +222,7 @@ impl Queue {
         }
     }
 
-    fn serve<F: Filesystem>(&mut self, fs: &F, layout: Layout, stop: &AtomicBool) -> io::Result<()> {
+    fn serve<F: Filesystem>(&mut self, handler: &Handler<F>, stop: &AtomicBool) -> io::Result<()> {
         let timeout = types::Timespec::from(Duration::from_millis(500));
         let args = types::SubmitArgs::new().timespec(&timeout);
         let mut done = Vec::new();
@@ -251,7 +249,7 @@ impl Queue {
                     self.live -= 1;
                     continue;
                 }
-                let commit = self.answer(fs, layout, i);
+                let commit = self.answer(handler, i);
                 let sqe =
                     io_uring::opcode::UringCmd80::new(types::Fd(self.fd.as_raw_fd()), abi::URING_CMD_COMMIT_AND_FETCH)
                         .cmd(cmd_area(self.qid, commit))
@@ -264,14 +262,14 @@ impl Queue {
     }
 
     /// Answers the request in entry `i`; returns its commit id.
-    fn answer<F: Filesystem>(&mut self, fs: &F, layout: Layout, i: usize) -> u64 {
+    fn answer<F: Filesystem>(&mut self, handler: &Handler<F>, i: usize) -> u64 {
         let Ent { header, payload, .. } = &mut *self.ents[i];
         let commit = header.ring_ent_in_out.commit_id;
         let h = abi::InHeader::read_from_prefix(&header.in_out[..])
             .map(|(h, _)| h)
             .unwrap_or_default();
         let size = (header.ring_ent_in_out.payload_sz as usize).min(payload.len());
-        let head_len = op_header_size(h.opcode, layout).min(abi::URING_OP_IN_OUT_SZ);
+        let head_len = handler.head_size(h.opcode).min(abi::URING_OP_IN_OUT_SZ);
         let head = header.op_in;
         let mut sink = EntSink {
             header,
@@ -285,11 +283,11 @@ impl Queue {
             let mut rest = [0u8; SMALL];
             rest[..size].copy_from_slice(&payload[..size]);
             sink.payload = Some(payload);
-            dispatch(fs, layout, &h, &head[..head_len], &rest[..size], &mut sink);
+            handler.handle_parts(&h, &head[..head_len], &rest[..size], &mut sink);
         } else {
             // Written data: read in place; the (small) reply is staged and
             // copied in after.
-            dispatch(fs, layout, &h, &head[..head_len], &payload[..size], &mut sink);
+            handler.handle_parts(&h, &head[..head_len], &payload[..size], &mut sink);
             let staged = std::mem::take(&mut sink.staged);
             payload[..staged.len()].copy_from_slice(&staged);
         }
@@ -379,6 +377,7 @@ mod tests {
         let sqe = io_uring::opcode::UringCmd80::new(types::Fd(7), 1)
             .addr(Some(0x1234))
             .build();
+        // SAFETY: Entry128 is 128 bytes of plain data (see with_len).
         let raw: [u8; 128] = unsafe { std::mem::transmute(with_len(sqe, 2)) };
         assert_eq!(&raw[24..28], &2u32.to_ne_bytes());
         assert_eq!(&raw[16..24], &0x1234u64.to_ne_bytes());

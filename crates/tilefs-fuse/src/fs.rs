@@ -113,9 +113,9 @@ enum Handle {
     Passthrough(InodeId),
 }
 
-pub(crate) struct TileFs {
+pub struct TileFs {
     pub(crate) lower: Lower,
-    tune: Tuning,
+    pub(crate) tune: Tuning,
     handles: Mutex<FxHashMap<u64, Arc<Handle>>>,
     next_fh: AtomicU64,
     /// Objects of files opened without asking us, by inode.

@@ -1,13 +1,16 @@
 //! The tilefs FUSE server: serves an image and its store without privilege,
 //! verifying each object against the image's digest before serving it.
 //!
-//! [`mount`] reads and checks the whole image first (a corrupt image is
-//! refused before anything is mounted), mounts (with mount(2) as root,
-//! through the setuid `fusermount3` otherwise), answers the kernel's INIT,
-//! and then either serves in the foreground or forks a server and returns
-//! once that server has answered a first request. SIGTERM, SIGINT and SIGHUP
-//! make the server unmount and exit; [`unmount`] ends a mount from outside,
-//! also one whose server died.
+//! In three steps, each the caller's to take: [`Server::build`] reads and
+//! checks the whole image (a corrupt image is refused before anything is
+//! mounted) and opens the store and the upper layer; [`mount`] mounts it
+//! through /dev/fuse (with mount(2) as root, the setuid `fusermount3`
+//! otherwise) and answers the kernel's INIT; [`Mounted::start`] serves on
+//! threads of this process until the mount goes away. Whether to serve in
+//! the background (a fork), and what signals do, is the program's choice.
+//! Another transport (a virtqueue) takes [`Server::filesystem`] and answers
+//! requests with `tilefs_fuse_proto`'s `Handler`. [`unmount`] ends a mount
+//! from outside, also one whose server died.
 
 mod fs;
 mod log;
@@ -18,11 +21,12 @@ mod overlay;
 mod server_lock;
 
 use crate::log::Logger;
-use std::os::fd::{AsRawFd, OwnedFd};
+use std::os::fd::OwnedFd;
 use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
-use tilefs_fuse_proto::{ServeConfig, Session};
+pub use tilefs_fuse_proto::ServeConfig;
+use tilefs_fuse_proto::Session;
 
 pub use mountpoint::unmount;
 
@@ -33,18 +37,7 @@ pub fn wait_for_server(uid: u32, dev: &str, timeout: std::time::Duration) -> boo
     server_lock::wait_for_exit(uid, dev, timeout)
 }
 
-/// How objects are checked before their data is served.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub enum Verity {
-    /// Every object must match the digest in the image; files without a
-    /// digest in the image are refused (EIO).
-    Require,
-    /// Objects with a digest in the image are checked; others are served.
-    #[default]
-    Auto,
-    /// No checks.
-    Off,
-}
+pub use tilefs_store::Verity;
 
 /// What the kernel is asked to cache and how requests are answered. Every
 /// field defaults to on except `readdirplus_auto`; the switches exist to
@@ -184,37 +177,18 @@ pub struct MountFlags {
     pub nosymfollow: bool,
 }
 
-/// A FUSE mount request.
+/// What a server serves: an image, its store, and how.
 #[derive(Debug, Clone, Default)]
-pub struct FuseMount {
+pub struct ServeSpec {
     pub image: PathBuf,
     pub store: PathBuf,
-    pub mountpoint: PathBuf,
     pub verity: Verity,
-    /// Stay in the foreground until unmounted (otherwise return once the
-    /// mount is ready, leaving the server running in the background).
-    pub foreground: bool,
-    /// Worker threads (0: [`default_threads`]).
-    pub threads: usize,
-    /// Append the server's messages to this file (otherwise stderr in the
-    /// foreground, syslog in the background).
-    pub log_file: Option<PathBuf>,
-    /// Let other users see the mount (without root this needs
-    /// `user_allow_other` in /etc/fuse.conf).
-    pub allow_other: bool,
-    /// Per-mount flags, applied by the kernel to the FUSE mount itself.
-    pub flags: MountFlags,
     /// Caching settings; `TILEFS_FUSE_TUNING` in the environment changes them.
     pub tuning: Tuning,
     /// Refuse the image unless its fs-verity digest is this.
     pub image_digest: Option<[u8; 32]>,
     /// Fetches objects the store lacks (an image pulled lazily).
     pub fetcher: Option<Fetcher>,
-    /// Read /dev/fuse even where the kernel offers FUSE over io_uring.
-    pub no_uring: bool,
-    /// Keep idle CPUs polling while requests flow (root only); None: where
-    /// it pays ([`tilefs_fuse_proto::idle_poll_worth_it`]).
-    pub idle_poll: Option<bool>,
     /// Writable: changes go to this upper directory (overlayfs's format),
     /// with this work directory on the same filesystem.
     pub upper: Option<(PathBuf, PathBuf)>,
@@ -222,6 +196,29 @@ pub struct FuseMount {
     /// (`STORED:SHOWN:LEN[:...]`, as fuse-overlayfs's uidmapping).
     pub uid_map: Option<String>,
     pub gid_map: Option<String>,
+    /// Where the server's messages go.
+    pub log: LogTo,
+}
+
+impl ServeSpec {
+    /// A read-only spec with default settings.
+    pub fn new(image: impl Into<PathBuf>, store: impl Into<PathBuf>) -> ServeSpec {
+        ServeSpec {
+            image: image.into(),
+            store: store.into(),
+            ..ServeSpec::default()
+        }
+    }
+}
+
+/// Where a server's messages go.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub enum LogTo {
+    #[default]
+    Stderr,
+    Syslog,
+    /// Appended to this file.
+    File(PathBuf),
 }
 
 /// Where objects absent from the store come from: each is fetched on the
@@ -235,30 +232,14 @@ impl std::fmt::Debug for Fetcher {
     }
 }
 
-impl FuseMount {
-    /// Whether to ask for FUSE over io_uring: not for a mount that fetches
-    /// objects, where a queue waiting for a fetch would hold up every
-    /// caller on its CPU.
-    fn uring(&self) -> bool {
-        !self.no_uring && self.fetcher.is_none()
-    }
-
-    /// A request with default settings.
-    pub fn new(image: impl Into<PathBuf>, store: impl Into<PathBuf>, mountpoint: impl Into<PathBuf>) -> FuseMount {
-        FuseMount {
-            image: image.into(),
-            store: store.into(),
-            mountpoint: mountpoint.into(),
-            ..FuseMount::default()
-        }
-    }
-}
-
-/// Why a FUSE mount failed.
+/// Why a FUSE server or mount failed.
 #[derive(Debug, thiserror::Error)]
 pub enum FuseError {
     #[error("{0}")]
     Failed(String),
+    /// An unmount refused because the mount is in use.
+    #[error("{}: the mount is busy (a process has a file open or its working directory in it); close them and retry, or unmount lazily", .0.display())]
+    Busy(PathBuf),
 }
 
 fn fail(msg: impl Into<String>) -> FuseError {
@@ -279,23 +260,215 @@ pub fn default_threads() -> usize {
 /// start has many in flight) must find threads free.
 pub const LAZY_THREADS: usize = 16;
 
-/// Mounts and serves `m`. Returns when the mount is ready (or, with
-/// `foreground`, when it has been unmounted).
-pub fn mount(m: &FuseMount) -> Result<(), FuseError> {
-    let tuning = m.tuning.from_env()?;
+/// The filesystem a server answers requests for, whatever carries them
+/// (/dev/fuse, io_uring, a virtqueue): the image read-only, or with a
+/// writable upper layer. (One per mount, so the size of the larger variant
+/// costs nothing; a box would cost a pointer chase per request.)
+#[allow(clippy::large_enum_variant)]
+pub enum TileFilesystem {
+    ReadOnly(fs::TileFs),
+    Writable(overlay::OverlayFs),
+}
+
+pub use fs::TileFs;
+pub use overlay::OverlayFs;
+
+impl tilefs_fuse_proto::Filesystem for TileFilesystem {
+    fn init(
+        &self,
+        kernel: &tilefs_fuse_proto::KernelInit,
+        conn: &Arc<tilefs_fuse_proto::Connection>,
+    ) -> tilefs_fuse_proto::InitConfig {
+        match self {
+            TileFilesystem::ReadOnly(f) => f.init(kernel, conn),
+            TileFilesystem::Writable(f) => f.init(kernel, conn),
+        }
+    }
+
+    #[inline]
+    fn handle(
+        &self,
+        req: &tilefs_fuse_proto::Request,
+        op: tilefs_fuse_proto::Op<'_>,
+        reply: tilefs_fuse_proto::Reply<'_>,
+    ) {
+        match self {
+            TileFilesystem::ReadOnly(f) => f.handle(req, op, reply),
+            TileFilesystem::Writable(f) => f.handle(req, op, reply),
+        }
+    }
+
+    fn forget(&self, nodeid: u64, nlookup: u64) {
+        match self {
+            TileFilesystem::ReadOnly(f) => f.forget(nodeid, nlookup),
+            TileFilesystem::Writable(f) => f.forget(nodeid, nlookup),
+        }
+    }
+
+    fn destroy(&self) {
+        match self {
+            TileFilesystem::ReadOnly(f) => f.destroy(),
+            TileFilesystem::Writable(f) => f.destroy(),
+        }
+    }
+}
+
+/// A server ready to answer requests: the image read and checked (a
+/// corrupt image is refused here, before anything is mounted), its store
+/// and upper layer opened.
+pub struct Server {
+    fs: TileFilesystem,
+    logger: Arc<Logger>,
+    image: PathBuf,
+    /// It fetches objects (an image pulled lazily).
+    fetches: bool,
+    /// Splice read replies (the tuning's choice).
+    splice: bool,
+    /// The kernel checks permissions (`default_permissions`): always for
+    /// writable mounts, whose permissions are what the server shows.
+    default_permissions: bool,
+}
+
+impl Server {
+    /// Builds the server `spec` describes. Descriptor budgets follow the
+    /// open-file limit in force: raise it first (see [`raise_nofile`]).
+    pub fn build(spec: &ServeSpec) -> Result<Server, FuseError> {
+        let (fs, logger, default_permissions) = match &spec.upper {
+            None => {
+                let f = TileFs::from_spec(spec)?;
+                let (log, dp) = (f.lower.log.clone(), f.default_permissions());
+                (TileFilesystem::ReadOnly(f), log, dp)
+            }
+            // Permissions are the kernel's to check, against what we show.
+            Some(_) => {
+                let f = OverlayFs::from_spec(spec)?;
+                let log = f.lower().log.clone();
+                (TileFilesystem::Writable(f), log, true)
+            }
+        };
+        Ok(Server {
+            fs,
+            logger,
+            image: spec.image.clone(),
+            fetches: spec.fetcher.is_some(),
+            splice: spec.tuning.from_env()?.splice,
+            default_permissions,
+        })
+    }
+
+    /// Whether to ask for FUSE over io_uring (unless the caller said not
+    /// to): not for a server that fetches objects, where a queue waiting
+    /// for a fetch would hold up every caller on its CPU.
+    pub fn wants_uring(&self, no_uring: bool) -> bool {
+        !no_uring && !self.fetches
+    }
+
+    /// How to serve it through /dev/fuse: `threads` workers (0: the
+    /// default; at least [`LAZY_THREADS`] for a server that fetches),
+    /// io_uring as [`Server::wants_uring`] says, idle CPUs polling as
+    /// `idle_poll` says (None: as root, where it pays).
+    pub fn serve_config(&self, threads: usize, no_uring: bool, idle_poll: Option<bool>) -> ServeConfig {
+        let threads = if threads == 0 { default_threads() } else { threads };
+        ServeConfig {
+            threads: if self.fetches {
+                threads.max(LAZY_THREADS)
+            } else {
+                threads
+            },
+            uring: self.wants_uring(no_uring),
+            splice: self.splice,
+            idle_poll: idle_poll.unwrap_or_else(|| {
+                rustix::process::geteuid().is_root() && tilefs_fuse_proto::idle_poll_worth_it().is_ok()
+            }),
+            ..ServeConfig::default()
+        }
+    }
+
+    /// The filesystem, for a transport of the caller's (a virtqueue).
+    pub fn filesystem(self) -> TileFilesystem {
+        self.fs
+    }
+
+    /// Writes one line to the server's log.
+    pub fn log(&self, msg: &str) {
+        self.logger.log(msg)
+    }
+
+    /// The bytes of the image served (for a gc record of the mount).
+    pub fn image_bytes(&self) -> &[u8] {
+        match &self.fs {
+            TileFilesystem::ReadOnly(f) => f.image_bytes(),
+            TileFilesystem::Writable(f) => f.lower().view.bytes(),
+        }
+    }
+}
+
+/// Where `spec` says the server's messages go.
+fn logger_of(spec: &ServeSpec) -> Result<Arc<Logger>, FuseError> {
+    Ok(Arc::new(match &spec.log {
+        LogTo::File(p) => Logger::file(p).map_err(|e| fail(format!("{}: {e}", p.display())))?,
+        LogTo::Stderr => Logger::Stderr,
+        LogTo::Syslog => Logger::syslog(),
+    }))
+}
+
+impl TileFs {
+    /// The read-only filesystem of `spec` (its upper layer, if any, aside).
+    pub fn from_spec(spec: &ServeSpec) -> Result<TileFs, FuseError> {
+        let tuning = spec.tuning.from_env()?;
+        let lower = open_lower(spec, &tuning, logger_of(spec)?)?;
+        Ok(TileFs::new(lower, tuning, nofile_limit() / 2))
+    }
+
+    /// The bytes of the image it serves.
+    pub fn image_bytes(&self) -> &[u8] {
+        self.lower.view.bytes()
+    }
+
+    /// Whether the kernel is to check permissions (`default_permissions`).
+    fn default_permissions(&self) -> bool {
+        self.tune.default_permissions
+    }
+}
+
+impl OverlayFs {
+    /// The writable filesystem of `spec`, which names an upper directory.
+    pub fn from_spec(spec: &ServeSpec) -> Result<OverlayFs, FuseError> {
+        let tuning = spec.tuning.from_env()?;
+        let (upper, work) = spec
+            .upper
+            .as_ref()
+            .ok_or_else(|| fail("a writable filesystem needs an upper and a work directory"))?;
+        let map = |s: &Option<String>, what: &str| {
+            s.as_deref()
+                .map(overlay::IdMap::parse)
+                .transpose()
+                .map_err(|e| fail(format!("{what}: {e}")))
+                .map(Option::unwrap_or_default)
+        };
+        let (uids, gids) = (map(&spec.uid_map, "uidmapping")?, map(&spec.gid_map, "gidmapping")?);
+        let up = overlay::UpperDir::open(upper, work, uids, gids).map_err(fail)?;
+        let lower = open_lower(spec, &tuning, logger_of(spec)?)?;
+        OverlayFs::new(lower, up, tuning, nofile_limit()).map_err(fail)
+    }
+}
+
+/// The image's side of a server: the image read (its digest checked when
+/// one is asked for) and its store opened.
+fn open_lower(spec: &ServeSpec, tuning: &Tuning, logger: Arc<Logger>) -> Result<lower::Lower, FuseError> {
     // Opened without blocking, and only if a regular file.
-    let data = tilefs_store::open_regular(rustix::fs::CWD, &m.image, true)
+    let data = tilefs_store::open_regular(rustix::fs::CWD, &spec.image, true)
         .and_then(|mut f| {
             let mut data = Vec::new();
             std::io::Read::read_to_end(&mut f, &mut data).map(|_| data)
         })
-        .map_err(|e| fail(format!("{}: {e}", m.image.display())))?;
-    if let Some(want) = m.image_digest {
+        .map_err(|e| fail(format!("{}: {e}", spec.image.display())))?;
+    if let Some(want) = spec.image_digest {
         let got = tilefs_image::verity::digest_bytes(&data);
         if got != want {
             return Err(fail(format!(
                 "{}: fs-verity digest is {}, expected {}",
-                m.image.display(),
+                spec.image.display(),
                 hex::encode(got),
                 hex::encode(want)
             )));
@@ -304,31 +477,48 @@ pub fn mount(m: &FuseMount) -> Result<(), FuseError> {
     // Served from its bytes: the image and small tables stay in memory,
     // never a tree of it.
     let view = tilefs_image::erofs::ImageView::open(data)
-        .map_err(|e| fail(format!("{}: refusing to mount: {e}", m.image.display())))?;
-    trim_heap();
-    // A gc root while the server lives (the objects of an image mounted by
-    // path are protected by no tag). A store we may not write cannot hold
-    // one; the mount goes on, and says so.
-    let record = match tilefs_store::Store::open(&m.store)
-        .and_then(|s| tilefs_store::mounts::register_fuse(&s, view.bytes(), &record_where(m)))
-    {
-        Ok(r) => Some(r),
-        Err(e) => {
-            eprintln!(
-                "tilefs: notice: the mount is not recorded in the store, so gc there may remove its objects: {e}"
-            );
-            None
-        }
-    };
+        .map_err(|e| fail(format!("{}: refusing to mount: {e}", spec.image.display())))?;
+    tilefs_sys::mem::trim_heap();
     let store: OwnedFd = rustix::fs::open(
-        &m.store,
+        &spec.store,
         rustix::fs::OFlags::RDONLY | rustix::fs::OFlags::DIRECTORY | rustix::fs::OFlags::CLOEXEC,
         rustix::fs::Mode::empty(),
     )
-    .map_err(|e| fail(format!("{}: cannot open the store: {e}", m.store.display())))?;
+    .map_err(|e| fail(format!("{}: cannot open the store: {e}", spec.store.display())))?;
+    let mut lower = lower::Lower::new(view, spec.image.display().to_string(), store, spec.verity, logger);
+    lower.fetcher = spec.fetcher.clone();
+    lower.selinux_enotsup = tuning.selinux_enotsup;
+    Ok(lower)
+}
+
+/// How a server is mounted through /dev/fuse.
+#[derive(Debug, Clone, Default)]
+pub struct DevMount {
+    pub mountpoint: PathBuf,
+    /// Let other users see the mount (without root this needs
+    /// `user_allow_other` in /etc/fuse.conf).
+    pub allow_other: bool,
+    /// Per-mount flags, applied by the kernel to the FUSE mount itself.
+    pub flags: MountFlags,
+    /// Ask for FUSE over io_uring where the kernel offers it (see
+    /// [`Server::wants_uring`]).
+    pub uring: bool,
+}
+
+/// A server mounted: the kernel's INIT answered, no request served yet.
+pub struct Mounted {
+    session: Session<TileFilesystem>,
+    mountpoint: PathBuf,
+    logger: Arc<Logger>,
+    record: Option<tilefs_store::mounts::MountRecord>,
+}
+
+/// Mounts `server` (with mount(2) as root, through the setuid
+/// `fusermount3` otherwise) and answers the kernel's INIT.
+pub fn mount(server: Server, m: &DevMount) -> Result<Mounted, FuseError> {
     let mnt = std::fs::canonicalize(&m.mountpoint).map_err(|e| {
         let hint = if e.raw_os_error() == Some(libc::ENOTCONN) {
-            " (a dead FUSE mount: `tilefs umount` clears it)"
+            " (a dead FUSE mount: unmount it first)"
         } else {
             ""
         };
@@ -337,66 +527,172 @@ pub fn mount(m: &FuseMount) -> Result<(), FuseError> {
     if !mnt.is_dir() {
         return Err(fail(format!("{}: not a directory", mnt.display())));
     }
-    let logger = match (&m.log_file, m.foreground) {
-        (Some(p), _) => Logger::file(p).map_err(|e| fail(format!("{}: {e}", p.display())))?,
-        (None, true) => Logger::Stderr,
-        (None, false) => Logger::syslog(),
+    let writable = matches!(server.fs, TileFilesystem::Writable(_));
+    let fuse_fd = mountpoint::mount_fuse(
+        &mnt,
+        &server.image,
+        m.allow_other,
+        server.default_permissions,
+        m.flags,
+        writable,
+    )?;
+    let log = server.logger.clone();
+    let session = match Session::new(fuse_fd, server.fs, m.uring, Arc::new(move |msg: &str| log.log(msg))) {
+        Ok(s) => s,
+        Err(e) => {
+            mountpoint::take_down(&mnt);
+            return Err(fail(format!("{}: FUSE handshake failed: {e}", mnt.display())));
+        }
     };
-    let logger = Arc::new(logger);
-    let name = m.image.display().to_string();
-    let mut lower = lower::Lower::new(view, name, store, m.verity, logger.clone());
-    lower.fetcher = m.fetcher.clone();
-    lower.selinux_enotsup = tuning.selinux_enotsup;
-    let nofile = raise_nofile();
-    let budget = nofile / 2;
-    let threads = if m.threads == 0 { default_threads() } else { m.threads };
-    let serve_cfg = ServeConfig {
-        threads: if m.fetcher.is_some() {
-            threads.max(LAZY_THREADS)
-        } else {
-            threads
-        },
-        uring: m.uring(),
-        splice: tuning.splice,
-        idle_poll: m
-            .idle_poll
-            .unwrap_or_else(|| rustix::process::geteuid().is_root() && tilefs_fuse_proto::idle_poll_worth_it().is_ok()),
-        ..ServeConfig::default()
-    };
-    let Some((upper, work)) = &m.upper else {
-        let fs = fs::TileFs::new(lower, tuning, budget);
-        return start(
-            m,
-            fs,
-            serve_cfg,
-            &mnt,
-            logger,
-            record,
-            tuning.default_permissions,
-            false,
-        );
-    };
-    let map = |s: &Option<String>, what: &str| {
-        s.as_deref()
-            .map(overlay::IdMap::parse)
-            .transpose()
-            .map_err(|e| fail(format!("{what}: {e}")))
-            .map(Option::unwrap_or_default)
-    };
-    let (uids, gids) = (map(&m.uid_map, "uidmapping")?, map(&m.gid_map, "gidmapping")?);
-    let up = overlay::UpperDir::open(upper, work, uids, gids).map_err(fail)?;
-    let fs = overlay::OverlayFs::new(lower, up, tuning, nofile).map_err(fail)?;
-    // Permissions are the kernel's to check, against what we show.
-    start(m, fs, serve_cfg, &mnt, logger, record, true, true)
+    Ok(Mounted {
+        session,
+        mountpoint: mnt,
+        logger: server.logger,
+        record: None,
+    })
 }
 
-/// Where the mount is and, if writable, its layers: the store's record
+impl Mounted {
+    /// Where it is mounted (canonical).
+    pub fn mountpoint(&self) -> &Path {
+        &self.mountpoint
+    }
+
+    /// Keeps `record` (the mount's gc root in its store) while serving.
+    pub fn keep_record(&mut self, record: tilefs_store::mounts::MountRecord) {
+        self.record = Some(record);
+    }
+
+    /// In a process that hands the mount to another (a parent after fork):
+    /// lets go of the record without removing it; the server's copy of its
+    /// descriptor keeps it.
+    pub fn leave_record(&mut self) {
+        if let Some(r) = self.record.take() {
+            r.leave();
+        }
+    }
+
+    /// Unmounts it without serving (a caller that gave up).
+    pub fn abandon(self) {
+        mountpoint::take_down(&self.mountpoint);
+    }
+
+    /// Starts serving, on threads of this process.
+    pub fn start(self, cfg: ServeConfig) -> Result<Running, FuseError> {
+        let Mounted {
+            session,
+            mountpoint,
+            logger,
+            record,
+        } = self;
+        let runner = std::thread::Builder::new()
+            .name("tilefs-fuse".into())
+            .spawn(move || session.run(cfg))
+            .map_err(|e| fail(format!("cannot start the server: {e}")))?;
+        Ok(Running {
+            runner,
+            mountpoint,
+            logger,
+            alive: Liveness { record, lock: None },
+            unmounting: std::sync::atomic::AtomicBool::new(false),
+        })
+    }
+}
+
+/// A server serving. Dropped or waited for, it leaves its gc record and
+/// its server lock as `tilefs umount` expects (see [`Liveness`]).
+pub struct Running {
+    runner: std::thread::JoinHandle<std::io::Result<tilefs_fuse_proto::Transport>>,
+    mountpoint: PathBuf,
+    logger: Arc<Logger>,
+    alive: Liveness,
+    unmounting: std::sync::atomic::AtomicBool,
+}
+
+impl Running {
+    /// Waits for the mount to answer its first request, and takes the
+    /// lock that tells `tilefs umount` this server lives. The error says
+    /// why the mount does not answer.
+    pub fn ready(&mut self) -> Result<(), String> {
+        let first = std::fs::metadata(&self.mountpoint).map_err(|e| format!("the new mount does not answer: {e}"))?;
+        let dev = first.dev();
+        self.alive.lock =
+            server_lock::ServerLock::take(&format!("{}:{}", rustix::fs::major(dev), rustix::fs::minor(dev)));
+        Ok(())
+    }
+
+    /// Whether serving has ended (the mount is gone).
+    pub fn is_finished(&self) -> bool {
+        self.runner.is_finished()
+    }
+
+    /// Unmounts (serving then ends); asked again, detaches the mount even
+    /// while it is busy.
+    pub fn unmount(&self, why: &str) {
+        let mnt = &self.mountpoint;
+        if self.unmounting.swap(true, std::sync::atomic::Ordering::SeqCst) {
+            self.logger.log(&format!("{why} again: detaching {}", mnt.display()));
+            let _ = mountpoint::detach(mnt);
+        } else if let Err(e) = unmount(mnt, false) {
+            self.logger
+                .log(&format!("{why}: unmounting {} failed: {e}", mnt.display()));
+        }
+    }
+
+    /// Writes one line to the server's log.
+    pub fn log(&self, msg: &str) {
+        self.logger.log(msg)
+    }
+
+    /// Waits until serving ends. A server that failed leaves no dead mount
+    /// behind.
+    pub fn wait(self) -> Result<(), FuseError> {
+        let Running {
+            runner,
+            mountpoint,
+            alive,
+            unmounting,
+            ..
+        } = self;
+        let result = match runner.join() {
+            Ok(Ok(_)) => Ok(()),
+            Ok(Err(e)) => Err(fail(format!("{}: server failed: {e}", mountpoint.display()))),
+            Err(_) => Err(fail(format!("{}: server thread panicked", mountpoint.display()))),
+        };
+        if result.is_err() && !unmounting.into_inner() {
+            mountpoint::take_down(&mountpoint);
+        }
+        drop(alive);
+        result
+    }
+}
+
+/// What tells others the server lives: its mount record in the store (a
+/// gc root) and its server lock (`tilefs umount` waits for it). On the way
+/// out the record goes first, and the lock stays until the process exits,
+/// so an umount returns only once the server is gone and gc then sees no
+/// live mount.
+struct Liveness {
+    record: Option<tilefs_store::mounts::MountRecord>,
+    lock: Option<server_lock::ServerLock>,
+}
+
+impl Drop for Liveness {
+    fn drop(&mut self) {
+        drop(self.record.take());
+        if let Some(l) = self.lock.take() {
+            l.keep_until_exit();
+        }
+    }
+}
+
+/// Where a FUSE mount is and, if writable, its layers: the store's record
 /// says so, for `tilefs commit`.
-fn record_where(m: &FuseMount) -> tilefs_store::mounts::FuseWhere {
+pub fn record_where(mountpoint: &Path, upper: Option<&(PathBuf, PathBuf)>) -> tilefs_store::mounts::FuseWhere {
     let canon = |p: &Path| std::fs::canonicalize(p).ok();
     tilefs_store::mounts::FuseWhere {
-        mountpoint: canon(&m.mountpoint),
-        upper: m.upper.as_ref().and_then(|(u, w)| {
+        mountpoint: canon(mountpoint),
+        upper: upper.and_then(|(u, w)| {
             Some(tilefs_store::mounts::UpperLayer {
                 upper: canon(u)?,
                 work: canon(w)?,
@@ -406,39 +702,19 @@ fn record_where(m: &FuseMount) -> tilefs_store::mounts::FuseWhere {
     }
 }
 
-/// Mounts, answers INIT and serves `fs` (in the foreground, or in a
-/// forked server).
-#[allow(clippy::too_many_arguments)]
-fn start<F: tilefs_fuse_proto::Filesystem>(
-    m: &FuseMount,
-    fs: F,
-    serve_cfg: ServeConfig,
-    mnt: &Path,
-    logger: Arc<Logger>,
-    record: Option<tilefs_store::mounts::MountRecord>,
-    default_permissions: bool,
-    writable: bool,
-) -> Result<(), FuseError> {
-    let fuse_fd = mountpoint::mount_fuse(mnt, &m.image, m.allow_other, default_permissions, m.flags, writable)?;
-    let log = logger.clone();
-    let session = match Session::new(fuse_fd, fs, m.uring(), Arc::new(move |msg: &str| log.log(msg))) {
-        Ok(s) => s,
-        Err(e) => {
-            mountpoint::take_down(mnt);
-            return Err(fail(format!("{}: FUSE handshake failed: {e}", mnt.display())));
-        }
-    };
-    if m.foreground {
-        return serve(session, serve_cfg, mnt, &logger, None, record);
-    }
-    daemonize(session, serve_cfg, mnt, logger, m.log_file.as_deref(), record)
+/// The open-file limit in force: the server keeps objects open for the
+/// kernel's reads, and removed files until the kernel forgets them, within
+/// budgets made from it.
+fn nofile_limit() -> u64 {
+    rustix::process::getrlimit(rustix::process::Resource::Nofile)
+        .current
+        .unwrap_or(u64::MAX)
 }
 
 /// Raises the soft limit on open files to the hard one, and as root the
-/// hard one to the kernel's ceiling (fs.nr_open): the server keeps objects
-/// open for the kernel's reads, and removed files until the kernel forgets
-/// them. Returns the limit in force.
-fn raise_nofile() -> u64 {
+/// hard one to the kernel's ceiling (fs.nr_open). For a server's process,
+/// before [`Server::build`]. Returns the limit in force.
+pub fn raise_nofile() -> u64 {
     use rustix::process::{getrlimit, setrlimit, Resource, Rlimit};
     let l = getrlimit(Resource::Nofile);
     let ceiling = std::fs::read_to_string("/proc/sys/fs/nr_open")
@@ -461,200 +737,4 @@ fn raise_nofile() -> u64 {
         }
     }
     l.current.unwrap_or(u64::MAX)
-}
-
-/// Forks a server for `session`; returns in the parent once the server has
-/// answered a request on the mount.
-fn daemonize<F: tilefs_fuse_proto::Filesystem>(
-    session: Session<F>,
-    cfg: ServeConfig,
-    mnt: &Path,
-    logger: Arc<Logger>,
-    log_file: Option<&Path>,
-    record: Option<tilefs_store::mounts::MountRecord>,
-) -> Result<(), FuseError> {
-    let (rd, wr) = rustix::pipe::pipe_with(rustix::pipe::PipeFlags::CLOEXEC).map_err(|e| fail(format!("pipe: {e}")))?;
-    // SAFETY: the process is single-threaded here (the session's threads
-    // start in the child); the child only calls async-signal-safe functions
-    // until it has set itself up, then runs ordinary Rust code, which is
-    // fine in a single-threaded child.
-    let pid = unsafe { libc::fork() };
-    if pid < 0 {
-        let e = std::io::Error::last_os_error();
-        mountpoint::take_down(mnt);
-        return Err(fail(format!("fork: {e}")));
-    }
-    if pid > 0 {
-        drop(wr);
-        // The server's copy of the record's descriptor keeps it locked.
-        if let Some(r) = record {
-            r.leave();
-        }
-        // The child owns the connection now: the parent's copy of the
-        // descriptor is closed with the session.
-        drop(session);
-        return wait_ready(rd, pid, mnt);
-    }
-    drop(rd);
-    // Child: a new session, no terminal, no inherited stdio.
-    // SAFETY: plain syscalls on fds this process owns.
-    unsafe {
-        libc::setsid();
-        let _ = libc::chdir(c"/".as_ptr());
-        let null = libc::open(c"/dev/null".as_ptr(), libc::O_RDWR);
-        if null >= 0 {
-            libc::dup2(null, 0);
-            libc::dup2(null, 1);
-            libc::dup2(null, 2);
-            if null > 2 {
-                libc::close(null);
-            }
-        }
-    }
-    if let Some(p) = log_file {
-        if let Ok(f) = std::fs::OpenOptions::new().append(true).create(true).open(p) {
-            // SAFETY: dup2 onto stderr of an fd we own.
-            unsafe { libc::dup2(f.as_raw_fd(), 2) };
-        }
-    }
-    let code = match serve(session, cfg, mnt, &logger, Some(wr), record) {
-        Ok(()) => 0,
-        Err(e) => {
-            logger.log(&e.to_string());
-            1
-        }
-    };
-    std::process::exit(code)
-}
-
-/// Waits for the server's "ready" (or its error) on `rd`.
-fn wait_ready(rd: OwnedFd, pid: libc::pid_t, mnt: &Path) -> Result<(), FuseError> {
-    use std::io::Read;
-    let mut f = std::fs::File::from(rd);
-    let mut msg = Vec::new();
-    let _ = f.read_to_end(&mut msg);
-    if msg == b"ready" {
-        return Ok(());
-    }
-    let mut status = 0;
-    // SAFETY: waiting for our own child.
-    unsafe { libc::waitpid(pid, &mut status, 0) };
-    mountpoint::take_down(mnt);
-    let why = if msg.is_empty() {
-        format!("the server exited before the mount was ready (status {status:#x})")
-    } else {
-        String::from_utf8_lossy(&msg).into_owned()
-    };
-    Err(fail(format!("{}: {why}", mnt.display())))
-}
-
-/// What tells others the server lives: its mount record in the store (a
-/// gc root) and its server lock (`tilefs umount` waits for it). On the way
-/// out the record goes first, and the lock stays until the process exits,
-/// so an umount returns only once the server is gone and gc then sees no
-/// live mount.
-struct Liveness {
-    record: Option<tilefs_store::mounts::MountRecord>,
-    lock: Option<server_lock::ServerLock>,
-}
-
-impl Drop for Liveness {
-    fn drop(&mut self) {
-        drop(self.record.take());
-        if let Some(l) = self.lock.take() {
-            l.keep_until_exit();
-        }
-    }
-}
-
-const SIGNALS: [libc::c_int; 4] = [libc::SIGTERM, libc::SIGINT, libc::SIGHUP, libc::SIGQUIT];
-
-fn signal_set() -> libc::sigset_t {
-    // SAFETY: sigemptyset/sigaddset initialise the set in place.
-    unsafe {
-        let mut set: libc::sigset_t = std::mem::zeroed();
-        libc::sigemptyset(&mut set);
-        for s in SIGNALS {
-            libc::sigaddset(&mut set, s);
-        }
-        set
-    }
-}
-
-/// Runs the session until the mount goes away; a termination signal
-/// unmounts. `ready` gets "ready" once the mount answers a request.
-fn serve<F: tilefs_fuse_proto::Filesystem>(
-    session: Session<F>,
-    cfg: ServeConfig,
-    mnt: &Path,
-    logger: &Logger,
-    ready: Option<OwnedFd>,
-    record: Option<tilefs_store::mounts::MountRecord>,
-) -> Result<(), FuseError> {
-    // Declared first, so dropped last, whichever way this returns.
-    let mut alive = Liveness { record, lock: None };
-    let set = signal_set();
-    // Block the signals here and in every thread started from here; this
-    // thread takes them with sigtimedwait.
-    // SAFETY: set is initialised; the old mask is not needed.
-    unsafe { libc::pthread_sigmask(libc::SIG_BLOCK, &set, std::ptr::null_mut()) };
-    let runner = std::thread::Builder::new()
-        .name("tilefs-fuse".into())
-        .spawn(move || session.run(cfg))
-        .map_err(|e| fail(format!("cannot start the server: {e}")))?;
-    // The first request on the mount: answered only once workers run.
-    // Its device names the lock that tells `tilefs umount` we are alive.
-    let first = std::fs::metadata(mnt);
-    alive.lock = first.as_ref().ok().and_then(|m| {
-        let dev = m.dev();
-        server_lock::ServerLock::take(&format!("{}:{}", rustix::fs::major(dev), rustix::fs::minor(dev)))
-    });
-    if let Some(wr) = ready {
-        let msg = match first {
-            Ok(_) => "ready".to_string(),
-            Err(e) => format!("the new mount does not answer: {e}"),
-        };
-        let mut f = std::fs::File::from(wr);
-        let _ = std::io::Write::write_all(&mut f, msg.as_bytes());
-    }
-    let mut unmounting = false;
-    while !runner.is_finished() {
-        let ts = libc::timespec {
-            tv_sec: 0,
-            tv_nsec: 200_000_000,
-        };
-        // SAFETY: set and ts are valid; no siginfo wanted.
-        let sig = unsafe { libc::sigtimedwait(&set, std::ptr::null_mut(), &ts) };
-        if sig > 0 {
-            if unmounting {
-                logger.log(&format!("signal {sig} again: detaching {}", mnt.display()));
-                let _ = mountpoint::detach(mnt);
-                continue;
-            }
-            unmounting = true;
-            if let Err(e) = unmount(mnt, false) {
-                logger.log(&format!("signal {sig}: unmounting {} failed: {e}", mnt.display()));
-            }
-        }
-    }
-    let result = match runner.join() {
-        Ok(Ok(_)) => return Ok(()),
-        Ok(Err(e)) => fail(format!("{}: server failed: {e}", mnt.display())),
-        Err(_) => fail(format!("{}: server thread panicked", mnt.display())),
-    };
-    // Do not leave a dead mount behind.
-    if !unmounting {
-        mountpoint::take_down(mnt);
-    }
-    Err(result)
-}
-
-/// Returns the heap the image's checking walk used to the system (glibc's
-/// malloc_trim): its tables were many small allocations, freed by now.
-fn trim_heap() {
-    #[cfg(target_env = "gnu")]
-    // SAFETY: malloc_trim only releases memory no allocation uses.
-    unsafe {
-        libc::malloc_trim(0);
-    }
 }

@@ -1,7 +1,6 @@
 //! Where the server's messages go: stderr in the foreground, a log file when
 //! one is given, syslog when running in the background without one.
 
-use std::ffi::CString;
 use std::fs::{File, OpenOptions};
 use std::io::Write;
 use std::path::Path;
@@ -20,10 +19,7 @@ impl Logger {
     }
 
     pub(crate) fn syslog() -> Logger {
-        // The identity string must outlive every syslog call: leak it once.
-        let ident: &'static CString = Box::leak(Box::new(CString::new("tilefs-fuse").unwrap()));
-        // SAFETY: ident is a valid NUL-terminated string that is never freed.
-        unsafe { libc::openlog(ident.as_ptr(), libc::LOG_PID | libc::LOG_NDELAY, libc::LOG_DAEMON) };
+        tilefs_sys::syslog::open(c"tilefs-fuse");
         Logger::Syslog
     }
 
@@ -46,11 +42,7 @@ impl Logger {
                 let _ = f.lock().unwrap().write_all(line.as_bytes());
             }
             Logger::Syslog => {
-                let clean: Vec<u8> = msg.bytes().map(|b| if b == 0 { b'?' } else { b }).collect();
-                let c = CString::new(clean).unwrap_or_default();
-                // SAFETY: both strings are valid and NUL-terminated; the
-                // format consumes exactly one string argument.
-                unsafe { libc::syslog(libc::LOG_WARNING, c"%s".as_ptr(), c.as_ptr()) };
+                tilefs_sys::syslog::warning(msg);
             }
         }
     }

@@ -9,7 +9,6 @@ use std::io::IoSliceMut;
 use std::mem::MaybeUninit;
 use std::os::fd::{AsRawFd, OwnedFd};
 use std::os::unix::ffi::OsStrExt;
-use std::os::unix::process::CommandExt;
 use std::path::Path;
 use std::process::{Command, Stdio};
 
@@ -151,33 +150,25 @@ fn mount_helper(
         opts.push_str(",allow_other");
     }
     let helper = fusermount();
-    let theirs_raw = theirs.as_raw_fd();
     let mut cmd = Command::new(&helper);
+    // The helper's end of the socket is its standard input: the one
+    // descriptor a child inherits without code between fork and exec.
     cmd.arg("-o")
         .arg(&opts)
         .arg("--")
         .arg(mnt)
-        .env("_FUSE_COMMFD", theirs_raw.to_string())
-        .stdin(Stdio::null())
+        .env("_FUSE_COMMFD", "0")
+        .stdin(Stdio::from(theirs))
         .stdout(Stdio::null())
         .stderr(Stdio::piped());
-    // SAFETY: between fork and exec only fcntl (async-signal-safe) runs, to
-    // let the helper inherit its end of the socket.
-    unsafe {
-        cmd.pre_exec(move || {
-            let flags = libc::fcntl(theirs_raw, libc::F_GETFD);
-            if flags < 0 || libc::fcntl(theirs_raw, libc::F_SETFD, flags & !libc::FD_CLOEXEC) < 0 {
-                return Err(std::io::Error::last_os_error());
-            }
-            Ok(())
-        });
-    }
     let child = cmd.spawn().map_err(|e| {
         fail(format!(
             "cannot run {helper} (Debian package fuse3), needed to mount without root: {e}"
         ))
     })?;
-    drop(theirs);
+    // Our copy of the helper's end goes with the command, so that the
+    // socket reads end of file when the helper exits.
+    drop(cmd);
     let mut byte = [0u8; 1];
     let mut space = [MaybeUninit::uninit(); rustix::cmsg_space!(ScmRights(1))];
     let mut control = RecvAncillaryBuffer::new(&mut space);
@@ -225,7 +216,7 @@ fn helper_hint(err: &str) -> &'static str {
     if err.contains("/dev/fuse") && err.contains("Permission denied") {
         " (/dev/fuse must be readable and writable by the user: mode 0666, as udev sets it on most systems)"
     } else if err.contains("user_allow_other") {
-        " (add user_allow_other to /etc/fuse.conf, or mount without --allow-other)"
+        " (add user_allow_other to /etc/fuse.conf, or mount without allow_other)"
     } else {
         ""
     }
@@ -254,12 +245,7 @@ pub fn unmount(mountpoint: &Path, lazy: bool) -> Result<(), FuseError> {
     if lazy {
         return detach(mountpoint);
     }
-    let busy = || {
-        fail(format!(
-            "{}: the mount is busy (a process has a file open or its working directory in it); close them and retry, or unmount with --lazy",
-            mountpoint.display()
-        ))
-    };
+    let busy = || FuseError::Busy(mountpoint.to_path_buf());
     if rustix::process::geteuid().is_root() {
         match rustix::mount::unmount(mountpoint, UnmountFlags::empty()) {
             Ok(()) => return Ok(()),

@@ -16,6 +16,8 @@
 pub mod dump;
 pub mod erofs;
 pub mod flat;
+// SHA-NI intrinsics are unsafe to call; the module checks the CPU first.
+#[allow(unsafe_code)]
 mod sha_x2;
 pub mod source;
 pub mod summary;

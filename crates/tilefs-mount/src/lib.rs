@@ -26,51 +26,15 @@ use rustix::fd::{AsFd, AsRawFd, OwnedFd};
 use rustix::io::Errno;
 use rustix::mount::{MountAttrFlags, MoveMountFlags};
 use std::collections::HashMap;
-use std::fmt;
 use std::fs::File;
 use std::io::Read;
 use std::path::{Path, PathBuf};
-use std::str::FromStr;
 use tilefs_image::erofs;
 
 /// The overlay's `source`, as mountinfo shows it: `tilefs:IMAGE`.
 pub const MOUNT_SOURCE: &str = "tilefs";
 
-/// How the kernel checks objects against the digests in the image.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub enum Verity {
-    /// Every file must be verifiable (kernel fs-verity, objects with
-    /// fs-verity enabled, digests in the image); otherwise refuse to mount.
-    Require,
-    /// Verify when the kernel and the store allow it, otherwise mount
-    /// without verification (with a notice).
-    #[default]
-    Auto,
-    /// Never verify.
-    Off,
-}
-
-impl FromStr for Verity {
-    type Err = String;
-    fn from_str(s: &str) -> Result<Verity, String> {
-        match s {
-            "require" => Ok(Verity::Require),
-            "auto" => Ok(Verity::Auto),
-            "off" => Ok(Verity::Off),
-            _ => Err(format!("verity mode {s:?}: expected require, auto or off")),
-        }
-    }
-}
-
-impl fmt::Display for Verity {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(match self {
-            Verity::Require => "require",
-            Verity::Auto => "auto",
-            Verity::Off => "off",
-        })
-    }
-}
+pub use tilefs_store::Verity;
 
 /// Access time updates of the mount.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -183,7 +147,7 @@ pub enum MountError {
     Path { path: PathBuf, msg: String },
     #[error("{}: already a mount point ({what}); unmount it first", path.display())]
     Busy { path: PathBuf, what: String },
-    #[error("--verity require: {0}")]
+    #[error("verification required: {0}")]
     Verity(String),
     #[error("{0}")]
     Unsupported(String),
@@ -207,7 +171,7 @@ pub enum MountError {
     NotMounted(PathBuf),
     #[error("{}: not a tilefs mount ({what}); use umount(8) for it", path.display())]
     NotTilefs { path: PathBuf, what: String },
-    #[error("{}: the mount is busy (a process has a file open or its working directory in it); close them and retry, or unmount with --lazy", .0.display())]
+    #[error("{}: the mount is busy (a process has a file open or its working directory in it); close them and retry, or unmount lazily", .0.display())]
     UmountBusy(PathBuf),
 }
 
@@ -329,7 +293,7 @@ pub fn build_detached(o: &MountOptions, image_file: File) -> Result<Detached, Mo
     let mut notices = Vec::new();
     if o.upper.is_some() != o.work.is_some() {
         return Err(MountError::Usage(
-            "--upper and --work go together: a writable mount needs both (on the same filesystem)".into(),
+            "a writable mount needs both an upper and a work directory (on the same filesystem)".into(),
         ));
     }
 
@@ -494,14 +458,14 @@ fn decide_verity(
     }
     let fallback = |notices: &mut Vec<String>, why: String| {
         notices.push(format!(
-            "objects are not verified: {why} (--verity auto: mounted with verity off)"
+            "objects are not verified: {why} (verified where possible: mounted with verity off)"
         ));
         Ok("off")
     };
     if let Some(why) = verity_unavailable(stores) {
         return match want {
             Verity::Require => Err(MountError::Verity(format!(
-                "{why}, so the kernel cannot verify objects (the FUSE mount, --fuse, verifies them in userspace)"
+                "{why}, so the kernel cannot verify objects"
             ))),
             _ => fallback(notices, why),
         };

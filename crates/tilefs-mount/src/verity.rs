@@ -1,53 +1,16 @@
 //! Whether the kernel can check objects with fs-verity, and what an
 //! object's fs-verity digest is.
 
-use rustix::fd::{AsFd, AsRawFd};
+use rustix::fd::AsFd;
 use rustix::io::Errno;
 use std::io::Read;
 use std::path::Path;
-
-/// `FS_IOC_MEASURE_VERITY`: `_IOWR('f', 134, struct fsverity_digest)`.
-const FS_IOC_MEASURE_VERITY: libc::c_ulong = 0xC004_6686;
-const FS_VERITY_HASH_ALG_SHA256: u16 = 1;
-
-#[repr(C)]
-struct MeasureBuf {
-    digest_algorithm: u16,
-    digest_size: u16,
-    digest: [u8; 64],
-}
 
 /// The fs-verity digest of an open file: `Ok(Some)` when verity is enabled
 /// with SHA-256, `Ok(None)` when the file has no verity (or another hash),
 /// `Err` when the filesystem or kernel cannot tell (no fs-verity support).
 pub fn measure(fd: impl AsFd) -> Result<Option<[u8; 32]>, Errno> {
-    let mut buf = MeasureBuf {
-        digest_algorithm: 0,
-        digest_size: 64,
-        digest: [0; 64],
-    };
-    // SAFETY: FS_IOC_MEASURE_VERITY reads digest_size and writes at most
-    // that many bytes after the 4-byte header, all inside `buf`.
-    let r = unsafe {
-        libc::ioctl(
-            fd.as_fd().as_raw_fd(),
-            FS_IOC_MEASURE_VERITY as _,
-            &mut buf as *mut MeasureBuf,
-        )
-    };
-    if r < 0 {
-        let e = Errno::from_raw_os_error(std::io::Error::last_os_error().raw_os_error().unwrap_or(0));
-        return match e {
-            Errno::NODATA => Ok(None),
-            e => Err(e),
-        };
-    }
-    if buf.digest_algorithm != FS_VERITY_HASH_ALG_SHA256 || buf.digest_size != 32 {
-        return Ok(None);
-    }
-    let mut d = [0u8; 32];
-    d.copy_from_slice(&buf.digest[..32]);
-    Ok(Some(d))
+    tilefs_sys::verity::measure(fd.as_fd())
 }
 
 /// Why the kernel cannot check fs-verity digests of files in `dir` (the

@@ -12,9 +12,11 @@
 //! risks a second transfer of an object, never a wrong one.
 
 use crate::Store;
-use rustix::fd::{AsRawFd, OwnedFd};
+use rustix::fd::{AsFd, OwnedFd};
 use rustix::fs::{self as rfs, Mode, OFlags};
+use rustix::io::Errno;
 use std::time::{Duration, Instant};
+use tilefs_sys::fs::{ofd_lock, RangeLock};
 
 /// The lock file, at the store's top.
 pub const FETCH_LOCK: &str = ".fetch-lock";
@@ -53,9 +55,9 @@ impl FetchLocks {
     /// filesystem cannot take at all counts as taken (see the module's
     /// comment: the locks only save transfers).
     pub fn try_lock(&self, span: Span) -> bool {
-        match self.set(span, libc::F_WRLCK as libc::c_short) {
+        match self.set(span, RangeLock::Exclusive) {
             Ok(()) => true,
-            Err(e) => !matches!(e.raw_os_error(), Some(libc::EAGAIN | libc::EACCES)),
+            Err(e) => !matches!(e, Errno::AGAIN | Errno::ACCESS),
         }
     }
 
@@ -80,23 +82,11 @@ impl FetchLocks {
 
     /// Lets go of the lock of `span`.
     pub fn unlock(&self, span: Span) {
-        let _ = self.set(span, libc::F_UNLCK as libc::c_short);
+        let _ = self.set(span, RangeLock::Unlock);
     }
 
-    fn set(&self, span: Span, kind: libc::c_short) -> std::io::Result<()> {
-        // SAFETY: flock is plain data; all-zero is a valid value of it.
-        let mut fl: libc::flock = unsafe { std::mem::zeroed() };
-        fl.l_type = kind;
-        fl.l_whence = libc::SEEK_SET as libc::c_short;
-        fl.l_start = span.start.min(i64::MAX as u64 / 2) as libc::off_t;
-        fl.l_len = span.len.clamp(1, i64::MAX as u64 / 2) as libc::off_t;
-        // SAFETY: F_OFD_SETLK reads the flock we pass, which outlives the
-        // call, on a descriptor we own.
-        if unsafe { libc::fcntl(self.fd.as_raw_fd(), libc::F_OFD_SETLK, &fl) } == 0 {
-            Ok(())
-        } else {
-            Err(std::io::Error::last_os_error())
-        }
+    fn set(&self, span: Span, kind: RangeLock) -> Result<(), Errno> {
+        ofd_lock(self.fd.as_fd(), kind, span.start, span.len)
     }
 }
 

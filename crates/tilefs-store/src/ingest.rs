@@ -473,7 +473,7 @@ impl<'s> Ingest<'s> {
         let Ok(fd) = rfs::openat(&self.tmp, tmp_name, OFlags::RDONLY | OFlags::CLOEXEC, Mode::empty()) else {
             return;
         };
-        match enable_verity(fd.as_fd()) {
+        match tilefs_sys::verity::enable(fd.as_fd()) {
             Ok(()) => self.verity.store(VERITY_YES, Relaxed),
             Err(e) => {
                 // Said once per store: a marker file remembers it was.
@@ -695,44 +695,6 @@ fn write_sparse(dst: &mut std::fs::File, data: &[u8]) -> io::Result<()> {
         }
     }
     Ok(())
-}
-
-/// FS_IOC_ENABLE_VERITY with SHA-256, 4 KiB blocks, no salt.
-fn enable_verity(fd: BorrowedFd<'_>) -> io::Result<()> {
-    #[repr(C)]
-    struct EnableArg {
-        version: u32,
-        hash_algorithm: u32,
-        block_size: u32,
-        salt_size: u32,
-        salt_ptr: u64,
-        sig_size: u32,
-        reserved1: u32,
-        sig_ptr: u64,
-        reserved2: [u64; 11],
-    }
-    const FS_IOC_ENABLE_VERITY: libc::c_ulong = 0x4080_6685;
-    let arg = EnableArg {
-        version: 1,
-        hash_algorithm: 1,
-        block_size: 4096,
-        salt_size: 0,
-        salt_ptr: 0,
-        sig_size: 0,
-        reserved1: 0,
-        sig_ptr: 0,
-        reserved2: [0; 11],
-    };
-    use std::os::fd::AsRawFd;
-    // SAFETY: the ioctl reads a fully initialised, correctly laid out
-    // fsverity_enable_arg from `arg`, which outlives the call; it writes
-    // nothing through it.
-    let r = unsafe { libc::ioctl(fd.as_raw_fd(), FS_IOC_ENABLE_VERITY, &arg as *const EnableArg) };
-    if r == 0 {
-        Ok(())
-    } else {
-        Err(io::Error::last_os_error())
-    }
 }
 
 /// The digest cache's on-disk form of a [`FileState`].

@@ -9,7 +9,8 @@
 //! - [`presence`]: which of many objects a store holds;
 //! - [`remote`]: images pulled lazily, whose objects come on demand;
 //! - [`fetch_lock`]: objects being fetched, one fetch each across processes;
-//! - [`gc`]: removing what no tagged image or live mount needs.
+//! - [`gc`]: removing what no tagged image or live mount needs;
+//! - [`verity`]: how mounts check objects against their image's digests.
 
 pub mod fetch_lock;
 pub mod file_state;
@@ -21,9 +22,11 @@ pub mod presence;
 pub mod remote;
 pub mod store;
 pub mod tags;
+pub mod verity;
 
 pub use file_state::FileState;
 pub use store::{default_store_path, open_regular, parse_object_rel, LockMode, Store, StoreLock};
+pub use verity::Verity;
 
 use std::io;
 use std::path::{Path, PathBuf};

@@ -22,6 +22,18 @@ pub fn tilefs_bin() -> PathBuf {
         .unwrap_or_else(|| PathBuf::from(env!("CARGO_BIN_EXE_tilefs")))
 }
 
+/// `mount.tilefs`: the tilefs binary under that name (a link to it, made
+/// once per test process), as `scripts/install` installs it.
+pub fn mount_helper_bin() -> PathBuf {
+    static DIR: std::sync::OnceLock<tempfile::TempDir> = std::sync::OnceLock::new();
+    let dir = DIR.get_or_init(|| {
+        let d = tempfile::tempdir().unwrap();
+        std::os::unix::fs::symlink(tilefs_bin(), d.path().join("mount.tilefs")).unwrap();
+        d
+    });
+    dir.path().join("mount.tilefs")
+}
+
 /// Runs tilefs with `args`; panics with its stderr when it fails.
 pub fn tilefs(args: &[&OsStr]) -> Output {
     let out = Command::new(tilefs_bin()).args(args).output().expect("running tilefs");
@@ -65,15 +77,8 @@ pub const NOBODY: u32 = 65534;
 /// Runs `cmd` as uid/gid 65534 without supplementary groups.
 pub fn as_nobody(cmd: &mut Command) -> &mut Command {
     use std::os::unix::process::CommandExt;
-    // SAFETY: only async-signal-safe calls between fork and exec.
-    unsafe {
-        cmd.pre_exec(|| {
-            if libc::setgroups(0, std::ptr::null()) != 0 || libc::setgid(NOBODY) != 0 || libc::setuid(NOBODY) != 0 {
-                return Err(std::io::Error::last_os_error());
-            }
-            Ok(())
-        })
-    }
+    // As root, std also drops the supplementary groups before setuid.
+    cmd.uid(NOBODY).gid(NOBODY)
 }
 
 /// Gives `path` to the unprivileged user (a mount point of theirs).

@@ -91,7 +91,7 @@ struct Found {
     opaque: bool,
 }
 
-pub(crate) struct OverlayFs {
+pub struct OverlayFs {
     lower: Lower,
     up: Upper,
     nodes: Mutex<Nodes>,
@@ -214,6 +214,11 @@ impl OverlayFs {
     }
 
     /// The absolute image path of image directory `dir` (for redirects).
+    /// The image's side of the mount.
+    pub(crate) fn lower(&self) -> &Lower {
+        &self.lower
+    }
+
     fn lower_path(&self, dir: InodeId) -> Vec<u8> {
         let mut parts = Vec::new();
         let mut cur = dir;

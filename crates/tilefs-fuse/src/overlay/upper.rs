@@ -308,28 +308,12 @@ impl Target<'_> {
     }
 }
 
-/// `fchmodat2(dir, name, mode, AT_SYMLINK_NOFOLLOW)`: a chmod that never
-/// follows a symlink planted in the upper directory (a symlink itself is
-/// left as it is, having no mode of its own).
+/// A chmod that never follows a symlink planted in the upper directory (a
+/// symlink itself is left as it is, having no mode of its own).
 pub(crate) fn chmod_nofollow(dir: BorrowedFd<'_>, name: &[u8], mode: u32) -> Result<(), Errno> {
-    let c = CString::new(name).map_err(|_| Errno::INVAL)?;
-    // SAFETY: fchmodat2 reads the NUL-terminated name; the descriptor is
-    // valid for the call. (rustix has no wrapper for it.)
-    let r = unsafe {
-        libc::syscall(
-            libc::SYS_fchmodat2,
-            dir.as_raw_fd(),
-            c.as_ptr(),
-            mode as libc::c_uint,
-            libc::AT_SYMLINK_NOFOLLOW,
-        )
-    };
-    if r == 0 {
-        return Ok(());
-    }
-    match Errno::from_raw_os_error(std::io::Error::last_os_error().raw_os_error().unwrap_or(libc::EIO)) {
-        Errno::OPNOTSUPP => Ok(()),
-        Errno::NOSYS => {
+    match tilefs_sys::fs::chmod_nofollow(dir, name, mode) {
+        Ok(()) | Err(Errno::OPNOTSUPP) => Ok(()),
+        Err(Errno::NOSYS) => {
             // Before Linux 6.6: through a descriptor of the entry itself.
             let fd = rustix::fs::openat(
                 dir,
@@ -342,7 +326,7 @@ pub(crate) fn chmod_nofollow(dir: BorrowedFd<'_>, name: &[u8], mode: u32) -> Res
             }
             rustix::fs::chmod(proc_path(fd.as_fd(), None).as_c_str(), Mode::from_raw_mode(mode))
         }
-        e => Err(e),
+        Err(e) => Err(e),
     }
 }
 

@@ -389,7 +389,7 @@ impl Service {
                 if !lazy {
                     if let Some(why) = checks::in_use(target.as_fd())? {
                         return Err(format!(
-                            "the mount is busy ({why}); close what uses it and retry, or unmount with --lazy"
+                            "the mount is busy ({why}); close what uses it and retry, or unmount lazily"
                         ));
                     }
                 }

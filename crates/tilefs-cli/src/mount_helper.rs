@@ -9,13 +9,11 @@
 //! `tilefs mount -o` plus `store=DIR` (required), `upper=DIR`, `work=DIR`,
 //! `verity=require|auto|off`, `digest=HEX`, `kernel`, `fuse`.
 
-#[allow(dead_code)]
-#[path = "../mount_cmd.rs"]
-mod mount_cmd;
-#[allow(dead_code)]
-#[path = "../store_arg.rs"]
-mod store_arg;
+//!
+//! It is the `tilefs` binary itself, run under the name `mount.tilefs`
+//! (installed as a link to it).
 
+use crate::mount_cmd;
 use std::ffi::OsString;
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -40,7 +38,8 @@ and fstab lines of type tilefs.
   -s -n -v    accepted (sloppy, no mtab, verbose)
   -N NS       mount in the mount namespace NS (a PID or a /proc/PID/ns/mnt path)";
 
-fn main() -> ExitCode {
+/// `mount.tilefs`: what `main` runs when called by that name.
+pub fn main() -> ExitCode {
     match run() {
         Ok(()) => ExitCode::SUCCESS,
         Err((code, msg)) => {
@@ -111,36 +110,37 @@ fn run() -> Result<(), (u8, String)> {
     }
     let stores = std::mem::take(&mut options.stores);
     let backend = options.backend;
-    let req = mount_cmd::Request {
+    let req = tilefs_present::Request {
         image: PathBuf::from(image),
         stores,
         mountpoint: PathBuf::from(mountpoint),
         options,
         backend,
-        foreground: false,
-        log: None,
-        threads: 0,
+        fuse: tilefs_present::FuseSettings {
+            // A system mount (fstab, `mount -t tilefs` by root) is for
+            // every user, as a kernel mount is, also when FUSE serves it.
+            allow_other: rustix::process::geteuid().is_root(),
+            ..tilefs_present::FuseSettings::default()
+        },
         erofs_backing: tilefs_mount::ErofsBacking::Auto,
-        // A system mount (fstab, `mount -t tilefs` by root) is for every
-        // user, as a kernel mount is, also when FUSE serves it.
-        allow_other: rustix::process::geteuid().is_root(),
     };
     if fake {
         return check_only(&req).map_err(|e| (EX_FAIL, format!("{e:#}")));
     }
-    mount_cmd::run(&req).map_err(|e| (EX_FAIL, format!("{e:#}")))?;
+    let (image, mountpoint) = (req.image.clone(), req.mountpoint.clone());
+    let serving = mount_cmd::Serving {
+        foreground: false,
+        log: None,
+    };
+    mount_cmd::run(req, &serving).map_err(|e| (EX_FAIL, format!("{e:#}")))?;
     if verbose {
-        eprintln!(
-            "mount.tilefs: mounted {} on {}",
-            req.image.display(),
-            req.mountpoint.display()
-        );
+        eprintln!("mount.tilefs: mounted {} on {}", image.display(), mountpoint.display());
     }
     Ok(())
 }
 
 /// `-f`: everything but the mount itself.
-fn check_only(req: &mount_cmd::Request) -> anyhow::Result<()> {
+fn check_only(req: &tilefs_present::Request) -> anyhow::Result<()> {
     use anyhow::Context;
     let store = tilefs_store::Store::open(&req.stores[0])?;
     let image = tilefs_store::tags::resolve_image(Some(&store), &req.image)?;

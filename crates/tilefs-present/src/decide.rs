@@ -1,0 +1,169 @@
+//! The decision: how to present an image, from the request and what the
+//! machine offers. Pure: everything it looks at is in [`Machine`], so
+//! every front end decides alike and the table is tested as a table.
+
+use crate::notice::Notice;
+use tilefs_mount::options::Backend;
+use tilefs_store::Verity;
+
+/// Whether this process may make kernel mounts.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum KernelAccess {
+    /// EROFS and overlayfs are there and ours to mount.
+    Yes,
+    /// They are there but not for us (no privilege, a user namespace):
+    /// the mount service may mount for us.
+    NotPermitted(String),
+    /// Not on this machine.
+    Unavailable(String),
+}
+
+/// What the machine offers for one request.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Machine {
+    /// The store can be opened by this user (else only the mount service,
+    /// which reads it as root, can mount its images).
+    pub store_readable: bool,
+    /// The image was pulled lazily and the store still lacks objects:
+    /// `(absent, total)`.
+    pub lazy: Option<(usize, usize)>,
+    pub kernel: KernelAccess,
+    /// Why the kernel cannot verify objects, if it cannot (no fs-verity).
+    pub kernel_cannot_verify: Option<String>,
+}
+
+/// The ways to try, in order: the first that works presents the image.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Plan {
+    Kernel,
+    Delegated,
+    Fuse,
+    /// The mount service; if it will not, FUSE (saying why the kernel was
+    /// not used).
+    DelegatedElseFuse {
+        no_kernel: String,
+    },
+}
+
+/// What [`decide`] chose, and what the user should be told about it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Decision {
+    pub plan: Plan,
+    pub notices: Vec<Notice>,
+    /// Why the kernel was not used, for the message if FUSE then fails.
+    pub no_kernel: Option<String>,
+}
+
+/// Why no way can present the image as asked.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum Refusal {
+    #[error("the image was pulled lazily and {absent} of its {total} objects are not fetched yet: only a FUSE mount fetches them, the kernel cannot")]
+    LazyNeedsFuse { absent: usize, total: usize },
+}
+
+/// Decides how to present an image: as `backend` says when it says
+/// (`None`: choose), with `verity`, on a machine that offers `m`.
+pub fn decide(backend: Option<Backend>, verity: Verity, m: &Machine) -> Result<Decision, Refusal> {
+    let decision = |plan, notices, no_kernel| Decision {
+        plan,
+        notices,
+        no_kernel,
+    };
+    // A store this user may not read: only the service reads it.
+    if !m.store_readable && matches!(backend, None | Some(Backend::Delegated)) {
+        return Ok(decision(Plan::Delegated, Vec::new(), None));
+    }
+    if let (Some(Backend::Kernel | Backend::Delegated), Some((absent, total))) = (backend, m.lazy) {
+        return Err(Refusal::LazyNeedsFuse { absent, total });
+    }
+    Ok(match (backend, m.lazy) {
+        (Some(Backend::Kernel), _) => decision(Plan::Kernel, Vec::new(), None),
+        (Some(Backend::Delegated), _) => decision(Plan::Delegated, Vec::new(), None),
+        (Some(Backend::Fuse), _) => decision(Plan::Fuse, Vec::new(), None),
+        (None, Some((absent, total))) => decision(Plan::Fuse, vec![Notice::FuseFetches { absent, total }], None),
+        (None, None) => match &m.kernel {
+            KernelAccess::NotPermitted(why) => decision(
+                Plan::DelegatedElseFuse { no_kernel: why.clone() },
+                Vec::new(),
+                Some(why.clone()),
+            ),
+            KernelAccess::Yes => match (&m.kernel_cannot_verify, verity) {
+                (Some(why), Verity::Require) => decision(Plan::Fuse, vec![Notice::FuseVerifies(why.clone())], None),
+                _ => decision(Plan::Kernel, Vec::new(), None),
+            },
+            KernelAccess::Unavailable(why) => {
+                decision(Plan::Fuse, vec![Notice::NoKernel(why.clone())], Some(why.clone()))
+            }
+        },
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn machine() -> Machine {
+        Machine {
+            store_readable: true,
+            lazy: None,
+            kernel: KernelAccess::Yes,
+            kernel_cannot_verify: None,
+        }
+    }
+
+    #[test]
+    fn the_table() {
+        use Backend::*;
+        let m = machine();
+        let plan = |b, v, m: &Machine| decide(b, v, m).map(|d| d.plan);
+        // Asked for: as asked.
+        for (b, p) in [(Kernel, Plan::Kernel), (Fuse, Plan::Fuse), (Delegated, Plan::Delegated)] {
+            assert_eq!(plan(Some(b), Verity::Auto, &m), Ok(p));
+        }
+        // Chosen: the kernel where it can...
+        assert_eq!(plan(None, Verity::Auto, &m), Ok(Plan::Kernel));
+        // ... unless verification is required and it cannot verify.
+        let noverity = Machine {
+            kernel_cannot_verify: Some("no fs-verity".into()),
+            ..machine()
+        };
+        assert_eq!(plan(None, Verity::Auto, &noverity), Ok(Plan::Kernel));
+        let d = decide(None, Verity::Require, &noverity).unwrap();
+        assert_eq!(d.plan, Plan::Fuse);
+        assert_eq!(d.notices, vec![Notice::FuseVerifies("no fs-verity".into())]);
+        // Without privilege: the service, else FUSE.
+        let user = Machine {
+            kernel: KernelAccess::NotPermitted("no privilege".into()),
+            ..machine()
+        };
+        assert_eq!(
+            plan(None, Verity::Auto, &user),
+            Ok(Plan::DelegatedElseFuse {
+                no_kernel: "no privilege".into()
+            })
+        );
+        // No kernel at all: FUSE, saying why.
+        let none = Machine {
+            kernel: KernelAccess::Unavailable("no erofs".into()),
+            ..machine()
+        };
+        let d = decide(None, Verity::Auto, &none).unwrap();
+        assert_eq!((d.plan, d.no_kernel.as_deref()), (Plan::Fuse, Some("no erofs")));
+        // A lazy image: FUSE only.
+        let lazy = Machine {
+            lazy: Some((3, 10)),
+            ..machine()
+        };
+        assert_eq!(plan(None, Verity::Auto, &lazy), Ok(Plan::Fuse));
+        assert!(plan(Some(Kernel), Verity::Auto, &lazy).is_err());
+        assert!(plan(Some(Delegated), Verity::Auto, &lazy).is_err());
+        assert_eq!(plan(Some(Fuse), Verity::Auto, &lazy), Ok(Plan::Fuse));
+        // A store we cannot read: the service.
+        let unreadable = Machine {
+            store_readable: false,
+            ..user
+        };
+        assert_eq!(plan(None, Verity::Auto, &unreadable), Ok(Plan::Delegated));
+        assert_eq!(plan(Some(Fuse), Verity::Auto, &unreadable), Ok(Plan::Fuse));
+    }
+}

@@ -1,0 +1,442 @@
+//! One way to mount, several doors: every front end (the CLI,
+//! `mount.tilefs`, the containerd snapshotter, the VM server) presents an
+//! image through this crate, so all decide alike and check alike.
+//!
+//! - [`decide`]: the decision, a pure function of the request and of what
+//!   the machine offers (kernel mounts, privilege, verification, a lazily
+//!   pulled image, a store this user may read);
+//! - [`mount`]: carries it out for every backend (the kernel, the mount
+//!   service, FUSE), wires a lazy image's fetcher into the FUSE server, and
+//!   records every mount it makes as a gc root of its store alike;
+//! - [`Notice`]: what the user should be told, in the library's words.
+//!
+//! A FUSE mount comes back mounted but not yet served: serving on threads
+//! of the caller, or in a process it forks, is the front end's choice.
+
+pub mod decide;
+mod notice;
+
+pub use decide::{decide, Decision, KernelAccess, Machine, Plan, Refusal};
+pub use notice::Notice;
+
+use std::io::Read;
+use std::path::{Path, PathBuf};
+use tilefs_mount::mountd::client::{self, ClientError};
+use tilefs_mount::options::{Backend, ParsedOptions};
+use tilefs_mount::{ErofsBacking, MountError, MountOptions};
+use tilefs_store::{tags, Store, StoreError, Verity};
+
+/// A request to present an image.
+#[derive(Debug, Clone, Default)]
+pub struct Request {
+    /// An image file, or a tag in the first store.
+    pub image: PathBuf,
+    /// Object stores; the first holds the tags.
+    pub stores: Vec<PathBuf>,
+    pub mountpoint: PathBuf,
+    pub options: ParsedOptions,
+    /// The backend asked for; None: choose.
+    pub backend: Option<Backend>,
+    pub fuse: FuseSettings,
+    pub erofs_backing: ErofsBacking,
+}
+
+/// How a FUSE server is run.
+#[derive(Debug, Clone, Default)]
+pub struct FuseSettings {
+    /// Worker threads (0: the default).
+    pub threads: usize,
+    /// Where its messages go.
+    pub log: tilefs_fuse::LogTo,
+    /// Let other users in even without `allow_other` among the options (a
+    /// system mount, visible to all as a kernel mount would be).
+    pub allow_other: bool,
+}
+
+/// An image presented.
+pub enum Presented {
+    /// A kernel mount (made here or by the mount service): nothing to serve.
+    Kernel { notices: Vec<Notice> },
+    /// A FUSE server mounted: the caller serves it, with `config`.
+    Fuse {
+        mounted: tilefs_fuse::Mounted,
+        config: tilefs_fuse::ServeConfig,
+        notices: Vec<Notice>,
+    },
+}
+
+impl Presented {
+    pub fn notices(&self) -> &[Notice] {
+        match self {
+            Presented::Kernel { notices } | Presented::Fuse { notices, .. } => notices,
+        }
+    }
+}
+
+/// Why an image was not presented. Nothing is left mounted.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    #[error(transparent)]
+    Refused(#[from] Refusal),
+    #[error(transparent)]
+    Store(#[from] StoreError),
+    /// The kernel mount failed.
+    #[error(transparent)]
+    Kernel(#[from] MountError),
+    /// The mount service did not mount it.
+    #[error(transparent)]
+    Service(#[from] ClientError),
+    /// The store cannot be read by this user, and the service did not
+    /// mount from it.
+    #[error("{}: cannot read the store ({err}), and the mount service did not mount it: {why}", store.display())]
+    StoreUnreadable {
+        store: PathBuf,
+        err: std::io::Error,
+        why: Box<Error>,
+    },
+    /// The FUSE mount failed (`no_kernel`: why the kernel was not used).
+    #[error("FUSE mount of {} at {}: {msg}{}", image.display(), mountpoint.display(), no_kernel.as_ref().map(|w| format!(" (and no kernel mount: {w})")).unwrap_or_default())]
+    Fuse {
+        image: PathBuf,
+        mountpoint: PathBuf,
+        msg: String,
+        no_kernel: Option<String>,
+    },
+    /// The request asks what this backend cannot do.
+    #[error("{0}")]
+    Unsupported(String),
+}
+
+fn absolute(p: &Path) -> Result<PathBuf, Error> {
+    std::path::absolute(p).map_err(|err| {
+        Error::Store(StoreError::Io {
+            path: p.to_path_buf(),
+            what: "cannot resolve the path",
+            err,
+        })
+    })
+}
+
+/// `req` with every path absolute: a FUSE server serves from `/` once it
+/// is detached, and the mount service resolves paths in a directory of its
+/// own. An image file is made absolute; a tag is left as it is.
+fn absolute_paths(req: &Request) -> Result<Request, Error> {
+    let mut r = req.clone();
+    for s in r.stores.iter_mut().chain(r.options.stores.iter_mut()) {
+        *s = absolute(s)?;
+    }
+    for d in [&mut r.options.upper, &mut r.options.work].into_iter().flatten() {
+        *d = absolute(d)?;
+    }
+    r.mountpoint = absolute(&r.mountpoint)?;
+    if std::fs::metadata(&r.image).is_ok_and(|m| !m.is_dir()) {
+        r.image = absolute(&r.image)?;
+    }
+    Ok(r)
+}
+
+/// Presents the image `req` names, as [`decide`] chooses.
+pub fn mount(req: &Request) -> Result<Presented, Error> {
+    let req = &absolute_paths(req)?;
+    let first = req
+        .stores
+        .first()
+        .ok_or_else(|| Error::Unsupported("no object store given".into()))?;
+    let (store, unreadable) = match Store::open(first) {
+        Ok(s) => (Some(s), None),
+        Err(StoreError::Io { err, .. }) if err.kind() == std::io::ErrorKind::PermissionDenied => (None, Some(err)),
+        Err(e) => return Err(e.into()),
+    };
+    let image = match &store {
+        Some(s) => absolute(&tags::resolve_image(Some(s), &req.image)?)?,
+        None => req.image.clone(),
+    };
+    let verity = req.options.verity.unwrap_or_default();
+    let lazy = match &store {
+        Some(s) if !tilefs_store::remote::records(s).is_empty() => {
+            read_image(&image)?.and_then(|b| tilefs_store::remote::incomplete(s, &b))
+        }
+        _ => None,
+    };
+    let mut machine = Machine {
+        store_readable: store.is_some(),
+        lazy: lazy.as_ref().map(|m| (m.absent, m.total)),
+        kernel: KernelAccess::Yes,
+        kernel_cannot_verify: None,
+    };
+    // What the kernel offers is asked only when the choice is ours.
+    if req.backend.is_none() && machine.lazy.is_none() && machine.store_readable {
+        machine.kernel = match tilefs_mount::kernel_available() {
+            Ok(()) => KernelAccess::Yes,
+            Err(MountError::NotPermitted(e)) => KernelAccess::NotPermitted(e),
+            Err(e) => KernelAccess::Unavailable(e.to_string()),
+        };
+        if machine.kernel == KernelAccess::Yes && verity == Verity::Require {
+            machine.kernel_cannot_verify = tilefs_mount::verity_unavailable(&req.stores);
+        }
+    }
+    let Decision {
+        plan,
+        mut notices,
+        no_kernel,
+    } = decide(req.backend, verity, &machine)?;
+    let lazy_digest = lazy.map(|m| m.digest);
+    let presented = match plan {
+        Plan::Kernel => {
+            let store = store.ok_or_else(|| Error::Unsupported("the store cannot be read".into()))?;
+            kernel(req, &store, &image, verity, &mut notices)?
+        }
+        Plan::Delegated => match delegated(req, &mut notices) {
+            Ok(()) => Presented::Kernel { notices: Vec::new() },
+            Err(why) => {
+                return Err(match unreadable {
+                    Some(err) => Error::StoreUnreadable {
+                        store: first.clone(),
+                        err,
+                        why: Box::new(why),
+                    },
+                    None => why,
+                })
+            }
+        },
+        Plan::Fuse => fuse(req, &image, verity, lazy_digest, no_kernel)?,
+        Plan::DelegatedElseFuse { no_kernel } => match delegated(req, &mut notices) {
+            Ok(()) => Presented::Kernel { notices: Vec::new() },
+            Err(why) => {
+                notices.push(Notice::ServiceDeclined {
+                    no_kernel: no_kernel.clone(),
+                    why: why.to_string(),
+                });
+                fuse(req, &image, verity, lazy_digest, Some(no_kernel))?
+            }
+        },
+    };
+    // Notices of the decision first, then those of the mount.
+    Ok(match presented {
+        Presented::Kernel { notices: more } => {
+            notices.extend(more);
+            Presented::Kernel { notices }
+        }
+        Presented::Fuse {
+            mounted,
+            config,
+            notices: more,
+        } => {
+            notices.extend(more);
+            Presented::Fuse {
+                mounted,
+                config,
+                notices,
+            }
+        }
+    })
+}
+
+/// The bytes of the image file, read without blocking on whatever it is
+/// (None if it is no regular file: the mount itself then says so).
+fn read_image(image: &Path) -> Result<Option<Vec<u8>>, Error> {
+    let Ok(mut f) = tilefs_store::open_regular(rustix::fs::CWD, image, true) else {
+        return Ok(None);
+    };
+    let mut bytes = Vec::new();
+    f.read_to_end(&mut bytes)
+        .map_err(|e| StoreError::io(image, "cannot read", e))?;
+    Ok(Some(bytes))
+}
+
+/// A kernel mount, recorded in its store as a gc root.
+fn kernel(
+    req: &Request,
+    store: &Store,
+    image: &Path,
+    verity: Verity,
+    notices: &mut Vec<Notice>,
+) -> Result<Presented, Error> {
+    let o = &req.options;
+    // Held from the mount to its record, so a gc cannot run between.
+    let lock = store.lock(tilefs_store::LockMode::Shared, true);
+    let mounted = tilefs_mount::mount(&MountOptions {
+        image: image.to_path_buf(),
+        stores: req.stores.clone(),
+        mountpoint: req.mountpoint.clone(),
+        upper: o.upper.clone(),
+        work: o.work.clone(),
+        verity,
+        digest: o.digest,
+        read_only: o.read_only.unwrap_or(false),
+        attrs: o.attrs,
+        overlay_options: o.overlay.clone(),
+        erofs_backing: req.erofs_backing,
+    })?;
+    notices.extend(mounted.notices.iter().cloned().map(Notice::Mount));
+    let recorded = lock.and_then(|_lock| {
+        let id = tilefs_store::mounts::mount_id_of(&mounted.mountpoint)
+            .ok_or_else(|| StoreError::Invalid(format!("{}: no mount there", mounted.mountpoint.display())))?;
+        tilefs_store::mounts::register_kernel(store, &mounted.image, &mounted.mountpoint, id)
+    });
+    if let Err(e) = recorded {
+        notices.push(Notice::NotRecorded(e.to_string()));
+    }
+    Ok(Presented::Kernel { notices: Vec::new() })
+}
+
+/// Has the mount service make the mount: a tagged image only (the service
+/// mounts only what its policy trusts), one store, nosuid and nodev.
+fn delegated(req: &Request, notices: &mut Vec<Notice>) -> Result<(), Error> {
+    let o = &req.options;
+    let refuse = |m: &str| Err(Error::Unsupported(m.to_string()));
+    if req.stores.len() > 1 {
+        return refuse("a delegated mount serves one object store");
+    }
+    for (asked, what) in [(o.suid_asked, "suid"), (o.dev_asked, "dev")] {
+        if asked {
+            return refuse(&format!(
+                "option {what} cannot be honoured: delegated mounts are always nosuid and nodev"
+            ));
+        }
+    }
+    if let Some((k, _)) = o.overlay.first() {
+        return refuse(&format!("option {k} cannot be honoured by a delegated mount"));
+    }
+    if o.digest.is_some() {
+        return refuse("a digest cannot be asked of a delegated mount (the service's policy pins digests)");
+    }
+    if o.attrs.atime.is_some() || o.attrs.nodiratime {
+        return refuse(
+            "access-time options cannot be honoured by a delegated mount (it keeps the kernel's default, relatime)",
+        );
+    }
+    let tag = req
+        .image
+        .to_str()
+        .filter(|t| tags::validate_tag(t).is_ok() && !req.image.exists())
+        .ok_or_else(|| {
+            Error::Unsupported(format!(
+                "{}: the mount service mounts tagged images only",
+                req.image.display()
+            ))
+        })?;
+    let store = &req.stores[0];
+    let store = std::fs::canonicalize(store).map_err(|e| StoreError::io(store, "cannot resolve", e))?;
+    let verity = o.verity.map(|v| v.to_string());
+    let said = client::mount(
+        &tilefs_mount::mountd::server::socket_path(),
+        &client::DelegatedMount {
+            store: &store,
+            image: tag,
+            mountpoint: &req.mountpoint,
+            noexec: o.attrs.noexec,
+            nosymfollow: o.attrs.nosymfollow,
+            verity: verity.as_deref(),
+            upper: o.upper.as_deref().zip(o.work.as_deref()),
+        },
+    )?;
+    notices.extend(said.into_iter().map(Notice::Mount));
+    notices.push(Notice::ByService);
+    Ok(())
+}
+
+/// A FUSE mount, recorded in its store as a gc root while its server
+/// lives; `lazy`: the digest of a lazily pulled image, whose objects the
+/// server fetches as they are read.
+fn fuse(
+    req: &Request,
+    image: &Path,
+    verity: Verity,
+    lazy: Option<[u8; 32]>,
+    no_kernel: Option<String>,
+) -> Result<Presented, Error> {
+    let o = &req.options;
+    let failed = |msg: String| Error::Fuse {
+        image: image.to_path_buf(),
+        mountpoint: req.mountpoint.clone(),
+        msg,
+        no_kernel: no_kernel.clone(),
+    };
+    let upper = match (&o.upper, &o.work) {
+        (Some(u), Some(w)) => Some((u.clone(), w.clone())),
+        (None, None) => None,
+        _ => {
+            return Err(failed(
+                "a writable mount needs both an upper and a work directory".into(),
+            ))
+        }
+    };
+    if (o.uid_map.is_some() || o.gid_map.is_some()) && upper.is_none() {
+        return Err(failed("uidmapping and gidmapping apply to writable mounts".into()));
+    }
+    if let Some((k, _)) = o.overlay.first() {
+        return Err(failed(format!(
+            "option {k} is an overlayfs option: it needs a kernel mount"
+        )));
+    }
+    if req.stores.len() > 1 {
+        return Err(failed("the FUSE mount serves one object store".into()));
+    }
+    let store = &req.stores[0];
+    tilefs_mount::check_mountpoint(&req.mountpoint)?;
+    let fetcher = match lazy {
+        Some(digest) => tilefs_oci::fetch::LazySource::open(store, &digest)
+            .map_err(|e| failed(e.to_string()))?
+            .map(|s| tilefs_fuse::Fetcher(std::sync::Arc::new(s))),
+        None => None,
+    };
+    let spec = tilefs_fuse::ServeSpec {
+        image: image.to_path_buf(),
+        store: store.clone(),
+        verity,
+        tuning: tilefs_fuse::Tuning {
+            passthrough: o.passthrough.unwrap_or(true),
+            ..tilefs_fuse::Tuning::default()
+        },
+        image_digest: o.digest,
+        fetcher,
+        upper: upper.clone(),
+        uid_map: o.uid_map.clone(),
+        gid_map: o.gid_map.clone(),
+        log: req.fuse.log.clone(),
+    };
+    let server = tilefs_fuse::Server::build(&spec).map_err(|e| failed(e.to_string()))?;
+    let config = server.serve_config(req.fuse.threads, o.uring == Some(false), o.idle_poll);
+    // A gc root while the server lives (the objects of an image mounted by
+    // path are protected by no tag). A store we may not write cannot hold
+    // one; the mount goes on, and says so.
+    let mut notices = Vec::new();
+    let record = Store::open(store).and_then(|s| {
+        tilefs_store::mounts::register_fuse(
+            &s,
+            server.image_bytes(),
+            &tilefs_fuse::record_where(&req.mountpoint, upper.as_ref()),
+        )
+    });
+    let asked = |flag: bool, asked_off: bool| match (flag, asked_off) {
+        (true, _) => Some(true),
+        (false, true) => Some(false),
+        (false, false) => None,
+    };
+    let uring = server.wants_uring(o.uring == Some(false));
+    let mut mounted = tilefs_fuse::mount(
+        server,
+        &tilefs_fuse::DevMount {
+            mountpoint: req.mountpoint.clone(),
+            allow_other: o.allow_other || req.fuse.allow_other,
+            flags: tilefs_fuse::MountFlags {
+                nosuid: asked(o.attrs.nosuid, o.suid_asked),
+                nodev: asked(o.attrs.nodev, o.dev_asked),
+                noexec: o.attrs.noexec,
+                nosymfollow: o.attrs.nosymfollow,
+            },
+            uring,
+        },
+    )
+    .map_err(|e| failed(e.to_string()))?;
+    match record {
+        Ok(r) => mounted.keep_record(r),
+        Err(e) => notices.push(Notice::NotRecorded(e.to_string())),
+    }
+    Ok(Presented::Fuse {
+        mounted,
+        config,
+        notices,
+    })
+}

@@ -1,0 +1,47 @@
+//! What the user should know about how an image was presented: one line
+//! each, in the library's words (front ends print them their own way).
+
+use std::fmt;
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Notice {
+    /// A lazily pulled image is served by FUSE, which fetches.
+    FuseFetches { absent: usize, total: usize },
+    /// Verification is required and only FUSE can do it here.
+    FuseVerifies(String),
+    /// No kernel mount here: served by FUSE.
+    NoKernel(String),
+    /// The mount service did not mount it (unreachable, or refused):
+    /// served by FUSE.
+    ServiceDeclined { no_kernel: String, why: String },
+    /// Made by the mount service (a kernel mount).
+    ByService,
+    /// Something the kernel mount or the service said.
+    Mount(String),
+    /// The mount is not recorded in its store: gc there may remove the
+    /// objects it uses.
+    NotRecorded(String),
+}
+
+impl fmt::Display for Notice {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Notice::FuseFetches { absent, total } => write!(
+                f,
+                "using the FUSE mount: {absent} of the image's {total} objects are still to be fetched \
+                 (pulled lazily), and only it fetches them"
+            ),
+            Notice::FuseVerifies(why) => write!(f, "using the FUSE mount, which verifies objects itself: {why}"),
+            Notice::NoKernel(why) => write!(f, "using the FUSE mount: no kernel mount here ({why})"),
+            Notice::ServiceDeclined { no_kernel, why } => {
+                write!(f, "using the FUSE mount: no kernel mount here ({no_kernel}; {why})")
+            }
+            Notice::ByService => write!(f, "mounted by the mount service (a kernel mount)"),
+            Notice::Mount(n) => f.write_str(n),
+            Notice::NotRecorded(e) => write!(
+                f,
+                "the mount is not recorded in the store, so gc there may remove its objects: {e}"
+            ),
+        }
+    }
+}

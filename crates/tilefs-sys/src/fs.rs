@@ -1,0 +1,75 @@
+//! File system calls rustix does not wrap.
+
+use rustix::fd::{AsRawFd, BorrowedFd};
+use rustix::io::Errno;
+use std::ffi::CString;
+
+fn last_errno() -> Errno {
+    Errno::from_io_error(&std::io::Error::last_os_error()).unwrap_or(Errno::IO)
+}
+
+/// The uuid of the filesystem holding `fd` (FS_IOC_GETFSUUID), if it has
+/// one that is not all zeros.
+pub fn fs_uuid(fd: BorrowedFd<'_>) -> Option<Vec<u8>> {
+    // struct fsuuid2 { __u8 len; __u8 uuid[16]; }
+    const FS_IOC_GETFSUUID: libc::c_ulong = 0x8011_1500;
+    let mut buf = [0u8; 17];
+    // SAFETY: the ioctl writes at most the 17 bytes of `buf`.
+    let r = unsafe { libc::ioctl(fd.as_raw_fd(), FS_IOC_GETFSUUID as _, buf.as_mut_ptr()) };
+    let len = usize::from(buf[0]);
+    (r == 0 && (1..=16).contains(&len) && buf[1..=len].iter().any(|&b| b != 0)).then(|| buf[1..=len].to_vec())
+}
+
+/// `fchmodat2(dir, name, mode, AT_SYMLINK_NOFOLLOW)`: a chmod that never
+/// follows a symlink (Linux 6.6; a symlink itself fails with EOPNOTSUPP,
+/// having no mode of its own).
+pub fn chmod_nofollow(dir: BorrowedFd<'_>, name: &[u8], mode: u32) -> Result<(), Errno> {
+    let c = CString::new(name).map_err(|_| Errno::INVAL)?;
+    // SAFETY: fchmodat2 reads the NUL-terminated name, which outlives the
+    // call; the descriptor is borrowed for it.
+    let r = unsafe {
+        libc::syscall(
+            libc::SYS_fchmodat2,
+            dir.as_raw_fd(),
+            c.as_ptr(),
+            mode as libc::c_uint,
+            libc::AT_SYMLINK_NOFOLLOW,
+        )
+    };
+    if r == 0 {
+        Ok(())
+    } else {
+        Err(last_errno())
+    }
+}
+
+/// What an open file description lock does to its byte range.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum RangeLock {
+    Shared,
+    Exclusive,
+    Unlock,
+}
+
+/// Sets an open file description lock (`F_OFD_SETLK`, never waiting) on
+/// `len` bytes from `start`: unlike POSIX record locks, it belongs to the
+/// descriptor, so threads of one process exclude each other too.
+pub fn ofd_lock(fd: BorrowedFd<'_>, kind: RangeLock, start: u64, len: u64) -> Result<(), Errno> {
+    // SAFETY: flock is plain data; all-zero is a valid value of it.
+    let mut fl: libc::flock = unsafe { std::mem::zeroed() };
+    fl.l_type = match kind {
+        RangeLock::Shared => libc::F_RDLCK,
+        RangeLock::Exclusive => libc::F_WRLCK,
+        RangeLock::Unlock => libc::F_UNLCK,
+    } as libc::c_short;
+    fl.l_whence = libc::SEEK_SET as libc::c_short;
+    fl.l_start = start.min(i64::MAX as u64 / 2) as libc::off_t;
+    fl.l_len = len.clamp(1, i64::MAX as u64 / 2) as libc::off_t;
+    // SAFETY: F_OFD_SETLK reads the flock, which outlives the call, on a
+    // borrowed descriptor.
+    if unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_OFD_SETLK, &fl) } == 0 {
+        Ok(())
+    } else {
+        Err(last_errno())
+    }
+}
