@@ -9,6 +9,7 @@ mod inspect;
 mod mount_cmd;
 mod mount_helper;
 mod mountd_cmd;
+mod once;
 mod output;
 mod progress;
 mod pull_cmd;
@@ -76,11 +77,11 @@ enum Command {
     )]
     Commit(commit_cmd::CommitArgs),
     /// Run the mount service: kernel mounts of trusted images for unprivileged users (as root)
+    #[command(long_about = mountd_cmd::LONG_ABOUT)]
     Mountd(mountd_cmd::MountdArgs),
     /// Print a shell completion script (bash, zsh, fish, elvish, powershell)
     Completions(docs::CompletionsArgs),
-    /// Write man pages for tilefs and each command into a directory
-    #[command(hide = true)]
+    /// Write man pages (tilefs(1), tilefs-COMMAND(1), mount.tilefs(8)) into a directory
     Man(docs::ManArgs),
 }
 

@@ -44,15 +44,21 @@ pub struct MountArgs {
     pub digest: Option<String>,
     /// Mount options as for `mount -o`: ro, nosuid, nodev, noexec, noatime, ...; for writable
     /// FUSE mounts uidmapping=STORED:SHOWN:LEN[:...] and gidmapping=... (ids inside a user
-    /// namespace); anything unknown to tilefs is passed to overlayfs
+    /// namespace; a user's mount of root's image defaults to 0:UID:1, `none` keeps ids as stored); anything unknown to tilefs is passed to overlayfs
     #[arg(short = 'o', long = "options", value_name = "OPTS")]
     pub options: Vec<String>,
     /// FUSE: stay in the foreground until unmounted
     #[arg(short, long)]
     pub foreground: bool,
-    /// FUSE: also write the server's log lines to FILE (in the background they go to syslog)
+    /// FUSE: write the server's log lines to FILE (the default: stderr in the foreground; in the
+    /// background the system log, or where there is none ~/.local/state/tilefs/fuse.log, for root
+    /// /var/log/tilefs/fuse.log)
     #[arg(long, value_name = "FILE")]
     pub log: Option<PathBuf>,
+    /// Print no notices (facts of the machine, such as no kernel mount without privilege, are
+    /// said once per boot anyway)
+    #[arg(short, long)]
+    pub quiet: bool,
     /// FUSE: serve every read from the server, even as root where the kernel could read objects
     /// itself (passthrough): opening a file then never leaves the kernel, large reads cost more.
     /// Writable mounts: upper files are then written through the server with writeback caching
@@ -72,9 +78,6 @@ pub struct MountArgs {
     /// with --lazy, whose fetches hold their threads)
     #[arg(long, default_value_t = tilefs_fuse::default_threads(), value_name = "N")]
     pub threads: usize,
-    /// How EROFS reads the image: auto, file or loop (for testing)
-    #[arg(long, hide = true, default_value = "auto", value_parser = ["auto", "file", "loop"])]
-    pub erofs_backing: String,
 }
 
 #[derive(Args)]
@@ -91,8 +94,10 @@ pub struct Serving {
     /// Stay in the foreground until unmounted.
     pub foreground: bool,
     /// The server's log file (else stderr in the foreground, syslog in
-    /// the background).
+    /// the background, or a file of the user's where there is no syslog).
     pub log: Option<PathBuf>,
+    /// Print no notices.
+    pub quiet: bool,
 }
 
 pub fn mount(a: MountArgs) -> Result<ExitCode> {
@@ -146,17 +151,14 @@ pub fn mount(a: MountArgs) -> Result<ExitCode> {
             threads: a.threads,
             ..FuseSettings::default()
         },
-        erofs_backing: match a.erofs_backing.as_str() {
-            "file" => ErofsBacking::File,
-            "loop" => ErofsBacking::Loop,
-            _ => ErofsBacking::Auto,
-        },
+        erofs_backing: erofs_backing()?,
     };
     run(
         req,
         &Serving {
             foreground: a.foreground,
             log: a.log.clone(),
+            quiet: a.quiet,
         },
     )?;
     Ok(ExitCode::SUCCESS)
@@ -168,19 +170,75 @@ pub fn run(mut req: Request, serving: &Serving) -> Result<()> {
     // The server keeps objects open for the kernel, and removed files
     // until the kernel forgets them.
     tilefs_fuse::raise_nofile();
-    req.fuse.log = match (&serving.log, serving.foreground) {
+    let mut said = Vec::new();
+    let log_file = match (&serving.log, serving.foreground) {
+        (Some(p), _) => Some(p.clone()),
+        (None, true) => None,
+        (None, false) if has_syslog() => None,
+        (None, false) => {
+            let f = default_log_file();
+            if let Some(p) = &f {
+                said.push(format!(
+                    "a FUSE server's messages go to {} (there is no system log here)",
+                    p.display()
+                ));
+            }
+            f
+        }
+    };
+    req.fuse.log = match (&log_file, serving.foreground) {
         (Some(p), _) => LogTo::File(p.clone()),
         (None, true) => LogTo::Stderr,
         (None, false) => LogTo::Syslog,
     };
     let presented = tilefs_present::mount(&req).map_err(with_flags)?;
-    for n in presented.notices() {
-        eprintln!("{}: notice: {n}", prog());
+    let notices = presented.notices().iter().map(|n| (n.to_string(), n.is_machine_fact()));
+    for (n, once) in notices.chain(said.into_iter().map(|s| (s, true))) {
+        if !serving.quiet && (!once || crate::once::first_time(&n)) {
+            eprintln!("{}: notice: {n}", prog());
+        }
     }
     if let Presented::Fuse { mounted, config, .. } = presented {
-        crate::fuse_serve::serve(mounted, config, serving.foreground, serving.log.as_deref())?;
+        crate::fuse_serve::serve(mounted, config, serving.foreground, log_file.as_deref())?;
     }
     Ok(())
+}
+
+/// How EROFS reads the image: `$TILEFS_EROFS_BACKING` (auto, file or
+/// loop), for tests of the loop device path on kernels that read files.
+fn erofs_backing() -> Result<ErofsBacking> {
+    match std::env::var("TILEFS_EROFS_BACKING").as_deref() {
+        Err(_) | Ok("" | "auto") => Ok(ErofsBacking::Auto),
+        Ok("file") => Ok(ErofsBacking::File),
+        Ok("loop") => Ok(ErofsBacking::Loop),
+        Ok(v) => bail!("$TILEFS_EROFS_BACKING={v}: auto, file or loop"),
+    }
+}
+
+/// Whether a system log listens (/dev/log is a socket).
+fn has_syslog() -> bool {
+    use std::os::unix::fs::FileTypeExt;
+    std::fs::metadata("/dev/log").is_ok_and(|m| m.file_type().is_socket())
+}
+
+/// Where a background server logs when there is no system log: a file of
+/// the user's state directory (root: /var/log/tilefs), made if needed.
+fn default_log_file() -> Option<PathBuf> {
+    let dir = if rustix::process::geteuid().is_root() {
+        PathBuf::from("/var/log/tilefs")
+    } else {
+        let abs = |v: Option<std::ffi::OsString>| v.map(PathBuf::from).filter(|p| p.is_absolute());
+        abs(std::env::var_os("XDG_STATE_HOME"))
+            .or_else(|| abs(std::env::var_os("HOME")).map(|h| h.join(".local/state")))?
+            .join("tilefs")
+    };
+    use std::os::unix::fs::DirBuilderExt;
+    std::fs::DirBuilder::new()
+        .recursive(true)
+        .mode(0o700)
+        .create(&dir)
+        .ok()?;
+    Some(dir.join("fuse.log"))
 }
 
 /// A library error, with the command-line flag that helps where one does.

@@ -131,6 +131,7 @@ fn run() -> Result<(), (u8, String)> {
     let serving = mount_cmd::Serving {
         foreground: false,
         log: None,
+        quiet: false,
     };
     mount_cmd::run(req, &serving).map_err(|e| (EX_FAIL, format!("{e:#}")))?;
     if verbose {

@@ -8,6 +8,33 @@ use std::process::ExitCode;
 use std::sync::{Arc, OnceLock};
 use tilefs_mount::mountd::{helper, server};
 
+/// What `tilefs mountd --help` and tilefs-mountd(1) say: the policy's
+/// format is here, where an administrator looks for it.
+pub const LONG_ABOUT: &str = "Run the mount service (as root): kernel mounts of trusted images for \
+users without privilege.
+
+Users reach it with `tilefs mount --delegated` (or plain `tilefs mount` without privilege); the \
+caller is known by the socket's peer credentials. It mounts only tagged images of the stores its \
+policy lists, for the users and groups the policy names, nosuid and nodev, and a writable mount \
+as the overlay the caller could make without privilege.
+
+The policy (TOML, --policy, default /etc/tilefs/mountd.toml):
+
+  max_mounts_per_user = 64         # optional: live mounts kept for one user
+  [[store]]
+  path = \"/var/lib/tilefs/store\"   # absolute: a store whose tags may be mounted
+  users = [\"alice\", \"1001\"]        # user names or uids
+  groups = [\"builders\"]            # group names or gids
+  images = [\"os:1\"]                # optional: only these tags (default: all)
+  verity = \"require\"               # optional: require | auto | off, over what users ask
+  writable = true                  # optional: allow --upper/--work (default false)
+  [store.pinned]                   # optional: tags that mount only with this digest
+  \"os:1\" = \"sha256:6d0c...\"
+
+Unknown keys, names that resolve to no user or group, and relative paths are errors when the \
+policy is loaded. Clients find the service at $TILEFS_MOUNTD_SOCKET, else \
+/run/tilefs/mountd.sock. SIGTERM or SIGINT stops it; it removes the socket it made.";
+
 #[derive(Args)]
 pub struct MountdArgs {
     /// Socket to listen on (ignored when systemd passes one: socket activation)

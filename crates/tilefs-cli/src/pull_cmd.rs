@@ -130,9 +130,13 @@ pub fn run(a: PullArgs) -> Result<ExitCode> {
             );
         } else {
             eprintln!(
-                "tilefs: pulled {r} as {tag:?} in {} ({} layers, {} entries, {} new objects)",
+                "tilefs: pulled {r} as {tag:?} in {} ({}, {} entries, {} new objects)",
                 store_path.display(),
-                report.layers,
+                if report.layers == 1 {
+                    "1 layer".to_string()
+                } else {
+                    format!("{} layers", report.layers)
+                },
                 report.entries,
                 report.objects.new_objects
             );

@@ -44,7 +44,7 @@ pub struct FsckArgs {
     /// Threads (the default is one per core)
     #[arg(short, long, default_value_t = std::thread::available_parallelism().map_or(1, |n| n.get()), value_name = "N")]
     pub jobs: usize,
-    /// No progress display
+    /// No progress display, and nothing printed when the store is clean
     #[arg(short, long)]
     pub quiet: bool,
     /// Print the report as JSON
@@ -59,6 +59,9 @@ pub struct GcArgs {
     /// Show what would be removed, remove nothing
     #[arg(long)]
     pub dry_run: bool,
+    /// Print nothing (errors aside)
+    #[arg(short, long, conflicts_with = "json")]
+    pub quiet: bool,
     /// Print the report as JSON
     #[arg(long)]
     pub json: bool,
@@ -249,7 +252,8 @@ fn fsck_json(store: &Store, r: &FsckReport) -> serde_json::Value {
     })
 }
 
-fn print_fsck(out: &mut impl Write, store: &Store, r: &FsckReport, repair: bool) -> std::io::Result<()> {
+/// The report; `quiet`: only what is wrong and what to do about it.
+fn print_fsck(out: &mut impl Write, store: &Store, r: &FsckReport, repair: bool, quiet: bool) -> std::io::Result<()> {
     let quarantine = store.join(QUARANTINE_DIR);
     let repaired: BTreeSet<&PathBuf> = r.repaired.iter().collect();
     let fixed = |p: &PathBuf| {
@@ -282,6 +286,9 @@ fn print_fsck(out: &mut impl Write, store: &Store, r: &FsckReport, repair: bool)
     }
     for (t, why) in &r.bad_images {
         writeln!(out, "bad image {t}: {why}")?;
+    }
+    if quiet && r.is_clean() {
+        return Ok(());
     }
     writeln!(
         out,
@@ -342,12 +349,12 @@ fn print_fsck(out: &mut impl Write, store: &Store, r: &FsckReport, repair: bool)
     if !r.missing.is_empty() {
         writeln!(
             out,
-            "missing objects cannot be repaired by fsck: rebuild the image to re-import them"
+            "missing objects cannot be repaired by fsck: re-create the images that need them as they were made (`tilefs pull` again for a pulled image: it fetches only what is missing; `tilefs build` for a built one)"
         )?;
     } else if r.repaired.iter().any(|p| r.corrupt.contains(p)) {
         writeln!(
             out,
-            "objects moved aside that tagged images need are now missing: rebuild the image to re-import them"
+            "objects moved aside that tagged images need are now missing: re-create the images that need them as they were made (`tilefs pull` again for a pulled image: it fetches only what is missing; `tilefs build` for a built one)"
         )?;
     }
     if !r.unreadable.is_empty() {
@@ -418,20 +425,36 @@ pub fn fsck(a: FsckArgs) -> Result<ExitCode> {
         serde_json::to_writer_pretty(&mut out, &fsck_json(&store, &report))?;
         writeln!(out)?;
     } else {
-        print_fsck(&mut out, &store, &report, a.repair)?;
+        print_fsck(&mut out, &store, &report, a.repair, a.quiet)?;
     }
     out.flush()?;
-    Ok(if report.is_clean() {
+    Ok(if report.is_clean() || repaired_all(&report) {
         ExitCode::SUCCESS
     } else {
         ExitCode::FAILURE
     })
 }
 
+/// Whether a repair left the store sound: every corrupt object and stray
+/// moved aside, none of them needed by a tagged image, nothing else wrong.
+fn repaired_all(r: &FsckReport) -> bool {
+    let moved: BTreeSet<&PathBuf> = r.repaired.iter().collect();
+    r.missing.is_empty()
+        && r.unreadable.is_empty()
+        && r.bad_images.is_empty()
+        && r.corrupt_used_by.is_empty()
+        && r.corrupt.iter().chain(&r.strays).all(|p| moved.contains(p))
+}
+
 pub fn gc(a: GcArgs) -> Result<ExitCode> {
     let store = open_store(&a.store.path()?)?;
-    say_if_waiting(&store, LockMode::Exclusive);
+    if !a.quiet {
+        say_if_waiting(&store, LockMode::Exclusive);
+    }
     let r = tilefs_store::gc::gc(&store, &GcOptions { dry_run: a.dry_run })?;
+    if a.quiet {
+        return Ok(ExitCode::SUCCESS);
+    }
     let mut out = std::io::stdout().lock();
     if a.json {
         serde_json::to_writer_pretty(&mut out, &r)?;
@@ -446,12 +469,16 @@ pub fn gc(a: GcArgs) -> Result<ExitCode> {
             plural(r.leftovers_removed, "leftover temporary file"),
             HumanBytes(r.leftover_bytes_removed)
         )?;
+        let mut by = vec![plural(r.images, "tagged image")];
+        if r.mounts > 0 {
+            by.push(plural(r.mounts, "live mount"));
+        }
         writeln!(
             out,
             "kept {} ({}) referenced by {}",
             plural(r.objects_kept, "object"),
             HumanBytes(r.bytes_kept),
-            plural(r.images, "tagged image")
+            by.join(" and ")
         )?;
         if r.dry_run {
             writeln!(out, "dry run: nothing was removed")?;

@@ -217,10 +217,12 @@ fn commit(store: &Path, mnt: &Path, tag: &str, nobody: bool) -> serde_json::Valu
     json_of(&out)
 }
 
-/// `tilefs build --store STORE MNT OUT` (as root, or as nobody).
-fn build_of(store: &Path, mnt: &Path, out_image: &Path, nobody: bool) {
+/// `tilefs build --store STORE MNT OUT` (as root, or as nobody), at the
+/// format version of the mount's image (which a commit keeps).
+fn build_of(store: &Path, mnt: &Path, out_image: &Path, nobody: bool, version: u32) {
     let mut cmd = Command::new(tilefs_bin());
     cmd.args([os("build"), os("--quiet"), os("--store"), store.as_os_str()])
+        .arg(format!("--min-version={version}"))
         .arg(mnt)
         .arg(out_image)
         .stdin(Stdio::null());
@@ -469,7 +471,12 @@ fn commit_is_the_build_of_the_mount(kind: Kind) {
     // metacopy files, whose data is the image's), nothing else.
     assert_eq!(report["files_digested"], upper_data_files(&upper), "{report}");
     let built = a.path("built.cfs");
-    build_of(&store, &mnt, &built, false);
+    assert_eq!(
+        report["format_version"],
+        version_of(&image),
+        "the image's format is kept"
+    );
+    build_of(&store, &mnt, &built, false, version_of(&image));
     assert_commit_is_build(&store, "c1", &built);
     assert_eq!(report["digest"], digest_hex(&built));
     fsck_clean(&store, false);
@@ -643,7 +650,7 @@ fn rootless_fuse_commit_is_the_build_of_the_mount() {
     let out_dir = a.dir("out");
     give_to_nobody(&out_dir);
     let built = out_dir.join("built.cfs");
-    build_of(&store, &mnt, &built, true);
+    build_of(&store, &mnt, &built, true, version_of(&image));
     assert_commit_is_build(&store, "mine", &built);
     fsck_clean(&store, true);
     // The tree holds root's owners and the stand-ins' types.

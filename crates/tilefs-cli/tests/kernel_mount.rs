@@ -197,7 +197,14 @@ fn copied_objects_and_loop_backing_mount_alike() {
     build_with_store(&src, &store, &image, &[]);
     for backing in ["file", "loop"] {
         let mnt = a.dir(&format!("mnt-{backing}"));
-        let m = kmount(&store, &image, &mnt, &["--verity", "off", "--erofs-backing", backing]);
+        let out = Command::new(tilefs_bin())
+            .env("TILEFS_EROFS_BACKING", backing)
+            .args([os("mount"), os("--kernel"), os("--verity"), os("off"), os("--store")])
+            .args([store.as_os_str(), image.as_os_str(), mnt.as_os_str()])
+            .output()
+            .unwrap();
+        assert!(out.status.success(), "{backing}: {}", stderr(&out));
+        let m = Mounted(mnt.clone());
         if backing == "loop" {
             assert_eq!(loops_backed_by(&image).len(), 1, "one loop device while mounted");
         } else {

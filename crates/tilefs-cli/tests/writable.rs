@@ -196,6 +196,12 @@ fn mount_rw_under(
         .arg("--work")
         .arg(work)
         .args(extra);
+    // Ids as stored, as the kernel overlay shows them, unless the test
+    // maps them (a user's mount of root's image otherwise shows root's
+    // files as the user's).
+    if how != "kernel" && !extra.iter().any(|e| e.contains("uidmapping")) {
+        cmd.args(["-o", "uidmapping=none,gidmapping=none"]);
+    }
     if how == "fuse" {
         cmd.args(["-o", "allow_other"]);
     }

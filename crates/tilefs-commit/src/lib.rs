@@ -148,7 +148,13 @@ pub fn commit(store: &Store, mnt: &Path, opts: &CommitOptions, progress: &Progre
         n.payload = Some(digest_object_path(&d).into_bytes());
     }
     let stats = ingest.finish()?;
-    let image = erofs::write_image(&m.tree, &WriteOptions::default()).map_err(|e| CommitError::At {
+    // The committed image keeps the format of the one it was made on (a
+    // pulled image is version 1, as composefs-rs writes OCI images).
+    let write = WriteOptions {
+        min_version: info.version,
+        ..WriteOptions::default()
+    };
+    let image = erofs::write_image(&m.tree, &write).map_err(|e| CommitError::At {
         path: mnt.to_path_buf(),
         reason: format!("cannot write its image: {e}"),
     })?;

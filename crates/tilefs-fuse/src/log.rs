@@ -30,13 +30,9 @@ impl Logger {
                 let _ = writeln!(std::io::stderr().lock(), "tilefs-fuse: {msg}");
             }
             Logger::File(f) => {
-                let now = std::time::SystemTime::now()
-                    .duration_since(std::time::UNIX_EPOCH)
-                    .unwrap_or_default();
                 let line = format!(
-                    "{}.{:03} tilefs-fuse[{}]: {msg}\n",
-                    now.as_secs(),
-                    now.subsec_millis(),
+                    "{} tilefs-fuse[{}]: {msg}\n",
+                    chrono::Local::now().format("%Y-%m-%d %H:%M:%S%.3f %z"),
                     std::process::id()
                 );
                 let _ = f.lock().unwrap().write_all(line.as_bytes());

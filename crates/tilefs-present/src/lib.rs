@@ -180,6 +180,10 @@ pub fn mount(req: &Request) -> Result<Presented, Error> {
         mut notices,
         no_kernel,
     } = decide(req.backend, verity, &machine)?;
+    // mount(8) users expect to hear when a mount hides files.
+    if std::fs::read_dir(&req.mountpoint).is_ok_and(|mut d| d.next().is_some()) {
+        notices.push(Notice::Covers(req.mountpoint.clone()));
+    }
     let lazy_digest = lazy.map(|m| m.digest);
     let presented = match plan {
         Plan::Kernel => {
@@ -242,6 +246,25 @@ fn read_image(image: &Path) -> Result<Option<Vec<u8>>, Error> {
     f.read_to_end(&mut bytes)
         .map_err(|e| StoreError::io(image, "cannot read", e))?;
     Ok(Some(bytes))
+}
+
+/// The ids to show root's files as, when `writable` by a user other than
+/// root and the image's root directory belongs to root (an OCI image, a
+/// system tree): without a mapping, root's files could not be changed at
+/// all, and a user namespace of the user's (bwrap, unshare -r) would see
+/// them owned by nobody.
+fn fake_root(writable: bool, image: &Path) -> Result<Option<(u32, u32)>, Error> {
+    let me = rustix::process::geteuid();
+    if !writable || me.is_root() {
+        return Ok(None);
+    }
+    let Some(bytes) = read_image(image)? else {
+        return Ok(None);
+    };
+    Ok(match tilefs_image::erofs::root_owner(&bytes) {
+        Ok((0, _)) => Some((me.as_raw(), rustix::process::getegid().as_raw())),
+        _ => None,
+    })
 }
 
 /// A kernel mount, recorded in its store as a gc root.
@@ -381,6 +404,13 @@ fn fuse(
             .map(|s| tilefs_fuse::Fetcher(std::sync::Arc::new(s))),
         None => None,
     };
+    let mut notices = Vec::new();
+    let (mut uid_map, mut gid_map) = (o.uid_map.clone(), o.gid_map.clone());
+    if let Some((uid, gid)) = fake_root(upper.is_some() && uid_map.is_none() && gid_map.is_none(), image)? {
+        uid_map = Some(format!("0:{uid}:1"));
+        gid_map = Some(format!("0:{gid}:1"));
+        notices.push(Notice::FakeRoot { uid, gid });
+    }
     let spec = tilefs_fuse::ServeSpec {
         image: image.to_path_buf(),
         store: store.clone(),
@@ -392,8 +422,8 @@ fn fuse(
         image_digest: o.digest,
         fetcher,
         upper: upper.clone(),
-        uid_map: o.uid_map.clone(),
-        gid_map: o.gid_map.clone(),
+        uid_map,
+        gid_map,
         log: req.fuse.log.clone(),
     };
     let server = tilefs_fuse::Server::build(&spec).map_err(|e| failed(e.to_string()))?;
@@ -401,7 +431,6 @@ fn fuse(
     // A gc root while the server lives (the objects of an image mounted by
     // path are protected by no tag). A store we may not write cannot hold
     // one; the mount goes on, and says so.
-    let mut notices = Vec::new();
     let record = Store::open(store).and_then(|s| {
         tilefs_store::mounts::register_fuse(
             &s,

@@ -18,9 +18,27 @@ pub enum Notice {
     ByService,
     /// Something the kernel mount or the service said.
     Mount(String),
+    /// A writable mount of an image owned by root, by another user: root's
+    /// files are shown as the user's (the ids stored stay 0).
+    FakeRoot { uid: u32, gid: u32 },
+    /// The mount point was not empty: what is there is hidden while the
+    /// image is mounted over it.
+    Covers(std::path::PathBuf),
     /// The mount is not recorded in its store: gc there may remove the
     /// objects it uses.
     NotRecorded(String),
+}
+
+impl Notice {
+    /// Whether the notice states a fact of the machine or of its set-up,
+    /// the same on every mount (no kernel mount, no mount service, no
+    /// fs-verity): front ends may say it once.
+    pub fn is_machine_fact(&self) -> bool {
+        matches!(
+            self,
+            Notice::NoKernel(_) | Notice::ServiceDeclined { .. } | Notice::FuseVerifies(_) | Notice::Mount(_)
+        )
+    }
 }
 
 impl fmt::Display for Notice {
@@ -38,6 +56,17 @@ impl fmt::Display for Notice {
             }
             Notice::ByService => write!(f, "mounted by the mount service (a kernel mount)"),
             Notice::Mount(n) => f.write_str(n),
+            Notice::FakeRoot { uid, gid } => write!(
+                f,
+                "the image belongs to root: its root-owned files are shown as yours and what you \
+                 create is stored as root's (uidmapping=0:{uid}:1,gidmapping=0:{gid}:1; give -o \
+                 uidmapping=/gidmapping= to choose otherwise)"
+            ),
+            Notice::Covers(p) => write!(
+                f,
+                "{} is not empty: its files are hidden until the image is unmounted",
+                p.display()
+            ),
             Notice::NotRecorded(e) => write!(
                 f,
                 "the mount is not recorded in the store, so gc there may remove its objects: {e}"

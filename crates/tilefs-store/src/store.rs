@@ -414,7 +414,8 @@ pub fn open_regular(dir: impl AsFd, path: &Path, follow: bool) -> std::io::Resul
     Ok(std::fs::File::from(fd))
 }
 
-/// The store a command uses when not given `--store`: `$TILEFS_STORE`, else
+/// The store a command uses when not given `--store`: `$TILEFS_STORE`
+/// (relative to the working directory if relative), else
 /// `/var/lib/tilefs/store` for root and `$XDG_DATA_HOME/tilefs/store`
 /// (`~/.local/share/tilefs/store`) for other users.
 pub fn default_store_path() -> Result<PathBuf, StoreError> {
@@ -432,12 +433,14 @@ fn default_store_path_from(
     xdg_data_home: Option<std::ffi::OsString>,
     home: Option<std::ffi::OsString>,
 ) -> Result<PathBuf, StoreError> {
-    // Empty or relative values are ignored, as the XDG spec says for its
-    // variables: a relative store would change with the working directory.
-    let absolute = |v: Option<std::ffi::OsString>| v.map(PathBuf::from).filter(|p| p.is_absolute());
-    if let Some(p) = absolute(tilefs_store) {
-        return Ok(p);
+    // $TILEFS_STORE is ours: a relative one is resolved against the
+    // working directory, as --store is. Empty or relative XDG values are
+    // ignored, as the XDG spec says.
+    if let Some(p) = tilefs_store.filter(|v| !v.is_empty()) {
+        return std::path::absolute(&p)
+            .map_err(|e| StoreError::Invalid(format!("$TILEFS_STORE {}: {e}", PathBuf::from(&p).display())));
     }
+    let absolute = |v: Option<std::ffi::OsString>| v.map(PathBuf::from).filter(|p| p.is_absolute());
     if root {
         return Ok(PathBuf::from("/var/lib/tilefs/store"));
     }
@@ -463,6 +466,10 @@ mod default_store_tests {
         assert_eq!(d(true, s("/x"), None, None).unwrap(), PathBuf::from("/x"));
         assert_eq!(
             d(true, s("rel"), s("/d"), s("/h")).unwrap(),
+            std::env::current_dir().unwrap().join("rel")
+        );
+        assert_eq!(
+            d(true, s(""), s("/d"), s("/h")).unwrap(),
             PathBuf::from("/var/lib/tilefs/store")
         );
         assert_eq!(

@@ -82,8 +82,13 @@ const OVERFLOW_ID: u32 = 65534;
 
 impl IdMap {
     /// Parses `A:B:N[:A:B:N...]` (ranges may also be separated by `,`
-    /// when given as one option value).
+    /// when given as one option value), or `none`.
     pub(crate) fn parse(s: &str) -> Result<IdMap, String> {
+        // `none`: ids shown as stored (no translation; a user's writable
+        // mount of root's image otherwise defaults to 0:UID:1).
+        if s == "none" {
+            return Ok(IdMap::default());
+        }
         let nums: Result<Vec<u32>, _> = s.split([':', ',']).map(|n| n.trim().parse::<u32>()).collect();
         let nums = nums.map_err(|_| format!("{s:?}: expected STORED:SHOWN:LEN triples of numbers"))?;
         if nums.is_empty() || nums.len() % 3 != 0 {

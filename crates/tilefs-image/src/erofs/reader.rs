@@ -122,6 +122,14 @@ pub fn image_version(image: &[u8]) -> Result<u32> {
     Ok(read_header(image)?.version)
 }
 
+/// The owner (uid, gid) of an image's root directory, reading only its
+/// header, superblock and root inode.
+pub fn root_owner(image: &[u8]) -> Result<(u32, u32)> {
+    let info = read_info(image)?;
+    let h = Reader::new(image, &info, decode_budget(image.len()), false).head(info.root_nid)?;
+    Ok((h.uid, h.gid))
+}
+
 /// The header and superblock of an image, checked, without reading its
 /// inodes.
 pub fn read_info(image: &[u8]) -> Result<ImageInfo> {
