@@ -319,12 +319,9 @@ pub fn read_entries(
                         .import_reader(Path::new(&name), size, data)
                         .map_err(|e| match e {
                             tilefs_store::StoreError::Interrupted => OciError::Interrupted,
-                            tilefs_store::StoreError::Io { path, what, err } if path == Path::new(&name) => {
-                                fail(format!("{what}: {err}"))
-                            }
-                            tilefs_store::StoreError::Source { path, msg } if path == Path::new(&name) => {
-                                fail(msg.to_string())
-                            }
+                            // The entry's own failures, named by it.
+                            tilefs_store::StoreError::SourceIo { what, err, .. } => fail(format!("{what}: {err}")),
+                            tilefs_store::StoreError::Source { msg, .. } => fail(msg.to_string()),
                             e => OciError::Store(e),
                         })?;
                     Content::Object(d)
