@@ -567,8 +567,10 @@ fn run_ops(roots: &[PathBuf], seed: u64, count: usize, as_root: bool) -> Vec<Str
 
 /// When run with TILEFS_WRITABLE_OPS_ROOTS (as the unprivileged user, by
 /// the tests below): runs the random operations on those roots and prints
-/// the differing outcomes. Otherwise does nothing.
+/// the differing outcomes. Otherwise does nothing. Not a test of its own,
+/// so ignored.
 #[test]
+#[ignore = "a helper: the unprivileged tests run it as the unprivileged user"]
 fn ops_child() {
     let Some(roots) = std::env::var_os("TILEFS_WRITABLE_OPS_ROOTS") else {
         return;
@@ -584,7 +586,14 @@ fn ops_child() {
 fn run_ops_as_nobody(roots: &[PathBuf], seed: u64, count: usize) -> Vec<String> {
     let out = as_nobody(
         Command::new(std::env::current_exe().unwrap())
-            .args(["--exact", "ops_child", "--nocapture", "--test-threads", "1"])
+            .args([
+                "--exact",
+                "ops_child",
+                "--ignored",
+                "--nocapture",
+                "--test-threads",
+                "1",
+            ])
             .env("TILEFS_WRITABLE_OPS_ROOTS", std::env::join_paths(roots).unwrap())
             .env("TILEFS_WRITABLE_SEED", seed.to_string())
             .env("TILEFS_WRITABLE_COUNT", count.to_string())
@@ -784,8 +793,9 @@ fn parse_scan_line(l: &str) -> (Vec<u8>, Shown) {
 
 /// When run with TILEFS_WRITABLE_SCAN=DIR (as the unprivileged user, by
 /// the tests below): prints what that user sees of DIR. Otherwise does
-/// nothing.
+/// nothing. Not a test of its own, so ignored.
 #[test]
+#[ignore = "a helper: the unprivileged tests run it as the unprivileged user"]
 fn scan_child() {
     let Some(dir) = std::env::var_os("TILEFS_WRITABLE_SCAN") else {
         return;
@@ -799,7 +809,14 @@ fn scan_child() {
 fn scan_as_nobody(dir: &Path) -> BTreeMap<Vec<u8>, Shown> {
     let out = as_nobody(
         Command::new(std::env::current_exe().unwrap())
-            .args(["--exact", "scan_child", "--nocapture", "--test-threads", "1"])
+            .args([
+                "--exact",
+                "scan_child",
+                "--ignored",
+                "--nocapture",
+                "--test-threads",
+                "1",
+            ])
             .env("TILEFS_WRITABLE_SCAN", dir)
             .stdin(Stdio::null()),
     )
