@@ -6,7 +6,6 @@
 mod common;
 
 use common::*;
-use sha2::{Digest, Sha256};
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
@@ -23,15 +22,14 @@ fn recorded_path() -> PathBuf {
 }
 
 fn sha256_file(p: &Path) -> String {
-    hex::encode(Sha256::digest(std::fs::read(p).unwrap()))
+    sha256_hex(&std::fs::read(p).unwrap())
 }
 
 #[test]
 fn directory_builds_match_reference() {
-    if !is_root() {
-        eprintln!("skipping: the generated tree needs root (devices, owners, trusted.* xattrs)");
-        return;
-    }
+    require(not_root(
+        "the generated tree needs it: devices, owners, trusted.* xattrs",
+    ));
     let reference = std::env::var_os("TILEFS_MKCOMPOSEFS").map(PathBuf::from);
     let recorded = std::fs::read_to_string(recorded_path()).unwrap_or_default();
     let tmp = tempfile::tempdir().unwrap();

@@ -19,30 +19,6 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
-/// The tests here run one at a time: `unshare -m` in one test copies every
-/// mount of the others into its new namespace, and a mount that propagates
-/// to such a copy while it is being made can be reported busy.
-fn serial() -> std::sync::MutexGuard<'static, ()> {
-    static LOCK: std::sync::Mutex<()> = std::sync::Mutex::new(());
-    LOCK.lock().unwrap_or_else(|e| e.into_inner())
-}
-
-/// Whatever is mounted at the path is taken down when dropped, even when a
-/// test panics.
-struct Unmount(PathBuf);
-
-impl Drop for Unmount {
-    fn drop(&mut self) {
-        for _ in 0..3 {
-            if !is_mounted(&self.0) {
-                return;
-            }
-            let _ = tilefs_any(&[os("umount"), os("--lazy"), self.0.as_os_str()]);
-            let _ = rustix::mount::unmount(&self.0, rustix::mount::UnmountFlags::DETACH);
-        }
-    }
-}
-
 /// Runs `prog args` as nobody, killed after 20 s; None if it cannot even
 /// start (exec refused).
 fn try_as_nobody(prog: &Path, args: &[&OsStr]) -> Option<Output> {
@@ -79,12 +55,9 @@ fn wait_output(mut child: std::process::Child, limit: Duration) -> Output {
     }
 }
 
-fn need_root() -> bool {
-    if let Some(why) = cannot_mount("fuse").or_else(|| cannot_mount("erofs")) {
-        eprintln!("skipping: {why}");
-        return false;
-    }
-    true
+/// Why most tests here cannot run, if they cannot.
+fn cannot_test() -> Option<String> {
+    cannot_mount("fuse").or_else(|| cannot_mount("erofs"))
 }
 
 /// A scratch area others may enter (the tests run things as nobody).
@@ -138,13 +111,11 @@ fn what_nobody_can_do(mnt: &Path) -> (bool, bool, bool) {
 #[test]
 fn mount_options_hold_on_every_path() {
     let _serial = serial();
-    if !need_root() {
-        return;
-    }
+    require(cannot_test());
     let a = open_area();
     let (store, image) = privileged_tree(&a);
     let mnt = a.dir("mnt");
-    let _u = Unmount(mnt.clone());
+    let _u = Mounted(mnt.clone());
     let mount = |extra: &[&str]| {
         let mut args: Vec<&OsStr> = vec![os("mount"), os("--store"), store.as_os_str()];
         args.extend(extra.iter().map(|s| os(s)));
@@ -205,10 +176,7 @@ fn mount_options_hold_on_every_path() {
         .output()
         .unwrap();
     assert!(out.status.success(), "mount.tilefs: {}", stderr(&out));
-    let fstype = fs::read_to_string("/proc/self/mountinfo")
-        .unwrap()
-        .lines()
-        .find(|l| l.split(' ').nth(4) == Some(mnt.to_str().unwrap()))
+    let fstype = mount_line(&mnt)
         .map(|l| l.split(" - ").nth(1).unwrap().split(' ').next().unwrap().to_string())
         .unwrap();
     if fstype.starts_with("fuse") {
@@ -240,15 +208,12 @@ fn mount_options_hold_on_every_path() {
 #[test]
 fn rootless_mounts_are_nosuid_nodev_and_refuse_suid_dev() {
     let _serial = serial();
-    if !need_root() || Command::new("fusermount3").arg("-V").output().is_err() {
-        eprintln!("skipping: needs root to set up and fusermount3 (Debian package fuse3)");
-        return;
-    }
+    require(cannot_test().or_else(|| missing_program("fusermount3", "Debian package fuse3")));
     let a = open_area();
     let (store, image) = privileged_tree(&a);
     let mnt = a.dir("mnt");
     give_to_nobody(&mnt);
-    let _u = Unmount(mnt.clone());
+    let _u = Mounted(mnt.clone());
     // fusermount3 opens /dev/fuse as the user: make it usable meanwhile.
     let _dev = DevFuseMode::set(0o666);
 
@@ -297,9 +262,7 @@ fn rootless_mounts_are_nosuid_nodev_and_refuse_suid_dev() {
 #[test]
 fn a_user_namespace_falls_back_to_fuse() {
     let _serial = serial();
-    if !need_root() {
-        return;
-    }
+    require(cannot_test());
     let a = open_area();
     let (store, image) = privileged_tree(&a);
     let mnt = a.dir("mnt");
@@ -338,9 +301,7 @@ fn dump_with_objects(a: &Area, lines: &[(&str, &str)]) -> PathBuf {
 #[test]
 fn objects_that_are_not_files_do_not_wedge_the_server() {
     let _serial = serial();
-    if !need_root() {
-        return;
-    }
+    require(cannot_test());
     let a = Area::new();
     let store = a.dir("store");
     let fifo = format!("aa/{}", "a".repeat(62));
@@ -366,7 +327,7 @@ fn objects_that_are_not_files_do_not_wedge_the_server() {
     let image = dump_with_objects(&a, &[("fifo", &fifo), ("dir", &dir), ("dev", &dev), ("sock", &sock)]);
     let mnt = a.dir("mnt");
     let log = a.path("log");
-    let _u = Unmount(mnt.clone());
+    let _u = Mounted(mnt.clone());
     let out = tilefs_any(&[
         os("mount"),
         os("--fuse"),
@@ -407,9 +368,7 @@ fn objects_that_are_not_files_do_not_wedge_the_server() {
 #[test]
 fn ostree_style_redirects_are_served_like_the_kernel_does() {
     let _serial = serial();
-    if !need_root() {
-        return;
-    }
+    require(cannot_test());
     let a = Area::new();
     let store = a.dir("store");
     let data = vec![7u8; 10_000];
@@ -427,7 +386,7 @@ fn ostree_style_redirects_are_served_like_the_kernel_does() {
     tilefs(&[os("build"), os("--from-dump"), dump_path.as_os_str(), image.as_os_str()]);
     for backend in ["--kernel", "--fuse"] {
         let mnt = a.dir(&format!("mnt{backend}"));
-        let _u = Unmount(mnt.clone());
+        let _u = Mounted(mnt.clone());
         tilefs(&[
             os("mount"),
             os(backend),
@@ -456,7 +415,7 @@ fn ostree_style_redirects_are_served_like_the_kernel_does() {
     tilefs(&[os("build"), os("--from-dump"), cs9.as_os_str(), image.as_os_str()]);
     let mnt = a.dir("cs9mnt");
     let log = a.path("cs9log");
-    let _u = Unmount(mnt.clone());
+    let _u = Mounted(mnt.clone());
     tilefs(&[
         os("mount"),
         os("--fuse"),
@@ -484,13 +443,11 @@ fn ostree_style_redirects_are_served_like_the_kernel_does() {
 #[test]
 fn umount_means_umount() {
     let _serial = serial();
-    if !need_root() {
-        return;
-    }
+    require(cannot_test());
     let a = open_area();
     let (store, image) = privileged_tree(&a);
     let mnt = a.dir("mnt");
-    let _u = Unmount(mnt.clone());
+    let _u = Mounted(mnt.clone());
     tilefs(&[
         os("mount"),
         os("--fuse"),
@@ -727,9 +684,7 @@ fn tags_and_stdin_wherever_an_image_goes() {
 #[test]
 fn gc_keeps_what_is_mounted() {
     let _serial = serial();
-    if !need_root() {
-        return;
-    }
+    require(cannot_test());
     let a = Area::new();
     let src = a.dir("src");
     fs::write(src.join("f"), vec![9u8; 70_000]).unwrap();
@@ -746,7 +701,7 @@ fn gc_keeps_what_is_mounted() {
     ]);
     for backend in ["--kernel", "--fuse"] {
         let mnt = a.dir(&format!("mnt{backend}"));
-        let _u = Unmount(mnt.clone());
+        let _u = Mounted(mnt.clone());
         tilefs(&[
             os("mount"),
             os(backend),
@@ -827,9 +782,7 @@ fn version_completions_and_man_pages() {
 #[test]
 fn kernel_refusals_carry_the_kernels_reason() {
     let _serial = serial();
-    if !need_root() {
-        return;
-    }
+    require(cannot_test());
     let a = Area::new();
     let src = a.dir("src");
     fs::write(src.join("f"), b"x").unwrap();
@@ -852,12 +805,12 @@ fn kernel_refusals_carry_the_kernels_reason() {
         .status()
         .unwrap()
         .success());
-    let _t = MountGuard(other.clone());
+    let _t = Mounted(other.clone());
     let work = other.join("work");
     fs::create_dir(&work).unwrap();
     let upper = a.dir("upper");
     let mnt = a.dir("mnt");
-    let _u = Unmount(mnt.clone());
+    let _u = Mounted(mnt.clone());
     let out = tilefs_any(&[
         os("mount"),
         os("--kernel"),

@@ -41,19 +41,6 @@ fn cannot_test() -> Option<String> {
     None
 }
 
-struct Mounted<'a>(&'a Path);
-
-impl Drop for Mounted<'_> {
-    fn drop(&mut self) {
-        if is_mounted(self.0) {
-            let _ = tilefs_any(&[os("umount"), self.0.as_os_str()]);
-        }
-        if is_mounted(self.0) {
-            let _ = rustix::mount::unmount(self.0, rustix::mount::UnmountFlags::DETACH);
-        }
-    }
-}
-
 /// Opens and closes `file` (each open is a request: passthrough needs the
 /// server at every open) until dropped.
 struct Load(Arc<AtomicBool>, Option<std::thread::JoinHandle<()>>);
@@ -96,10 +83,7 @@ fn limit_becomes(want: i32) -> bool {
 
 #[test]
 fn cpus_poll_while_requests_flow_and_halt_once_they_stop() {
-    if let Some(why) = cannot_test() {
-        eprintln!("skipping: {why}");
-        return;
-    }
+    require(cannot_test());
     let relaxed = latency_limit();
     let a = Area::new();
     let src = a.dir("src");
@@ -119,7 +103,7 @@ fn cpus_poll_while_requests_flow_and_halt_once_they_stop() {
             image.as_os_str(),
             mnt.as_os_str(),
         ]);
-        let _m = Mounted(&mnt);
+        let _m = Mounted(mnt.clone());
         assert!(out.status.success(), "mount: {}", stderr(&out));
         let file = mnt.join("f");
         for round in 0..2 {

@@ -131,10 +131,7 @@ fn assert_no_temporary_files(store: &Path) {
 
 #[test]
 fn parallel_readers_of_a_lazy_mount_share_each_fetch() {
-    if let Some(why) = fuse_unavailable() {
-        eprintln!("skipped: {why}");
-        return;
-    }
+    require(cannot_fuse());
     let t0 = Instant::now();
     let area = Area::new();
     let mut registry = Registry::start(&area);
@@ -161,7 +158,7 @@ fn parallel_readers_of_a_lazy_mount_share_each_fetch() {
     let lazy = area.path("lazy-1");
     pull(&lazy, &remote, &["--lazy"]);
     let mnt = area.path("mnt-1");
-    let (m, _) = Mounted::new(&lazy, &tag, &mnt, &area.path("fuse-1.log"));
+    let (m, _) = mount_tag(&lazy, &tag, &mnt, &area.path("fuse-1.log"));
     let n = registry.requests().len();
     let killed: Vec<_> = (0..3)
         .map(|_| {
@@ -192,8 +189,8 @@ fn parallel_readers_of_a_lazy_mount_share_each_fetch() {
     pull(&lazy, &remote, &["--lazy"]);
     let meta = blob_bytes_since(&registry, n);
     let mnts = [area.path("mnt-2a"), area.path("mnt-2b")];
-    let (m2a, _) = Mounted::new(&lazy, &tag, &mnts[0], &area.path("fuse-2a.log"));
-    let (m2b, _) = Mounted::new(&lazy, &tag, &mnts[1], &area.path("fuse-2b.log"));
+    let (m2a, _) = mount_tag(&lazy, &tag, &mnts[0], &area.path("fuse-2a.log"));
+    let (m2b, _) = mount_tag(&lazy, &tag, &mnts[1], &area.path("fuse-2b.log"));
     let n = registry.requests().len();
     let t = Instant::now();
     let (failed, pulls) = std::thread::scope(|s| {
@@ -222,7 +219,7 @@ fn parallel_readers_of_a_lazy_mount_share_each_fetch() {
     pull(&lazy, &remote, &["--lazy"]);
     let mnt = area.path("mnt-3");
     let log = area.path("fuse-3.log");
-    let (m, _) = Mounted::new(&lazy, &tag, &mnt, &log);
+    let (m, _) = mount_tag(&lazy, &tag, &mnt, &log);
     let done = AtomicUsize::new(0);
     let (failed, back) = std::thread::scope(|s| {
         let readers = s.spawn(|| read_everything(std::slice::from_ref(&mnt), &files, 8, 21, &done));
@@ -318,10 +315,7 @@ impl Drop for Gate {
 
 #[test]
 fn readers_waiting_on_a_stalled_fetch_get_its_answer_and_the_next_read_succeeds() {
-    if let Some(why) = fuse_unavailable() {
-        eprintln!("skipped: {why}");
-        return;
-    }
+    require(cannot_fuse());
     let area = Area::new();
     let registry = Registry::start(&area);
     let src = area.dir("src");
@@ -337,7 +331,7 @@ fn readers_waiting_on_a_stalled_fetch_get_its_answer_and_the_next_read_succeeds(
         &["--lazy", "--timeout", "2"],
     );
     let mnt = area.path("mnt");
-    let (_m, _) = Mounted::new(
+    let (_m, _) = mount_tag(
         &lazy,
         &format!("{}_team_app:v1", gate.addr),
         &mnt,

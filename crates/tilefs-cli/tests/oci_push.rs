@@ -143,7 +143,7 @@ fn push_and_pull_give_the_same_image_and_send_nothing_twice() {
             os(&tag),
             mnt.as_os_str(),
         ]);
-        let _guard = MountGuard(mnt.clone());
+        let _guard = Mounted(mnt.clone());
         assert_same_contents(&src, &mnt, &scan(&src));
     }
 
@@ -191,11 +191,6 @@ fn push_and_pull_give_the_same_image_and_send_nothing_twice() {
         pull(&area.path("fourth"), &format!("oci:{}:app", layout.display()), &[]),
         digest
     );
-}
-
-fn sha256_hex(data: &[u8]) -> String {
-    use sha2::Digest;
-    hex::encode(sha2::Sha256::digest(data))
 }
 
 fn manifest_bytes(r: &Registry, repo: &str, tag: &str) -> Vec<u8> {
@@ -247,10 +242,7 @@ fn a_second_image_sharing_most_objects_transfers_only_what_is_new() {
 
 #[test]
 fn a_lazy_pull_fetches_each_object_on_first_read() {
-    if let Some(why) = fuse_unavailable() {
-        eprintln!("skipped: {why}");
-        return;
-    }
+    require(cannot_fuse());
     let area = Area::new();
     let registry = Registry::start(&area);
     let src = area.dir("src");
@@ -299,7 +291,7 @@ fn a_lazy_pull_fetches_each_object_on_first_read() {
     // The automatic choice is FUSE; one file read transfers about itself.
     let log = area.path("fuse.log");
     let t = Instant::now();
-    let (m, notice) = Mounted::new(&lazy, &tag, &mnt, &log);
+    let (m, notice) = mount_tag(&lazy, &tag, &mnt, &log);
     assert!(notice.contains("FUSE"), "{notice}");
     let n = registry.requests().len();
     let got = read(&mnt.join("big/one-mib")).unwrap();
@@ -345,7 +337,7 @@ fn a_lazy_pull_fetches_each_object_on_first_read() {
             os(&tag),
             mnt.as_os_str(),
         ]);
-        let _guard = MountGuard(mnt.clone());
+        let _guard = Mounted(mnt.clone());
         assert_same_contents(&src, &mnt, &scan(&src));
     }
 }
@@ -480,14 +472,11 @@ fn wrong_bytes_and_lying_indexes_store_nothing() {
 
     // Through a lazy mount: that one file fails with EIO and the log names
     // its object; every other file reads.
-    if let Some(why) = fuse_unavailable() {
-        eprintln!("skipped the lazy mount: {why}");
-        return;
-    }
+    require(cannot_fuse());
     let mnt = area.dir("mnt");
     let log = area.path("fuse.log");
     let tag = format!("{}_team_app:v1", registry.addr);
-    let (_m, _) = Mounted::new(&lazy, &tag, &mnt, &log);
+    let (_m, _) = mount_tag(&lazy, &tag, &mnt, &log);
     let mut failed = Vec::new();
     for (name, _) in &files {
         match read(&mnt.join(name)) {
@@ -549,10 +538,7 @@ fn a_registry_that_stops_or_stalls_fails_cleanly_and_a_later_pull_resumes() {
     // A lazy mount whose registry stalls: a read fails with EIO within the
     // timeout; the mount keeps answering; once the registry is back, the
     // file reads.
-    if let Some(why) = fuse_unavailable() {
-        eprintln!("skipped the lazy mount: {why}");
-        return;
-    }
+    require(cannot_fuse());
     let stall = Proxy::start(&registry.addr, image_size + (256 << 10) + (128 << 10), true);
     let lazy = area.path("lazy");
     pull(
@@ -563,7 +549,7 @@ fn a_registry_that_stops_or_stalls_fails_cleanly_and_a_later_pull_resumes() {
     let tag = format!("{}_team_app:v1", stall.addr);
     let mnt = area.dir("mnt");
     let log = area.path("fuse.log");
-    let (_m, _) = Mounted::new(&lazy, &tag, &mnt, &log);
+    let (_m, _) = mount_tag(&lazy, &tag, &mnt, &log);
     // The first file is served; the proxy then stalls.
     assert_eq!(
         read(&mnt.join(&files[0].0)).unwrap(),
@@ -668,14 +654,8 @@ fn push_needs_the_registrys_consent_and_a_complete_image() {
 
 #[test]
 fn a_user_without_privilege_pulls_lazily_and_reads_through_fuse() {
-    if !is_root() {
-        eprintln!("skipped: needs root to create the unprivileged user's area");
-        return;
-    }
-    if let Some(why) = fuse_unavailable() {
-        eprintln!("skipped: {why}");
-        return;
-    }
+    require(not_root("it makes the unprivileged user's area"));
+    require(cannot_fuse());
     let _dev = DevFuseMode::set(0o666);
     let area = Area::new();
     give_to_nobody(area.tmp.path());

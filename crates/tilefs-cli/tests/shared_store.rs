@@ -18,12 +18,9 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering::Relaxed};
 use std::sync::Arc;
 use std::time::Duration;
 
-fn need_root() -> bool {
-    if !is_root() {
-        eprintln!("skipped: needs root (the victim) and uid 65534 (the other user)");
-        return false;
-    }
-    true
+/// Why these tests cannot run here, if they cannot.
+fn cannot_test() -> Option<String> {
+    not_root("root is the victim, uid 65534 the other user")
 }
 
 /// An area nobody can reach, with a store root made and left writable by
@@ -68,9 +65,7 @@ fn refused_naming(out: &Output, path: &Path, what: &str) {
 
 #[test]
 fn symlinks_planted_in_a_shared_store_are_refused_not_written_through() {
-    if !need_root() {
-        return;
-    }
+    require(cannot_test());
     let (area, store, outside) = shared_area();
     let src = area.dir("src");
     let files = tree(&src, 27, 3, 5000);
@@ -151,14 +146,11 @@ fn symlinks_planted_in_a_shared_store_are_refused_not_written_through() {
         "pull through a symlinked fan-out directory",
     );
     assert_eq!(untouched(&outside), before, "nothing written outside the store");
-    if let Some(why) = fuse_unavailable() {
-        eprintln!("skipped the lazy fetch: {why}");
-        return;
-    }
+    require(cannot_fuse());
     pull(&other, &remote, &["--lazy"]);
     let mnt = area.path("mnt");
     let log = area.path("fuse.log");
-    let (_m, _) = Mounted::new(&other, &format!("{}_team_app:v1", registry.addr), &mnt, &log);
+    let (_m, _) = mount_tag(&other, &format!("{}_team_app:v1", registry.addr), &mnt, &log);
     // (The server refuses the symlink on the way to the object before it
     // would fetch; a symlink planted during the fetch is refused as above.)
     let e = read(&mnt.join(target)).unwrap_err();
@@ -235,13 +227,8 @@ impl Drop for Impostor {
 
 #[test]
 fn lazy_records_in_a_shared_store_do_not_send_credentials_elsewhere() {
-    if !need_root() {
-        return;
-    }
-    if let Some(why) = fuse_unavailable() {
-        eprintln!("skipped: {why}");
-        return;
-    }
+    require(cannot_test());
+    require(cannot_fuse());
     let (area, store, _) = shared_area();
     let htpasswd = area.path("htpasswd");
     let out = Command::new("htpasswd")

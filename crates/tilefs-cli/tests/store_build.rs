@@ -314,10 +314,10 @@ fn killed_builds_leave_a_consistent_store() {
 
 #[test]
 fn full_disk_fails_clearly_and_leaves_nothing_partial() {
-    if !is_root() || Command::new("mkfs.ext4").arg("-V").output().is_err() {
-        eprintln!("skipping: needs root and mkfs.ext4 for a small loop-mounted filesystem");
-        return;
-    }
+    require(
+        not_root("it loop-mounts a small filesystem")
+            .or_else(|| missing_program("mkfs.ext4", "Debian package e2fsprogs")),
+    );
     let tmp = tempfile::tempdir().unwrap();
     let disk = tmp.path().join("disk.img");
     fs::File::create(&disk).unwrap().set_len(24 << 20).unwrap();
@@ -336,7 +336,7 @@ fn full_disk_fails_clearly_and_leaves_nothing_partial() {
         .status()
         .unwrap();
     assert!(st.success(), "loop mount failed");
-    let _guard = MountGuard(small.clone());
+    let _guard = Mounted(small.clone());
 
     let src = tmp.path().join("src");
     plain_tree(&src, 60, 1_000_000, 5); // ~30 MB: more than fits

@@ -142,25 +142,6 @@ fn make_lower(root: &Path, hardlinks: bool) {
 // Mounts
 // ---------------------------------------------------------------------------
 
-/// A writable mount that is undone when dropped, even when a test panics.
-struct Mounted {
-    mnt: PathBuf,
-    fuse: bool,
-}
-
-impl Drop for Mounted {
-    fn drop(&mut self) {
-        if self.fuse {
-            let _ = Command::new(tilefs_bin())
-                .args([os("umount"), os("--lazy")])
-                .arg(&self.mnt)
-                .stderr(Stdio::null())
-                .status();
-        }
-        let _ = rustix::mount::unmount(&self.mnt, rustix::mount::UnmountFlags::DETACH);
-    }
-}
-
 /// Mounts `image` writable at `mnt` with `upper`/`work`: `how` is
 /// "kernel" or "fuse" (root, allow_other), or "fuse-nobody" (the server
 /// run by the unprivileged user). `extra`: more arguments.
@@ -211,15 +192,12 @@ fn mount_rw_under(
     }
     let out = cmd.output().unwrap();
     assert!(out.status.success(), "mount {how} failed: {}", stderr(&out));
-    Mounted {
-        mnt: mnt.to_path_buf(),
-        fuse: how != "kernel",
-    }
+    Mounted(mnt.to_path_buf())
 }
 
 fn umount(m: Mounted) {
-    let out = tilefs_any(&[os("umount"), m.mnt.as_os_str()]);
-    assert!(out.status.success(), "umount {}: {}", m.mnt.display(), stderr(&out));
+    let out = tilefs_any(&[os("umount"), m.0.as_os_str()]);
+    assert!(out.status.success(), "umount {}: {}", m.0.display(), stderr(&out));
     std::mem::forget(m);
 }
 
@@ -595,8 +573,10 @@ fn run_ops(roots: &[PathBuf], seed: u64, count: usize, as_root: bool) -> Vec<Str
 
 /// When run with TILEFS_WRITABLE_OPS_ROOTS (as the unprivileged user, by
 /// the tests below): runs the random operations on those roots and prints
-/// the differing outcomes. Otherwise does nothing.
+/// the differing outcomes. Otherwise does nothing. Not a test of its own,
+/// so ignored.
 #[test]
+#[ignore = "a helper: the unprivileged tests run it as the unprivileged user"]
 fn ops_child() {
     let Some(roots) = std::env::var_os("TILEFS_WRITABLE_OPS_ROOTS") else {
         return;
@@ -612,7 +592,14 @@ fn ops_child() {
 fn run_ops_as_nobody(roots: &[PathBuf], seed: u64, count: usize) -> Vec<String> {
     let out = as_nobody(
         Command::new(std::env::current_exe().unwrap())
-            .args(["--exact", "ops_child", "--nocapture", "--test-threads", "1"])
+            .args([
+                "--exact",
+                "ops_child",
+                "--ignored",
+                "--nocapture",
+                "--test-threads",
+                "1",
+            ])
             .env("TILEFS_WRITABLE_OPS_ROOTS", std::env::join_paths(roots).unwrap())
             .env("TILEFS_WRITABLE_SEED", seed.to_string())
             .env("TILEFS_WRITABLE_COUNT", count.to_string())
@@ -689,7 +676,6 @@ fn listxattrs(p: &Path) -> BTreeMap<String, Vec<u8>> {
 }
 
 fn scan_tree(root: &Path) -> BTreeMap<Vec<u8>, Shown> {
-    use sha2::Digest;
     let mut out = BTreeMap::new();
     let mut stack = vec![PathBuf::new()];
     while let Some(d) = stack.pop() {
@@ -724,7 +710,7 @@ fn scan_tree(root: &Path) -> BTreeMap<Vec<u8>, Shown> {
                 stack.push(rel.clone());
             }
             let digest = (ft == libc::S_IFREG).then(|| match fs::read(&p) {
-                Ok(b) => hex::encode(sha2::Sha256::digest(b)),
+                Ok(b) => sha256_hex(&b),
                 Err(e) => format!("unreadable: {}", e.raw_os_error().unwrap_or(0)),
             });
             out.insert(
@@ -813,8 +799,9 @@ fn parse_scan_line(l: &str) -> (Vec<u8>, Shown) {
 
 /// When run with TILEFS_WRITABLE_SCAN=DIR (as the unprivileged user, by
 /// the tests below): prints what that user sees of DIR. Otherwise does
-/// nothing.
+/// nothing. Not a test of its own, so ignored.
 #[test]
+#[ignore = "a helper: the unprivileged tests run it as the unprivileged user"]
 fn scan_child() {
     let Some(dir) = std::env::var_os("TILEFS_WRITABLE_SCAN") else {
         return;
@@ -828,7 +815,14 @@ fn scan_child() {
 fn scan_as_nobody(dir: &Path) -> BTreeMap<Vec<u8>, Shown> {
     let out = as_nobody(
         Command::new(std::env::current_exe().unwrap())
-            .args(["--exact", "scan_child", "--nocapture", "--test-threads", "1"])
+            .args([
+                "--exact",
+                "scan_child",
+                "--ignored",
+                "--nocapture",
+                "--test-threads",
+                "1",
+            ])
             .env("TILEFS_WRITABLE_SCAN", dir)
             .stdin(Stdio::null()),
     )
@@ -916,15 +910,6 @@ fn cannot_test() -> Option<String> {
         .or_else(|| cannot_mount("fuse"))
 }
 
-macro_rules! need_root {
-    () => {
-        if let Some(why) = cannot_test() {
-            eprintln!("skipping: {why}");
-            return;
-        }
-    };
-}
-
 struct Setup {
     a: Area,
     store: PathBuf,
@@ -956,7 +941,7 @@ fn dirs(s: &Setup, name: &str) -> (PathBuf, PathBuf, PathBuf) {
 /// same tree, through FUSE and through the kernel's overlay.
 #[test]
 fn root_writes_match_the_kernel_overlay_and_a_plain_copy() {
-    need_root!();
+    require(cannot_test());
     let s = setup(false);
     let (km, ku, kw) = dirs(&s, "k");
     let (fm, fu, fw) = dirs(&s, "f");
@@ -995,7 +980,7 @@ fn root_writes_match_the_kernel_overlay_and_a_plain_copy() {
 /// kernel overlay agree, with hardlinks in the image.
 #[test]
 fn unprivileged_writes_match_the_kernel_overlay() {
-    need_root!();
+    require(cannot_test());
     let s = setup(true);
     let (km, ku, kw) = dirs(&s, "k");
     let (fm, fu, fw) = dirs(&s, "f");
@@ -1018,11 +1003,8 @@ fn unprivileged_writes_match_the_kernel_overlay() {
 /// remount shows the same tree.
 #[test]
 fn a_server_without_privilege_matches_the_kernel_overlay() {
-    need_root!();
-    if !Path::new("/usr/bin/fusermount3").exists() && !Path::new("/bin/fusermount3").exists() {
-        eprintln!("skipping: fusermount3 not found (Debian package fuse3)");
-        return;
-    }
+    require(cannot_test());
+    require(missing_program("fusermount3", "Debian package fuse3"));
     let _dev = DevFuseMode::set(0o666);
     let s = setup(true);
     let (km, ku, kw) = dirs(&s, "k");
@@ -1063,7 +1045,7 @@ fn a_server_without_privilege_matches_the_kernel_overlay() {
 /// image is split from its other names, as overlayfs does.
 #[test]
 fn copy_up_keeps_metadata_and_inode_numbers() {
-    need_root!();
+    require(cannot_test());
     let s = setup(true);
     let (fm, fu, fw) = dirs(&s, "f");
     let fuse = mount_rw("fuse", &s.store, &s.image, (&fm, &fu, &fw), &[]);
@@ -1103,7 +1085,7 @@ fn copy_up_keeps_metadata_and_inode_numbers() {
 /// the open with EIO.
 #[test]
 fn files_open_across_a_copy_up_keep_working() {
-    need_root!();
+    require(cannot_test());
     let s = setup(false);
     for (name, extra) in [("pt", &[][..]), ("nopt", &["--no-passthrough"][..])] {
         let (fm, fu, fw) = dirs(&s, name);
@@ -1199,7 +1181,7 @@ impl Drop for Tmpfs {
 /// mount, a work directory planted with a symlink.
 #[test]
 fn bad_upper_and_work_directories_are_refused() {
-    need_root!();
+    require(cannot_test());
     let s = setup(false);
     let (m, u, w) = dirs(&s, "f");
     let other = Tmpfs::new(&s.a.path("tmpfs"), "4m");
@@ -1268,7 +1250,7 @@ fn bad_upper_and_work_directories_are_refused() {
 /// the mount, nothing half-copied in the upper or work directory.
 #[test]
 fn a_full_disk_during_copy_up_leaves_nothing_behind() {
-    need_root!();
+    require(cannot_test());
     let s = setup(false);
     let small = Tmpfs::new(&s.a.path("small"), "200k");
     let (m, _, _) = dirs(&s, "f");
@@ -1297,7 +1279,7 @@ fn a_full_disk_during_copy_up_leaves_nothing_behind() {
 /// written (a prefix of them), and the upper directory stays usable.
 #[test]
 fn a_killed_server_leaves_the_upper_directory_usable() {
-    need_root!();
+    require(cannot_test());
     let s = setup(false);
     let (m, u, w) = dirs(&s, "f");
     let mounted = mount_rw("fuse", &s.store, &s.image, (&m, &u, &w), &[]);
@@ -1341,7 +1323,7 @@ fn a_killed_server_leaves_the_upper_directory_usable() {
 /// replaced by a planted symlink shows as that symlink.
 #[test]
 fn a_hostile_upper_directory_is_never_followed() {
-    need_root!();
+    require(cannot_test());
     let s = setup(false);
     let (m, u, w) = dirs(&s, "f");
     let outside = s.a.dir("outside");
@@ -1394,7 +1376,7 @@ fn a_hostile_upper_directory_is_never_followed() {
 /// ids the kernel gives stored back.
 #[test]
 fn id_mappings_translate_both_ways() {
-    need_root!();
+    require(cannot_test());
     let s = setup(false);
     let (m, u, w) = dirs(&s, "f");
     let mounted = mount_rw(
@@ -1436,7 +1418,7 @@ fn id_mappings_translate_both_ways() {
 /// mapping, statfs of the upper directory's filesystem, O_TMPFILE.
 #[test]
 fn locks_mmap_statfs_and_tmpfile_work() {
-    need_root!();
+    require(cannot_test());
     let s = setup(false);
     let (m, u, w) = dirs(&s, "f");
     let mounted = mount_rw("fuse", &s.store, &s.image, (&m, &u, &w), &[]);
@@ -1538,14 +1520,11 @@ fn server_pid(upper: &Path) -> u32 {
 /// before the next.
 #[test]
 fn removed_files_give_their_space_back() {
-    need_root!();
+    require(cannot_test());
     let s = setup(false);
     let uring = FuseUring::on();
-    let mut ways = vec![("dev", vec!["--no-uring"])];
-    match &uring {
-        Ok(_) => ways.push(("uring", vec![])),
-        Err(why) => eprintln!("the io_uring case is skipped: {why}"),
-    }
+    require(uring.as_ref().err().cloned());
+    let ways = [("dev", vec!["--no-uring"]), ("uring", vec![])];
     let chunk: Vec<u8> = (0..1 << 20).map(|i: u32| (i % 253) as u8).collect();
     for (name, extra) in ways {
         let base = s.a.path(&format!("space-{name}"));
@@ -1609,11 +1588,8 @@ fn removed_files_give_their_space_back() {
 /// file would take 240 of the 256, with the ~18 the server starts with.)
 #[test]
 fn removed_open_files_leave_descriptors_for_the_rest() {
-    need_root!();
-    if Command::new("prlimit").arg("--version").output().is_err() {
-        eprintln!("skipping: prlimit not found (Debian package util-linux)");
-        return;
-    }
+    require(cannot_test());
+    require(missing_program("prlimit", "Debian package util-linux"));
     let s = setup(false);
     let (m, u, w) = dirs(&s, "f");
     let mounted = mount_rw_under(

@@ -17,36 +17,17 @@ use std::process::Command;
 use std::time::Instant;
 use tilefs_image::erofs::{read_image, ImageError, ImageView};
 
+mod common;
 #[allow(dead_code)]
 mod fuzz_checks;
+
+use common::*;
 use tilefs_image::tree::{digest_hex, InodeId, Tree};
 
-fn ref_bin(name: &str) -> Option<PathBuf> {
-    let dir = std::env::var_os("TILEFS_REF_BIN").map_or_else(|| PathBuf::from("/work/ref/bin"), PathBuf::from);
-    let p = dir.join(name);
-    p.is_file().then_some(p)
-}
-
-fn assets() -> Option<PathBuf> {
-    let dir = std::env::var_os("TILEFS_ASSETS").map_or_else(
-        || Path::new(env!("CARGO_MANIFEST_DIR")).join("../../../shared/composefs-assets"),
-        PathBuf::from,
-    );
-    dir.is_dir().then_some(dir)
-}
-
-/// The reference tools and vectors, or `None` after saying what is missing.
-fn reference(test: &str) -> Option<(PathBuf, PathBuf, PathBuf)> {
-    let found = (ref_bin("mkcomposefs"), ref_bin("composefs-info"), assets());
-    match found {
-        (Some(mk), Some(info), Some(assets)) => Some((mk, info, assets)),
-        _ => {
-            eprintln!(
-                "{test}: skipped, reference mkcomposefs/composefs-info or the composefs vectors are not available"
-            );
-            None
-        }
-    }
+/// The reference tools and vectors (the tests using them are ignored, so
+/// when asked for they must be there).
+fn reference() -> (PathBuf, PathBuf, PathBuf) {
+    (ref_bin("mkcomposefs"), ref_bin("composefs-info"), assets_dir())
 }
 
 /// A vector's dump text (gunzipped; a file holding just another vector's
@@ -292,10 +273,9 @@ fn compare_with_reference(info_bin: &Path, name: &str, img: &Path) -> usize {
 }
 
 #[test]
+#[ignore = "needs the reference composefs tools in $TILEFS_REF_BIN (default /work/ref/bin)"]
 fn reader_matches_composefs_info_on_the_vectors() {
-    let Some((mk, info, dir)) = reference("reader_matches_composefs_info_on_the_vectors") else {
-        return;
-    };
+    let (mk, info, dir) = reference();
     let tmp = tempfile::tempdir().unwrap();
     let mut checked = 0;
     for (name, dump, version) in vectors(&dir) {
@@ -313,10 +293,9 @@ fn reader_matches_composefs_info_on_the_vectors() {
 /// The hiding we do beyond the reference's: the special vector's whiteout
 /// lives in the root, whose markers must be gone while other xattrs stay.
 #[test]
+#[ignore = "needs the reference composefs tools in $TILEFS_REF_BIN (default /work/ref/bin)"]
 fn reader_undoes_whiteouts_and_their_markers() {
-    let Some((mk, _info, dir)) = reference("reader_undoes_whiteouts_and_their_markers") else {
-        return;
-    };
+    let (mk, _info, dir) = reference();
     let tmp = tempfile::tempdir().unwrap();
     for version in [0, 1] {
         let img = build(
@@ -346,10 +325,9 @@ fn reader_undoes_whiteouts_and_their_markers() {
 
 /// A hardlink whose entry comes before its primary one in the walk.
 #[test]
+#[ignore = "needs the reference composefs tools in $TILEFS_REF_BIN (default /work/ref/bin)"]
 fn reader_picks_primaries_in_image_order() {
-    let Some((mk, _info, _dir)) = reference("reader_picks_primaries_in_image_order") else {
-        return;
-    };
+    let (mk, _info, _dir) = reference();
     let tmp = tempfile::tempdir().unwrap();
     let dump = tmp.path().join("links.dump");
     // The walk meets /0 first (the root's entries come before /a's), but
@@ -461,10 +439,9 @@ fn damaged_images_never_panic(image: &[u8], label: &str, truncations: usize, fli
 }
 
 #[test]
+#[ignore = "needs the reference composefs tools in $TILEFS_REF_BIN (default /work/ref/bin)"]
 fn reader_survives_damaged_reference_images() {
-    let Some((mk, _info, dir)) = reference("reader_survives_damaged_reference_images") else {
-        return;
-    };
+    let (mk, _info, dir) = reference();
     let tmp = tempfile::tempdir().unwrap();
     let cases = [
         ("special.dump", Some(1), usize::MAX, 1500),
@@ -483,10 +460,9 @@ fn reader_survives_damaged_reference_images() {
 /// Reading is the inverse of building: our writer, given the tree read from
 /// a reference image, writes that image again, byte for byte.
 #[test]
+#[ignore = "needs the reference composefs tools in $TILEFS_REF_BIN (default /work/ref/bin)"]
 fn reader_trees_rebuild_the_same_images() {
-    let Some((mk, _info, dir)) = reference("reader_trees_rebuild_the_same_images") else {
-        return;
-    };
+    let (mk, _info, dir) = reference();
     let tmp = tempfile::tempdir().unwrap();
     let mut checked = 0;
     for (name, dump, version) in vectors(&dir) {
@@ -523,10 +499,9 @@ fn reader_trees_rebuild_the_same_images() {
 /// the block size, long symlinks, big directories. Each must read back as
 /// composefs-info reads it and rebuild to the same bytes.
 #[test]
+#[ignore = "needs the reference composefs tools in $TILEFS_REF_BIN (default /work/ref/bin)"]
 fn reader_round_trips_random_trees() {
-    let Some((mk, info, _dir)) = reference("reader_round_trips_random_trees") else {
-        return;
-    };
+    let (mk, info, _dir) = reference();
     let tmp = tempfile::tempdir().unwrap();
     for seed in 0..40u64 {
         let mut rng = Lcg(seed * 7919 + 1);
@@ -684,10 +659,9 @@ fn random_dump(rng: &mut Lcg) -> String {
 /// when either entry could be primary as far as inode numbers go: only the
 /// markers on the primary's directory tell which one the source had.
 #[test]
+#[ignore = "needs the reference composefs tools in $TILEFS_REF_BIN (default /work/ref/bin)"]
 fn reader_keeps_whiteout_markers_with_their_primary() {
-    let Some((mk, info, _dir)) = reference("reader_keeps_whiteout_markers_with_their_primary") else {
-        return;
-    };
+    let (mk, info, _dir) = reference();
     let tmp = tempfile::tempdir().unwrap();
     let dump = tmp.path().join("wo.dump");
     fs::write(

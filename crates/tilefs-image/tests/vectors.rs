@@ -2,16 +2,15 @@
 //! bytes the reference `mkcomposefs` writes, and every should-fail dump is
 //! refused.
 
+mod common;
+
+use common::*;
 use sha2::{Digest, Sha256};
 use std::fs;
 use std::io::{BufReader, Read};
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use tilefs_image::dump::{self, ParseOptions};
 use tilefs_image::erofs::{self, WriteOptions};
-
-fn assets() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("../../../shared/composefs-assets")
-}
 
 fn read_dump_bytes(path: &Path) -> Vec<u8> {
     let mut raw = fs::read(path).unwrap();
@@ -34,7 +33,7 @@ fn read_dump_bytes(path: &Path) -> Vec<u8> {
 
 #[test]
 fn vectors_build_reference_bytes() {
-    let dir = assets();
+    let dir = assets_dir();
     let mut checked = 0;
     for entry in fs::read_dir(&dir).unwrap() {
         let p = entry.unwrap().path();
@@ -75,7 +74,7 @@ fn vectors_build_reference_bytes() {
 
 #[test]
 fn should_fail_vectors_are_refused() {
-    let dir = assets();
+    let dir = assets_dir();
     let mut checked = 0;
     for entry in fs::read_dir(&dir).unwrap() {
         let p = entry.unwrap().path();

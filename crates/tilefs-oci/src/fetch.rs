@@ -546,17 +546,9 @@ fn read_objects(
         match ingest.import_expected(&what, l.size, &mut reader.take(l.size), d) {
             Ok(()) => {}
             Err(e @ StoreError::Mismatch(_)) => return Err(Fetch::Wrong(OciError::blob(&blob, e.to_string()))),
-            Err(StoreError::Source { path, msg }) => {
-                return Err(Fetch::Transfer(OciError::blob(
-                    &blob,
-                    format!("{}: {msg}", path.display()),
-                )));
-            }
-            Err(StoreError::Io { path, what: w, err }) if path == what => {
-                return Err(Fetch::Transfer(OciError::blob(
-                    &blob,
-                    format!("{}: {w}: {err}", path.display()),
-                )));
+            // The range ended early or could not be read: the transfer.
+            Err(e @ (StoreError::Source { .. } | StoreError::SourceIo { .. })) => {
+                return Err(Fetch::Transfer(OciError::blob(&blob, e.to_string())));
             }
             Err(StoreError::Interrupted) => return Err(Fetch::Wrong(OciError::Interrupted)),
             Err(e) => return Err(Fetch::Wrong(e.into())),

@@ -197,8 +197,13 @@ pub fn read_entries(
     opts: ReadOptions,
 ) -> Result<Vec<LayerEntry>, OciError> {
     let mut archive = tar::Archive::new(tar);
+    let mut reader = EntryReader {
+        blob,
+        ingest,
+        opts,
+        jobs: 0,
+    };
     let mut out = Vec::new();
-    let mut jobs: u32 = 0;
     let entries = archive
         .entries()
         .map_err(|e| OciError::layer(blob, None, format!("not a tar stream: {e}")))?;
@@ -208,17 +213,28 @@ pub fn read_entries(
         }
         let mut entry = entry
             .map_err(|e| OciError::layer(blob, None, format!("entry {}: unreadable tar header: {e}", index + 1)))?;
-        let mut pax = Vec::new();
-        if let Some(exts) = entry
-            .pax_extensions()
-            .map_err(|e| OciError::layer(blob, None, format!("entry {}: bad PAX header: {e}", index + 1)))?
-        {
-            for ext in exts {
-                let ext =
-                    ext.map_err(|e| OciError::layer(blob, None, format!("entry {}: bad PAX record: {e}", index + 1)))?;
-                pax.push((ext.key_bytes().to_vec(), ext.value_bytes().to_vec()));
-            }
+        if let Some(e) = reader.entry(&mut entry, index)? {
+            out.push(e);
         }
+    }
+    Ok(out)
+}
+
+/// What reading a layer carries from one entry to the next.
+struct EntryReader<'a> {
+    blob: &'a str,
+    ingest: &'a Ingest<'a>,
+    opts: ReadOptions<'a>,
+    /// Files handed to the offload so far (the next one's job id).
+    jobs: u32,
+}
+
+impl EntryReader<'_> {
+    /// The entry `index` (from 0) of the layer, or `None` for one that
+    /// puts nothing in the tree.
+    fn entry<R: Read>(&mut self, entry: &mut tar::Entry<'_, R>, index: usize) -> Result<Option<LayerEntry>, OciError> {
+        let blob = self.blob;
+        let pax = pax_records(entry).map_err(|r| OciError::layer(blob, None, format!("entry {}: {r}", index + 1)))?;
         let sparse = SparseInfo::from_pax(&pax);
         // A PAX sparse file's real name is in its sparse records.
         let raw_path = match &sparse.name {
@@ -228,60 +244,16 @@ pub fn read_entries(
         let name = raw_path.escape_ascii().to_string();
         let fail = |reason: String| OciError::layer(blob, Some(&name), reason);
         let path = split_path(&raw_path).map_err(|r| fail(r.to_string()))?;
-        let header = entry.header();
-        let etype = header.entry_type();
-        let mut meta = Meta {
-            perm: header.mode().map_err(|e| fail(format!("bad mode: {e}")))? & 0o7777,
-            uid: id_field(header.uid(), "uid").map_err(fail)?,
-            gid: id_field(header.gid(), "gid").map_err(fail)?,
-            mtime: Timespec {
-                sec: header.mtime().map_err(|e| fail(format!("bad mtime: {e}")))? as i64,
-                nsec: 0,
-            },
-            xattrs: Vec::new(),
-        };
-        for (key, value) in &pax {
-            if let Some(xattr) = key.strip_prefix(b"SCHILY.xattr.") {
-                meta.xattrs.push((xattr.to_vec(), value.clone()));
-            } else if key == b"mtime" {
-                meta.mtime = pax_time(value).ok_or_else(|| fail("bad PAX mtime".into()))?;
-            }
-        }
-        if let Some(n) = opts.entries {
+        let meta = meta_of(entry.header(), &pax).map_err(fail)?;
+        if let Some(n) = self.opts.entries {
             n.fetch_add(1, Relaxed);
         }
-
-        // Whiteouts are recognized by name, whatever their type, and
-        // judged by the path they remove or hide.
-        if let Some(last) = path.last() {
-            let marker = if last.as_slice() == OPAQUE_MARKER {
-                Some((Kind::Opaque, path[..path.len() - 1].to_vec()))
-            } else if let Some(target) = last.strip_prefix(WHITEOUT_PREFIX) {
-                // Other `.wh..wh.` names are bookkeeping of old tools (aufs
-                // hardlink directories): runtimes skip them.
-                if target.starts_with(WHITEOUT_PREFIX) {
-                    continue;
-                }
-                if target.is_empty() || target == b"." || target == b".." {
-                    return Err(fail("whiteout of an invalid name".into()));
-                }
-                let mut removed = path.clone();
-                *removed.last_mut().unwrap() = target.to_vec();
-                Some((Kind::Whiteout, removed))
-            } else {
-                None
-            };
-            if let Some((kind, path)) = marker {
-                let what = if kind == Kind::Opaque {
-                    "the directory it hides"
-                } else {
-                    "the path it removes"
-                };
-                check_path(&path, kind == Kind::Opaque, what).map_err(fail)?;
-                out.push(LayerEntry { path, kind, meta });
-                continue;
-            }
+        match marker(&path).map_err(fail)? {
+            Marker::No => {}
+            Marker::Skip => return Ok(None),
+            Marker::Is(kind, path) => return Ok(Some(LayerEntry { path, kind, meta })),
         }
+        let etype = entry.header().entry_type();
         check_path(&path, etype == EntryType::Directory, "its path").map_err(fail)?;
 
         let kind = match etype {
@@ -292,95 +264,23 @@ pub fn read_entries(
                 }
                 let mut expanded;
                 let (size, data): (u64, &mut dyn Read) = if sparse.is_sparse() {
-                    expanded = sparse.reader(&mut entry).map_err(&fail)?;
+                    expanded = sparse.reader(entry).map_err(fail)?;
                     (sparse.real_size.unwrap_or(0), &mut expanded)
                 } else {
-                    (entry.size(), &mut entry)
+                    (entry.size(), entry)
                 };
-                let content = if size <= RECOMMENDED_INLINE_MAX || (size <= OFFLOAD_MAX && opts.offload.is_some()) {
-                    let mut buf = Vec::with_capacity(size as usize);
-                    data.take(size + 1)
-                        .read_to_end(&mut buf)
-                        .map_err(|e| fail(format!("cannot read contents: {e}")))?;
-                    if buf.len() as u64 != size {
-                        return Err(fail("contents end early".into()));
-                    }
-                    match opts.offload {
-                        Some(offload) if size > RECOMMENDED_INLINE_MAX => {
-                            let id = jobs;
-                            jobs += 1;
-                            offload(Job { id, data: buf });
-                            Content::Pending(id)
-                        }
-                        _ => Content::Inline(buf),
-                    }
-                } else {
-                    let d = ingest
-                        .import_reader(Path::new(&name), size, data)
-                        .map_err(|e| match e {
-                            tilefs_store::StoreError::Interrupted => OciError::Interrupted,
-                            tilefs_store::StoreError::Io { path, what, err } if path == Path::new(&name) => {
-                                fail(format!("{what}: {err}"))
-                            }
-                            tilefs_store::StoreError::Source { path, msg } if path == Path::new(&name) => {
-                                fail(msg.to_string())
-                            }
-                            e => OciError::Store(e),
-                        })?;
-                    Content::Object(d)
-                };
+                let content = self.contents(data, size, &name)?;
                 Kind::File { size, content }
             }
-            EntryType::Symlink => {
-                let target = entry
-                    .link_name_bytes()
-                    .ok_or_else(|| fail("symlink without a target".into()))?
-                    .into_owned();
-                if target.is_empty() {
-                    return Err(fail("symlink with an empty target".into()));
-                }
-                if target.contains(&0) {
-                    return Err(fail("symlink target holds a NUL byte".into()));
-                }
-                if target.len() > MAX_PAYLOAD_LEN {
-                    return Err(fail(format!(
-                        "symlink target is {} bytes, longer than {MAX_PAYLOAD_LEN} (PATH_MAX, 4096, counts the NUL)",
-                        target.len()
-                    )));
-                }
-                Kind::Symlink(target)
-            }
-            EntryType::Link => {
-                let target = entry
-                    .link_name_bytes()
-                    .ok_or_else(|| fail("hardlink without a target".into()))?
-                    .into_owned();
-                let target = split_path(&target).map_err(|r| fail(format!("hardlink target: {r}")))?;
-                if target.is_empty() {
-                    return Err(fail("hardlink to the root".into()));
-                }
-                check_path(&target, false, "its target").map_err(fail)?;
-                Kind::Hardlink(target)
-            }
-            EntryType::Char | EntryType::Block => {
-                let major = entry
-                    .header()
-                    .device_major()
-                    .map_err(|e| fail(format!("bad device major: {e}")))?
-                    .unwrap_or(0);
-                let minor = entry
-                    .header()
-                    .device_minor()
-                    .map_err(|e| fail(format!("bad device minor: {e}")))?
-                    .unwrap_or(0);
-                let rdev = rustix::fs::makedev(major, minor) as u32;
-                let mode_type = if etype == EntryType::Char { S_IFCHR } else { S_IFBLK };
-                Kind::Device { mode_type, rdev }
-            }
+            EntryType::Symlink => Kind::Symlink(symlink_target(entry).map_err(fail)?),
+            EntryType::Link => Kind::Hardlink(hardlink_target(entry).map_err(fail)?),
+            EntryType::Char | EntryType::Block => device(entry.header(), etype).map_err(fail)?,
             EntryType::Fifo => Kind::Fifo,
             // Global PAX headers and the like carry nothing a tree needs;
             // the tar reader already applied the per-entry ones.
-            EntryType::XGlobalHeader | EntryType::XHeader | EntryType::GNULongName | EntryType::GNULongLink => continue,
+            EntryType::XGlobalHeader | EntryType::XHeader | EntryType::GNULongName | EntryType::GNULongLink => {
+                return Ok(None)
+            }
             other => {
                 return Err(fail(format!(
                     "unsupported tar entry type {:?}",
@@ -391,9 +291,163 @@ pub fn read_entries(
         if path.is_empty() && kind != Kind::Dir {
             return Err(fail("the root is not a directory".into()));
         }
-        out.push(LayerEntry { path, kind, meta });
+        Ok(Some(LayerEntry { path, kind, meta }))
     }
-    Ok(out)
+
+    /// The `size` bytes of the file `name` read from `data`: kept inline,
+    /// handed to the offload, or (larger ones) streamed into the store.
+    fn contents(&mut self, data: &mut dyn Read, size: u64, name: &str) -> Result<Content, OciError> {
+        let blob = self.blob;
+        let fail = |reason: String| OciError::layer(blob, Some(name), reason);
+        if size <= RECOMMENDED_INLINE_MAX || (size <= OFFLOAD_MAX && self.opts.offload.is_some()) {
+            let mut buf = Vec::with_capacity(size as usize);
+            data.take(size + 1)
+                .read_to_end(&mut buf)
+                .map_err(|e| fail(format!("cannot read contents: {e}")))?;
+            if buf.len() as u64 != size {
+                return Err(fail("contents end early".into()));
+            }
+            return Ok(match self.opts.offload {
+                Some(offload) if size > RECOMMENDED_INLINE_MAX => {
+                    let id = self.jobs;
+                    self.jobs += 1;
+                    offload(Job { id, data: buf });
+                    Content::Pending(id)
+                }
+                _ => Content::Inline(buf),
+            });
+        }
+        let d = self
+            .ingest
+            .import_reader(Path::new(name), size, data)
+            .map_err(|e| match e {
+                tilefs_store::StoreError::Interrupted => OciError::Interrupted,
+                // The entry's own failures, named by it.
+                tilefs_store::StoreError::SourceIo { what, err, .. } => fail(format!("{what}: {err}")),
+                tilefs_store::StoreError::Source { msg, .. } => fail(msg.to_string()),
+                e => OciError::Store(e),
+            })?;
+        Ok(Content::Object(d))
+    }
+}
+
+/// PAX records, (key, value) in order.
+type PaxRecords = Vec<(Vec<u8>, Vec<u8>)>;
+
+/// An entry's PAX records.
+fn pax_records<R: Read>(entry: &mut tar::Entry<'_, R>) -> Result<PaxRecords, String> {
+    let mut pax = Vec::new();
+    if let Some(exts) = entry.pax_extensions().map_err(|e| format!("bad PAX header: {e}"))? {
+        for ext in exts {
+            let ext = ext.map_err(|e| format!("bad PAX record: {e}"))?;
+            pax.push((ext.key_bytes().to_vec(), ext.value_bytes().to_vec()));
+        }
+    }
+    Ok(pax)
+}
+
+/// An entry's metadata: its header's, with the xattrs and the mtime of
+/// its PAX records.
+fn meta_of(header: &tar::Header, pax: &[(Vec<u8>, Vec<u8>)]) -> Result<Meta, String> {
+    let mut meta = Meta {
+        perm: header.mode().map_err(|e| format!("bad mode: {e}"))? & 0o7777,
+        uid: id_field(header.uid(), "uid")?,
+        gid: id_field(header.gid(), "gid")?,
+        mtime: Timespec {
+            sec: header.mtime().map_err(|e| format!("bad mtime: {e}"))? as i64,
+            nsec: 0,
+        },
+        xattrs: Vec::new(),
+    };
+    for (key, value) in pax {
+        if let Some(xattr) = key.strip_prefix(b"SCHILY.xattr.") {
+            meta.xattrs.push((xattr.to_vec(), value.clone()));
+        } else if key == b"mtime" {
+            meta.mtime = pax_time(value).ok_or("bad PAX mtime")?;
+        }
+    }
+    Ok(meta)
+}
+
+/// What an entry's name makes it, whatever its type.
+enum Marker {
+    /// Neither a whiteout nor an opaque marker.
+    No,
+    /// Bookkeeping of old tools (other `.wh..wh.` names, aufs hardlink
+    /// directories): runtimes skip them.
+    Skip,
+    /// A whiteout or an opaque marker, with the path it removes or the
+    /// directory it hides.
+    Is(Kind, Vec<Vec<u8>>),
+}
+
+/// Tells whiteouts and opaque markers by their last name, and judges them
+/// by the path they remove or hide.
+fn marker(path: &[Vec<u8>]) -> Result<Marker, String> {
+    let Some(last) = path.last() else {
+        return Ok(Marker::No);
+    };
+    let (kind, path, what) = if last.as_slice() == OPAQUE_MARKER {
+        (Kind::Opaque, path[..path.len() - 1].to_vec(), "the directory it hides")
+    } else if let Some(target) = last.strip_prefix(WHITEOUT_PREFIX) {
+        if target.starts_with(WHITEOUT_PREFIX) {
+            return Ok(Marker::Skip);
+        }
+        if target.is_empty() || target == b"." || target == b".." {
+            return Err("whiteout of an invalid name".into());
+        }
+        let mut removed = path.to_vec();
+        *removed.last_mut().unwrap() = target.to_vec();
+        (Kind::Whiteout, removed, "the path it removes")
+    } else {
+        return Ok(Marker::No);
+    };
+    check_path(&path, kind == Kind::Opaque, what)?;
+    Ok(Marker::Is(kind, path))
+}
+
+/// A symlink's target, within what symlink(2) takes.
+fn symlink_target<R: Read>(entry: &tar::Entry<'_, R>) -> Result<Vec<u8>, String> {
+    let target = entry.link_name_bytes().ok_or("symlink without a target")?.into_owned();
+    if target.is_empty() {
+        return Err("symlink with an empty target".into());
+    }
+    if target.contains(&0) {
+        return Err("symlink target holds a NUL byte".into());
+    }
+    if target.len() > MAX_PAYLOAD_LEN {
+        return Err(format!(
+            "symlink target is {} bytes, longer than {MAX_PAYLOAD_LEN} (PATH_MAX, 4096, counts the NUL)",
+            target.len()
+        ));
+    }
+    Ok(target)
+}
+
+/// A hardlink's target: a path below the root, as an entry's.
+fn hardlink_target<R: Read>(entry: &tar::Entry<'_, R>) -> Result<Vec<Vec<u8>>, String> {
+    let target = entry.link_name_bytes().ok_or("hardlink without a target")?.into_owned();
+    let target = split_path(&target).map_err(|r| format!("hardlink target: {r}"))?;
+    if target.is_empty() {
+        return Err("hardlink to the root".into());
+    }
+    check_path(&target, false, "its target")?;
+    Ok(target)
+}
+
+/// A character or block device (`etype`), with its number.
+fn device(header: &tar::Header, etype: EntryType) -> Result<Kind, String> {
+    let major = header
+        .device_major()
+        .map_err(|e| format!("bad device major: {e}"))?
+        .unwrap_or(0);
+    let minor = header
+        .device_minor()
+        .map_err(|e| format!("bad device minor: {e}"))?
+        .unwrap_or(0);
+    let rdev = rustix::fs::makedev(major, minor) as u32;
+    let mode_type = if etype == EntryType::Char { S_IFCHR } else { S_IFBLK };
+    Ok(Kind::Device { mode_type, rdev })
 }
 
 /// A PAX sparse file (GNU tar's `--sparse --format=posix`): formats 0.1

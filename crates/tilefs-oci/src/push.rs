@@ -85,7 +85,39 @@ pub fn push(store: &Store, tag: &str, dest: &ImageRef, opts: &PushOptions) -> Re
     let objects = artifact::objects_of(&tree);
     drop(tree);
     // Every object must be here, whole, before anything is sent.
-    for o in &objects {
+    check_objects(store, tag, &objects, &image_digest)?;
+    let (locs, packs) = artifact::plan_packs(&objects);
+    let progress = opts.progress.clone().unwrap_or_default();
+    let object_bytes: u64 = objects.iter().map(|o| o.size).sum();
+    progress.bytes_total.store(object_bytes, Relaxed);
+    let pack_digests = pack_digests(store, &objects, &packs, &fsverity, opts, &progress)?;
+    let (blobs, manifest) = artifact_blobs(image, &objects, &locs, packs, pack_digests, &fsverity, object_bytes);
+
+    let registry = Registry::open(reference, &opts.registry)?;
+    let sources = crate::layer_cache::origins(store, registry.registry(), registry.repository());
+    progress
+        .bytes_total
+        .store(object_bytes + blobs.iter().map(|b| b.size).sum::<u64>(), Relaxed);
+    let sent = send_blobs(store, &registry, &objects, &blobs, &sources, opts, &progress)?;
+    registry.put_manifest(manifest.clone())?;
+    crate::layer_cache::add_origin(store, registry.registry(), registry.repository());
+    Ok(PushReport {
+        reference: dest.to_string(),
+        manifest_digest: Digest::sha256_of(&manifest).to_string(),
+        digest: fsverity,
+        objects: objects.len() as u64,
+        object_bytes,
+        blobs: blobs.len() as u64,
+        blobs_present: sent.present,
+        blobs_mounted: sent.mounted,
+        blobs_uploaded: sent.uploaded,
+        bytes_uploaded: sent.bytes_uploaded,
+    })
+}
+
+/// Fails unless every object of the image is in the store, whole.
+fn check_objects(store: &Store, tag: &str, objects: &[ObjectRef], image_digest: &[u8; 32]) -> Result<(), OciError> {
+    for o in objects {
         match store.object_size(&o.digest) {
             Some(s) if s == o.size => {}
             Some(s) => {
@@ -104,7 +136,7 @@ pub fn push(store: &Store, tag: &str, dest: &ImageRef, opts: &PushOptions) -> Re
                     format!(
                         "object {} is not in the store{}",
                         Store::object_rel(&o.digest),
-                        if tilefs_store::remote::is_lazy(store, &image_digest) {
+                        if tilefs_store::remote::is_lazy(store, image_digest) {
                             " (the image was pulled with --lazy: `tilefs pull` it again to complete it)"
                         } else {
                             ""
@@ -114,37 +146,53 @@ pub fn push(store: &Store, tag: &str, dest: &ImageRef, opts: &PushOptions) -> Re
             }
         }
     }
-    let (locs, packs) = artifact::plan_packs(&objects);
-    let progress = opts.progress.clone().unwrap_or_default();
-    let object_bytes: u64 = objects.iter().map(|o| o.size).sum();
-    progress.bytes_total.store(object_bytes, Relaxed);
+    Ok(())
+}
 
-    // Hashed once per image: the digests are kept (a pack whose objects
-    // changed since would be refused by the registry's own check).
+/// The SHA-256 of each pack: hashed once per image, then kept in the
+/// layer cache (a pack whose objects changed since would be refused by
+/// the registry's own check).
+fn pack_digests(
+    store: &Store,
+    objects: &[ObjectRef],
+    packs: &[artifact::Pack],
+    fsverity: &str,
+    opts: &PushOptions,
+    progress: &PushProgress,
+) -> Result<Vec<Digest>, OciError> {
+    let object_bytes: u64 = objects.iter().map(|o| o.size).sum();
     let cache_name = format!("packs-{}-{fsverity}", artifact::PACK_TARGET);
-    let pack_digests = match crate::layer_cache::read_record_in(store, LAYER_CACHE, &cache_name)
+    if let Some(known) = crate::layer_cache::read_record_in(store, LAYER_CACHE, &cache_name)
         .and_then(|raw| serde_json::from_slice::<Vec<String>>(&raw).ok())
         .filter(|v| v.len() == packs.len())
         .and_then(|v| v.iter().map(|d| Digest::parse(d).ok()).collect::<Option<Vec<_>>>())
     {
-        Some(known) => {
-            progress.bytes_done.fetch_add(object_bytes, Relaxed);
-            known
-        }
-        None => {
-            let hashed = hash_packs(store, &objects, &packs, opts, &progress)?;
-            let list: Vec<String> = hashed.iter().map(|d| d.to_string()).collect();
-            if let Ok(bytes) = serde_json::to_vec(&list) {
-                let _ = crate::layer_cache::write_record_in(store, LAYER_CACHE, &cache_name, &bytes);
-            }
-            hashed
-        }
-    };
+        progress.bytes_done.fetch_add(object_bytes, Relaxed);
+        return Ok(known);
+    }
+    let hashed = hash_packs(store, objects, packs, opts, progress)?;
+    let list: Vec<String> = hashed.iter().map(|d| d.to_string()).collect();
+    if let Ok(bytes) = serde_json::to_vec(&list) {
+        let _ = crate::layer_cache::write_record_in(store, LAYER_CACHE, &cache_name, &bytes);
+    }
+    Ok(hashed)
+}
 
-    let index = Arc::new(artifact::encode_index(&objects, &locs));
+/// The artifact's blobs (config, image, index, then the packs) and its
+/// manifest.
+fn artifact_blobs(
+    image: Vec<u8>,
+    objects: &[ObjectRef],
+    locs: &[artifact::Location],
+    packs: Vec<artifact::Pack>,
+    pack_digests: Vec<Digest>,
+    fsverity: &str,
+    object_bytes: u64,
+) -> (Vec<Blob>, Vec<u8>) {
+    let index = Arc::new(artifact::encode_index(objects, locs));
     let config = Arc::new(
         serde_json::to_vec(&artifact::Config {
-            fsverity: fsverity.clone(),
+            fsverity: fsverity.to_string(),
             objects: objects.len() as u64,
             object_bytes,
         })
@@ -172,22 +220,31 @@ pub fn push(store: &Store, tag: &str, dest: &ImageRef, opts: &PushOptions) -> Re
             .iter()
             .map(|b| (b.digest.clone(), b.size))
             .collect::<Vec<_>>(),
-        &fsverity,
+        fsverity,
     );
+    (blobs, manifest)
+}
 
-    let registry = Registry::open(reference, &opts.registry)?;
-    let sources = crate::layer_cache::origins(store, registry.registry(), registry.repository());
-    progress
-        .bytes_total
-        .store(object_bytes + blobs.iter().map(|b| b.size).sum::<u64>(), Relaxed);
-    let mut report = PushReport {
-        reference: dest.to_string(),
-        digest: fsverity,
-        objects: objects.len() as u64,
-        object_bytes,
-        blobs: blobs.len() as u64,
-        ..PushReport::default()
-    };
+/// How the blobs got to the repository.
+#[derive(Debug, Default)]
+struct SentCounts {
+    present: u64,
+    mounted: u64,
+    uploaded: u64,
+    bytes_uploaded: u64,
+}
+
+/// Sends the blobs the repository lacks, `opts.jobs` at once; the first
+/// failure stops them all.
+fn send_blobs(
+    store: &Store,
+    registry: &Registry,
+    objects: &[ObjectRef],
+    blobs: &[Blob],
+    sources: &[String],
+    opts: &PushOptions,
+    progress: &PushProgress,
+) -> Result<SentCounts, OciError> {
     let counts = [
         AtomicU64::new(0),
         AtomicU64::new(0),
@@ -205,7 +262,7 @@ pub fn push(store: &Store, tag: &str, dest: &ImageRef, opts: &PushOptions) -> Re
                     if stop() {
                         break;
                     }
-                    match send_blob(store, &registry, &objects, b, &sources, &progress.bytes_done) {
+                    match send_blob(store, registry, objects, b, sources, &progress.bytes_done) {
                         Ok(how) => {
                             counts[how as usize].fetch_add(1, Relaxed);
                             if how == Sent::Uploaded {
@@ -229,14 +286,13 @@ pub fn push(store: &Store, tag: &str, dest: &ImageRef, opts: &PushOptions) -> Re
     if opts.cancel.as_ref().is_some_and(|c| c.load(Relaxed)) {
         return Err(OciError::Interrupted);
     }
-    registry.put_manifest(manifest.clone())?;
-    crate::layer_cache::add_origin(store, registry.registry(), registry.repository());
-    report.manifest_digest = Digest::sha256_of(&manifest).to_string();
-    report.blobs_present = counts[Sent::Present as usize].load(Relaxed);
-    report.blobs_mounted = counts[Sent::Mounted as usize].load(Relaxed);
-    report.blobs_uploaded = counts[Sent::Uploaded as usize].load(Relaxed);
-    report.bytes_uploaded = counts[3].load(Relaxed);
-    Ok(report)
+    let [present, mounted, uploaded, bytes_uploaded] = counts.map(AtomicU64::into_inner);
+    Ok(SentCounts {
+        present,
+        mounted,
+        uploaded,
+        bytes_uploaded,
+    })
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -96,15 +96,35 @@ pub fn fsck(store: &Store, opts: &FsckOptions, progress: &(dyn Fn(u64, u64) + Sy
     let ObjectScan {
         objects,
         mut strays,
-        leftovers,
+        mut leftovers,
     } = store.scan_objects()?;
     let mut report = FsckReport {
         exposed: store.exposure(),
         ..FsckReport::default()
     };
-    // The store's own directories must be directories: a symlink there
-    // would lead tilefs out of the store.
-    let mut leftovers = leftovers;
+    check_own_dirs(store, &mut strays, &mut leftovers);
+    report.leftovers = leftovers.len() as u64;
+    let sized = sizes(objects, &mut strays, &mut report.unreadable);
+    let mut present = check_objects(&pool, &sized, progress, &mut report, &mut strays);
+
+    let images = tags::scan_images(store)?;
+    strays.extend(images.others);
+    report.corrupt.sort();
+    report.unreadable.sort();
+    strays.sort();
+    report.strays = strays;
+    if opts.repair && (!report.corrupt.is_empty() || !report.strays.is_empty()) {
+        repair(store, &mut report, &mut present)?;
+    }
+    // References, after any repair: the report says what is true now.
+    check_references(store, &pool, &images.tags, &present, &mut report);
+    Ok(report)
+}
+
+/// The store's own directories must be directories: a symlink there
+/// would lead tilefs out of the store. One that is not is a stray, and
+/// what the scan took for leftovers in it are not counted.
+fn check_own_dirs(store: &Store, strays: &mut Vec<PathBuf>, leftovers: &mut Vec<PathBuf>) {
     for name in [TMP_DIR, QUARANTINE_DIR] {
         let path = store.join(name);
         if std::fs::symlink_metadata(&path).is_ok_and(|m| !m.file_type().is_dir()) {
@@ -112,23 +132,44 @@ pub fn fsck(store: &Store, opts: &FsckOptions, progress: &(dyn Fn(u64, u64) + Sy
             strays.push(path);
         }
     }
-    report.leftovers = leftovers.len() as u64;
+}
 
-    // Sizes, for progress; the largest objects first.
-    let mut sized: Vec<([u8; 32], PathBuf, u64)> = Vec::with_capacity(objects.len());
+/// An object to check: its digest, path and size.
+type ToCheck = ([u8; 32], PathBuf, u64);
+
+/// The objects' sizes (for progress), the largest first; what is not a
+/// regular file is a stray, what cannot be looked at is unreadable.
+fn sizes(
+    objects: Vec<([u8; 32], PathBuf)>,
+    strays: &mut Vec<PathBuf>,
+    unreadable: &mut Vec<(PathBuf, String)>,
+) -> Vec<ToCheck> {
+    let mut sized: Vec<ToCheck> = Vec::with_capacity(objects.len());
     for (d, path) in objects {
         match std::fs::symlink_metadata(&path) {
             Ok(m) if m.file_type().is_file() => sized.push((d, path, m.len())),
             Ok(_) => strays.push(path),
             Err(e) if e.kind() == io::ErrorKind::NotFound => {}
-            Err(e) => report.unreadable.push((path, e.to_string())),
+            Err(e) => unreadable.push((path, e.to_string())),
         }
     }
     sized.sort_by(|a, b| b.2.cmp(&a.2).then(a.0.cmp(&b.0)));
+    sized
+}
+
+/// Recomputes every object's digest on `pool`, counting the objects
+/// and their bytes in `report`; returns the digests of the objects
+/// present (good, corrupt or unreadable).
+fn check_objects(
+    pool: &rayon::ThreadPool,
+    sized: &[ToCheck],
+    progress: &(dyn Fn(u64, u64) + Sync),
+    report: &mut FsckReport,
+    strays: &mut Vec<PathBuf>,
+) -> HashSet<[u8; 32]> {
     let total: u64 = sized.iter().map(|o| o.2).sum();
     let done = AtomicU64::new(0);
     progress(0, total);
-
     let results: Vec<(usize, Checked)> = pool.install(|| {
         sized
             .par_iter()
@@ -167,50 +208,56 @@ pub fn fsck(store: &Store, opts: &FsckOptions, progress: &(dyn Fn(u64, u64) + Sy
         }
     }
     progress(done.load(Ordering::Relaxed), total);
+    present
+}
 
-    let images = tags::scan_images(store)?;
-    strays.extend(images.others);
-    report.corrupt.sort();
-    report.unreadable.sort();
-    strays.sort();
-    report.strays = strays;
-
-    if opts.repair && (!report.corrupt.is_empty() || !report.strays.is_empty()) {
-        // By descriptor, never following a symlink: in a store others can
-        // write, a symlink swapped in could otherwise make root move files
-        // into, or out of, places outside the store.
-        let qdir = store.open_subdir(QUARANTINE_DIR).map_err(|e| match e {
-            StoreError::Io { path, err, .. }
-                if err.raw_os_error() == Some(libc::ENOTDIR) || err.raw_os_error() == Some(libc::ELOOP) =>
-            {
-                StoreError::Invalid(format!(
-                    "{}: not a directory (a symlink or file): cannot repair; remove it and run fsck --repair again",
-                    path.display()
-                ))
-            }
-            e => e,
-        })?;
-        for path in report.corrupt.iter().chain(&report.strays) {
-            quarantine(store, &qdir, path)?;
-            report.repaired.push(path.clone());
-            if let Some(d) = path
-                .strip_prefix(store.path())
-                .ok()
-                .and_then(|rel| rel.to_str())
-                .and_then(|rel| parse_object_rel(rel.as_bytes()))
-            {
-                present.remove(&d);
-            }
+/// Moves the corrupt objects and the strays to the quarantine; those
+/// objects are no longer `present`.
+fn repair(store: &Store, report: &mut FsckReport, present: &mut HashSet<[u8; 32]>) -> Result<(), StoreError> {
+    // By descriptor, never following a symlink: in a store others can
+    // write, a symlink swapped in could otherwise make root move files
+    // into, or out of, places outside the store.
+    let qdir = store.open_subdir(QUARANTINE_DIR).map_err(|e| match e {
+        StoreError::Io { path, err, .. }
+            if err.raw_os_error() == Some(libc::ENOTDIR) || err.raw_os_error() == Some(libc::ELOOP) =>
+        {
+            StoreError::Invalid(format!(
+                "{}: not a directory (a symlink or file): cannot repair; remove it and run fsck --repair again",
+                path.display()
+            ))
         }
-        // The quarantine moves are metadata: make them durable.
-        let _ = rfs::fsync(&qdir);
+        e => e,
+    })?;
+    for path in report.corrupt.iter().chain(&report.strays) {
+        quarantine(store, &qdir, path)?;
+        report.repaired.push(path.clone());
+        if let Some(d) = path
+            .strip_prefix(store.path())
+            .ok()
+            .and_then(|rel| rel.to_str())
+            .and_then(|rel| parse_object_rel(rel.as_bytes()))
+        {
+            present.remove(&d);
+        }
     }
+    // The quarantine moves are metadata: make them durable.
+    let _ = rfs::fsync(&qdir);
+    Ok(())
+}
 
-    // References, after any repair: the report says what is true now.
-    report.images = images.tags.len() as u64;
+/// Reads the tagged images: objects they reference that are absent
+/// (missing, or only not fetched yet for lazily pulled images), which
+/// images use the corrupt objects still in place, and bad references.
+fn check_references(
+    store: &Store,
+    pool: &rayon::ThreadPool,
+    images: &[TagInfo],
+    present: &HashSet<[u8; 32]>,
+    report: &mut FsckReport,
+) {
+    report.images = images.len() as u64;
     let lazy = crate::remote::records(store);
-    let checked: Vec<ImageCheck> =
-        pool.install(|| images.tags.par_iter().map(|t| check_image(store, t, &lazy)).collect());
+    let checked: Vec<ImageCheck> = pool.install(|| images.par_iter().map(|t| check_image(store, t, &lazy)).collect());
     // Absent objects, with the tags needing them and whether all of those
     // are lazily pulled images.
     let mut missing: BTreeMap<[u8; 32], (BTreeSet<String>, bool)> = BTreeMap::new();
@@ -222,7 +269,7 @@ pub fn fsck(store: &Store, opts: &FsckOptions, progress: &(dyn Fn(u64, u64) + Sy
         .filter_map(|p| parse_object_rel(p.strip_prefix(store.path()).ok()?.to_str()?.as_bytes()))
         .map(|d| (d, BTreeSet::new()))
         .collect();
-    for (tag, c) in images.tags.iter().zip(checked) {
+    for (tag, c) in images.iter().zip(checked) {
         match c {
             ImageCheck::Gone => report.images -= 1,
             ImageCheck::Bad(reason) => report.bad_images.push((tag.name.clone(), reason)),
@@ -255,12 +302,11 @@ pub fn fsck(store: &Store, opts: &FsckOptions, progress: &(dyn Fn(u64, u64) + Sy
             report.missing.push((Store::object_rel(&d), tags.into_iter().collect()));
         }
     }
-    report.corrupt_used_by = std::mem::take(&mut corrupt)
+    report.corrupt_used_by = corrupt
         .into_iter()
         .filter(|(_, tags)| !tags.is_empty())
         .map(|(d, tags)| (store.object_path(&d), tags.into_iter().collect()))
         .collect();
-    Ok(report)
 }
 
 enum Checked {

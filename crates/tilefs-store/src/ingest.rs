@@ -229,8 +229,8 @@ impl<'s> Ingest<'s> {
             OFlags::RDONLY | OFlags::NOFOLLOW | OFlags::CLOEXEC | OFlags::NONBLOCK,
             Mode::empty(),
         )
-        .map_err(|e| StoreError::io(f.path, "cannot open", e.into()))?;
-        let now = rfs::fstat(&src).map_err(|e| StoreError::io(f.path, "cannot stat", e.into()))?;
+        .map_err(|e| StoreError::source_io(f.path, "cannot open", e.into()))?;
+        let now = rfs::fstat(&src).map_err(|e| StoreError::source_io(f.path, "cannot stat", e.into()))?;
         if now.st_ino != st.st_ino || now.st_dev != st.st_dev {
             return Err(StoreError::source(f.path, "file was replaced during the build"));
         }
@@ -271,7 +271,7 @@ impl<'s> Ingest<'s> {
 
     /// Imports `size` bytes from `src` that must have the fs-verity digest
     /// `expected` (an object fetched from elsewhere). Bytes that do not
-    /// are refused with [`StoreError::Source`] and nothing is stored.
+    /// are refused with [`StoreError::Mismatch`] and nothing is stored.
     pub fn import_expected(
         &self,
         what: &Path,
@@ -342,7 +342,7 @@ impl<'s> Ingest<'s> {
 
     fn copy_error(&self, source: &Path, e: CopyError) -> StoreError {
         match e {
-            CopyError::Read(e) => StoreError::io(source, "cannot read", e),
+            CopyError::Read(e) => StoreError::source_io(source, "cannot read", e),
             CopyError::Write(e) => self.write_error(e),
         }
     }
@@ -420,7 +420,10 @@ impl<'s> Ingest<'s> {
     /// file; or clones it and hashes the clone. Returns (bytes, digest, the
     /// contents when they are still only in memory).
     fn copy_in(&self, f: &SourceFile, src: &OwnedFd, tmp_name: &str, size: u64) -> Result<Hashed, StoreError> {
-        let mut srcf = std::fs::File::from(src.try_clone().map_err(|e| StoreError::io(f.path, "cannot dup", e))?);
+        let mut srcf = std::fs::File::from(
+            src.try_clone()
+                .map_err(|e| StoreError::source_io(f.path, "cannot dup", e))?,
+        );
         if self.cloning.load(Relaxed) {
             let dst = self.create_temp(tmp_name)?;
             if rfs::ioctl_ficlone(&dst, src).is_ok() {
@@ -432,7 +435,7 @@ impl<'s> Ingest<'s> {
                     Mode::empty(),
                 )
                 .map(std::fs::File::from)
-                .map_err(|e| StoreError::io(f.path, "cannot reopen clone", e.into()))?;
+                .map_err(|e| StoreError::source_io(f.path, "cannot reopen clone", e.into()))?;
                 let (n, d) = hash_copy(&mut clone, None).map_err(|e| self.copy_error(f.path, e))?;
                 return Ok(Hashed(n, d, None));
             }
@@ -455,14 +458,17 @@ impl<'s> Ingest<'s> {
             } else {
                 "cannot hardlink into the store"
             };
-            StoreError::io(f.path, hint, e.into())
+            StoreError::source_io(f.path, hint, e.into())
         })?;
         let linked = rfs::statat(&self.tmp, tmp_name, AtFlags::SYMLINK_NOFOLLOW)
-            .map_err(|e| StoreError::io(f.path, "cannot stat", e.into()))?;
+            .map_err(|e| StoreError::source_io(f.path, "cannot stat", e.into()))?;
         if linked.st_ino != f.stat.st_ino {
             return Err(StoreError::source(f.path, "file was replaced during the build"));
         }
-        let mut src = std::fs::File::from(src.try_clone().map_err(|e| StoreError::io(f.path, "cannot dup", e))?);
+        let mut src = std::fs::File::from(
+            src.try_clone()
+                .map_err(|e| StoreError::source_io(f.path, "cannot dup", e))?,
+        );
         hash_copy(&mut src, None).map_err(|e| self.copy_error(f.path, e))
     }
 
@@ -580,7 +586,7 @@ impl tilefs_image::source::ContentSink for Ingest<'_> {
     fn store(&self, dir: BorrowedFd<'_>, name: &CStr, path: &Path, stat: &rfs::Stat) -> Result<[u8; 32], String> {
         self.import(&SourceFile { dir, name, path, stat }).map_err(|e| match e {
             // The caller names the source file already.
-            StoreError::Io { path: p, what, err } if p == path => format!("{what}: {err}"),
+            StoreError::SourceIo { what, err, .. } => format!("{what}: {err}"),
             e => e.to_string(),
         })
     }
@@ -628,7 +634,7 @@ fn read_small(src: &mut dyn Read, size: u64, path: &Path) -> Result<Hashed, Stor
     data.reserve_exact(size as usize + 1);
     if let Err(e) = src.take(size + 1).read_to_end(&mut data) {
         recycle(data);
-        return Err(StoreError::io(path, "cannot read", e));
+        return Err(StoreError::source_io(path, "cannot read", e));
     }
     let d = verity::digest_bytes(&data);
     Ok(Hashed(data.len() as u64, d, Some(data)))

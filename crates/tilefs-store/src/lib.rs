@@ -54,6 +54,17 @@ pub enum StoreError {
     /// A source file that is not what it was when the tree was read.
     #[error("{}: {msg}", path.display())]
     Source { path: PathBuf, msg: &'static str },
+    /// The source being imported failed at `what`: reading it (a stream
+    /// cut short, a file that cannot be read), or for a file, opening,
+    /// linking or cloning it. Told apart from the store's own failures
+    /// ([`StoreError::Io`]) by kind, as a fetch decides whether to try
+    /// again by it; `path` names the source.
+    #[error("{}: {what}: {err}", path.display())]
+    SourceIo {
+        path: PathBuf,
+        what: &'static str,
+        err: io::Error,
+    },
     #[error("interrupted")]
     Interrupted,
 }
@@ -71,6 +82,14 @@ impl StoreError {
         StoreError::Source {
             path: path.to_path_buf(),
             msg,
+        }
+    }
+
+    pub fn source_io(path: &Path, what: &'static str, err: io::Error) -> StoreError {
+        StoreError::SourceIo {
+            path: path.to_path_buf(),
+            what,
+            err,
         }
     }
 

@@ -71,6 +71,55 @@ pub fn cannot_mount(fstype: &str) -> Option<String> {
     None
 }
 
+/// Why FUSE mounts cannot be made here, if they cannot.
+pub fn cannot_fuse() -> Option<String> {
+    if !Path::new("/dev/fuse").exists() {
+        return Some("no /dev/fuse".into());
+    }
+    cannot_mount("fuse")
+}
+
+/// Why root-only work cannot be done here (`what` says what needs root).
+pub fn not_root(what: &str) -> Option<String> {
+    (!is_root()).then(|| format!("not running as root ({what})"))
+}
+
+/// Why `program` cannot be run, if it is not in $PATH (`package`: where
+/// to find it).
+pub fn missing_program(program: &str, package: &str) -> Option<String> {
+    let found = std::env::var_os("PATH")
+        .map(|p| std::env::split_paths(&p).any(|d| d.join(program).is_file()))
+        .unwrap_or(false);
+    (!found).then(|| format!("{program} not found ({package})"))
+}
+
+/// Fails the test when the machine lacks what it needs (`why`, from the
+/// `cannot_*` functions above), rather than letting it pass without having
+/// run: the tests run as root on machines with EROFS, overlayfs, FUSE and
+/// loop devices. What machines truly lack is asked for by tests marked
+/// `#[ignore = "needs ..."]` instead.
+#[track_caller]
+pub fn require(why: Option<String>) {
+    if let Some(why) = why {
+        panic!("this test cannot run here: {why}");
+    }
+}
+
+/// Runs the tests of one binary that take it one at a time: `unshare -m`
+/// in one test copies every mount of the others into its new namespace,
+/// and a mount that propagates to such a copy while it is being made can
+/// be reported busy.
+pub fn serial() -> std::sync::MutexGuard<'static, ()> {
+    static LOCK: std::sync::Mutex<()> = std::sync::Mutex::new(());
+    LOCK.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// The SHA-256 of `data`, hex.
+pub fn sha256_hex(data: &[u8]) -> String {
+    use sha2::Digest;
+    hex::encode(sha2::Sha256::digest(data))
+}
+
 /// The unprivileged user tests run things as ("nobody").
 pub const NOBODY: u32 = 65534;
 
@@ -91,13 +140,83 @@ pub fn give_to_nobody(path: &Path) {
     .unwrap();
 }
 
-/// Whether something is mounted exactly at `mnt` (in this namespace).
-pub fn is_mounted(mnt: &Path) -> bool {
-    let m = mnt.to_str().unwrap();
+/// The lines of this namespace's mount table.
+pub fn mountinfo_lines() -> Vec<String> {
     fs::read_to_string("/proc/self/mountinfo")
         .unwrap_or_default()
         .lines()
-        .any(|l| l.split(' ').nth(4) == Some(m))
+        .map(str::to_string)
+        .collect()
+}
+
+/// `path` as the mount table writes it: absolute, symlinks resolved where
+/// it can be (a FUSE mount whose server died cannot), with space, tab,
+/// newline and backslash in octal.
+fn mountinfo_path(path: &Path) -> String {
+    let p = fs::canonicalize(path)
+        .or_else(|_| std::path::absolute(path))
+        .unwrap_or_else(|_| path.to_path_buf());
+    let mut out = String::new();
+    for c in p.to_string_lossy().chars() {
+        match c {
+            ' ' | '\t' | '\n' | '\\' => out.push_str(&format!("\\{:03o}", c as u32)),
+            c => out.push(c),
+        }
+    }
+    out
+}
+
+/// The mount table lines of the mounts exactly at `mnt`, the first made
+/// first.
+pub fn mounts_at(mnt: &Path) -> Vec<String> {
+    let m = mountinfo_path(mnt);
+    mountinfo_lines()
+        .into_iter()
+        .filter(|l| l.split(' ').nth(4) == Some(m.as_str()))
+        .collect()
+}
+
+/// The mount table line of the mount exactly at `mnt` (the first made,
+/// if several are stacked there).
+pub fn mount_line(mnt: &Path) -> Option<String> {
+    mounts_at(mnt).into_iter().next()
+}
+
+/// Whether something is mounted exactly at `mnt` (in this namespace).
+pub fn is_mounted(mnt: &Path) -> bool {
+    mount_line(mnt).is_some()
+}
+
+/// Whatever is mounted at the path is taken down when dropped, even when a
+/// test panics: `tilefs umount` (which refuses what is not tilefs's), then
+/// a lazy detach and fusermount3's as a last resort; mounts stacked there
+/// go too.
+pub struct Mounted(pub PathBuf);
+
+impl Mounted {
+    /// Takes down what is mounted at the path now.
+    pub fn unmount(&self) {
+        for _ in 0..4 {
+            if !is_mounted(&self.0) {
+                return;
+            }
+            let _ = tilefs_any(&[os("umount"), self.0.as_os_str()]);
+            if is_mounted(&self.0) {
+                let _ = rustix::mount::unmount(&self.0, rustix::mount::UnmountFlags::DETACH);
+                let _ = Command::new("fusermount3")
+                    .args(["-u", "-z", "--"])
+                    .arg(&self.0)
+                    .stderr(std::process::Stdio::null())
+                    .status();
+            }
+        }
+    }
+}
+
+impl Drop for Mounted {
+    fn drop(&mut self) {
+        self.unmount();
+    }
 }
 
 /// fusermount3 opens /dev/fuse as the calling user: Debian's udev rule
@@ -160,17 +279,8 @@ impl Drop for FuseUring {
     }
 }
 
-/// A mount that is detached when dropped, even when a test panics.
-pub struct MountGuard(pub PathBuf);
-
-impl Drop for MountGuard {
-    fn drop(&mut self) {
-        let _ = rustix::mount::unmount(&self.0, rustix::mount::UnmountFlags::DETACH);
-    }
-}
-
 /// Mounts `image` read-only as EROFS at `target` (file-backed).
-pub fn mount_erofs(image: &Path, target: &Path) -> MountGuard {
+pub fn mount_erofs(image: &Path, target: &Path) -> Mounted {
     let st = Command::new("mount")
         .args(["-t", "erofs", "-o", "ro"])
         .arg(image)
@@ -178,7 +288,7 @@ pub fn mount_erofs(image: &Path, target: &Path) -> MountGuard {
         .status()
         .unwrap();
     assert!(st.success(), "mount -t erofs {} failed", image.display());
-    MountGuard(target.to_path_buf())
+    Mounted(target.to_path_buf())
 }
 
 /// xorshift64*, seeded.

@@ -6,7 +6,7 @@ use super::registry::Registry;
 use super::*;
 use std::ffi::OsStr;
 use std::fs;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::Command;
 
 /// Writes `files` (name, size) of pseudo-random bytes under `root`.
@@ -132,43 +132,22 @@ pub fn blob_bytes_since(r: &Registry, before: usize) -> u64 {
         .sum()
 }
 
-/// A FUSE mount of a tag, taken down when dropped (even when a test
-/// panics).
-pub struct Mounted(pub PathBuf);
-
-impl Mounted {
-    pub fn new(store: &Path, tag: &str, mnt: &Path, log: &Path) -> (Mounted, String) {
-        fs::create_dir_all(mnt).unwrap();
-        let out = tilefs_any(&[
-            os("mount"),
-            os("--store"),
-            store.as_os_str(),
-            os("--log"),
-            log.as_os_str(),
-            os(tag),
-            mnt.as_os_str(),
-        ]);
-        assert!(out.status.success(), "mount: {}", stderr(&out));
-        (Mounted(mnt.to_path_buf()), stderr(&out))
-    }
-}
-
-impl Drop for Mounted {
-    fn drop(&mut self) {
-        if is_mounted(&self.0) {
-            let _ = tilefs_any(&[os("umount"), self.0.as_os_str()]);
-        }
-        if is_mounted(&self.0) {
-            let _ = rustix::mount::unmount(&self.0, rustix::mount::UnmountFlags::DETACH);
-        }
-    }
-}
-
-pub fn fuse_unavailable() -> Option<String> {
-    if !Path::new("/dev/fuse").exists() {
-        return Some("no /dev/fuse".into());
-    }
-    cannot_mount("fuse")
+/// Mounts the tag `tag` of `store` (FUSE, a lazy image's objects fetched
+/// when read, logging to `log`) at `mnt`: the mount, taken down when
+/// dropped, and what the command said.
+pub fn mount_tag(store: &Path, tag: &str, mnt: &Path, log: &Path) -> (Mounted, String) {
+    fs::create_dir_all(mnt).unwrap();
+    let out = tilefs_any(&[
+        os("mount"),
+        os("--store"),
+        store.as_os_str(),
+        os("--log"),
+        log.as_os_str(),
+        os(tag),
+        mnt.as_os_str(),
+    ]);
+    assert!(out.status.success(), "mount: {}", stderr(&out));
+    (Mounted(mnt.to_path_buf()), stderr(&out))
 }
 
 /// Reads a file the way `cat` would: contents, or the OS error.

@@ -21,6 +21,8 @@ mod files;
 mod io_mode;
 mod names;
 mod nodes;
+mod ops_files;
+mod ops_names;
 mod serve;
 mod upper;
 
