@@ -53,9 +53,7 @@ fn processes_with(words: &[&str]) -> Vec<u32> {
 
 #[test]
 fn relative_stores_serve_lazy_mounts_and_umount_waits_for_the_server() {
-    if let Some(why) = fuse_unavailable() {
-        panic!("this test needs FUSE: {why}");
-    }
+    require(cannot_fuse());
     let area = Area::new();
     let registry = Registry::start(&area);
     let src = area.dir("src");
@@ -111,7 +109,7 @@ fn relative_stores_serve_lazy_mounts_and_umount_waits_for_the_server() {
 
 #[test]
 fn a_user_changes_a_root_image_mounted_writable_without_options() {
-    assert!(is_root(), "CI runs the tests as root");
+    require(not_root("the test makes an unprivileged user's mount"));
     let _fuse = DevFuseMode::set(0o666);
     let area = Area::new();
     fs::set_permissions(area.tmp.path(), std::os::unix::fs::PermissionsExt::from_mode(0o755)).unwrap();
@@ -174,9 +172,7 @@ fn a_user_changes_a_root_image_mounted_writable_without_options() {
 
 #[test]
 fn notices_say_what_they_should_once_and_quiet_silences_them() {
-    if let Some(why) = cannot_mount("erofs") {
-        panic!("this test needs kernel mounts: {why}");
-    }
+    require(cannot_mount("erofs"));
     let area = Area::new();
     let src = area.dir("src");
     fs::write(src.join("f"), "x").unwrap();
