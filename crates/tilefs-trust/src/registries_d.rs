@@ -156,8 +156,9 @@ pub fn builtin_lookaside() -> String {
 }
 
 /// The URL of signature `n` (from 1) of the manifest `digest` of the
-/// repository `repo` (`HOST/PATH`) under the lookaside `base`:
-/// `BASE/HOST/PATH@ALG=HEX/signature-N`.
+/// repository whose path in its registry is `repo` (without the host, as
+/// containers/image names them) under the lookaside `base`:
+/// `BASE/PATH@ALG=HEX/signature-N`.
 pub fn lookaside_url(base: &str, repo: &str, digest: &str, n: usize) -> Result<String, String> {
     if !crate::dockerref::valid_digest(digest) {
         return Err(format!("{digest:?} is not a digest"));
@@ -216,7 +217,7 @@ mod tests {
                 2
             )
             .unwrap(),
-            "file:///s/reg.io/a@sha256=0123456789abcdef0123456789abcdef0123456789abcdef0123456789abcdef/signature-2"
+            "file:///s/team/a@sha256=0123456789abcdef0123456789abcdef0123456789abcdef0123456789abcdef/signature-2"
         );
     }
 }
