@@ -153,6 +153,7 @@ pub(crate) fn pull_artifact(
                 .map(|p| (p.digest.to_string(), p.size.unwrap_or(0)))
                 .collect(),
             index: remote_image.index.clone(),
+            trust: resolved.trust.clone(),
         };
         record.save(store, &remote_image.digest)?;
     } else if !absent.is_empty() {
@@ -477,7 +478,7 @@ impl<R: Read> Read for Counting<'_, R> {
     }
 }
 
-const RECORD_VERSION: u32 = 1;
+const RECORD_VERSION: u32 = 2;
 
 /// Where the objects of a lazily pulled image are: `STORE/.remote/HEX`.
 #[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
@@ -491,6 +492,9 @@ pub struct LazyRecord {
     /// Each pack's digest and size.
     pub packs: Vec<(String, u64)>,
     pub index: ObjectIndex,
+    /// How the pull passed the signature policy (a registry image's fetches
+    /// check it again before the first one).
+    pub trust: Option<crate::trust::TrustRecord>,
 }
 
 impl LazyRecord {
@@ -592,6 +596,14 @@ impl LazySource {
                     tls_verify: self.record.tls_verify,
                     timeout: Duration::from_secs(self.record.timeout_secs.clamp(1, 3600)),
                 };
+                // Only an image the policy accepts is fetched.
+                if let ImageRef::Registry { .. } = r {
+                    let trust = self.record.trust.as_ref().ok_or_else(|| {
+                        "the record does not say how the image passed the signature policy: pull it again".to_string()
+                    })?;
+                    crate::trust::recheck(trust, &self.record.source, &opts)
+                        .map_err(|e| format!("the signature policy refuses the image now: {e}"))?;
+                }
                 transport::open(&r, &opts).map_err(|e| e.to_string())
             })
             .as_ref()

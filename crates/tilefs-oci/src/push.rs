@@ -28,6 +28,10 @@ pub struct PushOptions {
     pub jobs: usize,
     pub cancel: Option<Arc<AtomicBool>>,
     pub progress: Option<Arc<PushProgress>>,
+    /// registries.conf (`insecure`) and whether `--tls-verify` was given.
+    pub trust: crate::trust::TrustOptions,
+    /// Signatures to make of the pushed manifest.
+    pub sign: crate::trust::SignOptions,
 }
 
 /// Counters of a push, readable while it runs.
@@ -55,6 +59,9 @@ pub struct PushReport {
     pub blobs_mounted: u64,
     pub blobs_uploaded: u64,
     pub bytes_uploaded: u64,
+    /// The signatures written, if asked for.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub signed: Option<crate::trust::Signed>,
 }
 
 /// One blob of the artifact and how to read it.
@@ -77,6 +84,8 @@ pub fn push(store: &Store, tag: &str, dest: &ImageRef, opts: &PushOptions) -> Re
             "{dest}: tilefs pushes to registries only (docker://HOST[:PORT]/REPO[:TAG])"
         )));
     };
+    // Signing must be able to work before anything is sent.
+    let signer = crate::trust::prepare_signing(reference, &opts.sign)?;
     let image = tags::read_tag(store, tag)?;
     let (tree, _) = tilefs_image::erofs::read_image(&image)
         .map_err(|e| OciError::manifest(format!("image {tag:?}"), format!("cannot be read: {e}")))?;
@@ -175,7 +184,10 @@ pub fn push(store: &Store, tag: &str, dest: &ImageRef, opts: &PushOptions) -> Re
         &fsverity,
     );
 
-    let registry = Registry::open(reference, &opts.registry)?;
+    let registry = Registry::open(
+        reference,
+        &crate::trust::push_options(reference, &opts.registry, &opts.trust)?,
+    )?;
     let sources = crate::layer_cache::origins(store, registry.registry(), registry.repository());
     progress
         .bytes_total
@@ -232,6 +244,9 @@ pub fn push(store: &Store, tag: &str, dest: &ImageRef, opts: &PushOptions) -> Re
     registry.put_manifest(manifest.clone())?;
     crate::layer_cache::add_origin(store, registry.registry(), registry.repository());
     report.manifest_digest = Digest::sha256_of(&manifest).to_string();
+    if let Some(s) = &signer {
+        report.signed = Some(s.sign(&registry, &report.manifest_digest)?);
+    }
     report.blobs_present = counts[Sent::Present as usize].load(Relaxed);
     report.blobs_mounted = counts[Sent::Mounted as usize].load(Relaxed);
     report.blobs_uploaded = counts[Sent::Uploaded as usize].load(Relaxed);

@@ -107,6 +107,8 @@ impl Transport for DockerArchive {
             config: None,
             layers,
             artifact: false,
+            top_manifest: Vec::new(),
+            trust: None,
         })
     }
 
