@@ -186,6 +186,7 @@ pub(crate) fn pull_artifact(
         fetched?;
         objects = finished?;
     }
+    crate::trust::save_evidence(store, &remote_image.digest, &resolved)?;
     tags::write_tag(store, tag, &remote_image.image)?;
     if !lazy || absent.is_empty() {
         remote::forget(store, &remote_image.digest)?;

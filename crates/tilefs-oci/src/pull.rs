@@ -118,6 +118,7 @@ pub fn pull(store: &Store, r: &ImageRef, tag: &str, opts: &PullOptions) -> Resul
     if let Some(known) = crate::layer_cache::load_image(store, &key, &presence) {
         // Made before from these very layers, its objects all present.
         progress.layers_done.store(resolved.layers.len() as u64, Relaxed);
+        crate::trust::save_evidence(store, &tilefs_image::verity::digest_bytes(&known.image), &resolved)?;
         tags::write_tag(store, tag, &known.image)?;
         return Ok(PullReport {
             tag: tag.to_string(),
@@ -151,6 +152,7 @@ pub fn pull(store: &Store, r: &ImageRef, tag: &str, opts: &PullOptions) -> Resul
     )
     .map_err(|e| OciError::manifest(r.to_string(), format!("cannot write the image: {e}")))?;
     let objects = ingest.finish()?;
+    crate::trust::save_evidence(store, &image.digest, &resolved)?;
     tags::write_tag(store, tag, &image.bytes)?;
     let mut needed: Vec<[u8; 32]> = tree.inodes.iter().filter_map(|i| i.digest).collect();
     needed.sort_unstable();

@@ -15,6 +15,7 @@ use crate::manifest::{BlobRef, Platform};
 use crate::transport::registry::Registry;
 use crate::transport::{self, RegistryOptions, Resolved, Transport};
 use crate::{ImageRef, OciError};
+use tilefs_trust::evidence::Evidence;
 use tilefs_trust::policy::{NoSignatures, SignatureSource, Subject};
 use tilefs_trust::registries_d::{self, Storage};
 use tilefs_trust::sigstore::{self, SigstoreSignature};
@@ -96,13 +97,19 @@ pub fn open_checked(
                 }
                 _ => unreachable!(),
             };
-            policy
-                .evaluate(
-                    &subject,
-                    &resolved.top_manifest,
-                    &NoSignatures("a local layout or archive, which holds no signatures"),
-                )
+            let none = NoSignatures("a local layout or archive, which holds no signatures");
+            let accepted = policy
+                .evaluate(&subject, &resolved.top_manifest, &none)
                 .map_err(refused)?;
+            let mut resolved = resolved;
+            resolved.evidence = Some(Evidence::new(
+                &subject,
+                &resolved.top_manifest,
+                &[],
+                &[],
+                none.0.to_string(),
+                &accepted,
+            ));
             Ok(Opened {
                 transport: t,
                 resolved,
@@ -154,7 +161,8 @@ fn open_registry(
                 Err(e) => return Err(e),
             };
             let digest = Digest::sha256_of(&resolved.top_manifest).to_string();
-            check_registry_image(policy, &trust.paths, logical, &reg, &resolved.top_manifest, &digest)?;
+            let checked = check_registry_image(policy, &trust.paths, logical, &reg, &resolved.top_manifest, &digest)?;
+            resolved.evidence = Some(checked.evidence);
             resolved.trust = Some(TrustRecord {
                 logical: format!("docker://{logical}"),
                 manifest_digest: digest,
@@ -182,10 +190,18 @@ fn open_registry(
     })
 }
 
+/// An image the policy accepted: how, and the record of it that a later
+/// check (the mount service, a snapshotter) can judge again offline.
+pub struct Checked {
+    pub accepted: tilefs_trust::Accepted,
+    pub evidence: Evidence,
+}
+
 /// Judges the registry image `logical` whose top-level manifest `manifest`
 /// (digest `digest`) came from `reg`: the library call every path that
 /// brings a registry image in makes (pull, a lazy mount's first fetch, a
-/// snapshotter).
+/// snapshotter resolving an image reference CRI gives it: open the
+/// [`Registry`], resolve, then call this before anything is stored).
 pub fn check_registry_image(
     policy: &Policy,
     paths: &Paths,
@@ -193,10 +209,13 @@ pub fn check_registry_image(
     reg: &Registry,
     manifest: &[u8],
     digest: &str,
-) -> Result<tilefs_trust::Accepted, OciError> {
+) -> Result<Checked, OciError> {
     let subject = Subject::docker(logical);
     if !policy.needs_signatures(&subject) {
-        return policy.evaluate(&subject, manifest, &NoSignatures("")).map_err(refused);
+        let none = NoSignatures("no requirement needed signatures");
+        let accepted = policy.evaluate(&subject, manifest, &none).map_err(refused)?;
+        let evidence = Evidence::new(&subject, manifest, &[], &[], none.0.into(), &accepted);
+        return Ok(Checked { accepted, evidence });
     }
     let rd = paths.load_registries_d().map_err(OciError::Reference)?;
     let source = RegistrySignatures {
@@ -204,20 +223,94 @@ pub fn check_registry_image(
         logical,
         digest,
         storage: rd.storage_for(logical),
+        simple_read: Default::default(),
+        sigstore_read: Default::default(),
     };
-    policy.evaluate(&subject, manifest, &source).map_err(refused)
+    let accepted = policy.evaluate(&subject, manifest, &source).map_err(refused)?;
+    let origin = format!("{}; {}", source.simple_origin(), source.sigstore_origin());
+    let simple = source.simple_read.into_inner().unwrap_or_default();
+    let sigstore = source.sigstore_read.into_inner().unwrap_or_default();
+    let evidence = Evidence::new(&subject, manifest, &simple, &sigstore, origin, &accepted);
+    Ok(Checked { accepted, evidence })
 }
 
-/// Signatures of one image in a registry.
+/// Keeps the record of how the image `image` (fs-verity digest) passed
+/// the policy in `store`, before it is tagged.
+pub fn save_evidence(store: &tilefs_store::Store, image: &[u8; 32], resolved: &Resolved) -> Result<(), OciError> {
+    let Some(e) = &resolved.evidence else {
+        return Ok(());
+    };
+    tilefs_trust::evidence::save(store.path(), image, e).map_err(|err| {
+        OciError::Store(tilefs_store::StoreError::io(
+            &tilefs_trust::evidence::path(store.path(), image),
+            "cannot write the trust record",
+            err,
+        ))
+    })
+}
+
+/// Judges again, under `policy`, an image already in `store` (fs-verity
+/// digest `image`) by the record its pull kept: what the mount service
+/// does before it mounts a tag of a store whose rule names a signature
+/// policy, and what a snapshotter does for an image it finds present.
+pub fn check_stored(
+    store: &tilefs_store::Store,
+    image: &[u8; 32],
+    policy: &Policy,
+) -> Result<tilefs_trust::Accepted, OciError> {
+    tilefs_trust::evidence::check_stored(store.path(), image, policy).map_err(OciError::Refused)
+}
+
+/// Signatures of one image in a registry (those read are kept for the
+/// record).
 struct RegistrySignatures<'a> {
     reg: &'a Registry,
     logical: &'a DockerRef,
     digest: &'a str,
     storage: Storage,
+    simple_read: std::cell::OnceCell<Vec<Vec<u8>>>,
+    sigstore_read: std::cell::OnceCell<Vec<SigstoreSignature>>,
 }
 
 impl SignatureSource for RegistrySignatures<'_> {
     fn simple(&self) -> Result<Vec<Vec<u8>>, String> {
+        let got = self.read_simple()?;
+        let _ = self.simple_read.set(got.clone());
+        Ok(got)
+    }
+
+    fn sigstore(&self) -> Result<Vec<SigstoreSignature>, String> {
+        let got = self.read_sigstore()?;
+        let _ = self.sigstore_read.set(got.clone());
+        Ok(got)
+    }
+
+    fn simple_origin(&self) -> String {
+        match &self.storage.lookaside {
+            Some(b) => format!("the lookaside {b} ({})", self.storage.from),
+            None => format!("no lookaside: {} defines none", self.storage.from),
+        }
+    }
+
+    fn sigstore_origin(&self) -> String {
+        if self.storage.use_sigstore_attachments {
+            format!(
+                "the attachments {} of {}",
+                sigstore::signature_tag(self.digest),
+                self.reg.origin()
+            )
+        } else {
+            format!(
+                "no sigstore attachments: use-sigstore-attachments is not enabled for {} ({})",
+                self.logical.name(),
+                self.storage.from
+            )
+        }
+    }
+}
+
+impl RegistrySignatures<'_> {
+    fn read_simple(&self) -> Result<Vec<Vec<u8>>, String> {
         let Some(base) = &self.storage.lookaside else {
             return Ok(Vec::new());
         };
@@ -245,7 +338,7 @@ impl SignatureSource for RegistrySignatures<'_> {
         Ok(out)
     }
 
-    fn sigstore(&self) -> Result<Vec<SigstoreSignature>, String> {
+    fn read_sigstore(&self) -> Result<Vec<SigstoreSignature>, String> {
         if !self.storage.use_sigstore_attachments {
             return Ok(Vec::new());
         }
@@ -279,29 +372,6 @@ impl SignatureSource for RegistrySignatures<'_> {
             out.push(SigstoreSignature { payload, signature });
         }
         Ok(out)
-    }
-
-    fn simple_origin(&self) -> String {
-        match &self.storage.lookaside {
-            Some(b) => format!("the lookaside {b} ({})", self.storage.from),
-            None => format!("no lookaside: {} defines none", self.storage.from),
-        }
-    }
-
-    fn sigstore_origin(&self) -> String {
-        if self.storage.use_sigstore_attachments {
-            format!(
-                "the attachments {} of {}",
-                sigstore::signature_tag(self.digest),
-                self.reg.origin()
-            )
-        } else {
-            format!(
-                "no sigstore attachments: use-sigstore-attachments is not enabled for {} ({})",
-                self.logical.name(),
-                self.storage.from
-            )
-        }
     }
 }
 

@@ -22,6 +22,7 @@
 //! `trust::check_registry_image` does all of it for a registry image).
 
 pub mod dockerref;
+pub mod evidence;
 pub mod gpg;
 pub mod payload;
 pub mod policy;

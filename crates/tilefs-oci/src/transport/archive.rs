@@ -109,6 +109,7 @@ impl Transport for DockerArchive {
             artifact: false,
             top_manifest: Vec::new(),
             trust: None,
+            evidence: None,
         })
     }
 

@@ -29,6 +29,8 @@ pub struct Resolved {
     /// How the image passed the signature policy ([`crate::trust`]), once
     /// it has.
     pub trust: Option<crate::trust::TrustRecord>,
+    /// What the check read, kept in the store with the image.
+    pub evidence: Option<tilefs_trust::evidence::Evidence>,
 }
 
 /// A source of manifests and blobs.
@@ -125,6 +127,7 @@ pub(crate) fn resolve_manifest(
                     artifact,
                     top_manifest,
                     trust: None,
+                    evidence: None,
                 });
             }
         }
