@@ -8,6 +8,14 @@ gzip layers (`tar | gzip -6`, untimed) in an OCI layout. Rows:
   - the same image again, every object present, cold: goal <= 0.3x.
 Both tools' images are checked to have the same digest (`cfsctl oci
 compute-id`). Peak RSS is in every row.
+
+And the cost of the signature policy (issue 31): the same image in Debian's
+docker-registry on loopback, signed by skopeo with a GnuPG key the bench
+makes (simple signing, lookaside in a file:// directory), pulled again
+with every object present, warm cache: under a policy requiring that
+signature (`signedBy`: registries.d, the lookaside read, sequoia's check)
+vs under `insecureAcceptAnything`, goal <= 1.05x (at least 15 runs each,
+interleaved: a few milliseconds against a loaded machine's noise).
 """
 
 from __future__ import annotations
@@ -29,6 +37,7 @@ ORDER = 35
 TREES = ["usr/share", "usr/include", "usr/bin"]
 EMPTY_GOAL = 0.5
 PRESENT_GOAL = 0.3
+SIGNED_GOAL = 1.05
 
 
 def put_blob(layout: Path, path: Path) -> tuple[str, int]:
@@ -126,4 +135,59 @@ def run(b) -> None:
         same = r.returncode == 0 and r.stdout.strip() == t.stdout.strip()
         b.info("pull/same-image", "tilefs's image digest equals cfsctl oci compute-id",
                "identical" if same else f"DIFFERENT: tilefs {t.stdout.strip()} cfsctl {r.stdout.strip()}")
+    signed_pull(b, work, layout, blob_bytes)
     shutil.rmtree(work, ignore_errors=True)
+
+
+def signed_pull(b, work: Path, layout: Path, blob_bytes: int) -> None:
+    title = "the same image again from a registry, every object present, signedBy policy vs insecureAcceptAnything (warm cache)"
+    missing = [t for t in ("docker-registry", "skopeo", "gpg") if shutil.which(t) is None]
+    if missing:
+        b.skip("pull/signed", title, f"{', '.join(missing)} not found (scripts/setup installs them)")
+        return
+    from sections.registry import Registry  # noqa: E402
+    root = work / "registry"
+    root.mkdir()
+    reg = Registry(root)
+    try:
+        reg.start(empty=True)
+        gnupg, sigs, regd = work / "gnupg", work / "sigs", work / "registries.d"
+        for d in (gnupg, sigs, regd):
+            d.mkdir(mode=0o700)
+        env = dict(os.environ, GNUPGHOME=str(gnupg))
+        gpg = ["gpg", "--batch", "--pinentry-mode", "loopback", "--passphrase", ""]
+        subprocess.run(gpg + ["--quick-gen-key", "bench <bench@example.org>", "ed25519", "sign", "never"],
+                       env=env, check=True, capture_output=True)
+        listing = subprocess.run(gpg + ["--with-colons", "--list-keys", "bench@example.org"], env=env, check=True,
+                                 capture_output=True, text=True).stdout
+        fpr = next(line.split(":")[9] for line in listing.splitlines() if line.startswith("fpr:"))
+        key = work / "bench.gpg"
+        key.write_bytes(subprocess.run(gpg + ["--export", fpr], env=env, check=True, capture_output=True).stdout)
+        (regd / "bench.yaml").write_text(f"docker:\n  {reg.addr}:\n    lookaside: file://{sigs}\n")
+        remote = f"docker://{reg.addr}/bench/usr:v1"
+        b.progress("pull: signing the image into the registry ...", final=False)
+        subprocess.run(["skopeo", "--insecure-policy", "--registries.d", str(regd), "copy", "-q", "--dest-tls-verify=false",
+                        "--sign-by", fpr, f"oci:{layout}:bench", remote], env=env, check=True, capture_output=True)
+        signed = work / "signed.json"
+        signed.write_text(json.dumps({"default": [{"type": "reject"}], "transports": {"docker": {"": [
+            {"type": "signedBy", "keyType": "GPGKeys", "keyPath": str(key)}]}}}))
+        accept = work / "accept.json"
+        accept.write_text(json.dumps({"default": [{"type": "insecureAcceptAnything"}]}))
+        conf = work / "registries.conf"
+        conf.write_text("")
+        store = work / "rstore"
+
+        def argv(policy: Path) -> list:
+            return [b.tilefs, "pull", "-q", "--store", store, "--tls-verify=false", "--registries.d", regd,
+                    "--registries-conf", conf, "--signature-policy", policy, remote]
+        # Every object present: one pull first, untimed.
+        subprocess.run([str(a) for a in argv(signed)], check=True, capture_output=True)
+        b.compare("pull/signed", title, argv(signed), argv(accept), ref_tool="tilefs (insecureAcceptAnything)",
+                  goal=SIGNED_GOAL, nbytes=blob_bytes, runs=max(b.runs, 15),
+                  notes=["both: tilefs from this tree; the reference column is the same pull under a policy that "
+                         "checks nothing; skopeo signed the image (simple signing, lookaside file://)"])
+    except (subprocess.CalledProcessError, RuntimeError, StopIteration) as e:
+        detail = getattr(e, "stderr", b"") or b""
+        b.skip("pull/signed", title, f"setup failed: {e} {detail.decode(errors='replace') if isinstance(detail, bytes) else detail}")
+    finally:
+        reg.stop()

@@ -6,6 +6,7 @@ mod digest;
 mod docs;
 mod fuse_serve;
 mod inspect;
+mod keys_cmd;
 mod mount_cmd;
 mod mount_helper;
 mod mountd_cmd;
@@ -51,6 +52,8 @@ enum Command {
     Pull(pull_cmd::PullArgs),
     /// Push a tagged image and its objects to an OCI registry (fetchable by range, lazily)
     Push(push_cmd::PushArgs),
+    /// Write a sigstore key pair (PREFIX.key, encrypted, and PREFIX.pub) for signed pushes
+    GenerateSigstoreKey(keys_cmd::GenerateSigstoreKeyArgs),
     /// Print the fs-verity SHA-256 digest of files, as `fsverity digest` does
     Digest(digest::DigestArgs),
     /// List the images tagged in a store
@@ -118,6 +121,7 @@ fn main() -> ExitCode {
         Command::Digest(a) => digest::run(a),
         Command::Pull(a) => pull_cmd::run(a),
         Command::Push(a) => push_cmd::run(a),
+        Command::GenerateSigstoreKey(a) => keys_cmd::run(a),
         Command::Images(a) => store_cmds::images(a),
         Command::Untag(a) => store_cmds::untag(a),
         Command::Fsck(a) => store_cmds::fsck(a),

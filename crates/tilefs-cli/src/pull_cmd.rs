@@ -17,8 +17,9 @@ use tilefs_store::Store;
 
 #[derive(Args)]
 pub struct PullArgs {
-    /// Image reference: oci:DIR[:NAME], oci-archive:FILE[:NAME], docker-archive:FILE[:REPO:TAG] or
-    /// docker://[HOST[:PORT]/]REPO[:TAG|@DIGEST]
+    /// Image reference: oci:DIR[:NAME], oci-archive:FILE[:NAME], docker-archive:FILE[:REPO:TAG],
+    /// docker://[HOST[:PORT]/]REPO[:TAG|@DIGEST], or an image name as podman takes it
+    /// ([HOST[:PORT]/]REPO[:TAG|@DIGEST], a short name resolved through registries.conf)
     pub reference: String,
     #[command(flatten)]
     pub store: StoreArg,
@@ -28,6 +29,11 @@ pub struct PullArgs {
     pub tag: Option<String>,
     #[command(flatten)]
     pub registry: RegistryArgs,
+    /// The signature policy (containers-policy.json) [default: ~/.config/containers/policy.json
+    /// if it exists, else /etc/containers/policy.json; without one the pull is refused, as
+    /// podman refuses it]
+    #[arg(long, value_name = "FILE")]
+    pub signature_policy: Option<std::path::PathBuf>,
     /// Platform to pick from a multi-platform image [default: this machine's, e.g. linux/amd64]
     #[arg(long, value_name = "OS/ARCH[/VARIANT]")]
     pub platform: Option<String>,
@@ -77,6 +83,7 @@ pub fn run(a: PullArgs) -> Result<ExitCode> {
         cancel: Some(cancel.clone()),
         progress: Some(counters.clone()),
         lazy: a.lazy,
+        trust: a.registry.trust(a.signature_policy.clone()),
     };
     let display = progress::enabled(a.quiet || a.json).then(|| {
         let c = counters.clone();

@@ -23,6 +23,21 @@ pub struct PushArgs {
     pub store: StoreArg,
     #[command(flatten)]
     pub registry: RegistryArgs,
+    /// Sign the pushed manifest with this GnuPG key (from the user's keyring): a simple signature
+    /// in the lookaside store registries.d names for the destination (lookaside-staging)
+    #[arg(long, value_name = "FINGERPRINT")]
+    pub sign_by: Option<String>,
+    /// Sign the pushed manifest with this sigstore private key (cosign's encrypted format): an
+    /// attachment in the destination repository (registries.d must enable
+    /// use-sigstore-attachments for it)
+    #[arg(long, value_name = "FILE")]
+    pub sign_by_sigstore_private_key: Option<std::path::PathBuf>,
+    /// The passphrase of the signing key, on the first line of FILE
+    #[arg(long, value_name = "FILE")]
+    pub sign_passphrase_file: Option<std::path::PathBuf>,
+    /// The identity signatures claim [default: the destination reference]
+    #[arg(long, value_name = "REFERENCE")]
+    pub sign_identity: Option<String>,
     /// Blobs uploaded at once
     #[arg(short, long, default_value_t = 4, value_name = "N")]
     pub jobs: usize,
@@ -48,6 +63,14 @@ pub fn run(a: PushArgs) -> Result<ExitCode> {
         jobs: a.jobs.max(1),
         cancel: Some(cancel.clone()),
         progress: Some(counters.clone()),
+        trust: a.registry.trust(None),
+        sign: tilefs_oci::trust::SignOptions {
+            gpg: a.sign_by.clone(),
+            sigstore_key: a.sign_by_sigstore_private_key.clone(),
+            passphrase_file: a.sign_passphrase_file.clone(),
+            identity: a.sign_identity.clone(),
+            paths: a.registry.trust(None).paths,
+        },
     };
     let display = progress::enabled(a.quiet || a.json).then(|| {
         let c = counters.clone();
@@ -84,6 +107,9 @@ pub fn run(a: PushArgs) -> Result<ExitCode> {
                 report.blobs_present,
                 report.blobs_mounted
             );
+            if let Some(s) = &report.signed {
+                eprintln!("tilefs: signed as {}: {}", s.identity, s.signatures.join(", "));
+            }
         }
         println!("{}", report.manifest_digest);
     }

@@ -896,3 +896,59 @@ fn a_roots_store_is_roots_alone() {
         "{text}"
     );
 }
+
+/// A store whose rule names a signature policy: the service mounts only
+/// images that policy accepts, judged by the record the checked pull kept
+/// (an image built in place has none), and an edit of the policy applies
+/// to the next mount.
+#[test]
+fn the_signature_policy_decides_what_the_service_mounts() {
+    let _serial = serial();
+    let keep = Area::new();
+    let layout = keep.dir("layout");
+    oci_layout(&layout, "a", "a pulled image");
+    let sig_policy = keep.path("policy.json");
+    let accept_layout = format!(
+        r#"{{"default":[{{"type":"reject"}}],"transports":{{"oci":{{"{}":[{{"type":"insecureAcceptAnything"}}]}}}}}}"#,
+        layout.display()
+    );
+    fs::write(&sig_policy, &accept_layout).unwrap();
+    let mut s = setup(&format!("signature_policy = \"{}\"\n", sig_policy.display()));
+    tilefs(&[
+        os("pull"),
+        os("-q"),
+        os("--store"),
+        s.store.as_os_str(),
+        os("--signature-policy"),
+        sig_policy.as_os_str(),
+        os("--tag"),
+        os("pulled"),
+        os(&format!("oci:{}:a", layout.display())),
+    ]);
+    let mnt = s.mountpoint("mnt");
+    // Built in the store, never checked: refused.
+    refused(
+        &s.mount_as_nobody("os:1", &mnt, &[]),
+        "no record of a signature policy check",
+    );
+    // Pulled under the policy: mounted.
+    ok(&s.mount_as_nobody("pulled", &mnt, &[]));
+    let cat = s.as_nobody(Path::new("/bin/cat"), &[mnt.join("usr/seed").as_os_str()]);
+    assert_eq!(cat.stdout, b"a pulled image");
+    ok(&s.umount_as_nobody(&mnt));
+    // The policy now refuses it: so does the service, naming the image,
+    // the scope and why.
+    fs::write(&sig_policy, r#"{"default":[{"type":"reject"}]}"#).unwrap();
+    let out = s.mount_as_nobody("pulled", &mnt, &[]);
+    refused(&out, "refused by the signature policy");
+    assert!(
+        stderr(&out).contains(&layout.display().to_string()) && stderr(&out).contains("global default"),
+        "{}",
+        stderr(&out)
+    );
+    // Accepted again as soon as the policy accepts it.
+    fs::write(&sig_policy, &accept_layout).unwrap();
+    ok(&s.mount_as_nobody("pulled", &mnt, &[]));
+    ok(&s.umount_as_nobody(&mnt));
+    assert!(!is_mounted(&mnt));
+}

@@ -156,6 +156,7 @@ pub(crate) fn pull_artifact(
                 .map(|p| (p.digest.to_string(), p.size.unwrap_or(0)))
                 .collect(),
             index: remote_image.index.clone(),
+            trust: resolved.trust.clone(),
         };
         record.save(store, &remote_image.digest)?;
     } else if !absent.is_empty() {
@@ -192,6 +193,7 @@ pub(crate) fn pull_artifact(
         fetched?;
         objects = finished?;
     }
+    crate::trust::save_evidence(store, &remote_image.digest, &resolved)?;
     tags::write_tag(store, tag, &remote_image.image)?;
     if !lazy || absent.is_empty() {
         remote::forget(store, &remote_image.digest)?;
@@ -570,7 +572,7 @@ impl<R: Read> Read for Counting<'_, R> {
     }
 }
 
-const RECORD_VERSION: u32 = 1;
+const RECORD_VERSION: u32 = 2;
 
 /// Why a lazy-pull record may not decide where this user's credentials go,
 /// if it may not: its registry and `tls_verify` do, so a user who can write
@@ -616,6 +618,9 @@ pub struct LazyRecord {
     /// Each pack's digest and size.
     pub packs: Vec<(String, u64)>,
     pub index: ObjectIndex,
+    /// How the pull passed the signature policy (a registry image's fetches
+    /// check it again before the first one).
+    pub trust: Option<crate::trust::TrustRecord>,
 }
 
 impl LazyRecord {
@@ -739,6 +744,14 @@ impl LazySource {
             tls_verify: self.record.tls_verify,
             timeout: self.timeout(),
         };
+        // Only an image the policy accepts is fetched.
+        if let ImageRef::Registry { .. } = r {
+            let trust = self.record.trust.as_ref().ok_or_else(|| {
+                "the record does not say how the image passed the signature policy: pull it again".to_string()
+            })?;
+            crate::trust::recheck(trust, &self.record.source, &opts)
+                .map_err(|e| format!("the signature policy refuses the image now: {e}"))?;
+        }
         let t = transport::open(&r, &opts).map_err(|e| e.to_string())?;
         Ok(self.transport.get_or_init(|| t).as_ref())
     }

@@ -17,7 +17,9 @@
 //! - [`push`]: a tagged image and its objects to a registry;
 //! - [`fetch`]: an artifact's objects by range, all the store lacks or
 //!   each when first read (lazy pulls); `flights`: one fetch of an object
-//!   at a time in a process, its answer shared by every reader waiting.
+//!   at a time in a process, its answer shared by every reader waiting;
+//! - [`trust`]: the signature policy, registries.d and registries.conf on
+//!   every path that brings an image in, and signing on push.
 
 pub mod apply;
 pub mod artifact;
@@ -32,6 +34,7 @@ pub mod pull;
 pub mod push;
 pub mod reference;
 pub mod transport;
+pub mod trust;
 
 pub use pull::{pull, PullOptions, PullReport};
 pub use reference::ImageRef;
@@ -70,6 +73,10 @@ pub enum OciError {
     Store(#[from] StoreError),
     #[error("interrupted")]
     Interrupted,
+    /// The signature policy or registries.conf refused the image: which
+    /// image, which scope or table, and why.
+    #[error("{0}")]
+    Refused(String),
 }
 
 impl OciError {

@@ -43,6 +43,9 @@ pub struct PullOptions {
     /// For an image pushed by tilefs: fetch the image and its object index
     /// only; objects come when a FUSE mount reads them.
     pub lazy: bool,
+    /// The signature policy, registries.d and registries.conf to use
+    /// (default: podman's files).
+    pub trust: crate::trust::TrustOptions,
 }
 
 /// Counters of a pull, readable while it runs.
@@ -82,9 +85,14 @@ pub struct PullReport {
 /// Pulls the image `r` into `store` and tags it `tag`.
 pub fn pull(store: &Store, r: &ImageRef, tag: &str, opts: &PullOptions) -> Result<PullReport, OciError> {
     tags::validate_tag(tag)?;
-    let t = transport::open(r, &opts.registry)?;
     let platform = opts.platform.clone().unwrap_or_else(Platform::host);
-    let resolved = t.resolve(&platform)?;
+    // Nothing is written before the policy has accepted the image.
+    let opened = crate::trust::open_checked(r, &opts.registry, &opts.trust, &platform)?;
+    let (t, resolved, r) = (opened.transport, opened.resolved, &opened.source);
+    let opts = &PullOptions {
+        registry: opened.registry,
+        ..opts.clone()
+    };
     let progress = opts.progress.clone().unwrap_or_default();
     if resolved.artifact {
         return crate::fetch::pull_artifact(store, r, t.as_ref(), resolved, tag, opts, &progress);
@@ -110,6 +118,7 @@ pub fn pull(store: &Store, r: &ImageRef, tag: &str, opts: &PullOptions) -> Resul
     if let Some(known) = crate::layer_cache::load_image(store, &key, &presence) {
         // Made before from these very layers, its objects all present.
         progress.layers_done.store(resolved.layers.len() as u64, Relaxed);
+        crate::trust::save_evidence(store, &tilefs_image::verity::digest_bytes(&known.image), &resolved)?;
         tags::write_tag(store, tag, &known.image)?;
         return Ok(PullReport {
             tag: tag.to_string(),
@@ -143,6 +152,7 @@ pub fn pull(store: &Store, r: &ImageRef, tag: &str, opts: &PullOptions) -> Resul
     )
     .map_err(|e| OciError::manifest(r.to_string(), format!("cannot write the image: {e}")))?;
     let objects = ingest.finish()?;
+    crate::trust::save_evidence(store, &image.digest, &resolved)?;
     tags::write_tag(store, tag, &image.bytes)?;
     let mut needed: Vec<[u8; 32]> = tree.inodes.iter().filter_map(|i| i.digest).collect();
     needed.sort_unstable();

@@ -28,6 +28,10 @@ pub struct PushOptions {
     pub jobs: usize,
     pub cancel: Option<Arc<AtomicBool>>,
     pub progress: Option<Arc<PushProgress>>,
+    /// registries.conf (`insecure`) and whether `--tls-verify` was given.
+    pub trust: crate::trust::TrustOptions,
+    /// Signatures to make of the pushed manifest.
+    pub sign: crate::trust::SignOptions,
 }
 
 /// Counters of a push, readable while it runs.
@@ -55,6 +59,9 @@ pub struct PushReport {
     pub blobs_mounted: u64,
     pub blobs_uploaded: u64,
     pub bytes_uploaded: u64,
+    /// The signatures written, if asked for.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub signed: Option<crate::trust::Signed>,
 }
 
 /// One blob of the artifact and how to read it.
@@ -77,6 +84,8 @@ pub fn push(store: &Store, tag: &str, dest: &ImageRef, opts: &PushOptions) -> Re
             "{dest}: tilefs pushes to registries only (docker://HOST[:PORT]/REPO[:TAG])"
         )));
     };
+    // Signing must be able to work before anything is sent.
+    let signer = crate::trust::prepare_signing(reference, &opts.sign)?;
     let image = tags::read_tag(store, tag)?;
     let (tree, _) = tilefs_image::erofs::read_image(&image)
         .map_err(|e| OciError::manifest(format!("image {tag:?}"), format!("cannot be read: {e}")))?;
@@ -93,7 +102,10 @@ pub fn push(store: &Store, tag: &str, dest: &ImageRef, opts: &PushOptions) -> Re
     let pack_digests = pack_digests(store, &objects, &packs, &fsverity, opts, &progress)?;
     let (blobs, manifest) = artifact_blobs(image, &objects, &locs, packs, pack_digests, &fsverity, object_bytes);
 
-    let registry = Registry::open(reference, &opts.registry)?;
+    let registry = Registry::open(
+        reference,
+        &crate::trust::push_options(reference, &opts.registry, &opts.trust)?,
+    )?;
     let sources = crate::layer_cache::origins(store, registry.registry(), registry.repository());
     progress
         .bytes_total
@@ -101,9 +113,15 @@ pub fn push(store: &Store, tag: &str, dest: &ImageRef, opts: &PushOptions) -> Re
     let sent = send_blobs(store, &registry, &objects, &blobs, &sources, opts, &progress)?;
     registry.put_manifest(manifest.clone())?;
     crate::layer_cache::add_origin(store, registry.registry(), registry.repository());
+    let manifest_digest = Digest::sha256_of(&manifest).to_string();
+    let signed = match &signer {
+        Some(s) => Some(s.sign(&registry, &manifest_digest)?),
+        None => None,
+    };
     Ok(PushReport {
         reference: dest.to_string(),
-        manifest_digest: Digest::sha256_of(&manifest).to_string(),
+        manifest_digest,
+        signed,
         digest: fsverity,
         objects: objects.len() as u64,
         object_bytes,

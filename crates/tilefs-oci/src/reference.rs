@@ -16,14 +16,26 @@ pub enum ImageRef {
     DockerArchive { file: PathBuf, image: Option<String> },
     /// A registry: the reference as written after `docker://`.
     Registry { reference: String },
+    /// An image name as podman takes it (`busybox`, `quay.io/team/app:1`),
+    /// no transport: a short name is resolved through registries.conf's
+    /// aliases and search registries ([`crate::trust`]).
+    Name { name: String },
 }
 
 impl ImageRef {
     pub fn parse(s: &str) -> Result<ImageRef, OciError> {
         let bad = |why: &str| OciError::Reference(format!("invalid image reference {s:?}: {why}"));
-        let (transport, rest) = s.split_once(':').ok_or_else(|| {
-            bad("expected TRANSPORT:DETAILS (oci:DIR, oci-archive:FILE, docker-archive:FILE, docker://REF)")
-        })?;
+        let (transport, rest) = match s.split_once(':') {
+            Some(split) => split,
+            None if tilefs_trust::DockerRef::parse_normalized(s).is_ok() => {
+                return Ok(ImageRef::Name { name: s.to_string() })
+            }
+            None => {
+                return Err(bad(
+                    "expected TRANSPORT:DETAILS (oci:DIR, oci-archive:FILE, docker-archive:FILE, docker://REF) or an image name",
+                ))
+            }
+        };
         // As skopeo: the path ends at the first colon.
         let path_and_tag = |rest: &str| -> Result<(PathBuf, Option<String>), OciError> {
             let (p, tag) = match rest.split_once(':') {
@@ -62,8 +74,11 @@ impl ImageRef {
                     reference: r.to_string(),
                 })
             }
+            _ if !s.contains("://") && tilefs_trust::DockerRef::parse_normalized(s).is_ok() => {
+                Ok(ImageRef::Name { name: s.to_string() })
+            }
             other => Err(bad(&format!(
-                "unsupported transport {other:?} (use oci:, oci-archive:, docker-archive: or docker://)"
+                "unsupported transport {other:?} (use oci:, oci-archive:, docker-archive:, docker:// or an image name)"
             ))),
         }
     }
@@ -85,7 +100,7 @@ impl ImageRef {
                 None => base(p),
             },
             ImageRef::DockerArchive { file, image } => image.clone().unwrap_or_else(|| base(file)),
-            ImageRef::Registry { reference } => {
+            ImageRef::Registry { reference } | ImageRef::Name { name: reference } => {
                 let r = reference.strip_prefix("docker.io/").unwrap_or(reference);
                 r.strip_prefix("library/").unwrap_or(r).to_string()
             }
@@ -119,6 +134,7 @@ impl std::fmt::Display for ImageRef {
             ImageRef::OciArchive { file, tag } => write!(f, "oci-archive:{}{}", file.display(), with(tag)),
             ImageRef::DockerArchive { file, image } => write!(f, "docker-archive:{}{}", file.display(), with(image)),
             ImageRef::Registry { reference } => write!(f, "docker://{reference}"),
+            ImageRef::Name { name } => write!(f, "{name}"),
         }
     }
 }
@@ -145,7 +161,17 @@ mod tests {
         assert!(ImageRef::parse("docker:foo").is_err());
         assert!(ImageRef::parse("ftp://x").is_err());
         assert!(ImageRef::parse("oci:").is_err());
-        assert!(ImageRef::parse("busybox").is_err());
+        assert_eq!(
+            ImageRef::parse("busybox").unwrap(),
+            ImageRef::Name { name: "busybox".into() }
+        );
+        assert_eq!(
+            ImageRef::parse("127.0.0.1:5000/a:1").unwrap(),
+            ImageRef::Name {
+                name: "127.0.0.1:5000/a:1".into()
+            }
+        );
+        assert!(ImageRef::parse("Not a name").is_err());
     }
 
     #[test]

@@ -27,6 +27,9 @@ pub const NO_VERITY_NOTED: &str = ".no-verity-noted";
 /// What pulls learnt of each layer they read (so a layer read once is not
 /// read again while its objects are present).
 pub const LAYER_CACHE: &str = ".layers";
+/// Records of the signature policy checks images passed when they were
+/// pulled (tilefs-trust's `evidence`), named by the image's fs-verity digest.
+pub const TRUST_DIR: &str = ".trust";
 
 /// An open object store.
 #[derive(Debug)]
@@ -261,6 +264,7 @@ impl Store {
                 || name == DIGEST_CACHE
                 || name == NO_VERITY_NOTED
                 || name == LAYER_CACHE
+                || name == TRUST_DIR
                 || name == crate::remote::REMOTE_DIR
                 || name == crate::mounts::MOUNTS_DIR
             {

@@ -789,3 +789,60 @@ pub fn server_threads(pid: u32) -> Vec<String> {
     }
     names
 }
+
+/// An OCI layout at `dir` holding one image named `name`: one layer with
+/// one file whose contents are `seed`'s.
+pub fn oci_layout(dir: &Path, name: &str, seed: &str) {
+    let blobs = dir.join("blobs/sha256");
+    fs::create_dir_all(&blobs).unwrap();
+    let put = |data: &[u8]| -> (String, usize) {
+        let hex = hex::encode(<sha2::Sha256 as sha2::Digest>::digest(data));
+        fs::write(blobs.join(&hex), data).unwrap();
+        (format!("sha256:{hex}"), data.len())
+    };
+    let mut tar = tar::Builder::new(Vec::new());
+    for (path, data) in [("usr/", &b""[..]), ("usr/seed", seed.as_bytes())] {
+        let mut h = tar::Header::new_ustar();
+        h.set_path(path).unwrap();
+        h.set_size(data.len() as u64);
+        h.set_mode(if path.ends_with('/') { 0o755 } else { 0o644 });
+        h.set_entry_type(if path.ends_with('/') {
+            tar::EntryType::Directory
+        } else {
+            tar::EntryType::Regular
+        });
+        h.set_mtime(1);
+        h.set_uid(0);
+        h.set_gid(0);
+        h.set_cksum();
+        tar.append(&h, data).unwrap();
+    }
+    let layer = tar.into_inner().unwrap();
+    let diff = format!("sha256:{}", hex::encode(<sha2::Sha256 as sha2::Digest>::digest(&layer)));
+    let (ld, ls) = put(&layer);
+    let config = serde_json::to_vec(&serde_json::json!({
+        "architecture": "amd64", "os": "linux",
+        "rootfs": {"type": "layers", "diff_ids": [diff]},
+    }))
+    .unwrap();
+    let (cd, cs) = put(&config);
+    let manifest = serde_json::to_vec(&serde_json::json!({
+        "schemaVersion": 2,
+        "mediaType": "application/vnd.oci.image.manifest.v1+json",
+        "config": {"mediaType": "application/vnd.oci.image.config.v1+json", "digest": cd, "size": cs},
+        "layers": [{"mediaType": "application/vnd.oci.image.layer.v1.tar", "digest": ld, "size": ls}],
+    }))
+    .unwrap();
+    let (md, ms) = put(&manifest);
+    fs::write(dir.join("oci-layout"), r#"{"imageLayoutVersion":"1.0.0"}"#).unwrap();
+    fs::write(
+        dir.join("index.json"),
+        serde_json::to_vec(&serde_json::json!({
+            "schemaVersion": 2,
+            "manifests": [{"mediaType": "application/vnd.oci.image.manifest.v1+json", "digest": md, "size": ms,
+                "annotations": {"org.opencontainers.image.ref.name": name}}],
+        }))
+        .unwrap(),
+    )
+    .unwrap();
+}

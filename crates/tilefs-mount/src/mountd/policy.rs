@@ -11,6 +11,9 @@
 //! images = ["os:1", "os:2"]         # optional: only these tags (default: every tag)
 //! verity = "auto"                   # require | auto | off (default auto)
 //! writable = true                   # allow --upper/--work (default false)
+//! signature_policy = "/etc/containers/policy.json"  # optional: mount only images this
+//!                                   # containers-policy.json accepts, judged by the
+//!                                   # record of the checked pull that brought them in
 //! [store.pinned]                    # optional: a tag is mounted only with this digest
 //! "os:1" = "sha256:0123…"
 //! ```
@@ -48,6 +51,10 @@ pub struct StoreRule {
     pub writable: bool,
     #[serde(default)]
     pub pinned: BTreeMap<String, String>,
+    /// A containers-policy.json every image mounted from the store must
+    /// pass (read at each request, so an edit applies to the next mount).
+    #[serde(default)]
+    pub signature_policy: Option<PathBuf>,
     /// `users` and `groups` as ids, resolved once when the policy is read:
     /// a request is never refused because the user database could not be
     /// read at that moment.
@@ -89,6 +96,16 @@ impl Policy {
             }
             if let Some(v) = &s.verity {
                 v.parse::<crate::Verity>()?;
+            }
+            if let Some(sp) = &s.signature_policy {
+                if !sp.is_absolute() {
+                    return Err(format!(
+                        "store {}: signature_policy {sp:?} is not absolute",
+                        s.path.display()
+                    ));
+                }
+                // A policy that does not parse now would refuse every mount.
+                tilefs_trust::Policy::load(sp).map_err(|e| format!("store {}: {e}", s.path.display()))?;
             }
             for (tag, d) in &s.pinned {
                 crate::options::parse_digest(d).map_err(|e| format!("pinned {tag:?}: {e}"))?;

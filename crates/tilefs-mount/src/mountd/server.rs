@@ -320,10 +320,23 @@ impl Service {
                     (Some(v), _) | (None, Some(v)) => v.parse()?,
                     (None, None) => Verity::Auto,
                 };
-                let digest = match rule.pinned.get(&image) {
+                let mut digest = match rule.pinned.get(&image) {
                     Some(d) => Some(crate::options::parse_digest(d)?),
                     None => None,
                 };
+                // A store whose rule names a signature policy: the image
+                // is mounted only if that policy accepts it, judged by the
+                // record its pull kept, and exactly those bytes are mounted.
+                if let Some(policy_path) = &rule.signature_policy {
+                    let judged = signature_check(&rule.path, &image, &file, policy_path)?;
+                    if digest.is_some_and(|d| d != judged) {
+                        return Err(format!(
+                            "{image}: the image is not the one the policy pins in store {}",
+                            store.display()
+                        ));
+                    }
+                    digest = Some(judged);
+                }
                 let attrs = MountAttrs {
                     nosuid: true,
                     nodev: true,
@@ -612,6 +625,22 @@ fn in_initial_user_namespace(caller: &Caller, pidfd: &OwnedFd) -> Result<bool, S
 
 /// Opens `STORE/images/TAG` beneath the store, following no symlink,
 /// without blocking, and only if it is a regular file.
+/// The fs-verity digest of the image open as `file` (read in place: the
+/// offset stays where the mount reads from), once the signature policy at
+/// `policy_path` has accepted it by its pull's record.
+fn signature_check(store: &Path, tag: &str, file: &std::fs::File, policy_path: &Path) -> Result<[u8; 32], String> {
+    use std::os::unix::fs::FileExt;
+    let len = file.metadata().map_err(|e| format!("{tag}: {e}"))?.len();
+    let mut bytes = vec![0; usize::try_from(len).map_err(|_| format!("{tag}: too large"))?];
+    file.read_exact_at(&mut bytes, 0)
+        .map_err(|e| format!("{tag}: cannot read the image: {e}"))?;
+    let d = tilefs_image::verity::digest_bytes(&bytes);
+    let policy = tilefs_trust::Policy::load(policy_path)?;
+    tilefs_trust::evidence::check_stored(store, &d, &policy)
+        .map_err(|e| format!("{tag} of store {}: {e}", store.display()))?;
+    Ok(d)
+}
+
 fn open_tag(store: &Path, tag: &str) -> Result<std::fs::File, String> {
     let dir = rustix::fs::open(
         store,

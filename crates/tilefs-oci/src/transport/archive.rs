@@ -107,6 +107,9 @@ impl Transport for DockerArchive {
             config: None,
             layers,
             artifact: false,
+            top_manifest: Vec::new(),
+            trust: None,
+            evidence: None,
         })
     }
 

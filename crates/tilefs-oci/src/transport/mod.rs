@@ -23,6 +23,14 @@ pub struct Resolved {
     /// A tilefs image pushed as an artifact ([`crate::artifact`]): the
     /// layers are its blobs.
     pub artifact: bool,
+    /// The manifest or index the reference names, as its bytes came (what
+    /// signatures sign; empty for a Docker archive, which has none).
+    pub top_manifest: Vec<u8>,
+    /// How the image passed the signature policy ([`crate::trust`]), once
+    /// it has.
+    pub trust: Option<crate::trust::TrustRecord>,
+    /// What the check read, kept in the store with the image.
+    pub evidence: Option<tilefs_trust::evidence::Evidence>,
 }
 
 /// A source of manifests and blobs.
@@ -69,6 +77,11 @@ pub fn open(r: &ImageRef, opts: &RegistryOptions) -> Result<Box<dyn Transport>, 
         ImageRef::OciArchive { file, tag } => Box::new(layout::Layout::open_archive(file, tag.clone())?),
         ImageRef::DockerArchive { file, image } => Box::new(archive::DockerArchive::open(file, image.clone())?),
         ImageRef::Registry { reference } => Box::new(registry::Registry::open(reference, opts)?),
+        ImageRef::Name { name } => {
+            return Err(OciError::Reference(format!(
+                "{name}: an image name is resolved through registries.conf first (pull resolves it)"
+            )))
+        }
     })
 }
 
@@ -85,6 +98,7 @@ pub(crate) fn resolve_manifest(
     platform: &Platform,
     fetch: FetchManifest,
 ) -> Result<Resolved, OciError> {
+    let top_manifest = top.clone();
     let mut bytes = top;
     let mut digest = top_digest;
     let mut what = what.to_string();
@@ -111,6 +125,9 @@ pub(crate) fn resolve_manifest(
                     config: Some(config),
                     layers: manifest::layers(&m, &what, artifact)?,
                     artifact,
+                    top_manifest,
+                    trust: None,
+                    evidence: None,
                 });
             }
         }

@@ -125,7 +125,15 @@ impl Registry {
             .rt
             .block_on(async { tokio::time::timeout(self.timeout * 2, fut).await })
             .map_err(|_| self.error(&format!("manifest of {r}"), "timed out"))?
-            .map_err(|e| self.client_error(&format!("manifest of {r}"), e))?;
+            .map_err(|e| match e {
+                // Bytes that are not what their digest says: not a registry
+                // to pass over for the next one, an error.
+                oci_client::errors::OciDistributionError::DigestError(d) => OciError::blob(
+                    r.digest().unwrap_or("manifest"),
+                    format!("manifest from {} does not match its digest: {d}", self.registry),
+                ),
+                e => self.client_error(&format!("manifest of {r}"), e),
+            })?;
         if bytes.len() as u64 > MAX_MANIFEST {
             return Err(self.error(&format!("manifest of {r}"), "larger than 4 MiB"));
         }
@@ -417,4 +425,109 @@ fn with_causes(e: &(dyn std::error::Error + 'static)) -> String {
         cur = c.source();
     }
     s
+}
+
+/// What signatures and their checks need from a registry.
+impl Registry {
+    /// The manifest tagged `tag` in this repository (any media type of
+    /// [`MANIFEST_TYPES`]), or None when the registry has none.
+    pub fn manifest_at(&self, tag: &str) -> Result<Option<Vec<u8>>, OciError> {
+        let r = Reference::with_tag(
+            self.reference.registry().to_string(),
+            self.reference.repository().to_string(),
+            tag.to_string(),
+        );
+        let fut = self.client.pull_manifest_raw(&r, &self.auth, MANIFEST_TYPES);
+        match self
+            .rt
+            .block_on(async { tokio::time::timeout(self.timeout * 2, fut).await })
+            .map_err(|_| self.error(&format!("manifest of {r}"), "timed out"))?
+        {
+            Ok((bytes, _)) if bytes.len() as u64 > MAX_MANIFEST => {
+                Err(self.error(&format!("manifest of {r}"), "larger than 4 MiB"))
+            }
+            Ok((bytes, _)) => Ok(Some(bytes.to_vec())),
+            Err(e) if not_found(&e) => Ok(None),
+            Err(e) => Err(self.client_error(&format!("manifest of {r}"), e)),
+        }
+    }
+
+    /// The manifest `d` of this repository, checked against its digest.
+    pub fn manifest_by_digest(&self, d: &Digest) -> Result<Vec<u8>, OciError> {
+        let bytes = self.manifest(&self.reference.clone_with_digest(d.to_string()))?;
+        if !d.matches(&bytes) {
+            return Err(OciError::blob(
+                &d.to_string(),
+                format!("manifest from {} does not match its digest", self.registry),
+            ));
+        }
+        Ok(bytes)
+    }
+
+    /// A whole small blob, checked against its digest.
+    pub fn blob_bytes(&self, blob: &BlobRef, limit: u64) -> Result<Vec<u8>, OciError> {
+        super::read_checked(self.stream(blob, None), &blob.digest, limit, "blob")
+    }
+
+    /// Puts `manifest` (of `media_type`) under `tag` of this repository.
+    pub fn put_manifest_at(&self, tag: &str, manifest: Vec<u8>, media_type: &str) -> Result<String, OciError> {
+        let r = Reference::with_tag(
+            self.reference.registry().to_string(),
+            self.reference.repository().to_string(),
+            tag.to_string(),
+        );
+        let header = media_type
+            .parse()
+            .map_err(|_| self.error("manifest", format!("invalid media type {media_type:?}")))?;
+        let fut = self.client.push_manifest_raw(&r, manifest, header);
+        self.run("manifest", fut)
+    }
+
+    /// GETs `url` (a lookaside signature store) with this registry's TLS
+    /// settings: the body, or None for a 404.
+    pub fn http_get(&self, url: &str, limit: usize) -> Result<Option<Vec<u8>>, String> {
+        let client = reqwest::Client::builder()
+            .danger_accept_invalid_certs(!self.tls_verify)
+            .connect_timeout(self.timeout)
+            .read_timeout(self.timeout)
+            .build()
+            .map_err(|e| with_causes(&e))?;
+        let fut = async {
+            let resp = client.get(url).send().await.map_err(|e| with_causes(&e))?;
+            if resp.status() == reqwest::StatusCode::NOT_FOUND {
+                return Ok(None);
+            }
+            if !resp.status().is_success() {
+                return Err(format!("{url}: HTTP status {}", resp.status()));
+            }
+            let mut body = Vec::new();
+            let mut stream = resp.bytes_stream();
+            while let Some(chunk) = stream.next().await {
+                body.extend_from_slice(&chunk.map_err(|e| with_causes(&e))?);
+                if body.len() > limit {
+                    return Err(format!("{url}: larger than {limit} bytes"));
+                }
+            }
+            Ok(Some(body))
+        };
+        self.rt
+            .block_on(async { tokio::time::timeout(self.timeout * 2, fut).await })
+            .map_err(|_| format!("{url}: timed out"))?
+    }
+}
+
+/// Whether a client error says the manifest does not exist.
+fn not_found(e: &oci_client::errors::OciDistributionError) -> bool {
+    use oci_client::errors::OciDistributionError as E;
+    match e {
+        E::ImageManifestNotFoundError(_) => true,
+        E::ServerError { code, .. } => *code == 404,
+        E::RegistryError { envelope, .. } => envelope.errors.iter().any(|x| {
+            matches!(
+                x.code,
+                oci_client::errors::OciErrorCode::ManifestUnknown | oci_client::errors::OciErrorCode::NameUnknown
+            )
+        }),
+        _ => false,
+    }
 }

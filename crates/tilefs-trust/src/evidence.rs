@@ -1,0 +1,285 @@
+//! What a pull keeps of the policy check it passed, so that the image can
+//! be judged again later without the network: the image as the policy saw
+//! it, its top-level manifest and every signature that was read for it.
+//!
+//! `tilefs pull` writes one per image it tags (`STORE/.trust/HEX.json`,
+//! named by the image's fs-verity digest); the mount service, asked to
+//! mount a tag of a store whose rule names a signature policy, re-evaluates
+//! it under that policy before it mounts anything, and a snapshotter can do
+//! the same for an image already in the store. The signatures are checked
+//! again, cryptographically, each time: the record needs no protection of
+//! its own beyond the store's (an altered record fails the check).
+
+use crate::policy::{Accepted, Policy, Refusal, SignatureSource, Subject};
+use crate::sigstore::SigstoreSignature;
+use crate::DockerRef;
+use base64::Engine;
+use serde::{Deserialize, Serialize};
+use std::path::{Path, PathBuf};
+
+/// The directory of the records in a store.
+pub const EVIDENCE_DIR: &str = ".trust";
+const VERSION: u32 = 1;
+const B64: base64::engine::GeneralPurpose = base64::engine::general_purpose::STANDARD;
+
+/// The record of one accepted image.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Evidence {
+    pub version: u32,
+    /// The transport's name in policy.json (`docker`, `oci`, ...).
+    pub transport: String,
+    /// The most specific scope (`HOST/REPO:TAG`, or `/DIR:NAME`).
+    pub identity: String,
+    /// The more general scopes, most specific first.
+    pub namespaces: Vec<String>,
+    /// The image's docker reference, for a registry image.
+    pub docker_reference: Option<String>,
+    /// How the image is named in messages.
+    pub display: String,
+    /// The top-level manifest, base64.
+    pub manifest: String,
+    /// Simple signatures read (base64 OpenPGP messages).
+    pub simple: Vec<String>,
+    /// Sigstore signatures read: (payload base64, signature base64).
+    pub sigstore: Vec<(String, String)>,
+    /// Where the signatures were read, for messages.
+    pub origin: String,
+    /// How the pull's policy accepted it (for people reading the record).
+    pub accepted_by: Vec<String>,
+}
+
+impl Evidence {
+    /// The record of `subject`, whose top-level manifest is `manifest`,
+    /// accepted as `accepted` with the signatures `sigs` held.
+    pub fn new(
+        subject: &Subject,
+        manifest: &[u8],
+        simple: &[Vec<u8>],
+        sigstore: &[SigstoreSignature],
+        origin: String,
+        accepted: &Accepted,
+    ) -> Evidence {
+        Evidence {
+            version: VERSION,
+            transport: subject.transport.clone(),
+            identity: subject.identity.clone(),
+            namespaces: subject.namespaces.clone(),
+            docker_reference: subject.docker_ref.as_ref().map(|r| r.to_string()),
+            display: subject.display.clone(),
+            manifest: B64.encode(manifest),
+            simple: simple.iter().map(|s| B64.encode(s)).collect(),
+            sigstore: sigstore
+                .iter()
+                .map(|s| (B64.encode(&s.payload), s.signature.clone()))
+                .collect(),
+            origin,
+            accepted_by: accepted
+                .by
+                .iter()
+                .map(|b| format!("{b} ({})", accepted.scope))
+                .collect(),
+        }
+    }
+
+    /// Parses a record.
+    pub fn parse(raw: &[u8]) -> Result<Evidence, String> {
+        let e: Evidence = serde_json::from_slice(raw).map_err(|e| format!("not a trust record: {e}"))?;
+        if e.version != VERSION {
+            return Err(format!(
+                "a trust record of version {} (this tilefs reads {VERSION})",
+                e.version
+            ));
+        }
+        Ok(e)
+    }
+
+    fn subject(&self) -> Result<Subject, String> {
+        let docker_ref = self
+            .docker_reference
+            .as_deref()
+            .map(DockerRef::parse_normalized)
+            .transpose()
+            .map_err(|e| e.to_string())?;
+        Ok(Subject {
+            transport: self.transport.clone(),
+            identity: self.identity.clone(),
+            namespaces: self.namespaces.clone(),
+            docker_ref,
+            display: self.display.clone(),
+        })
+    }
+
+    /// Judges the image again under `policy`, with the signatures the pull
+    /// read (no network).
+    pub fn check(&self, policy: &Policy) -> Result<Accepted, Refusal> {
+        let refuse = |reason: String| Refusal {
+            image: self.display.clone(),
+            policy: policy.origin.clone(),
+            scope: crate::policy::Scope::Default,
+            reason,
+        };
+        let subject = self.subject().map_err(|e| refuse(format!("its trust record: {e}")))?;
+        let manifest = B64
+            .decode(&self.manifest)
+            .map_err(|_| refuse("its trust record's manifest is not base64".into()))?;
+        policy.evaluate(&subject, &manifest, self)
+    }
+}
+
+impl SignatureSource for Evidence {
+    fn simple(&self) -> Result<Vec<Vec<u8>>, String> {
+        self.simple
+            .iter()
+            .map(|s| {
+                B64.decode(s)
+                    .map_err(|_| "a recorded simple signature is not base64".to_string())
+            })
+            .collect()
+    }
+
+    fn sigstore(&self) -> Result<Vec<SigstoreSignature>, String> {
+        self.sigstore
+            .iter()
+            .map(|(p, s)| {
+                Ok(SigstoreSignature {
+                    payload: B64
+                        .decode(p)
+                        .map_err(|_| "a recorded sigstore payload is not base64".to_string())?,
+                    signature: s.clone(),
+                })
+            })
+            .collect()
+    }
+
+    fn simple_origin(&self) -> String {
+        format!("the signatures recorded when it was pulled ({})", self.origin)
+    }
+
+    fn sigstore_origin(&self) -> String {
+        self.simple_origin()
+    }
+}
+
+/// The record of the image with fs-verity digest `image` in the store at
+/// `store`.
+pub fn path(store: &Path, image: &[u8; 32]) -> PathBuf {
+    let mut hex = String::with_capacity(64);
+    for b in image {
+        hex.push_str(&format!("{b:02x}"));
+    }
+    store.join(EVIDENCE_DIR).join(format!("{hex}.json"))
+}
+
+/// The most checks kept for one image (one per name it was pulled as,
+/// the latest first).
+pub const MAX_CHECKS: usize = 16;
+
+/// Reads the records of `image` from `store` (the checks it passed, under
+/// each name it was pulled as, the latest first): empty when there are
+/// none.
+pub fn load(store: &Path, image: &[u8; 32]) -> Result<Vec<Evidence>, String> {
+    let p = path(store, image);
+    let raw = match crate::read_config(&p) {
+        Ok(raw) => raw,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(Vec::new()),
+        Err(e) => return Err(format!("{}: {e}", p.display())),
+    };
+    let list: Vec<serde_json::Value> =
+        serde_json::from_slice(&raw).map_err(|e| format!("{}: not a list of trust records: {e}", p.display()))?;
+    list.into_iter()
+        .map(|v| Evidence::parse(v.to_string().as_bytes()).map_err(|e| format!("{}: {e}", p.display())))
+        .collect()
+}
+
+/// Judges again, under `policy`, the image `image` of the store at `store`
+/// by its records: accepted if the policy accepts it under any name it was
+/// pulled as; refused with every reason, or because it has no record (it
+/// did not come in through a checked pull).
+pub fn check_stored(store: &Path, image: &[u8; 32], policy: &Policy) -> Result<Accepted, String> {
+    let checks = load(store, image)?;
+    if checks.is_empty() {
+        return Err(format!(
+            "the image {} has no record of a signature policy check in {} (it was built, committed or \
+             pulled by a tilefs without signature policies, or its record was removed): pull it again",
+            path(store, image)
+                .file_stem()
+                .map(|s| s.to_string_lossy().into_owned())
+                .unwrap_or_default(),
+            store.display()
+        ));
+    }
+    let mut why = Vec::new();
+    for e in &checks {
+        match e.check(policy) {
+            Ok(a) => return Ok(a),
+            Err(r) => why.push(r.to_string()),
+        }
+    }
+    Err(why.join("; "))
+}
+
+/// Adds the record `e` of `image` to `store`, replacing an earlier check
+/// under the same name (the file is complete before it has its name:
+/// written aside, synced, renamed). Unreadable earlier records are dropped.
+pub fn save(store: &Path, image: &[u8; 32], e: &Evidence) -> std::io::Result<()> {
+    use std::io::Write;
+    let mut checks = load(store, image).unwrap_or_default();
+    checks.retain(|c| (&c.transport, &c.identity) != (&e.transport, &e.identity));
+    checks.insert(0, e.clone());
+    checks.truncate(MAX_CHECKS);
+    let p = path(store, image);
+    let dir = p.parent().expect("a record has a directory");
+    std::fs::create_dir_all(dir)?;
+    let tmp = dir.join(format!(".tmp-{}-{:?}", std::process::id(), std::thread::current().id()));
+    let mut f = std::fs::File::create(&tmp)?;
+    f.write_all(&serde_json::to_vec_pretty(&checks).expect("JSON"))?;
+    f.sync_all()?;
+    drop(f);
+    std::fs::rename(&tmp, &p).inspect_err(|_| {
+        let _ = std::fs::remove_file(&tmp);
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn recorded_checks_again_and_refuses_when_the_policy_changes() {
+        let accept = Policy::parse(br#"{"default":[{"type":"insecureAcceptAnything"}]}"#, "a").unwrap();
+        let reject = Policy::parse(
+            br#"{"default":[{"type":"insecureAcceptAnything"}],"transports":{"docker":{"reg.io/team":[{"type":"reject"}]}}}"#,
+            "r",
+        )
+        .unwrap();
+        let r = DockerRef::parse_normalized("reg.io/team/app:v1").unwrap();
+        let s = Subject::docker(&r);
+        let ok = accept.evaluate(&s, b"{}", &crate::policy::NoSignatures("")).unwrap();
+        let e = Evidence::new(&s, b"{}", &[], &[], "none".into(), &ok);
+        let e = Evidence::parse(&serde_json::to_vec(&e).unwrap()).unwrap();
+        assert!(e.check(&accept).is_ok());
+        let why = e.check(&reject).unwrap_err().to_string();
+        assert!(
+            why.contains("reg.io/team/app:v1") && why.contains("reg.io/team"),
+            "{why}"
+        );
+        let dir = tempfile::tempdir().unwrap();
+        save(dir.path(), &[7; 32], &e).unwrap();
+        assert_eq!(load(dir.path(), &[7; 32]).unwrap(), vec![e.clone()]);
+        assert!(load(dir.path(), &[8; 32]).unwrap().is_empty());
+        assert!(check_stored(dir.path(), &[8; 32], &accept)
+            .unwrap_err()
+            .contains("no record"));
+        assert!(check_stored(dir.path(), &[7; 32], &reject).is_err());
+        // The same image under another name that the policy accepts.
+        let r2 = DockerRef::parse_normalized("reg.io/other/app:v1").unwrap();
+        let s2 = Subject::docker(&r2);
+        let e2 = Evidence::new(&s2, b"{}", &[], &[], "none".into(), &ok);
+        save(dir.path(), &[7; 32], &e2).unwrap();
+        save(dir.path(), &[7; 32], &e2).unwrap();
+        assert_eq!(load(dir.path(), &[7; 32]).unwrap(), vec![e2, e]);
+        assert!(check_stored(dir.path(), &[7; 32], &reject).is_ok());
+        assert!(Evidence::parse(b"{\"version\":1}").is_err());
+    }
+}

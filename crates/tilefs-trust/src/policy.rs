@@ -1,0 +1,781 @@
+//! The signature verification policy, containers-policy.json(5): parsed
+//! strictly (an unknown, duplicated or invalid member refuses the whole
+//! file), scopes looked up most specific first, every requirement of the
+//! scope must accept the image.
+
+use crate::dockerref::DockerRef;
+use crate::payload::{self, Claim};
+use crate::sigstore::SigstoreSignature;
+use base64::Engine;
+use serde_json::{Map, Value};
+use std::cell::OnceCell;
+use std::collections::BTreeMap;
+use std::fmt;
+use std::path::{Path, PathBuf};
+
+/// A policy file, parsed.
+#[derive(Debug, Clone)]
+pub struct Policy {
+    /// Where it came from, for messages.
+    pub origin: String,
+    default: Vec<Requirement>,
+    transports: BTreeMap<String, BTreeMap<String, Vec<Requirement>>>,
+}
+
+/// Where a key comes from: files are read when the requirement is
+/// evaluated (as containers/image does), so a policy with a missing key
+/// for one scope still serves the others.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum KeySource {
+    Paths(Vec<PathBuf>),
+    Data(Vec<u8>),
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Requirement {
+    InsecureAcceptAnything,
+    Reject,
+    SignedBy { keys: KeySource, identity: IdentityRule },
+    SigstoreSigned { keys: KeySource, identity: IdentityRule },
+}
+
+/// `signedIdentity`: what the signature's claimed reference must be.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum IdentityRule {
+    MatchExact,
+    MatchRepoDigestOrExact,
+    MatchRepository,
+    ExactReference(DockerRef),
+    ExactRepository(DockerRef),
+    RemapIdentity { prefix: String, signed_prefix: String },
+}
+
+/// The image a policy decides about.
+#[derive(Debug, Clone)]
+pub struct Subject {
+    /// The transport's name in policy.json (`docker`, `oci`, ...).
+    pub transport: String,
+    /// The most specific scope (`HOST/REPO:TAG`, `/DIR:NAME`).
+    pub identity: String,
+    /// More general scopes, most specific first.
+    pub namespaces: Vec<String>,
+    /// The image's docker reference, where the transport has one (what
+    /// `signedIdentity` compares signatures' claims with).
+    pub docker_ref: Option<DockerRef>,
+    /// How to name the image in messages (`docker://...`).
+    pub display: String,
+}
+
+impl Subject {
+    /// An image in a registry, by its (logical) reference.
+    pub fn docker(r: &DockerRef) -> Subject {
+        Subject {
+            transport: "docker".into(),
+            identity: r.identity(),
+            namespaces: r.namespaces(),
+            docker_ref: Some(r.clone()),
+            display: format!("docker://{r}"),
+        }
+    }
+
+    /// An image in a local file or directory (`oci`, `oci-archive`,
+    /// `docker-archive`): scopes are the absolute path with the name
+    /// (`PATH:NAME`), the path, then its parent directories.
+    pub fn path(transport: &str, path: &Path, name: Option<&str>, display: String) -> Subject {
+        let abs = std::fs::canonicalize(path).unwrap_or_else(|_| {
+            if path.is_absolute() {
+                path.to_path_buf()
+            } else {
+                std::env::current_dir().unwrap_or_default().join(path)
+            }
+        });
+        let p = abs.to_string_lossy().into_owned();
+        let mut namespaces = Vec::new();
+        let identity = match name {
+            Some(n) => {
+                namespaces.push(p.clone());
+                format!("{p}:{n}")
+            }
+            None => p.clone(),
+        };
+        let mut cur = abs.parent();
+        while let Some(d) = cur {
+            if d == Path::new("/") {
+                break;
+            }
+            namespaces.push(d.to_string_lossy().into_owned());
+            cur = d.parent();
+        }
+        Subject {
+            transport: transport.into(),
+            identity,
+            namespaces,
+            docker_ref: None,
+            display,
+        }
+    }
+}
+
+/// Where signatures of an image are, fetched only when a requirement
+/// needs them.
+pub trait SignatureSource {
+    /// Simple signing signatures (OpenPGP messages).
+    fn simple(&self) -> Result<Vec<Vec<u8>>, String>;
+    /// Sigstore signatures (payload and base64 signature).
+    fn sigstore(&self) -> Result<Vec<SigstoreSignature>, String>;
+    /// Where simple signatures were looked for, for messages.
+    fn simple_origin(&self) -> String;
+    /// Where sigstore signatures were looked for, for messages.
+    fn sigstore_origin(&self) -> String;
+}
+
+/// A source with no signatures (local layouts and archives).
+pub struct NoSignatures(pub &'static str);
+
+impl SignatureSource for NoSignatures {
+    fn simple(&self) -> Result<Vec<Vec<u8>>, String> {
+        Ok(Vec::new())
+    }
+    fn sigstore(&self) -> Result<Vec<SigstoreSignature>, String> {
+        Ok(Vec::new())
+    }
+    fn simple_origin(&self) -> String {
+        self.0.to_string()
+    }
+    fn sigstore_origin(&self) -> String {
+        self.0.to_string()
+    }
+}
+
+/// Which scope of the policy applied.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Scope {
+    /// `transports.T.S`.
+    Scope { transport: String, scope: String },
+    /// `transports.T.""`.
+    TransportDefault(String),
+    /// `default`.
+    Default,
+}
+
+impl fmt::Display for Scope {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Scope::Scope { transport, scope } => write!(f, "scope {scope:?} of transport {transport}"),
+            Scope::TransportDefault(t) => write!(f, "the default of transport {t}"),
+            Scope::Default => write!(f, "the global default"),
+        }
+    }
+}
+
+/// An image the policy accepted, and how.
+#[derive(Debug, Clone)]
+pub struct Accepted {
+    pub scope: Scope,
+    /// What accepted it (`insecureAcceptAnything`, `signedBy: key FPR`, ...).
+    pub by: Vec<String>,
+}
+
+/// An image the policy refused: which image, which scope, why.
+#[derive(Debug, Clone, thiserror::Error)]
+#[error("{image} is refused by the signature policy {policy} ({scope}): {reason}")]
+pub struct Refusal {
+    pub image: String,
+    pub policy: String,
+    pub scope: Scope,
+    pub reason: String,
+}
+
+fn check_keys(o: &Map<String, Value>, what: &str, allowed: &[&str]) -> Result<(), String> {
+    for k in o.keys() {
+        if !allowed.contains(&k.as_str()) {
+            return Err(format!("{what}: unknown member {k:?}"));
+        }
+    }
+    Ok(())
+}
+
+fn get_str<'a>(o: &'a Map<String, Value>, k: &str, what: &str) -> Result<Option<&'a str>, String> {
+    match o.get(k) {
+        None => Ok(None),
+        Some(Value::String(s)) => Ok(Some(s)),
+        Some(_) => Err(format!("{what}: {k} is not a string")),
+    }
+}
+
+fn parse_keys(o: &Map<String, Value>, what: &str, multi: bool) -> Result<KeySource, String> {
+    let path = get_str(o, "keyPath", what)?;
+    let paths = match o.get("keyPaths") {
+        None => None,
+        Some(Value::Array(a)) if multi => Some(
+            a.iter()
+                .map(|v| v.as_str().map(PathBuf::from))
+                .collect::<Option<Vec<_>>>()
+                .filter(|v| !v.is_empty())
+                .ok_or_else(|| format!("{what}: keyPaths is not a non-empty list of strings"))?,
+        ),
+        Some(_) => return Err(format!("{what}: keyPaths is not a non-empty list of strings")),
+    };
+    let data = get_str(o, "keyData", what)?;
+    match (path, paths, data) {
+        (Some(p), None, None) => {
+            if p.is_empty() {
+                return Err(format!("{what}: keyPath is empty"));
+            }
+            Ok(KeySource::Paths(vec![PathBuf::from(p)]))
+        }
+        (None, Some(ps), None) => Ok(KeySource::Paths(ps)),
+        (None, None, Some(d)) => base64::engine::general_purpose::STANDARD
+            .decode(d)
+            .map(KeySource::Data)
+            .map_err(|_| format!("{what}: keyData is not base64")),
+        _ => Err(format!(
+            "{what}: exactly one of {} must be present",
+            if multi {
+                "keyPath, keyPaths and keyData"
+            } else {
+                "keyPath and keyData"
+            }
+        )),
+    }
+}
+
+fn parse_identity(v: Option<&Value>, what: &str) -> Result<IdentityRule, String> {
+    let Some(v) = v else {
+        return Ok(IdentityRule::MatchRepoDigestOrExact);
+    };
+    let what = format!("{what}: signedIdentity");
+    let o = v.as_object().ok_or_else(|| format!("{what} is not an object"))?;
+    let t = get_str(o, "type", &what)?.ok_or_else(|| format!("{what} has no type"))?;
+    let bare = |rule: IdentityRule| -> Result<IdentityRule, String> {
+        check_keys(o, &what, &["type"])?;
+        Ok(rule)
+    };
+    match t {
+        "matchExact" => bare(IdentityRule::MatchExact),
+        "matchRepoDigestOrExact" => bare(IdentityRule::MatchRepoDigestOrExact),
+        "matchRepository" => bare(IdentityRule::MatchRepository),
+        "exactReference" => {
+            check_keys(o, &what, &["type", "dockerReference"])?;
+            let r = get_str(o, "dockerReference", &what)?.ok_or_else(|| format!("{what}: no dockerReference"))?;
+            let r = DockerRef::parse_normalized(r).map_err(|e| format!("{what}: {e}"))?;
+            if r.tag.is_none() && r.digest.is_none() {
+                return Err(format!("{what}: dockerReference {r} has neither a tag nor a digest"));
+            }
+            Ok(IdentityRule::ExactReference(r))
+        }
+        "exactRepository" => {
+            check_keys(o, &what, &["type", "dockerRepository"])?;
+            let r = get_str(o, "dockerRepository", &what)?.ok_or_else(|| format!("{what}: no dockerRepository"))?;
+            let r = DockerRef::parse_normalized(r).map_err(|e| format!("{what}: {e}"))?;
+            Ok(IdentityRule::ExactRepository(r))
+        }
+        "remapIdentity" => {
+            check_keys(o, &what, &["type", "prefix", "signedPrefix"])?;
+            let p = get_str(o, "prefix", &what)?.ok_or_else(|| format!("{what}: no prefix"))?;
+            let s = get_str(o, "signedPrefix", &what)?.ok_or_else(|| format!("{what}: no signedPrefix"))?;
+            for x in [p, s] {
+                if !valid_prefix(x) {
+                    return Err(format!(
+                        "{what}: {x:?} is not a host[:port], namespace or repository in the fully expanded form"
+                    ));
+                }
+            }
+            Ok(IdentityRule::RemapIdentity {
+                prefix: p.into(),
+                signed_prefix: s.into(),
+            })
+        }
+        other => Err(format!("{what}: unknown type {other:?}")),
+    }
+}
+
+/// A host, namespace or repository without tag or digest, fully expanded.
+fn valid_prefix(p: &str) -> bool {
+    if p.contains('/') {
+        DockerRef::parse_qualified(p).is_ok_and(|r| r.tag.is_none() && r.digest.is_none() && r.name() == p)
+    } else {
+        crate::dockerref::valid_domain(p)
+    }
+}
+
+fn parse_requirement(v: &Value, what: &str) -> Result<Requirement, String> {
+    let o = v.as_object().ok_or_else(|| format!("{what} is not an object"))?;
+    let t = get_str(o, "type", what)?.ok_or_else(|| format!("{what} has no type"))?;
+    let what = format!("{what} ({t})");
+    match t {
+        "insecureAcceptAnything" => {
+            check_keys(o, &what, &["type"])?;
+            Ok(Requirement::InsecureAcceptAnything)
+        }
+        "reject" => {
+            check_keys(o, &what, &["type"])?;
+            Ok(Requirement::Reject)
+        }
+        "signedBy" => {
+            check_keys(
+                o,
+                &what,
+                &["type", "keyType", "keyPath", "keyPaths", "keyData", "signedIdentity"],
+            )?;
+            match get_str(o, "keyType", &what)? {
+                Some("GPGKeys") => {}
+                Some(k) => return Err(format!("{what}: keyType {k:?} is not supported (GPGKeys is)")),
+                None => return Err(format!("{what}: no keyType")),
+            }
+            Ok(Requirement::SignedBy {
+                keys: parse_keys(o, &what, true)?,
+                identity: parse_identity(o.get("signedIdentity"), &what)?,
+            })
+        }
+        "sigstoreSigned" => {
+            for k in ["fulcio", "rekorPublicKeyPath", "rekorPublicKeyData", "pki"] {
+                if o.contains_key(k) {
+                    return Err(format!(
+                        "{what}: {k} (keyless signing) is not supported by tilefs: use keyPath or keyData"
+                    ));
+                }
+            }
+            check_keys(o, &what, &["type", "keyPath", "keyPaths", "keyData", "signedIdentity"])?;
+            Ok(Requirement::SigstoreSigned {
+                keys: parse_keys(o, &what, true)?,
+                identity: parse_identity(o.get("signedIdentity"), &what)?,
+            })
+        }
+        other => Err(format!("{what}: unknown requirement type {other:?}")),
+    }
+}
+
+fn parse_requirements(v: &Value, what: &str) -> Result<Vec<Requirement>, String> {
+    let a = v
+        .as_array()
+        .ok_or_else(|| format!("{what} is not a list of requirements"))?;
+    if a.is_empty() {
+        return Err(format!(
+            "{what} is empty (use [{{\"type\": \"insecureAcceptAnything\"}}] to accept anything)"
+        ));
+    }
+    a.iter()
+        .enumerate()
+        .map(|(i, r)| parse_requirement(r, &format!("{what}[{i}]")))
+        .collect()
+}
+
+/// Checks a scope's syntax for its transport.
+fn check_scope(transport: &str, scope: &str) -> Result<(), String> {
+    if scope.is_empty() {
+        return Ok(());
+    }
+    match transport {
+        "docker" | "atomic" => {
+            if let Some(domain) = scope.strip_prefix("*.") {
+                return if !domain.is_empty()
+                    && !domain.contains(['*', '/', ':'])
+                    && DockerRef::parse_qualified(&format!("{domain}/x")).is_ok()
+                {
+                    Ok(())
+                } else {
+                    Err(format!("{scope:?} is not a valid wildcard scope (*.example.com)"))
+                };
+            }
+            let ok = if scope.contains('/') {
+                DockerRef::parse_qualified(scope).is_ok_and(|r| r.to_string() == scope)
+            } else {
+                crate::dockerref::valid_domain(scope)
+            };
+            if ok {
+                Ok(())
+            } else {
+                Err(format!(
+                    "{scope:?} is not a registry, namespace, repository or image in the fully expanded form \
+                     (docker.io/library/busybox, not busybox)"
+                ))
+            }
+        }
+        "oci" | "oci-archive" | "dir" | "docker-archive" => {
+            if !scope.starts_with('/') || scope == "/" {
+                Err(format!("{scope:?} is not an absolute path other than /"))
+            } else {
+                Ok(())
+            }
+        }
+        _ => Ok(()),
+    }
+}
+
+impl Policy {
+    /// Parses policy.json text; `origin` names it in messages.
+    pub fn parse(raw: &[u8], origin: &str) -> Result<Policy, String> {
+        let fail = |e: String| format!("{origin}: {e}");
+        crate::payload::check_json(raw).map_err(|e| fail(format!("not valid JSON: {e}")))?;
+        let v: Value = serde_json::from_slice(raw).map_err(|e| fail(format!("not JSON: {e}")))?;
+        let top = v.as_object().ok_or_else(|| fail("not a JSON object".into()))?;
+        check_keys(top, "the policy", &["default", "transports"]).map_err(fail)?;
+        let default = parse_requirements(
+            top.get("default")
+                .ok_or_else(|| fail("no \"default\" requirements (they are mandatory)".into()))?,
+            "default",
+        )
+        .map_err(fail)?;
+        let mut transports = BTreeMap::new();
+        match top.get("transports") {
+            None | Some(Value::Null) => {}
+            Some(Value::Object(ts)) => {
+                for (t, scopes) in ts {
+                    let scopes = scopes
+                        .as_object()
+                        .ok_or_else(|| fail(format!("transports.{t} is not an object")))?;
+                    let mut m = BTreeMap::new();
+                    for (s, reqs) in scopes {
+                        check_scope(t, s).map_err(|e| fail(format!("transports.{t}: {e}")))?;
+                        m.insert(
+                            s.clone(),
+                            parse_requirements(reqs, &format!("transports.{t}.{s:?}")).map_err(fail)?,
+                        );
+                    }
+                    transports.insert(t.clone(), m);
+                }
+            }
+            Some(_) => return Err(fail("transports is not an object".into())),
+        }
+        Ok(Policy {
+            origin: origin.to_string(),
+            default,
+            transports,
+        })
+    }
+
+    /// Reads and parses a policy file.
+    pub fn load(path: &Path) -> Result<Policy, String> {
+        let raw = crate::read_config(path).map_err(|e| format!("{}: {e}", path.display()))?;
+        Policy::parse(&raw, &path.display().to_string())
+    }
+
+    /// The requirements for `s`, and the scope they came from.
+    pub fn requirements_for(&self, s: &Subject) -> (Scope, &[Requirement]) {
+        if let Some(scopes) = self.transports.get(&s.transport) {
+            for cand in std::iter::once(&s.identity).chain(&s.namespaces) {
+                if let Some(r) = scopes.get(cand) {
+                    return (
+                        Scope::Scope {
+                            transport: s.transport.clone(),
+                            scope: cand.clone(),
+                        },
+                        r,
+                    );
+                }
+            }
+            if let Some(r) = scopes.get("") {
+                return (Scope::TransportDefault(s.transport.clone()), r);
+            }
+        }
+        (Scope::Default, &self.default)
+    }
+
+    /// Whether any requirement for `s` needs signatures (so a caller may
+    /// skip fetching them otherwise).
+    pub fn needs_signatures(&self, s: &Subject) -> bool {
+        self.requirements_for(s)
+            .1
+            .iter()
+            .any(|r| matches!(r, Requirement::SignedBy { .. } | Requirement::SigstoreSigned { .. }))
+    }
+
+    /// Decides about the image `s` whose top-level manifest is `manifest`.
+    pub fn evaluate(&self, s: &Subject, manifest: &[u8], sigs: &dyn SignatureSource) -> Result<Accepted, Refusal> {
+        let (scope, reqs) = self.requirements_for(s);
+        let refuse = |reason: String| Refusal {
+            image: s.display.clone(),
+            policy: self.origin.clone(),
+            scope: scope.clone(),
+            reason,
+        };
+        let simple: OnceCell<Result<Vec<Vec<u8>>, String>> = OnceCell::new();
+        let sigstore: OnceCell<Result<Vec<SigstoreSignature>, String>> = OnceCell::new();
+        let mut by = Vec::new();
+        for r in reqs {
+            match r {
+                Requirement::InsecureAcceptAnything => by.push("insecureAcceptAnything".to_string()),
+                Requirement::Reject => return Err(refuse("the policy rejects every image here (reject)".into())),
+                Requirement::SignedBy { keys, identity } => {
+                    let certs = load_keys(keys)
+                        .and_then(|data| {
+                            let mut all = Vec::new();
+                            for d in data {
+                                all.extend(crate::gpg::parse_keyring(&d)?);
+                            }
+                            Ok(all)
+                        })
+                        .map_err(|e| refuse(format!("signedBy: cannot use its keys: {e}")))?;
+                    let found = simple
+                        .get_or_init(|| sigs.simple())
+                        .as_ref()
+                        .map_err(|e| refuse(format!("signedBy: cannot read signatures: {e}")))?;
+                    if found.is_empty() {
+                        return Err(refuse(format!(
+                            "signedBy: no signature (none found in {})",
+                            sigs.simple_origin()
+                        )));
+                    }
+                    let mut why = Vec::new();
+                    let mut ok = None;
+                    for (i, sig) in found.iter().enumerate() {
+                        let r = crate::gpg::verify(&certs, sig).and_then(|(payload, fpr)| {
+                            let claim = payload::parse(&payload, payload::SIMPLE_SIGNING_TYPE)?;
+                            check_claim(&claim, manifest, s, identity)?;
+                            Ok(fpr)
+                        });
+                        match r {
+                            Ok(fpr) => {
+                                ok = Some(fpr);
+                                break;
+                            }
+                            Err(e) => why.push(format!("signature {}: {e}", i + 1)),
+                        }
+                    }
+                    match ok {
+                        Some(fpr) => by.push(format!("signedBy key {fpr}")),
+                        None => {
+                            return Err(refuse(format!(
+                                "signedBy: no signature is acceptable ({})",
+                                why.join("; ")
+                            )))
+                        }
+                    }
+                }
+                Requirement::SigstoreSigned { keys, identity } => {
+                    let pubkeys = load_keys(keys)
+                        .and_then(|data| {
+                            data.iter()
+                                .map(|d| crate::sigstore::parse_public_key(d))
+                                .collect::<Result<Vec<_>, String>>()
+                        })
+                        .map_err(|e: String| refuse(format!("sigstoreSigned: cannot use its key: {e}")))?;
+                    let found = sigstore
+                        .get_or_init(|| sigs.sigstore())
+                        .as_ref()
+                        .map_err(|e| refuse(format!("sigstoreSigned: cannot read signatures: {e}")))?;
+                    if found.is_empty() {
+                        return Err(refuse(format!(
+                            "sigstoreSigned: no signature (none found in {})",
+                            sigs.sigstore_origin()
+                        )));
+                    }
+                    let mut why = Vec::new();
+                    let mut ok = false;
+                    for (i, sig) in found.iter().enumerate() {
+                        let mut r = Err("no key".to_string());
+                        for k in &pubkeys {
+                            r = crate::sigstore::verify(k, sig);
+                            if r.is_ok() {
+                                break;
+                            }
+                        }
+                        let r = r.and_then(|()| {
+                            let claim = payload::parse(&sig.payload, payload::SIGSTORE_TYPE)?;
+                            check_claim(&claim, manifest, s, identity)
+                        });
+                        match r {
+                            Ok(()) => {
+                                ok = true;
+                                break;
+                            }
+                            Err(e) => why.push(format!("signature {}: {e}", i + 1)),
+                        }
+                    }
+                    if !ok {
+                        return Err(refuse(format!(
+                            "sigstoreSigned: no signature is acceptable ({})",
+                            why.join("; ")
+                        )));
+                    }
+                    by.push("sigstoreSigned".to_string());
+                }
+            }
+        }
+        Ok(Accepted { scope, by })
+    }
+}
+
+fn load_keys(k: &KeySource) -> Result<Vec<Vec<u8>>, String> {
+    match k {
+        KeySource::Data(d) => Ok(vec![d.clone()]),
+        KeySource::Paths(ps) => ps
+            .iter()
+            .map(|p| crate::read_config(p).map_err(|e| format!("{}: {e}", p.display())))
+            .collect(),
+    }
+}
+
+/// The claim must be about this manifest and an identity the rule accepts.
+fn check_claim(c: &Claim, manifest: &[u8], s: &Subject, rule: &IdentityRule) -> Result<(), String> {
+    if !crate::digest_matches(&c.manifest_digest, manifest) {
+        return Err(format!(
+            "it signs another image (manifest {}, not this one)",
+            c.manifest_digest
+        ));
+    }
+    let signed = DockerRef::parse_normalized(&c.docker_reference)
+        .map_err(|e| format!("its identity is not a docker reference: {e}"))?;
+    if identity_matches(rule, s.docker_ref.as_ref(), &signed) {
+        Ok(())
+    } else {
+        Err(format!(
+            "it claims the identity {signed}, which {} does not accept for {}",
+            rule.name(),
+            s.docker_ref
+                .as_ref()
+                .map_or_else(|| s.display.clone(), |r| r.to_string())
+        ))
+    }
+}
+
+impl IdentityRule {
+    fn name(&self) -> String {
+        match self {
+            IdentityRule::MatchExact => "signedIdentity matchExact".into(),
+            IdentityRule::MatchRepoDigestOrExact => "signedIdentity matchRepoDigestOrExact".into(),
+            IdentityRule::MatchRepository => "signedIdentity matchRepository".into(),
+            IdentityRule::ExactReference(r) => format!("signedIdentity exactReference {r}"),
+            IdentityRule::ExactRepository(r) => format!("signedIdentity exactRepository {r}"),
+            IdentityRule::RemapIdentity { prefix, signed_prefix } => {
+                format!("signedIdentity remapIdentity {prefix} -> {signed_prefix}")
+            }
+        }
+    }
+}
+
+fn repo_digest_or_exact(image: &DockerRef, signed: &DockerRef) -> bool {
+    if image.digest.is_some() {
+        image.name() == signed.name()
+    } else {
+        image.tag.is_some() && image.to_string() == signed.to_string()
+    }
+}
+
+/// Whether `signed` (a signature's claim) is acceptable for `image` under
+/// `rule`.
+pub fn identity_matches(rule: &IdentityRule, image: Option<&DockerRef>, signed: &DockerRef) -> bool {
+    match rule {
+        IdentityRule::ExactReference(r) => r.to_string() == signed.to_string(),
+        IdentityRule::ExactRepository(r) => r.name() == signed.name(),
+        _ => {
+            let Some(image) = image else {
+                return false;
+            };
+            match rule {
+                IdentityRule::MatchExact => {
+                    (image.tag.is_some() || image.digest.is_some()) && image.to_string() == signed.to_string()
+                }
+                IdentityRule::MatchRepoDigestOrExact => repo_digest_or_exact(image, signed),
+                IdentityRule::MatchRepository => image.name() == signed.name(),
+                IdentityRule::RemapIdentity { prefix, signed_prefix } => {
+                    let mapped = image
+                        .replace_prefix(prefix, signed_prefix)
+                        .unwrap_or_else(|| image.clone());
+                    repo_digest_or_exact(&mapped, signed)
+                }
+                _ => unreachable!(),
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn r(s: &str) -> DockerRef {
+        DockerRef::parse_normalized(s).unwrap()
+    }
+
+    #[test]
+    fn strict_parsing() {
+        let ok = br#"{"default":[{"type":"reject"}],"transports":{"docker":{"127.0.0.1:5000/a":[{"type":"insecureAcceptAnything"}],
+            "*.example.com":[{"type":"signedBy","keyType":"GPGKeys","keyPath":"/k.gpg","signedIdentity":{"type":"matchRepository"}}]},
+            "oci":{"":[{"type":"insecureAcceptAnything"}]},"atomic":{"x":[{"type":"reject"}]}}}"#;
+        Policy::parse(ok, "p").unwrap();
+        for bad in [
+            &br#"{}"#[..],
+            br#"{"default":[]}"#,
+            br#"{"default":[{"type":"reject","x":1}]}"#,
+            br#"{"default":[{"type":"reject"}],"default":[{"type":"reject"}]}"#,
+            br#"{"default":[{"type":"nope"}]}"#,
+            br#"{"default":[{"type":"signedBy","keyType":"GPGKeys"}]}"#,
+            br#"{"default":[{"type":"signedBy","keyType":"X509","keyPath":"/k"}]}"#,
+            br#"{"default":[{"type":"signedBy","keyType":"GPGKeys","keyPath":"/k","keyData":"AA=="}]}"#,
+            br#"{"default":[{"type":"sigstoreSigned","keyPath":"/k","signedIdentity":{"type":"matchExact","x":1}}]}"#,
+            br#"{"default":[{"type":"sigstoreSigned","fulcio":{}}]}"#,
+            br#"{"default":[{"type":"reject"}],"transports":{"docker":{"docker.io/busybox":[{"type":"reject"}]}}}"#,
+            br#"{"default":[{"type":"reject"}],"transports":{"oci":{"relative":[{"type":"reject"}]}}}"#,
+            br#"{"default":[{"type":"reject"}],"extra":1}"#,
+        ] {
+            assert!(Policy::parse(bad, "p").is_err(), "{}", String::from_utf8_lossy(bad));
+        }
+    }
+
+    #[test]
+    fn the_most_specific_scope_wins() {
+        let p = Policy::parse(
+            br#"{"default":[{"type":"reject"}],"transports":{"docker":{
+                "reg.example.com:5000/team/app:v1":[{"type":"insecureAcceptAnything"}],
+                "reg.example.com:5000/team":[{"type":"reject"}],
+                "*.example.com":[{"type":"insecureAcceptAnything"}],
+                "":[{"type":"reject"}]}}}"#,
+            "p",
+        )
+        .unwrap();
+        let scope = |s: &str| p.requirements_for(&Subject::docker(&r(s))).0;
+        assert_eq!(
+            scope("reg.example.com:5000/team/app:v1"),
+            Scope::Scope {
+                transport: "docker".into(),
+                scope: "reg.example.com:5000/team/app:v1".into()
+            }
+        );
+        assert!(
+            matches!(scope("reg.example.com:5000/team/app:v2"), Scope::Scope{scope, ..} if scope == "reg.example.com:5000/team")
+        );
+        assert!(matches!(scope("other.example.com/x"), Scope::Scope{scope, ..} if scope == "*.example.com"));
+        assert_eq!(scope("quay.io/x"), Scope::TransportDefault("docker".into()));
+        let s = Subject::docker(&r("quay.io/x"));
+        let e = p.evaluate(&s, b"{}", &NoSignatures("nowhere")).unwrap_err();
+        assert!(e.to_string().contains("docker://quay.io/x:latest") || e.to_string().contains("docker://quay.io/x"));
+    }
+
+    #[test]
+    fn identities() {
+        use IdentityRule::*;
+        let d = "sha256:0123456789abcdef0123456789abcdef0123456789abcdef0123456789abcdef";
+        let tagged = r("reg.io/a/b:1");
+        let by_digest = r(&format!("reg.io/a/b@{d}"));
+        assert!(identity_matches(&MatchExact, Some(&tagged), &r("reg.io/a/b:1")));
+        assert!(!identity_matches(&MatchExact, Some(&tagged), &r("reg.io/a/b:2")));
+        assert!(!identity_matches(&MatchExact, Some(&by_digest), &r("reg.io/a/b:1")));
+        assert!(identity_matches(
+            &MatchRepoDigestOrExact,
+            Some(&by_digest),
+            &r("reg.io/a/b:1")
+        ));
+        assert!(!identity_matches(
+            &MatchRepoDigestOrExact,
+            Some(&tagged),
+            &r("reg.io/a/b:2")
+        ));
+        assert!(identity_matches(&MatchRepository, Some(&tagged), &r("reg.io/a/b:2")));
+        assert!(!identity_matches(&MatchRepository, Some(&tagged), &r("reg.io/a/c:1")));
+        assert!(identity_matches(
+            &ExactReference(r("x.io/y:3")),
+            Some(&tagged),
+            &r("x.io/y:3")
+        ));
+        assert!(identity_matches(&ExactRepository(r("x.io/y")), None, &r("x.io/y:9")));
+        let remap = RemapIdentity {
+            prefix: "reg.io/a".into(),
+            signed_prefix: "vendor.io".into(),
+        };
+        assert!(identity_matches(&remap, Some(&tagged), &r("vendor.io/b:1")));
+        assert!(!identity_matches(&remap, Some(&tagged), &r("reg.io/a/b:1")));
+        assert!(!identity_matches(&MatchRepository, None, &r("reg.io/a/b:1")));
+    }
+}
