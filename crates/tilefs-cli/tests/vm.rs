@@ -30,7 +30,7 @@ use std::time::{Duration, Instant};
 const TAG: &str = "tilefs";
 
 /// A child killed (and reaped) when dropped.
-struct Killed(Option<Child>, &'static str);
+struct Killed(Option<Child>);
 
 impl Killed {
     fn running(&mut self) -> bool {
@@ -338,7 +338,7 @@ fn run_vm(
         .stdout(Stdio::null())
         .stderr(Stdio::piped());
     let start = Instant::now();
-    let mut q = Killed(Some(cmd.spawn().expect("starting qemu")), "qemu");
+    let mut q = Killed(Some(cmd.spawn().expect("starting qemu")));
     let read = || fs::read_to_string(&console).unwrap_or_default();
     let mut booted = false;
     loop {
@@ -379,7 +379,7 @@ fn guest_boots_reads_verifies_and_writes_over_virtio_fs() {
     let image = a.path("image.cfs");
     build_with_store(&src, &store, &image, &[]);
     // The victim's object is tampered with before the guest starts.
-    let obj = store.join("objects").join(object_rel(&digest_hex(&src.join("victim"))));
+    let obj = store.join(object_rel(&digest_hex(&src.join("victim"))));
     let mut bad = fs::read(&obj).unwrap();
     bad[1000] ^= 0x55;
     fs::write(&obj, &bad).unwrap();
@@ -388,26 +388,23 @@ fn guest_boots_reads_verifies_and_writes_over_virtio_fs() {
     let log = a.path("server.log");
     let initramfs = make_initramfs(a.tmp.path());
 
-    let mut server = Killed(
-        Some(
-            Command::new(tilefs_bin())
-                .args(["serve", "--vhost-user"])
-                .arg(&socket)
-                .arg("--store")
-                .arg(&store)
-                .arg("--upper")
-                .arg(&upper)
-                .arg("--work")
-                .arg(&work)
-                .arg("--log")
-                .arg(&log)
-                .arg(&image)
-                .stdin(Stdio::null())
-                .spawn()
-                .expect("starting tilefs serve"),
-        ),
-        "server",
-    );
+    let mut server = Killed(Some(
+        Command::new(tilefs_bin())
+            .args(["serve", "--vhost-user"])
+            .arg(&socket)
+            .arg("--store")
+            .arg(&store)
+            .arg("--upper")
+            .arg(&upper)
+            .arg("--work")
+            .arg(&work)
+            .arg("--log")
+            .arg(&log)
+            .arg(&image)
+            .stdin(Stdio::null())
+            .spawn()
+            .expect("starting tilefs serve"),
+    ));
     let end = Instant::now() + Duration::from_secs(20);
     while !socket.exists() {
         assert!(
@@ -439,7 +436,7 @@ fn guest_boots_reads_verifies_and_writes_over_virtio_fs() {
             Err(c) if forced.is_some() => panic!("the guest failed under KVM:\n{c}"),
             Err(c) => {
                 let tail: String = c.lines().rev().take(5).collect::<Vec<_>>().join(" / ");
-                eprintln!("KVM: no boot within {kvm_wait}s ({tail}); falling back to TCG");
+                eprintln!("KVM: the guest did not boot within {kvm_wait}s ({tail}); falling back to TCG");
             }
         }
         assert!(server.running(), "the server exited after the KVM attempt");
@@ -481,7 +478,11 @@ fn guest_boots_reads_verifies_and_writes_over_virtio_fs() {
     assert_eq!(line(&console, "busybox"), Some("from-the-image"), "{}", ctx());
     // The tampered object: EIO for its file, the rest reads.
     let v = line(&console, "victim").unwrap_or_default();
-    assert!(v.starts_with('1') && v.contains("I/O error"), "victim: {v}\n{}", ctx());
+    assert!(
+        v.starts_with('1') && v.contains("Input/output error"),
+        "victim: {v}\n{}",
+        ctx()
+    );
     assert_eq!(
         line(&console, "after-victim"),
         Some(sha256_hex(&src.join("data/blob3")).as_str())

@@ -316,7 +316,10 @@ pub fn serve<F: Filesystem>(fs: Arc<F>, log: Log, opts: &Options) -> io::Result<
             .map_err(|e| io::Error::other(format!("vhost-user: {e}")))?;
         log("virtio-fs: a VMM connected");
         match daemon.wait() {
-            Ok(()) => log("virtio-fs: the VMM disconnected"),
+            Ok(())
+            | Err(vhost_user_backend::Error::HandleRequest(
+                vhost::vhost_user::Error::Disconnected | vhost::vhost_user::Error::PartialMessage,
+            )) => log("virtio-fs: the VMM disconnected"),
             Err(e) => log(&format!("virtio-fs: the connection ended: {e}")),
         }
         // Dropping the daemon ends and joins its queue threads.
