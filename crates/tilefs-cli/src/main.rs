@@ -16,6 +16,7 @@ mod progress;
 mod pull_cmd;
 mod push_cmd;
 mod registry_arg;
+mod serve_cmd;
 mod store_arg;
 mod store_cmds;
 
@@ -66,6 +67,8 @@ enum Command {
     Gc(store_cmds::GcArgs),
     /// Mount an image read-only (or writable with --upper/--work)
     Mount(mount_cmd::MountArgs),
+    /// Serve an image to a virtual machine: a vhost-user-fs (virtio-fs) device backend
+    Serve(serve_cmd::ServeArgs),
     /// Unmount what `tilefs mount` mounted
     Umount(mount_cmd::UmountArgs),
     /// Turn a writable mount's tree into a new tagged image, digesting only what changed
@@ -127,6 +130,7 @@ fn main() -> ExitCode {
         Command::Fsck(a) => store_cmds::fsck(a),
         Command::Gc(a) => store_cmds::gc(a),
         Command::Mount(a) => mount_cmd::mount(a),
+        Command::Serve(a) => serve_cmd::run(a),
         Command::Umount(a) => mount_cmd::umount(a),
         Command::Commit(a) => commit_cmd::run(a),
         Command::Mountd(a) => mountd_cmd::run(a),

@@ -394,6 +394,12 @@ impl Server {
         self.logger.log(msg)
     }
 
+    /// The server's log, for a transport of the caller's.
+    pub fn log_fn(&self) -> Arc<dyn Fn(&str) + Send + Sync> {
+        let l = self.logger.clone();
+        Arc::new(move |msg: &str| l.log(msg))
+    }
+
     /// The bytes of the image served (for a gc record of the mount).
     pub fn image_bytes(&self) -> &[u8] {
         match &self.fs {

@@ -469,3 +469,52 @@ fn fuse(
         notices,
     })
 }
+
+/// What a server of another transport than a mount (a virtio-fs device
+/// for a VM) serves: `image` (a file, or a tag in `store`) from `store`,
+/// writable with `upper` (upper and work directories), a lazily pulled
+/// image's objects fetched on first read, as [`mount`]'s FUSE server does.
+pub fn serve_spec(
+    store: &Path,
+    image: &Path,
+    upper: Option<(PathBuf, PathBuf)>,
+    verity: Verity,
+    digest: Option<[u8; 32]>,
+    log: tilefs_fuse::LogTo,
+) -> Result<tilefs_fuse::ServeSpec, Error> {
+    let store = absolute(store)?;
+    let s = Store::open(&store)?;
+    let image = absolute(&tags::resolve_image(Some(&s), image)?)?;
+    let upper = match upper {
+        Some((u, w)) => Some((absolute(&u)?, absolute(&w)?)),
+        None => None,
+    };
+    let lazy = if tilefs_store::remote::records(&s).is_empty() {
+        None
+    } else {
+        read_image(&image)?.and_then(|b| tilefs_store::remote::incomplete(&s, &b))
+    };
+    let fetcher = match lazy {
+        Some(m) => tilefs_oci::fetch::LazySource::open(&store, &m.digest)
+            .map_err(|e| Error::Unsupported(format!("{}: {e}", image.display())))?
+            .map(|src| tilefs_fuse::Fetcher(std::sync::Arc::new(src))),
+        None => None,
+    };
+    Ok(tilefs_fuse::ServeSpec {
+        image,
+        store,
+        verity,
+        // Nothing to pass through to: the guest's kernel reads through us.
+        tuning: tilefs_fuse::Tuning {
+            passthrough: false,
+            splice: false,
+            ..tilefs_fuse::Tuning::default()
+        },
+        image_digest: digest,
+        fetcher,
+        upper,
+        uid_map: None,
+        gid_map: None,
+        log,
+    })
+}

@@ -1,0 +1,101 @@
+//! `tilefs serve --vhost-user`: the image as a virtio-fs device of a VM.
+
+use crate::store_arg::StoreArg;
+use anyhow::{anyhow, Context, Result};
+use clap::Args;
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::sync::Arc;
+use tilefs_fuse::LogTo;
+
+#[derive(Args)]
+pub struct ServeArgs {
+    #[command(flatten)]
+    pub store: StoreArg,
+    /// Image file, or a tag in the store
+    pub image: PathBuf,
+    /// Serve it as a vhost-user-fs device on this socket (QEMU's vhost-user-fs-pci,
+    /// cloud-hypervisor's --fs connect to it)
+    #[arg(long, value_name = "SOCKET", required = true)]
+    pub vhost_user: PathBuf,
+    /// The virtio-fs tag, for a VMM that asks the device for it (with QEMU, give `tag=` to
+    /// vhost-user-fs-pci)
+    #[arg(long, value_name = "TAG")]
+    pub virtiofs_tag: Option<String>,
+    /// Make it writable: the guest's changes go to this directory (overlayfs upperdir)
+    #[arg(long, value_name = "DIR", requires = "work")]
+    pub upper: Option<PathBuf>,
+    /// Empty directory on the same filesystem as --upper (overlayfs workdir)
+    #[arg(long, value_name = "DIR", requires = "upper")]
+    pub work: Option<PathBuf>,
+    /// Check objects against the image's digests: require, auto (default) or off
+    #[arg(long, value_name = "MODE", value_parser = ["require", "auto", "off"])]
+    pub verity: Option<String>,
+    /// Refuse the image unless its fs-verity digest is this (64 hex digits)
+    #[arg(long, value_name = "DIGEST")]
+    pub digest: Option<String>,
+    /// Request queues (besides virtio-fs's high-priority queue); match the VMM's
+    /// num-request-queues
+    #[arg(long, default_value_t = 1, value_name = "N")]
+    pub queues: usize,
+    /// Exit when the VMM disconnects (else serve the next one)
+    #[arg(long)]
+    pub once: bool,
+    /// Write the server's log to FILE (else stderr)
+    #[arg(long, value_name = "FILE")]
+    pub log: Option<PathBuf>,
+}
+
+const SIGNALS: [i32; 3] = [
+    signal_hook::consts::SIGTERM,
+    signal_hook::consts::SIGINT,
+    signal_hook::consts::SIGHUP,
+];
+
+pub fn run(a: ServeArgs) -> Result<ExitCode> {
+    tilefs_fuse::raise_nofile();
+    let verity = match &a.verity {
+        Some(v) => v.parse().map_err(|e: String| anyhow!(e))?,
+        None => Default::default(),
+    };
+    let digest = a
+        .digest
+        .as_deref()
+        .map(tilefs_mount::options::parse_digest)
+        .transpose()
+        .map_err(|e| anyhow!("--digest: {e}"))?;
+    let upper = a.upper.clone().zip(a.work.clone());
+    let log = match &a.log {
+        Some(p) => LogTo::File(p.clone()),
+        None => LogTo::Stderr,
+    };
+    let store = a.store.path()?;
+    let spec = tilefs_present::serve_spec(&store, &a.image, upper, verity, digest, log)?;
+    let server = tilefs_fuse::Server::build(&spec)?;
+    let log = server.log_fn();
+    let fs = Arc::new(server.filesystem());
+    let socket = std::path::absolute(&a.vhost_user).context("--vhost-user")?;
+    // A signal ends the server: every write of the guest is in the upper
+    // directory already (each is written before it is answered).
+    let mut signals = signal_hook::iterator::Signals::new(SIGNALS).context("cannot handle signals")?;
+    {
+        let (socket, log) = (socket.clone(), log.clone());
+        std::thread::spawn(move || {
+            if let Some(sig) = signals.forever().next() {
+                log(&format!("signal {sig}: exiting"));
+                let _ = std::fs::remove_file(&socket);
+                std::process::exit(0);
+            }
+        });
+    }
+    let opts = tilefs_vhost::Options {
+        socket: socket.clone(),
+        tag: a.virtiofs_tag.clone(),
+        request_queues: a.queues,
+        once: a.once,
+    };
+    let r = tilefs_vhost::serve(fs, log, &opts);
+    let _ = std::fs::remove_file(&socket);
+    r?;
+    Ok(ExitCode::SUCCESS)
+}
