@@ -32,11 +32,12 @@ pub enum Notice {
 impl Notice {
     /// Whether the notice states a fact of the machine or of its set-up,
     /// the same on every mount (no kernel mount, no mount service, no
-    /// fs-verity): front ends may say it once.
+    /// fs-verity): front ends may say it once. FUSE chosen because
+    /// verification was required answers the request: said each time.
     pub fn is_machine_fact(&self) -> bool {
         matches!(
             self,
-            Notice::NoKernel(_) | Notice::ServiceDeclined { .. } | Notice::FuseVerifies(_) | Notice::Mount(_)
+            Notice::NoKernel(_) | Notice::ServiceDeclined { .. } | Notice::Mount(_)
         )
     }
 }

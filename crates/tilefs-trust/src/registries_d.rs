@@ -212,7 +212,7 @@ mod tests {
         assert_eq!(
             lookaside_url(
                 "file:///s/",
-                "reg.io/a",
+                "team/a",
                 "sha256:0123456789abcdef0123456789abcdef0123456789abcdef0123456789abcdef",
                 2
             )
