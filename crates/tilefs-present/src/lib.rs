@@ -153,10 +153,8 @@ pub fn mount(req: &Request) -> Result<Presented, Error> {
     };
     let verity = req.options.verity.unwrap_or_default();
     let lazy = match &store {
-        Some(s) if !tilefs_store::remote::records(s).is_empty() => {
-            read_image(&image)?.and_then(|b| tilefs_store::remote::incomplete(s, &b))
-        }
-        _ => None,
+        Some(s) => lazy_missing(s, &image)?,
+        None => None,
     };
     let mut machine = Machine {
         store_readable: store.is_some(),
@@ -238,6 +236,23 @@ pub fn mount(req: &Request) -> Result<Presented, Error> {
 
 /// The bytes of the image file, read without blocking on whatever it is
 /// (None if it is no regular file: the mount itself then says so).
+/// What a lazily pulled image still lacks in `store` (None: it lacks
+/// nothing, or was not pulled lazily; the image is read only when the
+/// store has lazy images at all).
+fn lazy_missing(store: &Store, image: &Path) -> Result<Option<tilefs_store::remote::Incomplete>, Error> {
+    if tilefs_store::remote::records(store).is_empty() {
+        return Ok(None);
+    }
+    Ok(read_image(image)?.and_then(|b| tilefs_store::remote::incomplete(store, &b)))
+}
+
+/// The source of a lazily pulled image's objects, for its FUSE server.
+fn fetcher(store: &Path, image: &[u8; 32]) -> Result<Option<tilefs_fuse::Fetcher>, String> {
+    Ok(tilefs_oci::fetch::LazySource::open(store, image)
+        .map_err(|e| e.to_string())?
+        .map(|src| tilefs_fuse::Fetcher(std::sync::Arc::new(src))))
+}
+
 fn read_image(image: &Path) -> Result<Option<Vec<u8>>, Error> {
     let Ok(mut f) = tilefs_store::open_regular(rustix::fs::CWD, image, true) else {
         return Ok(None);
@@ -399,9 +414,7 @@ fn fuse(
     let store = &req.stores[0];
     tilefs_mount::check_mountpoint(&req.mountpoint)?;
     let fetcher = match lazy {
-        Some(digest) => tilefs_oci::fetch::LazySource::open(store, &digest)
-            .map_err(|e| failed(e.to_string()))?
-            .map(|s| tilefs_fuse::Fetcher(std::sync::Arc::new(s))),
+        Some(digest) => fetcher(store, &digest).map_err(failed)?,
         None => None,
     };
     let mut notices = Vec::new();
@@ -489,15 +502,8 @@ pub fn serve_spec(
         Some((u, w)) => Some((absolute(&u)?, absolute(&w)?)),
         None => None,
     };
-    let lazy = if tilefs_store::remote::records(&s).is_empty() {
-        None
-    } else {
-        read_image(&image)?.and_then(|b| tilefs_store::remote::incomplete(&s, &b))
-    };
-    let fetcher = match lazy {
-        Some(m) => tilefs_oci::fetch::LazySource::open(&store, &m.digest)
-            .map_err(|e| Error::Unsupported(format!("{}: {e}", image.display())))?
-            .map(|src| tilefs_fuse::Fetcher(std::sync::Arc::new(src))),
+    let fetcher = match lazy_missing(&s, &image)? {
+        Some(m) => fetcher(&store, &m.digest).map_err(|e| Error::Unsupported(format!("{}: {e}", image.display())))?,
         None => None,
     };
     Ok(tilefs_fuse::ServeSpec {
