@@ -54,9 +54,12 @@ pub fn gc(store: &Store, opts: &GcOptions) -> Result<GcReport, StoreError> {
             other.display()
         )));
     }
-    // Records of lazily pulled images whose image is no longer tagged or
+    // Records of images (where a lazy one's objects are, how a pulled one
+    // passed the signature policy) whose image is no longer tagged or
     // mounted go too (images are hashed only when there are records).
-    let mut lazy = crate::remote::records(store);
+    let lazy_records = crate::remote::records(store);
+    let trust_records = trust_records(store);
+    let mut lazy: HashSet<[u8; 32]> = lazy_records.union(&trust_records).copied().collect();
     let mut referenced = referenced_objects(store, &images.tags, &mut lazy)?;
     report.images = images.tags.len() as u64;
     // Live mounts keep what they use; records of gone ones are cleared.
@@ -130,7 +133,8 @@ pub fn gc(store: &Store, opts: &GcOptions) -> Result<GcReport, StoreError> {
 
     remove_leftovers(store, tmp_dir.as_ref(), &leftovers, opts.dry_run, &mut report)?;
     if !opts.dry_run {
-        crate::remote::prune(store, lazy);
+        crate::remote::prune(store, lazy.intersection(&lazy_records).copied());
+        prune_trust(store, lazy.intersection(&trust_records));
     }
     // Pulls' records of layers and images (caches) may name what went:
     // they are dropped with it. Records whose files are not there are only
@@ -177,6 +181,34 @@ fn referenced_objects(
         }
     }
     Ok(referenced)
+}
+
+/// The images that have a record in `STORE/.trust` (`HEX.json`).
+fn trust_records(store: &Store) -> HashSet<[u8; 32]> {
+    let Ok(dir) = store.open_existing_subdir(crate::store::TRUST_DIR) else {
+        return HashSet::new();
+    };
+    let Ok(rd) = rustix::fs::Dir::read_from(&dir) else {
+        return HashSet::new();
+    };
+    rd.flatten()
+        .filter_map(|e| {
+            let name = e.file_name().to_str().ok()?.strip_suffix(".json")?;
+            let mut d = [0u8; 32];
+            hex::decode_to_slice(name, &mut d).ok()?;
+            Some(d)
+        })
+        .collect()
+}
+
+/// Removes the `.trust` records of `images`, through the real directory.
+fn prune_trust<'a>(store: &Store, images: impl Iterator<Item = &'a [u8; 32]>) {
+    let Ok(dir) = store.open_existing_subdir(crate::store::TRUST_DIR) else {
+        return;
+    };
+    for d in images {
+        let _ = rfs::unlinkat(&dir, format!("{}.json", hex::encode(d)), AtFlags::empty());
+    }
 }
 
 fn add_references(tree: &tilefs_image::Tree, referenced: &mut HashSet<[u8; 32]>) {

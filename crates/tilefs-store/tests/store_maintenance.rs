@@ -392,3 +392,23 @@ fn a_symlinked_images_dir_is_not_followed() {
     assert_eq!(r.strays, vec![store.join("images")]);
     assert!(gc(&store, &GcOptions::default()).is_err());
 }
+
+#[test]
+fn gc_drops_the_trust_records_of_images_no_tag_keeps() {
+    let f = Fixture::new();
+    let trust = f.root().join(tilefs_store::store::TRUST_DIR);
+    std::fs::create_dir(&trust).unwrap();
+    let tagged = verity::digest_bytes(&tags::read_tag(&f.store, "img").unwrap());
+    let kept = trust.join(format!("{}.json", hex::encode(tagged)));
+    let gone = trust.join(format!("{}.json", hex::encode([7u8; 32])));
+    let other = trust.join("notes.txt");
+    for p in [&kept, &gone, &other] {
+        std::fs::write(p, "{}").unwrap();
+    }
+    let dry = gc(&f.store, &GcOptions { dry_run: true }).unwrap();
+    assert!(dry.dry_run && gone.exists(), "a dry run removes no record");
+    gc(&f.store, &GcOptions { dry_run: false }).unwrap();
+    assert!(kept.exists(), "the record of a tagged image stays");
+    assert!(!gone.exists(), "the record of an image no tag or mount keeps goes");
+    assert!(other.exists(), "what is not a record is left alone");
+}
