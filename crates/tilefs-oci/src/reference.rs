@@ -275,12 +275,14 @@ mod tests {
 
     #[test]
     fn default_tags_are_valid_tag_names() {
+        let zeros = "0".repeat(64);
+        let (by_digest, by_digest_tag) = (
+            format!("docker://127.0.0.1:5000/team/app@sha256:{zeros}"),
+            format!("127.0.0.1:5000_team_app@sha256:{zeros}"),
+        );
         for (r, want) in [
             ("docker://docker.io/library/busybox:1.36", "busybox:1.36"),
-            (
-                "docker://127.0.0.1:5000/team/app@sha256:00",
-                "127.0.0.1:5000_team_app@sha256:00",
-            ),
+            (by_digest.as_str(), by_digest_tag.as_str()),
             ("oci:/srv/img:v1", "img:v1"),
             ("oci-archive:/tmp/x.tar", "x"),
             ("docker-archive:/tmp/.y.tar", "y"),
