@@ -527,6 +527,33 @@ fn a_registry_that_lies_or_stalls_fails_the_pull_cleanly() {
     assert!(t.elapsed() < Duration::from_secs(6), "took {:?}", t.elapsed());
     assert!(err.contains(&addr.to_string()), "{err}");
     assert!(err.contains("no answer within 3 s"), "{err}");
+    // On a terminal (script(1) gives it one), the progress display says
+    // what it is doing, and that it is waiting for the server.
+    require(
+        Command::new("script")
+            .arg("--version")
+            .output()
+            .is_err()
+            .then(|| "script(1) (util-linux) is needed".to_string()),
+    );
+    let cmd = format!(
+        "{} pull --store {} --tls-verify=false --timeout 3 docker://{addr}/x/y:z",
+        tilefs_bin().display(),
+        store.display()
+    );
+    let out = Command::new("script")
+        .args(["-qec", &cmd, "/dev/null"])
+        .stdin(Stdio::null())
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(1));
+    let shown = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        shown.contains(&format!("fetching the manifest of docker://{addr}/x/y:z")),
+        "{shown}"
+    );
+    assert!(shown.contains("(waiting for the server, 2 s)"), "{shown}");
+    assert!(shown.contains("no answer within 3 s"), "{shown}");
     drop(silent);
 }
 
