@@ -111,7 +111,14 @@ impl Registry {
     }
 
     fn client_error(&self, what: &str, e: oci_client::errors::OciDistributionError) -> OciError {
-        let mut msg = with_causes(&e);
+        let mut msg = match &e {
+            // What the registry said, not the client's dump of it (its URL
+            // and "envelope").
+            oci_client::errors::OciDistributionError::RegistryError { envelope, .. } if !envelope.errors.is_empty() => {
+                format!("the registry answered {}", said(envelope))
+            }
+            e => with_causes(e),
+        };
         if self.tls_verify && msg.contains("InvalidContentType") {
             msg.push_str(" (it does not speak TLS: a plain-HTTP registry needs --tls-verify=false)");
         }
@@ -122,6 +129,8 @@ impl Registry {
                 | oci_client::errors::OciDistributionError::AuthenticationFailure(_)
         ) || msg.contains("401 Unauthorized")
             || msg.contains("403 Forbidden")
+            || msg.contains("answered UNAUTHORIZED")
+            || msg.contains("answered DENIED")
         {
             msg.push_str(&format!(" ({})", self.auth_source));
         }
@@ -526,6 +535,26 @@ impl Read for ChannelReader {
         let _ = self.current.split_to(n);
         Ok(n)
     }
+}
+
+/// A registry's errors as it gave them: `CODE: message; …`.
+fn said(envelope: &oci_client::errors::OciEnvelope) -> String {
+    envelope
+        .errors
+        .iter()
+        .map(|x| {
+            let code = serde_json::to_value(&x.code)
+                .ok()
+                .and_then(|v| v.as_str().map(str::to_string))
+                .unwrap_or_else(|| format!("{:?}", x.code));
+            if x.message.is_empty() {
+                code
+            } else {
+                format!("{code}: {}", x.message)
+            }
+        })
+        .collect::<Vec<_>>()
+        .join("; ")
 }
 
 /// An error and its causes on one line (a client error alone often says
