@@ -117,8 +117,12 @@ impl ImageRef {
                 Some(t) => format!("{}:{t}", base(p)),
                 None => base(p),
             },
-            ImageRef::DockerArchive { file, image } => image.clone().unwrap_or_else(|| base(file)),
-            ImageRef::Registry { reference } | ImageRef::Name { name: reference } => {
+            ImageRef::DockerArchive { file, image: None } => base(file),
+            ImageRef::Registry { reference }
+            | ImageRef::Name { name: reference }
+            | ImageRef::DockerArchive {
+                image: Some(reference), ..
+            } => {
                 let r = reference.strip_prefix("docker.io/").unwrap_or(reference);
                 r.strip_prefix("library/").unwrap_or(r).to_string()
             }
@@ -286,6 +290,9 @@ mod tests {
             ("oci:/srv/img:v1", "img:v1"),
             ("oci-archive:/tmp/x.tar", "x"),
             ("docker-archive:/tmp/.y.tar", "y"),
+            ("docker-archive:/tmp/y.tar:docker.io/nu/deb:12", "nu_deb:12"),
+            ("docker-archive:/tmp/y.tar:nu/deb:12", "nu_deb:12"),
+            ("docker-archive:/tmp/y.tar:docker.io/library/deb:12", "deb:12"),
         ] {
             let t = ImageRef::parse(r).unwrap().default_tag();
             assert_eq!(t, want);
