@@ -6,7 +6,7 @@ use std::io::IsTerminal;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::Relaxed};
 use std::sync::Arc;
 use std::thread::JoinHandle;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 /// A progress display that updates itself until dropped.
 pub struct Progress {
@@ -29,6 +29,20 @@ impl Progress {
         done: impl Fn() -> (u64, u64) + Send + 'static,
         total: Arc<AtomicU64>,
     ) -> Progress {
+        Progress::staged(label, unit, done, total, || (String::new(), false))
+    }
+
+    /// As [`Progress::bytes`], with what the work is doing now (`stage`:
+    /// a phrase, and whether it waits on the network): when no bytes have
+    /// come for a while in a network stage, the display says it is waiting
+    /// for the server, and for how long.
+    pub fn staged(
+        label: &'static str,
+        unit: &'static str,
+        done: impl Fn() -> (u64, u64) + Send + 'static,
+        total: Arc<AtomicU64>,
+        stage: impl Fn() -> (String, bool) + Send + 'static,
+    ) -> Progress {
         let bar = ProgressBar::with_draw_target(None, ProgressDrawTarget::stderr_with_hz(8));
         bar.set_style(
             ProgressStyle::with_template("{prefix} {wide_bar} {msg}")
@@ -38,34 +52,42 @@ impl Progress {
         bar.set_prefix(label);
         let stop = Arc::new(AtomicBool::new(false));
         let stop2 = stop.clone();
-        let start = std::time::Instant::now();
         let ticker = std::thread::spawn(move || {
+            let mut rate = Rate::default();
             while !stop2.load(Relaxed) {
                 let (files, bytes) = done();
                 let total = total.load(Relaxed);
-                let secs = start.elapsed().as_secs_f64().max(0.001);
-                let rate = bytes as f64 / secs;
+                let (stage, network) = stage();
+                let now = Instant::now();
+                let (per_sec, still) = rate.update(now, bytes);
+                let mut msg = String::new();
+                if !stage.is_empty() {
+                    msg.push_str(&stage);
+                    msg.push_str(": ");
+                }
                 if total > 0 {
                     bar.set_length(total);
                     bar.set_position(bytes.min(total));
-                    let eta = if rate > 0.0 && total > bytes {
-                        format!("ETA {:.0}s", (total - bytes) as f64 / rate)
-                    } else {
-                        String::new()
-                    };
-                    bar.set_message(format!(
-                        "{files} {unit}, {} / {}, {}/s {eta}",
+                    msg.push_str(&format!(
+                        "{files} {unit}, {} / {}, {}/s",
                         HumanBytes(bytes),
                         HumanBytes(total),
-                        HumanBytes(rate as u64)
+                        HumanBytes(per_sec as u64)
                     ));
+                    if per_sec > 0.0 && total > bytes {
+                        msg.push_str(&format!(" ETA {:.0}s", (total - bytes) as f64 / per_sec));
+                    }
                 } else {
-                    bar.set_message(format!(
+                    msg.push_str(&format!(
                         "{files} {unit}, {}, {}/s",
                         HumanBytes(bytes),
-                        HumanBytes(rate as u64)
+                        HumanBytes(per_sec as u64)
                     ));
                 }
+                if network && still >= Duration::from_secs(2) {
+                    msg.push_str(&format!(" (waiting for the server, {} s)", still.as_secs()));
+                }
+                bar.set_message(msg);
                 std::thread::sleep(Duration::from_millis(120));
             }
             bar.finish_and_clear();
@@ -74,6 +96,43 @@ impl Progress {
             stop,
             ticker: Some(ticker),
         }
+    }
+}
+
+/// The rate over the last few seconds (not since the start: a stage of
+/// hashing, then one of sending, or a stall, shows as it is), and how long
+/// the count has stood still.
+#[derive(Default)]
+struct Rate {
+    samples: std::collections::VecDeque<(Instant, u64)>,
+    last_change: Option<(Instant, u64)>,
+}
+
+impl Rate {
+    const WINDOW: Duration = Duration::from_secs(5);
+
+    fn update(&mut self, now: Instant, bytes: u64) -> (f64, Duration) {
+        // A counter started again (a new stage) starts a new window.
+        if self.samples.back().is_some_and(|&(_, b)| bytes < b) {
+            self.samples.clear();
+        }
+        self.samples.push_back((now, bytes));
+        while self.samples.len() > 2 && now.duration_since(self.samples[0].0) > Rate::WINDOW {
+            self.samples.pop_front();
+        }
+        match self.last_change {
+            Some((_, b)) if b == bytes => {}
+            _ => self.last_change = Some((now, bytes)),
+        }
+        let (t0, b0) = self.samples[0];
+        let secs = now.duration_since(t0).as_secs_f64();
+        let rate = if secs > 0.0 {
+            bytes.saturating_sub(b0) as f64 / secs
+        } else {
+            0.0
+        };
+        let still = self.last_change.map_or(Duration::ZERO, |(t, _)| now.duration_since(t));
+        (rate, still)
     }
 }
 

@@ -87,11 +87,20 @@ pub fn run(a: PullArgs) -> Result<ExitCode> {
     };
     let display = progress::enabled(a.quiet || a.json).then(|| {
         let c = counters.clone();
-        Progress::bytes(
+        let s = counters.clone();
+        Progress::staged(
             "pulling",
             "entries",
             move || (c.entries.load(Relaxed), c.blob_bytes.load(Relaxed)),
             counters.blob_total.clone(),
+            move || {
+                let (mut stage, network) = s.stage.get();
+                let total = s.layers_total.load(Relaxed);
+                if total > 1 && stage.starts_with("reading") {
+                    stage.push_str(&format!(" ({} done)", s.layers_done.load(Relaxed)));
+                }
+                (stage, network)
+            },
         )
     });
     let result = tilefs_oci::pull(&store, &r, &tag, &opts);

@@ -74,11 +74,13 @@ pub fn run(a: PushArgs) -> Result<ExitCode> {
     };
     let display = progress::enabled(a.quiet || a.json).then(|| {
         let c = counters.clone();
-        Progress::bytes(
+        let s = counters.clone();
+        Progress::staged(
             "pushing",
             "blobs",
             move || (c.blobs_done.load(Relaxed), c.bytes_done.load(Relaxed)),
             counters.bytes_total.clone(),
+            move || s.stage.get(),
         )
     });
     let result = tilefs_oci::push::push(&store, &a.name, &r, &opts);

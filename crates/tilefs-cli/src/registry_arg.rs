@@ -14,8 +14,9 @@ pub struct RegistryArgs {
     #[arg(long, value_name = "BOOL", action = clap::ArgAction::Set,
           num_args = 0..=1, require_equals = true, default_missing_value = "true")]
     pub tls_verify: Option<bool>,
-    /// Seconds a registry connection or read may stall before the command fails (recorded by
-    /// `pull --lazy` for the fetches of its FUSE mounts)
+    /// Seconds to wait for a registry that does not answer (a request, or the next bytes of a
+    /// transfer) before the command fails (recorded by `pull --lazy` for the fetches of its FUSE
+    /// mounts)
     #[arg(long, default_value_t = 60, value_name = "SECS")]
     pub timeout: u64,
     /// registries.conf to read (and the drop-ins of FILE.d/) [default: $CONTAINERS_REGISTRIES_CONF,

@@ -398,6 +398,19 @@ fn archives_and_a_registry_give_the_same_image() {
         assert_eq!(v["digest"], want.as_str(), "{source}");
         assert!(v["blob_bytes"].as_u64().unwrap() > 0, "{source}: its layers were read");
     }
+    // An image of a docker archive named as skopeo and docker write it:
+    // short, or with its registry; normalized as containers/image does.
+    for (i, name) in ["team/app:v1", "docker.io/team/app:v1"].iter().enumerate() {
+        let source = format!("docker-archive:{}:{name}", docker_archive.display());
+        let v = pull_json(&area.path(&format!("named-store-{i}")), &source, &[]);
+        assert_eq!(v["digest"], want.as_str(), "{source}");
+    }
+    let err = fails(
+        &area.path("named-store-x"),
+        &format!("docker-archive:{}:team/app:v2", docker_archive.display()),
+        &[],
+    );
+    assert!(err.contains("no image named \"team/app:v2\""), "{err}");
 
     let registry = Registry::start(&area);
     let remote = format!("docker://{}/team/app:v1", registry.addr);
@@ -436,6 +449,33 @@ fn archives_and_a_registry_give_the_same_image() {
         &["--tls-verify=false"],
     );
     assert!(err.contains(&registry.addr) && err.contains("team/nope"), "{err}");
+    assert!(err.contains("no repository team/nope"), "{err}");
+    // A tag that is not there: said as such, with the tags there are.
+    let err = fails(
+        &area.path("s3"),
+        &format!("docker://{}/team/app:v2", registry.addr),
+        &["--tls-verify=false"],
+    );
+    assert!(
+        err.contains(&format!(
+            "registry {}: no tag \"v2\" in repository team/app (its tags: v1)",
+            registry.addr
+        )),
+        "{err}"
+    );
+    assert!(!err.contains("OCI API error"), "{err}");
+    // Names are lower case; a registry reference written without
+    // docker:// where it cannot be a name.
+    for bad in [
+        format!("docker://{}/Team/app:v1", registry.addr),
+        format!("{}/Team/app:v1", registry.addr),
+        "Team/app:v1".to_string(),
+    ] {
+        let err = fails(&area.path("s3"), &bad, &["--tls-verify=false"]);
+        assert!(err.contains("repository names are lower case"), "{bad}: {err}");
+        assert!(err.contains("team/app:v1"), "{bad}: {err}");
+    }
+    assert!(!area.path("s3").exists(), "a failed pull left the store it created");
     assert!(!area.path("s3").exists(), "a failed pull left the store it created");
     // Its own pull tags are gc roots: gc keeps everything.
     tilefs(&[os("gc"), os("--store"), fresh.as_os_str()]);
@@ -477,14 +517,43 @@ fn a_registry_that_lies_or_stalls_fails_the_pull_cleanly() {
     // A server that accepts and never answers: the timeout ends the pull.
     let silent = TcpListener::bind("127.0.0.1:0").unwrap();
     let addr = silent.local_addr().unwrap();
+    // --timeout is the time the user waits (loosely: well under twice).
     let t = Instant::now();
     let err = fails(
         &store,
         &format!("docker://{addr}/x/y:z"),
-        &["--tls-verify=false", "--timeout", "2"],
+        &["--tls-verify=false", "--timeout", "3"],
     );
-    assert!(t.elapsed() < Duration::from_secs(30), "took {:?}", t.elapsed());
+    assert!(t.elapsed() < Duration::from_secs(6), "took {:?}", t.elapsed());
     assert!(err.contains(&addr.to_string()), "{err}");
+    assert!(err.contains("no answer within 3 s"), "{err}");
+    // On a terminal (script(1) gives it one), the progress display says
+    // what it is doing, and that it is waiting for the server.
+    require(
+        Command::new("script")
+            .arg("--version")
+            .output()
+            .is_err()
+            .then(|| "script(1) (util-linux) is needed".to_string()),
+    );
+    let cmd = format!(
+        "{} pull --store {} --tls-verify=false --timeout 3 docker://{addr}/x/y:z",
+        tilefs_bin().display(),
+        store.display()
+    );
+    let out = Command::new("script")
+        .args(["-qec", &cmd, "/dev/null"])
+        .stdin(Stdio::null())
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(1));
+    let shown = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        shown.contains(&format!("fetching the manifest of docker://{addr}/x/y:z")),
+        "{shown}"
+    );
+    assert!(shown.contains("(waiting for the server, 2 s)"), "{shown}");
+    assert!(shown.contains("no answer within 3 s"), "{shown}");
     drop(silent);
 }
 

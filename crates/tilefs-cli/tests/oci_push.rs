@@ -710,3 +710,78 @@ fn a_user_without_privilege_pulls_lazily_and_reads_through_fuse() {
     let out = user(&["umount", mnt.to_str().unwrap()]);
     assert!(out.status.success(), "{}", stderr(&out));
 }
+
+#[test]
+fn push_takes_names_as_podman_does_and_waits_no_longer_than_the_timeout() {
+    let area = Area::new();
+    let registry = Registry::start(&area);
+    let src = area.dir("src");
+    tree(&src, 21, 5, 10 << 10);
+    let store = area.path("store");
+    let digest = build_tag(&store, "app", &src);
+    // A name with its registry needs no docker://.
+    let v = push(&store, "app", &format!("{}/team/app:v1", registry.addr));
+    assert_eq!(v["digest"], digest.as_str());
+    assert_eq!(
+        pull(
+            &area.path("other"),
+            &format!("docker://{}/team/app:v1", registry.addr),
+            &[]
+        ),
+        digest
+    );
+    let push_fails = |dest: &str, extra: &[&str]| {
+        let mut args = vec![
+            os("push"),
+            os("-q"),
+            os("--tls-verify=false"),
+            os("--store"),
+            store.as_os_str(),
+        ];
+        args.extend(extra.iter().map(|s| os(s)));
+        args.extend([os("app"), os(dest)]);
+        let out = tilefs_any(&args);
+        assert_eq!(out.status.code(), Some(1), "push to {dest}: {}", stderr(&out));
+        stderr(&out)
+    };
+    // A short name names no registry: say where to write one.
+    let err = push_fails("team/app:v1", &[]);
+    assert!(err.contains("docker://HOST[:PORT]/team/app:v1"), "{err}");
+    // Capitals.
+    let err = push_fails(&format!("docker://{}/Team/app:v1", registry.addr), &[]);
+    assert!(err.contains("repository names are lower case"), "{err}");
+    // A registry that accepts and never answers: --timeout is the wait.
+    let silent = TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = silent.local_addr().unwrap();
+    let t = Instant::now();
+    let err = push_fails(&format!("docker://{addr}/team/app:v1"), &["--timeout", "3"]);
+    assert!(t.elapsed() < Duration::from_secs(6), "took {:?}", t.elapsed());
+    assert!(
+        err.contains(&addr.to_string()) && err.contains("no answer within 3 s"),
+        "{err}"
+    );
+    // On a terminal (script(1) gives it one), the progress display says
+    // what it is doing, and that it is waiting for the server.
+    require(
+        Command::new("script")
+            .arg("--version")
+            .output()
+            .is_err()
+            .then(|| "script(1) (util-linux) is needed".to_string()),
+    );
+    let cmd = format!(
+        "{} push --store {} --tls-verify=false --timeout 3 app docker://{addr}/team/app:v1",
+        tilefs_bin().display(),
+        store.display()
+    );
+    let out = Command::new("script")
+        .args(["-qec", &cmd, "/dev/null"])
+        .stdin(Stdio::null())
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(1));
+    let shown = String::from_utf8_lossy(&out.stdout);
+    assert!(shown.contains(&format!("blobs to {addr}: 0 blobs, 0 B / ")), "{shown}");
+    assert!(shown.contains("(waiting for the server, 2 s)"), "{shown}");
+    drop(silent);
+}

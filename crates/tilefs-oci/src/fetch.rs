@@ -140,6 +140,8 @@ pub(crate) fn pull_artifact(
     progress: &PullProgress,
 ) -> Result<PullReport, OciError> {
     let lazy = opts.lazy;
+    let remote = matches!(r, ImageRef::Registry { .. } | ImageRef::Name { .. });
+    progress.stage.set("fetching the image and its object index", remote);
     let remote_image = open(t, &resolved, &r.to_string())?;
     let absent = tilefs_store::presence::absent(store, remote_image.objects.iter().map(|o| o.digest));
     let mut objects = StatsSnapshot::default();
@@ -172,6 +174,7 @@ pub(crate) fn pull_artifact(
         progress
             .blob_total
             .store(wanted.iter().map(|w| w.1.size).sum(), Relaxed);
+        progress.stage.set(format!("fetching {} objects", wanted.len()), remote);
         let jobs = if opts.jobs == 0 { 4 } else { opts.jobs };
         let fetched = fetch_objects(
             &Fetching {

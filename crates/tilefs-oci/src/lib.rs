@@ -39,6 +39,23 @@ pub mod trust;
 pub use pull::{pull, PullOptions, PullReport};
 pub use reference::ImageRef;
 
+/// What a pull or push is doing now, for a progress display: a phrase
+/// ("resolving docker://…", "layer 2 of 5") and whether it waits on the
+/// network (a display says so when no bytes come for a while).
+#[derive(Debug, Default)]
+pub struct Stage(std::sync::Mutex<(String, bool)>);
+
+impl Stage {
+    pub fn set(&self, text: impl Into<String>, network: bool) {
+        *self.0.lock().unwrap() = (text.into(), network);
+    }
+
+    /// The phrase, and whether it waits on the network.
+    pub fn get(&self) -> (String, bool) {
+        self.0.lock().unwrap().clone()
+    }
+}
+
 use tilefs_store::StoreError;
 
 /// Why a pull failed. Every message names the blob, entry, file or

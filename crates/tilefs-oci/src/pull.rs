@@ -58,6 +58,8 @@ pub struct PullProgress {
     /// Blob bytes read so far.
     pub blob_bytes: Arc<AtomicU64>,
     pub entries: AtomicU64,
+    /// What the pull is doing now.
+    pub stage: crate::Stage,
 }
 
 /// What a pull did.
@@ -86,6 +88,16 @@ pub struct PullReport {
 pub fn pull(store: &Store, r: &ImageRef, tag: &str, opts: &PullOptions) -> Result<PullReport, OciError> {
     tags::validate_tag(tag)?;
     let platform = opts.platform.clone().unwrap_or_else(Platform::host);
+    let progress = opts.progress.clone().unwrap_or_default();
+    let remote = matches!(r, ImageRef::Registry { .. } | ImageRef::Name { .. });
+    progress.stage.set(
+        if remote {
+            format!("fetching the manifest of {r}")
+        } else {
+            format!("reading the manifest of {r}")
+        },
+        remote,
+    );
     // Nothing is written before the policy has accepted the image.
     let opened = crate::trust::open_checked(r, &opts.registry, &opts.trust, &platform)?;
     let (t, resolved, r) = (opened.transport, opened.resolved, &opened.source);
@@ -93,13 +105,20 @@ pub fn pull(store: &Store, r: &ImageRef, tag: &str, opts: &PullOptions) -> Resul
         registry: opened.registry,
         ..opts.clone()
     };
-    let progress = opts.progress.clone().unwrap_or_default();
     if resolved.artifact {
         return crate::fetch::pull_artifact(store, r, t.as_ref(), resolved, tag, opts, &progress);
     }
     if let Some(config) = &resolved.config {
+        progress.stage.set("fetching the image configuration", remote);
         check_config(t.as_ref(), config, resolved.layers.len())?;
     }
+    progress.stage.set(
+        match resolved.layers.len() {
+            1 => "reading its layer".to_string(),
+            n => format!("reading its {n} layers"),
+        },
+        remote,
+    );
     progress.layers_total.store(resolved.layers.len() as u64, Relaxed);
     progress
         .blob_total
@@ -135,6 +154,7 @@ pub fn pull(store: &Store, r: &ImageRef, tag: &str, opts: &PullOptions) -> Resul
         });
     }
     let layers = read_layers(store, t.as_ref(), &resolved.layers, &ingest, &progress, &presence, opts)?;
+    progress.stage.set("writing the image", false);
     let mut applier = Applier::new(opts.keep_all_xattrs);
     let mut entries = 0;
     for (blob, l) in resolved.layers.iter().zip(layers) {

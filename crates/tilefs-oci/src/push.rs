@@ -37,10 +37,14 @@ pub struct PushOptions {
 /// Counters of a push, readable while it runs.
 #[derive(Debug, Default)]
 pub struct PushProgress {
-    /// Bytes to hash, then to upload.
+    /// Bytes to hash (stage "hashing"), then bytes to upload: blobs the
+    /// registry has already or mounts from another repository leave the
+    /// total, and a byte counts as done once the HTTP client has taken it.
     pub bytes_total: Arc<AtomicU64>,
     pub bytes_done: Arc<AtomicU64>,
     pub blobs_done: AtomicU64,
+    /// What the push is doing now.
+    pub stage: crate::Stage,
 }
 
 /// What a push did.
@@ -79,10 +83,20 @@ enum Source {
 
 /// Pushes the image tagged `tag` in `store` to `dest`.
 pub fn push(store: &Store, tag: &str, dest: &ImageRef, opts: &PushOptions) -> Result<PushReport, OciError> {
-    let ImageRef::Registry { reference } = dest else {
-        return Err(OciError::Reference(format!(
-            "{dest}: tilefs pushes to registries only (docker://HOST[:PORT]/REPO[:TAG])"
-        )));
+    let reference = match dest {
+        ImageRef::Registry { reference } => reference,
+        // A name with its registry, as podman takes it.
+        ImageRef::Name { name } if !tilefs_trust::DockerRef::is_short_name(name) => name,
+        ImageRef::Name { name } => {
+            return Err(OciError::Reference(format!(
+                "{name:?} names no registry: push to docker://HOST[:PORT]/{name}"
+            )))
+        }
+        _ => {
+            return Err(OciError::Reference(format!(
+                "{dest}: tilefs pushes to registries only (docker://HOST[:PORT]/REPO[:TAG])"
+            )))
+        }
     };
     // Signing must be able to work before anything is sent.
     let signer = crate::trust::prepare_signing(reference, &opts.sign)?;
@@ -99,6 +113,7 @@ pub fn push(store: &Store, tag: &str, dest: &ImageRef, opts: &PushOptions) -> Re
     let progress = opts.progress.clone().unwrap_or_default();
     let object_bytes: u64 = objects.iter().map(|o| o.size).sum();
     progress.bytes_total.store(object_bytes, Relaxed);
+    progress.stage.set(format!("hashing {} objects", objects.len()), false);
     let pack_digests = pack_digests(store, &objects, &packs, &fsverity, opts, &progress)?;
     let (blobs, manifest) = artifact_blobs(image, &objects, &locs, packs, pack_digests, &fsverity, object_bytes);
 
@@ -107,15 +122,27 @@ pub fn push(store: &Store, tag: &str, dest: &ImageRef, opts: &PushOptions) -> Re
         &crate::trust::push_options(reference, &opts.registry, &opts.trust)?,
     )?;
     let sources = crate::layer_cache::origins(store, registry.registry(), registry.repository());
+    // From here the counters are of bytes sent.
+    progress.stage.set(
+        format!("sending {} blobs to {}", blobs.len(), registry.registry()),
+        true,
+    );
+    progress.bytes_done.store(0, Relaxed);
     progress
         .bytes_total
-        .store(object_bytes + blobs.iter().map(|b| b.size).sum::<u64>(), Relaxed);
+        .store(blobs.iter().map(|b| b.size).sum::<u64>(), Relaxed);
     let sent = send_blobs(store, &registry, &objects, &blobs, &sources, opts, &progress)?;
+    progress
+        .stage
+        .set(format!("writing the manifest to {}", registry.registry()), true);
     registry.put_manifest(manifest.clone())?;
     crate::layer_cache::add_origin(store, registry.registry(), registry.repository());
     let manifest_digest = Digest::sha256_of(&manifest).to_string();
     let signed = match &signer {
-        Some(s) => Some(s.sign(&registry, &manifest_digest)?),
+        Some(s) => {
+            progress.stage.set("signing", true);
+            Some(s.sign(&registry, &manifest_digest)?)
+        }
         None => None,
     };
     Ok(PushReport {
@@ -286,7 +313,8 @@ fn send_blobs(
                             if how == Sent::Uploaded {
                                 counts[3].fetch_add(b.size, Relaxed);
                             } else {
-                                progress.bytes_done.fetch_add(b.size, Relaxed);
+                                // Not to send after all.
+                                progress.bytes_total.fetch_sub(b.size, Relaxed);
                             }
                         }
                         Err(e) => {
@@ -326,7 +354,7 @@ fn send_blob(
     objects: &[ObjectRef],
     b: &Blob,
     sources: &[String],
-    sent: &AtomicU64,
+    sent: &Arc<AtomicU64>,
 ) -> Result<Sent, OciError> {
     if registry.has_blob(&b.digest)? {
         return Ok(Sent::Present);

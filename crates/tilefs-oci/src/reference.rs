@@ -28,8 +28,10 @@ impl ImageRef {
         let (transport, rest) = match s.split_once(':') {
             Some(split) => split,
             None if tilefs_trust::DockerRef::parse_normalized(s).is_ok() => {
-                return Ok(ImageRef::Name { name: s.to_string() })
+                check_lower_case(s, s)?;
+                return Ok(ImageRef::Name { name: s.to_string() });
             }
+            None if s.chars().any(|c| c.is_ascii_uppercase()) => return Err(upper_case(s, s)),
             None => {
                 return Err(bad(
                     "expected TRANSPORT:DETAILS (oci:DIR, oci-archive:FILE, docker-archive:FILE, docker://REF) or an image name",
@@ -70,13 +72,29 @@ impl ImageRef {
                 if r.is_empty() || r.contains(char::is_whitespace) {
                     return Err(bad("empty or malformed registry reference"));
                 }
+                check_lower_case(s, r)?;
+                if let Err(e) = tilefs_trust::DockerRef::parse_normalized(r) {
+                    return Err(bad(&e.why));
+                }
                 Ok(ImageRef::Registry {
                     reference: r.to_string(),
                 })
             }
             _ if !s.contains("://") && tilefs_trust::DockerRef::parse_normalized(s).is_ok() => {
+                check_lower_case(s, s)?;
                 Ok(ImageRef::Name { name: s.to_string() })
             }
+            // A registry name with capitals (`NU/deb:12`,
+            // `127.0.0.1:5000/NU/deb`).
+            _ if !s.contains("://")
+                && (transport.contains(['/', '.']) || rest.contains('/'))
+                && s.chars().any(|c| c.is_ascii_uppercase()) =>
+            {
+                Err(upper_case(s, s))
+            }
+            other if !s.contains("://") && (other.contains('.') || other == "localhost") => Err(bad(&format!(
+                "unsupported transport {other:?}; for an image in a registry write docker://{s}"
+            ))),
             other => Err(bad(&format!(
                 "unsupported transport {other:?} (use oci:, oci-archive:, docker-archive:, docker:// or an image name)"
             ))),
@@ -99,8 +117,12 @@ impl ImageRef {
                 Some(t) => format!("{}:{t}", base(p)),
                 None => base(p),
             },
-            ImageRef::DockerArchive { file, image } => image.clone().unwrap_or_else(|| base(file)),
-            ImageRef::Registry { reference } | ImageRef::Name { name: reference } => {
+            ImageRef::DockerArchive { file, image: None } => base(file),
+            ImageRef::Registry { reference }
+            | ImageRef::Name { name: reference }
+            | ImageRef::DockerArchive {
+                image: Some(reference), ..
+            } => {
                 let r = reference.strip_prefix("docker.io/").unwrap_or(reference);
                 r.strip_prefix("library/").unwrap_or(r).to_string()
             }
@@ -124,6 +146,49 @@ impl ImageRef {
         }
         tag
     }
+}
+
+/// Refuses capitals in a registry image name: repositories are lower case
+/// (a registry host may have capitals, but none of its repositories).
+/// `shown`: the reference as written, `name` the registry name in it.
+fn check_lower_case(shown: &str, name: &str) -> Result<(), OciError> {
+    let bare = name.split('@').next().unwrap_or(name);
+    let rest = match bare.split_once('/') {
+        Some((host, rest)) if host.contains(['.', ':']) || host == "localhost" => rest,
+        _ => bare,
+    };
+    // The tag (after the last colon past the last slash) may have capitals.
+    let last_slash = rest.rfind('/').map_or(0, |i| i + 1);
+    let path = match rest[last_slash..].rfind(':') {
+        Some(i) => &rest[..last_slash + i],
+        None => rest,
+    };
+    if path.chars().any(|c| c.is_ascii_uppercase()) {
+        return Err(upper_case(shown, path));
+    }
+    Ok(())
+}
+
+fn upper_case(name: &str, path: &str) -> OciError {
+    OciError::Reference(format!(
+        "invalid image reference {name:?}: repository names are lower case (write {:?})",
+        name.replacen(path, &path.to_ascii_lowercase(), 1)
+    ))
+}
+
+/// Whether two image names written by people (`nu/deb:12`,
+/// `docker.io/nu/deb:12`, `busybox`) name the same image, normalized as
+/// containers/image normalizes them: a name without a registry is on
+/// docker.io, a docker.io name without a slash is under `library/`, and a
+/// name with neither tag nor digest means `:latest`. Names that do not
+/// parse are compared as written.
+pub fn same_image_name(a: &str, b: &str) -> bool {
+    let norm = |s: &str| {
+        tilefs_trust::DockerRef::parse_normalized(s)
+            .map(|r| r.with_default_tag().identity())
+            .unwrap_or_else(|_| s.to_string())
+    };
+    a == b || norm(a) == norm(b)
 }
 
 impl std::fmt::Display for ImageRef {
@@ -175,16 +240,59 @@ mod tests {
     }
 
     #[test]
+    fn mistakes_in_names_are_explained() {
+        let msg = |s: &str| ImageRef::parse(s).unwrap_err().to_string();
+        for (r, fix) in [
+            ("NU/deb:12", "\"nu/deb:12\""),
+            ("NU/deb", "\"nu/deb\""),
+            (
+                "docker://127.0.0.1:5000/NU/deb:12",
+                "\"docker://127.0.0.1:5000/nu/deb:12\"",
+            ),
+            ("127.0.0.1:5000/Nu/deb:12", "\"127.0.0.1:5000/nu/deb:12\""),
+        ] {
+            let m = msg(r);
+            assert!(m.contains("repository names are lower case"), "{r}: {m}");
+            assert!(m.contains(fix), "{r}: {m}");
+        }
+        // A tag may have capitals.
+        assert!(ImageRef::parse("docker://127.0.0.1:5000/nu/deb:V12").is_ok());
+        let m = msg("127.0.0.1:5000/nu/deb:12:x");
+        assert!(m.contains("docker://127.0.0.1:5000/nu/deb:12:x"), "{m}");
+    }
+
+    #[test]
+    fn names_normalize_as_containers_image_does() {
+        for (a, b) in [
+            ("nu/deb:12", "docker.io/nu/deb:12"),
+            ("busybox", "docker.io/library/busybox:latest"),
+            ("index.docker.io/library/busybox:1", "busybox:1"),
+            ("localhost:5000/a", "localhost:5000/a:latest"),
+        ] {
+            assert!(same_image_name(a, b), "{a} {b}");
+            assert!(same_image_name(b, a), "{b} {a}");
+        }
+        for (a, b) in [("nu/deb:12", "nu/deb:13"), ("quay.io/nu/deb:12", "nu/deb:12")] {
+            assert!(!same_image_name(a, b), "{a} {b}");
+        }
+    }
+
+    #[test]
     fn default_tags_are_valid_tag_names() {
+        let zeros = "0".repeat(64);
+        let (by_digest, by_digest_tag) = (
+            format!("docker://127.0.0.1:5000/team/app@sha256:{zeros}"),
+            format!("127.0.0.1:5000_team_app@sha256:{zeros}"),
+        );
         for (r, want) in [
             ("docker://docker.io/library/busybox:1.36", "busybox:1.36"),
-            (
-                "docker://127.0.0.1:5000/team/app@sha256:00",
-                "127.0.0.1:5000_team_app@sha256:00",
-            ),
+            (by_digest.as_str(), by_digest_tag.as_str()),
             ("oci:/srv/img:v1", "img:v1"),
             ("oci-archive:/tmp/x.tar", "x"),
             ("docker-archive:/tmp/.y.tar", "y"),
+            ("docker-archive:/tmp/y.tar:docker.io/nu/deb:12", "nu_deb:12"),
+            ("docker-archive:/tmp/y.tar:nu/deb:12", "nu_deb:12"),
+            ("docker-archive:/tmp/y.tar:docker.io/library/deb:12", "deb:12"),
         ] {
             let t = ImageRef::parse(r).unwrap().default_tag();
             assert_eq!(t, want);

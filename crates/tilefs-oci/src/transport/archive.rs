@@ -54,14 +54,16 @@ impl Transport for DockerArchive {
         let entries: Vec<Entry> = serde_json::from_slice(&raw)
             .map_err(|e| OciError::manifest(&what, format!("not a docker-archive manifest: {e}")))?;
         let tags = |e: &Entry| e.repo_tags.clone().unwrap_or_default();
-        let entry = choose(
-            &entries,
-            self.image.as_deref(),
-            tags,
-            &what,
-            "the archive",
-            "FILE:REPO:TAG",
-        )?;
+        // `nu/deb:12` names the image docker saved as `docker.io/nu/deb:12`
+        // (and the other way round), as skopeo takes it.
+        let wanted = self.image.as_deref().map(|w| {
+            entries
+                .iter()
+                .flat_map(tags)
+                .find(|t| crate::reference::same_image_name(w, t))
+                .unwrap_or_else(|| w.to_string())
+        });
+        let entry = choose(&entries, wanted.as_deref(), tags, &what, "the archive", "FILE:REPO:TAG")?;
         let config_what = self.files.describe(&entry.config);
         let config_raw = self.files.read_small(&entry.config, MAX_MANIFEST)?;
         let config_digest = Digest::sha256_of(&config_raw);

@@ -17,6 +17,7 @@ use oci_client::secrets::RegistryAuth;
 use oci_client::{Client, Reference};
 use std::io::{self, Read};
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
+use std::sync::Arc;
 use tokio::sync::mpsc;
 
 pub struct Registry {
@@ -33,9 +34,17 @@ pub struct Registry {
 
 impl Registry {
     pub fn open(reference: &str, opts: &RegistryOptions) -> Result<Registry, OciError> {
-        let parsed: Reference = reference
-            .parse()
-            .map_err(|e| OciError::Reference(format!("invalid registry reference {reference:?}: {e}")))?;
+        let parsed: Reference = reference.parse::<Reference>().map_err(|e| {
+            // The client says only "invalid reference format".
+            let why = match tilefs_trust::DockerRef::parse_normalized(reference) {
+                Err(re) => re.why,
+                Ok(_) if reference.chars().any(|c| c.is_ascii_uppercase()) => {
+                    "repository names are lower case".to_string()
+                }
+                Ok(_) => e.to_string(),
+            };
+            OciError::Reference(format!("invalid registry reference {reference:?}: {why}"))
+        })?;
         let registry = parsed.resolve_registry().to_string();
         let creds = super::auth::credentials(&registry)?;
         let auth_source = match &creds {
@@ -102,7 +111,14 @@ impl Registry {
     }
 
     fn client_error(&self, what: &str, e: oci_client::errors::OciDistributionError) -> OciError {
-        let mut msg = with_causes(&e);
+        let mut msg = match &e {
+            // What the registry said, not the client's dump of it (its URL
+            // and "envelope").
+            oci_client::errors::OciDistributionError::RegistryError { envelope, .. } if !envelope.errors.is_empty() => {
+                format!("the registry answered {}", said(envelope))
+            }
+            e => with_causes(e),
+        };
         if self.tls_verify && msg.contains("InvalidContentType") {
             msg.push_str(" (it does not speak TLS: a plain-HTTP registry needs --tls-verify=false)");
         }
@@ -113,19 +129,82 @@ impl Registry {
                 | oci_client::errors::OciDistributionError::AuthenticationFailure(_)
         ) || msg.contains("401 Unauthorized")
             || msg.contains("403 Forbidden")
+            || msg.contains("answered UNAUTHORIZED")
+            || msg.contains("answered DENIED")
         {
             msg.push_str(&format!(" ({})", self.auth_source));
         }
         self.error(what, msg)
     }
 
+    /// `what` got no answer within the timeout.
+    fn timed_out(&self, what: &str) -> OciError {
+        self.error(
+            what,
+            format!(
+                "no answer within {} s (--timeout; is {} the registry, and up?)",
+                self.timeout.as_secs(),
+                self.registry
+            ),
+        )
+    }
+
+    /// What the registry lacks, said as such: the repository, or the tag
+    /// (with the tags it has), or the manifest of that digest.
+    fn missing(&self, r: &Reference, e: &oci_client::errors::OciDistributionError) -> OciError {
+        use oci_client::errors::{OciDistributionError as E, OciErrorCode};
+        let repo = r.repository();
+        let name_unknown = |e: &E| match e {
+            E::RegistryError { envelope, .. } => envelope.errors.iter().any(|x| x.code == OciErrorCode::NameUnknown),
+            E::ServerError { code, .. } => *code == 404,
+            _ => false,
+        };
+        // The registry's tags of the repository say whether there is one
+        // (many registries answer MANIFEST_UNKNOWN either way).
+        let tags = if matches!(e, E::RegistryError { .. }) && name_unknown(e) {
+            Err(true)
+        } else {
+            let fut = self.client.list_tags(r, &self.auth, Some(50), None);
+            match self
+                .rt
+                .block_on(async { tokio::time::timeout(self.timeout, fut).await })
+            {
+                Ok(Ok(list)) => Ok(list.tags),
+                Ok(Err(e)) => Err(name_unknown(&e)),
+                Err(_) => Err(false),
+            }
+        };
+        let reason = match (tags, r.digest()) {
+            (Err(true), _) => format!("no repository {repo} (check its name)"),
+            (_, Some(d)) => format!("no manifest {d} in repository {repo}"),
+            (tags, None) => {
+                let tag = r.tag().unwrap_or("latest");
+                let known = match tags {
+                    Ok(list) if list.is_empty() => " (it has no tags)".to_string(),
+                    Ok(list) => format!(
+                        " (its tags: {}{})",
+                        list.join(", "),
+                        if list.len() >= 50 { ", …" } else { "" }
+                    ),
+                    Err(_) => String::new(),
+                };
+                format!("no tag {tag:?} in repository {repo}{known}")
+            }
+        };
+        OciError::Registry {
+            registry: self.registry.clone(),
+            reason,
+        }
+    }
+
     fn manifest(&self, r: &Reference) -> Result<Vec<u8>, OciError> {
         let fut = self.client.pull_manifest_raw(r, &self.auth, MANIFEST_TYPES);
         let (bytes, _) = self
             .rt
-            .block_on(async { tokio::time::timeout(self.timeout * 2, fut).await })
-            .map_err(|_| self.error(&format!("manifest of {r}"), "timed out"))?
+            .block_on(async { tokio::time::timeout(self.timeout, fut).await })
+            .map_err(|_| self.timed_out(&format!("manifest of {r}")))?
             .map_err(|e| match e {
+                e if not_found(&e) => self.missing(r, &e),
                 // Bytes that are not what their digest says: not a registry
                 // to pass over for the next one, an error.
                 oci_client::errors::OciDistributionError::DigestError(d) => OciError::blob(
@@ -281,10 +360,19 @@ impl Registry {
     }
 
     /// Uploads blob `d` of `size` bytes, read from `src` on a thread of
-    /// its own while it is sent.
-    pub fn upload(&self, d: &Digest, size: u64, src: &mut (dyn Read + Send), sent: &AtomicU64) -> Result<(), OciError> {
+    /// its own while it is sent; `sent` counts the bytes the HTTP client
+    /// has taken to send (not those merely read).
+    pub fn upload(
+        &self,
+        d: &Digest,
+        size: u64,
+        src: &mut (dyn Read + Send),
+        sent: &Arc<AtomicU64>,
+    ) -> Result<(), OciError> {
         let (tx, rx) = mpsc::channel::<Result<bytes::Bytes, oci_client::errors::OciDistributionError>>(4);
         let digest = d.to_string();
+        // This blob's bytes taken by the client (`sent` may be shared).
+        let taken = Arc::new(AtomicU64::new(0));
         let (r, read) = std::thread::scope(|s| {
             let reader = s.spawn(move || -> io::Result<()> {
                 let mut buf = vec![0u8; 1 << 20];
@@ -300,17 +388,55 @@ impl Registry {
                             return Err(e);
                         }
                     };
-                    sent.fetch_add(n as u64, Relaxed);
                     if tx.blocking_send(Ok(bytes::Bytes::copy_from_slice(&buf[..n]))).is_err() {
                         return Ok(());
                     }
                 }
             });
-            let stream = futures_util::stream::unfold(rx, |mut rx| async move { rx.recv().await.map(|x| (x, rx)) });
-            let r = self.rt.block_on(
-                self.client
-                    .push_blob_stream(&self.reference, stream, &digest, Some(size)),
-            );
+            let counters = (sent.clone(), taken.clone());
+            let stream = futures_util::stream::unfold((rx, counters), |(mut rx, counters)| async move {
+                let x = rx.recv().await?;
+                let (sent, taken) = &counters;
+                if let Ok(b) = &x {
+                    sent.fetch_add(b.len() as u64, Relaxed);
+                    taken.fetch_add(b.len() as u64, Relaxed);
+                }
+                Some((x, (rx, counters)))
+            });
+            // A registry that stops taking bytes (or answering) for the
+            // timeout fails the upload: a stalled write has no timeout of
+            // its own.
+            let push = self
+                .client
+                .push_blob_stream(&self.reference, stream, &digest, Some(size));
+            let stalled = async {
+                let mut last = (taken.load(Relaxed), tokio::time::Instant::now());
+                loop {
+                    tokio::time::sleep(std::time::Duration::from_millis(250)).await;
+                    let now = taken.load(Relaxed);
+                    if now != last.0 {
+                        last = (now, tokio::time::Instant::now());
+                    } else if last.1.elapsed() >= self.timeout {
+                        return;
+                    }
+                }
+            };
+            let r = self.rt.block_on(async {
+                match futures_util::future::select(Box::pin(push), Box::pin(stalled)).await {
+                    futures_util::future::Either::Left((r, _)) => Some(r),
+                    futures_util::future::Either::Right(_) => None,
+                }
+            });
+            let r = match r {
+                Some(r) => r,
+                None => {
+                    // The reader may wait on a full channel: let it go.
+                    Err(oci_client::errors::OciDistributionError::GenericError(Some(format!(
+                        "no progress for {} s (--timeout)",
+                        self.timeout.as_secs()
+                    ))))
+                }
+            };
             let read = reader
                 .join()
                 .unwrap_or_else(|_| Err(io::Error::other("the reading thread failed")));
@@ -349,8 +475,8 @@ impl Registry {
         fut: impl std::future::Future<Output = Result<T, oci_client::errors::OciDistributionError>>,
     ) -> Result<T, OciError> {
         self.rt
-            .block_on(async { tokio::time::timeout(self.timeout * 2, fut).await })
-            .map_err(|_| self.error(what, "timed out"))?
+            .block_on(async { tokio::time::timeout(self.timeout, fut).await })
+            .map_err(|_| self.timed_out(what))?
             .map_err(|e| self.client_error(what, e))
     }
 }
@@ -411,6 +537,26 @@ impl Read for ChannelReader {
     }
 }
 
+/// A registry's errors as it gave them: `CODE: message; …`.
+fn said(envelope: &oci_client::errors::OciEnvelope) -> String {
+    envelope
+        .errors
+        .iter()
+        .map(|x| {
+            let code = serde_json::to_value(&x.code)
+                .ok()
+                .and_then(|v| v.as_str().map(str::to_string))
+                .unwrap_or_else(|| format!("{:?}", x.code));
+            if x.message.is_empty() {
+                code
+            } else {
+                format!("{code}: {}", x.message)
+            }
+        })
+        .collect::<Vec<_>>()
+        .join("; ")
+}
+
 /// An error and its causes on one line (a client error alone often says
 /// only "error sending request").
 fn with_causes(e: &(dyn std::error::Error + 'static)) -> String {
@@ -440,8 +586,8 @@ impl Registry {
         let fut = self.client.pull_manifest_raw(&r, &self.auth, MANIFEST_TYPES);
         match self
             .rt
-            .block_on(async { tokio::time::timeout(self.timeout * 2, fut).await })
-            .map_err(|_| self.error(&format!("manifest of {r}"), "timed out"))?
+            .block_on(async { tokio::time::timeout(self.timeout, fut).await })
+            .map_err(|_| self.timed_out(&format!("manifest of {r}")))?
         {
             Ok((bytes, _)) if bytes.len() as u64 > MAX_MANIFEST => {
                 Err(self.error(&format!("manifest of {r}"), "larger than 4 MiB"))
@@ -511,8 +657,8 @@ impl Registry {
             Ok(Some(body))
         };
         self.rt
-            .block_on(async { tokio::time::timeout(self.timeout * 2, fut).await })
-            .map_err(|_| format!("{url}: timed out"))?
+            .block_on(async { tokio::time::timeout(self.timeout, fut).await })
+            .map_err(|_| format!("{url}: no answer within {} s (--timeout)", self.timeout.as_secs()))?
     }
 }
 
