@@ -14,6 +14,7 @@ mod progress;
 mod pull_cmd;
 mod push_cmd;
 mod registry_arg;
+mod snapshotter_cmd;
 mod store_arg;
 mod store_cmds;
 
@@ -77,6 +78,8 @@ enum Command {
     Commit(commit_cmd::CommitArgs),
     /// Run the mount service: kernel mounts of trusted images for unprivileged users (as root)
     Mountd(mountd_cmd::MountdArgs),
+    /// Serve containerd's snapshots API (a proxy plugin): layers in the shared store, containers on kernel mounts
+    Snapshotter(snapshotter_cmd::SnapshotterArgs),
     /// Print a shell completion script (bash, zsh, fish, elvish, powershell)
     Completions(docs::CompletionsArgs),
     /// Write man pages for tilefs and each command into a directory
@@ -125,6 +128,7 @@ fn main() -> ExitCode {
         Command::Umount(a) => mount_cmd::umount(a),
         Command::Commit(a) => commit_cmd::run(a),
         Command::Mountd(a) => mountd_cmd::run(a),
+        Command::Snapshotter(a) => snapshotter_cmd::run(a),
         Command::Completions(a) => docs::completions::<Cli>(a),
         Command::Man(a) => docs::man::<Cli>(a),
     };
