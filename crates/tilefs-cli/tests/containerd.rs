@@ -132,6 +132,18 @@ impl Rig {
             );
             std::thread::sleep(Duration::from_millis(50));
         }
+        // containerd's gRPC client reconnects to a restarted plugin after
+        // its backoff (a second or more): wait until it has.
+        if self.containerd.is_some() {
+            let t = Instant::now();
+            while !run(self.snapshots().arg("ls")).status.success() {
+                assert!(
+                    t.elapsed() < Duration::from_secs(60),
+                    "containerd did not reconnect to the snapshotter"
+                );
+                std::thread::sleep(Duration::from_millis(200));
+            }
+        }
     }
 
     fn stop_snapshotter(&mut self, signal: &str) {
@@ -197,6 +209,16 @@ impl Rig {
 
 impl Drop for Rig {
     fn drop(&mut self) {
+        if std::thread::panicking() {
+            for log in ["snapshotter.log", "containerd.log"] {
+                let text = fs::read_to_string(self.area.join(log)).unwrap_or_default();
+                let tail: Vec<&str> = text.lines().rev().take(30).collect();
+                eprintln!("--- {log} (last lines):");
+                for l in tail.into_iter().rev() {
+                    eprintln!("{l}");
+                }
+            }
+        }
         // Tasks and containers first (their mounts), then the daemons.
         if self.containerd.is_some() {
             if let Ok(o) = self.ctr().args(["tasks", "ls", "-q"]).output() {
@@ -425,6 +447,19 @@ fn containerd_pulls_runs_and_shares_files_through_tilefs() {
     );
 
     // A second image sharing files: only its own files are new objects.
+    // The first try is killed (-9) midway; the next one after a restart
+    // finds nothing half made.
+    let mut first = rig
+        .ctr()
+        .args(["images", "pull", "--plain-http", "--snapshotter", "tilefs", &b])
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    std::thread::sleep(Duration::from_millis(300));
+    rig.stop_snapshotter("-KILL");
+    let _ = first.wait();
+    rig.start_snapshotter();
     rig.pull(&b);
     assert_eq!(
         objects_in(&rig.store),
@@ -470,12 +505,35 @@ fn containerd_pulls_runs_and_shares_files_through_tilefs() {
     );
     ok(rig.snapshots().args(["rm", "x"]));
 
-    // A restart keeps every snapshot; runs go on.
+    // A restart keeps every snapshot; a running container goes on reading
+    // its files (the kernel serves them), new ones start.
+    ok(rig
+        .ctr()
+        .args(["run", "-d", "--snapshotter", "tilefs", &a, "long", "/bin/sleep", "1000"]));
     let before = ok(rig.snapshots().arg("ls"));
     rig.stop_snapshotter("-KILL");
     rig.start_snapshotter();
     assert_eq!(ok(rig.snapshots().arg("ls")), before);
+    let out = ok(rig.ctr().args([
+        "tasks",
+        "exec",
+        "--exec-id",
+        "e1",
+        "long",
+        "/bin/sh",
+        "-c",
+        "cat /etc/msg; echo; md5sum /data/own-0",
+    ]));
+    assert_eq!(out.lines().next(), Some("hello from a"), "{out}");
+    assert!(out.contains(&want_md5), "{out}");
     assert_eq!(rig.run_in(&a, "c4", "cat /etc/msg"), "hello from a");
+    ok(rig.ctr().args(["tasks", "kill", "-s", "SIGKILL", "long"]));
+    let t = Instant::now();
+    while !run(rig.ctr().args(["tasks", "delete", "long"])).status.success() {
+        assert!(t.elapsed() < Duration::from_secs(20), "the task did not stop");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    ok(rig.ctr().args(["containers", "delete", "long"]));
 
     // gc: the images removed, containerd removes their snapshots, and
     // `tilefs gc` frees the objects.

@@ -35,7 +35,7 @@ use tilefs_oci::apply::Applier;
 use tilefs_oci::compat;
 use tilefs_store::ingest::{Ingest, Method};
 use tilefs_store::{tags, Store};
-use tonic::Status;
+use tonic::{Code, Status};
 
 /// Where the snapshotter keeps things.
 #[derive(Debug, Clone, serde::Deserialize)]
@@ -73,12 +73,33 @@ struct Inner {
     busy: HashSet<String>,
 }
 
-fn not_found(key: &str) -> Status {
-    Status::not_found(format!("snapshot {key:?} does not exist"))
+/// An error as containerd gets it: a gRPC code (NotFound, AlreadyExists,
+/// FailedPrecondition, InvalidArgument map to containerd's errdefs) and a
+/// message.
+#[derive(Debug)]
+pub struct Error {
+    pub code: Code,
+    pub msg: String,
 }
 
-fn internal(e: impl std::fmt::Display) -> Status {
-    Status::internal(e.to_string())
+impl Error {
+    fn new(code: Code, msg: impl Into<String>) -> Error {
+        Error { code, msg: msg.into() }
+    }
+}
+
+impl From<Error> for Status {
+    fn from(e: Error) -> Status {
+        Status::new(e.code, e.msg)
+    }
+}
+
+fn not_found(key: &str) -> Error {
+    Error::new(Code::NotFound, format!("snapshot {key:?} does not exist"))
+}
+
+fn internal(e: impl std::fmt::Display) -> Error {
+    Error::new(Code::Internal, e.to_string())
 }
 
 impl Tilefs {
@@ -142,7 +163,7 @@ impl Tilefs {
                 }),
             }),
         };
-        t.s.cleanup().map_err(|e| e.message().to_string())?;
+        t.s.cleanup().map_err(|e| e.msg)?;
         Ok(t)
     }
 
@@ -152,10 +173,10 @@ impl Tilefs {
 }
 
 /// Runs `f` on a thread that may block.
-async fn blocking<T: Send + 'static>(f: impl FnOnce() -> Result<T, Status> + Send + 'static) -> Result<T, Status> {
+async fn blocking<T: Send + 'static>(f: impl FnOnce() -> Result<T, Error> + Send + 'static) -> Result<T, Error> {
     tokio::task::spawn_blocking(f)
         .await
-        .map_err(|e| Status::internal(format!("the snapshotter's worker failed: {e}")))?
+        .map_err(|e| Error::new(Code::Internal, format!("the snapshotter's worker failed: {e}")))?
 }
 
 fn kind_of(k: SnapKind) -> Kind {
@@ -200,23 +221,27 @@ impl Shared {
         parent: String,
         labels: HashMap<String, String>,
         kind: SnapKind,
-    ) -> Result<Vec<Mount>, Status> {
+    ) -> Result<Vec<Mount>, Error> {
         if key.is_empty() {
-            return Err(Status::invalid_argument("a snapshot key must not be empty"));
+            return Err(Error::new(Code::InvalidArgument, "a snapshot key must not be empty"));
         }
         let mut inner = self.lock();
         if inner.by_key.contains_key(&key) {
-            return Err(Status::already_exists(format!("snapshot {key:?} already exists")));
+            return Err(Error::new(
+                Code::AlreadyExists,
+                format!("snapshot {key:?} already exists"),
+            ));
         }
         if !parent.is_empty() {
             let p = inner
                 .by_key
                 .get(&parent)
-                .ok_or_else(|| Status::not_found(format!("parent snapshot {parent:?} does not exist")))?;
+                .ok_or_else(|| Error::new(Code::NotFound, format!("parent snapshot {parent:?} does not exist")))?;
             if p.kind != SnapKind::Committed {
-                return Err(Status::invalid_argument(format!(
-                    "parent snapshot {parent:?} is not committed"
-                )));
+                return Err(Error::new(
+                    Code::InvalidArgument,
+                    format!("parent snapshot {parent:?} is not committed"),
+                ));
             }
         }
         let id = inner.next_id;
@@ -257,7 +282,7 @@ impl Shared {
     }
 
     /// The mounts of an active snapshot or a view.
-    fn mounts_of(&self, inner: &Inner, r: &Record) -> Result<Vec<Mount>, Status> {
+    fn mounts_of(&self, inner: &Inner, r: &Record) -> Result<Vec<Mount>, Error> {
         let dir = state::snapshot_dir(&self.root, r.id);
         let fs = dir.join("fs");
         if r.parent.is_empty() {
@@ -292,7 +317,7 @@ impl Shared {
 
     /// The committed snapshot's chain image, mounted (EROFS, read-only)
     /// under `ROOT/mnt/ID`.
-    fn ensure_mounted(&self, r: &Record) -> Result<PathBuf, Status> {
+    fn ensure_mounted(&self, r: &Record) -> Result<PathBuf, Error> {
         let mnt = state::mount_dir(&self.root, r.id);
         if tilefs_mount::is_mount_root(&mnt) {
             return Ok(mnt);
@@ -305,19 +330,20 @@ impl Shared {
         Ok(mnt)
     }
 
-    fn mounts(&self, key: &str) -> Result<Vec<Mount>, Status> {
+    fn mounts(&self, key: &str) -> Result<Vec<Mount>, Error> {
         let inner = self.lock();
         let r = inner.by_key.get(key).ok_or_else(|| not_found(key))?;
         if r.kind == SnapKind::Committed {
-            return Err(Status::failed_precondition(format!(
-                "snapshot {key:?} is committed: it has no mounts (prepare or view one on it)"
-            )));
+            return Err(Error::new(
+                Code::FailedPrecondition,
+                format!("snapshot {key:?} is committed: it has no mounts (prepare or view one on it)"),
+            ));
         }
         self.mounts_of(&inner, r)
     }
 
     /// Committed ancestors of `parent`, the oldest first.
-    fn chain(inner: &Inner, parent: &str) -> Result<Vec<u64>, Status> {
+    fn chain(inner: &Inner, parent: &str) -> Result<Vec<u64>, Error> {
         let mut ids = Vec::new();
         let mut at = parent.to_string();
         while !at.is_empty() {
@@ -335,25 +361,30 @@ impl Shared {
         Ok(ids)
     }
 
-    fn commit(&self, name: String, key: String, labels: HashMap<String, String>) -> Result<(), Status> {
+    fn commit(&self, name: String, key: String, labels: HashMap<String, String>) -> Result<(), Error> {
         if name.is_empty() {
-            return Err(Status::invalid_argument("a snapshot name must not be empty"));
+            return Err(Error::new(Code::InvalidArgument, "a snapshot name must not be empty"));
         }
         let (id, chain) = {
             let mut inner = self.lock();
             let r = inner.by_key.get(&key).ok_or_else(|| not_found(&key))?;
             if r.kind != SnapKind::Active {
-                return Err(Status::failed_precondition(format!(
-                    "snapshot {key:?} is not active: only an active snapshot is committed"
-                )));
+                return Err(Error::new(
+                    Code::FailedPrecondition,
+                    format!("snapshot {key:?} is not active: only an active snapshot is committed"),
+                ));
             }
             if inner.by_key.contains_key(&name) {
-                return Err(Status::already_exists(format!("snapshot {name:?} already exists")));
+                return Err(Error::new(
+                    Code::AlreadyExists,
+                    format!("snapshot {name:?} already exists"),
+                ));
             }
             if inner.busy.contains(&key) {
-                return Err(Status::failed_precondition(format!(
-                    "snapshot {key:?} is being committed"
-                )));
+                return Err(Error::new(
+                    Code::FailedPrecondition,
+                    format!("snapshot {key:?} is being committed"),
+                ));
             }
             let id = r.id;
             let chain = Self::chain(&inner, &r.parent.clone())?;
@@ -364,14 +395,15 @@ impl Shared {
         let mut inner = self.lock();
         inner.busy.remove(&key);
         let (digest, usage) = built?;
-        let fail_cleanup = |e: Status| {
+        let fail_cleanup = |e: Error| {
             let _ = self.remove_tag(id);
             e
         };
         if inner.by_key.contains_key(&name) {
-            return Err(fail_cleanup(Status::already_exists(format!(
-                "snapshot {name:?} already exists"
-            ))));
+            return Err(fail_cleanup(Error::new(
+                Code::AlreadyExists,
+                format!("snapshot {name:?} already exists"),
+            )));
         }
         let mut r = inner
             .by_key
@@ -396,7 +428,7 @@ impl Shared {
     /// Makes snapshot `id`'s layer and its chain's image: files moved into
     /// the store, entries recorded, image tagged. Returns the image's
     /// digest (hex) and the layer's usage.
-    fn build(&self, id: u64, chain: &[u64]) -> Result<(String, layer::LayerUsage), Status> {
+    fn build(&self, id: u64, chain: &[u64]) -> Result<(String, layer::LayerUsage), Error> {
         let store = Store::open(&self.store).map_err(internal)?;
         // Held until the tag is written: no gc removes the new objects.
         let ingest = Ingest::new(&store, Method::Move).map_err(internal)?;
@@ -435,7 +467,7 @@ impl Shared {
         Ok((hex::encode(image.digest), usage))
     }
 
-    fn remove_tag(&self, id: u64) -> Result<(), Status> {
+    fn remove_tag(&self, id: u64) -> Result<(), Error> {
         let store = Store::open(&self.store).map_err(internal)?;
         match tags::remove_tag(&store, &self.tag(id)) {
             Ok(()) => Ok(()),
@@ -444,19 +476,20 @@ impl Shared {
         }
     }
 
-    fn remove(&self, key: &str) -> Result<(), Status> {
+    fn remove(&self, key: &str) -> Result<(), Error> {
         let mut inner = self.lock();
         let r = inner.by_key.get(key).ok_or_else(|| not_found(key))?;
         if inner.busy.contains(key) {
-            return Err(Status::failed_precondition(format!(
-                "snapshot {key:?} is being committed"
-            )));
+            return Err(Error::new(
+                Code::FailedPrecondition,
+                format!("snapshot {key:?} is being committed"),
+            ));
         }
         if let Some(child) = inner.by_key.values().find(|c| c.parent == key) {
-            return Err(Status::failed_precondition(format!(
-                "snapshot {key:?} has a child ({:?}): remove it first",
-                child.key
-            )));
+            return Err(Error::new(
+                Code::FailedPrecondition,
+                format!("snapshot {key:?} has a child ({:?}): remove it first", child.key),
+            ));
         }
         let id = r.id;
         let committed = r.kind == SnapKind::Committed;
@@ -481,12 +514,12 @@ impl Shared {
             .map_err(|e| internal(format!("{}: cannot remove: {e}", dir.display())))
     }
 
-    fn stat(&self, key: &str) -> Result<Info, Status> {
+    fn stat(&self, key: &str) -> Result<Info, Error> {
         let inner = self.lock();
         inner.by_key.get(key).map(info_of).ok_or_else(|| not_found(key))
     }
 
-    fn update(&self, info: Info, paths: Option<Vec<String>>) -> Result<Info, Status> {
+    fn update(&self, info: Info, paths: Option<Vec<String>>) -> Result<Info, Error> {
         let mut inner = self.lock();
         let key = info.name.clone();
         let r = inner.by_key.get(&key).ok_or_else(|| not_found(&key))?;
@@ -504,9 +537,10 @@ impl Shared {
                         None => r.labels.remove(l),
                     };
                 } else {
-                    return Err(Status::invalid_argument(format!(
-                        "cannot update field {p:?} of snapshot {key:?} (only labels can be)"
-                    )));
+                    return Err(Error::new(
+                        Code::InvalidArgument,
+                        format!("cannot update field {p:?} of snapshot {key:?} (only labels can be)"),
+                    ));
                 }
             }
         }
@@ -517,7 +551,7 @@ impl Shared {
         Ok(out)
     }
 
-    fn usage(&self, key: &str) -> Result<Usage, Status> {
+    fn usage(&self, key: &str) -> Result<Usage, Error> {
         let (kind, id, stored) = {
             let inner = self.lock();
             let r = inner.by_key.get(key).ok_or_else(|| not_found(key))?;
@@ -538,8 +572,8 @@ impl Shared {
         }
     }
 
-    fn list(&self, filters: &[String]) -> Result<Vec<Info>, Status> {
-        let f = filter::Filter::parse(filters).map_err(Status::invalid_argument)?;
+    fn list(&self, filters: &[String]) -> Result<Vec<Info>, Error> {
+        let f = filter::Filter::parse(filters).map_err(|e| Error::new(Code::InvalidArgument, e))?;
         let inner = self.lock();
         let mut out: Vec<Info> = inner
             .by_key
@@ -561,7 +595,7 @@ impl Shared {
     /// Removes what no record accounts for: directories, mounts and tags of
     /// snapshots removed (or never finished) before a crash, and the upper
     /// directories of committed snapshots.
-    fn cleanup(&self) -> Result<(), Status> {
+    fn cleanup(&self) -> Result<(), Error> {
         let inner = self.lock();
         let ids: HashMap<u64, SnapKind> = inner.by_key.values().map(|r| (r.id, r.kind)).collect();
         let busy: HashSet<u64> = inner
@@ -664,61 +698,56 @@ fn disk_usage(dir: &Path) -> (i64, i64) {
 
 #[tonic::async_trait]
 impl Snapshotter for Tilefs {
-    type Error = Status;
+    type Error = Error;
 
-    async fn stat(&self, key: String) -> Result<Info, Status> {
+    async fn stat(&self, key: String) -> Result<Info, Error> {
         let s = self.s.clone();
         blocking(move || s.stat(&key)).await
     }
 
-    async fn update(&self, info: Info, fieldpaths: Option<Vec<String>>) -> Result<Info, Status> {
+    async fn update(&self, info: Info, fieldpaths: Option<Vec<String>>) -> Result<Info, Error> {
         let s = self.s.clone();
         blocking(move || s.update(info, fieldpaths)).await
     }
 
-    async fn usage(&self, key: String) -> Result<Usage, Status> {
+    async fn usage(&self, key: String) -> Result<Usage, Error> {
         let s = self.s.clone();
         blocking(move || s.usage(&key)).await
     }
 
-    async fn mounts(&self, key: String) -> Result<Vec<Mount>, Status> {
+    async fn mounts(&self, key: String) -> Result<Vec<Mount>, Error> {
         let s = self.s.clone();
         blocking(move || s.mounts(&key)).await
     }
 
-    async fn prepare(
-        &self,
-        key: String,
-        parent: String,
-        labels: HashMap<String, String>,
-    ) -> Result<Vec<Mount>, Status> {
+    async fn prepare(&self, key: String, parent: String, labels: HashMap<String, String>) -> Result<Vec<Mount>, Error> {
         let s = self.s.clone();
         blocking(move || s.create(key, parent, labels, SnapKind::Active)).await
     }
 
-    async fn view(&self, key: String, parent: String, labels: HashMap<String, String>) -> Result<Vec<Mount>, Status> {
+    async fn view(&self, key: String, parent: String, labels: HashMap<String, String>) -> Result<Vec<Mount>, Error> {
         let s = self.s.clone();
         blocking(move || s.create(key, parent, labels, SnapKind::View)).await
     }
 
-    async fn commit(&self, name: String, key: String, labels: HashMap<String, String>) -> Result<(), Status> {
+    async fn commit(&self, name: String, key: String, labels: HashMap<String, String>) -> Result<(), Error> {
         let s = self.s.clone();
         blocking(move || s.commit(name, key, labels)).await
     }
 
-    async fn remove(&self, key: String) -> Result<(), Status> {
+    async fn remove(&self, key: String) -> Result<(), Error> {
         let s = self.s.clone();
         blocking(move || s.remove(&key)).await
     }
 
-    async fn clear(&self) -> Result<(), Status> {
+    async fn clear(&self) -> Result<(), Error> {
         let s = self.s.clone();
         blocking(move || s.cleanup()).await
     }
 
-    type InfoStream = tokio_stream::Iter<std::vec::IntoIter<Result<Info, Status>>>;
+    type InfoStream = tokio_stream::Iter<std::vec::IntoIter<Result<Info, Error>>>;
 
-    async fn list(&self, _snapshotter: String, filters: Vec<String>) -> Result<Self::InfoStream, Status> {
+    async fn list(&self, _snapshotter: String, filters: Vec<String>) -> Result<Self::InfoStream, Error> {
         let s = self.s.clone();
         let infos = blocking(move || s.list(&filters)).await?;
         Ok(tokio_stream::iter(infos.into_iter().map(Ok).collect::<Vec<_>>()))
