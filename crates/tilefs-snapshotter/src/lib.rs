@@ -391,7 +391,18 @@ impl Shared {
             inner.busy.insert(key.clone());
             (id, chain)
         };
+        let started = std::time::Instant::now();
         let built = self.build(id, &chain);
+        match &built {
+            Ok((digest, usage)) => eprintln!(
+                "tilefs snapshotter: committed {key:?} as {name:?}: {} entries, {} bytes of files, image {} ({:.2} s)",
+                usage.inodes,
+                usage.size,
+                &digest[..12],
+                started.elapsed().as_secs_f64()
+            ),
+            Err(e) => eprintln!("tilefs snapshotter: commit of {key:?} failed: {}", e.msg),
+        }
         let mut inner = self.lock();
         inner.busy.remove(&key);
         let (digest, usage) = built?;
@@ -421,7 +432,10 @@ impl Shared {
         inner.by_key.remove(&key);
         inner.by_key.insert(name, r);
         drop(inner);
-        remove_leftovers(&state::snapshot_dir(&self.root, id));
+        // The upper directory's names go in the background: containerd
+        // need not wait for them (a crash leaves them to the next start).
+        let dir = state::snapshot_dir(&self.root, id);
+        std::thread::spawn(move || remove_leftovers(&dir));
         Ok(())
     }
 
