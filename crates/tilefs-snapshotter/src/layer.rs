@@ -15,10 +15,13 @@
 //! [`tilefs_commit::upper::Dir`], which never follows a symlink or leaves
 //! the directory.
 
+use rayon::prelude::*;
+use rustix::fs::{Mode, OFlags, ResolveFlags};
 use std::collections::HashMap;
-use std::ffi::CStr;
-use std::path::Path;
-use tilefs_commit::upper::Dir;
+use std::ffi::{CStr, CString, OsStr};
+use std::os::unix::ffi::OsStrExt;
+use std::path::{Path, PathBuf};
+use tilefs_commit::upper::{Dir, BENEATH};
 use tilefs_image::tree::{
     Timespec, Tree, RECOMMENDED_INLINE_MAX, S_IFBLK, S_IFCHR, S_IFDIR, S_IFIFO, S_IFLNK, S_IFMT, S_IFREG,
 };
@@ -42,6 +45,7 @@ pub fn read_upper(upper: &Path, ingest: &Ingest<'_>, below: &Tree) -> Result<(Ve
     let mut out = Vec::new();
     let mut usage = LayerUsage::default();
     let mut links: HashMap<(u64, u64), Vec<Vec<u8>>> = HashMap::new();
+    let mut pending: Vec<Pending> = Vec::new();
     // Depth first, by name: a hardlinked file's first name is the one a
     // walk in dump order meets first.
     // The root's own metadata, as a layer's `./` entry gives it (the
@@ -155,15 +159,15 @@ pub fn read_upper(upper: &Path, ingest: &Ingest<'_>, below: &Tree) -> Result<(Ve
                     }
                     usage.size += size as i64;
                     let content = if size > RECOMMENDED_INLINE_MAX {
-                        let d = ingest
-                            .import(&SourceFile {
-                                dir: rustix::fd::AsFd::as_fd(&dir.fd),
-                                name: &name,
-                                path: &shown,
-                                stat: &st,
-                            })
-                            .map_err(|e| e.to_string())?;
-                        Content::Object(d)
+                        // Moved in parallel once the walk is done.
+                        pending.push(Pending {
+                            entry: out.len(),
+                            dir: rel.iter().map(|c| OsStr::from_bytes(c)).collect(),
+                            name: name.clone(),
+                            stat: st,
+                            path: shown,
+                        });
+                        Content::Pending(0)
                     } else {
                         let data = dir
                             .read_file(&name, RECOMMENDED_INLINE_MAX as usize + 1)
@@ -192,7 +196,74 @@ pub fn read_upper(upper: &Path, ingest: &Ingest<'_>, below: &Tree) -> Result<(Ve
             stack.push((open_sub(&dir, &name)?, path));
         }
     }
+    import_all(upper, ingest, &pending, &mut out)?;
     Ok((out, usage))
+}
+
+/// A regular file to move into the store: entry `entry` of the layer.
+struct Pending {
+    entry: usize,
+    /// Its directory, relative to the upper directory.
+    dir: PathBuf,
+    name: CString,
+    stat: rustix::fs::Stat,
+    path: PathBuf,
+}
+
+/// Moves the pending files into the store, on several threads (hashing a
+/// cold file waits on the disk), and puts their digests in their entries.
+fn import_all(upper: &Path, ingest: &Ingest<'_>, pending: &[Pending], out: &mut [LayerEntry]) -> Result<(), String> {
+    if pending.is_empty() {
+        return Ok(());
+    }
+    let root = rustix::fs::openat2(
+        rustix::fs::CWD,
+        upper,
+        OFlags::PATH | OFlags::DIRECTORY | OFlags::NOFOLLOW | OFlags::CLOEXEC,
+        Mode::empty(),
+        ResolveFlags::NO_SYMLINKS | ResolveFlags::NO_MAGICLINKS,
+    )
+    .map_err(|e| format!("{}: cannot open: {e}", upper.display()))?;
+    let one = |p: &Pending| -> Result<[u8; 32], String> {
+        // Its directory again from the upper root, never through a link.
+        let dir = if p.dir.as_os_str().is_empty() {
+            rustix::fs::openat(
+                &root,
+                c".",
+                OFlags::PATH | OFlags::DIRECTORY | OFlags::CLOEXEC,
+                Mode::empty(),
+            )
+        } else {
+            rustix::fs::openat2(
+                &root,
+                &p.dir,
+                OFlags::PATH | OFlags::DIRECTORY | OFlags::CLOEXEC,
+                Mode::empty(),
+                BENEATH,
+            )
+        }
+        .map_err(|e| format!("{}: cannot open its directory: {e}", p.path.display()))?;
+        ingest
+            .import(&SourceFile {
+                dir: rustix::fd::AsFd::as_fd(&dir),
+                name: &p.name,
+                path: &p.path,
+                stat: &p.stat,
+            })
+            .map_err(|e| e.to_string())
+    };
+    let pool = rayon::ThreadPoolBuilder::new()
+        .num_threads(tilefs_image::source::worker_threads(0).min(pending.len()))
+        .thread_name(|i| format!("tilefs-layer-{i}"))
+        .build()
+        .map_err(|e| format!("cannot start worker threads: {e}"))?;
+    let digests: Vec<Result<[u8; 32], String>> = pool.install(|| pending.par_iter().map(one).collect());
+    for (p, d) in pending.iter().zip(digests) {
+        if let Kind::File { content, .. } = &mut out[p.entry].kind {
+            *content = Content::Object(d?);
+        }
+    }
+    Ok(())
 }
 
 fn open_sub(dir: &Dir, name: &CStr) -> Result<Dir, String> {
