@@ -222,6 +222,8 @@ def _run(b, work: Path, tree: Path, procs: list) -> None:
             subprocess.run([str(a) for a in ctr + ["images", "rm", "--sync", refs[name]]], capture_output=True)
         if role in (None, "tilefs"):
             subprocess.run([tilefs, "gc", "--store", str(store)], capture_output=True)
+        # The removals' writeback is not left to the timed run.
+        os.sync()
 
     def pull_argv(role: str, name: str = "a") -> list:
         return ctr + ["images", "pull", "--plain-http", "--snapshotter", snap[role], refs[name]]
