@@ -17,6 +17,7 @@ mod pull_cmd;
 mod push_cmd;
 mod registry_arg;
 mod serve_cmd;
+mod snapshotter_cmd;
 mod store_arg;
 mod store_cmds;
 
@@ -85,6 +86,8 @@ enum Command {
     /// Run the mount service: kernel mounts of trusted images for unprivileged users (as root)
     #[command(long_about = mountd_cmd::LONG_ABOUT)]
     Mountd(mountd_cmd::MountdArgs),
+    /// Serve containerd's snapshots API (a proxy plugin): layers in the shared store, containers on kernel mounts
+    Snapshotter(snapshotter_cmd::SnapshotterArgs),
     /// Print a shell completion script (bash, zsh, fish, elvish, powershell)
     Completions(docs::CompletionsArgs),
     /// Write man pages (tilefs(1), tilefs-COMMAND(1), mount.tilefs(8)) into a directory
@@ -134,6 +137,7 @@ fn main() -> ExitCode {
         Command::Umount(a) => mount_cmd::umount(a),
         Command::Commit(a) => commit_cmd::run(a),
         Command::Mountd(a) => mountd_cmd::run(a),
+        Command::Snapshotter(a) => snapshotter_cmd::run(a),
         Command::Completions(a) => docs::completions::<Cli>(a),
         Command::Man(a) => docs::man::<Cli>(a),
     };

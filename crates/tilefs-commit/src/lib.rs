@@ -23,7 +23,7 @@
 
 mod find;
 mod merge;
-mod upper;
+pub mod upper;
 
 pub use find::Kind;
 

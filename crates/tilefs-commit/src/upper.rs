@@ -17,22 +17,22 @@ use std::os::unix::ffi::OsStrExt;
 use std::path::{Path, PathBuf};
 
 /// How entries below a directory descriptor are resolved.
-pub(crate) const BENEATH: ResolveFlags = ResolveFlags::BENEATH
+pub const BENEATH: ResolveFlags = ResolveFlags::BENEATH
     .union(ResolveFlags::NO_SYMLINKS)
     .union(ResolveFlags::NO_MAGICLINKS)
     .union(ResolveFlags::NO_XDEV);
 
 /// Xattrs as read: (name, value).
-pub(crate) type Xattrs = Vec<(Vec<u8>, Vec<u8>)>;
+pub type Xattrs = Vec<(Vec<u8>, Vec<u8>)>;
 
 /// A directory of the upper directory, open, with its path for messages.
-pub(crate) struct Dir {
-    pub(crate) fd: OwnedFd,
-    pub(crate) path: PathBuf,
+pub struct Dir {
+    pub fd: OwnedFd,
+    pub path: PathBuf,
 }
 
 /// An error about `path`.
-pub(crate) fn at(path: &Path, what: &str, e: Errno) -> CommitError {
+pub fn at(path: &Path, what: &str, e: Errno) -> CommitError {
     CommitError::At {
         path: path.to_path_buf(),
         reason: format!("{what}: {}", std::io::Error::from(e)),
@@ -42,7 +42,7 @@ pub(crate) fn at(path: &Path, what: &str, e: Errno) -> CommitError {
 impl Dir {
     /// Opens the upper directory itself (a canonical path): no component
     /// may be a symlink.
-    pub(crate) fn open_root(path: &Path) -> Result<Dir, CommitError> {
+    pub fn open_root(path: &Path) -> Result<Dir, CommitError> {
         let fd = rustix::fs::openat2(
             rustix::fs::CWD,
             path,
@@ -57,12 +57,12 @@ impl Dir {
         })
     }
 
-    pub(crate) fn join(&self, name: &[u8]) -> PathBuf {
+    pub fn join(&self, name: &[u8]) -> PathBuf {
         self.path.join(OsStr::from_bytes(name))
     }
 
     /// The subdirectory `name`.
-    pub(crate) fn open_dir(&self, name: &CStr) -> Result<Dir, CommitError> {
+    pub fn open_dir(&self, name: &CStr) -> Result<Dir, CommitError> {
         let path = self.join(name.to_bytes());
         let fd = rustix::fs::openat2(
             &self.fd,
@@ -76,7 +76,7 @@ impl Dir {
     }
 
     /// The directory's entries, without `.` and `..`, sorted by name.
-    pub(crate) fn names(&self) -> Result<Vec<CString>, CommitError> {
+    pub fn names(&self) -> Result<Vec<CString>, CommitError> {
         // A descriptor of its own: reading moves the offset.
         let fd = rustix::fs::openat(
             &self.fd,
@@ -100,7 +100,7 @@ impl Dir {
     }
 
     /// lstat of `name`; None if it has gone since it was listed.
-    pub(crate) fn stat(&self, name: &CStr) -> Result<Option<Stat>, CommitError> {
+    pub fn stat(&self, name: &CStr) -> Result<Option<Stat>, CommitError> {
         match rustix::fs::statat(&self.fd, name, AtFlags::SYMLINK_NOFOLLOW) {
             Ok(st) => Ok(Some(st)),
             Err(Errno::NOENT) => Ok(None),
@@ -108,7 +108,7 @@ impl Dir {
         }
     }
 
-    pub(crate) fn readlink(&self, name: &CStr) -> Result<Vec<u8>, CommitError> {
+    pub fn readlink(&self, name: &CStr) -> Result<Vec<u8>, CommitError> {
         rustix::fs::readlinkat(&self.fd, name, Vec::new())
             .map(CString::into_bytes)
             .map_err(|e| at(&self.join(name.to_bytes()), "cannot read symlink", e))
@@ -116,7 +116,7 @@ impl Dir {
 
     /// Reads the regular file `name`: at most `max` bytes. Anything but a
     /// regular file is refused, unread.
-    pub(crate) fn read_file(&self, name: &CStr, max: usize) -> Result<Vec<u8>, CommitError> {
+    pub fn read_file(&self, name: &CStr, max: usize) -> Result<Vec<u8>, CommitError> {
         let path = self.join(name.to_bytes());
         let fd = open_file(self.fd.as_fd(), name).map_err(|e| at(&path, "cannot open", e))?;
         let mut data = vec![0u8; max];
@@ -134,7 +134,7 @@ impl Dir {
     }
 
     /// The xattrs of entry `name`, or of the directory itself (None).
-    pub(crate) fn xattrs(&self, name: Option<&CStr>) -> Result<Xattrs, CommitError> {
+    pub fn xattrs(&self, name: Option<&CStr>) -> Result<Xattrs, CommitError> {
         let path = || name.map_or_else(|| self.path.clone(), |n| self.join(n.to_bytes()));
         let src = Source::new(self.fd.as_fd(), name);
         let list = match grow(|b| src.list(b)) {
@@ -161,7 +161,7 @@ impl Dir {
     }
 
     /// One xattr of the directory itself.
-    pub(crate) fn own_xattr(&self, key: &[u8]) -> Result<Option<Vec<u8>>, CommitError> {
+    pub fn own_xattr(&self, key: &[u8]) -> Result<Option<Vec<u8>>, CommitError> {
         let k = CString::new(key).map_err(|_| at(&self.path, "xattr name", Errno::INVAL))?;
         match grow(|b| rustix::fs::fgetxattr(&self.fd, k.as_c_str(), b)) {
             Ok(v) => Ok(Some(v)),
@@ -171,7 +171,7 @@ impl Dir {
     }
 
     /// One xattr of entry `name` (not followed if it is a symlink).
-    pub(crate) fn xattr(&self, name: &CStr, key: &[u8]) -> Result<Option<Vec<u8>>, CommitError> {
+    pub fn xattr(&self, name: &CStr, key: &[u8]) -> Result<Option<Vec<u8>>, CommitError> {
         let k = CString::new(key).map_err(|_| at(&self.path, "xattr name", Errno::INVAL))?;
         let src = Source::new(self.fd.as_fd(), Some(name));
         match grow(|b| src.get(&k, b)) {
@@ -184,7 +184,7 @@ impl Dir {
 
 /// Opens regular file `name` of `dir` for reading, never through a
 /// symlink, never blocking (a FIFO), never below a mount.
-pub(crate) fn open_file(dir: BorrowedFd<'_>, name: &CStr) -> Result<OwnedFd, Errno> {
+pub fn open_file(dir: BorrowedFd<'_>, name: &CStr) -> Result<OwnedFd, Errno> {
     let fd = rustix::fs::openat2(
         dir,
         name,

@@ -261,6 +261,38 @@ pub fn mount(o: &MountOptions) -> Result<Mounted, MountError> {
     })
 }
 
+/// Mounts the EROFS image `image` alone, read-only, at `mountpoint`: a
+/// lower layer for an overlay that someone else assembles (containerd,
+/// from a snapshotter's mounts). Its regular files show the image's
+/// redirects, not the store's data, until stacked.
+pub fn mount_erofs_at(image: &Path, mountpoint: &Path, backing: ErofsBacking) -> Result<(), MountError> {
+    let image_file = open_image(image)?;
+    let mountpoint = check_mountpoint(mountpoint)?;
+    let mut bytes = Vec::new();
+    (&image_file)
+        .read_to_end(&mut bytes)
+        .map_err(io_err(image, "cannot read image"))?;
+    let info = erofs::read_info(&bytes).map_err(|e| MountError::Image {
+        path: image.to_path_buf(),
+        msg: e.to_string(),
+    })?;
+    let image_abs = std::fs::canonicalize(image).unwrap_or_else(|_| image.to_path_buf());
+    let (mnt, _) = mount_erofs(&image_file, &image_abs, info.has_acl, backing)?;
+    rustix::mount::move_mount(
+        &mnt,
+        "",
+        rustix::fs::CWD,
+        &mountpoint,
+        MoveMountFlags::MOVE_MOUNT_F_EMPTY_PATH,
+    )
+    .map_err(|errno| MountError::Kernel {
+        fstype: "erofs",
+        step: format!("attaching it at {}", mountpoint.display()),
+        errno,
+        log: Vec::new(),
+    })
+}
+
 /// Opens an image file for [`build_detached`]: a regular file.
 /// The open never blocks (a FIFO in the image's place must not hang the
 /// mount).

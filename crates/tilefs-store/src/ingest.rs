@@ -39,6 +39,16 @@ pub enum Method {
     /// data is written, but a later change to the source file changes the
     /// object too (fsck reports it as corrupt).
     Hardlink,
+    /// Move the source file into the store: it is hardlinked in (its inode
+    /// becomes the object, no data is written) and the caller removes the
+    /// source names once the image that needs the objects is recorded, so
+    /// until then a crash leaves the source whole. A file whose object is
+    /// present already is not linked at all (dropped with its source). A
+    /// new object is made owned by the store's user with mode 0644 (no
+    /// setuid bit or file capability reaches the store) and gets
+    /// fs-verity where the filesystem has it. Across filesystems it is
+    /// copied instead.
+    Move,
 }
 
 /// Counters of an import, readable while it runs.
@@ -125,6 +135,9 @@ pub struct Ingest<'s> {
     verity: AtomicU8,
     verity_warning: Mutex<Option<String>>,
     cloning: AtomicBool,
+    /// [`Method::Move`] links (false once the store proved to be on another
+    /// filesystem).
+    linking: AtomicBool,
     /// Commit once this much new data waits.
     batch_bytes: u64,
     /// Set (by a signal handler, say) to stop the import at the next file.
@@ -166,6 +179,7 @@ impl<'s> Ingest<'s> {
             verity: AtomicU8::new(VERITY_UNKNOWN),
             verity_warning: Mutex::new(None),
             cloning: AtomicBool::new(true),
+            linking: AtomicBool::new(true),
             batch_bytes: BATCH_BYTES,
             cancel: None,
             commit_each: false,
@@ -243,6 +257,7 @@ impl<'s> Ingest<'s> {
         let result = match self.method {
             Method::Hardlink => self.link_in(f, &src, &tmp_name).map(|(n, d)| Hashed(n, d, None)),
             Method::Copy => self.copy_in(f, &src, &tmp_name, size),
+            Method::Move => self.move_in(f, &src, &tmp_name, size),
         };
         let Hashed(written, digest, buffered) = match result {
             Ok(r) => r,
@@ -257,7 +272,10 @@ impl<'s> Ingest<'s> {
             let _ = rfs::unlinkat(&self.tmp, &tmp_name, AtFlags::empty());
             return Err(StoreError::source(f.path, "file changed size during the build"));
         }
-        self.cache.insert(key, digest);
+        // A moved file's identity says nothing once its source is gone.
+        if self.method != Method::Move {
+            self.cache.insert(key, digest);
+        }
         self.place(tmp_name, size, Hashed(written, digest, buffered))
     }
 
@@ -362,11 +380,22 @@ impl<'s> Ingest<'s> {
             return Ok(digest);
         }
         if let Some(data) = buffered {
+            if data.len() as u64 != size {
+                // A moved file found present (see `move_in`) is gone again:
+                // it is never written from a buffer it never filled.
+                return Err(StoreError::Invalid(format!(
+                    "object {} vanished from the store during an import",
+                    hex::encode(digest)
+                )));
+            }
             let written = self.write_temp(&tmp_name, &data);
             recycle(data);
             written?;
         }
-        if self.method == Method::Copy {
+        if self.method == Method::Move {
+            self.adopt(&tmp_name)?;
+        }
+        if matches!(self.method, Method::Copy | Method::Move) {
             self.try_enable_verity(&tmp_name);
         }
         if present.is_some() {
@@ -470,6 +499,56 @@ impl<'s> Ingest<'s> {
                 .map_err(|e| StoreError::source_io(f.path, "cannot dup", e))?,
         );
         hash_copy(&mut src, None).map_err(|e| self.copy_error(f.path, e))
+    }
+
+    /// [`Method::Move`]: the source's inode when both are on one
+    /// filesystem (hashed in place), else a copy. Only the hash is taken
+    /// here; whether the object is new is decided by [`Ingest::place`].
+    fn move_in(&self, f: &SourceFile, src: &OwnedFd, tmp_name: &str, size: u64) -> Result<Hashed, StoreError> {
+        if self.linking.load(Relaxed) {
+            let mut s = std::fs::File::from(src.try_clone().map_err(|e| StoreError::io(f.path, "cannot dup", e))?);
+            let (n, d) = hash_copy(&mut s, None).map_err(|e| self.copy_error(f.path, e))?;
+            // Present already (or met before in this import): nothing to
+            // link, the source is simply dropped by the caller.
+            if self.seen.lock().unwrap().contains(&d) || self.store.object_size(&d) == Some(n) {
+                return Ok(Hashed(n, d, Some(Vec::new())));
+            }
+            match rfs::linkat(f.dir, f.name, &self.tmp, tmp_name, AtFlags::empty()) {
+                Ok(()) => {
+                    let linked = rfs::statat(&self.tmp, tmp_name, AtFlags::SYMLINK_NOFOLLOW)
+                        .map_err(|e| StoreError::io(f.path, "cannot stat", e.into()))?;
+                    if linked.st_ino != f.stat.st_ino || linked.st_dev != f.stat.st_dev {
+                        return Err(StoreError::source(f.path, "file was replaced while being moved"));
+                    }
+                    return Ok(Hashed(n, d, None));
+                }
+                Err(rustix::io::Errno::XDEV) | Err(rustix::io::Errno::PERM) => self.linking.store(false, Relaxed),
+                Err(e) => return Err(StoreError::io(f.path, "cannot link into the store", e.into())),
+            }
+        }
+        self.copy_in(f, src, tmp_name, size)
+    }
+
+    /// A moved-in object made the store's: owned by this process's user
+    /// (which, as root, also drops setuid bits and file capabilities),
+    /// mode 0644.
+    fn adopt(&self, tmp_name: &str) -> Result<(), StoreError> {
+        let store = self.store.path();
+        let fd = rfs::openat(
+            &self.tmp,
+            tmp_name,
+            OFlags::RDONLY | OFlags::NOFOLLOW | OFlags::CLOEXEC,
+            Mode::empty(),
+        )
+        .map_err(|e| StoreError::io(store, "cannot open a new object", e.into()))?;
+        let st = rfs::fstat(&fd).map_err(|e| StoreError::io(store, "cannot stat a new object", e.into()))?;
+        let (uid, gid) = (rustix::process::geteuid(), rustix::process::getegid());
+        if st.st_uid != uid.as_raw() || st.st_gid != gid.as_raw() || st.st_mode & 0o7000 != 0 {
+            rfs::fchown(&fd, Some(uid), Some(gid))
+                .map_err(|e| StoreError::io(store, "cannot set the owner of a new object", e.into()))?;
+        }
+        rfs::fchmod(&fd, Mode::from_raw_mode(0o644))
+            .map_err(|e| StoreError::io(store, "cannot set the mode of a new object", e.into()))
     }
 
     fn try_enable_verity(&self, tmp_name: &str) {

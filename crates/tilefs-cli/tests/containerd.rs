@@ -1,0 +1,559 @@
+//! `tilefs snapshotter` under a real containerd (Debian's), with runc and
+//! images in Debian's docker-registry on loopback: pull, run, snapshot
+//! commands, file-level dedup across images, gc, restarts, hostile keys.
+//! Every daemon and mount the test starts is stopped and removed when it
+//! ends, whether it passes or not.
+
+mod common;
+
+use common::oci::objects_in;
+use common::registry::Registry;
+use common::*;
+use std::fs;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Output, Stdio};
+use std::time::{Duration, Instant};
+
+fn have(tool: &str) -> bool {
+    Command::new("sh")
+        .args(["-c", &format!("command -v {tool}")])
+        .output()
+        .is_ok_and(|o| o.status.success())
+}
+
+fn run(cmd: &mut Command) -> Output {
+    let out = cmd.output().unwrap_or_else(|e| panic!("{cmd:?}: {e}"));
+    out
+}
+
+fn ok(cmd: &mut Command) -> String {
+    let out = run(cmd);
+    assert!(
+        out.status.success(),
+        "{cmd:?} failed: {}\n{}",
+        String::from_utf8_lossy(&out.stdout),
+        stderr(&out)
+    );
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+/// containerd, the snapshotter and what they mounted; all stopped and
+/// removed on drop.
+struct Rig {
+    area: PathBuf,
+    sock: PathBuf,
+    snap_sock: PathBuf,
+    root: PathBuf,
+    store: PathBuf,
+    containerd: Option<Child>,
+    snapshotter: Option<Child>,
+    registry: Option<Registry>,
+}
+
+const NS: &str = "tilefs-test";
+
+impl Rig {
+    fn start(area: &Area) -> Rig {
+        let base = area.path("");
+        let mut rig = Rig {
+            area: base.clone(),
+            sock: base.join("c.sock"),
+            snap_sock: base.join("s.sock"),
+            root: base.join("snaproot"),
+            store: base.join("store"),
+            containerd: None,
+            snapshotter: None,
+            registry: Some(Registry::start(area)),
+        };
+        rig.start_snapshotter();
+        let config = base.join("containerd.toml");
+        fs::write(
+            &config,
+            format!(
+                "version = 2\nroot = \"{r}\"\nstate = \"{s}\"\ndisabled_plugins = [\"io.containerd.grpc.v1.cri\"]\n\
+                 [grpc]\n  address = \"{a}\"\n[ttrpc]\n  address = \"{a}.ttrpc\"\n\
+                 [proxy_plugins]\n  [proxy_plugins.tilefs]\n    type = \"snapshot\"\n    address = \"{p}\"\n",
+                r = base.join("croot").display(),
+                s = base.join("cstate").display(),
+                a = rig.sock.display(),
+                p = rig.snap_sock.display(),
+            ),
+        )
+        .unwrap();
+        let log = fs::File::create(base.join("containerd.log")).unwrap();
+        rig.containerd = Some(
+            Command::new("containerd")
+                .arg("--config")
+                .arg(&config)
+                .stdout(log.try_clone().unwrap())
+                .stderr(log)
+                .spawn()
+                .expect("containerd (scripts/setup installs it)"),
+        );
+        let t = Instant::now();
+        while !run(rig.ctr().arg("version")).status.success() {
+            assert!(
+                t.elapsed() < Duration::from_secs(30),
+                "containerd did not start: {}",
+                fs::read_to_string(base.join("containerd.log")).unwrap_or_default()
+            );
+            std::thread::sleep(Duration::from_millis(100));
+        }
+        rig
+    }
+
+    fn start_snapshotter(&mut self) {
+        let log = fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(self.area.join("snapshotter.log"))
+            .unwrap();
+        let _ = fs::remove_file(&self.snap_sock);
+        self.snapshotter = Some(
+            Command::new(tilefs_bin())
+                .arg("snapshotter")
+                .arg("--root")
+                .arg(&self.root)
+                .arg("--store")
+                .arg(&self.store)
+                .arg("--socket")
+                .arg(&self.snap_sock)
+                .stdout(Stdio::null())
+                .stderr(log)
+                .spawn()
+                .unwrap(),
+        );
+        let t = Instant::now();
+        while !self.snap_sock.exists() {
+            assert!(
+                t.elapsed() < Duration::from_secs(20),
+                "the snapshotter did not start: {}",
+                fs::read_to_string(self.area.join("snapshotter.log")).unwrap_or_default()
+            );
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        // containerd's gRPC client reconnects to a restarted plugin after
+        // its backoff (a second or more): wait until it has.
+        if self.containerd.is_some() {
+            let t = Instant::now();
+            while !run(self.snapshots().arg("ls")).status.success() {
+                assert!(
+                    t.elapsed() < Duration::from_secs(60),
+                    "containerd did not reconnect to the snapshotter"
+                );
+                std::thread::sleep(Duration::from_millis(200));
+            }
+        }
+    }
+
+    fn stop_snapshotter(&mut self, signal: &str) {
+        if let Some(mut c) = self.snapshotter.take() {
+            let _ = Command::new("kill").args([signal, &c.id().to_string()]).status();
+            let _ = c.wait();
+        }
+    }
+
+    fn ctr(&self) -> Command {
+        let mut c = Command::new("ctr");
+        c.arg("--address").arg(&self.sock).arg("--namespace").arg(NS);
+        c
+    }
+
+    fn snapshots(&self) -> Command {
+        let mut c = self.ctr();
+        c.args(["snapshots", "--snapshotter", "tilefs"]);
+        c
+    }
+
+    fn registry(&self) -> &Registry {
+        self.registry.as_ref().unwrap()
+    }
+
+    fn pull(&self, reference: &str) {
+        ok(self
+            .ctr()
+            .args(["images", "pull", "--plain-http", "--snapshotter", "tilefs", reference]));
+    }
+
+    /// `ctr run --rm` of `cmd` in `image`; its output.
+    fn run_in(&self, image: &str, id: &str, cmd: &str) -> String {
+        ok(self.ctr().args([
+            "run",
+            "--rm",
+            "--snapshotter",
+            "tilefs",
+            image,
+            id,
+            "/bin/sh",
+            "-c",
+            cmd,
+        ]))
+    }
+
+    /// Committed snapshots: (key, parent).
+    fn committed(&self) -> Vec<(String, String)> {
+        let out = ok(self.snapshots().arg("ls"));
+        out.lines()
+            .skip(1)
+            .filter_map(|l| {
+                let f: Vec<&str> = l.split_whitespace().collect();
+                match f.as_slice() {
+                    [k, p, "Committed"] => Some((k.to_string(), p.to_string())),
+                    [k, "Committed"] => Some((k.to_string(), String::new())),
+                    _ => None,
+                }
+            })
+            .collect()
+    }
+}
+
+impl Drop for Rig {
+    fn drop(&mut self) {
+        if std::thread::panicking() {
+            for log in ["snapshotter.log", "containerd.log"] {
+                let text = fs::read_to_string(self.area.join(log)).unwrap_or_default();
+                let tail: Vec<&str> = text.lines().rev().take(30).collect();
+                eprintln!("--- {log} (last lines):");
+                for l in tail.into_iter().rev() {
+                    eprintln!("{l}");
+                }
+            }
+        }
+        // Tasks and containers first (their mounts), then the daemons.
+        if self.containerd.is_some() {
+            if let Ok(o) = self.ctr().args(["tasks", "ls", "-q"]).output() {
+                for id in String::from_utf8_lossy(&o.stdout).lines() {
+                    let _ = self.ctr().args(["tasks", "kill", "-s", "SIGKILL", id]).output();
+                    std::thread::sleep(Duration::from_millis(200));
+                    let _ = self.ctr().args(["tasks", "delete", "-f", id]).output();
+                }
+            }
+            if let Ok(o) = self.ctr().args(["containers", "ls", "-q"]).output() {
+                for id in String::from_utf8_lossy(&o.stdout).lines() {
+                    let _ = self.ctr().args(["containers", "delete", id]).output();
+                }
+            }
+        }
+        if let Some(mut c) = self.containerd.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+        self.stop_snapshotter("-TERM");
+        if let Some(mut r) = self.registry.take() {
+            r.stop();
+        }
+        // Whatever is still mounted below the area, deepest first.
+        let mut mounts: Vec<String> = fs::read_to_string("/proc/self/mountinfo")
+            .unwrap_or_default()
+            .lines()
+            .filter_map(|l| l.split(' ').nth(4).map(str::to_string))
+            .filter(|m| Path::new(m).starts_with(&self.area))
+            .collect();
+        mounts.sort_by_key(|m| std::cmp::Reverse(m.len()));
+        for m in mounts {
+            let _ = Command::new("umount").args(["-l", &m]).status();
+        }
+    }
+}
+
+/// An OCI image in a registry: layers made with umoci from the trees
+/// `layers` fills, pushed with skopeo.
+fn push_image(area: &Area, registry: &Registry, name: &str, layers: &[&dyn Fn(&Path)]) -> String {
+    let layout = area.path(&format!("layout-{name}"));
+    let bundle = area.path(&format!("bundle-{name}"));
+    let lay = format!("{}:{name}", layout.display());
+    ok(Command::new("umoci").args(["init", "--layout"]).arg(&layout));
+    ok(Command::new("umoci").args(["new", "--image", &lay]));
+    for fill in layers {
+        let _ = fs::remove_dir_all(&bundle);
+        ok(Command::new("umoci").args(["unpack", "--image", &lay]).arg(&bundle));
+        fill(&bundle.join("rootfs"));
+        ok(Command::new("umoci").args(["repack", "--image", &lay]).arg(&bundle));
+    }
+    ok(Command::new("umoci").args(["config", "--image", &lay, "--config.cmd", "/bin/sh"]));
+    let remote = format!("{}/tilefs/{name}:v1", registry.addr);
+    ok(Command::new("skopeo").args([
+        "copy",
+        "-q",
+        "--dest-tls-verify=false",
+        &format!("oci:{lay}"),
+        &format!("docker://{remote}"),
+    ]));
+    remote
+}
+
+/// A base layer: busybox and its applets, and `shared` files of 64 KiB
+/// named by seed (the same seed, the same bytes).
+fn base_layer(root: &Path, shared: u64, own_seed: u64, own: usize) {
+    fs::create_dir_all(root.join("bin")).unwrap();
+    fs::copy("/bin/busybox", root.join("bin/busybox")).unwrap();
+    for app in [
+        "sh", "cat", "echo", "test", "ls", "md5sum", "sleep", "rm", "mkdir", "stat", "chmod", "mv",
+    ] {
+        std::os::unix::fs::symlink("busybox", root.join("bin").join(app)).unwrap();
+    }
+    fs::create_dir_all(root.join("data")).unwrap();
+    for i in 0..shared {
+        fs::write(
+            root.join(format!("data/shared-{i}")),
+            Rng::new(1000 + i).bytes(64 << 10),
+        )
+        .unwrap();
+    }
+    for i in 0..own {
+        fs::write(
+            root.join(format!("data/own-{i}")),
+            Rng::new(own_seed + i as u64).bytes(48 << 10),
+        )
+        .unwrap();
+    }
+    fs::create_dir_all(root.join("tmp")).unwrap();
+    fs::write(root.join("data/gone"), b"removed by the next layer, a whiteout then").unwrap();
+    fs::create_dir_all(root.join("opaque/old")).unwrap();
+    fs::write(root.join("opaque/old/file"), b"hidden by an opaque directory above").unwrap();
+}
+
+fn top_layer(root: &Path, msg: &str) {
+    fs::create_dir_all(root.join("etc")).unwrap();
+    fs::write(root.join("etc/msg"), msg).unwrap();
+    fs::remove_file(root.join("data/gone")).unwrap();
+    fs::remove_dir_all(root.join("opaque")).unwrap();
+    fs::create_dir_all(root.join("opaque")).unwrap();
+    fs::write(root.join("opaque/new"), b"new").unwrap();
+    fs::write(root.join("data/shared-0"), Rng::new(7).bytes(100 << 10)).unwrap();
+}
+
+fn require_tools() {
+    assert!(is_root(), "the containerd tests run as root");
+    for t in ["containerd", "ctr", "runc", "docker-registry", "skopeo", "umoci"] {
+        assert!(have(t), "{t} is needed (scripts/setup installs it)");
+    }
+    assert!(
+        Path::new("/bin/busybox").exists(),
+        "busybox-static is needed (scripts/setup installs it)"
+    );
+}
+
+#[test]
+fn containerd_pulls_runs_and_shares_files_through_tilefs() {
+    require_tools();
+    let area = Area::new();
+    let mut rig = Rig::start(&area);
+    let a = push_image(
+        &area,
+        rig.registry(),
+        "a",
+        &[&|r: &Path| base_layer(r, 12, 5000, 4), &|r: &Path| {
+            top_layer(r, "hello from a")
+        }],
+    );
+    let b = push_image(
+        &area,
+        rig.registry(),
+        "b",
+        &[&|r: &Path| base_layer(r, 12, 9000, 3), &|r: &Path| {
+            top_layer(r, "hello from b")
+        }],
+    );
+
+    // Pull: containerd fetches and unpacks into our snapshots.
+    rig.pull(&a);
+    let committed = rig.committed();
+    assert_eq!(committed.len(), 2, "one committed snapshot per layer: {committed:?}");
+    let objects_a = objects_in(&rig.store);
+    // busybox, 12 shared, 4 own, the new shared-0 (the old one stays in the
+    // lower layer's image).
+    assert_eq!(objects_a, 1 + 12 + 4 + 1, "objects after pulling a");
+    // The upper directories of committed snapshots are gone: their files
+    // were moved, not copied (the names are removed in the background).
+    let t = Instant::now();
+    for e in fs::read_dir(rig.root.join("snapshots")).unwrap().flatten() {
+        while e.path().join("fs").exists() {
+            assert!(
+                t.elapsed() < Duration::from_secs(20),
+                "{}: a committed layer keeps its upper",
+                e.path().display()
+            );
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+
+    // The flattened image of the chain is the one `tilefs pull` makes, but
+    // for the mtimes of directories that containerd's differ changed after
+    // it applied their headers (creating whiteouts or entries in them): the
+    // same entries, files, objects, modes, owners and xattrs.
+    let pulled_store = area.dir("pulled");
+    let digest = common::oci::pull(&pulled_store, &format!("docker://{a}"), &["--tag", "a"]);
+    let images: Vec<String> = tags_in(&rig.store);
+    let last = images
+        .iter()
+        .max_by_key(|t| t.rsplit('-').next().and_then(|n| n.parse::<u64>().ok()))
+        .unwrap();
+    let ours = rig.store.join("images").join(last);
+    if digest_hex(&ours) != digest {
+        let dump = |p: &Path| {
+            ok(Command::new(tilefs_bin()).arg("dump").arg(p))
+                .lines()
+                .map(|l| {
+                    let mut f: Vec<&str> = l.split(' ').collect();
+                    if f.len() > 7 && f[2].starts_with("40") {
+                        f[7] = "-";
+                    }
+                    f.join(" ")
+                })
+                .collect::<Vec<_>>()
+        };
+        assert_eq!(
+            dump(&ours),
+            dump(&pulled_store.join("images/a")),
+            "the chain's image and the pull's"
+        );
+    }
+    // Run: the image's files, whiteouts and opaque directories honoured,
+    // writes kept in the container.
+    let out = rig.run_in(
+        &a,
+        "c1",
+        "cat /etc/msg; echo; test -e /data/gone || echo gone; ls /opaque; echo scribble > /data/shared-1; \
+         cat /data/shared-1; chmod 600 /data/shared-2; stat -c %a /data/shared-2; md5sum /data/own-0",
+    );
+    let want_md5 = {
+        let p = area.path("own0");
+        fs::write(&p, Rng::new(5000).bytes(48 << 10)).unwrap();
+        let o = ok(Command::new("md5sum").arg(&p));
+        o.split_whitespace().next().unwrap().to_string()
+    };
+    assert_eq!(
+        out.lines().collect::<Vec<_>>(),
+        [
+            "hello from a",
+            "gone",
+            "new",
+            "scribble",
+            "600",
+            &format!("{want_md5}  /data/own-0")
+        ],
+        "{out}"
+    );
+    let out = rig.run_in(&a, "c2", "md5sum /data/shared-1; stat -c %a /data/shared-2");
+    let want = {
+        let p = area.path("shared1");
+        fs::write(&p, Rng::new(1001).bytes(64 << 10)).unwrap();
+        ok(Command::new("md5sum").arg(&p))
+            .split_whitespace()
+            .next()
+            .unwrap()
+            .to_string()
+    };
+    assert_eq!(
+        out.lines().collect::<Vec<_>>(),
+        [format!("{want}  /data/shared-1"), "644".into()]
+    );
+
+    // A second image sharing files: only its own files are new objects.
+    // The first try is killed (-9) midway; the next one after a restart
+    // finds nothing half made.
+    let mut first = rig
+        .ctr()
+        .args(["images", "pull", "--plain-http", "--snapshotter", "tilefs", &b])
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    std::thread::sleep(Duration::from_millis(300));
+    rig.stop_snapshotter("-KILL");
+    let _ = first.wait();
+    rig.start_snapshotter();
+    rig.pull(&b);
+    assert_eq!(
+        objects_in(&rig.store),
+        objects_a + 3,
+        "pulling b stores only b's own 3 files"
+    );
+    assert_eq!(rig.run_in(&b, "c3", "cat /etc/msg"), "hello from b");
+
+    // Snapshot commands.
+    let (top, _) = rig.committed().into_iter().find(|(_, p)| !p.is_empty()).unwrap();
+    let info = ok(rig.snapshots().args(["info", &top]));
+    assert!(info.contains("\"Kind\": \"Committed\""), "{info}");
+    let usage = ok(rig.snapshots().args(["usage", &top]));
+    assert!(usage.lines().count() >= 2, "{usage}");
+    // Hostile keys: kept as keys, never as paths.
+    for key in ["../../escape", "a/b/../../c", "/abs"] {
+        ok(rig.snapshots().args(["prepare", key, &top]));
+        let mounts = ok(rig.snapshots().args(["mounts", "/mnt", key]));
+        assert!(mounts.contains("overlay"), "{mounts}");
+        let info = ok(rig.snapshots().args(["info", key]));
+        assert!(info.contains("\"Kind\": \"Active\""), "{info}");
+    }
+    assert!(!area.path("escape").exists() && !rig.root.join("../escape").exists());
+    for key in ["../../escape", "a/b/../../c", "/abs"] {
+        ok(rig.snapshots().args(["rm", key]));
+    }
+    // Errors containerd understands.
+    let dup = run(rig.snapshots().args(["prepare", "x", &top]));
+    assert!(dup.status.success());
+    let again = run(rig.snapshots().args(["prepare", "x", &top]));
+    assert!(
+        !again.status.success() && stderr(&again).contains("already exists"),
+        "{}",
+        stderr(&again)
+    );
+    let parent_busy = run(rig.snapshots().args(["rm", &top]));
+    assert!(!parent_busy.status.success(), "a parent with children is not removed");
+    let missing = run(rig.snapshots().args(["info", "no-such"]));
+    assert!(
+        !missing.status.success() && stderr(&missing).contains("not found"),
+        "{}",
+        stderr(&missing)
+    );
+    ok(rig.snapshots().args(["rm", "x"]));
+
+    // A restart keeps every snapshot; a running container goes on reading
+    // its files (the kernel serves them), new ones start.
+    ok(rig
+        .ctr()
+        .args(["run", "-d", "--snapshotter", "tilefs", &a, "long", "/bin/sleep", "1000"]));
+    let before = ok(rig.snapshots().arg("ls"));
+    rig.stop_snapshotter("-KILL");
+    rig.start_snapshotter();
+    assert_eq!(ok(rig.snapshots().arg("ls")), before);
+    let out = ok(rig.ctr().args([
+        "tasks",
+        "exec",
+        "--exec-id",
+        "e1",
+        "long",
+        "/bin/sh",
+        "-c",
+        "cat /etc/msg; echo; md5sum /data/own-0",
+    ]));
+    assert_eq!(out.lines().next(), Some("hello from a"), "{out}");
+    assert!(out.contains(&want_md5), "{out}");
+    assert_eq!(rig.run_in(&a, "c4", "cat /etc/msg"), "hello from a");
+    ok(rig.ctr().args(["tasks", "kill", "-s", "SIGKILL", "long"]));
+    let t = Instant::now();
+    while !run(rig.ctr().args(["tasks", "delete", "long"])).status.success() {
+        assert!(t.elapsed() < Duration::from_secs(20), "the task did not stop");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    ok(rig.ctr().args(["containers", "delete", "long"]));
+
+    // gc: the images removed, containerd removes their snapshots, and
+    // `tilefs gc` frees the objects.
+    ok(rig.ctr().args(["images", "rm", "--sync", &a, &b]));
+    let t = Instant::now();
+    while !rig.committed().is_empty() {
+        assert!(
+            t.elapsed() < Duration::from_secs(30),
+            "containerd's gc left {:?}",
+            rig.committed()
+        );
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    ok(Command::new(tilefs_bin()).args(["gc", "--store"]).arg(&rig.store));
+    assert_eq!(objects_in(&rig.store), 0, "objects left after the snapshots went");
+    let leftover: Vec<_> = fs::read_dir(rig.root.join("snapshots")).unwrap().flatten().collect();
+    assert!(leftover.is_empty(), "{leftover:?}");
+    drop(rig);
+}

@@ -1,0 +1,816 @@
+//! tilefs as a containerd snapshotter, served as a proxy plugin over
+//! containerd's snapshots API (`containerd.services.snapshots.v1`).
+//!
+//! - An active snapshot is an upper and a work directory; a committed one
+//!   is a layer: the upper directory's regular files moved into the shared
+//!   store ([`tilefs_store::ingest::Method::Move`]: linked in, never
+//!   copied; dropped where the store has them already) and its entries
+//!   kept ([`layer`]).
+//! - Each committed snapshot's chain is one EROFS image, flattened from
+//!   its layers by the code and rules of `tilefs pull` (so the same bytes
+//!   as a pull of the same OCI image), built once at Commit and tagged in
+//!   the store (a gc root while the snapshot exists).
+//! - Mounts returns one kernel overlay mount, which containerd mounts
+//!   itself: the chain's EROFS image (mounted here, read-only, under
+//!   `ROOT/mnt/ID`) with the store as its data-only lower layer, and the
+//!   snapshot's upper and work directories when it is active.
+//! - Records ([`state`]) are written whole by rename; a crash at any point
+//!   of a Commit leaves the active snapshot (its files only linked into the
+//!   store) or the committed one (whose leftovers Cleanup and the next
+//!   start remove).
+
+pub mod filter;
+pub mod layer;
+pub mod state;
+
+use containerd_snapshots::api::types::Mount;
+use containerd_snapshots::{Info, Kind, Snapshotter, Usage};
+use state::{Record, SnapKind};
+use std::collections::{HashMap, HashSet};
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
+use std::time::SystemTime;
+use tilefs_image::erofs::{self, WriteOptions};
+use tilefs_oci::apply::Applier;
+use tilefs_oci::compat;
+use tilefs_store::ingest::{Ingest, Method};
+use tilefs_store::{tags, Store};
+use tonic::{Code, Status};
+
+/// Where the snapshotter keeps things.
+#[derive(Debug, Clone, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Config {
+    /// Its state: records, upper directories, EROFS mounts.
+    pub root: PathBuf,
+    /// The object store (shared with `tilefs pull`, `mount`, `gc`).
+    pub store: PathBuf,
+    /// The unix socket containerd connects to.
+    pub socket: PathBuf,
+}
+
+pub const DEFAULT_SOCKET: &str = "/run/tilefs/snapshotter.sock";
+pub const DEFAULT_ROOT: &str = "/var/lib/tilefs/snapshotter";
+
+/// The snapshotter.
+#[derive(Clone)]
+pub struct Tilefs {
+    s: Arc<Shared>,
+}
+
+struct Shared {
+    root: PathBuf,
+    store: PathBuf,
+    /// Tags of committed snapshots' images: this prefix and the id.
+    tag_prefix: String,
+    inner: Mutex<Inner>,
+}
+
+struct Inner {
+    by_key: HashMap<String, Record>,
+    next_id: u64,
+    /// Keys whose Commit runs (their snapshot must not change meanwhile).
+    busy: HashSet<String>,
+}
+
+/// An error as containerd gets it: a gRPC code (NotFound, AlreadyExists,
+/// FailedPrecondition, InvalidArgument map to containerd's errdefs) and a
+/// message.
+#[derive(Debug)]
+pub struct Error {
+    pub code: Code,
+    pub msg: String,
+}
+
+impl Error {
+    fn new(code: Code, msg: impl Into<String>) -> Error {
+        Error { code, msg: msg.into() }
+    }
+}
+
+impl From<Error> for Status {
+    fn from(e: Error) -> Status {
+        Status::new(e.code, e.msg)
+    }
+}
+
+fn not_found(key: &str) -> Error {
+    Error::new(Code::NotFound, format!("snapshot {key:?} does not exist"))
+}
+
+fn internal(e: impl std::fmt::Display) -> Error {
+    Error::new(Code::Internal, e.to_string())
+}
+
+impl Tilefs {
+    /// Opens (creating) the snapshotter's root and store, loads the records
+    /// and removes what a crash left behind.
+    pub fn open(root: &Path, store: &Path) -> Result<Tilefs, String> {
+        for d in [state::METADATA, state::SNAPSHOTS, state::MOUNTS] {
+            let p = root.join(d);
+            std::fs::create_dir_all(&p).map_err(|e| format!("{}: cannot create: {e}", p.display()))?;
+        }
+        let root = std::fs::canonicalize(root).map_err(|e| format!("{}: {e}", root.display()))?;
+        // Only root may reach the upper directories and mounts.
+        rustix::fs::chmod(&root, rustix::fs::Mode::from_raw_mode(0o700))
+            .map_err(|e| format!("{}: cannot set its mode: {e}", root.display()))?;
+        if !store.exists() {
+            Store::create(store).map_err(|e| e.to_string())?;
+        }
+        Store::open(store).map_err(|e| e.to_string())?;
+        let store = std::fs::canonicalize(store).map_err(|e| format!("{}: {e}", store.display()))?;
+        // Both appear in overlayfs's options, which separate with these.
+        for p in [&root, &store] {
+            let s = p.to_string_lossy();
+            if s.contains([':', ',', '\n']) || p.to_str().is_none() {
+                return Err(format!(
+                    "{}: a snapshotter's root and store paths must not hold ':' or ',' (overlayfs options use them)",
+                    p.display()
+                ));
+            }
+        }
+        let mut h = <sha2::Sha256 as sha2::Digest>::new();
+        sha2::Digest::update(&mut h, root.as_os_str().as_encoded_bytes());
+        let tag_prefix = format!("snapshotter-{}-", &hex::encode(sha2::Digest::finalize(h))[..12]);
+        let records = state::load(&root)?;
+        let mut next_id = records.iter().map(|r| r.id).max().unwrap_or(0) + 1;
+        if let Ok(rd) = std::fs::read_dir(root.join(state::SNAPSHOTS)) {
+            for e in rd.flatten() {
+                if let Some(id) = e.file_name().to_str().and_then(|n| n.parse::<u64>().ok()) {
+                    next_id = next_id.max(id + 1);
+                }
+            }
+        }
+        let mut by_key = HashMap::new();
+        for r in records {
+            if let Some(old) = by_key.insert(r.key.clone(), r) {
+                return Err(format!(
+                    "{}: two records name snapshot {:?}",
+                    state::record_path(&root, old.id).display(),
+                    old.key
+                ));
+            }
+        }
+        let t = Tilefs {
+            s: Arc::new(Shared {
+                root,
+                store,
+                tag_prefix,
+                inner: Mutex::new(Inner {
+                    by_key,
+                    next_id,
+                    busy: HashSet::new(),
+                }),
+            }),
+        };
+        t.s.cleanup().map_err(|e| e.msg)?;
+        Ok(t)
+    }
+
+    pub fn root(&self) -> &Path {
+        &self.s.root
+    }
+}
+
+/// Runs `f` on a thread that may block.
+async fn blocking<T: Send + 'static>(f: impl FnOnce() -> Result<T, Error> + Send + 'static) -> Result<T, Error> {
+    tokio::task::spawn_blocking(f)
+        .await
+        .map_err(|e| Error::new(Code::Internal, format!("the snapshotter's worker failed: {e}")))?
+}
+
+fn kind_of(k: SnapKind) -> Kind {
+    match k {
+        SnapKind::View => Kind::View,
+        SnapKind::Active => Kind::Active,
+        SnapKind::Committed => Kind::Committed,
+    }
+}
+
+fn kind_name(k: SnapKind) -> &'static str {
+    match k {
+        SnapKind::View => "view",
+        SnapKind::Active => "active",
+        SnapKind::Committed => "committed",
+    }
+}
+
+fn info_of(r: &Record) -> Info {
+    Info {
+        kind: kind_of(r.kind),
+        name: r.key.clone(),
+        parent: r.parent.clone(),
+        labels: r.labels.clone(),
+        created_at: r.created,
+        updated_at: r.updated,
+    }
+}
+
+impl Shared {
+    fn lock(&self) -> std::sync::MutexGuard<'_, Inner> {
+        self.inner.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn tag(&self, id: u64) -> String {
+        format!("{}{id}", self.tag_prefix)
+    }
+
+    fn create(
+        &self,
+        key: String,
+        parent: String,
+        labels: HashMap<String, String>,
+        kind: SnapKind,
+    ) -> Result<Vec<Mount>, Error> {
+        if key.is_empty() {
+            return Err(Error::new(Code::InvalidArgument, "a snapshot key must not be empty"));
+        }
+        let mut inner = self.lock();
+        if inner.by_key.contains_key(&key) {
+            return Err(Error::new(
+                Code::AlreadyExists,
+                format!("snapshot {key:?} already exists"),
+            ));
+        }
+        if !parent.is_empty() {
+            let p = inner
+                .by_key
+                .get(&parent)
+                .ok_or_else(|| Error::new(Code::NotFound, format!("parent snapshot {parent:?} does not exist")))?;
+            if p.kind != SnapKind::Committed {
+                return Err(Error::new(
+                    Code::InvalidArgument,
+                    format!("parent snapshot {parent:?} is not committed"),
+                ));
+            }
+        }
+        let id = inner.next_id;
+        inner.next_id += 1;
+        let dir = state::snapshot_dir(&self.root, id);
+        let mk =
+            |p: &Path| std::fs::create_dir_all(p).map_err(|e| internal(format!("{}: cannot create: {e}", p.display())));
+        mk(&dir.join("fs"))?;
+        // As a layer without a `./` entry implies its root: 0755, time zero.
+        let fs = dir.join("fs");
+        let _ = rustix::fs::chmod(&fs, rustix::fs::Mode::from_raw_mode(0o755));
+        let zero = rustix::fs::Timestamps {
+            last_access: rustix::fs::Timespec { tv_sec: 0, tv_nsec: 0 },
+            last_modification: rustix::fs::Timespec { tv_sec: 0, tv_nsec: 0 },
+        };
+        let _ = rustix::fs::utimensat(rustix::fs::CWD, &fs, &zero, rustix::fs::AtFlags::empty());
+        if kind == SnapKind::Active {
+            mk(&dir.join("work"))?;
+        }
+        let now = SystemTime::now();
+        let r = Record {
+            id,
+            key: key.clone(),
+            kind,
+            parent,
+            labels,
+            created: now,
+            updated: now,
+            usage: None,
+            image: None,
+        };
+        if let Err(e) = state::save(&self.root, &r) {
+            let _ = std::fs::remove_dir_all(&dir);
+            return Err(internal(e));
+        }
+        inner.by_key.insert(key, r.clone());
+        self.mounts_of(&inner, &r)
+    }
+
+    /// The mounts of an active snapshot or a view.
+    fn mounts_of(&self, inner: &Inner, r: &Record) -> Result<Vec<Mount>, Error> {
+        let dir = state::snapshot_dir(&self.root, r.id);
+        let fs = dir.join("fs");
+        if r.parent.is_empty() {
+            let ro = if r.kind == SnapKind::View { "ro" } else { "rw" };
+            return Ok(vec![Mount {
+                r#type: "bind".into(),
+                source: fs.to_string_lossy().into_owned(),
+                target: String::new(),
+                options: vec![ro.into(), "rbind".into()],
+            }]);
+        }
+        let parent = inner
+            .by_key
+            .get(&r.parent)
+            .ok_or_else(|| internal(format!("snapshot {:?}: its parent {:?} is gone", r.key, r.parent)))?;
+        let lower = self.ensure_mounted(parent)?;
+        let mut options = Vec::new();
+        if r.kind == SnapKind::Active {
+            options.push(format!("workdir={}", dir.join("work").display()));
+            options.push(format!("upperdir={}", fs.display()));
+        }
+        options.push(format!("lowerdir={}::{}", lower.display(), self.store.display()));
+        options.push("metacopy=on".into());
+        options.push("redirect_dir=on".into());
+        Ok(vec![Mount {
+            r#type: "overlay".into(),
+            source: "overlay".into(),
+            target: String::new(),
+            options,
+        }])
+    }
+
+    /// The committed snapshot's chain image, mounted (EROFS, read-only)
+    /// under `ROOT/mnt/ID`.
+    fn ensure_mounted(&self, r: &Record) -> Result<PathBuf, Error> {
+        let mnt = state::mount_dir(&self.root, r.id);
+        if tilefs_mount::is_mount_root(&mnt) {
+            return Ok(mnt);
+        }
+        std::fs::create_dir_all(&mnt).map_err(|e| internal(format!("{}: cannot create: {e}", mnt.display())))?;
+        let store = Store::open(&self.store).map_err(internal)?;
+        let image = tags::tag_path(&store, &self.tag(r.id));
+        tilefs_mount::mount_erofs_at(&image, &mnt, tilefs_mount::ErofsBacking::Auto)
+            .map_err(|e| internal(format!("snapshot {:?}: cannot mount its image: {e}", r.key)))?;
+        Ok(mnt)
+    }
+
+    fn mounts(&self, key: &str) -> Result<Vec<Mount>, Error> {
+        let inner = self.lock();
+        let r = inner.by_key.get(key).ok_or_else(|| not_found(key))?;
+        if r.kind == SnapKind::Committed {
+            return Err(Error::new(
+                Code::FailedPrecondition,
+                format!("snapshot {key:?} is committed: it has no mounts (prepare or view one on it)"),
+            ));
+        }
+        self.mounts_of(&inner, r)
+    }
+
+    /// Committed ancestors of `parent`, the oldest first.
+    fn chain(inner: &Inner, parent: &str) -> Result<Vec<u64>, Error> {
+        let mut ids = Vec::new();
+        let mut at = parent.to_string();
+        while !at.is_empty() {
+            let r = inner
+                .by_key
+                .get(&at)
+                .ok_or_else(|| internal(format!("snapshot {at:?} of a chain is gone")))?;
+            ids.push(r.id);
+            at = r.parent.clone();
+            if ids.len() > 100_000 {
+                return Err(internal("a chain of snapshots that loops"));
+            }
+        }
+        ids.reverse();
+        Ok(ids)
+    }
+
+    fn commit(&self, name: String, key: String, labels: HashMap<String, String>) -> Result<(), Error> {
+        if name.is_empty() {
+            return Err(Error::new(Code::InvalidArgument, "a snapshot name must not be empty"));
+        }
+        let (id, chain) = {
+            let mut inner = self.lock();
+            let r = inner.by_key.get(&key).ok_or_else(|| not_found(&key))?;
+            if r.kind != SnapKind::Active {
+                return Err(Error::new(
+                    Code::FailedPrecondition,
+                    format!("snapshot {key:?} is not active: only an active snapshot is committed"),
+                ));
+            }
+            if inner.by_key.contains_key(&name) {
+                return Err(Error::new(
+                    Code::AlreadyExists,
+                    format!("snapshot {name:?} already exists"),
+                ));
+            }
+            if inner.busy.contains(&key) {
+                return Err(Error::new(
+                    Code::FailedPrecondition,
+                    format!("snapshot {key:?} is being committed"),
+                ));
+            }
+            let id = r.id;
+            let chain = Self::chain(&inner, &r.parent.clone())?;
+            inner.busy.insert(key.clone());
+            (id, chain)
+        };
+        let started = std::time::Instant::now();
+        let built = self.build(id, &chain);
+        match &built {
+            Ok((digest, usage)) => eprintln!(
+                "tilefs snapshotter: committed {key:?} as {name:?}: {} entries, {} bytes of files, image {} ({:.2} s)",
+                usage.inodes,
+                usage.size,
+                &digest[..12],
+                started.elapsed().as_secs_f64()
+            ),
+            Err(e) => eprintln!("tilefs snapshotter: commit of {key:?} failed: {}", e.msg),
+        }
+        let mut inner = self.lock();
+        inner.busy.remove(&key);
+        let (digest, usage) = built?;
+        let fail_cleanup = |e: Error| {
+            let _ = self.remove_tag(id);
+            e
+        };
+        if inner.by_key.contains_key(&name) {
+            return Err(fail_cleanup(Error::new(
+                Code::AlreadyExists,
+                format!("snapshot {name:?} already exists"),
+            )));
+        }
+        let mut r = inner
+            .by_key
+            .get(&key)
+            .cloned()
+            .ok_or_else(|| fail_cleanup(not_found(&key)))?;
+        r.key = name.clone();
+        r.kind = SnapKind::Committed;
+        r.labels = labels;
+        r.updated = SystemTime::now();
+        r.usage = Some(usage);
+        r.image = Some(digest);
+        // The switch: from here the snapshot is committed.
+        state::save(&self.root, &r).map_err(|e| fail_cleanup(internal(e)))?;
+        inner.by_key.remove(&key);
+        inner.by_key.insert(name, r);
+        drop(inner);
+        // The upper directory's names go in the background: containerd
+        // need not wait for them (a crash leaves them to the next start).
+        let dir = state::snapshot_dir(&self.root, id);
+        std::thread::spawn(move || remove_leftovers(&dir));
+        Ok(())
+    }
+
+    /// Makes snapshot `id`'s layer and its chain's image: files moved into
+    /// the store, entries recorded, image tagged. Returns the image's
+    /// digest (hex) and the layer's usage.
+    fn build(&self, id: u64, chain: &[u64]) -> Result<(String, layer::LayerUsage), Error> {
+        let store = Store::open(&self.store).map_err(internal)?;
+        // Held until the tag is written: no gc removes the new objects.
+        let ingest = Ingest::new(&store, Method::Move).map_err(internal)?;
+        let mut applier = Applier::new(false);
+        for &a in chain {
+            let entries = state::load_layer(&self.root, a).map_err(internal)?;
+            applier
+                .apply_layer(&format!("snapshot {a}"), entries)
+                .map_err(|e| internal(format!("snapshot {a}: {e}")))?;
+        }
+        let upper = state::snapshot_dir(&self.root, id).join("fs");
+        let (mut entries, usage) =
+            layer::read_upper(&upper, &ingest, applier.tree_mut()).map_err(|e| internal(format!("commit: {e}")))?;
+        // overlayfs may leave whiteouts of names no layer below holds.
+        let tree = applier.tree_mut();
+        entries.retain(|e| {
+            !matches!(e.kind, tilefs_oci::layer::Kind::Whiteout) || tree.lookup_path(&e.path.join(&b'/')).is_some()
+        });
+        state::save_layer(&self.root, id, &entries).map_err(internal)?;
+        applier
+            .apply_layer(&format!("snapshot {id}"), entries)
+            .map_err(|e| internal(format!("commit: {e}")))?;
+        compat::normalize(applier.tree_mut());
+        let tree = applier.finish();
+        let image = erofs::write_image(
+            &tree,
+            &WriteOptions {
+                min_version: compat::FORMAT_VERSION,
+                max_version: compat::FORMAT_VERSION,
+            },
+        )
+        .map_err(|e| internal(format!("commit: cannot write the image: {e}")))?;
+        ingest.finish().map_err(internal)?;
+        tags::write_tag(&store, &self.tag(id), &image.bytes).map_err(internal)?;
+        drop(ingest);
+        Ok((hex::encode(image.digest), usage))
+    }
+
+    fn remove_tag(&self, id: u64) -> Result<(), Error> {
+        let store = Store::open(&self.store).map_err(internal)?;
+        match tags::remove_tag(&store, &self.tag(id)) {
+            Ok(()) => Ok(()),
+            Err(_) if !tags::tag_path(&store, &self.tag(id)).exists() => Ok(()),
+            Err(e) => Err(internal(e)),
+        }
+    }
+
+    fn remove(&self, key: &str) -> Result<(), Error> {
+        let mut inner = self.lock();
+        let r = inner.by_key.get(key).ok_or_else(|| not_found(key))?;
+        if inner.busy.contains(key) {
+            return Err(Error::new(
+                Code::FailedPrecondition,
+                format!("snapshot {key:?} is being committed"),
+            ));
+        }
+        if let Some(child) = inner.by_key.values().find(|c| c.parent == key) {
+            return Err(Error::new(
+                Code::FailedPrecondition,
+                format!("snapshot {key:?} has a child ({:?}): remove it first", child.key),
+            ));
+        }
+        let id = r.id;
+        let committed = r.kind == SnapKind::Committed;
+        // The record first: from here the snapshot is gone, whatever of it
+        // a crash leaves (Cleanup removes that).
+        state::delete(&self.root, id).map_err(internal)?;
+        inner.by_key.remove(key);
+        drop(inner);
+        if committed {
+            unmount(&state::mount_dir(&self.root, id));
+            self.remove_tag(id)?;
+        }
+        let dir = state::snapshot_dir(&self.root, id);
+        std::fs::remove_dir_all(&dir)
+            .or_else(|e| {
+                if e.kind() == std::io::ErrorKind::NotFound {
+                    Ok(())
+                } else {
+                    Err(e)
+                }
+            })
+            .map_err(|e| internal(format!("{}: cannot remove: {e}", dir.display())))
+    }
+
+    fn stat(&self, key: &str) -> Result<Info, Error> {
+        let inner = self.lock();
+        inner.by_key.get(key).map(info_of).ok_or_else(|| not_found(key))
+    }
+
+    fn update(&self, info: Info, paths: Option<Vec<String>>) -> Result<Info, Error> {
+        let mut inner = self.lock();
+        let key = info.name.clone();
+        let r = inner.by_key.get(&key).ok_or_else(|| not_found(&key))?;
+        let mut r = r.clone();
+        let paths = paths.unwrap_or_default();
+        if paths.is_empty() {
+            r.labels = info.labels;
+        } else {
+            for p in &paths {
+                if p == "labels" {
+                    r.labels = info.labels.clone();
+                } else if let Some(l) = p.strip_prefix("labels.") {
+                    match info.labels.get(l) {
+                        Some(v) => r.labels.insert(l.to_string(), v.clone()),
+                        None => r.labels.remove(l),
+                    };
+                } else {
+                    return Err(Error::new(
+                        Code::InvalidArgument,
+                        format!("cannot update field {p:?} of snapshot {key:?} (only labels can be)"),
+                    ));
+                }
+            }
+        }
+        r.updated = SystemTime::now();
+        state::save(&self.root, &r).map_err(internal)?;
+        let out = info_of(&r);
+        inner.by_key.insert(key, r);
+        Ok(out)
+    }
+
+    fn usage(&self, key: &str) -> Result<Usage, Error> {
+        let (kind, id, stored) = {
+            let inner = self.lock();
+            let r = inner.by_key.get(key).ok_or_else(|| not_found(key))?;
+            (r.kind, r.id, r.usage)
+        };
+        match kind {
+            SnapKind::Committed => {
+                let u = stored.unwrap_or_default();
+                Ok(Usage {
+                    size: u.size,
+                    inodes: u.inodes,
+                })
+            }
+            _ => {
+                let (size, inodes) = disk_usage(&state::snapshot_dir(&self.root, id).join("fs"));
+                Ok(Usage { size, inodes })
+            }
+        }
+    }
+
+    fn list(&self, filters: &[String]) -> Result<Vec<Info>, Error> {
+        let f = filter::Filter::parse(filters).map_err(|e| Error::new(Code::InvalidArgument, e))?;
+        let inner = self.lock();
+        let mut out: Vec<Info> = inner
+            .by_key
+            .values()
+            .filter(|r| {
+                f.matches(&filter::Fields {
+                    name: &r.key,
+                    parent: &r.parent,
+                    kind: kind_name(r.kind),
+                    labels: &r.labels,
+                })
+            })
+            .map(info_of)
+            .collect();
+        out.sort_by(|a, b| a.name.cmp(&b.name));
+        Ok(out)
+    }
+
+    /// Removes what no record accounts for: directories, mounts and tags of
+    /// snapshots removed (or never finished) before a crash, and the upper
+    /// directories of committed snapshots.
+    fn cleanup(&self) -> Result<(), Error> {
+        let inner = self.lock();
+        let ids: HashMap<u64, SnapKind> = inner.by_key.values().map(|r| (r.id, r.kind)).collect();
+        let busy: HashSet<u64> = inner
+            .busy
+            .iter()
+            .filter_map(|k| inner.by_key.get(k).map(|r| r.id))
+            .collect();
+        let ids_of = |sub: &str| -> Vec<u64> {
+            std::fs::read_dir(self.root.join(sub))
+                .map(|rd| {
+                    rd.flatten()
+                        .filter_map(|e| e.file_name().to_str().and_then(|n| n.parse::<u64>().ok()))
+                        .collect()
+                })
+                .unwrap_or_default()
+        };
+        for id in ids_of(state::MOUNTS) {
+            if ids.get(&id) != Some(&SnapKind::Committed) {
+                let m = state::mount_dir(&self.root, id);
+                unmount(&m);
+                let _ = std::fs::remove_dir(&m);
+            }
+        }
+        for id in ids_of(state::SNAPSHOTS) {
+            let dir = state::snapshot_dir(&self.root, id);
+            match ids.get(&id) {
+                None if !busy.contains(&id) => {
+                    let _ = std::fs::remove_dir_all(&dir);
+                }
+                Some(SnapKind::Committed) => remove_leftovers(&dir),
+                _ => {}
+            }
+        }
+        let store = Store::open(&self.store).map_err(internal)?;
+        if let Ok(list) = tags::list_tags(&store) {
+            for t in list {
+                let Some(id) = t
+                    .name
+                    .strip_prefix(&self.tag_prefix)
+                    .and_then(|i| i.parse::<u64>().ok())
+                else {
+                    continue;
+                };
+                if ids.get(&id) != Some(&SnapKind::Committed) && !busy.contains(&id) {
+                    let _ = tags::remove_tag(&store, &t.name);
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+/// A committed snapshot's upper and work directories (its files are in the
+/// store now).
+fn remove_leftovers(dir: &Path) {
+    for sub in ["fs", "work"] {
+        let p = dir.join(sub);
+        if let Err(e) = std::fs::remove_dir_all(&p) {
+            if e.kind() != std::io::ErrorKind::NotFound {
+                eprintln!("tilefs snapshotter: {}: cannot remove: {e}", p.display());
+            }
+        }
+    }
+}
+
+fn unmount(m: &Path) {
+    if tilefs_mount::is_mount_root(m) {
+        if let Err(e) = rustix::mount::unmount(m, rustix::mount::UnmountFlags::DETACH) {
+            eprintln!("tilefs snapshotter: {}: cannot unmount: {e}", m.display());
+        }
+    }
+}
+
+/// Bytes (allocated) and inodes below `dir`, each inode counted once,
+/// symlinks not followed, other filesystems not entered.
+fn disk_usage(dir: &Path) -> (i64, i64) {
+    use std::os::unix::fs::MetadataExt;
+    let Ok(top) = std::fs::symlink_metadata(dir) else {
+        return (0, 0);
+    };
+    let mut seen = HashSet::new();
+    let (mut size, mut inodes) = (0i64, 0i64);
+    let mut stack = vec![dir.to_path_buf()];
+    while let Some(d) = stack.pop() {
+        let Ok(rd) = std::fs::read_dir(&d) else { continue };
+        for e in rd.flatten() {
+            let Ok(m) = e.metadata() else { continue };
+            if m.dev() != top.dev() || !seen.insert(m.ino()) {
+                continue;
+            }
+            inodes += 1;
+            size += (m.blocks() * 512) as i64;
+            if m.is_dir() {
+                stack.push(e.path());
+            }
+        }
+    }
+    (size, inodes)
+}
+
+#[tonic::async_trait]
+impl Snapshotter for Tilefs {
+    type Error = Error;
+
+    async fn stat(&self, key: String) -> Result<Info, Error> {
+        let s = self.s.clone();
+        blocking(move || s.stat(&key)).await
+    }
+
+    async fn update(&self, info: Info, fieldpaths: Option<Vec<String>>) -> Result<Info, Error> {
+        let s = self.s.clone();
+        blocking(move || s.update(info, fieldpaths)).await
+    }
+
+    async fn usage(&self, key: String) -> Result<Usage, Error> {
+        let s = self.s.clone();
+        blocking(move || s.usage(&key)).await
+    }
+
+    async fn mounts(&self, key: String) -> Result<Vec<Mount>, Error> {
+        let s = self.s.clone();
+        blocking(move || s.mounts(&key)).await
+    }
+
+    async fn prepare(&self, key: String, parent: String, labels: HashMap<String, String>) -> Result<Vec<Mount>, Error> {
+        let s = self.s.clone();
+        blocking(move || s.create(key, parent, labels, SnapKind::Active)).await
+    }
+
+    async fn view(&self, key: String, parent: String, labels: HashMap<String, String>) -> Result<Vec<Mount>, Error> {
+        let s = self.s.clone();
+        blocking(move || s.create(key, parent, labels, SnapKind::View)).await
+    }
+
+    async fn commit(&self, name: String, key: String, labels: HashMap<String, String>) -> Result<(), Error> {
+        let s = self.s.clone();
+        blocking(move || s.commit(name, key, labels)).await
+    }
+
+    async fn remove(&self, key: String) -> Result<(), Error> {
+        let s = self.s.clone();
+        blocking(move || s.remove(&key)).await
+    }
+
+    async fn clear(&self) -> Result<(), Error> {
+        let s = self.s.clone();
+        blocking(move || s.cleanup()).await
+    }
+
+    type InfoStream = tokio_stream::Iter<std::vec::IntoIter<Result<Info, Error>>>;
+
+    async fn list(&self, _snapshotter: String, filters: Vec<String>) -> Result<Self::InfoStream, Error> {
+        let s = self.s.clone();
+        let infos = blocking(move || s.list(&filters)).await?;
+        Ok(tokio_stream::iter(infos.into_iter().map(Ok).collect::<Vec<_>>()))
+    }
+}
+
+/// Serves the snapshotter on `cfg.socket` until SIGINT or SIGTERM.
+pub fn serve(cfg: &Config, ready: impl FnOnce(&Path)) -> Result<(), String> {
+    let snap = Tilefs::open(&cfg.root, &cfg.store)?;
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .max_blocking_threads(16)
+        .enable_all()
+        .build()
+        .map_err(|e| format!("cannot start the runtime: {e}"))?;
+    rt.block_on(async move {
+        let sock = &cfg.socket;
+        if let Some(dir) = sock.parent() {
+            std::fs::create_dir_all(dir).map_err(|e| format!("{}: cannot create: {e}", dir.display()))?;
+        }
+        if std::os::unix::net::UnixStream::connect(sock).is_ok() {
+            return Err(format!("{}: another server listens there", sock.display()));
+        }
+        match std::fs::symlink_metadata(sock) {
+            Ok(m) if std::os::unix::fs::FileTypeExt::is_socket(&m.file_type()) => {
+                let _ = std::fs::remove_file(sock);
+            }
+            Ok(_) => return Err(format!("{}: exists and is no socket", sock.display())),
+            Err(_) => {}
+        }
+        let listener =
+            tokio::net::UnixListener::bind(sock).map_err(|e| format!("{}: cannot listen: {e}", sock.display()))?;
+        rustix::fs::chmod(sock, rustix::fs::Mode::from_raw_mode(0o600))
+            .map_err(|e| format!("{}: cannot set its mode: {e}", sock.display()))?;
+        ready(sock);
+        let incoming = tokio_stream::wrappers::UnixListenerStream::new(listener);
+        let shutdown = async {
+            let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()).ok();
+            tokio::select! {
+                _ = tokio::signal::ctrl_c() => {}
+                _ = async { match term.as_mut() { Some(t) => { t.recv().await; } None => std::future::pending().await } } => {}
+            }
+        };
+        let r = tonic::transport::Server::builder()
+            .add_service(containerd_snapshots::server(Arc::new(snap)))
+            .serve_with_incoming_shutdown(incoming, shutdown)
+            .await
+            .map_err(|e| format!("{}: serving failed: {e}", sock.display()));
+        let _ = std::fs::remove_file(sock);
+        r
+    })
+}

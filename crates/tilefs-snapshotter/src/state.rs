@@ -1,0 +1,140 @@
+//! The snapshots' records: one small file per snapshot,
+//! `ROOT/metadata/ID`, written whole by rename (temporary file, fsync,
+//! rename, directory fsync), so that after a crash each record is the old
+//! one or the new one. A snapshot's directory is `ROOT/snapshots/ID`
+//! (`fs`: its upper directory, `work`: overlayfs's; a committed one keeps
+//! only `layer`, its entries); containerd's keys, which hold `/` and
+//! anything else, only ever appear inside records.
+
+use crate::layer::LayerUsage;
+use rustix::fs::{Mode, OFlags};
+use std::collections::HashMap;
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::time::SystemTime;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub enum SnapKind {
+    View,
+    Active,
+    Committed,
+}
+
+/// One snapshot's record.
+#[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
+pub struct Record {
+    pub id: u64,
+    pub key: String,
+    pub kind: SnapKind,
+    /// The parent's key ("" for none).
+    pub parent: String,
+    pub labels: HashMap<String, String>,
+    pub created: SystemTime,
+    pub updated: SystemTime,
+    /// A committed snapshot: what its layer holds.
+    #[serde(default)]
+    pub usage: Option<LayerUsage>,
+    /// A committed snapshot: the fs-verity digest (hex) of its chain's
+    /// flattened image, tagged in the store.
+    #[serde(default)]
+    pub image: Option<String>,
+}
+
+pub const METADATA: &str = "metadata";
+pub const SNAPSHOTS: &str = "snapshots";
+pub const MOUNTS: &str = "mnt";
+
+/// Loads every record; a record that does not parse is an error (it names
+/// the file), never silently dropped.
+pub fn load(root: &Path) -> Result<Vec<Record>, String> {
+    let dir = root.join(METADATA);
+    let mut out = Vec::new();
+    let rd = std::fs::read_dir(&dir).map_err(|e| format!("{}: cannot list: {e}", dir.display()))?;
+    for ent in rd {
+        let ent = ent.map_err(|e| format!("{}: cannot list: {e}", dir.display()))?;
+        let name = ent.file_name();
+        let Some(name) = name.to_str() else { continue };
+        if name.starts_with('.') || name.parse::<u64>().is_err() {
+            continue;
+        }
+        let p = ent.path();
+        let bytes = std::fs::read(&p).map_err(|e| format!("{}: cannot read: {e}", p.display()))?;
+        let r: Record =
+            serde_json::from_slice(&bytes).map_err(|e| format!("{}: not a snapshot record: {e}", p.display()))?;
+        if r.id.to_string() != name {
+            return Err(format!("{}: holds the record of snapshot {}", p.display(), r.id));
+        }
+        out.push(r);
+    }
+    Ok(out)
+}
+
+pub fn record_path(root: &Path, id: u64) -> PathBuf {
+    root.join(METADATA).join(id.to_string())
+}
+
+pub fn snapshot_dir(root: &Path, id: u64) -> PathBuf {
+    root.join(SNAPSHOTS).join(id.to_string())
+}
+
+pub fn mount_dir(root: &Path, id: u64) -> PathBuf {
+    root.join(MOUNTS).join(id.to_string())
+}
+
+/// Writes `r` atomically and durably.
+pub fn save(root: &Path, r: &Record) -> Result<(), String> {
+    let bytes = serde_json::to_vec(r).map_err(|e| format!("cannot encode the record of {}: {e}", r.key))?;
+    write_atomic(&record_path(root, r.id), &bytes)
+}
+
+/// Removes `id`'s record durably.
+pub fn delete(root: &Path, id: u64) -> Result<(), String> {
+    let p = record_path(root, id);
+    match std::fs::remove_file(&p) {
+        Ok(()) => {}
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+        Err(e) => return Err(format!("{}: cannot remove: {e}", p.display())),
+    }
+    sync_dir(p.parent().expect("a record has a directory"))
+}
+
+/// Writes `path` whole: a temporary file beside it, synced, renamed over
+/// it, the directory synced.
+pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<(), String> {
+    let dir = path.parent().expect("a file has a directory");
+    let tmp = dir.join(format!(
+        ".tmp-{}-{}",
+        path.file_name().and_then(|n| n.to_str()).unwrap_or("x"),
+        std::process::id()
+    ));
+    let fail = |what: &str, e: std::io::Error| format!("{}: {what}: {e}", path.display());
+    let fd = rustix::fs::open(
+        &tmp,
+        OFlags::WRONLY | OFlags::CREATE | OFlags::TRUNC | OFlags::NOFOLLOW | OFlags::CLOEXEC,
+        Mode::from_raw_mode(0o600),
+    )
+    .map_err(|e| fail("cannot create a temporary file", e.into()))?;
+    let mut f = std::fs::File::from(fd);
+    f.write_all(bytes).map_err(|e| fail("cannot write", e))?;
+    f.sync_all().map_err(|e| fail("cannot sync", e))?;
+    drop(f);
+    std::fs::rename(&tmp, path).map_err(|e| fail("cannot rename into place", e))?;
+    sync_dir(dir)
+}
+
+pub fn sync_dir(dir: &Path) -> Result<(), String> {
+    let d = std::fs::File::open(dir).map_err(|e| format!("{}: cannot open: {e}", dir.display()))?;
+    d.sync_all().map_err(|e| format!("{}: cannot sync: {e}", dir.display()))
+}
+
+/// A committed layer's entries, kept for the chains built on it.
+pub fn save_layer(root: &Path, id: u64, entries: &[tilefs_oci::layer::LayerEntry]) -> Result<(), String> {
+    let bytes = postcard::to_stdvec(entries).map_err(|e| format!("cannot encode layer {id}: {e}"))?;
+    write_atomic(&snapshot_dir(root, id).join("layer"), &bytes)
+}
+
+pub fn load_layer(root: &Path, id: u64) -> Result<Vec<tilefs_oci::layer::LayerEntry>, String> {
+    let p = snapshot_dir(root, id).join("layer");
+    let bytes = std::fs::read(&p).map_err(|e| format!("{}: cannot read: {e}", p.display()))?;
+    postcard::from_bytes(&bytes).map_err(|e| format!("{}: not a layer record: {e}", p.display()))
+}
