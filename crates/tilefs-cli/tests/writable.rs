@@ -248,7 +248,7 @@ fn apply(root: &Path, op: &Opn, seed: u64) -> i32 {
             Opn::Create(p, n, mode) => {
                 let fd = libc::open(
                     cpath(root, p).as_ptr(),
-                    libc::O_CREAT | libc::O_EXCL | libc::O_WRONLY,
+                    libc::O_CREAT | libc::O_EXCL | libc::O_WRONLY | libc::O_CLOEXEC,
                     *mode,
                 );
                 if fd < 0 {
@@ -269,7 +269,7 @@ fn apply(root: &Path, op: &Opn, seed: u64) -> i32 {
             Opn::OpenTrunc(p, n) => {
                 let fd = libc::open(
                     cpath(root, p).as_ptr(),
-                    libc::O_WRONLY | libc::O_TRUNC | libc::O_NOFOLLOW | libc::O_NONBLOCK,
+                    libc::O_WRONLY | libc::O_TRUNC | libc::O_NOFOLLOW | libc::O_NONBLOCK | libc::O_CLOEXEC,
                 );
                 if fd < 0 {
                     return last_errno();
@@ -325,7 +325,7 @@ fn apply(root: &Path, op: &Opn, seed: u64) -> i32 {
             Opn::Fallocate(p, mode, off, len) => {
                 let fd = libc::open(
                     cpath(root, p).as_ptr(),
-                    libc::O_WRONLY | libc::O_NOFOLLOW | libc::O_NONBLOCK,
+                    libc::O_WRONLY | libc::O_NOFOLLOW | libc::O_NONBLOCK | libc::O_CLOEXEC,
                 );
                 if fd < 0 {
                     return last_errno();
@@ -336,7 +336,11 @@ fn apply(root: &Path, op: &Opn, seed: u64) -> i32 {
                 return if r < 0 { e } else { 0 };
             }
             Opn::TmpfileLink(dir, p, n) => {
-                let fd = libc::open(cpath(root, dir).as_ptr(), libc::O_TMPFILE | libc::O_RDWR, 0o640);
+                let fd = libc::open(
+                    cpath(root, dir).as_ptr(),
+                    libc::O_TMPFILE | libc::O_RDWR | libc::O_CLOEXEC,
+                    0o640,
+                );
                 if fd < 0 {
                     return last_errno();
                 }
@@ -365,7 +369,13 @@ fn apply(root: &Path, op: &Opn, seed: u64) -> i32 {
 
 /// Writes `d` to the file `p` under `root` at `off` (None: appending).
 fn write_at(root: &Path, p: &Path, off: Option<u64>, d: &[u8]) -> i32 {
-    let flags = libc::O_WRONLY | libc::O_NOFOLLOW | libc::O_NONBLOCK | if off.is_none() { libc::O_APPEND } else { 0 };
+    // O_CLOEXEC: a server another test starts meanwhile must not inherit
+    // the descriptor and keep this mount busy.
+    let flags = libc::O_WRONLY
+        | libc::O_NOFOLLOW
+        | libc::O_NONBLOCK
+        | libc::O_CLOEXEC
+        | if off.is_none() { libc::O_APPEND } else { 0 };
     // SAFETY: plain syscalls on a NUL-terminated path and a valid buffer.
     unsafe {
         let fd = libc::open(cpath(root, p).as_ptr(), flags);
