@@ -951,4 +951,30 @@ fn the_signature_policy_decides_what_the_service_mounts() {
     ok(&s.mount_as_nobody("pulled", &mnt, &[]));
     ok(&s.umount_as_nobody(&mnt));
     assert!(!is_mounted(&mnt));
+
+    // A record where others may write (a careless chmod), or written by
+    // the user: the pulled image's record under the unchecked image's name
+    // must not pass for a check of it.
+    let trust = s.store.join(".trust");
+    let record = fs::read_dir(&trust).unwrap().flatten().next().unwrap().path();
+    let digest = |tag: &str| {
+        let out = tilefs(&[os("digest"), os("--store"), s.store.as_os_str(), os(tag)]);
+        String::from_utf8_lossy(&out.stdout)
+            .split_whitespace()
+            .next()
+            .unwrap()
+            .trim_start_matches("sha256:")
+            .to_string()
+    };
+    let forged = trust.join(format!("{}.json", digest("os:1")));
+    fs::copy(&record, &forged).unwrap();
+    fs::set_permissions(&trust, fs::Permissions::from_mode(0o777)).unwrap();
+    refused(&s.mount_as_nobody("os:1", &mnt, &[]), "is not root's alone");
+    fs::set_permissions(&trust, fs::Permissions::from_mode(0o755)).unwrap();
+    give_to_nobody(&forged);
+    refused(&s.mount_as_nobody("os:1", &mnt, &[]), "is not root's alone");
+    // Root's own record of the image it checked still serves.
+    ok(&s.mount_as_nobody("pulled", &mnt, &[]));
+    ok(&s.umount_as_nobody(&mnt));
+    assert!(!is_mounted(&mnt));
 }

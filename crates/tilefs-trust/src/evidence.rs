@@ -185,10 +185,15 @@ pub fn load(store: &Path, image: &[u8; 32]) -> Result<Vec<Evidence>, String> {
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(Vec::new()),
         Err(e) => return Err(format!("{}: {e}", p.display())),
     };
+    parse_list(&raw, &p)
+}
+
+/// The records of a `.trust` file's bytes (`origin` names it in errors).
+fn parse_list(raw: &[u8], origin: &Path) -> Result<Vec<Evidence>, String> {
     let list: Vec<serde_json::Value> =
-        serde_json::from_slice(&raw).map_err(|e| format!("{}: not a list of trust records: {e}", p.display()))?;
+        serde_json::from_slice(raw).map_err(|e| format!("{}: not a list of trust records: {e}", origin.display()))?;
     list.into_iter()
-        .map(|v| Evidence::parse(v.to_string().as_bytes()).map_err(|e| format!("{}: {e}", p.display())))
+        .map(|v| Evidence::parse(v.to_string().as_bytes()).map_err(|e| format!("{}: {e}", origin.display())))
         .collect()
 }
 
@@ -197,7 +202,26 @@ pub fn load(store: &Path, image: &[u8; 32]) -> Result<Vec<Evidence>, String> {
 /// pulled as; refused with every reason, or because it has no record (it
 /// did not come in through a checked pull).
 pub fn check_stored(store: &Path, image: &[u8; 32], policy: &Policy) -> Result<Accepted, String> {
-    let checks = load(store, image)?;
+    check_records(&load(store, image)?, store, image, policy)
+}
+
+/// [`check_stored`] for a record's bytes read by the caller (the mount
+/// service reads it through descriptors it has checked): `None` when the
+/// image has no record.
+pub fn check_record_bytes(
+    raw: Option<&[u8]>,
+    store: &Path,
+    image: &[u8; 32],
+    policy: &Policy,
+) -> Result<Accepted, String> {
+    let checks = match raw {
+        Some(raw) => parse_list(raw, &path(store, image))?,
+        None => Vec::new(),
+    };
+    check_records(&checks, store, image, policy)
+}
+
+fn check_records(checks: &[Evidence], store: &Path, image: &[u8; 32], policy: &Policy) -> Result<Accepted, String> {
     if checks.is_empty() {
         return Err(format!(
             "the image {} has no record of a signature policy check in {} (it was built, committed or \
@@ -210,7 +234,7 @@ pub fn check_stored(store: &Path, image: &[u8; 32], policy: &Policy) -> Result<A
         ));
     }
     let mut why = Vec::new();
-    for e in &checks {
+    for e in checks {
         match e.check(policy) {
             Ok(a) => return Ok(a),
             Err(r) => why.push(r.to_string()),

@@ -636,9 +636,74 @@ fn signature_check(store: &Path, tag: &str, file: &std::fs::File, policy_path: &
         .map_err(|e| format!("{tag}: cannot read the image: {e}"))?;
     let d = tilefs_image::verity::digest_bytes(&bytes);
     let policy = tilefs_trust::Policy::load(policy_path)?;
-    tilefs_trust::evidence::check_stored(store, &d, &policy)
+    let record = read_trust_record(store, &d).map_err(|e| format!("{tag} of store {}: {e}", store.display()))?;
+    tilefs_trust::evidence::check_record_bytes(record.as_deref(), store, &d, &policy)
         .map_err(|e| format!("{tag} of store {}: {e}", store.display()))?;
     Ok(d)
+}
+
+/// The record of the signature check of image `d` (`STORE/.trust/HEX.json`),
+/// if it has one, read only if root wrote it: the store, its `.trust`
+/// directory and the record must be root's and writable by no one else, and
+/// no symlink is followed. A record a user could write would let the user
+/// vouch for any image of theirs.
+fn read_trust_record(store: &Path, d: &[u8; 32]) -> Result<Option<Vec<u8>>, String> {
+    use std::io::Read;
+    let root_only = |fd: &OwnedFd, what: &str| -> Result<(), String> {
+        let st = rustix::fs::fstat(fd).map_err(|e| format!("{what}: {e}"))?;
+        if st.st_uid != 0 || st.st_mode & 0o022 != 0 {
+            return Err(format!(
+                "{what} is not root's alone (uid {}, mode {:04o}), so its signature check records cannot be trusted",
+                st.st_uid,
+                st.st_mode & 0o7777
+            ));
+        }
+        Ok(())
+    };
+    let dir = rustix::fs::open(
+        store,
+        OFlags::RDONLY | OFlags::DIRECTORY | OFlags::CLOEXEC,
+        Mode::empty(),
+    )
+    .map_err(|e| format!("the store: {e}"))?;
+    root_only(&dir, "the store")?;
+    let resolve = ResolveFlags::BENEATH | ResolveFlags::NO_SYMLINKS | ResolveFlags::NO_MAGICLINKS;
+    let trust = match rustix::fs::openat2(
+        &dir,
+        tilefs_store::store::TRUST_DIR,
+        OFlags::RDONLY | OFlags::DIRECTORY | OFlags::CLOEXEC,
+        Mode::empty(),
+        resolve,
+    ) {
+        Ok(fd) => fd,
+        Err(Errno::NOENT) => return Ok(None),
+        Err(e) => return Err(format!("{}: {e}", tilefs_store::store::TRUST_DIR)),
+    };
+    root_only(&trust, tilefs_store::store::TRUST_DIR)?;
+    let name = format!("{}.json", hex::encode(d));
+    let fd = match rustix::fs::openat2(
+        &trust,
+        name.as_str(),
+        OFlags::RDONLY | OFlags::NONBLOCK | OFlags::NOCTTY | OFlags::CLOEXEC,
+        Mode::empty(),
+        resolve,
+    ) {
+        Ok(fd) => fd,
+        Err(Errno::NOENT) => return Ok(None),
+        Err(e) => return Err(format!("{name}: {e}")),
+    };
+    let st = rustix::fs::fstat(&fd).map_err(|e| format!("{name}: {e}"))?;
+    if rustix::fs::FileType::from_raw_mode(st.st_mode) != rustix::fs::FileType::RegularFile {
+        return Err(format!("{name}: not a regular file"));
+    }
+    root_only(&fd, &name)?;
+    let mut raw = Vec::new();
+    // Records are small; one larger than this is not ours.
+    std::fs::File::from(fd)
+        .take(1 << 20)
+        .read_to_end(&mut raw)
+        .map_err(|e| format!("{name}: {e}"))?;
+    Ok(Some(raw))
 }
 
 fn open_tag(store: &Path, tag: &str) -> Result<std::fs::File, String> {
