@@ -529,23 +529,12 @@ fn a_registry_that_lies_or_stalls_fails_the_pull_cleanly() {
     assert!(err.contains("no answer within 3 s"), "{err}");
     // On a terminal (script(1) gives it one), the progress display says
     // what it is doing, and that it is waiting for the server.
-    require(
-        Command::new("script")
-            .arg("--version")
-            .output()
-            .is_err()
-            .then(|| "script(1) (util-linux) is needed".to_string()),
-    );
     let cmd = format!(
         "{} pull --store {} --tls-verify=false --timeout 3 docker://{addr}/x/y:z",
         tilefs_bin().display(),
         store.display()
     );
-    let out = Command::new("script")
-        .args(["-qec", &cmd, "/dev/null"])
-        .stdin(Stdio::null())
-        .output()
-        .unwrap();
+    let out = on_terminal(&cmd);
     assert_eq!(out.status.code(), Some(1));
     let shown = String::from_utf8_lossy(&out.stdout);
     assert!(

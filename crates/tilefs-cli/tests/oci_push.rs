@@ -762,23 +762,12 @@ fn push_takes_names_as_podman_does_and_waits_no_longer_than_the_timeout() {
     );
     // On a terminal (script(1) gives it one), the progress display says
     // what it is doing, and that it is waiting for the server.
-    require(
-        Command::new("script")
-            .arg("--version")
-            .output()
-            .is_err()
-            .then(|| "script(1) (util-linux) is needed".to_string()),
-    );
     let cmd = format!(
         "{} push --store {} --tls-verify=false --timeout 3 app docker://{addr}/team/app:v1",
         tilefs_bin().display(),
         store.display()
     );
-    let out = Command::new("script")
-        .args(["-qec", &cmd, "/dev/null"])
-        .stdin(Stdio::null())
-        .output()
-        .unwrap();
+    let out = on_terminal(&cmd);
     assert_eq!(out.status.code(), Some(1));
     let shown = String::from_utf8_lossy(&out.stdout);
     assert!(shown.contains(&format!("blobs to {addr}: 0 blobs, 0 B / ")), "{shown}");

@@ -846,3 +846,20 @@ pub fn oci_layout(dir: &Path, name: &str, seed: &str) {
     )
     .unwrap();
 }
+
+/// Runs the shell command `cmd` on a terminal (script(1) gives it one) and
+/// returns what the terminal showed, with its exit status.
+pub fn on_terminal(cmd: &str) -> Output {
+    require(
+        Command::new("script")
+            .arg("--version")
+            .output()
+            .is_err()
+            .then(|| "script(1) (util-linux) is needed".to_string()),
+    );
+    Command::new("script")
+        .args(["-qec", cmd, "/dev/null"])
+        .stdin(std::process::Stdio::null())
+        .output()
+        .unwrap()
+}
