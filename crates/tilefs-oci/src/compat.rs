@@ -20,6 +20,26 @@ pub const KEPT_XATTR: &[u8] = b"security.capability";
 /// The image format version composefs-rs writes for OCI images.
 pub const FORMAT_VERSION: u32 = 1;
 
+/// The image of the layers `applier` applied, as composefs-rs writes it:
+/// the tree normalized by [`normalize`] (before it is finished, so what it
+/// drops is not carried over), at [`FORMAT_VERSION`]. Pulls and the
+/// snapshotter's chains are written by this one function, so the two give
+/// the same bytes.
+pub fn write_image(
+    mut applier: crate::apply::Applier,
+) -> Result<(Tree, tilefs_image::erofs::Image), tilefs_image::erofs::WriteError> {
+    normalize(applier.tree_mut());
+    let tree = applier.finish();
+    let image = tilefs_image::erofs::write_image(
+        &tree,
+        &tilefs_image::erofs::WriteOptions {
+            min_version: FORMAT_VERSION,
+            max_version: FORMAT_VERSION,
+        },
+    )?;
+    Ok((tree, image))
+}
+
 /// Whether the image keeps a layer's xattr `key`.
 pub fn keeps_xattr(key: &[u8], keep_all_xattrs: bool) -> bool {
     keep_all_xattrs || key == KEPT_XATTR

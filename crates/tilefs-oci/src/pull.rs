@@ -20,7 +20,6 @@ use std::collections::HashMap;
 use std::io::{self, BufRead, BufReader, Read};
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering::Relaxed};
 use std::sync::{mpsc, Arc, Condvar, Mutex};
-use tilefs_image::erofs::{self, WriteOptions};
 use tilefs_store::ingest::{Ingest, Method, StatsSnapshot};
 use tilefs_store::{tags, Store};
 
@@ -161,16 +160,8 @@ pub fn pull(store: &Store, r: &ImageRef, tag: &str, opts: &PullOptions) -> Resul
         entries += l.len();
         applier.apply_layer(&blob.digest.to_string(), l)?;
     }
-    compat::normalize(applier.tree_mut());
-    let tree = applier.finish();
-    let image = erofs::write_image(
-        &tree,
-        &WriteOptions {
-            min_version: compat::FORMAT_VERSION,
-            max_version: compat::FORMAT_VERSION,
-        },
-    )
-    .map_err(|e| OciError::manifest(r.to_string(), format!("cannot write the image: {e}")))?;
+    let (tree, image) = compat::write_image(applier)
+        .map_err(|e| OciError::manifest(r.to_string(), format!("cannot write the image: {e}")))?;
     let objects = ingest.finish()?;
     crate::trust::save_evidence(store, &image.digest, &resolved)?;
     tags::write_tag(store, tag, &image.bytes)?;

@@ -30,7 +30,6 @@ use std::collections::{HashMap, HashSet};
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 use std::time::SystemTime;
-use tilefs_image::erofs::{self, WriteOptions};
 use tilefs_oci::apply::Applier;
 use tilefs_oci::compat;
 use tilefs_store::ingest::{Ingest, Method};
@@ -465,16 +464,8 @@ impl Shared {
         applier
             .apply_layer(&format!("snapshot {id}"), entries)
             .map_err(|e| internal(format!("commit: {e}")))?;
-        compat::normalize(applier.tree_mut());
-        let tree = applier.finish();
-        let image = erofs::write_image(
-            &tree,
-            &WriteOptions {
-                min_version: compat::FORMAT_VERSION,
-                max_version: compat::FORMAT_VERSION,
-            },
-        )
-        .map_err(|e| internal(format!("commit: cannot write the image: {e}")))?;
+        let (_, image) =
+            compat::write_image(applier).map_err(|e| internal(format!("commit: cannot write the image: {e}")))?;
         ingest.finish().map_err(internal)?;
         tags::write_tag(&store, &self.tag(id), &image.bytes).map_err(internal)?;
         drop(ingest);
