@@ -10,7 +10,9 @@ in the same loop, runs interleaved (order rotated every run):
   - native:  the source files themselves on the local filesystem (data rows).
 
 Workloads (issue 5): `ls -lR` of cs9-x86_64-developer cold and warm, `stat` of
-500/1000/1900 random entries cold and warm, sequential read of a 1 GiB file
+500/1000/1900 random entries cold and warm, `lstat` of 1000 random entries
+by path timed inside the process with only dentries and inodes dropped
+(issue 28: lookups alone), sequential read of a 1 GiB file
 (passthrough, and the server's own reads; warm, also an ext4 copy cached in
 4 KiB folios as FUSE's page cache is on this kernel), access(2) throughput with 1 and 2
 processes (will-it-scale access1 pattern), open(2) + close(2) of the zstd
@@ -73,6 +75,40 @@ int main(int argc, char **argv) {
     long n = atol(argv[1]);
     for (long i = 0; i < n; i++)
         if (access(argv[2], R_OK) != 0) { perror(argv[2]); return 1; }
+    return 0;
+}
+"""
+
+LSTAT_C = r"""
+#define _GNU_SOURCE
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <time.h>
+/* lstat(2) of every path listed in argv[2] (one a line) under the root
+   argv[1]; prints the nanoseconds the calls took, the process's start and
+   the list's reading left out. */
+int main(int argc, char **argv) {
+    if (argc != 3) return 2;
+    FILE *f = fopen(argv[2], "r");
+    if (!f) { perror(argv[2]); return 1; }
+    size_t cap = 1024, n = 0;
+    char **v = malloc(cap * sizeof *v), line[8192];
+    while (fgets(line, sizeof line, f)) {
+        line[strcspn(line, "\n")] = 0;
+        if (n == cap) v = realloc(v, (cap *= 2) * sizeof *v);
+        if (asprintf(&v[n++], "%s%s", argv[1], line) < 0) return 1;
+    }
+    struct timespec a, b;
+    struct stat st;
+    long bad = 0;
+    clock_gettime(CLOCK_MONOTONIC, &a);
+    for (size_t i = 0; i < n; i++)
+        if (lstat(v[i], &st) != 0) bad++;
+    clock_gettime(CLOCK_MONOTONIC, &b);
+    if (bad) { fprintf(stderr, "%ld of %zu lstat calls failed\n", bad, n); return 1; }
+    printf("%ld\n", (b.tv_sec - a.tv_sec) * 1000000000L + (b.tv_nsec - a.tv_nsec));
     return 0;
 }
 """
@@ -501,8 +537,54 @@ def metadata_rows(b, work: Path, m: Mounts) -> None:
                         argv_of, True, goals["stat-dentries"], after_drop=lambda k: read_file(images.get(k, image)))
         compare_all(f"stat-{n}/warm", f"stat of {n} random entries, warm cache", argv_of, False, goals["stat"])
 
+    if b.can_drop_caches():
+        lookup_rows(b, work, {k: mnt[k] for k in configs}, paths, images, image, fuse_keys, label)
+
     for k in fuse_keys:
         server_rss(b, f"rss/{k}", "the cs9 rows", mnt[k], label[k], image_size)
+
+
+LOOKUP_RUNS = 5
+
+
+def lookup_rows(b, work: Path, mnt: dict, paths: list, images: dict, image: Path, fuse_keys: list,
+                label: dict) -> None:
+    """lstat(2) of 1000 random cs9 entries by their path from the mount root,
+    so every dentry on the way is looked up: only the dentries and inodes
+    dropped (`echo 2 > drop_caches`), the image's pages cached (read back
+    for the mounts that read it), timed inside the process (its start and
+    the list's reading left out), median of LOOKUP_RUNS, interleaved."""
+    prog = compile_c(shutil.which("gcc"), work / "lstatn", LSTAT_C)
+    if prog is None:
+        b.skip("lookup", "lstat of 1000 random entries by path", "gcc not found or failed")
+        return
+    sample = random.Random(SEED + 7).sample(paths, min(1000, len(paths)))
+    listing = work / "lookup-paths"
+    listing.write_text("".join(p + "\n" for p in sample))
+    title = "lstat of 1000 random entries by path, dentries dropped (echo 2), image cached"
+    series = {k: lib.Series(label[k], [str(prog), str(mnt[k]), str(listing)]) for k in mnt}
+    keys = list(mnt)
+    for i in range(-1, LOOKUP_RUNS):
+        for k in keys[i % len(keys):] + keys[: i % len(keys)] if i >= 0 else keys:
+            s = series[k]
+            if s.error is not None:
+                continue
+            os.sync()
+            Path("/proc/sys/vm/drop_caches").write_text("2\n")
+            read_file(images.get(k, image))
+            r = subprocess.run(s.argv, capture_output=True, text=True, timeout=b.timeout)
+            if r.returncode != 0:
+                s.error = f"exit {r.returncode}: {r.stderr.strip()[-200:]}"
+                continue
+            if i >= 0:
+                s.samples.append(lib.Sample(int(r.stdout) / 1e9, 0.0, 0.0, 0, 0))
+            b.progress(f"{title}: {s.tool} run {i + 1}: {int(r.stdout) / 1e6:.1f} ms", final=False)
+    for s in series.values():
+        if s.error is not None:
+            s.samples.clear()
+    rows_for(b, "lookup/1000", title, series, fuse_keys, {"kernel": 1.5, "composefs-fuse": 1.0,
+                                                           "composefs-rs": None}, label, cold=True,
+             notes=["timed inside the process: lstat calls only"])
 
     # Each cache setting switched off, on the listing and stat rows, with the
     # default transport (io_uring where available).

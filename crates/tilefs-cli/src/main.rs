@@ -109,6 +109,8 @@ fn one_line(msg: &str) -> String {
 }
 
 fn main() -> ExitCode {
+    // A FUSE server forked from here closes them (see fuse_serve).
+    tilefs_sys::process::note_inherited_fds();
     // mount(8) runs us as mount.tilefs (a link to this binary).
     let name = std::env::args_os().next().map(std::path::PathBuf::from);
     if name

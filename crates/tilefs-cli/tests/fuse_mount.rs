@@ -959,6 +959,49 @@ fn sigterm_unmounts_and_umount_clears_a_dead_server() {
     );
 }
 
+#[test]
+fn the_background_server_keeps_none_of_the_callers_descriptors() {
+    require(cannot_test());
+    let a = Area::new();
+    let (_src, store, image) = small_store(&a);
+    let mnt = a.dir("mnt");
+    // As in `out=$(tilefs mount ... 3>&1)` or a pipeline: the shell hands
+    // tilefs a pipe as descriptor 3. The server outliving the command must
+    // not hold it, or whoever reads the pipe waits for the server's end.
+    let mut sh = Command::new("sh")
+        .arg("-c")
+        .arg(r#"exec 3>&1; exec "$1" mount --fuse --store "$2" "$3" "$4" >/dev/null"#)
+        .args([
+            "sh".as_ref(),
+            tilefs_bin().as_os_str(),
+            store.as_os_str(),
+            image.as_os_str(),
+        ])
+        .arg(&mnt)
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .spawn()
+        .unwrap();
+    // Not read to its end: that would hang on the bug this test is about.
+    let status = sh.wait().unwrap();
+    let _m = FuseMounted {
+        mount: Mounted(mnt.clone()),
+        child: None,
+    };
+    assert!(status.success(), "tilefs mount --fuse failed");
+    let pid = server_pid(&mnt).expect("background server process");
+    let fds: Vec<String> = fs::read_dir(format!("/proc/{pid}/fd"))
+        .unwrap()
+        .flatten()
+        .filter_map(|e| fs::read_link(e.path()).ok())
+        .map(|l| l.display().to_string())
+        .collect();
+    assert!(
+        !fds.iter().any(|l| l.starts_with("pipe:")),
+        "the server holds a pipe: {fds:?}"
+    );
+}
+
 // ---------------------------------------------------------------------------
 // Robustness
 // ---------------------------------------------------------------------------

@@ -31,3 +31,48 @@ pub fn fork() -> io::Result<Forked> {
         )),
     }
 }
+
+/// The descriptors above stderr that this process was started with, noted
+/// by [`note_inherited_fds`].
+static INHERITED: std::sync::OnceLock<Vec<i32>> = std::sync::OnceLock::new();
+
+/// Notes the descriptors above stderr open now: call it first thing in
+/// `main`, when every one of them was inherited, none opened by us.
+pub fn note_inherited_fds() {
+    let mut fds = Vec::new();
+    if let Ok(dir) = rustix::fs::open(
+        "/proc/self/fd",
+        rustix::fs::OFlags::RDONLY | rustix::fs::OFlags::DIRECTORY | rustix::fs::OFlags::CLOEXEC,
+        rustix::fs::Mode::empty(),
+    ) {
+        use std::os::fd::AsRawFd;
+        let own = dir.as_raw_fd();
+        if let Ok(entries) = rustix::fs::Dir::read_from(&dir) {
+            for e in entries.flatten() {
+                if let Ok(fd) = e.file_name().to_string_lossy().parse::<i32>() {
+                    if fd > 2 && fd != own {
+                        fds.push(fd);
+                    }
+                }
+            }
+        }
+    }
+    let _ = INHERITED.set(fds);
+}
+
+/// Closes the descriptors [`note_inherited_fds`] found: in a server that
+/// outlives the command that started it, they would keep the caller's
+/// pipes and files open (a shell waiting for a pipe's end would wait for
+/// the server's).
+pub fn close_inherited_fds() {
+    for &fd in INHERITED.get().map(Vec::as_slice).unwrap_or_default() {
+        // SAFETY: these descriptors were open before main ran and no part
+        // of tilefs owns them (nothing of ours was opened yet when they
+        // were noted, and tilefs never closes what it did not open, so the
+        // numbers were not reused by an owned descriptor); closing them
+        // invalidates no OwnedFd or File of ours.
+        unsafe {
+            libc::close(fd);
+        }
+    }
+}
