@@ -44,7 +44,9 @@ impl FetchLocks {
             store.dir_fd(),
             FETCH_LOCK,
             OFlags::RDWR | OFlags::CREATE | OFlags::NOFOLLOW | OFlags::NONBLOCK | OFlags::CLOEXEC,
-            Mode::from_raw_mode(0o644),
+            // Only those who may write the store fetch into it; a reader's
+            // shared lock could only hold their fetches back.
+            Mode::from_raw_mode(0o600),
         )
         .ok()?;
         let regular = rfs::fstat(&fd).is_ok_and(|st| rfs::FileType::from_raw_mode(st.st_mode).is_file());
