@@ -33,6 +33,8 @@ without io_uring (1 and 4 threads against 2), and the cs9 tree ten times
 over under /d0../d9 (642k entries): `ls -lR` cold and warm, the server's
 RSS against the image size + 32 MiB.
 
+`BENCH_FUSE_PARTS` picks parts (default "metadata lookup tenfold data").
+
 Root only (kernel mounts, drop_caches, passthrough, enable_uring). Every
 mount is undone when the section ends, then enable_uring is put back, also
 on failure or Ctrl-C.
@@ -418,9 +420,13 @@ def run(b) -> None:
                     or "not recorded (set COMPOSEFS_BUILD)"
                 b.note(f"composefs-fuse (the C reference's FUSE server, libfuse 3, multi-threaded): {cfs}; built: {how}")
             m = Mounts(b, work, cleanup, uring)
-            metadata_rows(b, work, m)
-            tenfold_rows(b, work, m)
-            data_rows(b, work, m)
+            parts = (os.environ.get("BENCH_FUSE_PARTS") or "metadata lookup tenfold data").replace(",", " ").split()
+            if "metadata" in parts or "lookup" in parts:
+                metadata_rows(b, work, m, parts)
+            if "tenfold" in parts:
+                tenfold_rows(b, work, m)
+            if "data" in parts:
+                data_rows(b, work, m)
         finally:
             cleanup.run()  # every io_uring mount is gone before enable_uring goes back
 
@@ -466,7 +472,7 @@ def server_rss(b, id: str, what: str, mnt: Path, label: str, image_size: int) ->
                        "goal_met": hwm <= limit})
 
 
-def metadata_rows(b, work: Path, m: Mounts) -> None:
+def metadata_rows(b, work: Path, m: Mounts, parts: list) -> None:
     src = b.assets / DUMP
     if not src.is_file():
         b.skip("cs9", "ls -lR and stat on cs9-x86_64-developer", f"{src} not found (set TILEFS_ASSETS)")
@@ -522,6 +528,11 @@ def metadata_rows(b, work: Path, m: Mounts) -> None:
                  cold=cold)
         return s
 
+    if b.can_drop_caches() and "lookup" in parts:
+        lookup_rows(b, work, {k: mnt[k] for k in configs}, paths, images, image, fuse_keys, label)
+    if "metadata" not in parts:
+        return
+
     if b.can_drop_caches():
         compare_all("ls-lR/cold", "ls -lR cs9, cold cache", lambda p: ["ls", "-lR", p], True, goals["ls-lR/cold"])
     compare_all("ls-lR/warm", "ls -lR cs9, warm cache", lambda p: ["ls", "-lR", p], False, goals["ls-lR/warm"])
@@ -537,54 +548,8 @@ def metadata_rows(b, work: Path, m: Mounts) -> None:
                         argv_of, True, goals["stat-dentries"], after_drop=lambda k: read_file(images.get(k, image)))
         compare_all(f"stat-{n}/warm", f"stat of {n} random entries, warm cache", argv_of, False, goals["stat"])
 
-    if b.can_drop_caches():
-        lookup_rows(b, work, {k: mnt[k] for k in configs}, paths, images, image, fuse_keys, label)
-
     for k in fuse_keys:
         server_rss(b, f"rss/{k}", "the cs9 rows", mnt[k], label[k], image_size)
-
-
-LOOKUP_RUNS = 5
-
-
-def lookup_rows(b, work: Path, mnt: dict, paths: list, images: dict, image: Path, fuse_keys: list,
-                label: dict) -> None:
-    """lstat(2) of 1000 random cs9 entries by their path from the mount root,
-    so every dentry on the way is looked up: only the dentries and inodes
-    dropped (`echo 2 > drop_caches`), the image's pages cached (read back
-    for the mounts that read it), timed inside the process (its start and
-    the list's reading left out), median of LOOKUP_RUNS, interleaved."""
-    prog = compile_c(shutil.which("gcc"), work / "lstatn", LSTAT_C)
-    if prog is None:
-        b.skip("lookup", "lstat of 1000 random entries by path", "gcc not found or failed")
-        return
-    sample = random.Random(SEED + 7).sample(paths, min(1000, len(paths)))
-    listing = work / "lookup-paths"
-    listing.write_text("".join(p + "\n" for p in sample))
-    title = "lstat of 1000 random entries by path, dentries dropped (echo 2), image cached"
-    series = {k: lib.Series(label[k], [str(prog), str(mnt[k]), str(listing)]) for k in mnt}
-    keys = list(mnt)
-    for i in range(-1, LOOKUP_RUNS):
-        for k in keys[i % len(keys):] + keys[: i % len(keys)] if i >= 0 else keys:
-            s = series[k]
-            if s.error is not None:
-                continue
-            os.sync()
-            Path("/proc/sys/vm/drop_caches").write_text("2\n")
-            read_file(images.get(k, image))
-            r = subprocess.run(s.argv, capture_output=True, text=True, timeout=b.timeout)
-            if r.returncode != 0:
-                s.error = f"exit {r.returncode}: {r.stderr.strip()[-200:]}"
-                continue
-            if i >= 0:
-                s.samples.append(lib.Sample(int(r.stdout) / 1e9, 0.0, 0.0, 0, 0))
-            b.progress(f"{title}: {s.tool} run {i + 1}: {int(r.stdout) / 1e6:.1f} ms", final=False)
-    for s in series.values():
-        if s.error is not None:
-            s.samples.clear()
-    rows_for(b, "lookup/1000", title, series, fuse_keys, {"kernel": 1.5, "composefs-fuse": 1.0,
-                                                           "composefs-rs": None}, label, cold=True,
-             notes=["timed inside the process: lstat calls only"])
 
     # Each cache setting switched off, on the listing and stat rows, with the
     # default transport (io_uring where available).
@@ -656,6 +621,51 @@ def lookup_rows(b, work: Path, mnt: dict, paths: list, images: dict, image: Path
 # ---------------------------------------------------------------------------
 # The cs9 tree ten times over (642k entries).
 # ---------------------------------------------------------------------------
+
+LOOKUP_RUNS = 5
+
+
+def lookup_rows(b, work: Path, mnt: dict, paths: list, images: dict, image: Path, fuse_keys: list,
+                label: dict) -> None:
+    """lstat(2) of 1000 random cs9 entries by their path from the mount root,
+    so every dentry on the way is looked up: only the dentries and inodes
+    dropped (`echo 2 > drop_caches`), the image's pages cached (read back
+    for the mounts that read it), timed inside the process (its start and
+    the list's reading left out), median of LOOKUP_RUNS, interleaved."""
+    prog = compile_c(shutil.which("gcc"), work / "lstatn", LSTAT_C)
+    if prog is None:
+        b.skip("lookup", "lstat of 1000 random entries by path", "gcc not found or failed")
+        return
+    sample = random.Random(SEED + 7).sample(paths, min(1000, len(paths)))
+    listing = work / "lookup-paths"
+    listing.write_text("".join(p + "\n" for p in sample))
+    title = "lstat of 1000 random entries by path, dentries dropped (echo 2), image cached"
+    series = {k: lib.Series(label[k], [str(prog), str(mnt[k]), str(listing)]) for k in mnt}
+    keys = list(mnt)
+    for i in range(-1, LOOKUP_RUNS):
+        for k in keys[i % len(keys):] + keys[: i % len(keys)] if i >= 0 else keys:
+            s = series[k]
+            if s.error is not None:
+                continue
+            os.sync()
+            Path("/proc/sys/vm/drop_caches").write_text("2\n")
+            read_file(images.get(k, image))
+            smp = lib.run_once(s.argv, timeout=b.timeout, capture_stdout=True)
+            if not smp.ok:
+                s.error = lib.describe_failure(smp, b.timeout)
+                continue
+            # The program's own timing replaces the process's wall time.
+            smp.wall = int(smp.stdout) / 1e9
+            if i >= 0:
+                s.samples.append(smp)
+            b.progress(f"{title}: {s.tool} run {i + 1}: {smp.wall * 1e3:.1f} ms", final=False)
+    for s in series.values():
+        if s.error is not None:
+            s.samples.clear()
+    rows_for(b, "lookup/1000", title, series, fuse_keys, {"kernel": 1.5, "composefs-fuse": 1.0,
+                                                           "composefs-rs": None}, label, cold=True,
+             notes=["timed inside the process: lstat calls only"])
+
 
 
 def tenfold_dump(src: Path, dest: Path, copies: int = 10) -> int:
