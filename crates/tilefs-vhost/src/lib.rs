@@ -491,13 +491,15 @@ impl<F: Filesystem> VhostUserBackend for Backend<F> {
         device_event: u16,
         evset: EventSet,
         vrings: &[Self::Vring],
-        _thread_id: usize,
+        thread_id: usize,
     ) -> io::Result<()> {
         if evset != EventSet::IN {
             return Ok(());
         }
-        let q = usize::from(device_event);
-        let Some(vring) = vrings.get(q) else {
+        // `device_event` indexes this thread's vrings; a thread has one
+        // queue (queues_per_thread), so the queue is the thread's index.
+        let q = thread_id;
+        let Some(vring) = vrings.get(usize::from(device_event)) else {
             return Ok(());
         };
         if q == 0 {
@@ -505,6 +507,9 @@ impl<F: Filesystem> VhostUserBackend for Backend<F> {
                 let (chain, buf) = &mut *b.borrow_mut();
                 self.dev.drain(vring, chain, buf)
             });
+        }
+        if q >= self.pools.len() {
+            return Ok(());
         }
         self.start_pool(q, vring)?;
         self.pools[q].kick();
