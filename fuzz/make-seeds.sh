@@ -4,7 +4,11 @@
 # of the limit tests in crates/tilefs-cli/tests/oci_pull.rs (names of 252-259
 # bytes, whiteouts and opaque markers of them, paths past PATH_MAX, 4095-byte
 # symlink targets, xattrs at their limits, and each one past its limit),
-# which that test writes when TILEFS_WRITE_LAYER_SEEDS names a directory.
+# which that test writes when TILEFS_WRITE_LAYER_SEEDS names a directory,
+# and fuzz/corpus/virtio_request from well-formed virtqueues of requests
+# (tilefs_vhost::fuzzing::seeds(), written by the test
+# the_fuzz_seeds_are_well_formed_queues when TILEFS_WRITE_VIRTIO_SEEDS names
+# a directory).
 # The dumps come from:
 #   - fuzz/seeds/*.dump (small, in git),
 #   - the small *.dump files of $ASSETS (composefs test vectors),
@@ -65,6 +69,8 @@ add() { # add FILE DIR: copy FILE into DIR named by its sha256
 done
 (cd "$here/.." && TILEFS_WRITE_LAYER_SEEDS="$corpus/oci_layer" \
     cargo test -q --release --locked -p tilefs --test oci_pull names_and_paths_at_their_limits >/dev/null)
-for t in parse_dump read_image roundtrip_image oci_layer; do
+(cd "$here/.." && TILEFS_WRITE_VIRTIO_SEEDS="$corpus/virtio_request" \
+    cargo test -q --release --locked -p tilefs-vhost --test chains the_fuzz_seeds_are_well_formed_queues >/dev/null)
+for t in parse_dump read_image roundtrip_image oci_layer virtio_request; do
     echo "$t: $(ls "$corpus/$t" | wc -l) seeds"
 done

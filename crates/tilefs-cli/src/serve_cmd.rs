@@ -34,10 +34,14 @@ pub struct ServeArgs {
     /// Refuse the image unless its fs-verity digest is this (64 hex digits)
     #[arg(long, value_name = "DIGEST")]
     pub digest: Option<String>,
-    /// Request queues (besides virtio-fs's high-priority queue); match the VMM's
-    /// num-request-queues
-    #[arg(long, default_value_t = 1, value_name = "N")]
-    pub queues: usize,
+    /// Request queues offered (besides virtio-fs's high-priority queue): the most the VMM may
+    /// use (QEMU's num-request-queues, 1 to 63)
+    #[arg(long, default_value_t = 8, value_name = "N", value_parser = clap::value_parser!(u16).range(1..=63))]
+    pub queues: u16,
+    /// Requests answered at once on each request queue (the default is one per core, at least 2;
+    /// at least 16 for an image pulled with --lazy, whose fetches hold their threads)
+    #[arg(long, default_value_t = tilefs_fuse::default_threads(), value_name = "N")]
+    pub threads: usize,
     /// Exit when the VMM disconnects (else serve the next one)
     #[arg(long)]
     pub once: bool,
@@ -72,6 +76,8 @@ pub fn run(a: ServeArgs) -> Result<ExitCode> {
     let store = a.store.path()?;
     let spec = tilefs_present::serve_spec(&store, &a.image, upper, verity, digest, log)?;
     let server = tilefs_fuse::Server::build(&spec)?;
+    // The same worker count as a FUSE mount of the image would have.
+    let threads = server.serve_config(a.threads, true, Some(false)).threads;
     let log = server.log_fn();
     let fs = Arc::new(server.filesystem());
     let socket = std::path::absolute(&a.vhost_user).context("--vhost-user")?;
@@ -91,7 +97,8 @@ pub fn run(a: ServeArgs) -> Result<ExitCode> {
     let opts = tilefs_vhost::Options {
         socket: socket.clone(),
         tag: a.virtiofs_tag.clone(),
-        request_queues: a.queues,
+        request_queues: usize::from(a.queues),
+        threads,
         once: a.once,
     };
     let r = tilefs_vhost::serve(fs, log, &opts);

@@ -7,16 +7,13 @@
 mod common;
 
 use common::oci::*;
-use common::registry::Registry;
+use common::registry::{Gate, Registry};
 use common::*;
 use std::collections::HashSet;
 use std::fs;
-use std::io::{Read, Write};
-use std::net::{TcpListener, TcpStream};
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering::Relaxed};
-use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering::Relaxed};
 use std::time::{Duration, Instant};
 
 /// The soak's tree: several hundred files of 100 B to 300 KiB, a few of
@@ -251,66 +248,6 @@ fn parallel_readers_of_a_lazy_mount_share_each_fetch() {
     assert_no_temporary_files(&lazy);
     assert!(fsck_text(&lazy).contains("clean"));
     eprintln!("soak: {:?}", t0.elapsed());
-}
-
-/// Forwards 127.0.0.1 connections to `upstream` while open; while closed,
-/// nothing more goes downstream (connections stall, as behind a dead link).
-struct Gate {
-    addr: String,
-    closed: Arc<AtomicBool>,
-    stop: Arc<AtomicBool>,
-}
-
-impl Gate {
-    fn start(upstream: &str) -> Gate {
-        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
-        let addr = listener.local_addr().unwrap().to_string();
-        listener.set_nonblocking(true).unwrap();
-        let closed = Arc::new(AtomicBool::new(false));
-        let stop = Arc::new(AtomicBool::new(false));
-        let (upstream, closed2, stop2) = (upstream.to_string(), closed.clone(), stop.clone());
-        std::thread::spawn(move || {
-            while !stop2.load(Relaxed) {
-                let Ok((client, _)) = listener.accept() else {
-                    std::thread::sleep(Duration::from_millis(10));
-                    continue;
-                };
-                client.set_nonblocking(false).unwrap();
-                let Ok(server) = TcpStream::connect(&upstream) else {
-                    continue;
-                };
-                let (c2, s2) = (client.try_clone().unwrap(), server.try_clone().unwrap());
-                std::thread::spawn(move || {
-                    let _ = std::io::copy(&mut { c2 }, &mut { s2 });
-                });
-                let (closed, stop) = (closed2.clone(), stop2.clone());
-                std::thread::spawn(move || {
-                    let (mut client, mut server) = (client, server);
-                    let mut buf = [0u8; 16 << 10];
-                    'copy: while let Ok(n @ 1..) = server.read(&mut buf) {
-                        while closed.load(Relaxed) {
-                            if stop.load(Relaxed) {
-                                break 'copy;
-                            }
-                            std::thread::sleep(Duration::from_millis(20));
-                        }
-                        if client.write_all(&buf[..n]).is_err() {
-                            break;
-                        }
-                    }
-                    let _ = client.shutdown(std::net::Shutdown::Both);
-                    let _ = server.shutdown(std::net::Shutdown::Both);
-                });
-            }
-        });
-        Gate { addr, closed, stop }
-    }
-}
-
-impl Drop for Gate {
-    fn drop(&mut self) {
-        self.stop.store(true, Relaxed);
-    }
 }
 
 #[test]

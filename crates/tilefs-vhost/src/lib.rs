@@ -4,8 +4,13 @@
 //! are answered by the same [`tilefs_fuse_proto::Handler`] that answers
 //! /dev/fuse and io_uring: only how the bytes travel differs ([`chain`]).
 //!
-//! Queue 0 is virtio-fs's high-priority queue (FORGET, INTERRUPT), the
-//! others carry requests; each has a thread of its own. Nothing passes
+//! Queue 0 is virtio-fs's high-priority queue (FORGET, INTERRUPT), served
+//! on its own thread; the others carry requests, each served by a pool of
+//! workers, so that a slow request (a lazy image's fetch) holds up only
+//! itself. Linux's virtio-fs driver sends no INTERRUPT (and the server
+//! would have nothing to stop: a request finishes or fails by its own
+//! timeout); FORGETs need no ordering against requests, since the guest
+//! forgets only lookups it has had the replies of. Nothing passes
 //! through (backing files need a /dev/fuse): reads are copied into guest
 //! memory.
 
@@ -16,14 +21,16 @@ pub mod fuzzing;
 use chain::{Chain, Fault, GuestSink};
 use std::io;
 use std::path::PathBuf;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, RwLock};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Condvar, Mutex, RwLock};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
 use tilefs_fuse_proto::abi::{self, opcode};
 use tilefs_fuse_proto::{negotiate, Connection, Filesystem, Handler, Init, Sink};
 use vhost::vhost_user::message::{VhostUserProtocolFeatures, VhostUserVirtioFeatures};
 use vhost::vhost_user::Listener;
-use vhost_user_backend::{VhostUserBackend, VhostUserDaemon, VringMutex, VringT};
-use virtio_queue::QueueT;
+use vhost_user_backend::{VhostUserBackend, VhostUserDaemon, VringMutex, VringState, VringT};
+use virtio_queue::{DescriptorChain, Queue, QueueT};
 use vm_memory::{GuestAddressSpace, GuestMemory, GuestMemoryAtomic, GuestMemoryMmap};
 use vmm_sys_util::epoll::EventSet;
 use vmm_sys_util::event::{new_event_consumer_and_notifier, EventConsumer, EventFlag, EventNotifier};
@@ -48,8 +55,11 @@ pub struct Options {
     /// The tag, for a VMM that asks the device for it (QEMU's
     /// `vhost-user-fs-pci` takes it as its `tag` property instead).
     pub tag: Option<String>,
-    /// Request queues (besides the high-priority one).
+    /// Request queues offered (besides the high-priority one): the most
+    /// the VMM may use (QEMU's `num-request-queues`).
     pub request_queues: usize,
+    /// Workers per request queue: requests in flight at once on each.
+    pub threads: usize,
     /// Serve one connection, then return (else the next VMM may connect).
     pub once: bool,
 }
@@ -61,7 +71,6 @@ pub struct Device<F: Filesystem> {
     /// Set by INIT (again by a guest that restarts its driver).
     handler: RwLock<Option<Arc<Handler<F>>>>,
     mem: RwLock<Option<Mem>>,
-    event_idx: AtomicBool,
     tag: Option<[u8; TAG_LEN]>,
     queues: usize,
     log: Log,
@@ -91,9 +100,9 @@ impl<F: Filesystem> Device<F> {
             conn: Connection::without_device(log.clone()),
             handler: RwLock::new(None),
             mem: RwLock::new(None),
-            event_idx: AtomicBool::new(false),
             tag,
-            queues: 1 + request_queues.clamp(1, 64),
+            // One bit per queue in queues_per_thread's masks.
+            queues: 1 + request_queues.clamp(1, 63),
             log,
             faults: AtomicU64::new(0),
         })
@@ -177,37 +186,238 @@ impl<F: Filesystem> Device<F> {
         }
     }
 
-    /// Answers every request waiting on `vring`.
-    fn drain(&self, vring: &VringMutex<Mem>, mem: &Mem, chain: &mut Chain, buf: &mut Vec<u8>) -> io::Result<()> {
+    /// Answers every request waiting on the high-priority queue (FORGETs
+    /// and INTERRUPTs: quick, so answered on the queue's own thread).
+    fn drain(&self, vring: &VringMutex<Mem>, chain: &mut Chain, buf: &mut Vec<u8>) -> io::Result<()> {
+        let Some(mem) = self.mem.read().unwrap().clone() else {
+            return Ok(());
+        };
         let mem = mem.memory();
         loop {
-            let next = vring.get_mut().get_queue_mut().pop_descriptor_chain(mem.clone());
+            // (The ring's lock is not held while the request is answered.)
+            let next = pop_enabled(&mut vring.get_mut(), &mem);
             let Some(descs) = next else { break };
             let head = descs.head_index();
             chain.gather(&*mem, descs.map(|d| (d.addr(), d.len(), d.is_write_only())));
             let used = self.answer(&*mem, chain, buf);
-            if vring.add_used(head, used).is_err() {
-                self.fault("a used ring that cannot be written");
+            self.complete(&mut vring.get_mut(), head, used)?;
+        }
+        Ok(())
+    }
+
+    /// Puts a finished chain in the used ring and tells the guest if it
+    /// asked to be told.
+    fn complete(&self, v: &mut VringState<Mem>, head: u16, used: u32) -> io::Result<()> {
+        if v.add_used(head, used).is_err() {
+            self.fault("a used ring that cannot be written");
+        }
+        if v.needs_notification().unwrap_or(true) {
+            v.signal_used_queue()?;
+        }
+        Ok(())
+    }
+}
+
+/// The next chain of a queue, if any; when there is none, notifications
+/// are turned back on (with EVENT_IDX, the guest kicks only when asked
+/// to) and the ring looked at once more. Once only: a guest whose ring
+/// says there are chains that cannot be had (an available index past
+/// the queue's size) must not keep a thread spinning.
+pub fn pop<M>(queue: &mut Queue, mem: &M) -> Option<DescriptorChain<M>>
+where
+    M: Clone + std::ops::Deref,
+    M::Target: GuestMemory + Sized,
+{
+    if !queue.ready() {
+        return None;
+    }
+    for _ in 0..2 {
+        if let Some(d) = queue.pop_descriptor_chain(mem.clone()) {
+            return Some(d);
+        }
+        if !queue.enable_notification(&**mem).unwrap_or(false) {
+            return None;
+        }
+    }
+    None
+}
+
+/// [`pop`] from a vring the VMM has enabled.
+fn pop_enabled<M>(v: &mut VringState<Mem>, mem: &M) -> Option<DescriptorChain<M>>
+where
+    M: Clone + std::ops::Deref,
+    M::Target: GuestMemory + Sized,
+{
+    if !v.is_enabled() {
+        return None;
+    }
+    pop(v.get_queue_mut(), mem)
+}
+
+/// How long a stopped queue (GET_VRING_BASE: a reset, or the VMM going
+/// away) waits for its requests in flight before it is reported stopped;
+/// replies of requests that finish later are dropped.
+const STOP_WAIT: Duration = Duration::from_secs(30);
+
+/// A request queue's workers: each takes the next chain off the ring,
+/// answers it and puts it in the used ring, so one slow request (a fetch
+/// from a registry) holds up one worker, not the queue.
+struct Pool {
+    state: Mutex<PoolState>,
+    /// A worker waiting for a kick.
+    wake: Condvar,
+    /// The last request in flight finished.
+    idle: Condvar,
+    threads: Mutex<Vec<JoinHandle<()>>>,
+}
+
+#[derive(Default)]
+struct PoolState {
+    /// The guest kicked and the ring has not been found empty since.
+    kicked: bool,
+    stop: bool,
+    in_flight: usize,
+    /// Bumped when the queue stops: a request begun before does not
+    /// touch the ring the queue may have been given since.
+    generation: u64,
+}
+
+impl Pool {
+    fn new() -> Pool {
+        Pool {
+            state: Mutex::new(PoolState::default()),
+            wake: Condvar::new(),
+            idle: Condvar::new(),
+            threads: Mutex::new(Vec::new()),
+        }
+    }
+
+    fn work<F: Filesystem>(&self, dev: &Device<F>, vring: &VringMutex<Mem>) {
+        let (mut chain, mut buf) = (Chain::default(), Vec::new());
+        loop {
+            // Chains are taken off the ring under the pool's lock, so a
+            // kick cannot slip between an empty ring and going to sleep.
+            let (mem, descs, generation) = {
+                let mut st = self.state.lock().unwrap();
+                let got = loop {
+                    if st.stop {
+                        return;
+                    }
+                    if st.kicked {
+                        let mem = dev.mem.read().unwrap().clone().map(|m| m.memory());
+                        match mem.and_then(|m| pop_enabled(&mut vring.get_mut(), &m).map(|d| (m, d))) {
+                            Some(got) => break got,
+                            None => st.kicked = false,
+                        }
+                    }
+                    st = self.wake.wait(st).unwrap();
+                };
+                st.in_flight += 1;
+                // There may be more: another worker looks.
+                self.wake.notify_one();
+                (got.0, got.1, st.generation)
+            };
+            let head = descs.head_index();
+            chain.gather(&*mem, descs.map(|d| (d.addr(), d.len(), d.is_write_only())));
+            let used = dev.answer(&*mem, &chain, &mut buf);
+            let mut st = self.state.lock().unwrap();
+            if st.generation == generation && dev.complete(&mut vring.get_mut(), head, used).is_err() {
+                dev.fault("cannot notify the guest");
             }
-            if vring.needs_notification().unwrap_or(true) {
-                vring.signal_used_queue()?;
+            st.in_flight -= 1;
+            if st.in_flight == 0 {
+                self.idle.notify_all();
             }
+        }
+    }
+
+    fn kick(&self) {
+        self.state.lock().unwrap().kicked = true;
+        self.wake.notify_one();
+    }
+
+    /// Waits (up to STOP_WAIT) for the requests in flight; returns how
+    /// many did not finish.
+    fn quiesce(&self) -> usize {
+        let deadline = Instant::now() + STOP_WAIT;
+        let mut st = self.state.lock().unwrap();
+        while st.in_flight > 0 {
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                break;
+            }
+            st = self.idle.wait_timeout(st, left).unwrap().0;
+        }
+        st.kicked = false;
+        st.generation += 1;
+        st.in_flight
+    }
+
+    /// Ends the workers once their requests are answered.
+    fn end(&self) {
+        self.state.lock().unwrap().stop = true;
+        self.wake.notify_all();
+        for t in self.threads.lock().unwrap().drain(..) {
+            let _ = t.join();
+        }
+    }
+}
+
+/// The vhost-user backend of one connection: the device and a pool of
+/// workers per request queue, started at the queue's first kick.
+pub struct Backend<F: Filesystem> {
+    dev: Arc<Device<F>>,
+    pools: Vec<Arc<Pool>>,
+    threads: usize,
+}
+
+impl<F: Filesystem> Backend<F> {
+    /// `threads`: workers per request queue.
+    pub fn new(dev: Device<F>, threads: usize) -> Backend<F> {
+        let pools = (0..dev.queues).map(|_| Arc::new(Pool::new())).collect();
+        Backend {
+            dev: Arc::new(dev),
+            pools,
+            threads: threads.max(1),
+        }
+    }
+
+    pub fn device(&self) -> &Arc<Device<F>> {
+        &self.dev
+    }
+
+    /// Ends every worker, after the request it is answering.
+    pub fn shutdown(&self) {
+        for p in &self.pools {
+            p.end();
+        }
+    }
+
+    fn start_pool(&self, q: usize, vring: &VringMutex<Mem>) -> io::Result<()> {
+        let pool = &self.pools[q];
+        let mut threads = pool.threads.lock().unwrap();
+        while threads.len() < self.threads {
+            let (dev, p, v) = (self.dev.clone(), pool.clone(), vring.clone());
+            let t = std::thread::Builder::new()
+                .name(format!("virtio-fs q{q}"))
+                .spawn(move || p.work(&dev, &v))?;
+            threads.push(t);
         }
         Ok(())
     }
 }
 
 thread_local! {
-    /// Each queue thread's request and reply buffers, reused.
+    /// The high-priority queue thread's request and reply buffers, reused.
     static BUFFERS: std::cell::RefCell<(Chain, Vec<u8>)> = std::cell::RefCell::new((Chain::default(), Vec::new()));
 }
 
-impl<F: Filesystem> VhostUserBackend for Device<F> {
+impl<F: Filesystem> VhostUserBackend for Backend<F> {
     type Bitmap = ();
     type Vring = VringMutex<Mem>;
 
     fn num_queues(&self) -> usize {
-        self.queues
+        self.dev.queues
     }
 
     fn max_queue_size(&self) -> usize {
@@ -225,20 +435,20 @@ impl<F: Filesystem> VhostUserBackend for Device<F> {
 
     fn protocol_features(&self) -> VhostUserProtocolFeatures {
         let mut f = VhostUserProtocolFeatures::MQ;
-        if self.tag.is_some() {
+        if self.dev.tag.is_some() {
             f |= VhostUserProtocolFeatures::CONFIG;
         }
         f
     }
 
-    fn set_event_idx(&self, enabled: bool) {
-        self.event_idx.store(enabled, Ordering::Relaxed);
+    fn set_event_idx(&self, _enabled: bool) {
+        // vhost-user-backend sets it on each queue, where pop() uses it.
     }
 
     fn get_config(&self, offset: u32, size: u32) -> Vec<u8> {
         let mut cfg = Vec::with_capacity(TAG_LEN + 8);
-        cfg.extend_from_slice(&self.tag.unwrap_or([0; TAG_LEN]));
-        cfg.extend_from_slice(&((self.queues - 1) as u32).to_le_bytes());
+        cfg.extend_from_slice(&self.dev.tag.unwrap_or([0; TAG_LEN]));
+        cfg.extend_from_slice(&((self.dev.queues - 1) as u32).to_le_bytes());
         // notify_buf_size: no notification queue.
         cfg.extend_from_slice(&0u32.to_le_bytes());
         let start = (offset as usize).min(cfg.len());
@@ -247,17 +457,33 @@ impl<F: Filesystem> VhostUserBackend for Device<F> {
     }
 
     fn update_memory(&self, mem: Mem) -> io::Result<()> {
-        *self.mem.write().unwrap() = Some(mem);
+        *self.dev.mem.write().unwrap() = Some(mem);
         Ok(())
     }
 
     fn queues_per_thread(&self) -> Vec<u64> {
         // A thread per queue: forgets never wait behind requests.
-        (0..self.queues).map(|q| 1u64 << q).collect()
+        (0..self.dev.queues).map(|q| 1u64 << q).collect()
     }
 
     fn exit_event(&self, _thread_index: usize) -> Option<(EventConsumer, EventNotifier)> {
         new_event_consumer_and_notifier(EventFlag::NONBLOCK).ok()
+    }
+
+    fn stop_vring(&self, queue_index: u32) -> io::Result<()> {
+        // The VMM reads the ring's position when this returns: requests
+        // taken off it are answered first (vhost-user's rule for
+        // asynchronous backends), unless one takes longer than STOP_WAIT.
+        if let Some(p) = self.pools.get(queue_index as usize) {
+            let left = p.quiesce();
+            if left > 0 {
+                (self.dev.log)(&format!(
+                    "queue {queue_index} stopped with {left} requests unanswered after {}s; their replies are dropped",
+                    STOP_WAIT.as_secs()
+                ));
+            }
+        }
+        Ok(())
     }
 
     fn handle_event(
@@ -265,33 +491,29 @@ impl<F: Filesystem> VhostUserBackend for Device<F> {
         device_event: u16,
         evset: EventSet,
         vrings: &[Self::Vring],
-        _thread_id: usize,
+        thread_id: usize,
     ) -> io::Result<()> {
         if evset != EventSet::IN {
             return Ok(());
         }
+        // `device_event` indexes this thread's vrings; a thread has one
+        // queue (queues_per_thread), so the queue is the thread's index.
+        let q = thread_id;
         let Some(vring) = vrings.get(usize::from(device_event)) else {
             return Ok(());
         };
-        let Some(mem) = self.mem.read().unwrap().clone() else {
+        if q == 0 {
+            return BUFFERS.with(|b| {
+                let (chain, buf) = &mut *b.borrow_mut();
+                self.dev.drain(vring, chain, buf)
+            });
+        }
+        if q >= self.pools.len() {
             return Ok(());
-        };
-        BUFFERS.with(|b| {
-            let (chain, buf) = &mut *b.borrow_mut();
-            if self.event_idx.load(Ordering::Relaxed) {
-                // Until the queue stays empty with notifications on.
-                loop {
-                    let _ = vring.disable_notification();
-                    self.drain(vring, &mem, chain, buf)?;
-                    if !vring.enable_notification().unwrap_or(false) {
-                        break;
-                    }
-                }
-                Ok(())
-            } else {
-                self.drain(vring, &mem, chain, buf)
-            }
-        })
+        }
+        self.start_pool(q, vring)?;
+        self.pools[q].kick();
+        Ok(())
     }
 }
 
@@ -302,14 +524,10 @@ pub fn serve<F: Filesystem>(fs: Arc<F>, log: Log, opts: &Options) -> io::Result<
     let mut listener = Listener::new(&opts.socket, true)
         .map_err(|e| io::Error::other(format!("{}: cannot listen: {e}", opts.socket.display())))?;
     loop {
-        let device = Arc::new(Device::new(
-            fs.clone(),
-            log.clone(),
-            opts.tag.as_deref(),
-            opts.request_queues,
-        )?);
+        let device = Device::new(fs.clone(), log.clone(), opts.tag.as_deref(), opts.request_queues)?;
+        let backend = Arc::new(Backend::new(device, opts.threads));
         let mem = GuestMemoryAtomic::new(GuestMemoryMmap::<()>::new());
-        let mut daemon = VhostUserDaemon::new("tilefs-vhost".into(), device, mem)
+        let mut daemon = VhostUserDaemon::new("tilefs-vhost".into(), backend.clone(), mem)
             .map_err(|e| io::Error::other(format!("vhost-user: {e}")))?;
         daemon
             .start(&mut listener)
@@ -322,8 +540,11 @@ pub fn serve<F: Filesystem>(fs: Arc<F>, log: Log, opts: &Options) -> io::Result<
             )) => log("virtio-fs: the VMM disconnected"),
             Err(e) => log(&format!("virtio-fs: the connection ended: {e}")),
         }
-        // Dropping the daemon ends and joins its queue threads.
+        // Dropping the daemon ends and joins its queue threads (no more
+        // kicks); then the workers finish what they were answering (a
+        // write reaches the upper directory before it is answered).
         drop(daemon);
+        backend.shutdown();
         if opts.once {
             fs.destroy();
             return Ok(());

@@ -53,6 +53,7 @@ fn the_next_vmm_is_served_after_one_goes_away() {
         socket: sock.clone(),
         tag: Some("myfs".into()),
         request_queues: 1,
+        threads: 2,
         once: false,
     };
     let log: Arc<dyn Fn(&str) + Send + Sync> = Arc::new(|m: &str| eprintln!("{m}"));
@@ -91,6 +92,7 @@ fn once_returns_when_the_vmm_goes_away() {
         socket: sock.clone(),
         tag: Some("myfs".into()),
         request_queues: 1,
+        threads: 2,
         once: true,
     };
     let log: Arc<dyn Fn(&str) + Send + Sync> = Arc::new(|m: &str| eprintln!("{m}"));

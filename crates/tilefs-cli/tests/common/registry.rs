@@ -5,9 +5,12 @@
 
 use super::Area;
 use std::fs;
-use std::net::TcpListener;
+use std::io::{Read, Write};
+use std::net::{TcpListener, TcpStream};
 use std::path::PathBuf;
 use std::process::{Child, Command};
+use std::sync::atomic::{AtomicBool, Ordering::Relaxed};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 /// The registry server; stopped when dropped.
@@ -191,5 +194,65 @@ impl Registry {
 impl Drop for Registry {
     fn drop(&mut self) {
         self.stop();
+    }
+}
+
+/// Forwards 127.0.0.1 connections to `upstream` while open; while closed,
+/// nothing more goes downstream (connections stall, as behind a dead link).
+pub struct Gate {
+    pub addr: String,
+    pub closed: Arc<AtomicBool>,
+    stop: Arc<AtomicBool>,
+}
+
+impl Gate {
+    pub fn start(upstream: &str) -> Gate {
+        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = listener.local_addr().unwrap().to_string();
+        listener.set_nonblocking(true).unwrap();
+        let closed = Arc::new(AtomicBool::new(false));
+        let stop = Arc::new(AtomicBool::new(false));
+        let (upstream, closed2, stop2) = (upstream.to_string(), closed.clone(), stop.clone());
+        std::thread::spawn(move || {
+            while !stop2.load(Relaxed) {
+                let Ok((client, _)) = listener.accept() else {
+                    std::thread::sleep(Duration::from_millis(10));
+                    continue;
+                };
+                client.set_nonblocking(false).unwrap();
+                let Ok(server) = TcpStream::connect(&upstream) else {
+                    continue;
+                };
+                let (c2, s2) = (client.try_clone().unwrap(), server.try_clone().unwrap());
+                std::thread::spawn(move || {
+                    let _ = std::io::copy(&mut { c2 }, &mut { s2 });
+                });
+                let (closed, stop) = (closed2.clone(), stop2.clone());
+                std::thread::spawn(move || {
+                    let (mut client, mut server) = (client, server);
+                    let mut buf = [0u8; 16 << 10];
+                    'copy: while let Ok(n @ 1..) = server.read(&mut buf) {
+                        while closed.load(Relaxed) {
+                            if stop.load(Relaxed) {
+                                break 'copy;
+                            }
+                            std::thread::sleep(Duration::from_millis(20));
+                        }
+                        if client.write_all(&buf[..n]).is_err() {
+                            break;
+                        }
+                    }
+                    let _ = client.shutdown(std::net::Shutdown::Both);
+                    let _ = server.shutdown(std::net::Shutdown::Both);
+                });
+            }
+        });
+        Gate { addr, closed, stop }
+    }
+}
+
+impl Drop for Gate {
+    fn drop(&mut self) {
+        self.stop.store(true, Relaxed);
     }
 }
