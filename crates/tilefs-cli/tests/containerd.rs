@@ -557,3 +557,208 @@ fn containerd_pulls_runs_and_shares_files_through_tilefs() {
     assert!(leftover.is_empty(), "{leftover:?}");
     drop(rig);
 }
+
+/// Mounts snapshot `key` at `target` as containerd would (the mounts
+/// `ctr snapshots mounts` prints).
+fn mount_snapshot(rig: &Rig, key: &str, target: &Path) {
+    let cmd = ok(rig.snapshots().arg("mounts").arg(target).arg(key));
+    ok(Command::new("sh").args(["-c", cmd.trim()]));
+}
+
+fn umount(target: &Path) {
+    ok(Command::new("umount").arg(target));
+}
+
+/// The upper directory of the snapshot that holds `rel`.
+fn upper_holding(rig: &Rig, rel: &str) -> PathBuf {
+    fs::read_dir(rig.root.join("snapshots"))
+        .unwrap()
+        .flatten()
+        .map(|e| e.path().join("fs"))
+        .find(|fs| fs.join(rel).symlink_metadata().is_ok())
+        .unwrap_or_else(|| panic!("no upper directory holds {rel}"))
+}
+
+fn xattr_value(p: &Path, name: &str) -> Option<Vec<u8>> {
+    let out = run(Command::new("getfattr")
+        .args(["--absolute-names", "--only-values", "-n", name])
+        .arg(p));
+    out.status.success().then_some(out.stdout)
+}
+
+/// Every entry below `root` (not followed): type, mode, owner, size, a
+/// digest of a file's bytes or a symlink's target.
+fn tree_of(root: &Path) -> std::collections::BTreeMap<String, String> {
+    use std::os::unix::fs::MetadataExt;
+    let mut out = std::collections::BTreeMap::new();
+    let mut stack = vec![root.to_path_buf()];
+    while let Some(d) = stack.pop() {
+        for e in fs::read_dir(&d).unwrap().flatten() {
+            let p = e.path();
+            let m = p.symlink_metadata().unwrap();
+            let what = if m.is_dir() {
+                stack.push(p.clone());
+                "dir".to_string()
+            } else if m.file_type().is_symlink() {
+                format!("-> {}", fs::read_link(&p).unwrap().display())
+            } else if m.is_file() {
+                format!("{} bytes {}", m.len(), sha256_hex(&fs::read(&p).unwrap()))
+            } else {
+                format!("special {:x}", m.rdev())
+            };
+            let rel = p.strip_prefix(root).unwrap().display().to_string();
+            out.insert(rel, format!("{:o} {}:{} {what}", m.mode(), m.uid(), m.gid()));
+        }
+    }
+    out
+}
+
+/// Takes the immutable flag off a directory when dropped (a test that fails
+/// must not leave a directory its area cannot remove).
+struct Immutable(PathBuf);
+
+impl Immutable {
+    fn set(p: &Path) -> Immutable {
+        ok(Command::new("chattr").arg("+i").arg(p));
+        Immutable(p.to_path_buf())
+    }
+}
+
+impl Drop for Immutable {
+    fn drop(&mut self) {
+        let _ = Command::new("chattr").arg("-i").arg(&self.0).status();
+    }
+}
+
+#[test]
+fn a_failed_commit_gives_the_snapshot_back_and_renamed_directories_commit() {
+    use std::os::unix::fs::{MetadataExt, PermissionsExt};
+    require_tools();
+    for t in ["chattr", "getfattr", "setfattr"] {
+        assert!(have(t), "{t} is needed (scripts/setup installs e2fsprogs and attr)");
+    }
+    let area = Area::new();
+    let rig = Rig::start(&area);
+    let a = push_image(
+        &area,
+        rig.registry(),
+        "a",
+        &[&|r: &Path| base_layer(r, 3, 5000, 2), &|r: &Path| {
+            top_layer(r, "hello from a")
+        }],
+    );
+    rig.pull(&a);
+    let (top, _) = rig.committed().into_iter().find(|(_, p)| !p.is_empty()).unwrap();
+
+    // An active snapshot with a setuid file of another owner, with a file
+    // capability and two names, and a file the store holds already.
+    ok(rig.snapshots().args(["prepare", "act", &top]));
+    let m = area.dir("m");
+    mount_snapshot(&rig, "act", &m);
+    let data = Rng::new(77).bytes(100 << 10);
+    fs::write(m.join("data/suid"), &data).unwrap();
+    std::os::unix::fs::chown(m.join("data/suid"), Some(1000), Some(1000)).unwrap();
+    fs::set_permissions(m.join("data/suid"), fs::Permissions::from_mode(0o4755)).unwrap();
+    // CAP_NET_RAW, permitted and effective (VFS_CAP_REVISION_2).
+    let cap = "0x0100000200200000000000000000000000000000";
+    let cap_raw: &[u8] = &[1, 0, 0, 2, 0, 0x20, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0];
+    ok(Command::new("setfattr")
+        .args(["-n", "security.capability", "-v", cap])
+        .arg(m.join("data/suid")));
+    fs::hard_link(m.join("data/suid"), m.join("data/suid-link")).unwrap();
+    fs::write(m.join("data/dup"), Rng::new(1001).bytes(64 << 10)).unwrap();
+    umount(&m);
+    let upper = upper_holding(&rig, "data/suid");
+    let before = fs::symlink_metadata(upper.join("data/suid")).unwrap();
+    assert_eq!(xattr_value(&upper.join("data/suid"), "security.capability").as_deref(), Some(cap_raw));
+
+    // The Commit fails at its very end (the store's tags cannot be
+    // written), after the files went into the store.
+    {
+        let _frozen = Immutable::set(&rig.store.join("images"));
+        let out = run(rig.snapshots().args(["commit", "done", "act"]));
+        assert!(!out.status.success(), "a commit into a store that cannot tag succeeded");
+        eprintln!("the failed commit: {}", stderr(&out));
+    }
+    // The active snapshot is as it was: its file's owner, mode, names,
+    // capability and bytes; its inode no longer the store's.
+    let f = upper.join("data/suid");
+    let after = fs::symlink_metadata(&f).unwrap();
+    assert_eq!((after.uid(), after.gid()), (1000, 1000));
+    assert_eq!(after.mode() & 0o7777, 0o4755, "mode of {}", f.display());
+    assert_eq!(after.nlink(), 2, "{}: its two names and none in the store", f.display());
+    assert_eq!(after.mtime(), before.mtime());
+    assert_eq!(fs::read(&f).unwrap(), data);
+    assert_eq!(
+        fs::symlink_metadata(upper.join("data/suid-link")).unwrap().ino(),
+        after.ino(),
+        "its second name is still the same file"
+    );
+    assert_eq!(xattr_value(&f, "security.capability").as_deref(), Some(cap_raw));
+    let dir = upper.parent().unwrap();
+    assert!(!dir.join("undo").exists() && !dir.join("layer").exists());
+    let info = ok(rig.snapshots().args(["info", "act"]));
+    assert!(info.contains("\"Kind\": \"Active\""), "{info}");
+    // Writes to the snapshot now never reach an object.
+    let objects_before: Vec<u64> = {
+        let mut v = Vec::new();
+        for fan in fs::read_dir(&rig.store).unwrap().flatten() {
+            if fan.file_name().len() == 2 {
+                for o in fs::read_dir(fan.path()).unwrap().flatten() {
+                    v.push(o.metadata().unwrap().ino());
+                }
+            }
+        }
+        v
+    };
+    assert!(!objects_before.contains(&after.ino()), "the snapshot's file is still a store object");
+
+    // Commit again, the store writable: the file as it was, in the image.
+    ok(rig.snapshots().args(["commit", "done", "act"]));
+    ok(rig.snapshots().args(["view", "v1", "done"]));
+    let v = area.dir("v1");
+    mount_snapshot(&rig, "v1", &v);
+    let m1 = fs::symlink_metadata(v.join("data/suid")).unwrap();
+    assert_eq!((m1.uid(), m1.gid(), m1.mode() & 0o7777), (1000, 1000, 0o4755));
+    assert_eq!(fs::read(v.join("data/suid")).unwrap(), data);
+    assert_eq!(xattr_value(&v.join("data/suid"), "security.capability").as_deref(), Some(cap_raw));
+    umount(&v);
+    ok(rig.snapshots().args(["rm", "v1"]));
+
+    // Directories renamed through the overlay (redirects in the upper
+    // directory): a rename in place, one into another directory, a
+    // renamed file, a removal and a new file in a renamed directory, a
+    // mode changed (metacopy).
+    ok(rig.snapshots().args(["prepare", "ren", "done"]));
+    mount_snapshot(&rig, "ren", &m);
+    ok(Command::new("sh").current_dir(&m).args([
+        "-c",
+        "set -e; mv data moved; mkdir moved/sub; echo fresh > moved/sub/new; rm moved/own-0; \
+         mv opaque moved/sub/op; mv moved/suid moved/suid-renamed; chmod 600 moved/shared-2; \
+         mkdir -p etc/deep/er; mv etc/deep etc/deeper",
+    ]));
+    let want = tree_of(&m);
+    assert!(want.contains_key("moved/sub/op/new") && !want.contains_key("data"), "{want:?}");
+    umount(&m);
+    let upper = upper_holding(&rig, "moved");
+    assert!(
+        xattr_value(&upper.join("moved"), "trusted.overlay.redirect").is_some(),
+        "overlayfs recorded no redirect: the test tests nothing"
+    );
+    ok(rig.snapshots().args(["commit", "renamed", "ren"]));
+    ok(rig.snapshots().args(["view", "v2", "renamed"]));
+    mount_snapshot(&rig, "v2", &v);
+    let got = tree_of(&v);
+    umount(&v);
+    assert_eq!(got, want, "the committed snapshot shows the tree the active one showed");
+    // And a chain above it still sees it.
+    ok(rig.snapshots().args(["prepare", "above", "renamed"]));
+    mount_snapshot(&rig, "above", &m);
+    assert_eq!(fs::read(m.join("moved/sub/new")).unwrap(), b"fresh\n");
+    umount(&m);
+    for k in ["above", "v2"] {
+        ok(rig.snapshots().args(["rm", k]));
+    }
+    drop(rig);
+}
+

@@ -403,39 +403,88 @@ impl Shared {
             Err(e) => eprintln!("tilefs snapshotter: commit of {key:?} failed: {}", e.msg),
         }
         let mut inner = self.lock();
-        inner.busy.remove(&key);
-        let (digest, usage) = built?;
-        let fail_cleanup = |e: Error| {
-            let _ = self.remove_tag(id);
-            e
+        // Still busy while a failure is undone: nothing else touches the
+        // snapshot meanwhile.
+        let done = match built {
+            Ok((digest, usage)) => self.switch(&mut inner, &key, &name, labels, digest, usage),
+            Err(e) => Err(e),
         };
-        if inner.by_key.contains_key(&name) {
-            return Err(fail_cleanup(Error::new(
-                Code::AlreadyExists,
-                format!("snapshot {name:?} already exists"),
-            )));
+        if let Err(e) = done {
+            let undone = self.undo_commit(id);
+            inner.busy.remove(&key);
+            return Err(match undone {
+                Ok(()) => e,
+                Err(u) => Error::new(
+                    e.code,
+                    format!(
+                        "{}; and giving snapshot {key:?} its files back failed (the next start retries): {u}",
+                        e.msg
+                    ),
+                ),
+            });
         }
-        let mut r = inner
-            .by_key
-            .get(&key)
-            .cloned()
-            .ok_or_else(|| fail_cleanup(not_found(&key)))?;
-        r.key = name.clone();
-        r.kind = SnapKind::Committed;
-        r.labels = labels;
-        r.updated = SystemTime::now();
-        r.usage = Some(usage);
-        r.image = Some(digest);
-        // The switch: from here the snapshot is committed.
-        state::save(&self.root, &r).map_err(|e| fail_cleanup(internal(e)))?;
-        inner.by_key.remove(&key);
-        inner.by_key.insert(name, r);
+        inner.busy.remove(&key);
         drop(inner);
         // The upper directory's names go in the background: containerd
         // need not wait for them (a crash leaves them to the next start).
         let dir = state::snapshot_dir(&self.root, id);
         std::thread::spawn(move || remove_leftovers(&dir));
         Ok(())
+    }
+
+    /// Makes the active snapshot `key` the committed `name`:
+    /// its record switched, in one rename.
+    fn switch(
+        &self,
+        inner: &mut Inner,
+        key: &str,
+        name: &str,
+        labels: HashMap<String, String>,
+        digest: String,
+        usage: layer::LayerUsage,
+    ) -> Result<(), Error> {
+        if inner.by_key.contains_key(name) {
+            return Err(Error::new(
+                Code::AlreadyExists,
+                format!("snapshot {name:?} already exists"),
+            ));
+        }
+        let mut r = inner.by_key.get(key).cloned().ok_or_else(|| not_found(key))?;
+        r.key = name.to_string();
+        r.kind = SnapKind::Committed;
+        r.labels = labels;
+        r.updated = SystemTime::now();
+        r.usage = Some(usage);
+        r.image = Some(digest);
+        // The switch: from here the snapshot is committed.
+        state::save(&self.root, &r).map_err(internal)?;
+        inner.by_key.remove(key);
+        inner.by_key.insert(name.to_string(), r);
+        Ok(())
+    }
+
+    /// Undoes what a Commit of snapshot `id` that failed (or crashed) did:
+    /// its tag and layer record removed, its files given back as they were
+    /// ([`layer::restore`]), then the journal removed.
+    fn undo_commit(&self, id: u64) -> Result<(), String> {
+        self.remove_tag(id).map_err(|e| e.msg)?;
+        let dir = state::snapshot_dir(&self.root, id);
+        let journal = dir.join(state::UNDO);
+        match std::fs::read(&journal) {
+            Ok(bytes) => {
+                let undo: Vec<layer::Undo> = postcard::from_bytes(&bytes)
+                    .map_err(|e| format!("{}: not a commit journal: {e}", journal.display()))?;
+                layer::restore(&dir.join("fs"), &undo)?;
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+            Err(e) => return Err(format!("{}: cannot read: {e}", journal.display())),
+        }
+        let _ = std::fs::remove_file(dir.join("layer"));
+        match std::fs::remove_file(&journal) {
+            Ok(()) => state::sync_dir(&dir),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
+            Err(e) => Err(format!("{}: cannot remove: {e}", journal.display())),
+        }
     }
 
     /// Makes snapshot `id`'s layer and its chain's image: files moved into
@@ -452,9 +501,14 @@ impl Shared {
                 .apply_layer(&format!("snapshot {a}"), entries)
                 .map_err(|e| internal(format!("snapshot {a}: {e}")))?;
         }
-        let upper = state::snapshot_dir(&self.root, id).join("fs");
-        let (mut entries, usage) =
-            layer::read_upper(&upper, &ingest, applier.tree_mut()).map_err(|e| internal(format!("commit: {e}")))?;
+        let dir = state::snapshot_dir(&self.root, id);
+        let upper = dir.join("fs");
+        let journal = |undo: &[layer::Undo]| {
+            let bytes = postcard::to_stdvec(undo).map_err(|e| format!("cannot encode the commit journal: {e}"))?;
+            state::write_atomic(&dir.join(state::UNDO), &bytes)
+        };
+        let (mut entries, usage) = layer::read_upper(&upper, &ingest, applier.tree_mut(), journal)
+            .map_err(|e| internal(format!("commit: {e}")))?;
         // overlayfs may leave whiteouts of names no layer below holds.
         let tree = applier.tree_mut();
         entries.retain(|e| {
@@ -631,6 +685,12 @@ impl Shared {
                     let _ = std::fs::remove_dir_all(&dir);
                 }
                 Some(SnapKind::Committed) => remove_leftovers(&dir),
+                // A Commit that crashed: its files given back.
+                Some(SnapKind::Active) if !busy.contains(&id) && dir.join(state::UNDO).exists() => {
+                    if let Err(e) = self.undo_commit(id) {
+                        eprintln!("tilefs snapshotter: snapshot {id}: {e}");
+                    }
+                }
                 _ => {}
             }
         }
@@ -654,8 +714,9 @@ impl Shared {
 }
 
 /// A committed snapshot's upper and work directories (its files are in the
-/// store now).
+/// store now) and its commit journal.
 fn remove_leftovers(dir: &Path) {
+    let _ = std::fs::remove_file(dir.join(state::UNDO));
     for sub in ["fs", "work"] {
         let p = dir.join(sub);
         if let Err(e) = std::fs::remove_dir_all(&p) {

@@ -43,6 +43,9 @@ pub struct Record {
 pub const METADATA: &str = "metadata";
 pub const SNAPSHOTS: &str = "snapshots";
 pub const MOUNTS: &str = "mnt";
+/// In a snapshot's directory while it is committed: what its files were
+/// ([`crate::layer::Undo`]).
+pub const UNDO: &str = "undo";
 
 /// Loads every record; a record that does not parse is an error (it names
 /// the file), never silently dropped.
