@@ -762,3 +762,149 @@ fn a_failed_commit_gives_the_snapshot_back_and_renamed_directories_commit() {
     drop(rig);
 }
 
+/// A tar whose names and link targets are written as given (the tar
+/// writer refuses those that escape): (name, type, link target, bytes).
+fn raw_tar(entries: &[(&str, tar::EntryType, &str, &[u8])]) -> Vec<u8> {
+    let mut b = tar::Builder::new(Vec::new());
+    for (name, kind, link, data) in entries {
+        let mut h = tar::Header::new_gnu();
+        h.set_entry_type(*kind);
+        h.set_mode(match kind {
+            tar::EntryType::Directory => 0o755,
+            tar::EntryType::Symlink => 0o777,
+            _ => 0o644,
+        });
+        h.set_mtime(1_700_000_000);
+        h.set_size(data.len() as u64);
+        h.as_old_mut().name[..name.len()].copy_from_slice(name.as_bytes());
+        h.as_old_mut().linkname[..link.len()].copy_from_slice(link.as_bytes());
+        h.set_cksum();
+        b.append(&h, *data).unwrap();
+    }
+    b.into_inner().unwrap()
+}
+
+/// An image of uncompressed `layers` in an OCI layout, pushed with skopeo.
+fn push_raw_image(area: &Area, registry: &Registry, name: &str, layers: &[Vec<u8>]) -> String {
+    let layout = area.dir(&format!("layout-{name}"));
+    let blobs = layout.join("blobs/sha256");
+    fs::create_dir_all(&blobs).unwrap();
+    let put = |data: &[u8]| {
+        let hex = sha256_hex(data);
+        fs::write(blobs.join(&hex), data).unwrap();
+        (format!("sha256:{hex}"), data.len())
+    };
+    let descs: Vec<serde_json::Value> = layers
+        .iter()
+        .map(|l| {
+            let (d, n) = put(l);
+            serde_json::json!({"mediaType": "application/vnd.oci.image.layer.v1.tar", "digest": d, "size": n})
+        })
+        .collect();
+    let diff_ids: Vec<String> = layers.iter().map(|l| format!("sha256:{}", sha256_hex(l))).collect();
+    let config = serde_json::json!({
+        "architecture": "amd64", "os": "linux", "config": {"Cmd": ["/bin/sh"]},
+        "rootfs": {"type": "layers", "diff_ids": diff_ids},
+    });
+    let (cd, cn) = put(config.to_string().as_bytes());
+    let manifest = serde_json::json!({
+        "schemaVersion": 2, "mediaType": "application/vnd.oci.image.manifest.v1+json",
+        "config": {"mediaType": "application/vnd.oci.image.config.v1+json", "digest": cd, "size": cn},
+        "layers": descs,
+    });
+    let (md, mn) = put(manifest.to_string().as_bytes());
+    let index = serde_json::json!({"schemaVersion": 2, "manifests": [{
+        "mediaType": "application/vnd.oci.image.manifest.v1+json", "digest": md, "size": mn,
+        "annotations": {"org.opencontainers.image.ref.name": name},
+    }]});
+    fs::write(layout.join("index.json"), index.to_string()).unwrap();
+    fs::write(layout.join("oci-layout"), r#"{"imageLayoutVersion": "1.0.0"}"#).unwrap();
+    let remote = format!("{}/tilefs/{name}:v1", registry.addr);
+    ok(Command::new("skopeo").args([
+        "copy",
+        "-q",
+        "--dest-tls-verify=false",
+        &format!("oci:{}:{name}", layout.display()),
+        &format!("docker://{remote}"),
+    ]));
+    remote
+}
+
+#[test]
+fn hostile_layers_write_nothing_outside_and_read_nothing_outside() {
+    use std::os::unix::fs::MetadataExt;
+    use tar::EntryType as T;
+    require_tools();
+    let area = Area::new();
+    let rig = Rig::start(&area);
+    // A directory outside every snapshot, with a secret the layers try to
+    // reach by hardlink (a link would move it into the store at Commit).
+    let outside = area.dir("outside");
+    let secret = Rng::new(4242).bytes(8 << 10);
+    fs::write(outside.join("secret"), &secret).unwrap();
+    let out_abs = outside.display().to_string();
+    let up = "../".repeat(12);
+    let out_rel = format!("{up}{}", out_abs.trim_start_matches('/'));
+    let l1 = raw_tar(&[
+        ("etc/", T::Directory, "", b""),
+        ("etc/abs", T::Symlink, &out_abs, b""),
+        ("etc/rel", T::Symlink, &out_rel, b""),
+        (&format!("{out_rel}/dotdot"), T::Regular, "", b"written through .. names"),
+    ]);
+    let l2 = raw_tar(&[
+        ("etc/abs/through-abs", T::Regular, "", b"written through an absolute symlink"),
+        ("etc/rel/through-rel", T::Regular, "", b"written through a relative symlink"),
+    ]);
+    let l3 = raw_tar(&[("hl-abs", T::Link, &format!("{out_abs}/secret"), b"")]);
+    let l4 = raw_tar(&[("hl-rel", T::Link, &format!("{out_rel}/secret"), b"")]);
+    let images = [
+        push_raw_image(&area, rig.registry(), "through-links", &[l1.clone(), l2.clone()]),
+        push_raw_image(&area, rig.registry(), "hardlink-abs", &[l1.clone(), l2.clone(), l3]),
+        push_raw_image(&area, rig.registry(), "hardlink-rel", &[l1, l2, l4]),
+    ];
+    // containerd's differ decides whether it applies them; whatever it
+    // does, nothing lands outside and nothing outside enters the store.
+    let mut pulled = Vec::new();
+    for image in &images {
+        let out = run(rig
+            .ctr()
+            .args(["images", "pull", "--plain-http", "--snapshotter", "tilefs", image]));
+        eprintln!("pull of {image}: {}: {}", out.status, stderr(&out));
+        pulled.push(out.status.success());
+    }
+    let names: Vec<_> = fs::read_dir(&outside).unwrap().flatten().map(|e| e.file_name()).collect();
+    assert_eq!(names, ["secret"], "something was written outside the snapshots");
+    let m = fs::symlink_metadata(outside.join("secret")).unwrap();
+    assert_eq!((m.nlink(), m.uid(), m.mode() & 0o7777), (1, 0, 0o644), "the secret was linked or changed");
+    assert_eq!(fs::read(outside.join("secret")).unwrap(), secret);
+    let secret_hex = sha256_hex(&secret);
+    for fan in fs::read_dir(&rig.store).unwrap().flatten() {
+        if fan.file_name().len() == 2 {
+            for o in fs::read_dir(fan.path()).unwrap().flatten() {
+                assert_ne!(sha256_hex(&fs::read(o.path()).unwrap()), secret_hex, "the secret is in the store");
+            }
+        }
+    }
+    // An image applied is one of ordinary snapshots, its names inside it.
+    assert!(pulled[0], "the image of symlinks and .. names was refused");
+    let (top, _) = rig.committed().into_iter().max_by_key(|(_, p)| p.len()).unwrap();
+    ok(rig.snapshots().args(["view", "hv", &top]));
+    let v = area.dir("hv");
+    mount_snapshot(&rig, "hv", &v);
+    let t = tree_of(&v);
+    umount(&v);
+    eprintln!("the image as committed: {t:#?}");
+    // containerd's differ keeps `..` names and paths through symlinks in
+    // the snapshot (it resolves them in the upper directory, which has no
+    // symlink: a directory is made there).
+    for inside in [
+        format!("{}/dotdot", out_abs.trim_start_matches('/')),
+        "etc/abs/through-abs".into(),
+        "etc/rel/through-rel".into(),
+    ] {
+        assert!(t.contains_key(&inside), "{inside} not in {t:?}");
+    }
+    assert!(!t.values().any(|x| x.contains(&secret_hex)), "{t:?}");
+    ok(rig.snapshots().args(["rm", "hv"]));
+    drop(rig);
+}
