@@ -214,9 +214,13 @@ pub fn read_upper(
                 }
                 S_IFREG if marker("metacopy").is_some() => {
                     // Metadata only: the data is a file of the layers below.
-                    let (size, content) =
-                        metacopy_data(below, at_below.as_deref(), name.to_bytes(), marker("redirect").as_deref())
-                        .ok_or_else(|| format!("{}: a metacopy file whose data is not below it", shown.display()))?;
+                    let (size, content) = metacopy_data(
+                        below,
+                        at_below.as_deref(),
+                        name.to_bytes(),
+                        marker("redirect").as_deref(),
+                    )
+                    .ok_or_else(|| format!("{}: a metacopy file whose data is not below it", shown.display()))?;
                     let size = size.unwrap_or(st.st_size as u64);
                     if size != st.st_size as u64 {
                         return Err(format!(
@@ -410,7 +414,12 @@ fn parent_of<'a>(root: &OwnedFd, name: &'a [Vec<u8>]) -> Result<(OwnedFd, &'a [u
     let (last, dirs) = name.split_last().ok_or(rustix::io::Errno::INVAL)?;
     let rel: PathBuf = dirs.iter().map(|c| OsStr::from_bytes(c)).collect();
     let fd = if rel.as_os_str().is_empty() {
-        rustix::fs::openat(root, c".", OFlags::PATH | OFlags::DIRECTORY | OFlags::CLOEXEC, Mode::empty())?
+        rustix::fs::openat(
+            root,
+            c".",
+            OFlags::PATH | OFlags::DIRECTORY | OFlags::CLOEXEC,
+            Mode::empty(),
+        )?
     } else {
         rustix::fs::openat2(
             root,
@@ -484,7 +493,8 @@ pub fn restore(upper: &Path, undo: &[Undo]) -> Result<(), String> {
                     let _ = rustix::fs::fsetxattr(&to, &k, &v, rustix::fs::XattrFlags::empty());
                 }
             }
-            to.sync_all().map_err(|e| format!("{}: cannot sync its copy: {e}", path.display()))?;
+            to.sync_all()
+                .map_err(|e| format!("{}: cannot sync its copy: {e}", path.display()))?;
             for (i, (dir, last, _)) in olds.iter().enumerate() {
                 if i == 0 {
                     rustix::fs::renameat(first_dir, &tmp, dir, *last)
