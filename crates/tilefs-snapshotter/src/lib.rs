@@ -60,6 +60,10 @@ pub struct Config {
     pub socket: PathBuf,
 }
 
+/// The worker's nice value: storing layers yields the CPU to the unpack
+/// of the next one, which a pull waits for.
+const WORKER_NICE: i32 = 10;
+
 /// How long after a layer is stored its files are synced.
 const SYNC_DELAY: std::time::Duration = std::time::Duration::from_secs(30);
 
@@ -207,6 +211,9 @@ impl Tilefs {
         std::thread::Builder::new()
             .name("tilefs-layers".into())
             .spawn(move || {
+                // Below containerd's unpack, which waits for nothing of it
+                // (its hashing threads inherit this).
+                let _ = rustix::process::setpriority_process(Some(rustix::thread::gettid()), WORKER_NICE);
                 for job in rx {
                     match job {
                         Job::Ingest(id) => worker.ingest(id),
