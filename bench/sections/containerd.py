@@ -245,6 +245,16 @@ def _run(b, work: Path, tree: Path, procs: list) -> None:
     for role in ["tilefs", "reference"]:
         for name in ["a", "b"]:
             sh(pull_argv(role, name))
+    # The snapshotter stores committed layers after Commit returns: the
+    # disk is measured once it has (one image tag per committed snapshot).
+    def settled() -> bool:
+        out = sh(ctr + ["snapshots", "--snapshotter", "tilefs", "ls"]).stdout.decode()
+        committed = sum(1 for l in out.splitlines()[1:] if l.split()[-1:] == ["Committed"])
+        images = store / "images"
+        tags = sum(1 for p in images.iterdir() if p.name.startswith("snapshotter-")) if images.exists() else 0
+        return tags == committed
+
+    wait_for(settled, "the snapshotter's layers", timeout=300)
     ovl = croot / "io.containerd.snapshotter.v1.overlayfs"
     t_disk, r_disk = du(store, snaproot), du(ovl)
     ratio = t_disk / r_disk if r_disk else float("nan")

@@ -7,15 +7,24 @@
 //! writes it (and as a container's writes leave it): a whiteout is a
 //! character device 0/0, an opaque directory has `trusted.overlay.opaque`
 //! = `y`, a file whose metadata only changed (metacopy) keeps its data in
-//! the layers below. Regular files of more than 64 bytes go into the
+//! the layers below, a directory renamed through the overlay has
+//! `trusted.overlay.redirect` naming where its contents were below (a layer
+//! cannot say "renamed", so it is written out whole: opaque, with the
+//! entries it shows). Regular files of more than 64 bytes go into the
 //! store by [`Method::Move`]: linked in, never copied, dropped where the
 //! store has their object already.
+//!
+//! Moving a file in changes its inode (owner root, mode 0644, now shared
+//! with the store): what it was is journaled first ([`Undo`]) so that a
+//! Commit that fails, or a crash, gives the active snapshot back exactly
+//! ([`restore`]).
 //!
 //! The directory is untrusted: it is read through
 //! [`tilefs_commit::upper::Dir`], which never follows a symlink or leaves
 //! the directory.
 
 use rayon::prelude::*;
+use rustix::fd::OwnedFd;
 use rustix::fs::{Mode, OFlags, ResolveFlags};
 use std::collections::HashMap;
 use std::ffi::{CStr, CString, OsStr};
@@ -23,7 +32,7 @@ use std::os::unix::ffi::OsStrExt;
 use std::path::{Path, PathBuf};
 use tilefs_commit::upper::{Dir, BENEATH};
 use tilefs_image::tree::{
-    Timespec, Tree, RECOMMENDED_INLINE_MAX, S_IFBLK, S_IFCHR, S_IFDIR, S_IFIFO, S_IFLNK, S_IFMT, S_IFREG,
+    InodeId, Timespec, Tree, RECOMMENDED_INLINE_MAX, S_IFBLK, S_IFCHR, S_IFDIR, S_IFIFO, S_IFLNK, S_IFMT, S_IFREG,
 };
 use tilefs_oci::layer::{Content, Kind, LayerEntry, Meta};
 use tilefs_store::ingest::{Ingest, SourceFile};
@@ -38,9 +47,61 @@ pub struct LayerUsage {
     pub inodes: i64,
 }
 
+/// What a regular file moved into the store was, to give it back: its
+/// names in the upper directory (components), inode, owner, mode, times
+/// and file capability (which a change of owner drops).
+#[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
+pub struct Undo {
+    pub names: Vec<Vec<Vec<u8>>>,
+    pub ino: u64,
+    pub uid: u32,
+    pub gid: u32,
+    pub mode: u32,
+    pub atime: (i64, i64),
+    pub mtime: (i64, i64),
+    pub capability: Option<Vec<u8>>,
+}
+
+const CAPABILITY: &[u8] = b"security.capability";
+
+/// A directory being walked: where its contents were in the layers below
+/// (`/`-joined, "" for the root; None if nowhere), and whether the layer
+/// must state it whole (it or a parent was renamed: the layers below do
+/// not have it at this path).
+struct Walk {
+    dir: Dir,
+    rel: Vec<Vec<u8>>,
+    below: Option<Vec<u8>>,
+    whole: bool,
+}
+
+fn below_join(at: &[u8], name: &[u8]) -> Vec<u8> {
+    let mut p = at.to_vec();
+    p.push(b'/');
+    p.extend_from_slice(name);
+    p
+}
+
+/// Where a redirect (absolute, or relative to the parent's place below)
+/// points in the layers below.
+fn resolve_redirect(parent_below: Option<&[u8]>, r: &[u8]) -> Option<Vec<u8>> {
+    if r.starts_with(b"/") {
+        Some(r.to_vec())
+    } else {
+        parent_below.map(|p| below_join(p, r))
+    }
+}
+
 /// Reads the upper directory `upper` as a layer over `below` (the chain's
-/// tree so far, where a metacopy file finds its data).
-pub fn read_upper(upper: &Path, ingest: &Ingest<'_>, below: &Tree) -> Result<(Vec<LayerEntry>, LayerUsage), String> {
+/// tree so far, where a metacopy file finds its data and a renamed
+/// directory its contents). `journal` gets what the files to move were,
+/// before any of them changes.
+pub fn read_upper(
+    upper: &Path,
+    ingest: &Ingest<'_>,
+    below: &Tree,
+    journal: impl FnOnce(&[Undo]) -> Result<(), String>,
+) -> Result<(Vec<LayerEntry>, LayerUsage), String> {
     let root = Dir::open_root(upper).map_err(|e| e.to_string())?;
     let mut out = Vec::new();
     let mut usage = LayerUsage::default();
@@ -71,10 +132,24 @@ pub fn read_upper(upper: &Path, ingest: &Ingest<'_>, below: &Tree) -> Result<(Ve
                 .collect(),
         },
     });
-    let mut stack: Vec<(Dir, Vec<Vec<u8>>)> = vec![(root, Vec::new())];
-    while let Some((dir, rel)) = stack.pop() {
+    let mut stack = vec![Walk {
+        dir: root,
+        rel: Vec::new(),
+        below: Some(Vec::new()),
+        whole: false,
+    }];
+    let mut copied: HashMap<InodeId, Vec<Vec<u8>>> = HashMap::new();
+    while let Some(Walk {
+        dir,
+        rel,
+        below: at_below,
+        whole,
+    }) = stack.pop()
+    {
         let mut subdirs = Vec::new();
-        for name in dir.names().map_err(|e| e.to_string())? {
+        let names = dir.names().map_err(|e| e.to_string())?;
+        for name in &names {
+            let name = name.clone();
             let mut path = rel.clone();
             path.push(name.to_bytes().to_vec());
             let Some(st) = dir.stat(&name).map_err(|e| e.to_string())? else {
@@ -104,6 +179,9 @@ pub fn read_upper(upper: &Path, ingest: &Ingest<'_>, below: &Tree) -> Result<(Ve
             let typ = st.st_mode & S_IFMT;
             usage.inodes += 1;
             let kind = match typ {
+                // In a directory stated whole, a whiteout only keeps a name
+                // of the renamed directory from being copied.
+                S_IFCHR if st.st_rdev == 0 && whole => continue,
                 S_IFCHR if st.st_rdev == 0 => {
                     out.push(LayerEntry {
                         path,
@@ -113,26 +191,36 @@ pub fn read_upper(upper: &Path, ingest: &Ingest<'_>, below: &Tree) -> Result<(Ve
                     continue;
                 }
                 S_IFDIR => {
-                    if marker("redirect").is_some() {
-                        return Err(format!(
-                            "{}: a directory renamed through the overlay (redirect) is not supported",
-                            shown.display()
-                        ));
-                    }
-                    if marker("opaque").as_deref() == Some(b"y") {
+                    let redirect = marker("redirect");
+                    let opaque = marker("opaque").as_deref() == Some(b"y");
+                    // Whether this layer hides the layers' below at this
+                    // path (a parent stated whole hid them already).
+                    if (redirect.is_some() || opaque) && !whole {
                         out.push(LayerEntry {
                             path: path.clone(),
                             kind: Kind::Opaque,
                             meta: Meta::default(),
                         });
                     }
-                    subdirs.push((name.clone(), path.clone()));
+                    let child_below = if let Some(r) = &redirect {
+                        resolve_redirect(at_below.as_deref(), r)
+                    } else if opaque {
+                        None
+                    } else {
+                        at_below.as_deref().map(|b| below_join(b, name.to_bytes()))
+                    };
+                    subdirs.push((name.clone(), path.clone(), child_below, whole || redirect.is_some()));
                     Kind::Dir
                 }
                 S_IFREG if marker("metacopy").is_some() => {
                     // Metadata only: the data is a file of the layers below.
-                    let (size, content) = metacopy_data(below, &path, marker("redirect").as_deref())
-                        .ok_or_else(|| format!("{}: a metacopy file whose data is not below it", shown.display()))?;
+                    let (size, content) = metacopy_data(
+                        below,
+                        at_below.as_deref(),
+                        name.to_bytes(),
+                        marker("redirect").as_deref(),
+                    )
+                    .ok_or_else(|| format!("{}: a metacopy file whose data is not below it", shown.display()))?;
                     let size = size.unwrap_or(st.st_size as u64);
                     if size != st.st_size as u64 {
                         return Err(format!(
@@ -191,13 +279,284 @@ pub fn read_upper(upper: &Path, ingest: &Ingest<'_>, below: &Tree) -> Result<(Ve
             };
             out.push(LayerEntry { path, kind, meta });
         }
+        // A directory stated whole shows, besides its own entries, those
+        // of its place below that it neither replaced nor removed.
+        if whole {
+            if let Some(id) = at_below.as_deref().and_then(|b| below.lookup_path(b)) {
+                let n = below.inode(id);
+                if n.is_dir() {
+                    for e in &n.entries {
+                        if names.binary_search_by(|x| x.to_bytes().cmp(&e.name)).is_err() {
+                            let mut path = rel.clone();
+                            path.push(e.name.clone());
+                            copy_below(below, e.inode, path, &mut out, &mut copied, &mut usage);
+                        }
+                    }
+                }
+            }
+        }
         // Pushed in reverse: popped, and so walked, in name order.
-        for (name, path) in subdirs.into_iter().rev() {
-            stack.push((open_sub(&dir, &name)?, path));
+        for (name, path, child_below, child_whole) in subdirs.into_iter().rev() {
+            stack.push(Walk {
+                dir: open_sub(&dir, &name)?,
+                rel: path,
+                below: child_below,
+                whole: child_whole,
+            });
         }
     }
+    journal(&undo_of(&pending, &out))?;
     import_all(upper, ingest, &pending, &mut out)?;
     Ok((out, usage))
+}
+
+/// The journal of the files about to be moved: each with all its names
+/// (a hardlinked file's others are the layer's hardlinks to it).
+fn undo_of(pending: &[Pending], out: &[LayerEntry]) -> Vec<Undo> {
+    let mut others: HashMap<&[Vec<u8>], Vec<Vec<Vec<u8>>>> = HashMap::new();
+    for e in out {
+        if let Kind::Hardlink(target) = &e.kind {
+            others.entry(target.as_slice()).or_default().push(e.path.clone());
+        }
+    }
+    pending
+        .iter()
+        .map(|p| {
+            let e = &out[p.entry];
+            let mut names = vec![e.path.clone()];
+            names.extend(others.get(e.path.as_slice()).cloned().unwrap_or_default());
+            Undo {
+                names,
+                ino: p.stat.st_ino,
+                uid: p.stat.st_uid,
+                gid: p.stat.st_gid,
+                mode: p.stat.st_mode & 0o7777,
+                atime: (p.stat.st_atime, p.stat.st_atime_nsec as i64),
+                mtime: (p.stat.st_mtime, p.stat.st_mtime_nsec as i64),
+                capability: e
+                    .meta
+                    .xattrs
+                    .iter()
+                    .find(|(k, _)| k == CAPABILITY)
+                    .map(|(_, v)| v.clone()),
+            }
+        })
+        .collect()
+}
+
+/// The entries of inode `id` of the layers below (and, a directory, all
+/// below it), restated at `path`. A file met twice is a hardlink to its
+/// first path.
+fn copy_below(
+    below: &Tree,
+    id: InodeId,
+    path: Vec<Vec<u8>>,
+    out: &mut Vec<LayerEntry>,
+    copied: &mut HashMap<InodeId, Vec<Vec<u8>>>,
+    usage: &mut LayerUsage,
+) {
+    let n = below.inode(id);
+    let meta = Meta {
+        perm: n.mode & 0o7777,
+        uid: n.uid,
+        gid: n.gid,
+        mtime: n.mtime,
+        xattrs: n
+            .xattrs
+            .iter()
+            .filter(|x| !x.key.starts_with(OVERLAY_PREFIX))
+            .map(|x| (x.key.clone(), x.value.clone()))
+            .collect(),
+    };
+    usage.inodes += 1;
+    let typ = n.mode & S_IFMT;
+    let kind = match typ {
+        S_IFDIR => {
+            out.push(LayerEntry {
+                path: path.clone(),
+                kind: Kind::Dir,
+                meta,
+            });
+            for e in &n.entries {
+                let mut p = path.clone();
+                p.push(e.name.clone());
+                copy_below(below, e.inode, p, out, copied, usage);
+            }
+            return;
+        }
+        S_IFREG => {
+            if let Some(first) = copied.get(&id) {
+                Kind::Hardlink(first.clone())
+            } else {
+                copied.insert(id, path.clone());
+                usage.size += n.size as i64;
+                let content = match n.digest {
+                    Some(d) => Content::Object(d),
+                    None => Content::Inline(n.content.clone().unwrap_or_default()),
+                };
+                Kind::File { size: n.size, content }
+            }
+        }
+        S_IFLNK => Kind::Symlink(n.payload.clone().unwrap_or_default()),
+        S_IFCHR | S_IFBLK => Kind::Device {
+            mode_type: typ,
+            rdev: n.rdev,
+        },
+        S_IFIFO => Kind::Fifo,
+        _ => return,
+    };
+    out.push(LayerEntry { path, kind, meta });
+}
+
+/// Opens the directory of `name` (components) below `root`, never through
+/// a link; with the last component.
+fn parent_of<'a>(root: &OwnedFd, name: &'a [Vec<u8>]) -> Result<(OwnedFd, &'a [u8]), rustix::io::Errno> {
+    let (last, dirs) = name.split_last().ok_or(rustix::io::Errno::INVAL)?;
+    let rel: PathBuf = dirs.iter().map(|c| OsStr::from_bytes(c)).collect();
+    let fd = if rel.as_os_str().is_empty() {
+        rustix::fs::openat(
+            root,
+            c".",
+            OFlags::PATH | OFlags::DIRECTORY | OFlags::CLOEXEC,
+            Mode::empty(),
+        )?
+    } else {
+        rustix::fs::openat2(
+            root,
+            &rel,
+            OFlags::PATH | OFlags::DIRECTORY | OFlags::CLOEXEC,
+            Mode::empty(),
+            BENEATH,
+        )?
+    };
+    Ok((fd, last))
+}
+
+/// Gives the upper directory `upper` back the files a failed (or crashed)
+/// Commit moved into the store: each file whose inode the store shares is
+/// replaced by a copy (so the store's object stays as it is and the
+/// snapshot's file is its own again), each gets its owner, mode, times
+/// and file capability back. Idempotent: a name that no longer holds the
+/// journaled inode is left alone.
+pub fn restore(upper: &Path, undo: &[Undo]) -> Result<(), String> {
+    use rustix::fs::{AtFlags, Timestamps};
+    let root = rustix::fs::openat2(
+        rustix::fs::CWD,
+        upper,
+        OFlags::PATH | OFlags::DIRECTORY | OFlags::NOFOLLOW | OFlags::CLOEXEC,
+        Mode::empty(),
+        ResolveFlags::NO_SYMLINKS | ResolveFlags::NO_MAGICLINKS,
+    )
+    .map_err(|e| format!("{}: cannot open: {e}", upper.display()))?;
+    for u in undo {
+        let shown = |n: &[Vec<u8>]| upper.join(n.iter().map(|c| OsStr::from_bytes(c)).collect::<PathBuf>());
+        // The names that still hold the journaled inode.
+        let mut olds = Vec::new();
+        for n in &u.names {
+            let Ok((dir, last)) = parent_of(&root, n) else { continue };
+            match rustix::fs::statat(&dir, last, AtFlags::SYMLINK_NOFOLLOW) {
+                Ok(st) if st.st_ino == u.ino && st.st_mode & S_IFMT == S_IFREG => olds.push((dir, last, n)),
+                _ => {}
+            }
+        }
+        let Some((first_dir, first, first_name)) = olds.first() else {
+            continue;
+        };
+        let path = shown(first_name);
+        let fail = |what: &str, e: rustix::io::Errno| format!("{}: {what}: {e}", path.display());
+        let old = rustix::fs::openat(
+            first_dir,
+            *first,
+            OFlags::RDONLY | OFlags::NOFOLLOW | OFlags::CLOEXEC,
+            Mode::empty(),
+        )
+        .map_err(|e| fail("cannot open", e))?;
+        let st = rustix::fs::fstat(&old).map_err(|e| fail("cannot stat", e))?;
+        let shared = st.st_nlink as usize > olds.len();
+        let fd = if shared {
+            // A copy beside it, then renamed over each of its names.
+            let tmp = CString::new(format!(".tilefs-restore-{}", u.ino)).expect("no NUL");
+            let _ = rustix::fs::unlinkat(first_dir, &tmp, AtFlags::empty());
+            let new = rustix::fs::openat(
+                first_dir,
+                &tmp,
+                OFlags::RDWR | OFlags::CREATE | OFlags::EXCL | OFlags::NOFOLLOW | OFlags::CLOEXEC,
+                Mode::from_raw_mode(0o600),
+            )
+            .map_err(|e| fail("cannot create its copy", e))?;
+            let mut from = std::fs::File::from(old);
+            let mut to = std::fs::File::from(new);
+            std::io::copy(&mut from, &mut to).map_err(|e| format!("{}: cannot copy: {e}", path.display()))?;
+            for (k, v) in xattrs_of(&from) {
+                if k.as_slice() != CAPABILITY {
+                    let k = CString::new(k).expect("xattr names have no NUL");
+                    let _ = rustix::fs::fsetxattr(&to, &k, &v, rustix::fs::XattrFlags::empty());
+                }
+            }
+            to.sync_all()
+                .map_err(|e| format!("{}: cannot sync its copy: {e}", path.display()))?;
+            for (i, (dir, last, _)) in olds.iter().enumerate() {
+                if i == 0 {
+                    rustix::fs::renameat(first_dir, &tmp, dir, *last)
+                } else {
+                    // Another name of the same file: linked, then renamed over.
+                    let tmp2 = CString::new(format!(".tilefs-restore-{}-{i}", u.ino)).expect("no NUL");
+                    let _ = rustix::fs::unlinkat(dir, &tmp2, AtFlags::empty());
+                    rustix::fs::linkat(first_dir, *first, dir, &tmp2, AtFlags::empty())
+                        .and_then(|()| rustix::fs::renameat(dir, &tmp2, dir, *last))
+                }
+                .map_err(|e| fail("cannot put its copy in place", e))?;
+            }
+            rustix::fd::OwnedFd::from(to)
+        } else {
+            old
+        };
+        rustix::fs::fchown(
+            &fd,
+            Some(rustix::process::Uid::from_raw(u.uid)),
+            Some(rustix::process::Gid::from_raw(u.gid)),
+        )
+        .map_err(|e| fail("cannot set its owner back", e))?;
+        // After the owner: a change of owner clears setuid bits and the
+        // capability.
+        rustix::fs::fchmod(&fd, Mode::from_raw_mode(u.mode)).map_err(|e| fail("cannot set its mode back", e))?;
+        if let Some(cap) = &u.capability {
+            rustix::fs::fsetxattr(&fd, c"security.capability", cap, rustix::fs::XattrFlags::empty())
+                .map_err(|e| fail("cannot set its capability back", e))?;
+        }
+        let ts = |(sec, nsec): (i64, i64)| rustix::fs::Timespec {
+            tv_sec: sec,
+            tv_nsec: nsec as _,
+        };
+        rustix::fs::futimens(
+            &fd,
+            &Timestamps {
+                last_access: ts(u.atime),
+                last_modification: ts(u.mtime),
+            },
+        )
+        .map_err(|e| fail("cannot set its times back", e))?;
+    }
+    Ok(())
+}
+
+/// A file's xattrs (those it lets us read).
+fn xattrs_of(f: &std::fs::File) -> Vec<(Vec<u8>, Vec<u8>)> {
+    let mut list = vec![0u8; 64 << 10];
+    let Ok(n) = rustix::fs::flistxattr(f, &mut list) else {
+        return Vec::new();
+    };
+    list[..n]
+        .split(|&c| c == 0)
+        .filter(|k| !k.is_empty())
+        .filter_map(|k| {
+            let name = CString::new(k).ok()?;
+            let mut v = vec![0u8; 64 << 10];
+            let m = rustix::fs::fgetxattr(f, &name, &mut v).ok()?;
+            v.truncate(m);
+            Some((k.to_vec(), v))
+        })
+        .collect()
 }
 
 /// A regular file to move into the store: entry `entry` of the layer.
@@ -270,35 +629,27 @@ fn open_sub(dir: &Dir, name: &CStr) -> Result<Dir, String> {
     dir.open_dir(name).map_err(|e| e.to_string())
 }
 
-/// The data a metacopy file at `path` shows: the regular file below at
-/// its redirect (absolute, or a sibling), or at its own path, or, for a
-/// redirect naming a store object (a copy-up over a data-only layer), that
-/// object.
-fn metacopy_data(below: &Tree, path: &[Vec<u8>], redirect: Option<&[u8]>) -> Option<(Option<u64>, Content)> {
-    let mut at: Vec<u8> = Vec::new();
-    match redirect {
+/// The data a metacopy file `name` shows, in a directory whose place below
+/// is `dir_below`: the regular file below at its redirect (absolute, or
+/// relative to that place), or at its own name there, or, for a redirect
+/// naming a store object (a copy-up over a data-only layer), that object.
+fn metacopy_data(
+    below: &Tree,
+    dir_below: Option<&[u8]>,
+    name: &[u8],
+    redirect: Option<&[u8]>,
+) -> Option<(Option<u64>, Content)> {
+    let at = match redirect {
         Some(r) if r.starts_with(b"/") => {
             if let Some(d) = tilefs_store::parse_object_rel(&r[1..]) {
                 // The object names its bytes; their count is the file's.
                 return Some((None, Content::Object(d)));
             }
-            at.extend_from_slice(r);
+            r.to_vec()
         }
-        Some(r) => {
-            for c in &path[..path.len() - 1] {
-                at.push(b'/');
-                at.extend_from_slice(c);
-            }
-            at.push(b'/');
-            at.extend_from_slice(r);
-        }
-        None => {
-            for c in path {
-                at.push(b'/');
-                at.extend_from_slice(c);
-            }
-        }
-    }
+        Some(r) => resolve_redirect(dir_below, r)?,
+        None => below_join(dir_below?, name),
+    };
     let id = below.lookup_path(&at)?;
     let n = below.inode(id);
     if !n.is_reg() {

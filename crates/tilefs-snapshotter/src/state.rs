@@ -38,11 +38,23 @@ pub struct Record {
     /// flattened image, tagged in the store.
     #[serde(default)]
     pub image: Option<String>,
+    /// A committed snapshot whose files may not have reached the disk yet
+    /// (Commit does not wait for the writeback of the layer containerd
+    /// unpacked; a background sync clears this).
+    #[serde(default)]
+    pub unsynced: bool,
+    /// A committed snapshot whose layer is not stored yet: its upper
+    /// directory is whole, and the worker makes its layer and image.
+    #[serde(default)]
+    pub pending: bool,
 }
 
 pub const METADATA: &str = "metadata";
 pub const SNAPSHOTS: &str = "snapshots";
 pub const MOUNTS: &str = "mnt";
+/// In a snapshot's directory while it is committed: what its files were
+/// ([`crate::layer::Undo`]).
+pub const UNDO: &str = "undo";
 
 /// Loads every record; a record that does not parse is an error (it names
 /// the file), never silently dropped.

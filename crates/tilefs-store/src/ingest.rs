@@ -145,6 +145,8 @@ pub struct Ingest<'s> {
     /// Commit by syncing each object, not the filesystem (see
     /// [`Ingest::commit_each`]).
     commit_each: bool,
+    /// Sync the filesystem at each commit (see [`Ingest::defer_sync`]).
+    sync: bool,
     _lock: StoreLock,
 }
 
@@ -183,6 +185,7 @@ impl<'s> Ingest<'s> {
             batch_bytes: BATCH_BYTES,
             cancel: None,
             commit_each: false,
+            sync: true,
             _lock: lock,
         })
     }
@@ -207,6 +210,17 @@ impl<'s> Ingest<'s> {
     /// whose rename a crash undoes is only fetched again).
     pub fn commit_each(&mut self) {
         self.commit_each = true;
+    }
+
+    /// Leaves the durability of new objects to the caller, who syncs the
+    /// filesystem before anything relies on them surviving a power loss:
+    /// commits still rename them into place (so a process that dies
+    /// leaves only complete objects), but no longer wait for the disk.
+    /// For [`Method::Move`] of files another program just wrote (a layer
+    /// containerd unpacked), where the sync is the writeback of all of
+    /// them.
+    pub fn defer_sync(&mut self) {
+        self.sync = false;
     }
 
     /// Saves the digests learnt so far (an interrupted build keeps them:
@@ -599,7 +613,7 @@ impl<'s> Ingest<'s> {
                 .and_then(|fd| rfs::fsync(&fd))
                 .map_err(|e| StoreError::io(store_path, "cannot sync", e.into()))?;
             }
-        } else {
+        } else if self.sync {
             rfs::syncfs(&self.tmp).map_err(|e| StoreError::io(store_path, "cannot sync", e.into()))?;
         }
         // Each object renamed into its fan-out directory, opened without
@@ -616,7 +630,7 @@ impl<'s> Ingest<'s> {
             self.rename_into(tmp_name, fan, &rel[3..], *size)
                 .map_err(|e| StoreError::io(&self.store.join(&rel), "cannot rename into place", e))?;
         }
-        if !self.commit_each {
+        if !self.commit_each && self.sync {
             rfs::syncfs(self.store.dir_fd()).map_err(|e| StoreError::io(store_path, "cannot sync", e.into()))?;
         }
         Ok(())
