@@ -963,7 +963,7 @@ fn sigterm_unmounts_and_umount_clears_a_dead_server() {
 fn the_background_server_keeps_none_of_the_callers_descriptors() {
     require(cannot_test());
     let a = Area::new();
-    let (_src, store, image) = small_store(&a);
+    let (src, store, image) = small_store(&a);
     let mnt = a.dir("mnt");
     // As in `out=$(tilefs mount ... 3>&1)` or a pipeline: the shell hands
     // tilefs a pipe as descriptor 3. The server outliving the command must
@@ -999,6 +999,11 @@ fn the_background_server_keeps_none_of_the_callers_descriptors() {
     assert!(
         !fds.iter().any(|l| l.starts_with("pipe:")),
         "the server holds a pipe: {fds:?}"
+    );
+    // And it closed nothing of its own.
+    assert_eq!(
+        fs::read(mnt.join("file3")).unwrap(),
+        fs::read(src.join("file3")).unwrap()
     );
 }
 

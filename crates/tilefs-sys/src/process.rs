@@ -39,24 +39,20 @@ static INHERITED: std::sync::OnceLock<Vec<i32>> = std::sync::OnceLock::new();
 /// Notes the descriptors above stderr open now: call it first thing in
 /// `main`, when every one of them was inherited, none opened by us.
 pub fn note_inherited_fds() {
-    let mut fds = Vec::new();
-    if let Ok(dir) = rustix::fs::open(
-        "/proc/self/fd",
-        rustix::fs::OFlags::RDONLY | rustix::fs::OFlags::DIRECTORY | rustix::fs::OFlags::CLOEXEC,
-        rustix::fs::Mode::empty(),
-    ) {
-        use std::os::fd::AsRawFd;
-        let own = dir.as_raw_fd();
-        if let Ok(entries) = rustix::fs::Dir::read_from(&dir) {
-            for e in entries.flatten() {
-                if let Ok(fd) = e.file_name().to_string_lossy().parse::<i32>() {
-                    if fd > 2 && fd != own {
-                        fds.push(fd);
-                    }
-                }
-            }
-        }
-    }
+    let listed: Vec<i32> = std::fs::read_dir("/proc/self/fd")
+        .map(|d| {
+            d.flatten()
+                .filter_map(|e| e.file_name().to_str()?.parse::<i32>().ok())
+                .filter(|&fd| fd > 2)
+                .collect()
+        })
+        .unwrap_or_default();
+    // The listing's own descriptor is among them, closed by now: keep
+    // only those still open.
+    let fds = listed
+        .into_iter()
+        .filter(|fd| std::fs::symlink_metadata(format!("/proc/self/fd/{fd}")).is_ok())
+        .collect();
     let _ = INHERITED.set(fds);
 }
 
