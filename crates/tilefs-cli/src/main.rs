@@ -109,8 +109,6 @@ fn one_line(msg: &str) -> String {
 }
 
 fn main() -> ExitCode {
-    // A FUSE server forked from here closes them (see fuse_serve).
-    tilefs_sys::process::note_inherited_fds();
     // mount(8) runs us as mount.tilefs (a link to this binary).
     let name = std::env::args_os().next().map(std::path::PathBuf::from);
     if name
@@ -118,6 +116,8 @@ fn main() -> ExitCode {
         .and_then(|n| n.file_name())
         .is_some_and(|n| n == "mount.tilefs")
     {
+        // A FUSE server forked from here closes them (see fuse_serve).
+        tilefs_sys::process::note_inherited_fds();
         return mount_helper::main();
     }
     let cli = Cli::parse();
@@ -134,7 +134,11 @@ fn main() -> ExitCode {
         Command::Untag(a) => store_cmds::untag(a),
         Command::Fsck(a) => store_cmds::fsck(a),
         Command::Gc(a) => store_cmds::gc(a),
-        Command::Mount(a) => mount_cmd::mount(a),
+        Command::Mount(a) => {
+            // Before anything is opened: see fuse_serve.
+            tilefs_sys::process::note_inherited_fds();
+            mount_cmd::mount(a)
+        }
         Command::Serve(a) => serve_cmd::run(a),
         Command::Umount(a) => mount_cmd::umount(a),
         Command::Commit(a) => commit_cmd::run(a),

@@ -485,6 +485,23 @@ impl Vm {
 
 /// `tilefs serve --vhost-user SOCKET ARGS...`, killed when dropped, once
 /// its socket is there.
+/// `image` of `store` served writable over `upper` and `work`.
+fn serve_writable(socket: &Path, log: &Path, store: &Path, (upper, work): (&Path, &Path), image: &Path) -> Killed {
+    serve(
+        socket,
+        log,
+        &[
+            os("--store"),
+            store.as_os_str(),
+            os("--upper"),
+            upper.as_os_str(),
+            os("--work"),
+            work.as_os_str(),
+            image.as_os_str(),
+        ],
+    )
+}
+
 fn serve(socket: &Path, log: &Path, args: &[&std::ffi::OsStr]) -> Killed {
     let mut server = Killed(Some(
         Command::new(tilefs_bin())
@@ -532,19 +549,7 @@ fn guest_boots_reads_verifies_and_writes_over_virtio_fs() {
     let socket = a.path("vhost.sock");
     let log = a.path("server.log");
     let initramfs = make_initramfs(a.tmp.path(), "checks", &format!("{INIT_START}{MOUNT}{CHECKS}"));
-    let mut server = serve(
-        &socket,
-        &log,
-        &[
-            os("--store"),
-            store.as_os_str(),
-            os("--upper"),
-            upper.as_os_str(),
-            os("--work"),
-            work.as_os_str(),
-            image.as_os_str(),
-        ],
-    );
+    let mut server = serve_writable(&socket, &log, &store, (&upper, &work), &image);
     let accel = accel();
     let mut vm = Vm::start(a.tmp.path(), "checks", accel, Some(&socket), &initramfs, "");
     let console = vm.finish(GUEST_LIMIT).unwrap_or_else(|c| {
@@ -668,19 +673,7 @@ fn a_killed_vmm_loses_no_synced_write_and_the_next_boots_with_the_image_as_root(
     let (upper, work) = (a.dir("upper"), a.dir("work"));
     let socket = a.path("vhost.sock");
     let log = a.path("server.log");
-    let mut server = serve(
-        &socket,
-        &log,
-        &[
-            os("--store"),
-            store.as_os_str(),
-            os("--upper"),
-            upper.as_os_str(),
-            os("--work"),
-            work.as_os_str(),
-            image.as_os_str(),
-        ],
-    );
+    let mut server = serve_writable(&socket, &log, &store, (&upper, &work), &image);
     let accel = accel();
     eprintln!("accelerator: {accel}");
     let slog = || fs::read_to_string(&log).unwrap_or_default();

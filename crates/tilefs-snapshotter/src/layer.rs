@@ -440,14 +440,7 @@ fn parent_of<'a>(root: &OwnedFd, name: &'a [Vec<u8>]) -> Result<(OwnedFd, &'a [u
 /// journaled inode is left alone.
 pub fn restore(upper: &Path, undo: &[Undo]) -> Result<(), String> {
     use rustix::fs::{AtFlags, Timestamps};
-    let root = rustix::fs::openat2(
-        rustix::fs::CWD,
-        upper,
-        OFlags::PATH | OFlags::DIRECTORY | OFlags::NOFOLLOW | OFlags::CLOEXEC,
-        Mode::empty(),
-        ResolveFlags::NO_SYMLINKS | ResolveFlags::NO_MAGICLINKS,
-    )
-    .map_err(|e| format!("{}: cannot open: {e}", upper.display()))?;
+    let root = open_upper(upper)?;
     for u in undo {
         let shown = |n: &[Vec<u8>]| upper.join(n.iter().map(|c| OsStr::from_bytes(c)).collect::<PathBuf>());
         // The names that still hold the journaled inode.
@@ -569,20 +562,25 @@ struct Pending {
     path: PathBuf,
 }
 
-/// Moves the pending files into the store, on several threads (hashing a
-/// cold file waits on the disk), and puts their digests in their entries.
-fn import_all(upper: &Path, ingest: &Ingest<'_>, pending: &[Pending], out: &mut [LayerEntry]) -> Result<(), String> {
-    if pending.is_empty() {
-        return Ok(());
-    }
-    let root = rustix::fs::openat2(
+/// The upper directory, opened without following a link on its way.
+fn open_upper(upper: &Path) -> Result<OwnedFd, String> {
+    rustix::fs::openat2(
         rustix::fs::CWD,
         upper,
         OFlags::PATH | OFlags::DIRECTORY | OFlags::NOFOLLOW | OFlags::CLOEXEC,
         Mode::empty(),
         ResolveFlags::NO_SYMLINKS | ResolveFlags::NO_MAGICLINKS,
     )
-    .map_err(|e| format!("{}: cannot open: {e}", upper.display()))?;
+    .map_err(|e| format!("{}: cannot open: {e}", upper.display()))
+}
+
+/// Moves the pending files into the store, on several threads (hashing a
+/// cold file waits on the disk), and puts their digests in their entries.
+fn import_all(upper: &Path, ingest: &Ingest<'_>, pending: &[Pending], out: &mut [LayerEntry]) -> Result<(), String> {
+    if pending.is_empty() {
+        return Ok(());
+    }
+    let root = open_upper(upper)?;
     let one = |p: &Pending| -> Result<[u8; 32], String> {
         // Its directory again from the upper root, never through a link.
         let dir = if p.dir.as_os_str().is_empty() {

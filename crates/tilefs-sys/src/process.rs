@@ -36,8 +36,8 @@ pub fn fork() -> io::Result<Forked> {
 /// by [`note_inherited_fds`].
 static INHERITED: std::sync::OnceLock<Vec<i32>> = std::sync::OnceLock::new();
 
-/// Notes the descriptors above stderr open now: call it first thing in
-/// `main`, when every one of them was inherited, none opened by us.
+/// Notes the descriptors above stderr open now: call it before the
+/// process opens anything, when every one of them was inherited.
 pub fn note_inherited_fds() {
     let listed: Vec<i32> = std::fs::read_dir("/proc/self/fd")
         .map(|d| {
