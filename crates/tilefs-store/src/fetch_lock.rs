@@ -101,6 +101,8 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let store = Store::create(dir.path()).unwrap();
         let (a, b) = (FetchLocks::open(&store).unwrap(), FetchLocks::open(&store).unwrap());
+        let mode = rfs::fstat(&a.fd).unwrap().st_mode & 0o7777;
+        assert_eq!(mode, 0o600, "only the store's writers may lock");
         let x = Span { start: 100, len: 50 };
         let y = Span { start: 150, len: 10 };
         assert!(a.try_lock(x) && a.try_lock(y));
