@@ -289,39 +289,18 @@ impl Drop for Rig {
 /// An OCI image in a registry: layers made with umoci from the trees
 /// `layers` fills, pushed with skopeo.
 fn push_image(area: &Area, registry: &Registry, name: &str, layers: &[&dyn Fn(&Path)]) -> String {
-    let layout = area.path(&format!("layout-{name}"));
-    let bundle = area.path(&format!("bundle-{name}"));
-    let lay = format!("{}:{name}", layout.display());
-    ok(Command::new("umoci").args(["init", "--layout"]).arg(&layout));
-    ok(Command::new("umoci").args(["new", "--image", &lay]));
-    for fill in layers {
-        let _ = fs::remove_dir_all(&bundle);
-        ok(Command::new("umoci").args(["unpack", "--image", &lay]).arg(&bundle));
-        fill(&bundle.join("rootfs"));
-        ok(Command::new("umoci").args(["repack", "--image", &lay]).arg(&bundle));
-    }
-    ok(Command::new("umoci").args(["config", "--image", &lay, "--config.cmd", "/bin/sh"]));
-    let remote = format!("{}/tilefs/{name}:v1", registry.addr);
-    ok(Command::new("skopeo").args([
-        "copy",
-        "-q",
-        "--dest-tls-verify=false",
-        &format!("oci:{lay}"),
-        &format!("docker://{remote}"),
-    ]));
-    remote
+    common::oci::push_image_with(area, registry, name, layers, &["--config.cmd", "/bin/sh"])
 }
 
 /// A base layer: busybox and its applets, and `shared` files of 64 KiB
 /// named by seed (the same seed, the same bytes).
 fn base_layer(root: &Path, shared: u64, own_seed: u64, own: usize) {
-    fs::create_dir_all(root.join("bin")).unwrap();
-    fs::copy("/bin/busybox", root.join("bin/busybox")).unwrap();
-    for app in [
-        "sh", "cat", "echo", "test", "ls", "md5sum", "sleep", "rm", "mkdir", "stat", "chmod", "mv",
-    ] {
-        std::os::unix::fs::symlink("busybox", root.join("bin").join(app)).unwrap();
-    }
+    common::oci::busybox_into(
+        root,
+        &[
+            "sh", "cat", "echo", "test", "ls", "md5sum", "sleep", "rm", "mkdir", "stat", "chmod", "mv",
+        ],
+    );
     fs::create_dir_all(root.join("data")).unwrap();
     for i in 0..shared {
         fs::write(

@@ -154,3 +154,59 @@ pub fn mount_tag(store: &Path, tag: &str, mnt: &Path, log: &Path) -> (Mounted, S
 pub fn read(p: &Path) -> std::io::Result<Vec<u8>> {
     fs::read(p)
 }
+
+/// Runs `cmd`, which must succeed; its stdout.
+fn checked(cmd: &mut Command) -> String {
+    let out = cmd.output().unwrap_or_else(|e| panic!("{cmd:?}: {e}"));
+    assert!(
+        out.status.success(),
+        "{cmd:?} failed: {}\n{}",
+        String::from_utf8_lossy(&out.stdout),
+        stderr(&out)
+    );
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+/// An OCI image in `registry` as `tilefs/NAME:v1`: a layer made with umoci
+/// from each tree a function of `layers` fills, its config set by umoci's
+/// `config` flags (`--config.cmd`, `--config.entrypoint`, ...), pushed with
+/// skopeo. Returns its reference.
+pub fn push_image_with(
+    area: &Area,
+    registry: &Registry,
+    name: &str,
+    layers: &[&dyn Fn(&Path)],
+    config: &[&str],
+) -> String {
+    let layout = area.path(&format!("layout-{name}"));
+    let bundle = area.path(&format!("bundle-{name}"));
+    let lay = format!("{}:{name}", layout.display());
+    checked(Command::new("umoci").args(["init", "--layout"]).arg(&layout));
+    checked(Command::new("umoci").args(["new", "--image", &lay]));
+    for fill in layers {
+        let _ = fs::remove_dir_all(&bundle);
+        checked(Command::new("umoci").args(["unpack", "--image", &lay]).arg(&bundle));
+        fill(&bundle.join("rootfs"));
+        checked(Command::new("umoci").args(["repack", "--image", &lay]).arg(&bundle));
+    }
+    checked(Command::new("umoci").args(["config", "--image", &lay]).args(config));
+    let remote = format!("{}/tilefs/{name}:v1", registry.addr);
+    checked(Command::new("skopeo").args([
+        "copy",
+        "-q",
+        "--dest-tls-verify=false",
+        &format!("oci:{lay}"),
+        &format!("docker://{remote}"),
+    ]));
+    remote
+}
+
+/// The host's static busybox as `root/bin/busybox`, with `applets` as
+/// symlinks to it.
+pub fn busybox_into(root: &Path, applets: &[&str]) {
+    fs::create_dir_all(root.join("bin")).unwrap();
+    fs::copy("/bin/busybox", root.join("bin/busybox")).unwrap();
+    for app in applets {
+        std::os::unix::fs::symlink("busybox", root.join("bin").join(app)).unwrap();
+    }
+}

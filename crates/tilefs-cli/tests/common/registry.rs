@@ -153,6 +153,22 @@ impl Registry {
             .sum()
     }
 
+    /// The digest of each blob the registry sent (a GET it answered with
+    /// its bytes, 200 or 206), once per such GET, in the log's order: a
+    /// lazy pull shows here which layers went over the wire.
+    pub fn blobs_sent(&self) -> Vec<String> {
+        self.requests()
+            .iter()
+            .filter(|r| r.method == "GET" && matches!(r.status, 200 | 206))
+            .filter_map(|r| {
+                let (_, rest) = r.path.split_once("/blobs/")?;
+                let digest = rest.split('?').next()?;
+                // Upload sessions share the prefix (/blobs/uploads/).
+                digest.starts_with("sha256:").then(|| digest.to_string())
+            })
+            .collect()
+    }
+
     /// Where the registry keeps blob `digest` ("sha256:HEX").
     pub fn blob_file(&self, digest: &str) -> PathBuf {
         let hex = digest.strip_prefix("sha256:").unwrap();
