@@ -1,0 +1,791 @@
+//! `tilefs snapshotter` under containerd's CRI plugin, the way Kubernetes
+//! runs containers: crictl pulls images and runs pods through a real
+//! containerd (Debian's) with runc, the images (and the pods' pause image,
+//! built here) served by Debian's docker-registry on loopback. Pods use the
+//! host's network, so no CNI plugin is needed. Every daemon, process,
+//! mount and cgroup a test starts is stopped and removed when it ends,
+//! whether it passes or not.
+
+mod common;
+
+use common::oci::{busybox_into, push_image_with};
+use common::registry::Registry;
+use common::*;
+use std::cell::Cell;
+use std::fs;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Output, Stdio};
+use std::time::{Duration, Instant};
+
+/// The containerd namespace CRI keeps its images and containers in.
+const NS: &str = "k8s.io";
+
+/// How long one crictl call may take (a pull or a pod start on this loaded
+/// 2-core machine can take a while; crictl's default is 2 s).
+const CRICTL_TIMEOUT: &str = "300s";
+
+fn have(tool: &str) -> bool {
+    Command::new("sh")
+        .args(["-c", &format!("command -v {tool}")])
+        .output()
+        .is_ok_and(|o| o.status.success())
+}
+
+fn run(cmd: &mut Command) -> Output {
+    cmd.output().unwrap_or_else(|e| panic!("{cmd:?}: {e}"))
+}
+
+fn ok(cmd: &mut Command) -> String {
+    let out = run(cmd);
+    assert!(
+        out.status.success(),
+        "{cmd:?} failed: {}\n{}",
+        String::from_utf8_lossy(&out.stdout),
+        stderr(&out)
+    );
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+fn wait_for(what: &str, limit: Duration, mut done: impl FnMut() -> bool) {
+    let t = Instant::now();
+    while !done() {
+        assert!(t.elapsed() < limit, "{what}: not after {limit:?}");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
+
+/// A pod sandbox CRI runs: its id, and the config crictl made it from
+/// (crictl's `create` wants it again).
+pub struct Pod {
+    pub id: String,
+    pub name: String,
+    config: PathBuf,
+}
+
+/// The registry, `tilefs snapshotter` and containerd with its CRI plugin,
+/// all in the test's directory; everything they started is stopped and
+/// removed on drop.
+pub struct CriRig {
+    area: PathBuf,
+    sock: PathBuf,
+    snap_sock: PathBuf,
+    /// The snapshotter's `--root`.
+    pub root: PathBuf,
+    /// The snapshotter's `--store`.
+    pub store: PathBuf,
+    /// The sandbox (pause) image each pod starts with.
+    pub pause: String,
+    /// The pods' cgroups (cgroupfs) go under this one, named after the
+    /// test's directory: its leftovers can be found and removed.
+    cgroup_parent: String,
+    pods: Cell<u32>,
+    containerd: Option<Child>,
+    snapshotter: Option<Child>,
+    registry: Option<Registry>,
+}
+
+impl CriRig {
+    pub fn start(area: &Area) -> CriRig {
+        require_tools();
+        let base = area.path("");
+        let dir_name = base
+            .file_name()
+            .unwrap()
+            .to_string_lossy()
+            .trim_start_matches('.')
+            .to_string();
+        let mut rig = CriRig {
+            area: base.clone(),
+            sock: base.join("c.sock"),
+            snap_sock: base.join("s.sock"),
+            root: base.join("snaproot"),
+            store: base.join("store"),
+            pause: String::new(),
+            cgroup_parent: format!("/tilefs-cri-{dir_name}"),
+            pods: Cell::new(0),
+            containerd: None,
+            snapshotter: None,
+            registry: Some(Registry::start(area)),
+        };
+        // CRI pulls its sandbox image like any other: ours is busybox
+        // sleeping until StopPodSandbox kills it.
+        rig.pause = push_image_with(
+            area,
+            rig.registry(),
+            "pause",
+            &[&|r: &Path| busybox_into(r, &["sleep"])],
+            &["--config.entrypoint", "/bin/sleep", "--config.cmd", "inf"],
+        );
+        rig.start_snapshotter();
+        for d in ["cni/bin", "cni/conf", "pod-logs"] {
+            area.dir(d);
+        }
+        let config = base.join("containerd.toml");
+        fs::write(&config, rig.containerd_config()).unwrap();
+        let endpoint = format!("unix://{}", rig.sock.display());
+        fs::write(
+            base.join("crictl.yaml"),
+            format!("runtime-endpoint: {endpoint}\nimage-endpoint: {endpoint}\ntimeout: 300\n"),
+        )
+        .unwrap();
+        let log = fs::File::create(base.join("containerd.log")).unwrap();
+        rig.containerd = Some(
+            Command::new("containerd")
+                .arg("--config")
+                .arg(&config)
+                .stdout(log.try_clone().unwrap())
+                .stderr(log)
+                .spawn()
+                .expect("containerd (scripts/setup installs it)"),
+        );
+        let t = Instant::now();
+        while !run(rig.crictl_within("5s").arg("info")).status.success() {
+            if let Ok(Some(status)) = rig.containerd.as_mut().unwrap().try_wait() {
+                panic!("containerd exited: {status}");
+            }
+            assert!(
+                t.elapsed() < Duration::from_secs(60),
+                "containerd's CRI plugin did not start"
+            );
+            std::thread::sleep(Duration::from_millis(100));
+        }
+        rig
+    }
+
+    /// containerd's config: its own root, state and sockets in the test's
+    /// directory, the CRI plugin on the tilefs snapshotter.
+    fn containerd_config(&self) -> String {
+        let p = |rel: &str| self.area.join(rel).display().to_string();
+        let cri = "plugins.\"io.containerd.grpc.v1.cri\"";
+        let reg = &self.registry().addr;
+        format!(
+            r#"version = 2
+root = "{root}"
+state = "{state}"
+[grpc]
+  address = "{sock}"
+[ttrpc]
+  address = "{sock}.ttrpc"
+[proxy_plugins]
+  [proxy_plugins.tilefs]
+    type = "snapshot"
+    address = "{snap_sock}"
+[{cri}]
+  sandbox_image = "{pause}"
+  # The sandbox's runc would set oom_score_adj -998, which needs
+  # CAP_SYS_RESOURCE (machines and containers without it refuse): this
+  # keeps it at containerd's own.
+  restrict_oom_score_adj = true
+[{cri}.containerd]
+  snapshotter = "tilefs"
+  # CRI's labels (cri.image-ref, cri.layer-digest, ...) go to Prepare.
+  disable_snapshot_annotations = false
+  default_runtime_name = "runc"
+[{cri}.containerd.runtimes.runc]
+  runtime_type = "io.containerd.runc.v2"
+[{cri}.containerd.runtimes.runc.options]
+  # runc's state in the test's directory, not /run/containerd/runc.
+  Root = "{runc}"
+[{cri}.cni]
+  bin_dir = "{cni_bin}"
+  conf_dir = "{cni_conf}"
+[{cri}.registry.mirrors."{reg}"]
+  endpoint = ["http://{reg}"]
+"#,
+            root = p("croot"),
+            state = p("cstate"),
+            sock = self.sock.display(),
+            snap_sock = self.snap_sock.display(),
+            pause = self.pause,
+            runc = p("runc"),
+            cni_bin = p("cni/bin"),
+            cni_conf = p("cni/conf"),
+        )
+    }
+
+    pub fn start_snapshotter(&mut self) {
+        let log = fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(self.area.join("snapshotter.log"))
+            .unwrap();
+        let _ = fs::remove_file(&self.snap_sock);
+        self.snapshotter = Some(
+            Command::new(tilefs_bin())
+                .arg("snapshotter")
+                .arg("--root")
+                .arg(&self.root)
+                .arg("--store")
+                .arg(&self.store)
+                .arg("--socket")
+                .arg(&self.snap_sock)
+                .stdout(Stdio::null())
+                .stderr(log)
+                .spawn()
+                .unwrap(),
+        );
+        let snap_sock = self.snap_sock.clone();
+        wait_for("the snapshotter's socket", Duration::from_secs(20), || {
+            snap_sock.exists()
+        });
+        // containerd's gRPC client reconnects to a restarted plugin after
+        // its backoff (a second or more): wait until it has.
+        if self.containerd.is_some() {
+            wait_for(
+                "containerd reconnecting to the snapshotter",
+                Duration::from_secs(60),
+                || run(self.snapshots().arg("ls")).status.success(),
+            );
+        }
+    }
+
+    /// Stops the snapshotter with `signal` ("-TERM", "-KILL").
+    pub fn stop_snapshotter(&mut self, signal: &str) {
+        if let Some(mut c) = self.snapshotter.take() {
+            let _ = Command::new("kill").args([signal, &c.id().to_string()]).status();
+            let _ = c.wait();
+        }
+    }
+
+    /// A clean stop and a start of the snapshotter, containerd reconnected.
+    pub fn restart_snapshotter(&mut self) {
+        self.stop_snapshotter("-TERM");
+        self.start_snapshotter();
+    }
+
+    pub fn registry(&self) -> &Registry {
+        self.registry.as_ref().unwrap()
+    }
+
+    /// The registry's `127.0.0.1:PORT` (images are `ADDR/NAME:TAG`).
+    pub fn registry_addr(&self) -> &str {
+        &self.registry().addr
+    }
+
+    /// crictl on containerd's CRI socket.
+    pub fn crictl(&self) -> Command {
+        self.crictl_within(CRICTL_TIMEOUT)
+    }
+
+    fn crictl_within(&self, timeout: &str) -> Command {
+        let endpoint = format!("unix://{}", self.sock.display());
+        let mut c = Command::new("crictl");
+        // Our own config file, so a host's /etc/crictl.yaml plays no part.
+        c.arg("--config")
+            .arg(self.area.join("crictl.yaml"))
+            .args(["--runtime-endpoint", &endpoint, "--image-endpoint", &endpoint])
+            .args(["--timeout", timeout]);
+        c
+    }
+
+    /// ctr in CRI's namespace.
+    pub fn ctr(&self) -> Command {
+        let mut c = Command::new("ctr");
+        c.arg("--address").arg(&self.sock).arg("--namespace").arg(NS);
+        c
+    }
+
+    /// `ctr snapshots` of the tilefs snapshotter, in CRI's namespace.
+    pub fn snapshots(&self) -> Command {
+        let mut c = self.ctr();
+        c.args(["snapshots", "--snapshotter", "tilefs"]);
+        c
+    }
+
+    /// `crictl pull`: CRI fetches and unpacks `image` onto the snapshotter.
+    /// Returns the image's id (its config's digest).
+    pub fn pull(&self, image: &str) -> String {
+        let out = ok(self.crictl().args(["pull", image]));
+        // "Image is up to date for sha256:..."
+        out.split_whitespace()
+            .last()
+            .unwrap_or_else(|| panic!("crictl pull printed no image id: {out:?}"))
+            .to_string()
+    }
+
+    /// A pod sandbox on the host's network, started (its pause container
+    /// running).
+    pub fn run_pod(&self, name: &str) -> Pod {
+        self.pods.set(self.pods.get() + 1);
+        let logs = self.area.join("pod-logs").join(name);
+        fs::create_dir_all(&logs).unwrap();
+        let config = self.area.join(format!("pod-{name}.json"));
+        let json = serde_json::json!({
+            "metadata": {"name": name, "namespace": "tilefs-test", "uid": format!("{name}-uid"), "attempt": 0},
+            "log_directory": logs,
+            "linux": {
+                "cgroup_parent": self.cgroup_parent,
+                // 2 is NODE: the host's network namespace, no CNI.
+                "security_context": {"namespace_options": {"network": 2}},
+            },
+        });
+        fs::write(&config, json.to_string()).unwrap();
+        let id = ok(self.crictl().arg("runp").arg(&config)).trim().to_string();
+        Pod {
+            id,
+            name: name.to_string(),
+            config,
+        }
+    }
+
+    /// A container in `pod` running `/bin/sh -c cmd` in `image` (pulled
+    /// already, as the kubelet does first), created and started: its id.
+    pub fn start_container(&self, pod: &Pod, name: &str, image: &str, cmd: &str) -> String {
+        let config = self.area.join(format!("container-{}-{name}.json", pod.name));
+        let json = serde_json::json!({
+            "metadata": {"name": name},
+            "image": {"image": image},
+            "command": ["/bin/sh", "-c", cmd],
+            "log_path": format!("{name}.log"),
+            "linux": {},
+        });
+        fs::write(&config, json.to_string()).unwrap();
+        let id = ok(self.crictl().arg("create").arg(&pod.id).arg(&config).arg(&pod.config))
+            .trim()
+            .to_string();
+        ok(self.crictl().args(["start", &id]));
+        id
+    }
+
+    /// `crictl inspect` of a container (`inspectp` of a pod): its JSON.
+    fn inspect(&self, what: &str, id: &str) -> serde_json::Value {
+        let out = ok(self.crictl().args([what, "-o", "json", id]));
+        serde_json::from_str(&out).unwrap_or_else(|e| panic!("crictl {what}: {e}: {out}"))
+    }
+
+    /// Waits for a container to exit: its exit code.
+    pub fn wait_exited(&self, id: &str) -> i64 {
+        let mut code = None;
+        wait_for(&format!("container {id} exiting"), Duration::from_secs(120), || {
+            let status = &self.inspect("inspect", id)["status"];
+            if status["state"] == "CONTAINER_EXITED" {
+                code = status["exitCode"].as_i64();
+            }
+            code.is_some()
+        });
+        code.unwrap()
+    }
+
+    /// What a container wrote to its stdout (`crictl logs`).
+    pub fn logs(&self, id: &str) -> String {
+        ok(self.crictl().args(["logs", id]))
+    }
+
+    /// `crictl stop` and `rm` of a container.
+    pub fn remove_container(&self, id: &str) {
+        ok(self.crictl().args(["stop", id]));
+        ok(self.crictl().args(["rm", id]));
+    }
+
+    /// `crictl stopp` and `rmp` of a pod.
+    pub fn remove_pod(&self, pod: &Pod) {
+        ok(self.crictl().args(["stopp", &pod.id]));
+        ok(self.crictl().args(["rmp", &pod.id]));
+    }
+
+    /// The mount points that name one of `ids` (a container's rootfs, a
+    /// pod's /dev/shm), from this namespace's mount table.
+    pub fn mounts_of(&self, ids: &[&str]) -> Vec<String> {
+        mountinfo_lines()
+            .iter()
+            .filter_map(|l| l.split(' ').nth(4))
+            .filter(|m| ids.iter().any(|id| m.contains(id)))
+            .map(str::to_string)
+            .collect()
+    }
+
+    /// A pod, a container in it running `cmd` in `image` (pulled already)
+    /// until it exits (with 0), then both stopped and removed, nothing of
+    /// them left mounted: what the container wrote to its stdout.
+    pub fn run_pod_and_container(&self, image: &str, cmd: &str) -> String {
+        let pod = self.run_pod(&format!("pod{}", self.pods.get() + 1));
+        let id = self.start_container(&pod, "main", image, cmd);
+        let code = self.wait_exited(&id);
+        let logs = self.logs(&id);
+        assert_eq!(code, 0, "the container exited with {code}: {logs}");
+        self.remove_container(&id);
+        self.remove_pod(&pod);
+        let left = self.mounts_of(&[&pod.id, &id]);
+        assert!(left.is_empty(), "still mounted after the pod's removal: {left:?}");
+        logs
+    }
+
+    /// The tilefs snapshotter's snapshots in CRI's namespace: (key,
+    /// parent, kind).
+    pub fn snapshot_list(&self) -> Vec<(String, String, String)> {
+        ok(self.snapshots().arg("ls"))
+            .lines()
+            .skip(1)
+            .filter_map(|l| {
+                let f: Vec<&str> = l.split_whitespace().collect();
+                match f.as_slice() {
+                    [k, p, kind] => Some((k.to_string(), p.to_string(), kind.to_string())),
+                    [k, kind] => Some((k.to_string(), String::new(), kind.to_string())),
+                    _ => None,
+                }
+            })
+            .collect()
+    }
+
+    /// The snapshotter's own records (`ROOT/metadata/ID`, JSON): key,
+    /// kind and the labels containerd gave it.
+    pub fn records(&self) -> Vec<serde_json::Value> {
+        let Ok(rd) = fs::read_dir(self.root.join("metadata")) else {
+            return Vec::new();
+        };
+        rd.flatten()
+            .filter(|e| e.file_name().to_string_lossy().parse::<u64>().is_ok())
+            .filter_map(|e| serde_json::from_slice(&fs::read(e.path()).ok()?).ok())
+            .collect()
+    }
+
+    /// Waits until the snapshotter stored every committed snapshot's layer
+    /// (it does after Commit returns): one image tag each.
+    pub fn settle(&self) {
+        wait_for("the snapshotter storing every layer", Duration::from_secs(120), || {
+            let committed = self.snapshot_list().iter().filter(|s| s.2 == "Committed").count();
+            tags_in(&self.store).len() == committed
+        });
+    }
+
+    /// Processes (not this one) whose command line names `needle`.
+    fn processes_naming(needle: &str) -> Vec<i32> {
+        let me = std::process::id() as i32;
+        fs::read_dir("/proc")
+            .into_iter()
+            .flatten()
+            .flatten()
+            .filter_map(|e| e.file_name().to_str()?.parse::<i32>().ok())
+            .filter(|&pid| pid != me)
+            .filter(|pid| {
+                fs::read(format!("/proc/{pid}/cmdline")).is_ok_and(|c| {
+                    c.split(|&b| b == 0)
+                        .any(|a| String::from_utf8_lossy(a).contains(needle))
+                })
+            })
+            .collect()
+    }
+
+    /// This rig's cgroup directories, in every hierarchy, deepest first.
+    fn cgroups(&self) -> Vec<PathBuf> {
+        let name = self.cgroup_parent.trim_start_matches('/');
+        let mut hierarchies = vec![PathBuf::from("/sys/fs/cgroup")];
+        hierarchies.extend(
+            fs::read_dir("/sys/fs/cgroup")
+                .into_iter()
+                .flatten()
+                .flatten()
+                .map(|e| e.path()),
+        );
+        let mut out = Vec::new();
+        let mut stack: Vec<PathBuf> = hierarchies
+            .iter()
+            .map(|h| h.join(name))
+            .filter(|p| p.is_dir())
+            .collect();
+        while let Some(d) = stack.pop() {
+            for e in fs::read_dir(&d).into_iter().flatten().flatten() {
+                if e.file_type().is_ok_and(|t| t.is_dir()) {
+                    stack.push(e.path());
+                }
+            }
+            out.push(d);
+        }
+        out.sort_by_key(|p| std::cmp::Reverse(p.components().count()));
+        out
+    }
+
+    /// Whatever is mounted below `dir`, deepest first: detached.
+    fn unmount_below(dir: &Path) {
+        let mut mounts: Vec<String> = mountinfo_lines()
+            .iter()
+            .filter_map(|l| l.split(' ').nth(4).map(str::to_string))
+            .filter(|m| Path::new(m).starts_with(dir))
+            .collect();
+        mounts.sort_by_key(|m| std::cmp::Reverse(m.len()));
+        for m in mounts {
+            let quiet = |c: &mut Command| c.stderr(Stdio::null()).status().is_ok_and(|s| s.success());
+            if !quiet(Command::new("umount").arg(&m)) {
+                quiet(Command::new("umount").args(["-l", &m]));
+            }
+        }
+    }
+}
+
+impl Drop for CriRig {
+    fn drop(&mut self) {
+        if std::thread::panicking() {
+            for log in ["snapshotter.log", "containerd.log"] {
+                let text = fs::read_to_string(self.area.join(log)).unwrap_or_default();
+                let tail: Vec<&str> = text.lines().rev().take(40).collect();
+                eprintln!("--- {log} (last lines):");
+                for l in tail.into_iter().rev() {
+                    eprintln!("{l}");
+                }
+            }
+        }
+        // Pods through CRI first: it stops their containers and takes down
+        // their mounts; briefly, for a containerd that may hang.
+        if self.containerd.is_some() {
+            if let Ok(o) = self.crictl_within("20s").args(["pods", "-q"]).output() {
+                for id in String::from_utf8_lossy(&o.stdout).lines() {
+                    let _ = self.crictl_within("20s").args(["stopp", id]).output();
+                    let _ = self.crictl_within("20s").args(["rmp", "-f", id]).output();
+                }
+            }
+        }
+        if let Some(mut c) = self.containerd.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+        // What CRI could not stop: shims (which name containerd's socket),
+        // runc's containers (in our runc root) and every process left in
+        // the pods' cgroups.
+        let shim_sockets: Vec<PathBuf> = fs::read_dir(self.area.join("cstate/io.containerd.runtime.v2.task").join(NS))
+            .into_iter()
+            .flatten()
+            .flatten()
+            .filter_map(|e| fs::read_to_string(e.path().join("address")).ok())
+            .filter_map(|a| a.trim().strip_prefix("unix://").map(PathBuf::from))
+            .collect();
+        for pid in Self::processes_naming(&self.sock.display().to_string()) {
+            kill9(pid);
+        }
+        let runc_root = self.area.join("runc").join(NS);
+        for e in fs::read_dir(&runc_root).into_iter().flatten().flatten() {
+            let _ = Command::new("runc")
+                .arg("--root")
+                .arg(&runc_root)
+                .args(["delete", "--force"])
+                .arg(e.file_name())
+                .stderr(Stdio::null())
+                .status();
+        }
+        let cgroups = self.cgroups();
+        for cg in &cgroups {
+            for pid in fs::read_to_string(cg.join("cgroup.procs")).unwrap_or_default().lines() {
+                if let Ok(pid) = pid.trim().parse() {
+                    kill9(pid);
+                }
+            }
+        }
+        let t = Instant::now();
+        for cg in &cgroups {
+            // A killed process leaves its cgroup a moment later.
+            while fs::remove_dir(cg).is_err() && cg.exists() && t.elapsed() < Duration::from_secs(5) {
+                std::thread::sleep(Duration::from_millis(50));
+            }
+        }
+        // The sockets of shims that were killed (they live in
+        // /run/containerd/s, outside the test's directory).
+        for s in shim_sockets {
+            let _ = fs::remove_file(s);
+        }
+        // Containers' mounts before the snapshotter's images below them.
+        Self::unmount_below(&self.area.join("cstate"));
+        self.stop_snapshotter("-TERM");
+        if let Some(mut r) = self.registry.take() {
+            r.stop();
+        }
+        Self::unmount_below(&self.area);
+    }
+}
+
+fn kill9(pid: i32) {
+    if let Some(pid) = rustix::process::Pid::from_raw(pid) {
+        let _ = rustix::process::kill_process(pid, rustix::process::Signal::KILL);
+    }
+}
+
+fn require_tools() {
+    assert!(is_root(), "the CRI tests run as root");
+    for t in [
+        "containerd",
+        "ctr",
+        "runc",
+        "crictl",
+        "docker-registry",
+        "skopeo",
+        "umoci",
+    ] {
+        assert!(have(t), "{t} is needed (scripts/setup installs it)");
+    }
+    assert!(
+        Path::new("/bin/busybox").exists(),
+        "busybox-static is needed (scripts/setup installs it)"
+    );
+}
+
+/// The chain ids of an image's layers, bottom first: the keys of the
+/// committed snapshots containerd unpacks it into.
+fn chain_ids(image: &str) -> Vec<String> {
+    let out = ok(Command::new("skopeo").args([
+        "inspect",
+        "--config",
+        "--raw",
+        "--tls-verify=false",
+        &format!("docker://{image}"),
+    ]));
+    let config: serde_json::Value = serde_json::from_str(&out).unwrap();
+    let mut chain: Vec<String> = Vec::new();
+    for diff in config["rootfs"]["diff_ids"].as_array().unwrap() {
+        let diff = diff.as_str().unwrap();
+        let next = match chain.last() {
+            None => diff.to_string(),
+            Some(below) => format!("sha256:{}", sha256_hex(format!("{below} {diff}").as_bytes())),
+        };
+        chain.push(next);
+    }
+    chain
+}
+
+#[test]
+fn cri_pulls_and_runs_a_pod_on_tilefs() {
+    let area = Area::new();
+    let rig = CriRig::start(&area);
+    let image = push_image_with(
+        &area,
+        rig.registry(),
+        "app",
+        &[
+            &|r: &Path| {
+                busybox_into(r, &["sh", "cat", "echo"]);
+                write_files_for_app(r, 1, 6);
+            },
+            &|r: &Path| {
+                fs::create_dir_all(r.join("etc")).unwrap();
+                fs::write(r.join("etc/msg"), "hello through CRI").unwrap();
+                write_files_for_app(r, 2, 3);
+            },
+        ],
+        &["--config.cmd", "/bin/sh"],
+    );
+
+    // The pull: CRI unpacks into tilefs's snapshots, one committed per
+    // layer, keyed by chain id, with CRI's labels; containerd's own
+    // overlayfs snapshotter gets nothing.
+    rig.pull(&image);
+    let chain = chain_ids(&image);
+    let snaps = rig.snapshot_list();
+    for (i, id) in chain.iter().enumerate() {
+        let parent = if i == 0 { "" } else { chain[i - 1].as_str() };
+        assert!(
+            snaps
+                .iter()
+                .any(|(k, p, kind)| k == id && p == parent && kind == "Committed"),
+            "layer {i} ({id}) is no committed tilefs snapshot: {snaps:?}"
+        );
+    }
+    let overlayfs = ok(rig.ctr().args(["snapshots", "ls"]));
+    assert_eq!(overlayfs.lines().count(), 1, "overlayfs snapshots: {overlayfs}");
+    let raw = ok(Command::new("skopeo").args(["inspect", "--raw", "--tls-verify=false", &format!("docker://{image}")]));
+    let manifest_digest = format!("sha256:{}", sha256_hex(raw.as_bytes()));
+    let manifest: serde_json::Value = serde_json::from_str(&raw).unwrap();
+    let layer_digests: Vec<&str> = manifest["layers"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|l| l["digest"].as_str().unwrap())
+        .collect();
+    let records = rig.records();
+    for (id, digest) in chain.iter().zip(&layer_digests) {
+        let r = records
+            .iter()
+            // containerd names its backend's snapshots NAMESPACE/N/NAME.
+            .find(|r| r["key"].as_str().is_some_and(|k| k.ends_with(&format!("/{id}"))))
+            .unwrap_or_else(|| panic!("the snapshotter has no record of {id}"));
+        let labels = &r["labels"];
+        assert_eq!(labels["containerd.io/snapshot/cri.image-ref"], image.as_str(), "{r}");
+        assert_eq!(labels["containerd.io/snapshot/cri.layer-digest"], *digest, "{r}");
+        assert_eq!(labels["containerd.io/snapshot.ref"], id.as_str(), "{r}");
+        assert_eq!(
+            labels["containerd.io/snapshot/cri.manifest-digest"],
+            manifest_digest.as_str(),
+            "{r}"
+        );
+    }
+
+    // A pod: its pause container runs on a kernel overlay of the chain's
+    // EROFS image, which the snapshotter mounted under its root.
+    let pod = rig.run_pod("web");
+    let sandbox = rig.inspect("inspectp", &pod.id);
+    assert_eq!(sandbox["status"]["state"], "SANDBOX_READY", "{sandbox}");
+    let pause_pid = sandbox["info"]["pid"].as_i64().unwrap();
+    let rootfs = area.path(&format!("cstate/io.containerd.runtime.v2.task/{NS}/{}/rootfs", pod.id));
+    let line = mount_line(&rootfs).unwrap_or_else(|| panic!("the pod's rootfs is not mounted at {}", rootfs.display()));
+    assert!(
+        line.contains(" overlay ") && line.contains(&format!("lowerdir={}/mnt/", rig.root.display())),
+        "the pod's rootfs is no overlay of the snapshotter's images: {line}"
+    );
+
+    // A container: reads the image's file, writes one of its own (into
+    // its tilefs snapshot's upper directory), exits.
+    let id = rig.start_container(
+        &pod,
+        "main",
+        &image,
+        "cat /etc/msg; echo; echo scribble > /written; cat /written",
+    );
+    assert_eq!(rig.wait_exited(&id), 0, "{}", rig.logs(&id));
+    assert_eq!(rig.logs(&id), "hello through CRI\nscribble\n");
+    let snaps = rig.snapshot_list();
+    assert!(
+        snaps
+            .iter()
+            .any(|(k, p, kind)| k == &id && p == chain.last().unwrap() && kind == "Active"),
+        "the container's snapshot is not tilefs's: {snaps:?}"
+    );
+    let written: Vec<PathBuf> = fs::read_dir(rig.root.join("snapshots"))
+        .unwrap()
+        .flatten()
+        .map(|e| e.path().join("fs/written"))
+        .filter(|p| p.exists())
+        .collect();
+    assert_eq!(
+        written.len(),
+        1,
+        "the container's write in the snapshotter's uppers: {written:?}"
+    );
+    assert_eq!(fs::read(&written[0]).unwrap(), b"scribble\n");
+
+    // Stop and removal: the pause process is killed, the container's and
+    // the pod's snapshots and mounts go, the image's stay.
+    rig.remove_container(&id);
+    let t = Instant::now();
+    ok(rig.crictl().args(["stopp", &pod.id]));
+    assert!(
+        t.elapsed() < Duration::from_secs(30),
+        "StopPodSandbox took {:?}",
+        t.elapsed()
+    );
+    assert_eq!(rig.inspect("inspectp", &pod.id)["status"]["state"], "SANDBOX_NOTREADY");
+    wait_for("the pause process ending", Duration::from_secs(10), || {
+        fs::read_to_string(format!("/proc/{pause_pid}/stat")).map_or(true, |s| {
+            s.rsplit(')').next().unwrap_or("").trim_start().starts_with('Z')
+        })
+    });
+    ok(rig.crictl().args(["rmp", &pod.id]));
+    let left = rig.mounts_of(&[&pod.id, &id]);
+    assert!(left.is_empty(), "still mounted after the pod's removal: {left:?}");
+    let snaps = rig.snapshot_list();
+    assert!(
+        snaps.iter().all(|(_, _, kind)| kind == "Committed"),
+        "snapshots left after the pod's removal: {snaps:?}"
+    );
+    let sock = rig.sock.display().to_string();
+    wait_for("the pod's shims exiting", Duration::from_secs(10), || {
+        CriRig::processes_naming(&sock).is_empty()
+    });
+
+    // The next pod starts from the same snapshots.
+    let logs = rig.run_pod_and_container(&image, "cat /etc/msg");
+    assert_eq!(logs.trim_end(), "hello through CRI");
+    rig.settle();
+    drop(rig);
+}
+
+/// `n` files of 16 KiB under `root/data`, named and filled by `seed`.
+fn write_files_for_app(root: &Path, seed: u64, n: usize) {
+    let files: Vec<(String, usize)> = (0..n).map(|i| (format!("data/l{seed}-{i}"), 16 << 10)).collect();
+    common::oci::write_files(root, seed, &files);
+}
