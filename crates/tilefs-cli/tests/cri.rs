@@ -642,7 +642,7 @@ fn chain_ids(image: &str) -> Vec<String> {
 #[test]
 fn cri_pulls_and_runs_a_pod_on_tilefs() {
     let area = Area::new();
-    let rig = CriRig::start(&area);
+    let mut rig = CriRig::start(&area);
     let image = push_image_with(
         &area,
         rig.registry(),
@@ -687,6 +687,12 @@ fn cri_pulls_and_runs_a_pod_on_tilefs() {
         .iter()
         .map(|l| l["digest"].as_str().unwrap())
         .collect();
+    // Not lazy: containerd fetched each layer, once.
+    let sent = rig.registry().blobs_sent();
+    for digest in &layer_digests {
+        let n = sent.iter().filter(|d| d == digest).count();
+        assert_eq!(n, 1, "layer {digest} sent {n} times: {sent:?}");
+    }
     let records = rig.records();
     for (id, digest) in chain.iter().zip(&layer_digests) {
         let r = records
@@ -777,10 +783,12 @@ fn cri_pulls_and_runs_a_pod_on_tilefs() {
         CriRig::processes_naming(&sock).is_empty()
     });
 
-    // The next pod starts from the same snapshots.
+    // After a restart of the snapshotter, the next pod starts from the
+    // same snapshots.
+    rig.settle();
+    rig.restart_snapshotter();
     let logs = rig.run_pod_and_container(&image, "cat /etc/msg");
     assert_eq!(logs.trim_end(), "hello through CRI");
-    rig.settle();
     drop(rig);
 }
 
