@@ -38,6 +38,11 @@ pub struct PushArgs {
     /// The identity signatures claim [default: the destination reference]
     #[arg(long, value_name = "REFERENCE")]
     pub sign_identity: Option<String>,
+    /// Push a runnable image: the command, environment and platform of the OCI image REF (any
+    /// reference pull takes) with this image's files, which containerd's CRI runs through `tilefs
+    /// snapshotter` without downloading its layers (the snapshotter fetches files on first read)
+    #[arg(long, value_name = "REF")]
+    pub runnable_from: Option<String>,
     /// Blobs uploaded at once
     #[arg(short, long, default_value_t = 4, value_name = "N")]
     pub jobs: usize,
@@ -58,7 +63,23 @@ pub fn run(a: PushArgs) -> Result<ExitCode> {
         signal_hook::flag::register(sig, cancel.clone()).context("cannot handle signals")?;
     }
     let counters = Arc::new(PushProgress::default());
+    let runnable_from = match &a.runnable_from {
+        Some(from) => {
+            let from_ref = ImageRef::parse(from)?;
+            let pull = tilefs_oci::pull::PullOptions {
+                registry: a.registry.options(),
+                trust: a.registry.trust(None),
+                ..Default::default()
+            };
+            Some(
+                tilefs_oci::pull::image_config(&from_ref, &pull)
+                    .with_context(|| format!("cannot read the image configuration of {from_ref}"))?,
+            )
+        }
+        None => None,
+    };
     let opts = PushOptions {
+        runnable_from,
         registry: a.registry.options(),
         jobs: a.jobs.max(1),
         cancel: Some(cancel.clone()),

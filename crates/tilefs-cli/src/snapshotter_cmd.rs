@@ -1,6 +1,7 @@
 //! `tilefs snapshotter`: tilefs as a containerd snapshotter (proxy plugin),
 //! see tilefs_snapshotter.
 
+use crate::registry_arg::RegistryArgs;
 use crate::store_arg::StoreArg;
 use anyhow::{anyhow, Context, Result};
 use clap::Args;
@@ -21,6 +22,9 @@ pub struct SnapshotterArgs {
     /// TOML file with `root`, `store` and `socket` (options given on the command line win)
     #[arg(long, value_name = "FILE")]
     pub config: Option<PathBuf>,
+    /// How CRI's lazy path reaches registries (as `tilefs pull` does)
+    #[command(flatten)]
+    pub registry: RegistryArgs,
 }
 
 #[derive(serde::Deserialize, Default)]
@@ -48,9 +52,40 @@ pub fn run(a: SnapshotterArgs) -> Result<ExitCode> {
         store,
         socket: a.socket.or(file.socket).unwrap_or_else(|| DEFAULT_SOCKET.into()),
     };
-    tilefs_snapshotter::serve(&cfg, |sock| {
+    let lazy = tilefs_snapshotter::lazy::Lazy {
+        pull: tilefs_oci::pull::PullOptions {
+            registry: a.registry.options(),
+            trust: a.registry.trust(None),
+            ..Default::default()
+        },
+        mount: std::sync::Arc::new(mount_lazy),
+    };
+    tilefs_snapshotter::serve(&cfg, Some(lazy), |sock| {
         eprintln!("tilefs snapshotter: serving on {}", sock.display())
     })
     .map_err(|e| anyhow!(e))?;
     Ok(ExitCode::SUCCESS)
+}
+
+/// Serves a lazily pulled image for the snapshotter: `tilefs mount`, whose
+/// FUSE server runs in a process of its own, so that containers keep
+/// reading through a restart of the snapshotter.
+fn mount_lazy(store: &std::path::Path, tag: &str, mountpoint: &std::path::Path) -> Result<(), String> {
+    let exe = std::env::current_exe().map_err(|e| format!("cannot find the tilefs program: {e}"))?;
+    let out = std::process::Command::new(exe)
+        .arg("mount")
+        .arg("--fuse")
+        .arg("--quiet")
+        .arg("--store")
+        .arg(store)
+        .args(["-o", "ro,allow_other"])
+        .arg(tag)
+        .arg(mountpoint)
+        .stdin(std::process::Stdio::null())
+        .output()
+        .map_err(|e| format!("cannot run tilefs mount: {e}"))?;
+    if !out.status.success() {
+        return Err(String::from_utf8_lossy(&out.stderr).trim().to_string());
+    }
+    Ok(())
 }

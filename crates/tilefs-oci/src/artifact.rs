@@ -11,6 +11,16 @@
 //!   uncompressed, so that one object (or a run of them) is one HTTP range
 //!   request.
 //!
+//! A *runnable* artifact (`tilefs push --runnable-from`) holds the same
+//! blobs under layer media types ([`RUNNABLE_EROFS_TYPE`] and its
+//! siblings: containerd treats a type under `application/vnd.oci.image.layer.`
+//! as a layer and asks its snapshotter for it) and, for configuration, an
+//! OCI image configuration (the command, environment, … of the image it
+//! was made from) whose `rootfs.diff_ids` are the blobs' digests and whose
+//! labels ([`LABEL_FSVERITY`], …) carry what [`Config`] holds. containerd's
+//! CRI pull of it through the tilefs snapshotter downloads none of its
+//! layers: the snapshotter serves the image lazily.
+//!
 //! Packs are cut from the objects in the image's tree order (a directory's
 //! files together, so reading a directory reads neighbouring ranges), each
 //! closed once it holds [`PACK_TARGET`] bytes; the same image always gives
@@ -27,6 +37,30 @@ pub const CONFIG_TYPE: &str = "application/vnd.tilefs.image.config.v1+json";
 pub const EROFS_TYPE: &str = "application/vnd.tilefs.image.erofs.v1";
 pub const INDEX_TYPE: &str = "application/vnd.tilefs.image.objects.v1+json";
 pub const PACK_TYPE: &str = "application/vnd.tilefs.image.pack.v1";
+
+pub const RUNNABLE_EROFS_TYPE: &str = "application/vnd.oci.image.layer.tilefs.erofs.v1";
+pub const RUNNABLE_INDEX_TYPE: &str = "application/vnd.oci.image.layer.tilefs.objects.v1+json";
+pub const RUNNABLE_PACK_TYPE: &str = "application/vnd.oci.image.layer.tilefs.pack.v1";
+pub const OCI_CONFIG_TYPE: &str = "application/vnd.oci.image.config.v1+json";
+/// A runnable artifact's configuration labels.
+pub const LABEL_FSVERITY: &str = "org.tilefs.fsverity";
+pub const LABEL_OBJECTS: &str = "org.tilefs.objects";
+pub const LABEL_OBJECT_BYTES: &str = "org.tilefs.object-bytes";
+
+/// The media types of an artifact's image, index and packs.
+pub fn blob_types(runnable: bool) -> [&'static str; 3] {
+    if runnable {
+        [RUNNABLE_EROFS_TYPE, RUNNABLE_INDEX_TYPE, RUNNABLE_PACK_TYPE]
+    } else {
+        [EROFS_TYPE, INDEX_TYPE, PACK_TYPE]
+    }
+}
+
+/// Whether a manifest whose configuration and first layer have these media
+/// types is a tilefs artifact.
+pub fn is_artifact(config_type: &str, first_layer_type: Option<&str>) -> bool {
+    config_type == CONFIG_TYPE || matches!(first_layer_type, Some(EROFS_TYPE | RUNNABLE_EROFS_TYPE))
+}
 
 /// A pack is closed once it holds this much.
 pub const PACK_TARGET: u64 = 64 << 20;
@@ -226,32 +260,103 @@ impl ObjectIndex {
 }
 
 /// The manifest of an artifact, as bytes (what is pushed and hashed).
+/// `runnable`: the configuration is an OCI image configuration and the
+/// blobs have layer media types.
 pub fn manifest(
     config: (&Digest, u64),
     image: (&Digest, u64),
     index: (&Digest, u64),
     packs: &[(Digest, u64)],
     fsverity: &str,
+    runnable: bool,
 ) -> Vec<u8> {
     let desc =
         |t: &str, d: &Digest, size: u64| serde_json::json!({"mediaType": t, "digest": d.to_string(), "size": size});
+    let [erofs_type, index_type, pack_type] = blob_types(runnable);
     let mut layers = vec![
         {
-            let mut d = desc(EROFS_TYPE, image.0, image.1);
+            let mut d = desc(erofs_type, image.0, image.1);
             d["annotations"] = serde_json::json!({"org.tilefs.fsverity": fsverity});
             d
         },
-        desc(INDEX_TYPE, index.0, index.1),
+        desc(index_type, index.0, index.1),
     ];
-    layers.extend(packs.iter().map(|(d, s)| desc(PACK_TYPE, d, *s)));
+    layers.extend(packs.iter().map(|(d, s)| desc(pack_type, d, *s)));
+    let config_type = if runnable { OCI_CONFIG_TYPE } else { CONFIG_TYPE };
     let m = serde_json::json!({
         "schemaVersion": 2,
         "mediaType": crate::manifest::OCI_MANIFEST,
         "artifactType": ARTIFACT_TYPE,
-        "config": desc(CONFIG_TYPE, config.0, config.1),
+        "config": desc(config_type, config.0, config.1),
         "layers": layers,
     });
     serde_json::to_vec(&m).expect("a manifest serializes")
+}
+
+/// A runnable artifact's configuration: `base` (the image configuration
+/// of the image it stands for) with `rootfs` listing `blobs` (the
+/// artifact's uncompressed blobs: each its own diff ID), no history (which
+/// would count other layers), and `config`'s facts among its labels.
+pub fn runnable_config(base: &[u8], config: &Config, blobs: &[Digest]) -> Result<Vec<u8>, String> {
+    let mut v: serde_json::Value =
+        serde_json::from_slice(base).map_err(|e| format!("not an image configuration: {e}"))?;
+    let obj = v
+        .as_object_mut()
+        .filter(|o| o.contains_key("rootfs"))
+        .ok_or("not an image configuration (no rootfs)")?;
+    obj.remove("history");
+    obj.insert(
+        "rootfs".into(),
+        serde_json::json!({"type": "layers", "diff_ids": blobs.iter().map(|d| d.to_string()).collect::<Vec<_>>()}),
+    );
+    let run = obj.entry("config").or_insert_with(|| serde_json::json!({}));
+    let run = run.as_object_mut().ok_or("its \"config\" is not an object")?;
+    let labels = run.entry("Labels").or_insert_with(|| serde_json::json!({}));
+    if labels.is_null() {
+        *labels = serde_json::json!({});
+    }
+    let labels = labels.as_object_mut().ok_or("its config.Labels is not an object")?;
+    labels.insert(LABEL_FSVERITY.into(), config.fsverity.clone().into());
+    labels.insert(LABEL_OBJECTS.into(), config.objects.to_string().into());
+    labels.insert(LABEL_OBJECT_BYTES.into(), config.object_bytes.to_string().into());
+    Ok(serde_json::to_vec(&v).expect("JSON serializes"))
+}
+
+/// What a runnable artifact's configuration says of the image, checked
+/// against its `blobs` (each must be its own diff ID).
+pub fn parse_runnable_config(raw: &[u8], blobs: &[Digest]) -> Result<Config, String> {
+    let v: serde_json::Value = serde_json::from_slice(raw).map_err(|e| format!("not JSON: {e}"))?;
+    let diff_ids: Vec<&str> = v
+        .pointer("/rootfs/diff_ids")
+        .and_then(|d| d.as_array())
+        .ok_or("not an image configuration (no rootfs.diff_ids)")?
+        .iter()
+        .map(|d| d.as_str().unwrap_or(""))
+        .collect();
+    let want: Vec<String> = blobs.iter().map(|d| d.to_string()).collect();
+    if diff_ids != want {
+        return Err(format!(
+            "its rootfs.diff_ids ({}) are not the artifact's blobs ({})",
+            diff_ids.join(", "),
+            want.join(", ")
+        ));
+    }
+    let label = |k: &str| {
+        v.pointer("/config/Labels")
+            .and_then(|l| l.get(k))
+            .and_then(|x| x.as_str())
+            .ok_or_else(|| format!("label {k} is missing"))
+    };
+    let number = |k: &str| {
+        label(k)?
+            .parse::<u64>()
+            .map_err(|_| format!("label {k} is not a number"))
+    };
+    Ok(Config {
+        fsverity: label(LABEL_FSVERITY)?.to_string(),
+        objects: number(LABEL_OBJECTS)?,
+        object_bytes: number(LABEL_OBJECT_BYTES)?,
+    })
 }
 
 #[cfg(test)]
@@ -290,6 +395,29 @@ mod tests {
         assert!(idx.clone().restrict_to(&[obj(2, 20)], "i").is_ok());
         assert!(idx.clone().restrict_to(&[obj(2, 21)], "i").is_err());
         assert!(idx.restrict_to(&[obj(9, 1)], "i").is_err());
+    }
+
+    #[test]
+    fn a_runnable_configuration_keeps_the_image_and_states_the_blobs() {
+        let base = br#"{"architecture":"amd64","os":"linux","config":{"Cmd":["/bin/sh"],"Labels":null},
+            "rootfs":{"type":"layers","diff_ids":["sha256:aa"]},"history":[{"created_by":"x"}]}"#;
+        let cfg = Config {
+            fsverity: "ab".repeat(32),
+            objects: 3,
+            object_bytes: 99,
+        };
+        let blobs: Vec<Digest> = [b"a".as_slice(), b"b", b"c"]
+            .iter()
+            .map(|b| Digest::sha256_of(b))
+            .collect();
+        let raw = runnable_config(base, &cfg, &blobs).unwrap();
+        let v: serde_json::Value = serde_json::from_slice(&raw).unwrap();
+        assert_eq!(v["config"]["Cmd"][0], "/bin/sh");
+        assert!(v.get("history").is_none());
+        assert_eq!(parse_runnable_config(&raw, &blobs).unwrap(), cfg);
+        let e = parse_runnable_config(&raw, &blobs[..2]).unwrap_err();
+        assert!(e.contains("not the artifact's blobs"), "{e}");
+        assert!(runnable_config(b"{}", &cfg, &blobs).unwrap_err().contains("no rootfs"));
     }
 
     #[test]

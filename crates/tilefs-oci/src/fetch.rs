@@ -60,21 +60,26 @@ pub fn open(t: &dyn Transport, resolved: &Resolved, what: &str) -> Result<Remote
             .min(artifact::MAX_CONFIG),
         "configuration",
     )?;
-    let config: Config = serde_json::from_slice(&raw).map_err(|e| {
-        OciError::manifest(
-            format!("configuration {}", config_ref.digest),
-            format!("not a tilefs image configuration: {e}"),
-        )
-    })?;
+    let config_what = format!("configuration {}", config_ref.digest);
+    let runnable = config_ref.media_type != artifact::CONFIG_TYPE;
+    let config: Config = if runnable {
+        let blobs: Vec<_> = resolved.layers.iter().map(|l| l.digest.clone()).collect();
+        artifact::parse_runnable_config(&raw, &blobs)
+            .map_err(|e| OciError::manifest(&config_what, format!("not a runnable tilefs image configuration: {e}")))?
+    } else {
+        serde_json::from_slice(&raw)
+            .map_err(|e| OciError::manifest(&config_what, format!("not a tilefs image configuration: {e}")))?
+    };
     let [image_ref, index_ref, packs @ ..] = resolved.layers.as_slice() else {
         return Err(OciError::manifest(
             what,
             "a tilefs artifact has an image and an object index",
         ));
     };
-    for (b, t_) in [(image_ref, artifact::EROFS_TYPE), (index_ref, artifact::INDEX_TYPE)]
+    let [erofs_type, index_type, pack_type] = artifact::blob_types(runnable);
+    for (b, t_) in [(image_ref, erofs_type), (index_ref, index_type)]
         .into_iter()
-        .chain(packs.iter().map(|p| (p, artifact::PACK_TYPE)))
+        .chain(packs.iter().map(|p| (p, pack_type)))
     {
         if b.media_type != t_ {
             return Err(OciError::manifest(

@@ -194,6 +194,58 @@ fn lazy_note(opts: &PullOptions) -> Option<String> {
         .then(|| "--lazy applies to images pushed by `tilefs push`; this image of layers was pulled whole".to_string())
 }
 
+/// The image configuration (bytes, checked against its digest) of the OCI
+/// image `r` names, for `opts.platform` (the host's by default), read as a
+/// pull reads it: after the signature policy has accepted the image.
+pub fn image_config(r: &ImageRef, opts: &PullOptions) -> Result<Vec<u8>, OciError> {
+    let (opened, raw) = open_with_config(r, opts)?;
+    if opened.resolved.artifact {
+        return Err(OciError::manifest(
+            opened.source.to_string(),
+            "is a tilefs artifact, not an OCI image",
+        ));
+    }
+    Ok(raw)
+}
+
+/// If `r` names a runnable tilefs artifact ([`crate::artifact`]), its
+/// blobs' digests (its layers, each its own diff ID, as its configuration
+/// was checked to say); None for anything else.
+pub fn runnable_layers(r: &ImageRef, opts: &PullOptions) -> Result<Option<Vec<crate::digest::Digest>>, OciError> {
+    let (opened, raw) = open_with_config(r, opts)?;
+    let config = opened.resolved.config.as_ref().expect("checked by open_with_config");
+    if !opened.resolved.artifact || config.media_type == crate::artifact::CONFIG_TYPE {
+        return Ok(None);
+    }
+    let layers: Vec<_> = opened.resolved.layers.iter().map(|l| l.digest.clone()).collect();
+    crate::artifact::parse_runnable_config(&raw, &layers)
+        .map_err(|e| OciError::manifest(format!("configuration {}", config.digest), e))?;
+    Ok(Some(layers))
+}
+
+/// Opens `r` (checked against the signature policy) and reads its
+/// configuration.
+fn open_with_config(r: &ImageRef, opts: &PullOptions) -> Result<(crate::trust::Opened, Vec<u8>), OciError> {
+    let platform = opts.platform.clone().unwrap_or_else(Platform::host);
+    let opened = crate::trust::open_checked(r, &opts.registry, &opts.trust, &platform)?;
+    let what = opened.source.to_string();
+    let config = opened
+        .resolved
+        .config
+        .as_ref()
+        .ok_or_else(|| OciError::manifest(&what, "has no image configuration of its own"))?;
+    if config.size.is_some_and(|s| s > MAX_MANIFEST) {
+        return Err(OciError::manifest(&what, "its configuration is larger than 4 MiB"));
+    }
+    let raw = transport::read_checked(
+        opened.transport.open_blob(config)?,
+        &config.digest,
+        config.size.unwrap_or(MAX_MANIFEST),
+        "configuration",
+    )?;
+    Ok((opened, raw))
+}
+
 /// The configuration must be an image configuration listing as many
 /// layers as the manifest (composefs-rs walks the configuration's list).
 fn check_config(t: &dyn Transport, config: &BlobRef, layers: usize) -> Result<(), OciError> {

@@ -32,6 +32,10 @@ pub struct PushOptions {
     pub trust: crate::trust::TrustOptions,
     /// Signatures to make of the pushed manifest.
     pub sign: crate::trust::SignOptions,
+    /// Push a runnable artifact ([`crate::artifact`]): the image
+    /// configuration (bytes) of the image it stands for, whose command,
+    /// environment and platform it keeps.
+    pub runnable_from: Option<Vec<u8>>,
 }
 
 /// Counters of a push, readable while it runs.
@@ -115,7 +119,16 @@ pub fn push(store: &Store, tag: &str, dest: &ImageRef, opts: &PushOptions) -> Re
     progress.bytes_total.store(object_bytes, Relaxed);
     progress.stage.set(format!("hashing {} objects", objects.len()), false);
     let pack_digests = pack_digests(store, &objects, &packs, &fsverity, opts, &progress)?;
-    let (blobs, manifest) = artifact_blobs(image, &objects, &locs, packs, pack_digests, &fsverity, object_bytes);
+    let (blobs, manifest) = artifact_blobs(
+        image,
+        &objects,
+        &locs,
+        packs,
+        pack_digests,
+        &fsverity,
+        object_bytes,
+        opts.runnable_from.as_deref(),
+    )?;
 
     let registry = Registry::open(
         reference,
@@ -224,7 +237,8 @@ fn pack_digests(
 }
 
 /// The artifact's blobs (config, image, index, then the packs) and its
-/// manifest.
+/// manifest; runnable (see [`crate::artifact`]) with a base configuration.
+#[allow(clippy::too_many_arguments)]
 fn artifact_blobs(
     image: Vec<u8>,
     objects: &[ObjectRef],
@@ -233,23 +247,21 @@ fn artifact_blobs(
     pack_digests: Vec<Digest>,
     fsverity: &str,
     object_bytes: u64,
-) -> (Vec<Blob>, Vec<u8>) {
+    runnable_from: Option<&[u8]>,
+) -> Result<(Vec<Blob>, Vec<u8>), OciError> {
     let index = Arc::new(artifact::encode_index(objects, locs));
-    let config = Arc::new(
-        serde_json::to_vec(&artifact::Config {
-            fsverity: fsverity.to_string(),
-            objects: objects.len() as u64,
-            object_bytes,
-        })
-        .expect("a config serializes"),
-    );
+    let facts = artifact::Config {
+        fsverity: fsverity.to_string(),
+        objects: objects.len() as u64,
+        object_bytes,
+    };
     let image = Arc::new(image);
     let mem = |b: &Arc<Vec<u8>>| Blob {
         digest: Digest::sha256_of(b),
         size: b.len() as u64,
         source: Source::Bytes(b.clone()),
     };
-    let mut blobs = vec![mem(&config), mem(&image), mem(&index)];
+    let mut blobs = vec![mem(&image), mem(&index)];
     for (d, pack) in pack_digests.into_iter().zip(packs) {
         blobs.push(Blob {
             digest: d,
@@ -257,6 +269,15 @@ fn artifact_blobs(
             source: Source::Pack(pack.objects),
         });
     }
+    let config = match runnable_from {
+        Some(base) => {
+            let ids: Vec<Digest> = blobs.iter().map(|b| b.digest.clone()).collect();
+            artifact::runnable_config(base, &facts, &ids)
+                .map_err(|e| OciError::manifest("the configuration of --runnable-from", e))?
+        }
+        None => serde_json::to_vec(&facts).expect("a config serializes"),
+    };
+    blobs.insert(0, mem(&Arc::new(config)));
     let manifest = artifact::manifest(
         (&blobs[0].digest, blobs[0].size),
         (&blobs[1].digest, blobs[1].size),
@@ -266,8 +287,9 @@ fn artifact_blobs(
             .map(|b| (b.digest.clone(), b.size))
             .collect::<Vec<_>>(),
         fsverity,
+        runnable_from.is_some(),
     );
-    (blobs, manifest)
+    Ok((blobs, manifest))
 }
 
 /// How the blobs got to the repository.

@@ -25,6 +25,10 @@
 //!   reads the parents only for directories' metadata) gets the pending
 //!   uppers as lower directories; any other mount waits for the worker,
 //!   which changes the owner and mode of the files it moves.
+//! - CRI's lazy path ([`lazy`]): a layer of a runnable tilefs artifact
+//!   becomes a committed snapshot at once, from the artifact's image and
+//!   index; containers on it read through a FUSE mount of the image that
+//!   fetches files on first read, below their overlay.
 //! - Commit does not wait for the disk: the layer's files (which
 //!   containerd wrote without syncing) are synced in the background, and a
 //!   committed snapshot is marked synced after. One that a crash left
@@ -33,6 +37,7 @@
 
 pub mod filter;
 pub mod layer;
+pub mod lazy;
 pub mod state;
 
 use containerd_snapshots::api::types::Mount;
@@ -67,6 +72,9 @@ const WORKER_NICE: i32 = 10;
 /// How long after a layer is stored its files are synced.
 const SYNC_DELAY: std::time::Duration = std::time::Duration::from_secs(30);
 
+/// How long a stop waits for clients to close their connections.
+const STOP_GRACE: std::time::Duration = std::time::Duration::from_secs(5);
+
 pub const DEFAULT_SOCKET: &str = "/run/tilefs/snapshotter.sock";
 pub const DEFAULT_ROOT: &str = "/var/lib/tilefs/snapshotter";
 
@@ -87,6 +95,8 @@ struct Shared {
     /// Signalled when the worker finished a job.
     changed: std::sync::Condvar,
     jobs: Mutex<Option<std::sync::mpsc::Sender<Job>>>,
+    /// CRI's lazy path, if the front end offers it.
+    lazy: Option<lazy::Lazy>,
 }
 
 struct Inner {
@@ -140,7 +150,7 @@ fn internal(e: impl std::fmt::Display) -> Error {
 impl Tilefs {
     /// Opens (creating) the snapshotter's root and store, loads the records
     /// and removes what a crash left behind.
-    pub fn open(root: &Path, store: &Path) -> Result<Tilefs, String> {
+    pub fn open(root: &Path, store: &Path, lazy: Option<lazy::Lazy>) -> Result<Tilefs, String> {
         for d in [state::METADATA, state::SNAPSHOTS, state::MOUNTS] {
             let p = root.join(d);
             std::fs::create_dir_all(&p).map_err(|e| format!("{}: cannot create: {e}", p.display()))?;
@@ -201,6 +211,7 @@ impl Tilefs {
                 syncing: Mutex::new(()),
                 changed: std::sync::Condvar::new(),
                 jobs: Mutex::new(None),
+                lazy,
             }),
         };
         t.s.check_unsynced();
@@ -289,6 +300,21 @@ impl Shared {
         if key.is_empty() {
             return Err(Error::new(Code::InvalidArgument, "a snapshot key must not be empty"));
         }
+        if kind == SnapKind::Active {
+            if let (Some(lz), Some(target)) = (&self.lazy, lazy::Target::of(&labels)) {
+                match target.and_then(|t| self.make_lazy(&t, &parent, &labels, lz)) {
+                    Ok(Some(name)) => {
+                        return Err(Error::new(
+                            Code::AlreadyExists,
+                            format!("target snapshot {name:?} exists (served lazily)"),
+                        ))
+                    }
+                    Ok(None) => {}
+                    // containerd unpacks it then, as any image.
+                    Err(e) => eprintln!("tilefs snapshotter: {key:?}: not served lazily: {e}"),
+                }
+            }
+        }
         let mut inner = self.lock();
         if inner.by_key.contains_key(&key) {
             return Err(Error::new(
@@ -338,6 +364,7 @@ impl Shared {
             image: None,
             unsynced: false,
             pending: false,
+            lazy: false,
         };
         if let Err(e) = state::save(&self.root, &r) {
             let _ = std::fs::remove_dir_all(&dir);
@@ -356,6 +383,97 @@ impl Shared {
             }
         }
         mounts
+    }
+
+    /// CRI's lazy path: if `t` names a layer of a runnable tilefs artifact
+    /// (checked, see [`lazy::check`]), the committed snapshot `t.name` of
+    /// the whole image, made now (or found made), and its name.
+    fn make_lazy(
+        &self,
+        t: &lazy::Target,
+        parent: &str,
+        labels: &HashMap<String, String>,
+        lz: &lazy::Lazy,
+    ) -> Result<Option<String>, String> {
+        if self.lock().by_key.get(&t.name).is_some_and(|r| r.lazy) {
+            return Ok(Some(t.name.clone()));
+        }
+        let Some(chain) = lazy::check(t, lz)? else {
+            return Ok(None);
+        };
+        let below = chain.len().checked_sub(2).map(|i| chain[i].as_str()).unwrap_or("");
+        if parent != below {
+            return Err(format!(
+                "its parent is {parent:?}, but the layer below it in {} is {below:?}",
+                t.reference
+            ));
+        }
+        let parent_tag = {
+            let inner = self.lock();
+            match inner.by_key.get(parent) {
+                Some(p) if p.lazy => Some(self.tag(p.id)),
+                Some(_) => return Err(format!("its parent {parent:?} was not made lazily")),
+                None if parent.is_empty() => None,
+                None => return Err(format!("its parent {parent:?} does not exist")),
+            }
+        };
+        let id = {
+            let mut inner = self.lock();
+            inner.next_id += 1;
+            inner.next_id - 1
+        };
+        let store = Store::open(&self.store).map_err(|e| e.to_string())?;
+        let started = std::time::Instant::now();
+        // The first layer pulls the image and index; those above it show
+        // the same image.
+        let tag = self.tag(id);
+        let image = match parent_tag {
+            None => {
+                let opts = tilefs_oci::pull::PullOptions {
+                    lazy: true,
+                    ..lz.pull.clone()
+                };
+                tilefs_oci::pull::pull(&store, &t.reference, &tag, &opts).map_err(|e| e.to_string())?;
+                tags::read_tag(&store, &tag).map_err(|e| e.to_string())?
+            }
+            Some(p) => {
+                let bytes = tags::read_tag(&store, &p).map_err(|e| e.to_string())?;
+                tags::write_tag(&store, &tag, &bytes).map_err(|e| e.to_string())?;
+                bytes
+            }
+        };
+        let now = SystemTime::now();
+        let r = Record {
+            id,
+            key: t.name.clone(),
+            kind: SnapKind::Committed,
+            parent: parent.to_string(),
+            labels: labels.clone(),
+            created: now,
+            updated: now,
+            usage: Some(layer::LayerUsage::default()),
+            image: Some(hex::encode(tilefs_image::verity::digest_bytes(&image))),
+            unsynced: false,
+            pending: false,
+            lazy: true,
+        };
+        let mut inner = self.lock();
+        if inner.by_key.contains_key(&t.name) {
+            // Made meanwhile by another Prepare.
+            drop(inner);
+            let _ = tags::remove_tag(&store, &tag);
+            return Ok(Some(t.name.clone()));
+        }
+        state::save(&self.root, &r)?;
+        inner.by_key.insert(t.name.clone(), r);
+        eprintln!(
+            "tilefs snapshotter: {:?}: layer {} of {} made lazily ({:.2} s)",
+            t.name,
+            chain.len(),
+            t.reference,
+            started.elapsed().as_secs_f64()
+        );
+        Ok(Some(t.name.clone()))
     }
 
     fn send(&self, job: Job) {
@@ -436,6 +554,9 @@ impl Shared {
         }
         let mut lowers = Vec::new();
         let mut uppers = Vec::new();
+        // The store is the data-only lower of EROFS images; a lazy image's
+        // FUSE mount serves its files itself.
+        let mut data_only = true;
         let mut at = r.parent.clone();
         while !at.is_empty() {
             let p = inner
@@ -449,11 +570,22 @@ impl Shared {
             } else {
                 // Its image holds all below it.
                 lowers.push(self.ensure_mounted(p)?);
+                data_only = !p.lazy;
                 break;
             }
         }
         if !uppers.is_empty() {
             inner.lower_users.insert(r.id, uppers);
+        }
+        if r.kind == SnapKind::View && !data_only && lowers.len() == 1 {
+            // overlayfs wants two layers without an upper one: the lazy
+            // image's mount, read-only, is the view.
+            return Ok(vec![Mount {
+                r#type: "bind".into(),
+                source: lowers[0].display().to_string(),
+                target: String::new(),
+                options: vec!["ro".into(), "rbind".into()],
+            }]);
         }
         let mut options = Vec::new();
         if r.kind == SnapKind::Active {
@@ -461,7 +593,11 @@ impl Shared {
             options.push(format!("upperdir={}", fs.display()));
         }
         let lowers: Vec<String> = lowers.iter().map(|l| l.display().to_string()).collect();
-        options.push(format!("lowerdir={}::{}", lowers.join(":"), self.store.display()));
+        if data_only {
+            options.push(format!("lowerdir={}::{}", lowers.join(":"), self.store.display()));
+        } else {
+            options.push(format!("lowerdir={}", lowers.join(":")));
+        }
         options.push("metacopy=on".into());
         options.push("redirect_dir=on".into());
         Ok(vec![Mount {
@@ -480,6 +616,17 @@ impl Shared {
             return Ok(mnt);
         }
         std::fs::create_dir_all(&mnt).map_err(|e| internal(format!("{}: cannot create: {e}", mnt.display())))?;
+        if r.lazy {
+            let lz = self.lazy.as_ref().ok_or_else(|| {
+                internal(format!(
+                    "snapshot {:?} was made lazily, and this snapshotter serves no lazy images",
+                    r.key
+                ))
+            })?;
+            (lz.mount)(&self.store, &self.tag(r.id), &mnt)
+                .map_err(|e| internal(format!("snapshot {:?}: cannot mount its image: {e}", r.key)))?;
+            return Ok(mnt);
+        }
         let store = Store::open(&self.store).map_err(internal)?;
         let image = tags::tag_path(&store, &self.tag(r.id));
         tilefs_mount::mount_erofs_at(&image, &mnt, tilefs_mount::ErofsBacking::Auto)
@@ -497,6 +644,18 @@ impl Shared {
             ));
         }
         self.mounts_when_ready(inner, key)
+    }
+
+    /// The first snapshot made lazily at or below `parent`.
+    fn lazy_ancestor(inner: &Inner, parent: &str) -> Option<String> {
+        let mut at = parent;
+        while let Some(p) = inner.by_key.get(at) {
+            if p.lazy {
+                return Some(p.key.clone());
+            }
+            at = &p.parent;
+        }
+        None
     }
 
     /// Committed ancestors of `parent`, the oldest first.
@@ -536,6 +695,15 @@ impl Shared {
             return Err(Error::new(
                 Code::AlreadyExists,
                 format!("snapshot {name:?} already exists"),
+            ));
+        }
+        if let Some(l) = Self::lazy_ancestor(&inner, &r.parent) {
+            return Err(Error::new(
+                Code::FailedPrecondition,
+                format!(
+                    "snapshot {key:?} is over {l:?}, an image served lazily: committing over one is not supported \
+                     (pull the image without CRI's lazy path to commit over it)"
+                ),
             ));
         }
         let mut r = r.clone();
@@ -1114,8 +1282,8 @@ impl Snapshotter for Tilefs {
 }
 
 /// Serves the snapshotter on `cfg.socket` until SIGINT or SIGTERM.
-pub fn serve(cfg: &Config, ready: impl FnOnce(&Path)) -> Result<(), String> {
-    let snap = Tilefs::open(&cfg.root, &cfg.store)?;
+pub fn serve(cfg: &Config, lazy: Option<lazy::Lazy>, ready: impl FnOnce(&Path)) -> Result<(), String> {
+    let snap = Tilefs::open(&cfg.root, &cfg.store, lazy)?;
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .max_blocking_threads(16)
@@ -1143,19 +1311,49 @@ pub fn serve(cfg: &Config, ready: impl FnOnce(&Path)) -> Result<(), String> {
             .map_err(|e| format!("{}: cannot set its mode: {e}", sock.display()))?;
         ready(sock);
         let incoming = tokio_stream::wrappers::UnixListenerStream::new(listener);
-        let shutdown = async {
-            let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()).ok();
+        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+        let shared = snap.s.clone();
+        let mut server = tokio::spawn(
+            tonic::transport::Server::builder()
+                .add_service(containerd_snapshots::server(Arc::new(snap)))
+                .serve_with_incoming_shutdown(incoming, async {
+                    let _ = stopped.await;
+                }),
+        );
+        let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()).ok();
+        let signalled = async {
             tokio::select! {
                 _ = tokio::signal::ctrl_c() => {}
                 _ = async { match term.as_mut() { Some(t) => { t.recv().await; } None => std::future::pending().await } } => {}
             }
         };
-        let shared = snap.s.clone();
-        let r = tonic::transport::Server::builder()
-            .add_service(containerd_snapshots::server(Arc::new(snap)))
-            .serve_with_incoming_shutdown(incoming, shutdown)
-            .await
-            .map_err(|e| format!("{}: serving failed: {e}", sock.display()));
+        let done = tokio::select! {
+            r = &mut server => Some(r),
+            _ = signalled => None,
+        };
+        let done = match done {
+            Some(r) => r,
+            None => {
+                // Requests under way finish; a client that keeps its
+                // connection open (idle) does not hold the stop up for long.
+                let _ = stop.send(());
+                match tokio::time::timeout(STOP_GRACE, &mut server).await {
+                    Ok(r) => r,
+                    Err(_) => {
+                        eprintln!(
+                            "tilefs snapshotter: clients still connected {} s after the signal: stopping",
+                            STOP_GRACE.as_secs()
+                        );
+                        server.abort();
+                        Ok(Ok(()))
+                    }
+                }
+            }
+        };
+        let r = match done {
+            Ok(r) => r.map_err(|e| format!("{}: serving failed: {e}", sock.display())),
+            Err(e) => Err(format!("{}: the server stopped: {e}", sock.display())),
+        };
         let _ = std::fs::remove_file(sock);
         // Stopped: what Commits left unsynced is synced now, not checked
         // at the next start.

@@ -47,6 +47,11 @@ pub struct Record {
     /// directory is whole, and the worker makes its layer and image.
     #[serde(default)]
     pub pending: bool,
+    /// A committed snapshot made from a runnable tilefs artifact on CRI's
+    /// labels (see [`crate::lazy`]): its image's files are fetched on
+    /// first read, through a FUSE mount; it has no layer of its own.
+    #[serde(default)]
+    pub lazy: bool,
 }
 
 pub const METADATA: &str = "metadata";

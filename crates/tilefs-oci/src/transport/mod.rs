@@ -119,7 +119,8 @@ pub(crate) fn resolve_manifest(
             }
             Document::Manifest(m) => {
                 let config = manifest::config(&m, &what)?;
-                let artifact = config.media_type == crate::artifact::CONFIG_TYPE;
+                let first = m.layers().first().map(|l| l.media_type().to_string());
+                let artifact = crate::artifact::is_artifact(&config.media_type, first.as_deref());
                 return Ok(Resolved {
                     manifest_digest: digest,
                     config: Some(config),

@@ -1,0 +1,487 @@
+//! CRI's lazy path, spoken to the snapshotter directly over its gRPC API
+//! (as containerd's unpacker speaks it, and as a client that lies would):
+//! a runnable tilefs artifact in a real registry becomes committed
+//! snapshots without a download, read through FUSE on demand; labels that
+//! lie about a digest or a chain make nothing lazily.
+
+mod common;
+
+use common::registry::Registry;
+use common::*;
+use containerd_snapshots::api::snapshots::v1::snapshots_client::SnapshotsClient;
+use containerd_snapshots::api::snapshots::v1::{
+    CommitSnapshotRequest, MountsRequest, PrepareSnapshotRequest, RemoveSnapshotRequest, StatSnapshotRequest,
+    ViewSnapshotRequest,
+};
+use std::collections::HashMap;
+use std::fs;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+use tonic::transport::Channel;
+use tonic::Code;
+
+const TARGET: &str = "containerd.io/snapshot.ref";
+const IMAGE_REF: &str = "containerd.io/snapshot/cri.image-ref";
+const MANIFEST: &str = "containerd.io/snapshot/cri.manifest-digest";
+const LAYER: &str = "containerd.io/snapshot/cri.layer-digest";
+
+fn ok(cmd: &mut Command) -> String {
+    let out = cmd.output().unwrap();
+    assert!(out.status.success(), "{cmd:?} failed: {}", stderr(&out));
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+/// The snapshotter on a socket of the test's directory; on drop it is
+/// stopped and everything mounted below the directory is taken down.
+struct Snap {
+    area: PathBuf,
+    sock: PathBuf,
+    child: Option<Child>,
+    rt: tokio::runtime::Runtime,
+}
+
+impl Snap {
+    fn start(area: &Path) -> Snap {
+        let mut s = Snap {
+            area: area.to_path_buf(),
+            sock: area.join("s.sock"),
+            child: None,
+            // Its own thread drives the connections, which close as the
+            // clients go.
+            rt: tokio::runtime::Builder::new_multi_thread()
+                .worker_threads(1)
+                .enable_all()
+                .build()
+                .unwrap(),
+        };
+        s.run();
+        s
+    }
+
+    fn run(&mut self) {
+        let log = fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(self.area.join("snapshotter.log"))
+            .unwrap();
+        let _ = fs::remove_file(&self.sock);
+        self.child = Some(
+            Command::new(tilefs_bin())
+                .arg("snapshotter")
+                .arg("--root")
+                .arg(self.area.join("root"))
+                .arg("--store")
+                .arg(self.area.join("store"))
+                .arg("--socket")
+                .arg(&self.sock)
+                .arg("--tls-verify=false")
+                .stdout(Stdio::null())
+                .stderr(log)
+                .spawn()
+                .unwrap(),
+        );
+        let t = Instant::now();
+        while !self.sock.exists() {
+            assert!(
+                t.elapsed() < Duration::from_secs(20),
+                "the snapshotter did not start: {}",
+                self.log()
+            );
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+
+    fn stop(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            let _ = Command::new("kill").args(["-TERM", &c.id().to_string()]).status();
+            let _ = c.wait();
+        }
+    }
+
+    fn log(&self) -> String {
+        fs::read_to_string(self.area.join("snapshotter.log")).unwrap_or_default()
+    }
+
+    fn client(&self) -> SnapshotsClient<Channel> {
+        let sock = self.sock.clone();
+        self.rt.block_on(async move {
+            let ch = tonic::transport::Endpoint::try_from("http://snapshotter")
+                .unwrap()
+                .connect_with_connector(tower::service_fn(move |_| {
+                    tokio::net::UnixStream::connect(sock.clone())
+                }))
+                .await
+                .unwrap();
+            SnapshotsClient::new(ch)
+        })
+    }
+
+    /// The options of the mount Prepare returned (a bind mount, for a
+    /// snapshot without parent, gives none).
+    fn prepare(&self, key: &str, parent: &str, labels: HashMap<String, String>) -> Result<Vec<String>, Failed> {
+        let mut c = self.client();
+        self.rt
+            .block_on(c.prepare(PrepareSnapshotRequest {
+                snapshotter: "tilefs".into(),
+                key: key.into(),
+                parent: parent.into(),
+                labels,
+            }))
+            .map_err(failed)
+            .map(|r| {
+                let m = r.into_inner().mounts;
+                if parent.is_empty() {
+                    Vec::new()
+                } else {
+                    overlay_options(&m)
+                }
+            })
+    }
+
+    /// The one mount of a view: (type, source, options).
+    fn view(&self, key: &str, parent: &str) -> (String, String, Vec<String>) {
+        let mut c = self.client();
+        let r = self.rt.block_on(c.view(ViewSnapshotRequest {
+            snapshotter: "tilefs".into(),
+            key: key.into(),
+            parent: parent.into(),
+            labels: HashMap::new(),
+        }));
+        let m = r
+            .unwrap_or_else(|e| panic!("view {key}: {e}\n{}", self.log()))
+            .into_inner()
+            .mounts;
+        assert_eq!(m.len(), 1, "{m:?}");
+        (m[0].r#type.clone(), m[0].source.clone(), m[0].options.clone())
+    }
+
+    fn mounts(&self, key: &str) -> (String, String, Vec<String>) {
+        let mut c = self.client();
+        let r = self.rt.block_on(c.mounts(MountsRequest {
+            snapshotter: "tilefs".into(),
+            key: key.into(),
+        }));
+        let m = r.unwrap().into_inner().mounts;
+        (m[0].r#type.clone(), m[0].source.clone(), m[0].options.clone())
+    }
+
+    /// (kind, labels) of snapshot `key`, or the error's code.
+    fn stat(&self, key: &str) -> Result<(i32, HashMap<String, String>), Code> {
+        let mut c = self.client();
+        self.rt
+            .block_on(c.stat(StatSnapshotRequest {
+                snapshotter: "tilefs".into(),
+                key: key.into(),
+            }))
+            .map(|r| {
+                let i = r.into_inner().info.unwrap();
+                (i.kind, i.labels)
+            })
+            .map_err(|e| e.code())
+    }
+
+    fn commit(&self, name: &str, key: &str) -> Result<(), Failed> {
+        let mut c = self.client();
+        self.rt
+            .block_on(c.commit(CommitSnapshotRequest {
+                snapshotter: "tilefs".into(),
+                name: name.into(),
+                key: key.into(),
+                labels: HashMap::new(),
+            }))
+            .map_err(failed)
+            .map(|_| ())
+    }
+
+    fn remove(&self, key: &str) {
+        let mut c = self.client();
+        if let Err(e) = self.rt.block_on(c.remove(RemoveSnapshotRequest {
+            snapshotter: "tilefs".into(),
+            key: key.into(),
+        })) {
+            panic!("remove {key}: {e}");
+        }
+    }
+}
+
+impl Drop for Snap {
+    fn drop(&mut self) {
+        self.stop();
+        // Deepest first: overlays over the FUSE mounts.
+        let mut under: Vec<String> = mountinfo_lines()
+            .iter()
+            .filter_map(|l| l.split(' ').nth(4).map(str::to_string))
+            .filter(|m| Path::new(m).starts_with(&self.area))
+            .collect();
+        under.sort_by_key(|m| std::cmp::Reverse(m.len()));
+        for m in under {
+            Mounted(PathBuf::from(m)).unmount();
+        }
+    }
+}
+
+/// A call's error: its code and message.
+type Failed = (Code, String);
+
+fn failed(s: tonic::Status) -> Failed {
+    (s.code(), s.message().to_string())
+}
+
+/// The options of the one overlay mount Mounts returned.
+fn overlay_options(mounts: &[containerd_snapshots::api::types::Mount]) -> Vec<String> {
+    assert_eq!(mounts.len(), 1, "{mounts:?}");
+    assert_eq!(mounts[0].r#type, "overlay", "{mounts:?}");
+    mounts[0].options.clone()
+}
+
+fn mount_overlay(options: &[String], at: &Path) -> Mounted {
+    fs::create_dir_all(at).unwrap();
+    ok(Command::new("mount")
+        .args(["-t", "overlay", "overlay", "-o", &options.join(",")])
+        .arg(at));
+    Mounted(at.to_path_buf())
+}
+
+fn chain_ids(diff_ids: &[String]) -> Vec<String> {
+    let mut out: Vec<String> = Vec::new();
+    for d in diff_ids {
+        let next = match out.last() {
+            None => d.clone(),
+            Some(prev) => format!("sha256:{}", sha256_hex(format!("{prev} {d}").as_bytes())),
+        };
+        out.push(next);
+    }
+    out
+}
+
+#[test]
+fn cri_labels_make_lazy_snapshots_only_when_the_artifact_says_the_same() {
+    require(not_root("the snapshotter mounts"));
+    require(cannot_fuse());
+    for (p, pkg) in [
+        ("docker-registry", "docker-registry"),
+        ("skopeo", "skopeo"),
+        ("umoci", "umoci"),
+    ] {
+        require(missing_program(p, pkg));
+    }
+    let area = Area::new();
+    let base = area.path("");
+    let registry = Registry::start(&area);
+    let reg = &registry.addr;
+
+    // An ordinary image, and a runnable tilefs artifact made from it.
+    let src = area.dir("src");
+    fs::create_dir_all(src.join("etc")).unwrap();
+    fs::write(src.join("etc/msg"), "hello lazily\n").unwrap();
+    let mut rng = Rng::new(29);
+    for i in 0..40 {
+        fs::write(src.join(format!("f{i}")), rng.bytes(200 << 10)).unwrap();
+    }
+    let lay = format!("{}:app", area.path("layout").display());
+    ok(Command::new("umoci")
+        .args(["init", "--layout"])
+        .arg(area.path("layout")));
+    ok(Command::new("umoci").args(["new", "--image", &lay]));
+    ok(Command::new("umoci")
+        .args(["unpack", "--image", &lay])
+        .arg(area.path("bundle")));
+    ok(Command::new("cp")
+        .arg("-a")
+        .arg(format!("{}/.", src.display()))
+        .arg(area.path("bundle/rootfs")));
+    ok(Command::new("umoci")
+        .args(["repack", "--image", &lay])
+        .arg(area.path("bundle")));
+    let plain = format!("{reg}/app:1");
+    ok(Command::new("skopeo").args([
+        "copy",
+        "-q",
+        "--dest-tls-verify=false",
+        &format!("oci:{lay}"),
+        &format!("docker://{plain}"),
+    ]));
+    let work = area.path("work-store");
+    let t = |args: &[&str]| {
+        let mut c = Command::new(tilefs_bin());
+        c.args(args).arg("--store").arg(&work);
+        ok(&mut c)
+    };
+    t(&[
+        "pull",
+        "-q",
+        "--tls-verify=false",
+        "--tag",
+        "app",
+        &format!("docker://{plain}"),
+    ]);
+    let lazy_ref = format!("{reg}/app:lazy");
+    let out = t(&[
+        "push",
+        "-q",
+        "--tls-verify=false",
+        "--runnable-from",
+        &format!("docker://{plain}"),
+        "app",
+        &format!("docker://{lazy_ref}"),
+    ]);
+    let manifest = out.lines().last().unwrap().to_string();
+    let raw = common::oci::skopeo_raw(&format!("docker://{lazy_ref}"));
+    let layers: Vec<String> = raw["layers"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|l| l["digest"].as_str().unwrap().to_string())
+        .collect();
+    let pack = layers.last().unwrap().clone();
+    let pack_size = raw["layers"].as_array().unwrap().last().unwrap()["size"]
+        .as_u64()
+        .unwrap();
+    let chain = chain_ids(&layers);
+    let plain_raw = common::oci::skopeo_raw(&format!("docker://{plain}"));
+    let plain_manifest = format!(
+        "sha256:{}",
+        sha256_hex(
+            &Command::new("skopeo")
+                .args(["inspect", "--raw", "--tls-verify=false", &format!("docker://{plain}")])
+                .output()
+                .unwrap()
+                .stdout
+        )
+    );
+    let plain_layer = plain_raw["layers"][0]["digest"].as_str().unwrap().to_string();
+    let labels = |target: &str, manifest: &str, layer: &str| -> HashMap<String, String> {
+        [
+            (TARGET, target),
+            (IMAGE_REF, lazy_ref.as_str()),
+            (MANIFEST, manifest),
+            (LAYER, layer),
+        ]
+        .into_iter()
+        .map(|(k, v)| (k.to_string(), v.to_string()))
+        .collect()
+    };
+
+    let mut snap = Snap::start(&base);
+    let before = registry.requests().len();
+
+    // Lies: a layer of another position, a chain ID of nothing, a parent
+    // that is not the layer below, an ordinary image. Each Prepare is an
+    // ordinary one (an active snapshot for containerd to unpack into), and
+    // no snapshot of the claimed name appears.
+    let bogus = format!("sha256:{}", "e".repeat(64));
+    for (i, (target, man, layer, parent)) in [
+        (chain[0].as_str(), manifest.as_str(), layers[1].as_str(), ""),
+        (bogus.as_str(), manifest.as_str(), layers[0].as_str(), ""),
+        (chain[1].as_str(), manifest.as_str(), layers[1].as_str(), ""),
+        (chain[0].as_str(), plain_manifest.as_str(), plain_layer.as_str(), ""),
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        let key = format!("k8s.io/1/extract-lie{i}");
+        let got = snap.prepare(&key, parent, labels(target, man, layer));
+        assert!(got.is_ok(), "lie {i}: {got:?}\n{}", snap.log());
+        assert_eq!(snap.stat(target), Err(Code::NotFound), "lie {i} made {target}");
+        snap.remove(&key);
+    }
+    assert!(snap.log().contains("not served lazily"), "{}", snap.log());
+
+    // The truth: every layer is committed at once, AlreadyExists.
+    for (i, layer) in layers.iter().enumerate() {
+        let parent = if i == 0 { "" } else { chain[i - 1].as_str() };
+        let got = snap.prepare(
+            &format!("k8s.io/2/extract-{i}"),
+            parent,
+            labels(&chain[i], &manifest, layer),
+        );
+        assert_eq!(
+            got.as_ref().map_err(|e| e.0),
+            Err(Code::AlreadyExists),
+            "layer {i}: {got:?}\n{}",
+            snap.log()
+        );
+        let (kind, l) = snap.stat(&chain[i]).unwrap();
+        assert_eq!(kind, 3, "committed"); // containerd's KindCommitted
+        assert_eq!(l.get(TARGET), Some(&chain[i]));
+    }
+    let top = chain.last().unwrap();
+    let fetched = |from: usize| -> u64 {
+        registry.requests()[from..]
+            .iter()
+            .filter(|r| r.method == "GET" && r.path.ends_with(&pack))
+            .map(|r| r.bytes)
+            .sum()
+    };
+    assert_eq!(fetched(before), 0, "the pack was downloaded before any read");
+
+    // A container's view reads through the lazy image: the files read are
+    // fetched, and no more.
+    // (A view of one lazy image is its FUSE mount, bound read-only.)
+    let view = snap.view("k8s.io/3/view", top);
+    assert_eq!(view.0, "bind", "{view:?}");
+    let v = area.path("v");
+    fs::create_dir_all(&v).unwrap();
+    ok(Command::new("mount").args(["--bind", "-o", "ro", &view.1]).arg(&v));
+    let v = Mounted(v);
+    assert!(
+        mount_line(&PathBuf::from(&view.1)).is_some_and(|l| l.contains("fuse")),
+        "{:?}",
+        mount_line(&PathBuf::from(&view.1))
+    );
+    let start = registry.requests().len();
+    assert_eq!(fs::read_to_string(v.0.join("etc/msg")).unwrap(), "hello lazily\n");
+    assert_eq!(fs::read(v.0.join("f3")).unwrap(), fs::read(src.join("f3")).unwrap());
+    let got = fetched(start);
+    assert!(
+        got > 0 && got < pack_size / 4,
+        "{got} of {pack_size} pack bytes for two files"
+    );
+
+    // An active snapshot on it writes above it; committing over a lazy
+    // image is refused, clearly.
+    let rw = snap.prepare("k8s.io/4/rw", top, HashMap::new()).unwrap();
+    assert!(
+        !rw.iter().any(|o| o.contains("::")),
+        "a lazy image has no data-only store layer: {rw:?}"
+    );
+    let m = mount_overlay(&rw, &area.path("rw"));
+    fs::write(m.0.join("etc/new"), "mine").unwrap();
+    assert_eq!(fs::read(m.0.join("f5")).unwrap(), fs::read(src.join("f5")).unwrap());
+    m.unmount();
+    let e = snap.commit("k8s.io/4/c", "k8s.io/4/rw").unwrap_err();
+    assert_eq!(e.0, Code::FailedPrecondition, "{e:?}");
+    assert!(e.1.contains("served lazily"), "{e:?}");
+
+    // The snapshotter restarts; the view keeps reading (its FUSE server
+    // is a process of its own), and a new Mounts finds the image mounted.
+    snap.stop();
+    snap.run();
+    assert_eq!(fs::read(v.0.join("f7")).unwrap(), fs::read(src.join("f7")).unwrap());
+    assert_eq!(snap.mounts("k8s.io/3/view"), view);
+    // (Not `tilefs umount`, which would wait for the server of the FUSE
+    // mount this binds.)
+    ok(Command::new("umount").arg(&v.0));
+
+    // Removed top down, nothing of it stays mounted.
+    for k in ["k8s.io/3/view", "k8s.io/4/rw"] {
+        snap.remove(k);
+    }
+    for id in chain.iter().rev() {
+        snap.remove(id);
+    }
+    let left: Vec<String> = mountinfo_lines()
+        .into_iter()
+        .filter(|l| l.contains(&*base.to_string_lossy()))
+        .collect();
+    assert!(left.is_empty(), "left mounted: {left:?}");
+    // The image's FUSE server has exited.
+    let server = format!("mount --fuse .*{}", base.join("store").display());
+    let t = Instant::now();
+    while Command::new("pgrep").args(["-f", &server]).status().unwrap().success() {
+        assert!(t.elapsed() < Duration::from_secs(10), "{server} is still running");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    drop(snap);
+}
