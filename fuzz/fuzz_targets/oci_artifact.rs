@@ -1,10 +1,14 @@
 //! A tilefs artifact's object index and configuration: any bytes give a
 //! checked index (every location inside its pack) or an error, never a
-//! panic; an index that parses round-trips through its encoding.
+//! panic; an index that parses round-trips through its encoding. A
+//! runnable artifact's configuration parses (against its blobs) or is
+//! refused; one built from any image configuration parses back to the
+//! facts it was given.
 #![no_main]
 
 use libfuzzer_sys::fuzz_target;
 use tilefs_oci::artifact::{self, Config, ObjectIndex, ObjectRef};
+use tilefs_oci::digest::Digest;
 
 fuzz_target!(|data: &[u8]| {
     let Some((&n, rest)) = data.split_first() else { return };
@@ -22,4 +26,14 @@ fuzz_target!(|data: &[u8]| {
         let _ = index.restrict_to(&objects, "fuzz").unwrap();
     }
     let _ = serde_json::from_slice::<Config>(rest);
+    let blobs: Vec<Digest> = (0..n % 4).map(|i| Digest::sha256_of(&[i])).collect();
+    let _ = artifact::parse_runnable_config(rest, &blobs);
+    let facts = Config {
+        fsverity: "ab".repeat(32),
+        objects: u64::from(n),
+        object_bytes: u64::from(n) << 20,
+    };
+    if let Ok(raw) = artifact::runnable_config(rest, &facts, &blobs) {
+        assert_eq!(artifact::parse_runnable_config(&raw, &blobs).unwrap(), facts);
+    }
 });

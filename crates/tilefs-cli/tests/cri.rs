@@ -219,6 +219,8 @@ state = "{state}"
                 .arg(&self.store)
                 .arg("--socket")
                 .arg(&self.snap_sock)
+                // The lazy path reaches the plain-HTTP registry.
+                .arg("--tls-verify=false")
                 .stdout(Stdio::null())
                 .stderr(log)
                 .spawn()
@@ -793,6 +795,99 @@ fn cri_pulls_and_runs_a_pod_on_tilefs() {
 }
 
 /// `n` files of 16 KiB under `root/data`, named and filled by `seed`.
+#[test]
+fn cri_starts_a_pod_lazily_from_a_runnable_tilefs_image() {
+    let area = Area::new();
+    let rig = CriRig::start(&area);
+    // An ordinary image of 40 files of 256 KiB, and the runnable tilefs
+    // image of it, pushed beside it.
+    let plain = push_image_with(
+        &area,
+        rig.registry(),
+        "big",
+        &[&|r: &Path| {
+            busybox_into(r, &["sh", "cat", "echo", "md5sum"]);
+            fs::create_dir_all(r.join("etc")).unwrap();
+            fs::write(r.join("etc/msg"), "hello lazily through CRI").unwrap();
+            let files: Vec<(String, usize)> = (0..40).map(|i| (format!("data/f{i}"), 256 << 10)).collect();
+            common::oci::write_files(r, 7, &files);
+        }],
+        &["--config.cmd", "/bin/sh"],
+    );
+    let work = area.dir("work-store");
+    let tilefs_in = |args: &[&str]| {
+        let mut c = Command::new(tilefs_bin());
+        c.args(args).arg("--store").arg(&work);
+        ok(&mut c)
+    };
+    tilefs_in(&["pull", "-q", "--tls-verify=false", "--tag", "big", &format!("docker://{plain}")]);
+    let lazy = format!("{}/tilefs/big:lazy", rig.registry_addr());
+    tilefs_in(&[
+        "push",
+        "-q",
+        "--tls-verify=false",
+        "--runnable-from",
+        &format!("docker://{plain}"),
+        "big",
+        &format!("docker://{lazy}"),
+    ]);
+    let raw = common::oci::skopeo_raw(&format!("docker://{lazy}"));
+    let pack = raw["layers"].as_array().unwrap().last().unwrap().clone();
+    let (pack, pack_size) = (pack["digest"].as_str().unwrap().to_string(), pack["size"].as_u64().unwrap());
+    let want_md5 = {
+        let out = ok(Command::new("md5sum").arg(area.path("bundle-big/rootfs/data/f3")));
+        out.split_whitespace().next().unwrap().to_string()
+    };
+
+    // The pull downloads no layer: each is a committed tilefs snapshot,
+    // made lazily.
+    let from = rig.registry().requests().len();
+    let t = Instant::now();
+    rig.pull(&lazy);
+    let pulled = t.elapsed();
+    let pack_bytes = |from: usize| -> u64 {
+        rig.registry().requests()[from..]
+            .iter()
+            .filter(|r| r.method == "GET" && r.path.ends_with(&pack))
+            .map(|r| r.bytes)
+            .sum()
+    };
+    assert_eq!(pack_bytes(from), 0, "the pull downloaded the image's files");
+    let chain = chain_ids(&lazy);
+    let snaps = rig.snapshot_list();
+    for id in &chain {
+        assert!(
+            snaps.iter().any(|(k, _, kind)| k == id && kind == "Committed"),
+            "{id} is no committed snapshot: {snaps:?}"
+        );
+    }
+    let records = rig.records();
+    assert!(
+        chain
+            .iter()
+            .all(|id| records.iter().any(|r| r["key"] == id.as_str() && r["lazy"] == true)),
+        "{records:?}"
+    );
+
+    // A pod runs from it: the files it reads are fetched, no others.
+    let from = rig.registry().requests().len();
+    let t = Instant::now();
+    let out = rig.run_pod_and_container(&lazy, "cat /etc/msg; echo; md5sum /data/f3; echo mine > /etc/new; cat /etc/new");
+    eprintln!(
+        "lazy through CRI: pull {:.2} s, pod run to its end {:.2} s",
+        pulled.as_secs_f64(),
+        t.elapsed().as_secs_f64()
+    );
+    assert!(out.starts_with("hello lazily through CRI\n"), "{out}");
+    assert!(out.contains(&want_md5), "{out}");
+    assert!(out.trim_end().ends_with("mine"), "{out}");
+    let fetched = pack_bytes(from);
+    assert!(
+        fetched > 0 && fetched < pack_size / 4,
+        "{fetched} of the pack's {pack_size} bytes fetched for a few files"
+    );
+}
+
 fn write_files_for_app(root: &Path, seed: u64, n: usize) {
     let files: Vec<(String, usize)> = (0..n).map(|i| (format!("data/l{seed}-{i}"), 16 << 10)).collect();
     common::oci::write_files(root, seed, &files);

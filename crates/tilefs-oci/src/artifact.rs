@@ -310,6 +310,9 @@ pub fn runnable_config(base: &[u8], config: &Config, blobs: &[Digest]) -> Result
         serde_json::json!({"type": "layers", "diff_ids": blobs.iter().map(|d| d.to_string()).collect::<Vec<_>>()}),
     );
     let run = obj.entry("config").or_insert_with(|| serde_json::json!({}));
+    if run.is_null() {
+        *run = serde_json::json!({});
+    }
     let run = run.as_object_mut().ok_or("its \"config\" is not an object")?;
     let labels = run.entry("Labels").or_insert_with(|| serde_json::json!({}));
     if labels.is_null() {
@@ -418,6 +421,8 @@ mod tests {
         let e = parse_runnable_config(&raw, &blobs[..2]).unwrap_err();
         assert!(e.contains("not the artifact's blobs"), "{e}");
         assert!(runnable_config(b"{}", &cfg, &blobs).unwrap_err().contains("no rootfs"));
+        let bare = runnable_config(br#"{"config":null,"rootfs":{}}"#, &cfg, &blobs).unwrap();
+        assert_eq!(parse_runnable_config(&bare, &blobs).unwrap(), cfg);
     }
 
     #[test]
