@@ -820,7 +820,14 @@ fn cri_starts_a_pod_lazily_from_a_runnable_tilefs_image() {
         c.args(args).arg("--store").arg(&work);
         ok(&mut c)
     };
-    tilefs_in(&["pull", "-q", "--tls-verify=false", "--tag", "big", &format!("docker://{plain}")]);
+    tilefs_in(&[
+        "pull",
+        "-q",
+        "--tls-verify=false",
+        "--tag",
+        "big",
+        &format!("docker://{plain}"),
+    ]);
     let lazy = format!("{}/tilefs/big:lazy", rig.registry_addr());
     tilefs_in(&[
         "push",
@@ -833,7 +840,10 @@ fn cri_starts_a_pod_lazily_from_a_runnable_tilefs_image() {
     ]);
     let raw = common::oci::skopeo_raw(&format!("docker://{lazy}"));
     let pack = raw["layers"].as_array().unwrap().last().unwrap().clone();
-    let (pack, pack_size) = (pack["digest"].as_str().unwrap().to_string(), pack["size"].as_u64().unwrap());
+    let (pack, pack_size) = (
+        pack["digest"].as_str().unwrap().to_string(),
+        pack["size"].as_u64().unwrap(),
+    );
     let want_md5 = {
         let out = ok(Command::new("md5sum").arg(area.path("bundle-big/rootfs/data/f3")));
         out.split_whitespace().next().unwrap().to_string()
@@ -872,7 +882,10 @@ fn cri_starts_a_pod_lazily_from_a_runnable_tilefs_image() {
     // A pod runs from it: the files it reads are fetched, no others.
     let from = rig.registry().requests().len();
     let t = Instant::now();
-    let out = rig.run_pod_and_container(&lazy, "cat /etc/msg; echo; md5sum /data/f3; echo mine > /etc/new; cat /etc/new");
+    let out = rig.run_pod_and_container(
+        &lazy,
+        "cat /etc/msg; echo; md5sum /data/f3; echo mine > /etc/new; cat /etc/new",
+    );
     eprintln!(
         "lazy through CRI: pull {:.2} s, pod run to its end {:.2} s",
         pulled.as_secs_f64(),
