@@ -471,6 +471,19 @@ fn cri_labels_make_lazy_snapshots_only_when_the_artifact_says_the_same() {
     for id in chain.iter().rev() {
         snap.remove(id);
     }
+    // An artifact whose image the registry now sends corrupt: the labels
+    // are true, so the Prepare fails, naming why (containerd could not
+    // unpack the layer itself either).
+    let erofs = registry.blob_file(&layers[0]);
+    let len = fs::metadata(&erofs).unwrap().len() as usize;
+    fs::write(&erofs, vec![0x5a; len]).unwrap();
+    let e = snap
+        .prepare("k8s.io/5/extract-0", "", labels(&chain[0], &manifest, &layers[0]))
+        .unwrap_err();
+    assert_eq!(e.0, Code::Unavailable, "{e:?}");
+    assert!(e.1.contains(&layers[0]) && e.1.contains("does not match"), "{e:?}");
+    assert_eq!(snap.stat(&chain[0]), Err(Code::NotFound));
+
     let left: Vec<String> = mountinfo_lines()
         .into_iter()
         .filter(|l| l.contains(&*base.to_string_lossy()))

@@ -110,6 +110,15 @@ struct Inner {
     lower_users: HashMap<u64, Vec<u64>>,
 }
 
+/// Why a Prepare with CRI's labels made no lazy snapshot.
+enum NotLazy {
+    /// The labels do not name a runnable artifact's layer (or lie about
+    /// it): an ordinary Prepare follows.
+    Because(String),
+    /// They do, and serving it failed (the registry, the store).
+    Failed(String),
+}
+
 /// The worker's jobs, done in order.
 enum Job {
     /// Store a pending snapshot's layer and make its image.
@@ -302,7 +311,10 @@ impl Shared {
         }
         if kind == SnapKind::Active {
             if let (Some(lz), Some(target)) = (&self.lazy, lazy::Target::of(&labels)) {
-                match target.and_then(|t| self.make_lazy(&t, &parent, &labels, lz)) {
+                match target
+                    .map_err(NotLazy::Because)
+                    .and_then(|t| self.make_lazy(&t, &parent, &labels, lz))
+                {
                     Ok(Some(name)) => {
                         return Err(Error::new(
                             Code::AlreadyExists,
@@ -311,7 +323,12 @@ impl Shared {
                     }
                     Ok(None) => {}
                     // containerd unpacks it then, as any image.
-                    Err(e) => eprintln!("tilefs snapshotter: {key:?}: not served lazily: {e}"),
+                    Err(NotLazy::Because(e)) => eprintln!("tilefs snapshotter: {key:?}: not served lazily: {e}"),
+                    // An artifact containerd cannot unpack: its error.
+                    Err(NotLazy::Failed(e)) => {
+                        eprintln!("tilefs snapshotter: {key:?}: {e}");
+                        return Err(Error::new(Code::Unavailable, e));
+                    }
                 }
             }
         }
@@ -394,35 +411,37 @@ impl Shared {
         parent: &str,
         labels: &HashMap<String, String>,
         lz: &lazy::Lazy,
-    ) -> Result<Option<String>, String> {
+    ) -> Result<Option<String>, NotLazy> {
         if self.lock().by_key.get(&t.name).is_some_and(|r| r.lazy) {
             return Ok(Some(t.name.clone()));
         }
-        let Some(chain) = lazy::check(t, lz)? else {
+        let Some(chain) = lazy::check(t, lz).map_err(NotLazy::Because)? else {
             return Ok(None);
         };
         let below = chain.len().checked_sub(2).map(|i| chain[i].as_str()).unwrap_or("");
         if parent != below {
-            return Err(format!(
+            return Err(NotLazy::Because(format!(
                 "its parent is {parent:?}, but the layer below it in {} is {below:?}",
                 t.reference
-            ));
+            )));
         }
         let parent_tag = {
             let inner = self.lock();
             match inner.by_key.get(parent) {
                 Some(p) if p.lazy => Some(self.tag(p.id)),
-                Some(_) => return Err(format!("its parent {parent:?} was not made lazily")),
+                Some(_) => return Err(NotLazy::Because(format!("its parent {parent:?} was not made lazily"))),
                 None if parent.is_empty() => None,
-                None => return Err(format!("its parent {parent:?} does not exist")),
+                None => return Err(NotLazy::Because(format!("its parent {parent:?} does not exist"))),
             }
         };
+        // From here it is the artifact's layer: a failure is the Prepare's.
+        let failed = |e: String| NotLazy::Failed(format!("layer of {}: {e}", t.reference));
         let id = {
             let mut inner = self.lock();
             inner.next_id += 1;
             inner.next_id - 1
         };
-        let store = Store::open(&self.store).map_err(|e| e.to_string())?;
+        let store = Store::open(&self.store).map_err(|e| failed(e.to_string()))?;
         let started = std::time::Instant::now();
         // The first layer pulls the image and index; those above it show
         // the same image.
@@ -433,12 +452,12 @@ impl Shared {
                     lazy: true,
                     ..lz.pull.clone()
                 };
-                tilefs_oci::pull::pull(&store, &t.reference, &tag, &opts).map_err(|e| e.to_string())?;
-                tags::read_tag(&store, &tag).map_err(|e| e.to_string())?
+                tilefs_oci::pull::pull(&store, &t.reference, &tag, &opts).map_err(|e| failed(e.to_string()))?;
+                tags::read_tag(&store, &tag).map_err(|e| failed(e.to_string()))?
             }
             Some(p) => {
-                let bytes = tags::read_tag(&store, &p).map_err(|e| e.to_string())?;
-                tags::write_tag(&store, &tag, &bytes).map_err(|e| e.to_string())?;
+                let bytes = tags::read_tag(&store, &p).map_err(|e| failed(e.to_string()))?;
+                tags::write_tag(&store, &tag, &bytes).map_err(|e| failed(e.to_string()))?;
                 bytes
             }
         };
@@ -464,7 +483,7 @@ impl Shared {
             let _ = tags::remove_tag(&store, &tag);
             return Ok(Some(t.name.clone()));
         }
-        state::save(&self.root, &r)?;
+        state::save(&self.root, &r).map_err(failed)?;
         inner.by_key.insert(t.name.clone(), r);
         eprintln!(
             "tilefs snapshotter: {:?}: layer {} of {} made lazily ({:.2} s)",
