@@ -94,14 +94,38 @@ pub fn chain_ids(diff_ids: &[Digest]) -> Vec<String> {
     out
 }
 
-/// Checks `t` against the artifact: Ok(None) if the image is no runnable
-/// tilefs artifact (containerd unpacks it as any image), else the chain
-/// IDs of its layers up to `t`'s, the last being `t.name`.
-pub fn check(t: &Target, lazy: &Lazy) -> Result<Option<Vec<String>>, String> {
-    let Some(layers) = tilefs_oci::pull::runnable_layers(&t.reference, &lazy.pull).map_err(|e| e.to_string())? else {
-        return Ok(None);
-    };
-    let chain = chain_ids(&layers);
+/// The blobs of the runnable artifact `r` names (None: it is none),
+/// asked of the registry once per manifest: containerd prepares an image's
+/// layers one after another, and a manifest named by its digest never
+/// changes.
+#[derive(Default)]
+pub struct Artifacts {
+    known: std::sync::Mutex<HashMap<String, Option<Vec<Digest>>>>,
+}
+
+impl Artifacts {
+    /// Most manifests remembered.
+    const MAX: usize = 1024;
+
+    pub fn layers(&self, r: &ImageRef, lazy: &Lazy) -> Result<Option<Vec<Digest>>, String> {
+        let key = r.to_string();
+        if let Some(known) = self.known.lock().unwrap_or_else(|e| e.into_inner()).get(&key) {
+            return Ok(known.clone());
+        }
+        let layers = tilefs_oci::pull::runnable_layers(r, &lazy.pull).map_err(|e| e.to_string())?;
+        let mut known = self.known.lock().unwrap_or_else(|e| e.into_inner());
+        if known.len() >= Self::MAX {
+            known.clear();
+        }
+        known.insert(key, layers.clone());
+        Ok(layers)
+    }
+}
+
+/// Checks `t` against the artifact whose blobs (diff IDs) are `layers`:
+/// the chain IDs of its layers up to `t`'s, the last being `t.name`.
+pub fn check(t: &Target, layers: &[Digest]) -> Result<Vec<String>, String> {
+    let chain = chain_ids(layers);
     let i = layers
         .iter()
         .position(|l| l.to_string() == t.layer)
@@ -115,7 +139,7 @@ pub fn check(t: &Target, lazy: &Lazy) -> Result<Option<Vec<String>>, String> {
             chain[i]
         ));
     }
-    Ok(Some(chain[..=i].to_vec()))
+    Ok(chain[..=i].to_vec())
 }
 
 #[cfg(test)]

@@ -97,6 +97,7 @@ struct Shared {
     jobs: Mutex<Option<std::sync::mpsc::Sender<Job>>>,
     /// CRI's lazy path, if the front end offers it.
     lazy: Option<lazy::Lazy>,
+    artifacts: lazy::Artifacts,
 }
 
 struct Inner {
@@ -221,6 +222,7 @@ impl Tilefs {
                 changed: std::sync::Condvar::new(),
                 jobs: Mutex::new(None),
                 lazy,
+                artifacts: lazy::Artifacts::default(),
             }),
         };
         t.s.check_unsynced();
@@ -415,9 +417,10 @@ impl Shared {
         if self.lock().by_key.get(&t.name).is_some_and(|r| r.lazy) {
             return Ok(Some(t.name.clone()));
         }
-        let Some(chain) = lazy::check(t, lz).map_err(NotLazy::Because)? else {
+        let Some(layers) = self.artifacts.layers(&t.reference, lz).map_err(NotLazy::Because)? else {
             return Ok(None);
         };
+        let chain = lazy::check(t, &layers).map_err(NotLazy::Because)?;
         let below = chain.len().checked_sub(2).map(|i| chain[i].as_str()).unwrap_or("");
         if parent != below {
             return Err(NotLazy::Because(format!(
@@ -425,10 +428,12 @@ impl Shared {
                 t.reference
             )));
         }
-        let parent_tag = {
+        // The first layer pulls the image and index; those above it show
+        // the same image (its tag, see `image_tag`).
+        let parent_image = {
             let inner = self.lock();
             match inner.by_key.get(parent) {
-                Some(p) if p.lazy => Some(self.tag(p.id)),
+                Some(p) if p.lazy => Some(p.image.clone()),
                 Some(_) => return Err(NotLazy::Because(format!("its parent {parent:?} was not made lazily"))),
                 None if parent.is_empty() => None,
                 None => return Err(NotLazy::Because(format!("its parent {parent:?} does not exist"))),
@@ -443,22 +448,17 @@ impl Shared {
         };
         let store = Store::open(&self.store).map_err(|e| failed(e.to_string()))?;
         let started = std::time::Instant::now();
-        // The first layer pulls the image and index; those above it show
-        // the same image.
         let tag = self.tag(id);
-        let image = match parent_tag {
+        let image = match parent_image {
+            Some(digest) => digest,
             None => {
                 let opts = tilefs_oci::pull::PullOptions {
                     lazy: true,
                     ..lz.pull.clone()
                 };
-                tilefs_oci::pull::pull(&store, &t.reference, &tag, &opts).map_err(|e| failed(e.to_string()))?;
-                tags::read_tag(&store, &tag).map_err(|e| failed(e.to_string()))?
-            }
-            Some(p) => {
-                let bytes = tags::read_tag(&store, &p).map_err(|e| failed(e.to_string()))?;
-                tags::write_tag(&store, &tag, &bytes).map_err(|e| failed(e.to_string()))?;
-                bytes
+                let report =
+                    tilefs_oci::pull::pull(&store, &t.reference, &tag, &opts).map_err(|e| failed(e.to_string()))?;
+                Some(report.digest)
             }
         };
         let now = SystemTime::now();
@@ -471,7 +471,7 @@ impl Shared {
             created: now,
             updated: now,
             usage: Some(layer::LayerUsage::default()),
-            image: Some(hex::encode(tilefs_image::verity::digest_bytes(&image))),
+            image,
             unsynced: false,
             pending: false,
             lazy: true,
@@ -588,7 +588,8 @@ impl Shared {
                 at = p.parent.clone();
             } else {
                 // Its image holds all below it.
-                lowers.push(self.ensure_mounted(p)?);
+                let tag = self.image_tag(inner, p);
+                lowers.push(self.ensure_mounted(p, &tag)?);
                 data_only = !p.lazy;
                 break;
             }
@@ -629,7 +630,7 @@ impl Shared {
 
     /// The committed snapshot's chain image, mounted (EROFS, read-only)
     /// under `ROOT/mnt/ID`.
-    fn ensure_mounted(&self, r: &Record) -> Result<PathBuf, Error> {
+    fn ensure_mounted(&self, r: &Record, tag: &str) -> Result<PathBuf, Error> {
         let mnt = state::mount_dir(&self.root, r.id);
         if tilefs_mount::is_mount_root(&mnt) {
             return Ok(mnt);
@@ -642,12 +643,12 @@ impl Shared {
                     r.key
                 ))
             })?;
-            (lz.mount)(&self.store, &self.tag(r.id), &mnt)
+            (lz.mount)(&self.store, tag, &mnt)
                 .map_err(|e| internal(format!("snapshot {:?}: cannot mount its image: {e}", r.key)))?;
             return Ok(mnt);
         }
         let store = Store::open(&self.store).map_err(internal)?;
-        let image = tags::tag_path(&store, &self.tag(r.id));
+        let image = tags::tag_path(&store, tag);
         tilefs_mount::mount_erofs_at(&image, &mnt, tilefs_mount::ErofsBacking::Auto)
             .map_err(|e| internal(format!("snapshot {:?}: cannot mount its image: {e}", r.key)))?;
         Ok(mnt)
@@ -663,6 +664,21 @@ impl Shared {
             ));
         }
         self.mounts_when_ready(inner, key)
+    }
+
+    /// The tag of committed snapshot `r`'s image: its own, or for a layer
+    /// made lazily, that of the artifact's first layer (every layer of an
+    /// artifact shows its whole image; the first goes last, as a parent
+    /// outlives its children).
+    fn image_tag(&self, inner: &Inner, r: &Record) -> String {
+        let mut at = r;
+        while at.lazy {
+            match inner.by_key.get(&at.parent) {
+                Some(p) if p.lazy => at = p,
+                _ => break,
+            }
+        }
+        self.tag(at.id)
     }
 
     /// The first snapshot made lazily at or below `parent`.
