@@ -98,6 +98,8 @@ struct Shared {
     /// CRI's lazy path, if the front end offers it.
     lazy: Option<lazy::Lazy>,
     artifacts: lazy::Artifacts,
+    /// Held while an image is mounted under `ROOT/mnt`.
+    mounting: Mutex<()>,
 }
 
 struct Inner {
@@ -223,6 +225,7 @@ impl Tilefs {
                 jobs: Mutex::new(None),
                 lazy,
                 artifacts: lazy::Artifacts::default(),
+                mounting: Mutex::new(()),
             }),
         };
         t.s.check_unsynced();
@@ -302,7 +305,7 @@ impl Shared {
     }
 
     fn create(
-        &self,
+        self: &Arc<Self>,
         key: String,
         parent: String,
         labels: HashMap<String, String>,
@@ -408,7 +411,7 @@ impl Shared {
     /// (checked, see [`lazy::check`]), the committed snapshot `t.name` of
     /// the whole image, made now (or found made), and its name.
     fn make_lazy(
-        &self,
+        self: &Arc<Self>,
         t: &lazy::Target,
         parent: &str,
         labels: &HashMap<String, String>,
@@ -449,6 +452,7 @@ impl Shared {
         let store = Store::open(&self.store).map_err(|e| failed(e.to_string()))?;
         let started = std::time::Instant::now();
         let tag = self.tag(id);
+        let pulled = parent_image.is_none();
         let image = match parent_image {
             Some(digest) => digest,
             None => {
@@ -484,7 +488,27 @@ impl Shared {
             return Ok(Some(t.name.clone()));
         }
         state::save(&self.root, &r).map_err(failed)?;
+        let first = pulled.then(|| r.clone());
         inner.by_key.insert(t.name.clone(), r);
+        drop(inner);
+        // The image's FUSE server starts while containerd prepares the
+        // other layers, not when the container's Mounts comes.
+        if let Some(first) = first {
+            let me = self.clone();
+            std::thread::spawn(move || {
+                // Locks in the order Mounts takes them; a Remove that came
+                // first leaves nothing to mount, one after waits for this.
+                let inner = me.lock();
+                if !inner.by_key.get(&first.key).is_some_and(|r| r.id == first.id) {
+                    return;
+                }
+                let _one = me.mounting.lock().unwrap_or_else(|e| e.into_inner());
+                drop(inner);
+                if let Err(e) = me.mount_image(&first) {
+                    eprintln!("tilefs snapshotter: {:?}: {}", first.key, e.msg);
+                }
+            });
+        }
         eprintln!(
             "tilefs snapshotter: {:?}: layer {} of {} made lazily ({:.2} s)",
             t.name,
@@ -588,8 +612,8 @@ impl Shared {
                 at = p.parent.clone();
             } else {
                 // Its image holds all below it.
-                let tag = self.image_tag(inner, p);
-                lowers.push(self.ensure_mounted(p, &tag)?);
+                let owner = Self::image_owner(inner, p).clone();
+                lowers.push(self.ensure_mounted(&owner)?);
                 data_only = !p.lazy;
                 break;
             }
@@ -630,7 +654,15 @@ impl Shared {
 
     /// The committed snapshot's chain image, mounted (EROFS, read-only)
     /// under `ROOT/mnt/ID`.
-    fn ensure_mounted(&self, r: &Record, tag: &str) -> Result<PathBuf, Error> {
+    fn ensure_mounted(&self, r: &Record) -> Result<PathBuf, Error> {
+        // One mount per image, whoever asks first.
+        let _one = self.mounting.lock().unwrap_or_else(|e| e.into_inner());
+        self.mount_image(r)
+    }
+
+    /// [`Shared::ensure_mounted`], `mounting` held.
+    fn mount_image(&self, r: &Record) -> Result<PathBuf, Error> {
+        let tag = self.tag(r.id);
         let mnt = state::mount_dir(&self.root, r.id);
         if tilefs_mount::is_mount_root(&mnt) {
             return Ok(mnt);
@@ -643,12 +675,12 @@ impl Shared {
                     r.key
                 ))
             })?;
-            (lz.mount)(&self.store, tag, &mnt)
+            (lz.mount)(&self.store, &tag, &mnt)
                 .map_err(|e| internal(format!("snapshot {:?}: cannot mount its image: {e}", r.key)))?;
             return Ok(mnt);
         }
         let store = Store::open(&self.store).map_err(internal)?;
-        let image = tags::tag_path(&store, tag);
+        let image = tags::tag_path(&store, &tag);
         tilefs_mount::mount_erofs_at(&image, &mnt, tilefs_mount::ErofsBacking::Auto)
             .map_err(|e| internal(format!("snapshot {:?}: cannot mount its image: {e}", r.key)))?;
         Ok(mnt)
@@ -666,11 +698,11 @@ impl Shared {
         self.mounts_when_ready(inner, key)
     }
 
-    /// The tag of committed snapshot `r`'s image: its own, or for a layer
-    /// made lazily, that of the artifact's first layer (every layer of an
-    /// artifact shows its whole image; the first goes last, as a parent
-    /// outlives its children).
-    fn image_tag(&self, inner: &Inner, r: &Record) -> String {
+    /// The committed snapshot whose tag and mount hold `r`'s image: `r`,
+    /// or for a layer made lazily the artifact's first layer (every layer
+    /// of an artifact shows its whole image; the first goes last, as a
+    /// parent outlives its children).
+    fn image_owner<'a>(inner: &'a Inner, r: &'a Record) -> &'a Record {
         let mut at = r;
         while at.lazy {
             match inner.by_key.get(&at.parent) {
@@ -678,7 +710,7 @@ impl Shared {
                 _ => break,
             }
         }
-        self.tag(at.id)
+        at
     }
 
     /// The first snapshot made lazily at or below `parent`.
@@ -1055,6 +1087,7 @@ impl Shared {
         }
         drop(inner);
         if committed {
+            let _one = self.mounting.lock().unwrap_or_else(|e| e.into_inner());
             unmount(&state::mount_dir(&self.root, id));
             self.remove_tag(id)?;
         }
