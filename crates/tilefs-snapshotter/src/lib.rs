@@ -499,7 +499,7 @@ impl Shared {
                 // Locks in the order Mounts takes them; a Remove that came
                 // first leaves nothing to mount, one after waits for this.
                 let inner = me.lock();
-                if !inner.by_key.get(&first.key).is_some_and(|r| r.id == first.id) {
+                if inner.by_key.get(&first.key).is_none_or(|r| r.id != first.id) {
                     return;
                 }
                 let _one = me.mounting.lock().unwrap_or_else(|e| e.into_inner());
