@@ -98,8 +98,10 @@ struct Shared {
     /// CRI's lazy path, if the front end offers it.
     lazy: Option<lazy::Lazy>,
     artifacts: lazy::Artifacts,
-    /// Held while an image is mounted under `ROOT/mnt`.
-    mounting: Mutex<()>,
+    /// Per snapshot id, held while its image is mounted under `ROOT/mnt`
+    /// (and while it is unmounted): one mount each, whoever asks first,
+    /// and a slow mount holds up no other.
+    mounting: Mutex<HashMap<u64, Arc<Mutex<()>>>>,
 }
 
 struct Inner {
@@ -225,7 +227,7 @@ impl Tilefs {
                 jobs: Mutex::new(None),
                 lazy,
                 artifacts: lazy::Artifacts::default(),
-                mounting: Mutex::new(()),
+                mounting: Mutex::new(HashMap::new()),
             }),
         };
         t.s.check_unsynced();
@@ -502,7 +504,8 @@ impl Shared {
                 if inner.by_key.get(&first.key).is_none_or(|r| r.id != first.id) {
                     return;
                 }
-                let _one = me.mounting.lock().unwrap_or_else(|e| e.into_inner());
+                let lock = me.mount_lock(first.id);
+                let _one = lock.lock().unwrap_or_else(|e| e.into_inner());
                 drop(inner);
                 if let Err(e) = me.mount_image(&first) {
                     eprintln!("tilefs snapshotter: {:?}: {}", first.key, e.msg);
@@ -655,12 +658,21 @@ impl Shared {
     /// The committed snapshot's chain image, mounted (EROFS, read-only)
     /// under `ROOT/mnt/ID`.
     fn ensure_mounted(&self, r: &Record) -> Result<PathBuf, Error> {
-        // One mount per image, whoever asks first.
-        let _one = self.mounting.lock().unwrap_or_else(|e| e.into_inner());
+        let lock = self.mount_lock(r.id);
+        let _one = lock.lock().unwrap_or_else(|e| e.into_inner());
         self.mount_image(r)
     }
 
-    /// [`Shared::ensure_mounted`], `mounting` held.
+    fn mount_lock(&self, id: u64) -> Arc<Mutex<()>> {
+        self.mounting
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .entry(id)
+            .or_default()
+            .clone()
+    }
+
+    /// [`Shared::ensure_mounted`], its mount lock held.
     fn mount_image(&self, r: &Record) -> Result<PathBuf, Error> {
         let tag = self.tag(r.id);
         let mnt = state::mount_dir(&self.root, r.id);
@@ -1087,8 +1099,10 @@ impl Shared {
         }
         drop(inner);
         if committed {
-            let _one = self.mounting.lock().unwrap_or_else(|e| e.into_inner());
+            let lock = self.mount_lock(id);
+            let _one = lock.lock().unwrap_or_else(|e| e.into_inner());
             unmount(&state::mount_dir(&self.root, id));
+            self.mounting.lock().unwrap_or_else(|e| e.into_inner()).remove(&id);
             self.remove_tag(id)?;
         }
         let dir = state::snapshot_dir(&self.root, id);
