@@ -695,7 +695,7 @@ def _run(b, work: Path, registry: Registry, rig: Rig) -> None:
         first = statistics.median(r[0] for r in runs)
         rest = statistics.median(sum(r[1:]) for r in runs)
         b.info("cri-lazy/tilefs-layers", "tilefs snapshotter: its time making the layers lazily (its log; the "
-               "first pulls the image and index, each other checks the artifact again)",
+               "first pulls the image and index, the others reuse its check and image)",
                f"{len(runs[-1])} layers: the first {first * 1000:.0f} ms, the other {len(runs[-1]) - 1} "
                f"{rest * 1000:.0f} ms in all (medians)",
                {"runs_s": runs})
