@@ -26,16 +26,8 @@ fn run(cmd: &mut Command) -> Output {
     out
 }
 
-fn ok(cmd: &mut Command) -> String {
-    let out = run(cmd);
-    assert!(
-        out.status.success(),
-        "{cmd:?} failed: {}\n{}",
-        String::from_utf8_lossy(&out.stdout),
-        stderr(&out)
-    );
-    String::from_utf8_lossy(&out.stdout).into_owned()
-}
+/// A command that must succeed; its stdout.
+use common::oci::checked as ok;
 
 /// containerd, the snapshotter and what they mounted; all stopped and
 /// removed on drop.

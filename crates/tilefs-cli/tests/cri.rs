@@ -35,16 +35,8 @@ fn run(cmd: &mut Command) -> Output {
     cmd.output().unwrap_or_else(|e| panic!("{cmd:?}: {e}"))
 }
 
-fn ok(cmd: &mut Command) -> String {
-    let out = run(cmd);
-    assert!(
-        out.status.success(),
-        "{cmd:?} failed: {}\n{}",
-        String::from_utf8_lossy(&out.stdout),
-        stderr(&out)
-    );
-    String::from_utf8_lossy(&out.stdout).into_owned()
-}
+/// A command that must succeed; its stdout.
+use common::oci::checked as ok;
 
 fn wait_for(what: &str, limit: Duration, mut done: impl FnMut() -> bool) {
     let t = Instant::now();

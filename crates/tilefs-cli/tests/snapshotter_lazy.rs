@@ -26,11 +26,8 @@ const IMAGE_REF: &str = "containerd.io/snapshot/cri.image-ref";
 const MANIFEST: &str = "containerd.io/snapshot/cri.manifest-digest";
 const LAYER: &str = "containerd.io/snapshot/cri.layer-digest";
 
-fn ok(cmd: &mut Command) -> String {
-    let out = cmd.output().unwrap();
-    assert!(out.status.success(), "{cmd:?} failed: {}", stderr(&out));
-    String::from_utf8_lossy(&out.stdout).into_owned()
-}
+/// A command that must succeed; its stdout.
+use common::oci::checked as ok;
 
 /// The snapshotter on a socket of the test's directory; on drop it is
 /// stopped and everything mounted below the directory is taken down.

@@ -156,7 +156,7 @@ pub fn read(p: &Path) -> std::io::Result<Vec<u8>> {
 }
 
 /// Runs `cmd`, which must succeed; its stdout.
-fn checked(cmd: &mut Command) -> String {
+pub fn checked(cmd: &mut Command) -> String {
     let out = cmd.output().unwrap_or_else(|e| panic!("{cmd:?}: {e}"));
     assert!(
         out.status.success(),
