@@ -40,9 +40,9 @@ struct Rig {
     containerd: Option<Child>,
     snapshotter: Option<Child>,
     registry: Option<Registry>,
+    /// containerd's namespace, one per rig: its cgroup is removed after.
+    ns: String,
 }
-
-const NS: &str = "tilefs-test";
 
 impl Rig {
     fn start(area: &Area) -> Rig {
@@ -56,6 +56,13 @@ impl Rig {
             containerd: None,
             snapshotter: None,
             registry: Some(Registry::start(area)),
+            ns: format!(
+                "tilefs-test-{}",
+                base.to_string_lossy()
+                    .chars()
+                    .filter(char::is_ascii_alphanumeric)
+                    .collect::<String>()
+            ),
         };
         rig.start_snapshotter();
         let config = base.join("containerd.toml");
@@ -147,7 +154,7 @@ impl Rig {
 
     fn ctr(&self) -> Command {
         let mut c = Command::new("ctr");
-        c.arg("--address").arg(&self.sock).arg("--namespace").arg(NS);
+        c.arg("--address").arg(&self.sock).arg("--namespace").arg(&self.ns);
         c
     }
 
@@ -260,6 +267,7 @@ impl Drop for Rig {
             let _ = c.kill();
             let _ = c.wait();
         }
+        common::remove_cgroup(&self.ns);
         self.stop_snapshotter("-TERM");
         if let Some(mut r) = self.registry.take() {
             r.stop();

@@ -22,16 +22,52 @@ pub fn tilefs_bin() -> PathBuf {
         .unwrap_or_else(|| PathBuf::from(env!("CARGO_BIN_EXE_tilefs")))
 }
 
-/// `mount.tilefs`: the tilefs binary under that name (a link to it, made
-/// once per test process), as `scripts/install` installs it.
+/// `mount.tilefs`: the tilefs binary under that name, as `scripts/install`
+/// installs it: a link in cargo's scratch directory for tests, one per
+/// binary (so nothing is left in /tmp), made by rename (test processes
+/// run at once).
 pub fn mount_helper_bin() -> PathBuf {
-    static DIR: std::sync::OnceLock<tempfile::TempDir> = std::sync::OnceLock::new();
-    let dir = DIR.get_or_init(|| {
-        let d = tempfile::tempdir().unwrap();
-        std::os::unix::fs::symlink(tilefs_bin(), d.path().join("mount.tilefs")).unwrap();
-        d
-    });
-    dir.path().join("mount.tilefs")
+    static LINK: std::sync::OnceLock<PathBuf> = std::sync::OnceLock::new();
+    LINK.get_or_init(|| {
+        let bin = tilefs_bin();
+        let bin = fs::canonicalize(&bin).unwrap_or(bin);
+        let dir = Path::new(env!("CARGO_TARGET_TMPDIR"))
+            .join("mount-helper")
+            .join(&sha256_hex(bin.as_os_str().as_encoded_bytes())[..16]);
+        fs::create_dir_all(&dir).unwrap();
+        let link = dir.join("mount.tilefs");
+        let part = dir.join(format!(".mount.tilefs.{}", std::process::id()));
+        let _ = fs::remove_file(&part);
+        std::os::unix::fs::symlink(&bin, &part).unwrap();
+        fs::rename(&part, &link).unwrap();
+        link
+    })
+    .clone()
+}
+
+/// Removes cgroup `name` at the top of every hierarchy (v1 and v2) with
+/// the empty cgroups below it: containerd's cgroup of a namespace
+/// (`/NAMESPACE`), which it makes for the first container and never
+/// removes. A cgroup still in use stays.
+pub fn remove_cgroup(name: &str) {
+    fn remove(dir: &Path) {
+        if let Ok(rd) = fs::read_dir(dir) {
+            for e in rd.flatten() {
+                if e.file_type().is_ok_and(|t| t.is_dir()) {
+                    remove(&e.path());
+                }
+            }
+        }
+        let _ = fs::remove_dir(dir);
+    }
+    let top = Path::new("/sys/fs/cgroup");
+    let mut roots = vec![top.to_path_buf()];
+    if let Ok(rd) = fs::read_dir(top) {
+        roots.extend(rd.flatten().map(|e| e.path()));
+    }
+    for r in roots {
+        remove(&r.join(name));
+    }
 }
 
 /// Runs tilefs with `args`; panics with its stderr when it fails.
