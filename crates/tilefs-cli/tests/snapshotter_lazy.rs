@@ -436,8 +436,9 @@ fn cri_labels_make_lazy_snapshots_only_when_the_artifact_says_the_same() {
         "{got} of {pack_size} pack bytes for two files"
     );
 
-    // An active snapshot on it writes above it; committing over a lazy
-    // image is refused, clearly.
+    // An active snapshot on it writes above it, and is committed: its
+    // upper directory is kept as its layer, stacked over the lazy image
+    // by the mounts above it (flattening would fetch the whole image).
     let rw = snap.prepare("k8s.io/4/rw", top, HashMap::new()).unwrap();
     assert!(
         !rw.iter().any(|o| o.contains("::")),
@@ -446,10 +447,34 @@ fn cri_labels_make_lazy_snapshots_only_when_the_artifact_says_the_same() {
     let m = mount_overlay(&rw, &area.path("rw"));
     fs::write(m.0.join("etc/new"), "mine").unwrap();
     assert_eq!(fs::read(m.0.join("f5")).unwrap(), fs::read(src.join("f5")).unwrap());
+    fs::remove_file(m.0.join("f6")).unwrap();
     m.unmount();
-    let e = snap.commit("k8s.io/4/c", "k8s.io/4/rw").unwrap_err();
-    assert_eq!(e.0, Code::FailedPrecondition, "{e:?}");
-    assert!(e.1.contains("served lazily"), "{e:?}");
+    let start = registry.requests().len();
+    snap.commit("k8s.io/4/c", "k8s.io/4/rw").unwrap();
+    assert_eq!(snap.stat("k8s.io/4/c").unwrap().0, 3, "committed");
+    let rw2 = snap.prepare("k8s.io/4/rw2", "k8s.io/4/c", HashMap::new()).unwrap();
+    assert!(
+        rw2.iter()
+            .any(|o| o.strip_prefix("lowerdir=").is_some_and(|l| l.split(':').count() == 2)),
+        "the kept layer over the lazy image's mount: {rw2:?}"
+    );
+    let m = mount_overlay(&rw2, &area.path("rw2"));
+    assert_eq!(fs::read_to_string(m.0.join("etc/new")).unwrap(), "mine");
+    assert!(!m.0.join("f6").exists(), "the whiteout of the committed layer");
+    assert_eq!(fs::read(m.0.join("f8")).unwrap(), fs::read(src.join("f8")).unwrap());
+    fs::write(m.0.join("etc/newer"), "mine too").unwrap();
+    m.unmount();
+    // A layer over a kept one is kept too; a view shows them all.
+    snap.commit("k8s.io/4/c2", "k8s.io/4/rw2").unwrap();
+    let cv = snap.view("k8s.io/4/cview", "k8s.io/4/c2");
+    let m = mount_overlay(&cv.2, &area.path("cview"));
+    assert_eq!(fs::read_to_string(m.0.join("etc/new")).unwrap(), "mine");
+    assert_eq!(fs::read_to_string(m.0.join("etc/newer")).unwrap(), "mine too");
+    assert!(!m.0.join("f6").exists());
+    assert_eq!(fs::read_to_string(m.0.join("etc/msg")).unwrap(), "hello lazily\n");
+    m.unmount();
+    let got = fetched(start);
+    assert!(got < pack_size / 4, "{got} of {pack_size} pack bytes for one more file");
 
     // The snapshotter restarts; the view keeps reading (its FUSE server
     // is a process of its own), and a new Mounts finds the image mounted.
@@ -457,12 +482,13 @@ fn cri_labels_make_lazy_snapshots_only_when_the_artifact_says_the_same() {
     snap.run();
     assert_eq!(fs::read(v.0.join("f7")).unwrap(), fs::read(src.join("f7")).unwrap());
     assert_eq!(snap.mounts("k8s.io/3/view"), view);
+    assert_eq!(snap.mounts("k8s.io/4/cview"), cv);
     // (Not `tilefs umount`, which would wait for the server of the FUSE
     // mount this binds.)
     ok(Command::new("umount").arg(&v.0));
 
     // Removed top down, nothing of it stays mounted.
-    for k in ["k8s.io/3/view", "k8s.io/4/rw"] {
+    for k in ["k8s.io/3/view", "k8s.io/4/cview", "k8s.io/4/c2", "k8s.io/4/c"] {
         snap.remove(k);
     }
     for id in chain.iter().rev() {

@@ -28,7 +28,9 @@
 //! - CRI's lazy path ([`lazy`]): a layer of a runnable tilefs artifact
 //!   becomes a committed snapshot at once, from the artifact's image and
 //!   index; containers on it read through a FUSE mount of the image that
-//!   fetches files on first read, below their overlay.
+//!   fetches files on first read, below their overlay. A Commit over such
+//!   an image keeps its upper directory as its layer (flattening the chain
+//!   would fetch the whole image), a lower directory of the mounts above.
 //! - Commit does not wait for the disk: the layer's files (which
 //!   containerd wrote without syncing) are synced in the background, and a
 //!   committed snapshot is marked synced after. One that a crash left
@@ -389,6 +391,7 @@ impl Shared {
             unsynced: false,
             pending: false,
             lazy: false,
+            kept: false,
         };
         if let Err(e) = state::save(&self.root, &r) {
             let _ = std::fs::remove_dir_all(&dir);
@@ -481,6 +484,7 @@ impl Shared {
             unsynced: false,
             pending: false,
             lazy: true,
+            kept: false,
         };
         let mut inner = self.lock();
         if inner.by_key.contains_key(&t.name) {
@@ -609,8 +613,10 @@ impl Shared {
                 .by_key
                 .get(&at)
                 .ok_or_else(|| internal(format!("snapshot {:?}: its ancestor {at:?} is gone", r.key)))?;
-            if p.pending {
-                uppers.push(p.id);
+            if p.pending || p.kept {
+                if p.pending {
+                    uppers.push(p.id);
+                }
                 lowers.push(state::snapshot_dir(&self.root, p.id).join("fs"));
                 at = p.parent.clone();
             } else {
@@ -725,16 +731,16 @@ impl Shared {
         at
     }
 
-    /// The first snapshot made lazily at or below `parent`.
-    fn lazy_ancestor(inner: &Inner, parent: &str) -> Option<String> {
+    /// Whether a snapshot made lazily is at or below `parent`.
+    fn over_lazy(inner: &Inner, parent: &str) -> bool {
         let mut at = parent;
         while let Some(p) = inner.by_key.get(at) {
             if p.lazy {
-                return Some(p.key.clone());
+                return true;
             }
             at = &p.parent;
         }
-        None
+        false
     }
 
     /// Committed ancestors of `parent`, the oldest first.
@@ -776,14 +782,10 @@ impl Shared {
                 format!("snapshot {name:?} already exists"),
             ));
         }
-        if let Some(l) = Self::lazy_ancestor(&inner, &r.parent) {
-            return Err(Error::new(
-                Code::FailedPrecondition,
-                format!(
-                    "snapshot {key:?} is over {l:?}, an image served lazily: committing over one is not supported \
-                     (pull the image without CRI's lazy path to commit over it)"
-                ),
-            ));
+        if Self::over_lazy(&inner, &r.parent) {
+            let id = r.id;
+            drop(inner);
+            return self.commit_kept(name, key, id, labels);
         }
         let mut r = r.clone();
         r.key = name.clone();
@@ -800,6 +802,45 @@ impl Shared {
         drop(inner);
         self.send(Job::Ingest(id));
         self.send(Job::Reap);
+        Ok(())
+    }
+
+    /// Commits active snapshot `key` (snapshot `id`), which is over an
+    /// image served lazily, as `name`: its upper directory is kept as its
+    /// layer, on the disk before the record says so.
+    fn commit_kept(&self, name: String, key: String, id: u64, labels: HashMap<String, String>) -> Result<(), Error> {
+        let dir = state::snapshot_dir(&self.root, id);
+        let fs = dir.join("fs");
+        std::fs::File::open(&fs)
+            .and_then(|f| Ok(rustix::fs::syncfs(&f)?))
+            .map_err(|e| internal(format!("{}: cannot sync: {e}", fs.display())))?;
+        let (size, inodes) = disk_usage(&fs);
+        let mut inner = self.lock();
+        // Checked again: the lock was let go for the sync.
+        let r = inner
+            .by_key
+            .get(&key)
+            .filter(|r| r.id == id && r.kind == SnapKind::Active)
+            .ok_or_else(|| not_found(&key))?;
+        if inner.by_key.contains_key(&name) {
+            return Err(Error::new(
+                Code::AlreadyExists,
+                format!("snapshot {name:?} already exists"),
+            ));
+        }
+        let mut r = r.clone();
+        r.key = name.clone();
+        r.kind = SnapKind::Committed;
+        r.labels = labels;
+        r.updated = SystemTime::now();
+        r.kept = true;
+        r.usage = Some(layer::LayerUsage { size, inodes });
+        state::save(&self.root, &r).map_err(internal)?;
+        inner.by_key.remove(&key);
+        inner.by_key.insert(name, r);
+        drop(inner);
+        // overlayfs's work directory is of no use to a committed layer.
+        let _ = std::fs::remove_dir_all(dir.join("work"));
         Ok(())
     }
 
@@ -884,7 +925,7 @@ impl Shared {
             inner
                 .by_key
                 .values()
-                .filter(|r| r.kind == SnapKind::Committed && !r.pending && !used.contains(&r.id))
+                .filter(|r| r.kind == SnapKind::Committed && !r.pending && !r.kept && !used.contains(&r.id))
                 .map(|r| state::snapshot_dir(&self.root, r.id))
                 .filter(|d| d.join("fs").exists() || d.join("work").exists())
                 .collect()
@@ -1201,9 +1242,14 @@ impl Shared {
     fn cleanup(&self) -> Result<(), Error> {
         let inner = self.lock();
         let ids: HashMap<u64, SnapKind> = inner.by_key.values().map(|r| (r.id, r.kind)).collect();
-        // Uppers still needed: pending layers', and those under an unpack.
+        // A kept layer's work directory that a stop left.
+        for r in inner.by_key.values().filter(|r| r.kept) {
+            let _ = std::fs::remove_dir_all(state::snapshot_dir(&self.root, r.id).join("work"));
+        }
+        // Uppers still needed: pending and kept layers', and those under an
+        // unpack.
         let mut keep: HashSet<u64> = inner.lower_users.values().flatten().copied().collect();
-        keep.extend(inner.by_key.values().filter(|r| r.pending).map(|r| r.id));
+        keep.extend(inner.by_key.values().filter(|r| r.pending || r.kept).map(|r| r.id));
         let busy: HashSet<u64> = inner.ingesting.into_iter().collect();
         let ids_of = |sub: &str| -> Vec<u64> {
             std::fs::read_dir(self.root.join(sub))

@@ -52,6 +52,12 @@ pub struct Record {
     /// first read, through a FUSE mount; it has no layer of its own.
     #[serde(default)]
     pub lazy: bool,
+    /// A committed snapshot over an image served lazily: its layer is its
+    /// upper directory, kept as it is and given as a lower directory to
+    /// the mounts above it (its chain cannot be flattened into an image
+    /// without fetching every file of the lazy image).
+    #[serde(default)]
+    pub kept: bool,
 }
 
 pub const METADATA: &str = "metadata";
