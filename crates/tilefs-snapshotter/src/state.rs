@@ -3,8 +3,9 @@
 //! rename, directory fsync), so that after a crash each record is the old
 //! one or the new one. A snapshot's directory is `ROOT/snapshots/ID`
 //! (`fs`: its upper directory, `work`: overlayfs's; a committed one keeps
-//! only `layer`, its entries); containerd's keys, which hold `/` and
-//! anything else, only ever appear inside records.
+//! only `layer`, its entries, but for one kept over a lazy image, which
+//! keeps `fs`); containerd's keys, which hold `/` and anything else, only
+//! ever appear inside records.
 
 use crate::layer::LayerUsage;
 use rustix::fs::{Mode, OFlags};
