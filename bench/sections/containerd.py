@@ -28,21 +28,17 @@ new files, a tenth of the first image's bytes. Rows:
 
 from __future__ import annotations
 
-import gzip
-import hashlib
-import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import lib  # noqa: E402
 import writable  # noqa: E402  (the libgit2 sources and how they are built)
+from containers import Layout, Registry, remove_cgroup, sh, terminate, unmount_below, wait_for  # noqa: E402
 
 NAME = "containerd"
 TITLE = "containerd: tilefs snapshotter vs containerd's overlayfs snapshotter"
@@ -51,13 +47,10 @@ PULL_GOAL = 1.0
 RUN_GOAL = 1.1
 LS_GOAL = 1.05
 BUILD_GOAL = 1.05
-PATH_ENV = "PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+# The images' configuration: a shell, and the PATH a build needs.
+CONFIG = {"Cmd": ["/bin/sh"], "Env": ["PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"]}
 DISK_GOAL = 0.6
 NAMESPACE = "tilefs-bench"
-
-
-def sh(argv, **kw) -> subprocess.CompletedProcess:
-    return subprocess.run([str(a) for a in argv], check=True, capture_output=True, **kw)
 
 
 def du(*paths: Path) -> int:
@@ -67,50 +60,6 @@ def du(*paths: Path) -> int:
             out = sh(["du", "-sxB1", p]).stdout.split()[0]
             total += int(out)
     return total
-
-
-class Layout:
-    """An OCI image layout written by hand: gzip'd tar layers, a config, a manifest."""
-
-    def __init__(self, root: Path):
-        self.root = root
-        (root / "blobs" / "sha256").mkdir(parents=True, exist_ok=True)
-        (root / "oci-layout").write_text('{"imageLayoutVersion":"1.0.0"}')
-        self.manifests = []
-
-    def blob(self, data: bytes) -> tuple[str, int]:
-        d = hashlib.sha256(data).hexdigest()
-        (self.root / "blobs" / "sha256" / d).write_bytes(data)
-        return "sha256:" + d, len(data)
-
-    def layer_from(self, tar_argv: list) -> tuple[dict, str]:
-        raw = sh(tar_argv).stdout
-        diff_id = "sha256:" + hashlib.sha256(raw).hexdigest()
-        d, n = self.blob(gzip.compress(raw, compresslevel=1))
-        return {"mediaType": "application/vnd.oci.image.layer.v1.tar+gzip", "digest": d, "size": n}, diff_id
-
-    def image(self, name: str, layers: list[tuple[dict, str]]) -> None:
-        config = {
-            "architecture": "amd64",
-            "os": "linux",
-            "config": {"Cmd": ["/bin/sh"], "Env": [PATH_ENV]},
-            "rootfs": {"type": "layers", "diff_ids": [l[1] for l in layers]},
-        }
-        cd, cn = self.blob(json.dumps(config).encode())
-        manifest = {
-            "schemaVersion": 2,
-            "mediaType": "application/vnd.oci.image.manifest.v1+json",
-            "config": {"mediaType": "application/vnd.oci.image.config.v1+json", "digest": cd, "size": cn},
-            "layers": [l[0] for l in layers],
-        }
-        md, mn = self.blob(json.dumps(manifest).encode())
-        self.manifests.append({
-            "mediaType": "application/vnd.oci.image.manifest.v1+json",
-            "digest": md,
-            "size": mn,
-            "annotations": {"org.opencontainers.image.ref.name": name},
-        })
-        (self.root / "index.json").write_text(json.dumps({"schemaVersion": 2, "manifests": self.manifests}))
 
 
 def toolchain_paths() -> list[str]:
@@ -168,20 +117,6 @@ def toolchain_paths() -> list[str]:
     return [p.lstrip("/") for p in sorted(dirs) + sorted(files)]
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def wait_for(check, what: str, timeout: float = 30) -> None:
-    deadline = time.time() + timeout
-    while not check():
-        if time.time() > deadline:
-            raise RuntimeError(f"{what} did not start")
-        time.sleep(0.1)
-
-
 SNAP = {"tilefs": "tilefs", "reference": "overlayfs"}
 
 
@@ -192,31 +127,16 @@ class Engines:
 
     def __init__(self, b, dir: Path, procs: list, layout: Layout, names: list[str]):
         self.tilefs = b.tilefs
-        reg_root = dir / "registry"
-        reg_root.mkdir(exist_ok=True)
-        port = free_port()
-        addr = f"127.0.0.1:{port}"
-        (reg_root / "config.yml").write_text(
-            "version: 0.1\nlog:\n  level: error\n  accesslog:\n    disabled: true\n"
-            f"storage:\n  filesystem:\n    rootdirectory: {reg_root / 'data'}\n  delete:\n    enabled: true\n"
-            f"http:\n  addr: {addr}\n")
-        log = open(dir / "daemons.log", "ab")
-        procs.append(subprocess.Popen(["docker-registry", "serve", str(reg_root / "config.yml")], stdout=log,
-                                      stderr=log))
-
-        def registry_up() -> bool:
-            try:
-                socket.create_connection(("127.0.0.1", port), timeout=1).close()
-                return True
-            except OSError:
-                return False
-
-        wait_for(registry_up, "the registry")
+        (dir / "registry").mkdir(exist_ok=True)
+        self.registry = Registry(dir / "registry")
+        self.registry.start()
+        procs.append(self.registry.proc)
         self.refs = {}
         for name in names:
-            self.refs[name] = f"{addr}/bench/{name}:v1"
+            self.refs[name] = f"{self.registry.addr}/bench/{name}:v1"
             sh(["skopeo", "copy", "-q", "--dest-tls-verify=false", f"oci:{layout.root}:{name}",
                 f"docker://{self.refs[name]}"])
+        log = open(dir / "daemons.log", "ab")
         self.store, self.snaproot, snap_sock = dir / "store", dir / "snaproot", dir / "s.sock"
         procs.append(subprocess.Popen([self.tilefs, "snapshotter", "--root", self.snaproot, "--store", self.store,
                                        "--socket", snap_sock], stdout=log, stderr=log))
@@ -248,12 +168,7 @@ class Engines:
 
 def stop(procs: list) -> None:
     for p in reversed(procs):
-        p.terminate()
-        try:
-            p.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            p.kill()
-            p.wait()
+        terminate(p)
     procs.clear()
 
 
@@ -271,24 +186,8 @@ def run(b) -> None:
         _run(b, work, tree, procs)
     finally:
         stop(procs)
-        with open("/proc/self/mountinfo") as f:
-            mounts = [l.split(" ")[4] for l in f]
-        for m in sorted((m for m in mounts if m.startswith(str(work))), key=len, reverse=True):
-            subprocess.run(["umount", "-l", m], capture_output=True)
+        unmount_below(work)
         remove_cgroup(NAMESPACE)
-
-
-def remove_cgroup(name: str) -> None:
-    """containerd's cgroup of a namespace (/NAME, made for its first
-    container and never removed), in every hierarchy, with the empty ones
-    below it."""
-    top = Path("/sys/fs/cgroup")
-    for root in [top, *(p for p in top.iterdir() if p.is_dir())] if top.is_dir() else []:
-        for d in sorted((d for d in (root / name).glob("**/") if d.is_dir()), key=lambda d: len(d.parts), reverse=True):
-            try:
-                d.rmdir()
-            except OSError:
-                pass
 
 
 def _run(b, work: Path, tree: Path, procs: list) -> None:
@@ -319,8 +218,8 @@ def _run(b, work: Path, tree: Path, procs: list) -> None:
         (extra / "new" / f"f{n}").write_bytes(os.urandom(size))
         left -= size
         n += 1
-    layout.image("a", [*a_layers, busybox])
-    layout.image("b", [*b_layers, layout.layer_from(["tar", "-C", extra, "-cf", "-", "new"]), busybox])
+    layout.image("a", [*a_layers, busybox], CONFIG)
+    layout.image("b", [*b_layers, layout.layer_from(["tar", "-C", extra, "-cf", "-", "new"]), busybox], CONFIG)
     shutil.rmtree(extra)
     names = ["a", "b"]
     crate, how = writable.find_crate(b)
@@ -343,7 +242,7 @@ def _run(b, work: Path, tree: Path, procs: list) -> None:
             layout.layer_from(["tar", "-C", base, "-cf", "-", "--numeric-owner", "bin", "lib", "lib64", "sbin", "tmp"]),
             layout.layer_from(["tar", "-C", "/", "-cf", "-", "--numeric-owner", "--no-recursion", "-T", members]),
             layout.layer_from(["tar", "-C", unpack / writable.CRATE, "-cf", "-", "--numeric-owner", "libgit2"]),
-        ])
+        ], CONFIG)
         shutil.rmtree(unpack)
         names.append("c")
 
@@ -371,7 +270,7 @@ def _run(b, work: Path, tree: Path, procs: list) -> None:
             )
         finally:
             stop(mem_procs)
-            subprocess.run(["umount", "-l", mem], capture_output=True)
+            unmount_below(mem)
     shutil.rmtree(layout.root)
     ctr, refs, store, snaproot, croot = eng.ctr, eng.refs, eng.store, eng.snaproot, eng.croot
     remove_images, pull_argv = eng.remove_images, eng.pull_argv

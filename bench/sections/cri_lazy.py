@@ -29,12 +29,9 @@ bench/stargz/README.md); without it tilefs is measured alone.
 
 from __future__ import annotations
 
-import gzip
-import hashlib
 import json
 import os
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
@@ -43,6 +40,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import lib  # noqa: E402
+from containers import Layout, Registry, kill9, remove_cgroup, sh, terminate, unmount_below, wait_for  # noqa: E402
 
 NAME = "cri_lazy"
 TITLE = "lazy starts through CRI: tilefs snapshotter vs stargz-snapshotter"
@@ -57,119 +55,11 @@ CGROUP = "tilefs-bench-cri-lazy"
 OUTPUT_WAIT_S = 120
 
 
-def sh(argv, **kw) -> subprocess.CompletedProcess:
-    return subprocess.run([str(a) for a in argv], check=True, capture_output=True, **kw)
-
-
-def wait_for(check, what: str, timeout: float = 30) -> None:
-    deadline = time.time() + timeout
-    while not check():
-        if time.time() > deadline:
-            raise RuntimeError(f"{what}: not after {timeout:g} s")
-        time.sleep(0.05)
-
-
 def tail(path: Path, n: int = 15) -> str:
     try:
         return "\n".join(path.read_text(errors="replace").splitlines()[-n:])
     except OSError:
         return ""
-
-
-class Layout:
-    """An OCI image layout written by hand: gzip'd tar layers, configs, manifests."""
-
-    def __init__(self, root: Path):
-        self.root = root
-        (root / "blobs" / "sha256").mkdir(parents=True, exist_ok=True)
-        (root / "oci-layout").write_text('{"imageLayoutVersion":"1.0.0"}')
-        self.manifests = []
-
-    def blob(self, data: bytes) -> tuple[str, int]:
-        d = hashlib.sha256(data).hexdigest()
-        (self.root / "blobs" / "sha256" / d).write_bytes(data)
-        return "sha256:" + d, len(data)
-
-    def layer_from(self, tar_argv: list) -> tuple[dict, str]:
-        raw = sh(tar_argv).stdout
-        diff_id = "sha256:" + hashlib.sha256(raw).hexdigest()
-        d, n = self.blob(gzip.compress(raw, compresslevel=1))
-        return {"mediaType": "application/vnd.oci.image.layer.v1.tar+gzip", "digest": d, "size": n}, diff_id
-
-    def image(self, name: str, layers: list[tuple[dict, str]], config: dict) -> None:
-        config = {
-            "architecture": "amd64",
-            "os": "linux",
-            "config": config,
-            "rootfs": {"type": "layers", "diff_ids": [l[1] for l in layers]},
-        }
-        cd, cn = self.blob(json.dumps(config).encode())
-        manifest = {
-            "schemaVersion": 2,
-            "mediaType": "application/vnd.oci.image.manifest.v1+json",
-            "config": {"mediaType": "application/vnd.oci.image.config.v1+json", "digest": cd, "size": cn},
-            "layers": [l[0] for l in layers],
-        }
-        md, mn = self.blob(json.dumps(manifest).encode())
-        self.manifests.append({
-            "mediaType": "application/vnd.oci.image.manifest.v1+json",
-            "digest": md,
-            "size": mn,
-            "annotations": {"org.opencontainers.image.ref.name": name},
-        })
-        (self.root / "index.json").write_text(json.dumps({"schemaVersion": 2, "manifests": self.manifests}))
-
-
-class Registry:
-    """Debian's docker-registry on a free loopback port, access log on."""
-
-    def __init__(self, root: Path):
-        self.root = root
-        self.proc = None
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            self.port = s.getsockname()[1]
-        self.addr = f"127.0.0.1:{self.port}"
-        self.log = root / "access.log"
-        self.config = root / "config.yml"
-        self.config.write_text(
-            "version: 0.1\nlog:\n  level: error\n  accesslog:\n    disabled: false\n"
-            f"storage:\n  filesystem:\n    rootdirectory: {root / 'data'}\n"
-            f"http:\n  addr: {self.addr}\n")
-
-    def start(self) -> None:
-        out = open(self.log, "ab")
-        self.proc = subprocess.Popen(["docker-registry", "serve", str(self.config)], stdout=out, stderr=out)
-
-        def up() -> bool:
-            try:
-                socket.create_connection(("127.0.0.1", self.port), timeout=1).close()
-                return True
-            except OSError:
-                return False
-
-        wait_for(up, "the registry", 20)
-
-    def stop(self) -> None:
-        if self.proc is not None:
-            self.proc.kill()
-            self.proc.wait()
-            self.proc = None
-
-    def lines(self) -> int:
-        return len(self.log.read_bytes().splitlines()) if self.log.exists() else 0
-
-    def blob_gets(self, start: int, end: int | None = None) -> list[tuple[str, int]]:
-        """(blob digest, bytes sent) of each GET of a blob in lines [start, end)."""
-        out = []
-        for raw in self.log.read_bytes().splitlines()[start:end]:
-            parts = raw.decode(errors="replace").split('"')
-            if len(parts) < 3 or not parts[1].startswith("GET ") or "/blobs/" not in parts[1]:
-                continue
-            fields = parts[2].split()
-            if len(fields) >= 2 and fields[1].isdigit():
-                out.append((parts[1].split()[1].rsplit("/", 1)[-1], int(fields[1])))
-        return out
 
 
 class Peer:
@@ -344,12 +234,7 @@ state = "{p('cstate')}"
                 shim_sockets.append(Path(addr[len("unix://"):]))
         p = self.procs.pop("containerd", None)
         if p is not None:
-            p.terminate()
-            try:
-                p.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait()
+            terminate(p)
         # What CRI could not stop: shims and runc's containers of this run,
         # and whatever is left in the pods' cgroups.
         for pid in processes_naming(str(self.path("c.sock"))):
@@ -357,7 +242,7 @@ state = "{p('cstate')}"
         runc_root = self.path(f"runc/{NS}")
         for c in runc_root.iterdir() if runc_root.is_dir() else []:
             subprocess.run(["runc", "--root", str(runc_root), "delete", "--force", c.name], capture_output=True)
-        remove_cgroups()
+        remove_cgroup(CGROUP)
         for s in shim_sockets:
             s.unlink(missing_ok=True)
         # Containers' mounts, then the snapshotter's (it unmounts its own
@@ -365,12 +250,7 @@ state = "{p('cstate')}"
         unmount_below(self.path("cstate"))
         p = self.procs.pop("snapshotter", None)
         if p is not None:
-            p.terminate()
-            try:
-                p.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait()
+            terminate(p)
         unmount_below(self.dir)
         # FUSE servers of the unmounted images end by themselves.
         deadline = time.time() + 10
@@ -396,48 +276,6 @@ def processes_naming(needle: str) -> list[int]:
         if any(needle.encode() in a for a in argv):
             out.append(int(e))
     return out
-
-
-def kill9(pid: int) -> None:
-    try:
-        os.kill(pid, 9)
-    except OSError:
-        pass
-
-
-def unmount_below(d: Path) -> None:
-    with open("/proc/self/mountinfo") as f:
-        mounts = [l.split(" ")[4] for l in f]
-    prefix = str(d)
-    for m in sorted((m for m in mounts if m == prefix or m.startswith(prefix + "/")), key=len, reverse=True):
-        if subprocess.run(["umount", m], capture_output=True).returncode != 0:
-            subprocess.run(["umount", "-l", m], capture_output=True)
-
-
-def remove_cgroups() -> None:
-    """The pods' cgroups, in every hierarchy, deepest first, their processes killed."""
-    roots = [Path("/sys/fs/cgroup")] + [p for p in Path("/sys/fs/cgroup").iterdir() if p.is_dir()]
-    dirs = []
-    for r in roots:
-        top = r / CGROUP
-        if top.is_dir():
-            dirs.extend(Path(dp) for dp, _, _ in os.walk(top))
-    dirs.sort(key=lambda p: len(p.parts), reverse=True)
-    for d in dirs:
-        try:
-            for pid in (d / "cgroup.procs").read_text().split():
-                kill9(int(pid))
-        except OSError:
-            pass
-    deadline = time.time() + 5
-    for d in dirs:
-        while d.exists():
-            try:
-                d.rmdir()
-            except OSError:
-                if time.time() > deadline:
-                    break
-                time.sleep(0.05)
 
 
 def build_stargz(b) -> tuple[Path | None, str]:
@@ -473,7 +311,7 @@ def run(b) -> None:
         for pid in processes_naming(str(work)):
             if registry.proc is None or pid != registry.proc.pid:
                 kill9(pid)
-        remove_cgroups()
+        remove_cgroup(CGROUP)
         unmount_below(work)
         registry.stop()
         shutil.rmtree(work, ignore_errors=True)

@@ -19,72 +19,19 @@ from __future__ import annotations
 
 import os
 import shutil
-import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import lib  # noqa: E402
+from containers import Registry  # noqa: E402
 
 NAME = "registry"
 TITLE = "registry: tilefs push, pull, and lazy pull + first read"
 ORDER = 36
 TREES = ["usr/share", "usr/include", "usr/bin"]
 FIRST_READ_GOAL_S = 1.0
-
-
-class Registry:
-    def __init__(self, root: Path):
-        self.root = root
-        self.proc = None
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            self.port = s.getsockname()[1]
-        self.addr = f"127.0.0.1:{self.port}"
-        self.log = root / "access.log"
-        self.config = root / "config.yml"
-        self.config.write_text(
-            "version: 0.1\nlog:\n  level: error\n  accesslog:\n    disabled: false\n"
-            f"storage:\n  filesystem:\n    rootdirectory: {root / 'data'}\n"
-            f"http:\n  addr: {self.addr}\n")
-
-    def start(self, empty: bool = False) -> None:
-        self.stop()
-        if empty:
-            shutil.rmtree(self.root / "data", ignore_errors=True)
-        out = open(self.log, "ab")
-        self.proc = subprocess.Popen(["docker-registry", "serve", str(self.config)], stdout=out, stderr=out)
-        deadline = time.time() + 20
-        while True:
-            try:
-                socket.create_connection(("127.0.0.1", self.port), timeout=1).close()
-                return
-            except OSError:
-                if time.time() > deadline:
-                    raise RuntimeError("the registry did not start")
-                time.sleep(0.05)
-
-    def stop(self) -> None:
-        if self.proc is not None:
-            self.proc.kill()
-            self.proc.wait()
-            self.proc = None
-
-    def lines(self) -> int:
-        return len(self.log.read_bytes().splitlines()) if self.log.exists() else 0
-
-    def blob_bytes_since(self, line: int) -> int:
-        total = 0
-        for raw in self.log.read_bytes().splitlines()[line:]:
-            parts = raw.decode(errors="replace").split('"')
-            if len(parts) < 3 or not parts[1].startswith("GET ") or "/blobs/" not in parts[1]:
-                continue
-            fields = parts[2].split()
-            if len(fields) >= 2 and fields[1].isdigit():
-                total += int(fields[1])
-        return total
 
 
 def stage_tree(b, work: Path) -> Path:
