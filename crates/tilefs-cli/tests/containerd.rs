@@ -102,35 +102,13 @@ impl Rig {
     }
 
     fn start_snapshotter(&mut self) {
-        let log = fs::OpenOptions::new()
-            .create(true)
-            .append(true)
-            .open(self.area.join("snapshotter.log"))
-            .unwrap();
-        let _ = fs::remove_file(&self.snap_sock);
-        self.snapshotter = Some(
-            Command::new(tilefs_bin())
-                .arg("snapshotter")
-                .arg("--root")
-                .arg(&self.root)
-                .arg("--store")
-                .arg(&self.store)
-                .arg("--socket")
-                .arg(&self.snap_sock)
-                .stdout(Stdio::null())
-                .stderr(log)
-                .spawn()
-                .unwrap(),
-        );
-        let t = Instant::now();
-        while !self.snap_sock.exists() {
-            assert!(
-                t.elapsed() < Duration::from_secs(20),
-                "the snapshotter did not start: {}",
-                fs::read_to_string(self.area.join("snapshotter.log")).unwrap_or_default()
-            );
-            std::thread::sleep(Duration::from_millis(50));
-        }
+        self.snapshotter = Some(common::spawn_snapshotter(
+            &self.root,
+            &self.store,
+            &self.snap_sock,
+            &[],
+            &self.area.join("snapshotter.log"),
+        ));
         // containerd's gRPC client reconnects to a restarted plugin after
         // its backoff (a second or more): wait until it has.
         if self.containerd.is_some() {
@@ -146,10 +124,7 @@ impl Rig {
     }
 
     fn stop_snapshotter(&mut self, signal: &str) {
-        if let Some(mut c) = self.snapshotter.take() {
-            let _ = Command::new("kill").args([signal, &c.id().to_string()]).status();
-            let _ = c.wait();
-        }
+        common::stop_child(&mut self.snapshotter, signal);
     }
 
     fn ctr(&self) -> Command {

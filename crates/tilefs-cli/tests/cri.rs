@@ -196,32 +196,14 @@ state = "{state}"
     }
 
     pub fn start_snapshotter(&mut self) {
-        let log = fs::OpenOptions::new()
-            .create(true)
-            .append(true)
-            .open(self.area.join("snapshotter.log"))
-            .unwrap();
-        let _ = fs::remove_file(&self.snap_sock);
-        self.snapshotter = Some(
-            Command::new(tilefs_bin())
-                .arg("snapshotter")
-                .arg("--root")
-                .arg(&self.root)
-                .arg("--store")
-                .arg(&self.store)
-                .arg("--socket")
-                .arg(&self.snap_sock)
-                // The lazy path reaches the plain-HTTP registry.
-                .arg("--tls-verify=false")
-                .stdout(Stdio::null())
-                .stderr(log)
-                .spawn()
-                .unwrap(),
-        );
-        let snap_sock = self.snap_sock.clone();
-        wait_for("the snapshotter's socket", Duration::from_secs(20), || {
-            snap_sock.exists()
-        });
+        self.snapshotter = Some(common::spawn_snapshotter(
+            &self.root,
+            &self.store,
+            &self.snap_sock,
+            // The lazy path reaches the plain-HTTP registry.
+            &["--tls-verify=false"],
+            &self.area.join("snapshotter.log"),
+        ));
         // containerd's gRPC client reconnects to a restarted plugin after
         // its backoff (a second or more): wait until it has.
         if self.containerd.is_some() {
@@ -235,10 +217,7 @@ state = "{state}"
 
     /// Stops the snapshotter with `signal` ("-TERM", "-KILL").
     pub fn stop_snapshotter(&mut self, signal: &str) {
-        if let Some(mut c) = self.snapshotter.take() {
-            let _ = Command::new("kill").args([signal, &c.id().to_string()]).status();
-            let _ = c.wait();
-        }
+        common::stop_child(&mut self.snapshotter, signal);
     }
 
     /// A clean stop and a start of the snapshotter, containerd reconnected.

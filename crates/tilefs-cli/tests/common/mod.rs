@@ -45,6 +45,45 @@ pub fn mount_helper_bin() -> PathBuf {
     .clone()
 }
 
+/// `tilefs snapshotter --root ROOT --store STORE --socket SOCK EXTRA...`,
+/// its stderr appended to `log`, once it listens on `sock`.
+pub fn spawn_snapshotter(root: &Path, store: &Path, sock: &Path, extra: &[&str], log: &Path) -> std::process::Child {
+    let out = fs::OpenOptions::new().create(true).append(true).open(log).unwrap();
+    let _ = fs::remove_file(sock);
+    let child = Command::new(tilefs_bin())
+        .arg("snapshotter")
+        .arg("--root")
+        .arg(root)
+        .arg("--store")
+        .arg(store)
+        .arg("--socket")
+        .arg(sock)
+        .args(extra)
+        .stdout(std::process::Stdio::null())
+        .stderr(out)
+        .spawn()
+        .unwrap();
+    let t = std::time::Instant::now();
+    while !sock.exists() {
+        assert!(
+            t.elapsed() < std::time::Duration::from_secs(20),
+            "the snapshotter did not start: {}",
+            fs::read_to_string(log).unwrap_or_default()
+        );
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    }
+    child
+}
+
+/// Sends `signal` ("-TERM", "-KILL") to the process in `child`, if any,
+/// and waits for it.
+pub fn stop_child(child: &mut Option<std::process::Child>, signal: &str) {
+    if let Some(mut c) = child.take() {
+        let _ = Command::new("kill").args([signal, &c.id().to_string()]).status();
+        let _ = c.wait();
+    }
+}
+
 /// Removes cgroup `name` at the top of every hierarchy (v1 and v2) with
 /// the empty cgroups below it: containerd's cgroup of a namespace
 /// (`/NAMESPACE`), which it makes for the first container and never
