@@ -16,7 +16,7 @@ use containerd_snapshots::api::snapshots::v1::{
 use std::collections::HashMap;
 use std::fs;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::process::{Child, Command};
 use std::time::{Duration, Instant};
 use tonic::transport::Channel;
 use tonic::Code;
@@ -57,43 +57,17 @@ impl Snap {
     }
 
     fn run(&mut self) {
-        let log = fs::OpenOptions::new()
-            .create(true)
-            .append(true)
-            .open(self.area.join("snapshotter.log"))
-            .unwrap();
-        let _ = fs::remove_file(&self.sock);
-        self.child = Some(
-            Command::new(tilefs_bin())
-                .arg("snapshotter")
-                .arg("--root")
-                .arg(self.area.join("root"))
-                .arg("--store")
-                .arg(self.area.join("store"))
-                .arg("--socket")
-                .arg(&self.sock)
-                .arg("--tls-verify=false")
-                .stdout(Stdio::null())
-                .stderr(log)
-                .spawn()
-                .unwrap(),
-        );
-        let t = Instant::now();
-        while !self.sock.exists() {
-            assert!(
-                t.elapsed() < Duration::from_secs(20),
-                "the snapshotter did not start: {}",
-                self.log()
-            );
-            std::thread::sleep(Duration::from_millis(50));
-        }
+        self.child = Some(common::spawn_snapshotter(
+            &self.area.join("root"),
+            &self.area.join("store"),
+            &self.sock,
+            &["--tls-verify=false"],
+            &self.area.join("snapshotter.log"),
+        ));
     }
 
     fn stop(&mut self) {
-        if let Some(mut c) = self.child.take() {
-            let _ = Command::new("kill").args(["-TERM", &c.id().to_string()]).status();
-            let _ = c.wait();
-        }
+        common::stop_child(&mut self.child, "-TERM");
     }
 
     fn log(&self) -> String {
@@ -363,6 +337,31 @@ fn cri_labels_make_lazy_snapshots_only_when_the_artifact_says_the_same() {
     let mut snap = Snap::start(&base);
     let before = registry.requests().len();
 
+    // Only root speaks to it: it mounts, and fetches with root's
+    // credentials. Another user who can reach the socket (the area made
+    // traversable) is refused by its mode (13: EACCES from connect).
+    {
+        use std::os::unix::fs::PermissionsExt;
+        fs::set_permissions(&base, fs::Permissions::from_mode(0o711)).unwrap();
+        let mode = fs::metadata(&snap.sock).unwrap().permissions().mode();
+        assert_eq!(mode & 0o777, 0o600, "the socket's mode");
+        // Its mounts (images' setuid files among them) are out of reach.
+        let mode = fs::metadata(base.join("root")).unwrap().permissions().mode();
+        assert_eq!(mode & 0o777, 0o700, "the snapshotter's root's mode");
+        let st = as_nobody(Command::new("/usr/bin/python3").args([
+            "-c",
+            "import socket, sys\n\
+             s = socket.socket(socket.AF_UNIX)\n\
+             try:\n    s.connect(sys.argv[1])\n\
+             except PermissionError:\n    sys.exit(13)\n\
+             except OSError as e:\n    print(e)\n    sys.exit(1)",
+        ]))
+        .arg(&snap.sock)
+        .status()
+        .unwrap();
+        assert_eq!(st.code(), Some(13), "uid 65534 connecting to the snapshotter's socket");
+    }
+
     // Lies: a layer of another position, a chain ID of nothing, a parent
     // that is not the layer below, an ordinary image. Each Prepare is an
     // ordinary one (an active snapshot for containerd to unpack into), and
@@ -515,7 +514,13 @@ fn cri_labels_make_lazy_snapshots_only_when_the_artifact_says_the_same() {
     // The image's FUSE server has exited.
     let server = format!("mount --fuse .*{}", base.join("store").display());
     let t = Instant::now();
-    while Command::new("pgrep").args(["-f", &server]).status().unwrap().success() {
+    while Command::new("pgrep")
+        .args(["-f", &server])
+        .output()
+        .unwrap()
+        .status
+        .success()
+    {
         assert!(t.elapsed() < Duration::from_secs(10), "{server} is still running");
         std::thread::sleep(Duration::from_millis(100));
     }
