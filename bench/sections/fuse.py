@@ -115,6 +115,49 @@ int main(int argc, char **argv) {
 }
 """
 
+# The least any FUSE server can do for a path walk, to measure what FUSE
+# itself costs: every name is a directory with a new inode number, nothing is
+# looked up. libfuse's low-level API, one thread over /dev/fuse. It holds the
+# 0 µs CPU latency request that tilefs's server holds while requests flow
+# (--idle-poll), so that both meet the same CPUs.
+NULLFS_C = r"""
+#define FUSE_USE_VERSION 34
+#include <fuse_lowlevel.h>
+#include <fcntl.h>
+#include <string.h>
+#include <unistd.h>
+static fuse_ino_t next = 2;
+static void fill(struct stat *st, fuse_ino_t ino) {
+    memset(st, 0, sizeof *st);
+    st->st_ino = ino; st->st_mode = S_IFDIR | 0755; st->st_nlink = 2;
+}
+static void lookup(fuse_req_t req, fuse_ino_t parent, const char *name) {
+    struct fuse_entry_param e;
+    memset(&e, 0, sizeof e);
+    e.ino = next++; e.attr_timeout = e.entry_timeout = 86400;
+    fill(&e.attr, e.ino);
+    fuse_reply_entry(req, &e);
+}
+static void getattr(fuse_req_t req, fuse_ino_t ino, struct fuse_file_info *fi) {
+    struct stat st;
+    fill(&st, ino);
+    fuse_reply_attr(req, &st, 86400);
+}
+static const struct fuse_lowlevel_ops ops = { .lookup = lookup, .getattr = getattr };
+int main(int argc, char **argv) {
+    struct fuse_args args = FUSE_ARGS_INIT(argc, argv);
+    struct fuse_cmdline_opts o;
+    if (fuse_parse_cmdline(&args, &o) != 0 || !o.mountpoint) return 2;
+    int qos = open("/dev/cpu_dma_latency", O_WRONLY), zero = 0;
+    if (qos >= 0 && write(qos, &zero, sizeof zero) != sizeof zero) return 1;
+    struct fuse_session *se = fuse_session_new(&args, &ops, sizeof ops, NULL);
+    if (!se || fuse_set_signal_handlers(se) != 0 || fuse_session_mount(se, o.mountpoint) != 0) return 1;
+    int r = fuse_session_loop(se);
+    fuse_session_unmount(se);
+    return r != 0;
+}
+"""
+
 OPEN_C = r"""
 #include <fcntl.h>
 #include <stdio.h>
@@ -289,6 +332,30 @@ class Mounts:
         self.cleanup.mounts.append(m)
         if r.returncode != 0 or not lib.is_mountpoint(m):
             return m, f"composefs-fuse failed: {r.stderr.strip()[-300:]}"
+        return m, ""
+
+    def null_fuse(self, name: str) -> tuple[Path, str]:
+        """The do-nothing FUSE server of NULLFS_C (built here with libfuse 3), serving in the foreground until
+        Cleanup stops it (libfuse unmounts on SIGTERM)."""
+        pc = subprocess.run(["pkg-config", "--cflags", "--libs", "fuse3"], capture_output=True, text=True)
+        if pc.returncode != 0:
+            return Path("/nonexistent"), "libfuse 3 not found (pkg-config fuse3; Debian: libfuse3-dev)"
+        tool = compile_c(shutil.which("gcc"), self.work / "nullfs", NULLFS_C, pc.stdout.split())
+        if tool is None:
+            return Path("/nonexistent"), "gcc not found, or it failed to build the do-nothing server"
+        m = self._mnt(name)
+        p = subprocess.Popen([tool, "-f", "-o", "default_permissions,fsname=tilefs-bench-null", m],
+                             stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                             start_new_session=True)
+        self.cleanup.servers.append(p)
+        self.cleanup.mounts.append(m)
+        deadline = time.monotonic() + SERVER_START_TIMEOUT
+        while not lib.is_mountpoint(m):
+            if p.poll() is not None:
+                return m, f"the do-nothing server exited ({p.returncode}): {p.stderr.read().decode(errors='replace')[-300:]}"
+            if time.monotonic() > deadline:
+                return m, f"the do-nothing server: {m} not mounted after {SERVER_START_TIMEOUT} s"
+            time.sleep(0.05)
         return m, ""
 
     def composefs_rs_fuse(self, name: str, store: Path, image: Path, dump: Path | None = None) -> tuple[Path, str]:
@@ -529,7 +596,7 @@ def metadata_rows(b, work: Path, m: Mounts, parts: list) -> None:
         return s
 
     if b.can_drop_caches() and "lookup" in parts:
-        lookup_rows(b, work, {k: mnt[k] for k in configs}, paths, images, image, fuse_keys, label)
+        lookup_rows(b, work, m, {k: mnt[k] for k in configs}, paths, images, image, fuse_keys, label)
     if "metadata" not in parts:
         return
 
@@ -622,20 +689,29 @@ def metadata_rows(b, work: Path, m: Mounts, parts: list) -> None:
 # The cs9 tree ten times over (642k entries).
 # ---------------------------------------------------------------------------
 
-LOOKUP_RUNS = 5
+LOOKUP_RUNS = 11
 
 
-def lookup_rows(b, work: Path, mnt: dict, paths: list, images: dict, image: Path, fuse_keys: list,
+def lookup_rows(b, work: Path, m: Mounts, mnt: dict, paths: list, images: dict, image: Path, fuse_keys: list,
                 label: dict) -> None:
     """lstat(2) of 1000 random cs9 entries by their path from the mount root,
     so every dentry on the way is looked up: only the dentries and inodes
     dropped (`echo 2 > drop_caches`), the image's pages cached (read back
     for the mounts that read it), timed inside the process (its start and
-    the list's reading left out), median of LOOKUP_RUNS, interleaved."""
+    the list's reading left out), median of LOOKUP_RUNS, interleaved. The
+    same walk through a FUSE server that does no work (NULLFS_C) is what
+    FUSE itself costs: the floor of any server, measured in the same run."""
     prog = compile_c(shutil.which("gcc"), work / "lstatn", LSTAT_C)
     if prog is None:
         b.skip("lookup", "lstat of 1000 random entries by path", "gcc not found or failed")
         return
+    mnt = dict(mnt)
+    label = dict(label, floor="a FUSE server that does no work (libfuse, C, /dev/fuse)")
+    floor, why = m.null_fuse("null")
+    if why:
+        b.note(f"{label['floor']}: not measured: {why}")
+    else:
+        mnt["floor"] = floor
     sample = random.Random(SEED + 7).sample(paths, min(1000, len(paths)))
     listing = work / "lookup-paths"
     listing.write_text("".join(p + "\n" for p in sample))
@@ -662,9 +738,12 @@ def lookup_rows(b, work: Path, mnt: dict, paths: list, images: dict, image: Path
     for s in series.values():
         if s.error is not None:
             s.samples.clear()
+    notes = ["timed inside the process: lstat calls only"]
     rows_for(b, "lookup/1000", title, series, fuse_keys, {"kernel": 1.5, "composefs-fuse": 1.0,
-                                                           "composefs-rs": None}, label, cold=True,
-             notes=["timed inside the process: lstat calls only"])
+                                                           "composefs-rs": None, "floor": None}, label, cold=True,
+             notes=notes)
+    # What FUSE costs before any server works: no goal, it is the kernel's.
+    rows_for(b, "lookup/1000", title, series, ["floor"], {"kernel": None}, label, cold=True, notes=notes)
 
 
 
@@ -948,13 +1027,13 @@ def variant_args(setting: str) -> tuple[str, list[str]]:
     return ("", [setting]) if setting.startswith("--") else (setting, [])
 
 
-def compile_c(gcc: str | None, exe: Path, source: str) -> Path | None:
-    """`exe` built from C `source` with gcc -O2, or None without gcc or on failure."""
+def compile_c(gcc: str | None, exe: Path, source: str, flags=()) -> Path | None:
+    """`exe` built from C `source` with gcc -O2 (then `flags`), or None without gcc or on failure."""
     if not gcc:
         return None
     c = exe.with_suffix(".c")
     c.write_text(source)
-    ok = subprocess.run([gcc, "-O2", "-o", exe, c], capture_output=True).returncode == 0
+    ok = subprocess.run([gcc, "-O2", "-o", exe, c, *flags], capture_output=True).returncode == 0
     return exe if ok else None
 
 
