@@ -120,6 +120,12 @@ fn main() -> ExitCode {
         tilefs_sys::process::note_inherited_fds();
         return mount_helper::main();
     }
+    // The mount service starts its helper as `tilefs mountd --helper`: an
+    // internal entry point, kept out of clap so that neither --help nor a
+    // shell completion offers it.
+    if std::env::args_os().skip(1).eq(mountd_cmd::HELPER_ARGS) {
+        return mountd_cmd::helper();
+    }
     let cli = Cli::parse();
     let result = match cli.command {
         Command::Build(a) => build::run(a),

@@ -43,25 +43,29 @@ pub struct MountdArgs {
     /// Policy: which users may mount which stores' tagged images (TOML; see tilefs-mountd(1))
     #[arg(long, value_name = "FILE", default_value = server::DEFAULT_POLICY)]
     pub policy: PathBuf,
-    /// Run as the service's helper process on the socket at stdin (the service starts it)
-    #[arg(long, hide = true)]
-    pub helper: bool,
+}
+
+/// The arguments the service starts its helper process with.
+pub const HELPER_ARGS: [&str; 2] = ["mountd", "--helper"];
+
+/// Runs as the service's helper process, on the socket at stdin.
+pub fn helper() -> ExitCode {
+    match std::io::stdin().as_fd().try_clone_to_owned() {
+        Ok(ctl) => ExitCode::from(helper::main(ctl) as u8),
+        Err(e) => {
+            eprintln!("tilefs mountd: the helper's socket: {e}");
+            ExitCode::FAILURE
+        }
+    }
 }
 
 pub fn run(a: MountdArgs) -> Result<ExitCode> {
-    if a.helper {
-        let ctl = std::io::stdin()
-            .as_fd()
-            .try_clone_to_owned()
-            .context("the helper's socket")?;
-        return Ok(ExitCode::from(helper::main(ctl) as u8));
-    }
     let config = server::Config {
         socket: a.socket,
         policy: a.policy,
         helper: helper::HelperCommand {
             program: "/proc/self/exe".into(),
-            args: vec!["mountd".into(), "--helper".into()],
+            args: HELPER_ARGS.iter().map(Into::into).collect(),
         },
     };
     // Signals are taken before the socket exists: a SIGTERM right after

@@ -233,6 +233,18 @@ fn man_writes_and_lists_the_pages() {
         mountd.contains("max_mounts_per_user"),
         "the policy's format is in tilefs-mountd(1)"
     );
-    let bash = tilefs_in(area.tmp.path(), &[], &["completions", "bash"]);
-    assert!(!String::from_utf8_lossy(&bash.stdout).contains("erofs-backing"));
+    // Internal entry points are offered to no one: mount.tilefs's
+    // erofs-backing and the mount service's helper process.
+    for shell in ["bash", "zsh", "fish"] {
+        let out = tilefs_in(area.tmp.path(), &[], &["completions", shell]);
+        let script = String::from_utf8_lossy(&out.stdout).into_owned();
+        assert!(script.contains("policy"), "{shell}: no mountd options in {script}");
+        for internal in ["erofs-backing", "helper"] {
+            assert!(!script.contains(internal), "{shell} completion offers {internal}");
+        }
+    }
+    assert!(
+        !mountd.contains("helper"),
+        "tilefs-mountd(1) shows the helper's entry point"
+    );
 }
