@@ -344,19 +344,25 @@ class Mounts:
         if tool is None:
             return Path("/nonexistent"), "gcc not found, or it failed to build the do-nothing server"
         m = self._mnt(name)
-        p = subprocess.Popen([tool, "-f", "-o", "default_permissions,fsname=tilefs-bench-null", m],
-                             stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                             start_new_session=True)
+        return m, self.serve("the do-nothing server", [tool, "-f", "-o", "default_permissions,fsname=tilefs-bench-null"], m)
+
+    def serve(self, what: str, argv: list, m: Path) -> str:
+        """Starts a FUSE server that serves `m` in the foreground (argv, then m), for Cleanup to stop, and waits for
+        the mount: "" once mounted, else why not."""
+        log = self.work / f"{m.name}.log"
+        with open(log, "wb") as err:
+            p = subprocess.Popen([*argv, m], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=err,
+                                 start_new_session=True)
         self.cleanup.servers.append(p)
         self.cleanup.mounts.append(m)
         deadline = time.monotonic() + SERVER_START_TIMEOUT
         while not lib.is_mountpoint(m):
             if p.poll() is not None:
-                return m, f"the do-nothing server exited ({p.returncode}): {p.stderr.read().decode(errors='replace')[-300:]}"
+                return f"{what} exited ({p.returncode}): {log.read_text(errors='replace').strip()[-300:]}"
             if time.monotonic() > deadline:
-                return m, f"the do-nothing server: {m} not mounted after {SERVER_START_TIMEOUT} s"
+                return f"{what}: {m} not mounted after {SERVER_START_TIMEOUT} s"
             time.sleep(0.05)
-        return m, ""
+        return ""
 
     def composefs_rs_fuse(self, name: str, store: Path, image: Path, dump: Path | None = None) -> tuple[Path, str]:
         """composefs-rs's FUSE server, through bench/composefs-rs-fuse (it serves in the foreground: started in
@@ -380,19 +386,9 @@ class Mounts:
                 self.b.note(f"composefs-rs FUSE: serves {image.name}, built from the same dump with an fs-verity "
                             "digest made up for each file that has none (composefs-rs reads no file without one)")
         m = self._mnt(name)
-        log = self.work / f"{m.name}.log"
-        with open(log, "wb") as err:
-            p = subprocess.Popen([tool, image, store, m], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                                 stderr=err, start_new_session=True)
-        self.cleanup.servers.append(p)
-        self.cleanup.mounts.append(m)
-        deadline = time.monotonic() + SERVER_START_TIMEOUT
-        while not lib.is_mountpoint(m):
-            if p.poll() is not None:
-                return m, f"composefs-rs-fuse exited ({p.returncode}): {log.read_text(errors='replace').strip()[-300:]}"
-            if time.monotonic() > deadline:
-                return m, f"composefs-rs-fuse: {m} not mounted after {SERVER_START_TIMEOUT} s"
-            time.sleep(0.05)
+        err = self.serve("composefs-rs-fuse", [tool, image, store], m)
+        if err:
+            return m, err
         self.b.note("composefs-rs FUSE also lists the 256 overlay whiteouts 00–ff of a composefs image's root, "
                     "which the other mounts hide")
         return m, ""

@@ -204,13 +204,10 @@ impl TileFs {
 
 impl TileFs {
     fn lookup(&self, parent: u64, name: &[u8], reply: Reply<'_>) {
-        let (_, dir) = match self.lower.inode(parent) {
-            Ok(x) => x,
+        let dir = match self.lower.dir(parent) {
+            Ok(d) => d,
             Err(e) => return reply.error(e),
         };
-        if !dir.is_dir() {
-            return reply.error(libc::ENOTDIR);
-        }
         match dir.entry(name) {
             Some(e) => match self.lower.try_entry(e.inode) {
                 Ok(e) => reply.entry(&e),

@@ -231,6 +231,14 @@ impl Lower {
         })
     }
 
+    /// The entries of directory `ino` (ENOTDIR if it is none), reading
+    /// only its fixed fields: a lookup needs neither its attributes nor
+    /// its xattrs.
+    pub(crate) fn dir(&self, ino: u64) -> Result<Dir<'_>, i32> {
+        let id = self.id(ino).ok_or(libc::ENOENT)?;
+        self.view.try_dir(id).map_err(|e| self.corrupt(e))?.ok_or(libc::ENOTDIR)
+    }
+
     pub(crate) fn inode(&self, ino: u64) -> Result<(InodeId, LowerNode<'_>), i32> {
         let id = self.id(ino).ok_or(libc::ENOENT)?;
         Ok((id, self.try_node(id)?))

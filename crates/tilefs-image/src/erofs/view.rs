@@ -559,14 +559,20 @@ impl ImageView {
 
     /// Directory `id`.
     pub fn dir(&self, id: InodeId) -> Result<Dir<'_>> {
+        self.try_dir(id)?.ok_or_else(|| {
+            let nid = self.nids[id as usize];
+            ImageError::Corrupt(format!("nid {nid} is not a directory"))
+        })
+    }
+
+    /// The entries of inode `id` if it is a directory (None if not), from
+    /// its fixed fields alone: what a lookup needs.
+    pub fn try_dir(&self, id: InodeId) -> Result<Option<Dir<'_>>> {
         let r = self.reader();
         let nid = self.nid(id)?;
         let h = r.head(nid)?;
         if h.kind != FileType::Directory {
-            return Err(ImageError::Corrupt(format!(
-                "nid {nid} is a {}, not a directory",
-                h.kind
-            )));
+            return Ok(None);
         }
         if h.layout == LAYOUT_CHUNK_BASED {
             return Err(ImageError::Unsupported(format!(
@@ -574,12 +580,12 @@ impl ImageView {
             )));
         }
         let (blocks, tail) = flat_data(&self.data, nid, h.layout, h.size, h.i_u, h.inline_off)?;
-        Ok(Dir {
+        Ok(Some(Dir {
             view: self,
             id,
             blocks,
             tail,
-        })
+        }))
     }
 }
 
