@@ -7,89 +7,33 @@
 mod common;
 
 use common::oci::*;
-use common::registry::Registry;
+use common::registry::{End, Pass, Registry, Relay};
 use common::*;
 use std::fs;
-use std::io::{Read, Write};
-use std::net::{TcpListener, TcpStream};
+use std::io::Write;
+use std::net::TcpListener;
 use std::os::unix::fs::MetadataExt;
 use std::path::Path;
 use std::process::{Command, Stdio};
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::Relaxed};
-use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use std::time::{Duration, Instant};
 
 // ---- a TCP proxy that cuts or stalls ---------------------------------------
 
-/// Forwards 127.0.0.1 connections to `upstream`; once `budget` bytes have
-/// gone downstream (over all connections), it cuts every connection
-/// (`stall` false) or stops forwarding and holds them open (`stall`).
-struct Proxy {
-    addr: String,
-    stop: Arc<AtomicBool>,
-}
-
-impl Proxy {
-    fn start(upstream: &str, budget: u64, stall: bool) -> Proxy {
-        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
-        let addr = listener.local_addr().unwrap().to_string();
-        listener.set_nonblocking(true).unwrap();
-        let stop = Arc::new(AtomicBool::new(false));
-        let sent = Arc::new(AtomicU64::new(0));
-        let upstream = upstream.to_string();
-        let stop2 = stop.clone();
-        std::thread::spawn(move || {
-            while !stop2.load(Relaxed) {
-                let Ok((client, _)) = listener.accept() else {
-                    std::thread::sleep(Duration::from_millis(10));
-                    continue;
-                };
-                client.set_nonblocking(false).unwrap();
-                let Ok(server) = TcpStream::connect(&upstream) else {
-                    continue;
-                };
-                let (c2, s2) = (client.try_clone().unwrap(), server.try_clone().unwrap());
-                let stop3 = stop2.clone();
-                // Requests up, unmetered.
-                std::thread::spawn(move || {
-                    let _ = std::io::copy(&mut { c2 }, &mut { s2 });
-                });
-                let sent = sent.clone();
-                std::thread::spawn(move || {
-                    let (mut client, mut server) = (client, server);
-                    let mut buf = [0u8; 16 << 10];
-                    loop {
-                        let n = match server.read(&mut buf) {
-                            Ok(0) | Err(_) => break,
-                            Ok(n) => n,
-                        };
-                        let before = sent.fetch_add(n as u64, Relaxed);
-                        let allowed = budget.saturating_sub(before).min(n as u64) as usize;
-                        if allowed > 0 && client.write_all(&buf[..allowed]).is_err() {
-                            break;
-                        }
-                        if allowed < n {
-                            if stall {
-                                while !stop3.load(Relaxed) {
-                                    std::thread::sleep(Duration::from_millis(50));
-                                }
-                            }
-                            break;
-                        }
-                    }
-                    let _ = client.shutdown(std::net::Shutdown::Both);
-                    let _ = server.shutdown(std::net::Shutdown::Both);
-                });
-            }
-        });
-        Proxy { addr, stop }
-    }
-}
-
-impl Drop for Proxy {
-    fn drop(&mut self) {
-        self.stop.store(true, Relaxed);
-    }
+/// A relay to `upstream` that, once `budget` bytes have gone downstream
+/// (over all connections), cuts every connection (`stall` false) or stops
+/// forwarding and holds them open (`stall`).
+fn proxy(upstream: &str, budget: u64, stall: bool) -> Relay {
+    let sent = AtomicU64::new(0);
+    Relay::start(upstream, move |n, _| {
+        let before = sent.fetch_add(n as u64, Relaxed);
+        let allowed = budget.saturating_sub(before).min(n as u64) as usize;
+        match (allowed < n, stall) {
+            (false, _) => Pass::All,
+            (true, false) => Pass::Then(allowed, End::Cut),
+            (true, true) => Pass::Then(allowed, End::Stall),
+        }
+    })
 }
 
 // ---- tests -----------------------------------------------------------------
@@ -509,7 +453,7 @@ fn a_registry_that_stops_or_stalls_fails_cleanly_and_a_later_pull_resumes() {
     // The connection is cut after about half the objects, every time: the
     // pull retries (bounded), then fails naming the registry; what came
     // whole is kept, nothing else.
-    let cut = Proxy::start(&registry.addr, image_size + (64 << 10) + 5 * (1 << 20), false);
+    let cut = proxy(&registry.addr, image_size + (64 << 10) + 5 * (1 << 20), false);
     // A store of its own already (one a failed pull created is removed).
     let s = area.path("s");
     build_tag(&s, "other", &area.dir("empty"));
@@ -539,7 +483,7 @@ fn a_registry_that_stops_or_stalls_fails_cleanly_and_a_later_pull_resumes() {
     // timeout; the mount keeps answering; once the registry is back, the
     // file reads.
     require(cannot_fuse());
-    let stall = Proxy::start(&registry.addr, image_size + (256 << 10) + (128 << 10), true);
+    let stall = proxy(&registry.addr, image_size + (256 << 10) + (128 << 10), true);
     let lazy = area.path("lazy");
     pull(
         &lazy,

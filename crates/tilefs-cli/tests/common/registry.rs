@@ -213,22 +213,38 @@ impl Drop for Registry {
     }
 }
 
-/// Forwards 127.0.0.1 connections to `upstream` while open; while closed,
-/// nothing more goes downstream (connections stall, as behind a dead link).
-pub struct Gate {
+/// What a [`Relay`] does with a chunk that came from upstream.
+pub enum Pass {
+    /// Forward all of it.
+    All,
+    /// Forward its first bytes, then end the connection.
+    Then(usize, End),
+}
+
+/// How a [`Relay`] ends a connection.
+pub enum End {
+    /// Close both sides, as a dropped link would.
+    Cut,
+    /// Forward nothing more but hold the connection open (until the relay
+    /// is dropped), as a server that stalls would.
+    Stall,
+}
+
+/// Forwards 127.0.0.1 connections to `upstream`: requests as they come,
+/// and each chunk of the answers as `pass(chunk length, stopping)` says.
+/// Stopped when dropped.
+pub struct Relay {
     pub addr: String,
-    pub closed: Arc<AtomicBool>,
     stop: Arc<AtomicBool>,
 }
 
-impl Gate {
-    pub fn start(upstream: &str) -> Gate {
+impl Relay {
+    pub fn start(upstream: &str, pass: impl Fn(usize, &AtomicBool) -> Pass + Send + Sync + 'static) -> Relay {
         let listener = TcpListener::bind("127.0.0.1:0").unwrap();
         let addr = listener.local_addr().unwrap().to_string();
         listener.set_nonblocking(true).unwrap();
-        let closed = Arc::new(AtomicBool::new(false));
         let stop = Arc::new(AtomicBool::new(false));
-        let (upstream, closed2, stop2) = (upstream.to_string(), closed.clone(), stop.clone());
+        let (upstream, stop2, pass) = (upstream.to_string(), stop.clone(), Arc::new(pass));
         std::thread::spawn(move || {
             while !stop2.load(Relaxed) {
                 let Ok((client, _)) = listener.accept() else {
@@ -243,19 +259,27 @@ impl Gate {
                 std::thread::spawn(move || {
                     let _ = std::io::copy(&mut { c2 }, &mut { s2 });
                 });
-                let (closed, stop) = (closed2.clone(), stop2.clone());
+                let (stop, pass) = (stop2.clone(), pass.clone());
                 std::thread::spawn(move || {
                     let (mut client, mut server) = (client, server);
                     let mut buf = [0u8; 16 << 10];
-                    'copy: while let Ok(n @ 1..) = server.read(&mut buf) {
-                        while closed.load(Relaxed) {
-                            if stop.load(Relaxed) {
-                                break 'copy;
-                            }
-                            std::thread::sleep(Duration::from_millis(20));
-                        }
-                        if client.write_all(&buf[..n]).is_err() {
+                    while let Ok(n @ 1..) = server.read(&mut buf) {
+                        let (k, end) = match pass(n, &stop) {
+                            Pass::All => (n, None),
+                            Pass::Then(k, end) => (k.min(n), Some(end)),
+                        };
+                        if k > 0 && client.write_all(&buf[..k]).is_err() {
                             break;
+                        }
+                        match end {
+                            None => continue,
+                            Some(End::Stall) => {
+                                while !stop.load(Relaxed) {
+                                    std::thread::sleep(Duration::from_millis(50));
+                                }
+                                break;
+                            }
+                            Some(End::Cut) => break,
                         }
                     }
                     let _ = client.shutdown(std::net::Shutdown::Both);
@@ -263,12 +287,41 @@ impl Gate {
                 });
             }
         });
-        Gate { addr, closed, stop }
+        Relay { addr, stop }
     }
 }
 
-impl Drop for Gate {
+impl Drop for Relay {
     fn drop(&mut self) {
         self.stop.store(true, Relaxed);
+    }
+}
+
+/// A [`Relay`] to `upstream` that forwards while open; while closed,
+/// nothing more goes downstream (connections stall, as behind a dead link).
+pub struct Gate {
+    pub addr: String,
+    pub closed: Arc<AtomicBool>,
+    _relay: Relay,
+}
+
+impl Gate {
+    pub fn start(upstream: &str) -> Gate {
+        let closed = Arc::new(AtomicBool::new(false));
+        let shut = closed.clone();
+        let relay = Relay::start(upstream, move |_, stop| {
+            while shut.load(Relaxed) {
+                if stop.load(Relaxed) {
+                    return Pass::Then(0, End::Cut);
+                }
+                std::thread::sleep(Duration::from_millis(20));
+            }
+            Pass::All
+        });
+        Gate {
+            addr: relay.addr.clone(),
+            closed,
+            _relay: relay,
+        }
     }
 }
