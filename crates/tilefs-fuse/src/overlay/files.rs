@@ -505,13 +505,4 @@ impl OverlayFs {
             ..Default::default()
         })
     }
-
-    /// The directory type byte of a node, for listings.
-    #[allow(dead_code)]
-    pub(crate) fn dtype(kind: u32) -> u32 {
-        match kind {
-            S_IFDIR => dirent_type(S_IFDIR),
-            k => dirent_type(k),
-        }
-    }
 }

@@ -8,7 +8,6 @@ use rustix::fs::{AtFlags, Mode, OFlags, RenameFlags};
 use rustix::io::Errno;
 use std::ffi::CString;
 use std::os::fd::{AsFd, AsRawFd, BorrowedFd, OwnedFd};
-use std::os::unix::ffi::OsStrExt;
 use std::sync::Arc;
 
 /// What a creation makes.
@@ -567,9 +566,4 @@ fn rename_in(nodes: &mut super::Nodes, id: NodeId, parent: NodeId, name: &[u8], 
             n.names.swap(0, i);
         }
     });
-}
-
-#[allow(dead_code)]
-fn shown(name: &[u8]) -> String {
-    std::ffi::OsStr::from_bytes(name).to_string_lossy().into_owned()
 }
