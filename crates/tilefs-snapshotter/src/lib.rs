@@ -342,12 +342,7 @@ impl Shared {
             }
         }
         let mut inner = self.lock();
-        if inner.by_key.contains_key(&key) {
-            return Err(Error::new(
-                Code::AlreadyExists,
-                format!("snapshot {key:?} already exists"),
-            ));
-        }
+        Self::name_free(&inner, &key)?;
         if !parent.is_empty() {
             let p = inner
                 .by_key
@@ -731,6 +726,37 @@ impl Shared {
         at
     }
 
+    /// AlreadyExists if a snapshot is named `key`.
+    fn name_free(inner: &Inner, key: &str) -> Result<(), Error> {
+        if inner.by_key.contains_key(key) {
+            return Err(Error::new(
+                Code::AlreadyExists,
+                format!("snapshot {key:?} already exists"),
+            ));
+        }
+        Ok(())
+    }
+
+    /// Active snapshot `r`'s record as committed snapshot `name`.
+    fn committed(r: &Record, name: &str, labels: HashMap<String, String>) -> Record {
+        let mut r = r.clone();
+        r.key = name.to_string();
+        r.kind = SnapKind::Committed;
+        r.labels = labels;
+        r.updated = SystemTime::now();
+        r
+    }
+
+    /// The switch of a Commit: active snapshot `key` becomes `r`, on the
+    /// disk first (from there it is committed), then in the map.
+    fn switch(&self, inner: &mut Inner, key: &str, r: Record) -> Result<(), Error> {
+        state::save(&self.root, &r).map_err(internal)?;
+        inner.by_key.remove(key);
+        inner.lower_users.remove(&r.id);
+        inner.by_key.insert(r.key.clone(), r);
+        Ok(())
+    }
+
     /// Whether a snapshot made lazily is at or below `parent`.
     fn over_lazy(inner: &Inner, parent: &str) -> bool {
         let mut at = parent;
@@ -776,29 +802,16 @@ impl Shared {
                 format!("snapshot {key:?} is not active: only an active snapshot is committed"),
             ));
         }
-        if inner.by_key.contains_key(&name) {
-            return Err(Error::new(
-                Code::AlreadyExists,
-                format!("snapshot {name:?} already exists"),
-            ));
-        }
+        Self::name_free(&inner, &name)?;
         if Self::over_lazy(&inner, &r.parent) {
             let id = r.id;
             drop(inner);
             return self.commit_kept(name, key, id, labels);
         }
-        let mut r = r.clone();
-        r.key = name.clone();
-        r.kind = SnapKind::Committed;
-        r.labels = labels;
-        r.updated = SystemTime::now();
+        let mut r = Self::committed(r, &name, labels);
         r.pending = true;
-        // The switch: from here the snapshot is committed.
-        state::save(&self.root, &r).map_err(internal)?;
         let id = r.id;
-        inner.by_key.remove(&key);
-        inner.by_key.insert(name, r);
-        inner.lower_users.remove(&id);
+        self.switch(&mut inner, &key, r)?;
         drop(inner);
         self.send(Job::Ingest(id));
         self.send(Job::Reap);
@@ -822,22 +835,11 @@ impl Shared {
             .get(&key)
             .filter(|r| r.id == id && r.kind == SnapKind::Active)
             .ok_or_else(|| not_found(&key))?;
-        if inner.by_key.contains_key(&name) {
-            return Err(Error::new(
-                Code::AlreadyExists,
-                format!("snapshot {name:?} already exists"),
-            ));
-        }
-        let mut r = r.clone();
-        r.key = name.clone();
-        r.kind = SnapKind::Committed;
-        r.labels = labels;
-        r.updated = SystemTime::now();
+        Self::name_free(&inner, &name)?;
+        let mut r = Self::committed(r, &name, labels);
         r.kept = true;
         r.usage = Some(layer::LayerUsage { size, inodes });
-        state::save(&self.root, &r).map_err(internal)?;
-        inner.by_key.remove(&key);
-        inner.by_key.insert(name, r);
+        self.switch(&mut inner, &key, r)?;
         drop(inner);
         // overlayfs's work directory is of no use to a committed layer.
         let _ = std::fs::remove_dir_all(dir.join("work"));
