@@ -74,8 +74,9 @@ pub struct MountArgs {
     /// costs more than the request
     #[arg(long, value_name = "WHEN", default_value = "auto", value_parser = ["auto", "on", "off"], conflicts_with = "kernel")]
     pub idle_poll: String,
-    /// FUSE: worker threads (the default is one per core, at least 2; at least 16 for an image pulled
-    /// with --lazy, whose fetches hold their threads)
+    /// FUSE: requests answered at once over /dev/fuse (the default is one per core, at least 2; at
+    /// least 16 for an image pulled with --lazy, whose fetches hold their threads). One thread reads;
+    /// another takes over while a request waits (a fetch, a copy-up, a disk read, an fsync)
     #[arg(long, default_value_t = tilefs_fuse::default_threads(), value_name = "N")]
     pub threads: usize,
 }

@@ -13,6 +13,7 @@
 pub mod abi;
 mod dev;
 mod poll;
+mod readers;
 mod reply;
 pub mod request;
 mod session;
@@ -22,6 +23,7 @@ mod session;
 mod uring;
 
 pub use poll::{worth_it as idle_poll_worth_it, WINDOW as IDLE_POLL_WINDOW};
+pub use readers::may_block;
 pub use reply::{DirBuf, Entry, Open, Reply, Sink, Ttl};
 pub use request::{Layout, Malformed, Op, Request};
 pub use session::{

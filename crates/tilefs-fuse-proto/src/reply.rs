@@ -161,6 +161,7 @@ impl<'a> Reply<'a> {
     /// file cannot be read, the request fails with EIO and the error is
     /// returned (for the log).
     pub fn file(mut self, file: BorrowedFd<'_>, offset: u64, len: usize) -> io::Result<()> {
+        crate::readers::may_block_reading(file, offset, len);
         let sink = self.sink.take().expect("a reply is sent once");
         match sink.send_file(self.unique, file, offset, len) {
             Ok(()) => Ok(()),

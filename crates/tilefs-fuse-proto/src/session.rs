@@ -4,6 +4,7 @@
 
 use crate::abi::{self, opcode};
 use crate::dev::{self, DevSink};
+use crate::readers::Readers;
 use crate::reply::{Reply, Sink};
 use crate::request::{self, Layout, Op, Request};
 use std::io;
@@ -496,21 +497,49 @@ impl<F: Filesystem> Session<F> {
         let forgets_only = queues.is_some();
         let splice = Arc::new(AtomicBool::new(cfg.splice));
         let buf_size = self.agreed.max_write + 4096 + abi::MIN_READ_BUFFER;
+        let pool = Readers::new(readers);
+        let watchdog = if readers > 1 {
+            let pool = pool.clone();
+            Some(
+                std::thread::Builder::new()
+                    .name("fuse-watchdog".into())
+                    .spawn(move || pool.watchdog())?,
+            )
+        } else {
+            None
+        };
         let mut workers = Vec::new();
         for i in 1..readers {
             let fd = dev::clone_fd(self.dev.as_fd())
                 .map(Arc::new)
                 .unwrap_or_else(|| self.dev.clone());
-            let (handler, splice, stop) = (handler.clone(), splice.clone(), stop.clone());
-            workers.push(
-                std::thread::Builder::new()
-                    .name(format!("fuse-{i}"))
-                    .spawn(move || serve_dev(&handler, fd.as_fd(), &splice, &stop, buf_size, false))?,
-            );
+            let (handler, splice, stop, mine) = (handler.clone(), splice.clone(), stop.clone(), pool.clone());
+            let spawned = std::thread::Builder::new()
+                .name(format!("fuse-{i}"))
+                .spawn(move || serve_dev(&handler, fd.as_fd(), &splice, &stop, &mine, buf_size, false));
+            match spawned {
+                Ok(w) => workers.push(w),
+                Err(e) => {
+                    pool.stop();
+                    return Err(e);
+                }
+            }
         }
-        let result = serve_dev(&handler, self.dev.as_fd(), &splice, &stop, buf_size, forgets_only);
+        let result = serve_dev(
+            &handler,
+            self.dev.as_fd(),
+            &splice,
+            &stop,
+            &pool,
+            buf_size,
+            forgets_only,
+        );
         stop.store(true, Ordering::Relaxed);
+        pool.stop();
         for w in workers {
+            let _ = w.join();
+        }
+        if let Some(w) = watchdog {
             let _ = w.join();
         }
         if let Some(q) = queues {
@@ -608,23 +637,42 @@ fn serve_dev<F: Filesystem>(
     fd: BorrowedFd<'_>,
     splice: &AtomicBool,
     stop: &AtomicBool,
+    pool: &Arc<Readers>,
     buf_size: usize,
     forgets_only: bool,
 ) -> io::Result<()> {
+    pool.enter();
     let mut buf = vec![0u8; buf_size];
     let mut sink = DevSink { fd, splice };
     while !stop.load(Ordering::Relaxed) {
-        let Some(n) = dev::read_request(fd, &mut buf)? else {
-            stop.store(true, Ordering::Relaxed);
-            return Ok(());
+        let n = match dev::read_request(fd, &mut buf) {
+            Ok(Some(n)) => n,
+            Ok(None) => {
+                stop.store(true, Ordering::Relaxed);
+                pool.stop();
+                return Ok(());
+            }
+            Err(e) => {
+                pool.left();
+                return Err(e);
+            }
         };
+        pool.took();
         let msg = &buf[..n];
+        let forget = abi::InHeader::read_from_prefix(msg)
+            .is_ok_and(|(h, _)| matches!(h.opcode, opcode::FORGET | opcode::BATCH_FORGET));
+        if forget && !forgets_only {
+            // The kernel sends queued FORGETs ahead of other requests: while
+            // they flow (rm -rf: one per file removed), a second reader keeps
+            // them off the path of the requests somebody waits for.
+            crate::readers::may_block();
+        }
         handler.handle(msg, &mut sink);
-        if forgets_only
-            && abi::InHeader::read_from_prefix(msg)
-                .is_ok_and(|(h, _)| matches!(h.opcode, opcode::FORGET | opcode::BATCH_FORGET))
-        {
+        if forget && forgets_only {
             std::thread::sleep(FORGET_BATCH_WAIT);
+        }
+        if !pool.answered() {
+            break;
         }
     }
     Ok(())

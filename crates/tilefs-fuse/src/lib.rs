@@ -247,9 +247,9 @@ fn fail(msg: impl Into<String>) -> FuseError {
 }
 
 /// Default number of worker threads: one per core (at least 2, so that a
-/// slow request never stalls the mount). More threads than cores only add
-/// cross-CPU wake-ups: on 2 cores, 2 workers answered cold stats in 0.75x
-/// the time of 4.
+/// slow request never stalls the mount). Only one reads requests at a time
+/// (see tilefs-fuse-proto's `readers`); the others answer requests that
+/// wait.
 pub fn default_threads() -> usize {
     std::thread::available_parallelism().map_or(2, |n| n.get()).clamp(2, 16)
 }

@@ -419,6 +419,7 @@ impl Lower {
                     .or_else(|| tilefs_store::parse_object_rel(payload))
                     .ok_or(ObjectError::Open(e))?;
                 let fetcher = self.fetcher.as_ref().expect("checked above");
+                tilefs_fuse_proto::may_block();
                 fetcher.0.fetch(&digest, inode.size).map_err(ObjectError::Fetch)?;
                 open_object(&self.store, payload)?
             }

@@ -122,6 +122,7 @@ impl VerifiedObjects {
     }
 
     fn hash_and_record(&self, f: &File, digest: &[u8; 32], key: FileState) -> Result<FileState, ObjectError> {
+        tilefs_fuse_proto::may_block();
         let found = digest_file(f, |_| {}).map_err(ObjectError::Read)?;
         // The file may have changed while it was read: only a digest taken
         // of one unchanged state counts.

@@ -620,6 +620,8 @@ impl OverlayFs {
                     OFlags::WRONLY | OFlags::CREATE | OFlags::EXCL | OFlags::CLOEXEC | OFlags::NOFOLLOW,
                     Mode::from_raw_mode(0o600),
                 )?;
+                // Copying data and syncing it take long.
+                tilefs_fuse_proto::may_block();
                 if typ == S_IFREG {
                     self.copy_data(lower, &f, keep).inspect_err(|x| {
                         self.log().log(&format!(

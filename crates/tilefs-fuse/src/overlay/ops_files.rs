@@ -141,6 +141,7 @@ impl OverlayFs {
     pub(super) fn op_fsync(&self, fh: u64, datasync: bool, reply: Reply<'_>) {
         match self.handle_of(fh).as_deref() {
             Some(Handle::Upper(f)) => {
+                tilefs_fuse_proto::may_block();
                 let r = if datasync {
                     rustix::fs::fdatasync(f)
                 } else {
@@ -155,6 +156,7 @@ impl OverlayFs {
     pub(super) fn op_fallocate(&self, a: abi::FallocateIn, reply: Reply<'_>) {
         match self.handle_of(a.fh).as_deref() {
             Some(Handle::Upper(f)) => {
+                tilefs_fuse_proto::may_block();
                 let mode = rustix::fs::FallocateFlags::from_bits_retain(a.mode);
                 answer(rustix::fs::fallocate(f, mode, a.offset, a.length).map_err(e), reply)
             }
@@ -214,6 +216,7 @@ impl OverlayFs {
 
     /// Syncs the filesystem of the upper directory.
     pub(super) fn op_syncfs(&self, reply: Reply<'_>) {
+        tilefs_fuse_proto::may_block();
         answer(
             reopen_dir(&self.up.root)
                 .and_then(|f| rustix::fs::syncfs(&f))

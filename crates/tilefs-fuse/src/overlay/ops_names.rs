@@ -191,7 +191,10 @@ impl OverlayFs {
     /// Syncs the directory's upper directory, if it has one.
     pub(super) fn op_fsyncdir(&self, id: u64, reply: Reply<'_>) {
         match self.dir_fd(id) {
-            Ok(Some(d)) => answer(reopen_dir(&*d).and_then(|f| fsync(&f)).map_err(e), reply),
+            Ok(Some(d)) => {
+                tilefs_fuse_proto::may_block();
+                answer(reopen_dir(&*d).and_then(|f| fsync(&f)).map_err(e), reply)
+            }
             Ok(None) => reply.ok(),
             Err(x) => reply.error(x),
         }
