@@ -8,7 +8,7 @@
 //! a build (bench/PROFILE.md). But a request that waits (for a disk, a copy,
 //! a registry) must not hold up the others. So a worker about to wait says
 //! so ([`may_block`]) and a parked one takes over reading, and a watchdog
-//! does the same for a request that has run longer than [`STALL`] without
+//! does the same for a request that has run 10 to 20 ms ([`STALL`]) without
 //! saying so. FORGETs call a second reader as well (see `serve_dev`).
 
 use rustix::io::{preadv2, ReadWriteFlags};
@@ -16,10 +16,10 @@ use std::cell::RefCell;
 use std::io::IoSliceMut;
 use std::os::fd::BorrowedFd;
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
-/// How long the mount may go unread while a request runs before the
-/// watchdog wakes a parked worker.
+/// The watchdog's tick: a request that has run a whole tick with nobody
+/// reading (so for 10 to 20 ms) gets a parked worker called.
 pub(crate) const STALL: Duration = Duration::from_millis(10);
 
 /// With no request for this long, the watchdog sleeps until the next one
@@ -41,8 +41,6 @@ struct State {
     /// Workers parked, and how many of them have been called.
     parked: usize,
     called: usize,
-    /// Since when no worker reads while one answers a request.
-    unread_since: Option<Instant>,
     /// Requests taken so far (the watchdog's sign of activity).
     taken: u64,
     watchdog_asleep: bool,
@@ -68,9 +66,10 @@ pub fn may_block() {
 
 /// [`may_block`] if reading `len` bytes of `file` at `offset` would wait
 /// for the disk: when its first or last page is not in the page cache.
+/// (Not even looked at when no worker could take over.)
 pub(crate) fn may_block_reading(file: BorrowedFd<'_>, offset: u64, len: usize) {
-    let pooled = POOL.with(|p| p.borrow().is_some());
-    if !pooled || len == 0 {
+    let could = POOL.with(|p| p.borrow().as_ref().is_some_and(|r| r.could_call(&r.lock())));
+    if !could || len == 0 {
         return;
     }
     let mut byte = [0u8; 1];
@@ -100,11 +99,15 @@ impl Readers {
         self.state.lock().unwrap_or_else(|e| e.into_inner())
     }
 
+    /// Whether [`Readers::call`] would call a worker.
+    fn could_call(&self, st: &State) -> bool {
+        st.reading == 0 && st.parked > st.called && !st.stop
+    }
+
     /// Calls a parked worker to read if nobody does.
     fn call(&self, st: &mut State) {
-        if st.reading == 0 && st.parked > st.called && !st.stop {
+        if self.could_call(st) {
             st.called += 1;
-            st.unread_since = None;
             self.parked.notify_one();
         }
     }
@@ -119,9 +122,6 @@ impl Readers {
         let mut st = self.lock();
         st.reading -= 1;
         st.taken += 1;
-        if st.reading == 0 {
-            st.unread_since = Some(Instant::now());
-        }
         if st.watchdog_asleep {
             st.watchdog_asleep = false;
             self.watch.notify_one();
@@ -145,7 +145,6 @@ impl Readers {
             return false;
         }
         st.reading += 1;
-        st.unread_since = None;
         true
     }
 
@@ -164,33 +163,29 @@ impl Readers {
         self.watch.notify_all();
     }
 
-    /// Wakes a parked worker whenever a request has run for [`STALL`]
-    /// with nobody reading; returns when the pool stops.
+    /// Calls a parked worker whenever a whole tick ([`STALL`]) went by
+    /// with no request taken and nobody reading; returns when the pool stops.
     pub(crate) fn watchdog(&self) {
         let mut st = self.lock();
         let mut seen = st.taken;
         let mut quiet = Duration::ZERO;
         while !st.stop {
-            if let Some(t) = st.unread_since {
-                if t.elapsed() >= STALL {
-                    self.call(&mut st);
-                }
-            }
-            if st.taken == seen {
-                quiet += STALL;
-            } else {
-                (seen, quiet) = (st.taken, Duration::ZERO);
-            }
-            if quiet >= IDLE && st.unread_since.is_none() {
-                st.watchdog_asleep = true;
-                while st.watchdog_asleep && !st.stop {
-                    st = self.watch.wait(st).unwrap_or_else(|e| e.into_inner());
-                }
-                quiet = Duration::ZERO;
-                seen = st.taken;
-                continue;
-            }
             st = self.watch.wait_timeout(st, STALL).unwrap_or_else(|e| e.into_inner()).0;
+            if st.taken != seen {
+                (seen, quiet) = (st.taken, Duration::ZERO);
+            } else if st.reading == 0 {
+                // The request being answered was taken before this tick.
+                self.call(&mut st);
+            } else {
+                quiet += STALL;
+                if quiet >= IDLE {
+                    st.watchdog_asleep = true;
+                    while st.watchdog_asleep && !st.stop {
+                        st = self.watch.wait(st).unwrap_or_else(|e| e.into_inner());
+                    }
+                    (seen, quiet) = (st.taken, Duration::ZERO);
+                }
+            }
         }
     }
 }
@@ -198,60 +193,76 @@ impl Readers {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use std::sync::atomic::{AtomicUsize, Ordering};
+    use std::sync::atomic::{AtomicBool, Ordering};
+    use std::thread::JoinHandle;
+    use std::time::Instant;
 
-    /// Two workers: one stays reading while the other answers, and the
-    /// parked one is called when a request may block.
-    #[test]
-    fn a_worker_that_may_block_hands_reading_over() {
-        let r = Readers::new(2);
-        // Worker A takes a request, answers it: B still reads, so A parks
-        // until B takes one and says it may block.
+    /// Of a pool of two, worker A takes a request and answers it while the
+    /// other still reads, so it parks. Returns A and the flag it sets when
+    /// it is called back to read.
+    fn park_one(r: &Arc<Readers>) -> (JoinHandle<bool>, Arc<AtomicBool>) {
+        let called = Arc::new(AtomicBool::new(false));
         let a = {
-            let r = r.clone();
+            let (r, called) = (r.clone(), called.clone());
             std::thread::spawn(move || {
                 r.enter();
                 r.took();
-                r.answered()
-            })
-        };
-        while r.lock().parked == 0 {
-            std::thread::yield_now();
-        }
-        r.enter();
-        r.took();
-        may_block();
-        assert!(a.join().unwrap(), "the parked worker was called to read");
-        assert_eq!(r.lock().reading, 1);
-        r.stop();
-        assert!(!r.answered());
-    }
-
-    /// A request that runs past STALL without saying so gets the parked
-    /// worker called by the watchdog.
-    #[test]
-    fn the_watchdog_calls_a_parked_worker_when_nobody_reads() {
-        let r = Readers::new(2);
-        let woken = Arc::new(AtomicUsize::new(0));
-        let dog = {
-            let r = r.clone();
-            std::thread::spawn(move || r.watchdog())
-        };
-        let a = {
-            let (r, woken) = (r.clone(), woken.clone());
-            std::thread::spawn(move || {
-                r.took();
                 let again = r.answered();
-                woken.fetch_add(1, Ordering::SeqCst);
+                called.store(true, Ordering::SeqCst);
                 again
             })
         };
         while r.lock().parked == 0 {
             std::thread::yield_now();
         }
+        (a, called)
+    }
+
+    /// Waits up to 5 s for `flag`; stops the pool (so nothing is left
+    /// waiting) if it never comes.
+    fn wait_for(r: &Readers, flag: &AtomicBool, what: &str) {
+        let t = Instant::now();
+        while !flag.load(Ordering::SeqCst) {
+            if t.elapsed() > Duration::from_secs(5) {
+                r.stop();
+                panic!("{what}");
+            }
+            std::thread::sleep(Duration::from_millis(1));
+        }
+    }
+
+    #[test]
+    fn a_worker_that_may_block_hands_reading_over() {
+        let r = Readers::new(2);
+        let (a, called) = park_one(&r);
+        r.enter();
+        // This thread still reads: nothing to hand over.
+        may_block();
+        std::thread::sleep(Duration::from_millis(20));
+        assert!(!called.load(Ordering::SeqCst), "called while another read");
+        // It takes a request that may block: A reads instead.
         r.took();
-        std::thread::sleep(STALL * 5);
-        assert_eq!(woken.load(Ordering::SeqCst), 1, "called after a stall");
+        may_block();
+        wait_for(&r, &called, "the parked worker was not called to read");
+        assert!(a.join().unwrap());
+        assert_eq!(r.lock().reading, 1);
+        r.stop();
+        assert!(!r.answered(), "a stopped pool sends its workers home");
+    }
+
+    #[test]
+    fn the_watchdog_calls_a_parked_worker_when_nobody_reads() {
+        let r = Readers::new(2);
+        let dog = {
+            let r = r.clone();
+            std::thread::spawn(move || r.watchdog())
+        };
+        let (a, called) = park_one(&r);
+        std::thread::sleep(STALL * 3);
+        assert!(!called.load(Ordering::SeqCst), "called while another read");
+        // The reader takes a request that runs on without saying so.
+        r.took();
+        wait_for(&r, &called, "the watchdog called nobody");
         assert!(a.join().unwrap());
         r.stop();
         dog.join().unwrap();
