@@ -61,9 +61,15 @@ pub struct MountArgs {
     pub quiet: bool,
     /// FUSE: serve every read from the server, even as root where the kernel could read objects
     /// itself (passthrough): opening a file then never leaves the kernel, large reads cost more.
-    /// Writable mounts: upper files are then written through the server with writeback caching
-    #[arg(long, conflicts_with = "kernel")]
+    /// (Writable mounts do without passthrough unless --passthrough is given)
+    #[arg(long, conflicts_with_all = ["kernel", "passthrough"])]
     pub no_passthrough: bool,
+    /// FUSE, writable mounts, as root: the kernel reads and writes upper files itself
+    /// (passthrough). Every open of a file then costs two requests (OPEN, RELEASE), which a build
+    /// pays for each #include. Without it (the default) no open is asked for, and writes to upper
+    /// files go through the server as they are made
+    #[arg(long, conflicts_with = "kernel")]
+    pub passthrough: bool,
     /// FUSE: read requests from /dev/fuse even where the kernel offers FUSE over io_uring
     /// (the fuse module's enable_uring parameter; requests then stay on the caller's CPU)
     #[arg(long, conflicts_with = "kernel")]
@@ -114,6 +120,9 @@ pub fn mount(a: MountArgs) -> Result<ExitCode> {
     }
     if a.no_passthrough {
         options.passthrough = Some(false);
+    }
+    if a.passthrough {
+        options.passthrough = Some(true);
     }
     if a.no_uring {
         options.uring = Some(false);

@@ -1088,7 +1088,8 @@ fn copy_up_keeps_metadata_and_inode_numbers() {
 }
 
 /// Files kept open across a copy-up, with passthrough of upper files (as
-/// root) and without: a reader opened before the copy-up keeps working, a
+/// root, --passthrough) and without (the default: no OPEN is asked for, so
+/// the copy-up comes with the first write): a reader opened before the copy-up keeps working, a
 /// writer opened while it is open writes the upper file, and later opens,
 /// mmap writes, appends and truncation see the upper data. The kernel
 /// wants every open of a file in one I/O mode; a wrong choice would fail
@@ -1097,7 +1098,7 @@ fn copy_up_keeps_metadata_and_inode_numbers() {
 fn files_open_across_a_copy_up_keep_working() {
     require(cannot_test());
     let s = setup(false);
-    for (name, extra) in [("pt", &[][..]), ("nopt", &["--no-passthrough"][..])] {
+    for (name, extra) in [("pt", &["--passthrough"][..]), ("noopen", &[][..])] {
         let (fm, fu, fw) = dirs(&s, name);
         let m = mount_rw("fuse", &s.store, &s.image, (&fm, &fu, &fw), extra);
         let p = fm.join("pub/own/f1");
@@ -1118,12 +1119,10 @@ fn files_open_across_a_copy_up_keep_working() {
         // Written through a shared mapping while a reader is open.
         let f = fs::OpenOptions::new().read(true).write(true).open(&p).unwrap();
         rustix::io::pwrite(&f, b"EFGH", 4).unwrap();
-        if name == "pt" {
-            // Passthrough: the kernel wrote the upper file itself, before
-            // any close or writeback.
-            let upper = fs::read(fu.join("pub/own/f1")).unwrap();
-            assert_eq!(&upper[4..8], b"EFGH", "{name}: the write did not reach the upper file");
-        }
+        // Passthrough: the kernel wrote the upper file itself; without it,
+        // the write went through the server. Either way before any close.
+        let upper = fs::read(fu.join("pub/own/f1")).unwrap();
+        assert_eq!(&upper[4..8], b"EFGH", "{name}: the write did not reach the upper file");
         let reader = fs::File::open(&p).unwrap();
         let len = f.metadata().unwrap().len() as usize;
         // SAFETY: the mapping is ours alone while it lives (nothing else
@@ -1159,6 +1158,65 @@ fn files_open_across_a_copy_up_keep_working() {
             "{name}: setuid kept by chown(f, -1, -1)"
         );
         umount(m);
+    }
+}
+
+/// Opening a file asks the server nothing by default: the first OPEN is
+/// answered "not implemented", after which the kernel sends neither OPEN
+/// nor RELEASE (a build opens every header it includes). Files of the
+/// image and upper files, each read five times, and files created after
+/// that first open, all read back right; with --passthrough every open
+/// is an OPEN and a RELEASE, as the server's own request counts show.
+#[test]
+fn opening_a_file_asks_the_server_nothing() {
+    require(cannot_test());
+    let s = setup(false);
+    for (name, extra) in [("noopen", &[][..]), ("pt", &["--passthrough"][..])] {
+        let (m, u, w) = dirs(&s, name);
+        let log = s.a.path(&format!("{name}.log"));
+        let mut args = vec!["--log", log.to_str().unwrap()];
+        args.extend_from_slice(extra);
+        let env = ["env", "TILEFS_FUSE_STATS=1"];
+        let mounted = mount_rw_under(&env, "fuse", &s.store, &s.image, (&m, &u, &w), &args);
+        let image: Vec<(PathBuf, Vec<u8>)> = (1..=6)
+            .flat_map(|i| [format!("pub/own/f{i}"), format!("pub/own/sub/s{i}")])
+            .map(|rel| (m.join(&rel), fs::read(s.src.join(&rel)).unwrap()))
+            .collect();
+        assert_eq!(fs::read(&image[0].0).unwrap(), image[0].1, "{name}");
+        let upper: Vec<(PathBuf, Vec<u8>)> = (0..20)
+            .map(|i| (m.join(format!("pub/up{i}")), format!("upper file {i}").into_bytes()))
+            .collect();
+        for (p, data) in &upper {
+            fs::write(p, data).unwrap();
+        }
+        for round in 0..5 {
+            for (p, data) in image.iter().chain(&upper) {
+                assert_eq!(&fs::read(p).unwrap(), data, "{name}, round {round}: {}", p.display());
+            }
+        }
+        umount(mounted);
+        let text = fs::read_to_string(&log).unwrap();
+        let line = text
+            .lines()
+            .rev()
+            .find(|l| l.contains("requests (opcode: count, ms):"))
+            .unwrap_or_else(|| panic!("{name}: no request counts in the server's log:\n{text}"));
+        let count = |op: u32| -> u64 {
+            line.split(';')
+                .find_map(|f| f.trim().strip_prefix(&format!("{op}: ")))
+                .and_then(|r| r.split_whitespace().next())
+                .map_or(0, |c| c.parse().unwrap())
+        };
+        let (opens, releases) = (count(14), count(18));
+        let reads = 5 * (image.len() + upper.len()) as u64;
+        if name == "noopen" {
+            assert_eq!((opens, releases), (1, 0), "{name}: OPEN and RELEASE counts: {line}");
+        } else {
+            assert!(
+                opens > reads && releases > reads,
+                "{name}: OPEN and RELEASE counts: {line}"
+            );
+        }
     }
 }
 
@@ -1269,8 +1327,13 @@ fn a_full_disk_during_copy_up_leaves_nothing_behind() {
     fs::create_dir(&w).unwrap();
     let mounted = mount_rw("fuse", &s.store, &s.image, (&m, &u, &w), &[]);
     let p = m.join("pub/own/f6"); // 300,000 bytes: more than the disk holds
-    let err = fs::OpenOptions::new().append(true).open(&p).unwrap_err();
+
+    // No OPEN is asked for (see `opening_a_file_asks_the_server_nothing`):
+    // the copy-up comes with the first write, which fails.
+    let mut f = fs::OpenOptions::new().append(true).open(&p).unwrap();
+    let err = std::io::Write::write_all(&mut f, b"more").unwrap_err();
     assert_eq!(err.raw_os_error(), Some(libc::ENOSPC), "{err}");
+    drop(f);
     assert_eq!(fs::read(&p).unwrap(), fs::read(s.src.join("pub/own/f6")).unwrap());
     assert!(!u.join("pub/own/f6").exists(), "a half copy is visible");
     let left: Vec<_> = fs::read_dir(w.join("tilefs"))

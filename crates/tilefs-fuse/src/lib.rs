@@ -63,10 +63,12 @@ pub struct Tuning {
     pub no_opendir: bool,
     /// FOPEN_KEEP_CACHE on open: file pages kept across opens.
     pub keep_cache: bool,
-    /// Answer open with ENOSYS when reads are served by us (no
-    /// passthrough): the kernel stops sending open and release, opens every
-    /// file with FOPEN_KEEP_CACHE and reads name the inode alone. Objects
-    /// are opened and checked at their first read instead of at open.
+    /// Answer open with ENOSYS when reads (and on writable mounts,
+    /// writes) are served by us, not passed through: the kernel stops
+    /// sending open and release, opens every file with FOPEN_KEEP_CACHE
+    /// and reads and writes name the inode alone. Objects are opened and
+    /// checked at their first read instead of at open, and files of the
+    /// image copied up at their first write.
     pub no_open: bool,
     /// Answer flush with ENOSYS (and open with FOPEN_NOFLUSH): nothing is
     /// ever written, so close(2) need not wait for a round trip.
@@ -85,9 +87,9 @@ pub struct Tuning {
     /// Answer getxattr of security.selinux with EOPNOTSUPP when no file in
     /// the image has a label (ENODATA otherwise).
     pub selinux_enotsup: bool,
-    /// FUSE_WRITEBACK_CACHE on writable mounts without passthrough of
-    /// upper files: the kernel caches writes and sends them in large
-    /// requests.
+    /// FUSE_WRITEBACK_CACHE on writable mounts that answer open without
+    /// passthrough of upper files (`open`): the kernel caches writes and
+    /// sends them in large requests.
     pub writeback_cache: bool,
     /// Splice read replies from the object files (one copy, by the kernel)
     /// rather than read them into a buffer and write that (two). All

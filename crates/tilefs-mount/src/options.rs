@@ -26,7 +26,9 @@ pub struct ParsedOptions {
     pub attrs: MountAttrs,
     pub backend: Option<Backend>,
     /// FUSE: `nopassthrough` (false) serves every read from the server
-    /// even where the kernel could read the object itself.
+    /// even where the kernel could read the object itself; `passthrough`
+    /// (true) lets the kernel read and write upper files of a writable
+    /// mount itself (unset: read-only mounts do, writable ones do not).
     pub passthrough: Option<bool>,
     /// FUSE: `nouring` (false) reads /dev/fuse even where the kernel
     /// offers FUSE over io_uring.

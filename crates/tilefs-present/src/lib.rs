@@ -429,7 +429,10 @@ fn fuse(
         store: store.clone(),
         verity,
         tuning: tilefs_fuse::Tuning {
-            passthrough: o.passthrough.unwrap_or(true),
+            // Writable mounts pass upper files through only when asked:
+            // that needs an OPEN and a RELEASE for every open of every
+            // file, which cost a build more than passthrough saves it.
+            passthrough: o.passthrough.unwrap_or(upper.is_none()),
             ..tilefs_fuse::Tuning::default()
         },
         image_digest: o.digest,

@@ -96,8 +96,10 @@ impl OverlayFs {
         self.merged_listing(fd.as_ref().map(|f| f.as_fd()), lower)
     }
 
-    /// Opens node `id` with open(2) `flags`.
-    pub(crate) fn open_node(&self, id: NodeId, flags: u32, writeback: bool) -> R<Handle> {
+    /// Opens node `id` with open(2) `flags`; `shared`: the kernel may write
+    /// through the handle whatever it was opened for (writeback caching,
+    /// or I/O that names the node alone).
+    pub(crate) fn open_node(&self, id: NodeId, flags: u32, shared: bool) -> R<Handle> {
         let (dir, upper, lower) = {
             let nodes = self.nodes();
             let n = nodes.get(id).ok_or(libc::ENOENT)?;
@@ -128,17 +130,13 @@ impl OverlayFs {
             let _changing = self.changing.lock().unwrap_or_else(|e| e.into_inner());
             self.copy_up(id, trunc.then_some(0))?;
         }
-        // The kernel writes back cached pages with its own offsets, and
-        // may read a page it is filling: read and write, never append.
-        let mut of = if write || writeback {
-            OFlags::RDWR
-        } else {
-            OFlags::RDONLY
-        };
+        // The kernel writes pages with its own offsets, and may read a
+        // page it is filling: read and write, never append.
+        let mut of = if write || shared { OFlags::RDWR } else { OFlags::RDONLY };
         if trunc {
             of |= OFlags::TRUNC;
         }
-        if flags & libc::O_DIRECT != 0 && !writeback {
+        if flags & libc::O_DIRECT != 0 && !shared {
             of |= OFlags::DIRECT;
         }
         let fd = match self.loc(id)? {

@@ -56,6 +56,9 @@ pub(crate) fn xattr_namespace() -> tilefs_store::mounts::OverlayXattrs {
 /// so that they never meet an image inode's (below 2^32).
 const UPPER_INO: u64 = 1 << 63;
 
+/// At most this many handles kept for I/O that names a node alone.
+const UNOPENED_MAX: usize = 1024;
+
 type R<T> = Result<T, i32>;
 
 fn e(x: Errno) -> i32 {
@@ -109,6 +112,13 @@ pub struct OverlayFs {
     /// We clear setuid/setgid (FUSE_HANDLE_KILLPRIV_V2).
     killpriv: AtomicBool,
     io: io_mode::IoModes,
+    /// OPEN is answered with ENOSYS (see `serve.rs`): the kernel sends
+    /// neither OPEN nor RELEASE, and reads and writes name the node alone.
+    no_open: AtomicBool,
+    /// The handles that I/O naming a node alone uses, by node, at most
+    /// `unopened_max` (no release ever says when one is done with).
+    unopened: Mutex<FxHashMap<NodeId, Arc<Handle>>>,
+    unopened_max: usize,
     /// Removed files' descriptors are kept (until FORGET) only below this
     /// descriptor number: three quarters of the limit on open files.
     orphan_fd_max: u64,
@@ -173,6 +183,11 @@ impl OverlayFs {
             writeback: AtomicBool::new(false),
             killpriv: AtomicBool::new(false),
             io: io_mode::IoModes::new(),
+            no_open: AtomicBool::new(false),
+            unopened: Mutex::new(FxHashMap::default()),
+            // A small share of the descriptors: the rest is for open files,
+            // directories and removed files kept until FORGET.
+            unopened_max: (nofile / 8).clamp(1, UNOPENED_MAX as u64) as usize,
             orphan_fd_max: nofile / 4 * 3,
         })
     }
@@ -690,6 +705,8 @@ impl OverlayFs {
             }
         });
         drop(nodes);
+        // I/O from now on goes to the upper file, truncated or not.
+        self.unopened_drop(id);
         self.invalidate(id);
         Ok(())
     }

@@ -282,12 +282,16 @@ impl OverlayFs {
     /// Removes `name` from `parent` (a directory when `dir`).
     /// The descriptor of an open upper file of node `id`, if it has one.
     fn upper_handle_of(&self, id: NodeId) -> Option<Arc<OwnedFd>> {
-        let fhs = self.io.opens_of(id);
-        let handles = self.handles.lock().unwrap_or_else(|e| e.into_inner());
-        fhs.iter().find_map(|fh| match handles.get(fh).map(|h| &**h) {
-            Some(Handle::Upper(f)) => Some(f.clone()),
+        let upper = |h: &Handle| match h {
+            Handle::Upper(f) => Some(f.clone()),
             _ => None,
-        })
+        };
+        let fhs = self.io.opens_of(id);
+        let opened = {
+            let handles = self.handles.lock().unwrap_or_else(|e| e.into_inner());
+            fhs.iter().find_map(|fh| handles.get(fh).and_then(|h| upper(h)))
+        };
+        opened.or_else(|| self.unopened_of(id).and_then(|h| upper(&h)))
     }
 
     pub(crate) fn remove(&self, parent: NodeId, name: &[u8], dir: bool) -> R<()> {

@@ -54,6 +54,10 @@ impl OverlayFs {
     }
 
     pub(super) fn op_open(&self, id: u64, flags: u32, open_flags: u32, reply: Reply<'_>) {
+        if self.no_open.load(Ordering::Relaxed) {
+            // The kernel stops asking (see `init`).
+            return reply.error(libc::ENOSYS);
+        }
         let opened = self
             .open_node(id, flags, self.writeback.load(Ordering::Relaxed))
             .and_then(|h| {
@@ -70,9 +74,10 @@ impl OverlayFs {
 
     /// Reads from the upper file, the image's object (checked again if it
     /// is verified) or the image's inline data.
-    pub(super) fn op_read(&self, a: abi::ReadIn, reply: Reply<'_>) {
-        let Some(h) = self.handle_of(a.fh) else {
-            return reply.error(libc::EBADF);
+    pub(super) fn op_read(&self, id: u64, a: abi::ReadIn, reply: Reply<'_>) {
+        let h = match self.io_handle(id, a.fh, false) {
+            Ok(h) => h,
+            Err(x) => return reply.error(x),
         };
         match &*h {
             Handle::Upper(f) => {
@@ -106,8 +111,9 @@ impl OverlayFs {
     /// Writes what it can: a failure after some bytes are written answers
     /// with those (as write(2) does).
     pub(super) fn op_write(&self, id: u64, arg: abi::WriteIn, data: &[u8], reply: Reply<'_>) {
-        let Some(h) = self.handle_of(arg.fh) else {
-            return reply.error(libc::EBADF);
+        let h = match self.io_handle(id, arg.fh, true) {
+            Ok(h) => h,
+            Err(x) => return reply.error(x),
         };
         let Handle::Upper(f) = &*h else {
             return reply.error(libc::EBADF);
@@ -138,9 +144,9 @@ impl OverlayFs {
     }
 
     /// Only upper files have anything to sync.
-    pub(super) fn op_fsync(&self, fh: u64, datasync: bool, reply: Reply<'_>) {
-        match self.handle_of(fh).as_deref() {
-            Some(Handle::Upper(f)) => {
+    pub(super) fn op_fsync(&self, id: u64, fh: u64, datasync: bool, reply: Reply<'_>) {
+        match self.io_handle(id, fh, false).as_deref() {
+            Ok(Handle::Upper(f)) => {
                 tilefs_fuse_proto::may_block();
                 let r = if datasync {
                     rustix::fs::fdatasync(f)
@@ -149,33 +155,35 @@ impl OverlayFs {
                 };
                 answer(r.map_err(e), reply)
             }
-            _ => reply.ok(),
+            Ok(_) => reply.ok(),
+            Err(x) => reply.error(*x),
         }
     }
 
-    pub(super) fn op_fallocate(&self, a: abi::FallocateIn, reply: Reply<'_>) {
-        match self.handle_of(a.fh).as_deref() {
-            Some(Handle::Upper(f)) => {
+    pub(super) fn op_fallocate(&self, id: u64, a: abi::FallocateIn, reply: Reply<'_>) {
+        match self.io_handle(id, a.fh, true).as_deref() {
+            Ok(Handle::Upper(f)) => {
                 tilefs_fuse_proto::may_block();
                 let mode = rustix::fs::FallocateFlags::from_bits_retain(a.mode);
                 answer(rustix::fs::fallocate(f, mode, a.offset, a.length).map_err(e), reply)
             }
-            _ => reply.error(libc::EBADF),
+            Ok(_) => reply.error(libc::EBADF),
+            Err(x) => reply.error(*x),
         }
     }
 
     /// SEEK_DATA and SEEK_HOLE (the kernel does the others itself); inline
     /// data is one extent of data.
-    pub(super) fn op_lseek(&self, a: abi::LseekIn, reply: Reply<'_>) {
+    pub(super) fn op_lseek(&self, id: u64, a: abi::LseekIn, reply: Reply<'_>) {
         let whence = match a.whence as i32 {
             libc::SEEK_DATA => SeekFrom::Data(a.offset),
             libc::SEEK_HOLE => SeekFrom::Hole(a.offset),
             _ => return reply.error(libc::EINVAL),
         };
-        let r = match self.handle_of(a.fh).as_deref() {
-            Some(Handle::Upper(f)) => rustix::fs::seek(f, whence).map_err(e),
-            Some(Handle::Lower(o, _)) => rustix::fs::seek(&o.file, whence).map_err(e),
-            Some(Handle::Inline(l)) => {
+        let r = match self.io_handle(id, a.fh, false).as_deref() {
+            Ok(Handle::Upper(f)) => rustix::fs::seek(f, whence).map_err(e),
+            Ok(Handle::Lower(o, _)) => rustix::fs::seek(&o.file, whence).map_err(e),
+            Ok(Handle::Inline(l)) => {
                 let size = self.lower.node(*l).size;
                 match whence {
                     _ if a.offset >= size => Err(libc::ENXIO),
@@ -183,7 +191,8 @@ impl OverlayFs {
                     _ => Ok(size),
                 }
             }
-            _ => Err(libc::EBADF),
+            Ok(Handle::Dir(_)) => Err(libc::EBADF),
+            Err(x) => Err(*x),
         };
         match r {
             Ok(o) => reply.lseek(o),

@@ -8,6 +8,7 @@ use super::upper::{S_IFDIR, S_IFMT, S_IFREG};
 use super::{e, Handle, OverlayFs, R};
 use crate::lower::FOREVER;
 use rustix::fs::fsync;
+use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex};
 use tilefs_fuse_proto::abi::{self, fopen};
 use tilefs_fuse_proto::{DirBuf, Entry, Open, Reply};
@@ -80,6 +81,21 @@ impl OverlayFs {
         };
         match made {
             Ok((child, Some(f))) => match self.entry(child) {
+                Ok(en) if self.no_open.load(Ordering::Relaxed) => {
+                    // Once the kernel knows OPEN is not answered, it sends
+                    // no RELEASE for a created file either: its I/O names
+                    // the node (the first creates still get a RELEASE, of
+                    // handle 0, which releases nothing).
+                    self.unopened_keep(child, Handle::Upper(Arc::new(f)));
+                    reply.create(
+                        &en,
+                        Open {
+                            fh: 0,
+                            flags: fopen::KEEP_CACHE,
+                            backing_id: 0,
+                        },
+                    )
+                }
                 Ok(en) => reply.create(&en, self.opened(child, Handle::Upper(Arc::new(f)))),
                 Err(x) => {
                     self.nodes().forget(child, 1);

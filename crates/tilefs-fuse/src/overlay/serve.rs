@@ -29,6 +29,63 @@ impl OverlayFs {
         self.handles.lock().unwrap_or_else(|e| e.into_inner()).get(&fh).cloned()
     }
 
+    /// The handle that I/O on node `id` uses: open file `fh`, or, for a
+    /// file the kernel opened without asking us (`fh` 0), one kept for the
+    /// node. `write`: the I/O changes the file, which is copied up first.
+    pub(super) fn io_handle(&self, id: u64, fh: u64, write: bool) -> R<Arc<Handle>> {
+        if fh != 0 || !self.no_open.load(Ordering::Relaxed) {
+            return self.handle_of(fh).ok_or(libc::EBADF);
+        }
+        let kept = self.unopened().get(&id).cloned();
+        if let Some(h) = kept {
+            if !write || matches!(*h, Handle::Upper(_)) {
+                return Ok(h);
+            }
+        }
+        let flags = if write { libc::O_RDWR } else { libc::O_RDONLY };
+        // Upper files are opened for reading and writing either way: the
+        // writes of every open of the file come through this handle.
+        let h = self.open_node(id, flags as u32, true)?;
+        Ok(self.unopened_keep(id, h))
+    }
+
+    /// Keeps `h` for I/O on node `id` that names no open file.
+    pub(super) fn unopened_keep(&self, id: u64, h: Handle) -> Arc<Handle> {
+        let h = Arc::new(h);
+        let mut kept = self.unopened();
+        if !matches!(*h, Handle::Upper(_)) && self.nodes().get(id).is_none_or(|n| n.upper) {
+            // Copied up since it was opened: good for this read only (a
+            // copy-up after this check drops what is kept).
+            return h;
+        }
+        let evicted = if kept.len() >= self.unopened_max && !kept.contains_key(&id) {
+            // Any one goes: opening it again costs an open.
+            kept.keys().next().copied().and_then(|old| kept.remove(&old))
+        } else {
+            None
+        };
+        kept.insert(id, h.clone());
+        drop(kept);
+        // Closed after the lock (the last close of a removed file frees it).
+        drop(evicted);
+        h
+    }
+
+    fn unopened(&self) -> std::sync::MutexGuard<'_, rustc_hash::FxHashMap<u64, Arc<Handle>>> {
+        self.unopened.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// The handle kept for I/O on node `id`, if any.
+    pub(super) fn unopened_of(&self, id: u64) -> Option<Arc<Handle>> {
+        self.unopened().get(&id).cloned()
+    }
+
+    /// Forgets the handle kept for node `id` (closed after the lock).
+    pub(super) fn unopened_drop(&self, id: u64) {
+        let h = self.unopened().remove(&id);
+        drop(h);
+    }
+
     /// Counts one more lookup of `id` and answers with its entry (or
     /// takes the count back if its attributes cannot be had).
     pub(super) fn reply_entry(&self, id: u64, reply: Reply<'_>) {
@@ -97,7 +154,6 @@ impl Filesystem for OverlayFs {
         let mut want = init::ASYNC_READ
             | init::PARALLEL_DIROPS
             | init::BIG_WRITES
-            | init::ATOMIC_O_TRUNC
             | init::DO_READDIRPLUS
             | init::CACHE_SYMLINKS
             | init::MAX_PAGES
@@ -106,26 +162,39 @@ impl Filesystem for OverlayFs {
             // asking for security.capability before every write(2), and
             // chown no longer needs a GETATTR first.
             | init::HANDLE_KILLPRIV_V2;
-        // As root, upper files are read and written by the kernel itself
-        // (passthrough); it refuses that together with writeback caching,
-        // which costs a GETATTR after every close(2) besides (it drops the
-        // cached block count).
+        // With passthrough (asked for, root only) the kernel reads and
+        // writes upper files itself, which needs an OPEN of every open.
+        // Without it, nothing needs OPEN: answered "not implemented", the
+        // kernel stops sending it and RELEASE (two round trips per open,
+        // which a build pays for every #include), and I/O names the node.
+        // That I/O goes through the node's page cache, which stays true
+        // because every change passes through it. Writes are then written
+        // through, not cached: a copy-up (now at the first write) or a full
+        // disk fails the write(2) itself, and the kernel caches no size or
+        // data the upper file never got. A truncating open truncates by
+        // SETATTR (ATOMIC_O_TRUNC relies on the OPEN).
         let passthrough = crate::passthrough_possible(&self.tune, kernel);
         self.io.set_passthrough(passthrough);
+        let no_open = !passthrough && self.tune.no_open;
+        self.no_open.store(no_open, Ordering::Relaxed);
+        // Writeback caching (where OPEN is answered) costs a GETATTR after
+        // every close(2) besides: it drops the cached block count. The
+        // kernel refuses it together with passthrough.
+        let writeback = !passthrough && !no_open && kernel.offers(init::WRITEBACK_CACHE) && self.tune.writeback_cache;
+        self.writeback.store(writeback, Ordering::Relaxed);
         if passthrough {
             want |= init::PASSTHROUGH;
-        } else if self.tune.writeback_cache {
+        } else if writeback {
             want |= init::WRITEBACK_CACHE;
+        }
+        if !no_open {
+            want |= init::ATOMIC_O_TRUNC;
         }
         if self.lower.info.has_acl && self.tune.posix_acl {
             want |= init::POSIX_ACL;
         }
         self.killpriv
             .store(kernel.offers(init::HANDLE_KILLPRIV_V2), Ordering::Relaxed);
-        self.writeback.store(
-            !passthrough && kernel.offers(init::WRITEBACK_CACHE) && self.tune.writeback_cache,
-            Ordering::Relaxed,
-        );
         InitConfig {
             want,
             max_write: 1 << 20,
@@ -143,6 +212,9 @@ impl Filesystem for OverlayFs {
         // descriptor frees its blocks (deferred there from UNLINK), which
         // the queue threads must not wait behind.
         let gone = self.nodes().forget(nodeid, nlookup);
+        if gone.is_some() {
+            self.unopened_drop(nodeid);
+        }
         drop(gone);
     }
 
@@ -175,12 +247,12 @@ impl Filesystem for OverlayFs {
             Op::Link { oldnode, newname } => self.op_link(oldnode, id, newname.as_bytes(), reply),
             Op::Open { flags, open_flags } => self.op_open(id, flags, open_flags, reply),
             Op::Create { name, arg, tmpfile } => self.op_create(who, id, name.as_bytes(), arg.mode, tmpfile, reply),
-            Op::Read(a) => self.op_read(a, reply),
+            Op::Read(a) => self.op_read(id, a, reply),
             Op::Write { arg, data } => self.op_write(id, arg, data, reply),
             Op::Release(a) | Op::Releasedir(a) => self.op_release(a.fh, reply),
             // close(2) need not wait: written data reaches us by writeback.
             Op::Flush { .. } => reply.error(libc::ENOSYS),
-            Op::Fsync { fh, datasync } => self.op_fsync(fh, datasync, reply),
+            Op::Fsync { fh, datasync } => self.op_fsync(id, fh, datasync, reply),
             Op::Opendir { .. } => self.op_opendir(reply),
             Op::Readdir { arg, plus } => self.op_readdir(id, arg.fh, arg.offset, arg.size, plus, reply),
             Op::Fsyncdir { .. } => self.op_fsyncdir(id, reply),
@@ -189,8 +261,8 @@ impl Filesystem for OverlayFs {
             Op::Listxattr { size } => xattr_answer(self.listxattr(id, req.uid), size, reply),
             Op::Setxattr { name, value, flags, .. } => self.op_setxattr(id, name.as_bytes(), value, flags, reply),
             Op::Removexattr { name } => answer(self.removexattr(id, name.as_bytes()), reply),
-            Op::Fallocate(a) => self.op_fallocate(a, reply),
-            Op::Lseek(a) => self.op_lseek(a, reply),
+            Op::Fallocate(a) => self.op_fallocate(id, a, reply),
+            Op::Lseek(a) => self.op_lseek(id, a, reply),
             Op::Syncfs => self.op_syncfs(reply),
             _ => reply.error(libc::ENOSYS),
         }
