@@ -23,10 +23,6 @@ use tilefs_fuse_proto::{
 };
 use tilefs_image::tree::{InodeId, S_IFMT};
 
-/// Object files kept open for reads that name only the inode (fewer if
-/// the limit on open files is low).
-const UNOPENED_MAX: usize = 1024;
-
 /// Backing files kept registered while no open uses them (fewer if the
 /// limit on open files is low): registering one is most of an OPEN's time.
 const IDLE_BACKING_MAX: usize = 1024;
@@ -137,7 +133,9 @@ impl TileFs {
             handles: Mutex::new(FxHashMap::default()),
             next_fh: AtomicU64::new(1),
             unopened: Mutex::new(FxHashMap::default()),
-            unopened_max: UNOPENED_MAX.min(fd_budget.try_into().unwrap_or(usize::MAX)).max(1),
+            unopened_max: crate::UNOPENED_MAX
+                .min(fd_budget.try_into().unwrap_or(usize::MAX))
+                .max(1),
             backing: Mutex::new(BackingFiles::default()),
             // Half the budget: the rest is for the unopened objects.
             idle_backing_max: IDLE_BACKING_MAX
@@ -168,15 +166,10 @@ impl TileFs {
         }
         // Replaces a changed object under the same key.
         let h = Arc::new(self.lower.object(inode)?);
-        let mut map = self.unopened.lock().unwrap();
-        if map.len() >= self.unopened_max && !map.contains_key(&id) {
-            // Any one goes: reopening costs an open and a stat (the check
-            // itself is remembered by the object's state).
-            if let Some(&old) = map.keys().next() {
-                map.remove(&old);
-            }
-        }
-        map.insert(id, h.clone());
+        // (Reopening an evicted one costs an open and a stat: the check
+        // itself is remembered by the object's state.)
+        let evicted = crate::keep_bounded(&mut self.unopened.lock().unwrap(), self.unopened_max, id, h.clone());
+        drop(evicted);
         Ok(h)
     }
 

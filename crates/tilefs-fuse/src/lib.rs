@@ -713,6 +713,29 @@ pub fn record_where(mountpoint: &Path, upper: Option<&(PathBuf, PathBuf)>) -> ti
 /// The open-file limit in force: the server keeps objects open for the
 /// kernel's reads, and removed files until the kernel forgets them, within
 /// budgets made from it.
+/// Handles kept for I/O that names only the inode (no OPEN came, so no
+/// RELEASE will say when one is done with): at most this many, fewer if
+/// the limit on open files is low.
+pub(crate) const UNOPENED_MAX: usize = 1024;
+
+/// Keeps `v` under `k` in `map`, which holds at most `max` entries: when
+/// full, any other one goes (reopening it costs an open) and is returned,
+/// for the caller to drop after its lock.
+pub(crate) fn keep_bounded<K: Copy + Eq + std::hash::Hash, V>(
+    map: &mut rustc_hash::FxHashMap<K, V>,
+    max: usize,
+    k: K,
+    v: V,
+) -> Option<V> {
+    let evicted = if map.len() >= max && !map.contains_key(&k) {
+        map.keys().next().copied().and_then(|old| map.remove(&old))
+    } else {
+        None
+    };
+    map.insert(k, v);
+    evicted
+}
+
 fn nofile_limit() -> u64 {
     rustix::process::getrlimit(rustix::process::Resource::Nofile)
         .current

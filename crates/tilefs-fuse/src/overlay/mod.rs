@@ -56,9 +56,6 @@ pub(crate) fn xattr_namespace() -> tilefs_store::mounts::OverlayXattrs {
 /// so that they never meet an image inode's (below 2^32).
 const UPPER_INO: u64 = 1 << 63;
 
-/// At most this many handles kept for I/O that names a node alone.
-const UNOPENED_MAX: usize = 1024;
-
 type R<T> = Result<T, i32>;
 
 fn e(x: Errno) -> i32 {
@@ -187,7 +184,7 @@ impl OverlayFs {
             unopened: Mutex::new(FxHashMap::default()),
             // A small share of the descriptors: the rest is for open files,
             // directories and removed files kept until FORGET.
-            unopened_max: (nofile / 8).clamp(1, UNOPENED_MAX as u64) as usize,
+            unopened_max: (nofile / 8).clamp(1, crate::UNOPENED_MAX as u64) as usize,
             orphan_fd_max: nofile / 4 * 3,
         })
     }

@@ -58,13 +58,7 @@ impl OverlayFs {
             // copy-up after this check drops what is kept).
             return h;
         }
-        let evicted = if kept.len() >= self.unopened_max && !kept.contains_key(&id) {
-            // Any one goes: opening it again costs an open.
-            kept.keys().next().copied().and_then(|old| kept.remove(&old))
-        } else {
-            None
-        };
-        kept.insert(id, h.clone());
+        let evicted = crate::keep_bounded(&mut kept, self.unopened_max, id, h.clone());
         drop(kept);
         // Closed after the lock (the last close of a removed file frees it).
         drop(evicted);
