@@ -1165,8 +1165,9 @@ fn files_open_across_a_copy_up_keep_working() {
 /// answered "not implemented", after which the kernel sends neither OPEN
 /// nor RELEASE (a build opens every header it includes). Files of the
 /// image and upper files, each read five times, and files created after
-/// that first open, all read back right; with --passthrough every open
-/// is an OPEN and a RELEASE, as the server's own request counts show.
+/// that first open, all read back right, and a file of the image read,
+/// truncated and extended shows zeros; with --passthrough every open is an
+/// OPEN and a RELEASE, as the server's own request counts show.
 #[test]
 fn opening_a_file_asks_the_server_nothing() {
     require(cannot_test());
@@ -1194,6 +1195,23 @@ fn opening_a_file_asks_the_server_nothing() {
                 assert_eq!(&fs::read(p).unwrap(), data, "{name}, round {round}: {}", p.display());
             }
         }
+        // A file of the image read, then truncated (copied up with nothing
+        // kept) and extended: the image's data is gone.
+        let (p, data) = &image[5];
+        let f = fs::File::open(p).unwrap();
+        let mut head = vec![0u8; 16];
+        rustix::io::pread(&f, &mut head, 0).unwrap();
+        let t = fs::OpenOptions::new().write(true).open(p).unwrap();
+        t.set_len(0).unwrap();
+        t.set_len(data.len() as u64).unwrap();
+        drop(t);
+        assert!(
+            fs::read(p).unwrap().iter().all(|&b| b == 0),
+            "{name}: the image's data shows through a truncated copy-up"
+        );
+        rustix::io::pread(&f, &mut head, 0).unwrap();
+        assert_eq!(head, [0u8; 16], "{name}: through a descriptor opened before");
+        drop(f);
         umount(mounted);
         let text = fs::read_to_string(&log).unwrap();
         let line = text
