@@ -8,7 +8,10 @@
 # and fuzz/corpus/virtio_request from well-formed virtqueues of requests
 # (tilefs_vhost::fuzzing::seeds(), written by the test
 # the_fuzz_seeds_are_well_formed_queues when TILEFS_WRITE_VIRTIO_SEEDS names
-# a directory).
+# a directory), and fuzz/corpus/seekable_* from real gzip, zstd, eStargz and
+# zstd:chunked layers, their indexes, tables and footers (written by the
+# test fuzz_seeds_are_valid_inputs of crates/tilefs-seekable/tests/toc.rs
+# when TILEFS_WRITE_SEEKABLE_SEEDS names a directory).
 # The dumps come from:
 #   - fuzz/seeds/*.dump (small, in git),
 #   - the small *.dump files of $ASSETS (composefs test vectors),
@@ -71,6 +74,9 @@ done
     cargo test -q --release --locked -p tilefs --test oci_pull names_and_paths_at_their_limits >/dev/null)
 (cd "$here/.." && TILEFS_WRITE_VIRTIO_SEEDS="$corpus/virtio_request" \
     cargo test -q --release --locked -p tilefs-vhost --test chains the_fuzz_seeds_are_well_formed_queues >/dev/null)
-for t in parse_dump read_image roundtrip_image oci_layer virtio_request; do
+(cd "$here/.." && TILEFS_WRITE_SEEKABLE_SEEDS="$corpus" \
+    cargo test -q --release --locked -p tilefs-seekable --test toc fuzz_seeds_are_valid_inputs >/dev/null)
+for t in parse_dump read_image roundtrip_image oci_layer virtio_request \
+    seekable_index seekable_gzip seekable_zstd seekable_toc seekable_footer; do
     echo "$t: $(ls "$corpus/$t" | wc -l) seeds"
 done

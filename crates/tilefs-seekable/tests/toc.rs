@@ -358,3 +358,100 @@ fn wrong_digests_and_damaged_chunks_are_refused() {
         assert!(matches!(e, Error::Corrupt(_) | Error::Range(_)), "{e}");
     }
 }
+
+/// Seeds for the fuzz targets `seekable_*` (fuzz/README.md): real layers,
+/// tables, footers and indexes, each checked to be what its target wants;
+/// written to `$TILEFS_WRITE_SEEKABLE_SEEDS/<target>/` when that is set
+/// (fuzz/make-seeds.sh sets it).
+#[test]
+fn fuzz_seeds_are_valid_inputs() {
+    let mut seeds: Vec<(&str, Vec<u8>)> = Vec::new();
+    let data = corpus(20, 60_000);
+    let mut gz = Vec::new();
+    for level in [0, 1, 6, 9] {
+        let mut e = flate2::write::GzEncoder::new(Vec::new(), flate2::Compression::new(level));
+        std::io::Write::write_all(&mut e, &data).unwrap();
+        gz.push(e.finish().unwrap());
+    }
+    let members: Vec<u8> = gz[1..].concat();
+    gz.push(members);
+    if let Some(p) = common::cli("pigz", &["-c", "-b", "32"], &data) {
+        gz.push(p);
+    }
+    for (i, blob) in gz.iter().enumerate() {
+        // Span byte: 2^12 .. 2^15.
+        seeds.push(("seekable_gzip", [&[12 + i as u8 % 4][..], blob].concat()));
+        let mut ix = tilefs_seekable::gzip::GzipIndexer::with_span(&blob[..], 8192);
+        std::io::copy(&mut ix, &mut std::io::sink()).unwrap();
+        let encoded = ix.finish().unwrap().encode();
+        let len = (encoded.len() as u16) << 1;
+        seeds.push(("seekable_index", [&len.to_le_bytes()[..], &encoded, blob].concat()));
+        // A hostile checkpoint: 6 bytes of fields (3 leftover bits of value 5,
+        // a 16-byte window of "ab"), then the stream after its header.
+        seeds.push((
+            "seekable_index",
+            [&[13u8, 0, 3, 5, 16, 0, b'a', b'b'][..], &blob[10..]].concat(),
+        ));
+    }
+    let mut zs = vec![zstd::encode_all(&data[..], 3).unwrap()];
+    let frames: Vec<u8> = data
+        .chunks(7000)
+        .flat_map(|c| zstd::encode_all(c, 1).unwrap())
+        .collect();
+    zs.push([&[0x5a, 0x2a, 0x4d, 0x18, 2, 0, 0, 0, 7, 7][..], &frames].concat());
+    for blob in &zs {
+        seeds.push(("seekable_zstd", [&[12u8][..], blob].concat()));
+        let mut ix = tilefs_seekable::zstd::ZstdIndexer::with_span(&blob[..], 4096).unwrap();
+        std::io::copy(&mut ix, &mut std::io::sink()).unwrap();
+        let encoded = ix.finish().unwrap().encode();
+        let len = (encoded.len() as u16) << 1;
+        seeds.push(("seekable_index", [&len.to_le_bytes()[..], &encoded, blob].concat()));
+    }
+    seeds.push(("seekable_footer", b"200:300:1000:1".to_vec()));
+    if let Some(gen) = generator() {
+        // Small trees keep the tables small.
+        let tree: Vec<(String, Want)> = tree().into_iter().filter(|(p, _)| p != "a/big").collect();
+        let tar = tar_of(&tree);
+        for args in [
+            &["estargz"][..],
+            &["estargz", "-chunk-size", "65536", "-min-chunk-size", "8192"],
+        ] {
+            let (blob, a) = generate(&gen, args, &tar);
+            let size = blob.len() as u64;
+            let footer = estargz::parse_footer(slice(&blob, estargz::footer_range(size).unwrap()), size).unwrap();
+            let toc_bytes = slice(&blob, footer.toc_range(size));
+            let json = estargz::toc_json(toc_bytes, footer.toc_offset).unwrap();
+            Digest::parse(&a[estargz::TOC_DIGEST_ANNOTATION], "x")
+                .unwrap()
+                .verify(&json, String::new)
+                .unwrap();
+            // Offset byte: the table starts 8 + 2^k into the blob, past
+            // every chunk.
+            let k = 64 - footer.toc_offset.leading_zeros() as u8;
+            estargz::parse_json(&json, 8 + (1 << k)).unwrap();
+            seeds.push(("seekable_toc", [&[k << 1][..], &json].concat()));
+            seeds.push(("seekable_footer", blob[blob.len() - 51..].to_vec()));
+            seeds.push(("seekable_footer", toc_bytes.to_vec()));
+        }
+        let (blob, a) = generate(&gen, &["zstd-chunked"], &tar);
+        let size = blob.len() as u64;
+        let p = zstd_chunked::parse_manifest_position(&a[zstd_chunked::MANIFEST_POSITION_ANNOTATION], size).unwrap();
+        let json = zstd::bulk::decompress(slice(&blob, p.range()), p.uncompressed_len as usize).unwrap();
+        let k = 64 - p.offset.leading_zeros() as u8;
+        seeds.push(("seekable_toc", [&[k << 1 | 1][..], &json].concat()));
+        seeds.push(("seekable_footer", blob[blob.len() - 72..].to_vec()));
+        seeds.push((
+            "seekable_footer",
+            a[zstd_chunked::MANIFEST_POSITION_ANNOTATION].as_bytes().to_vec(),
+        ));
+        seeds.push(("seekable_zstd", [&[10u8][..], &blob].concat()));
+    }
+    let Some(dir) = std::env::var_os("TILEFS_WRITE_SEEKABLE_SEEDS") else {
+        return;
+    };
+    for (target, bytes) in seeds {
+        let d = Path::new(&dir).join(target);
+        std::fs::create_dir_all(&d).unwrap();
+        std::fs::write(d.join(Digest::of(&bytes).to_string().replace("sha256:", "")), bytes).unwrap();
+    }
+}
