@@ -364,3 +364,42 @@ fn footers_and_positions() {
     // Digests: sha256 only, as OCI writes them.
     assert!(Digest::parse(D, "x").is_ok());
 }
+
+#[test]
+fn annotations_name_the_format() {
+    use tilefs_seekable::toc::{from_annotations, Annotated};
+    let get = |pairs: &'static [(&'static str, &'static str)]| {
+        move |k: &str| pairs.iter().find(|(n, _)| *n == k).map(|(_, v)| *v)
+    };
+    assert_eq!(
+        from_annotations(get(&[("org.opencontainers.x", "y")]), 100).unwrap(),
+        None
+    );
+    let e = from_annotations(get(&[(estargz::TOC_DIGEST_ANNOTATION, D)]), 100).unwrap();
+    assert!(matches!(e, Some(Annotated::Estargz { .. })));
+    const BOTH: [(&str, &str); 2] = [
+        (estargz::TOC_DIGEST_ANNOTATION, D),
+        (zstd_chunked::MANIFEST_CHECKSUM_ANNOTATION, D),
+    ];
+    assert!(from_annotations(get(&BOTH), 100)
+        .unwrap_err()
+        .to_string()
+        .contains("both"));
+    const NO_POSITION: [(&str, &str); 1] = [(zstd_chunked::MANIFEST_CHECKSUM_ANNOTATION, D)];
+    assert!(from_annotations(get(&NO_POSITION), 100)
+        .unwrap_err()
+        .to_string()
+        .contains("manifest-position"));
+    const Z: [(&str, &str); 2] = [
+        (zstd_chunked::MANIFEST_CHECKSUM_ANNOTATION, D),
+        (zstd_chunked::MANIFEST_POSITION_ANNOTATION, "10:20:30:1"),
+    ];
+    let Some(Annotated::ZstdChunked {
+        manifest, tar_split, ..
+    }) = from_annotations(get(&Z), 100).unwrap()
+    else {
+        panic!()
+    };
+    assert_eq!((manifest.range(), tar_split), (10..30, None));
+    assert!(from_annotations(get(&[(estargz::TOC_DIGEST_ANNOTATION, "sha256:x")]), 100).is_err());
+}

@@ -11,7 +11,7 @@ use std::process::Command;
 
 use common::corpus;
 use tar::{EntryType, Header};
-use tilefs_seekable::toc::{estargz, zstd_chunked, Entry, Kind, Toc};
+use tilefs_seekable::toc::{self, estargz, zstd_chunked, Annotated, Entry, Kind, Toc};
 use tilefs_seekable::{Digest, Error};
 
 /// The generator, built by testdata-gen/build.sh (scripts/setup runs it;
@@ -164,23 +164,37 @@ fn slice(blob: &[u8], r: std::ops::Range<u64>) -> &[u8] {
     &blob[r.start as usize..r.end as usize]
 }
 
+/// What a lazy mount does first: the format from the layer's annotations,
+/// then the ranges they and the footer name.
+fn annotated(blob: &[u8], annotations: &BTreeMap<String, String>) -> Result<Annotated, Error> {
+    let get = |k: &str| annotations.get(k).map(String::as_str);
+    Ok(toc::from_annotations(get, blob.len() as u64)?.expect("the generator annotates its layers"))
+}
+
 fn open_estargz(blob: &[u8], annotations: &BTreeMap<String, String>) -> Result<Toc, Error> {
+    let Annotated::Estargz { toc_digest } = annotated(blob, annotations)? else {
+        panic!("not eStargz")
+    };
     let size = blob.len() as u64;
     let footer = estargz::parse_footer(slice(blob, estargz::footer_range(size)?), size)?;
-    let digest = Digest::parse(&annotations[estargz::TOC_DIGEST_ANNOTATION], "annotation")?;
-    estargz::parse_toc(slice(blob, footer.toc_range(size)), &footer, size, &digest)
+    estargz::parse_toc(slice(blob, footer.toc_range(size)), &footer, size, &toc_digest)
 }
 
 fn open_zstd_chunked(blob: &[u8], annotations: &BTreeMap<String, String>) -> Result<Toc, Error> {
+    let Annotated::ZstdChunked {
+        manifest,
+        manifest_digest,
+        tar_split,
+    } = annotated(blob, annotations)?
+    else {
+        panic!("not zstd:chunked")
+    };
     let size = blob.len() as u64;
-    let position =
-        zstd_chunked::parse_manifest_position(&annotations[zstd_chunked::MANIFEST_POSITION_ANNOTATION], size)?;
     let footer = zstd_chunked::parse_footer(slice(blob, zstd_chunked::footer_range(size)?), size)?;
-    assert_eq!(footer.manifest, position, "the footer and the annotation disagree");
-    let digest = Digest::parse(&annotations[zstd_chunked::MANIFEST_CHECKSUM_ANNOTATION], "annotation")?;
-    let toc = zstd_chunked::parse_manifest(slice(blob, position.range()), &position, &digest)?;
+    assert_eq!(footer.manifest, manifest, "the footer and the annotation disagree");
+    let toc = zstd_chunked::parse_manifest(slice(blob, manifest.range()), &manifest, &manifest_digest)?;
     // The tar-split is where both say, and has the digest the table gives.
-    let ts = zstd_chunked::parse_tar_split_position(&annotations[zstd_chunked::TAR_SPLIT_POSITION_ANNOTATION], size)?;
+    let ts = tar_split.unwrap();
     assert_eq!(footer.tar_split, Some(ts));
     let split = zstd_chunked::read_tar_split(slice(blob, ts.range()), &ts, toc.tar_split_digest.as_ref().unwrap())?;
     assert!(split.starts_with(b"{"), "tar-split is JSON lines");

@@ -144,6 +144,52 @@ impl Toc {
     }
 }
 
+/// What a layer's annotations say about its table of contents.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Annotated {
+    /// An eStargz layer: fetch [`estargz::footer_range`], then the table.
+    Estargz { toc_digest: Digest },
+    /// A zstd:chunked layer: the manifest is at `manifest`.
+    ZstdChunked {
+        manifest: zstd_chunked::Position,
+        manifest_digest: Digest,
+        tar_split: Option<zstd_chunked::Position>,
+    },
+}
+
+/// Reads a layer descriptor's annotations (`get` looks one up by name):
+/// `None` for an ordinary layer, else the format and what the manifest
+/// vouches for. A layer that claims both formats is refused, as
+/// containers/storage refuses it.
+pub fn from_annotations<'a>(get: impl Fn(&str) -> Option<&'a str>, blob_size: u64) -> Result<Option<Annotated>> {
+    let estargz = get(estargz::TOC_DIGEST_ANNOTATION);
+    let chunked = get(zstd_chunked::MANIFEST_CHECKSUM_ANNOTATION);
+    match (estargz, chunked) {
+        (None, None) => Ok(None),
+        (Some(_), Some(_)) => Err(Error::toc(
+            "the layer's annotations claim both eStargz and zstd:chunked",
+        )),
+        (Some(d), None) => Ok(Some(Annotated::Estargz {
+            toc_digest: Digest::parse(d, estargz::TOC_DIGEST_ANNOTATION)?,
+        })),
+        (None, Some(d)) => {
+            let position = get(zstd_chunked::MANIFEST_POSITION_ANNOTATION).ok_or_else(|| {
+                Error::toc(format!(
+                    "a zstd:chunked layer without {}",
+                    zstd_chunked::MANIFEST_POSITION_ANNOTATION
+                ))
+            })?;
+            Ok(Some(Annotated::ZstdChunked {
+                manifest: zstd_chunked::parse_manifest_position(position, blob_size)?,
+                manifest_digest: Digest::parse(d, zstd_chunked::MANIFEST_CHECKSUM_ANNOTATION)?,
+                tar_split: get(zstd_chunked::TAR_SPLIT_POSITION_ANNOTATION)
+                    .map(|p| zstd_chunked::parse_tar_split_position(p, blob_size))
+                    .transpose()?,
+            }))
+        }
+    }
+}
+
 /// Normalizes a path from a table of contents as the pull does with tar
 /// names: `./`, repeated and trailing slashes go; absolute paths, `..`,
 /// NUL bytes and names or paths over the limits are refused.
