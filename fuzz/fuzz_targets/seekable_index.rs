@@ -30,7 +30,7 @@ fn hostile(fields: &[u8], fetched_len: u64) -> Vec<u8> {
     out.extend_from_slice(&(fetched_len + 2).to_le_bytes());
     out.extend_from_slice(&(1u64 << 24).to_le_bytes());
     out.extend_from_slice(&1u64.to_le_bytes());
-    for (c, u, size, st, kind) in [(0u64, 0u64, 0u32, 0u32, 0u8), (1, window.len() as u64, window.len() as u32, stored.len() as u32, 1)] {
+    for (c, u, size, st, kind) in [(0u64, 0u64, 0u32, 0u32, 0u8), (1, window.len() as u64 + 1, window.len() as u32, stored.len() as u32, 1)] {
         out.extend_from_slice(&c.to_le_bytes());
         out.extend_from_slice(&u.to_le_bytes());
         out.extend_from_slice(&size.to_le_bytes());

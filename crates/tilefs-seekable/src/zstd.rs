@@ -13,7 +13,8 @@ use crate::index::{Checkpoint, Codec, Resume, SeekIndex};
 use crate::input::{copy_out, skip_and_fill, sticky, Counted, Decode};
 
 /// The default spacing of checkpoints, in uncompressed bytes: a zstd
-/// checkpoint costs 28 bytes, so frame starts can be kept densely.
+/// checkpoint costs 28 bytes, so frame starts are kept densely (a pzstd
+/// layer of /usr/share, 86 frames: a 2.4 KB index).
 pub const DEFAULT_SPAN: u64 = 256 << 10;
 
 const BUF_LEN: usize = 128 * 1024;
