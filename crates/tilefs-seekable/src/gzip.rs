@@ -18,7 +18,7 @@ use miniz_oxide::inflate::TINFLStatus;
 
 use crate::error::{Error, Result};
 use crate::index::{Checkpoint, Codec, Resume, SeekIndex, Window, MAX_WINDOW};
-use crate::input::{copy_out, skip_and_fill, sticky, Counted, Decode};
+use crate::input::{skip_and_fill, Counted, Decode, Flow};
 
 /// The default spacing of checkpoints, in uncompressed bytes. Each costs a
 /// window: 32 KiB compressed about as well as the layer (15.8 KiB on a tar
@@ -345,11 +345,15 @@ impl<R: BufRead> Inflater<R> {
 /// first deflate block or member boundary at least `span` uncompressed
 /// bytes after the last one. [`GzipIndexer::finish`] gives the index.
 pub struct GzipIndexer<R> {
+    state: Indexing<R>,
+    flow: Flow,
+}
+
+/// The decoder and the checkpoints so far.
+struct Indexing<R> {
     inf: Inflater<R>,
     span: u64,
     checkpoints: Vec<Checkpoint>,
-    done: bool,
-    failed: Option<String>,
 }
 
 impl<R: BufRead> GzipIndexer<R> {
@@ -362,23 +366,51 @@ impl<R: BufRead> GzipIndexer<R> {
     /// (at least 1).
     pub fn with_span(input: R, span: u64) -> Self {
         GzipIndexer {
-            inf: Inflater::at_member(input, 0, 0),
-            span: span.max(1),
-            checkpoints: vec![Checkpoint {
-                compressed: 0,
-                uncompressed: 0,
-                resume: Resume::Stream,
-            }],
-            done: false,
-            failed: None,
+            state: Indexing {
+                inf: Inflater::at_member(input, 0, 0),
+                span: span.max(1),
+                checkpoints: vec![Checkpoint {
+                    compressed: 0,
+                    uncompressed: 0,
+                    resume: Resume::Stream,
+                }],
+            },
+            flow: Flow::default(),
         }
     }
 
     /// The compressed input.
     pub fn get_ref(&self) -> &R {
-        self.inf.input_ref()
+        self.state.inf.input_ref()
     }
 
+    /// Reads what is left of the stream (a pull reads it all anyway, to
+    /// check the blob's digest) and returns the index.
+    pub fn finish(mut self) -> Result<SeekIndex> {
+        self.flow.drain(&mut self.state)?;
+        let s = self.state;
+        Ok(SeekIndex {
+            codec: Codec::Gzip,
+            compressed_size: s.inf.total_in(),
+            uncompressed_size: s.inf.total_out(),
+            span: s.span,
+            checkpoints: s.checkpoints,
+        })
+    }
+
+    /// The compressed input, once the index is no longer wanted.
+    pub fn into_inner(self) -> R {
+        self.state.inf.into_input()
+    }
+}
+
+impl<R: BufRead> Read for GzipIndexer<R> {
+    fn read(&mut self, out: &mut [u8]) -> io::Result<usize> {
+        self.flow.read(&mut self.state, out)
+    }
+}
+
+impl<R: BufRead> Indexing<R> {
     /// Where the next checkpoint is due: a span after the last.
     fn due_at(&self) -> u64 {
         let last = self
@@ -403,8 +435,16 @@ impl<R: BufRead> GzipIndexer<R> {
             });
         }
     }
+}
 
-    fn step(&mut self) -> Result<()> {
+impl<R: BufRead> Decode for Indexing<R> {
+    fn pending(&self) -> &[u8] {
+        self.inf.pending()
+    }
+    fn take(&mut self, n: usize) {
+        self.inf.take(n)
+    }
+    fn more(&mut self) -> Result<bool> {
         let due_at = self.due_at();
         let due = self.inf.total_out() >= due_at;
         match self.inf.advance(Some(due_at))? {
@@ -423,68 +463,13 @@ impl<R: BufRead> GzipIndexer<R> {
                 );
             }
             Event::Member(_) | Event::Boundary => {}
-            Event::End => {
-                if self.inf.members == 0 {
-                    return Err(Error::corrupt("an empty stream is not gzip"));
-                }
-                self.done = true;
-            }
+            Event::End if self.inf.members == 0 => return Err(Error::corrupt("an empty stream is not gzip")),
+            Event::End => return Ok(false),
         }
-        Ok(())
+        Ok(true)
     }
-
-    /// Reads what is left of the stream (a pull reads it all anyway, to
-    /// check the blob's digest) and returns the index.
-    pub fn finish(mut self) -> Result<SeekIndex> {
-        if let Some(msg) = &self.failed {
-            return Err(Error::corrupt(msg.clone()));
-        }
-        while !self.done {
-            let n = self.inf.pending().len();
-            if n > 0 {
-                self.inf.take(n);
-            } else {
-                self.step()?;
-            }
-        }
-        Ok(SeekIndex {
-            codec: Codec::Gzip,
-            compressed_size: self.inf.total_in(),
-            uncompressed_size: self.inf.total_out(),
-            span: self.span,
-            checkpoints: self.checkpoints,
-        })
-    }
-
-    /// The compressed input, once the index is no longer wanted.
-    pub fn into_inner(self) -> R {
-        self.inf.into_input()
-    }
-}
-
-impl<R: BufRead> Read for GzipIndexer<R> {
-    fn read(&mut self, out: &mut [u8]) -> io::Result<usize> {
-        sticky(&self.failed)?;
-        if out.is_empty() {
-            return Ok(0);
-        }
-        loop {
-            let pending = self.inf.pending();
-            if !pending.is_empty() {
-                let n = copy_out(pending, out);
-                self.inf.take(n);
-                return Ok(n);
-            }
-            if self.done {
-                return Ok(0);
-            }
-            if let Err(e) = self.step() {
-                if !matches!(e, Error::Io(_)) {
-                    self.failed = Some(e.to_string());
-                }
-                return Err(e.into());
-            }
-        }
+    fn total_out(&self) -> u64 {
+        self.inf.total_out()
     }
 }
 

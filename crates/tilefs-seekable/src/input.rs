@@ -79,15 +79,6 @@ pub(crate) fn copy_out(src: &[u8], dst: &mut [u8]) -> usize {
     n
 }
 
-/// An error the adapters keep: once a stream failed, every later read
-/// says so again rather than decoding on from a broken state.
-pub(crate) fn sticky(failed: &Option<String>) -> io::Result<()> {
-    match failed {
-        Some(msg) => Err(io::Error::new(ErrorKind::InvalidData, Error::corrupt(msg.clone()))),
-        None => Ok(()),
-    }
-}
-
 /// A decoder seen from a reader of ranges: decoded bytes waiting, and a
 /// way to decode more.
 pub(crate) trait Decode {
@@ -127,4 +118,61 @@ pub(crate) fn skip_and_fill(d: &mut impl Decode, mut skip: u64, out: &mut [u8], 
         d.take(n);
     }
     Ok(())
+}
+
+/// How an indexer's `Read` goes: it hands out what is decoded and decodes
+/// a step more when nothing is. The end is kept, and so is an error that
+/// broke the stream: every later read says it again rather than decoding
+/// on from a broken state.
+#[derive(Default)]
+pub(crate) struct Flow {
+    done: bool,
+    failed: Option<String>,
+}
+
+impl Flow {
+    pub(crate) fn read(&mut self, d: &mut impl Decode, out: &mut [u8]) -> io::Result<usize> {
+        if let Some(msg) = &self.failed {
+            return Err(Error::corrupt(msg.clone()).into());
+        }
+        if out.is_empty() {
+            return Ok(0);
+        }
+        loop {
+            let pending = d.pending();
+            if !pending.is_empty() {
+                let n = copy_out(pending, out);
+                d.take(n);
+                return Ok(n);
+            }
+            if self.done {
+                return Ok(0);
+            }
+            match d.more() {
+                Ok(more) => self.done = !more,
+                Err(e) => {
+                    if !matches!(e, Error::Io(_)) {
+                        self.failed = Some(e.to_string());
+                    }
+                    return Err(e.into());
+                }
+            }
+        }
+    }
+
+    /// Reads the rest of the stream (an indexer's `finish`).
+    pub(crate) fn drain(&mut self, d: &mut impl Decode) -> Result<()> {
+        if let Some(msg) = &self.failed {
+            return Err(Error::corrupt(msg.clone()));
+        }
+        while !self.done {
+            let n = d.pending().len();
+            if n > 0 {
+                d.take(n);
+            } else {
+                self.done = !d.more()?;
+            }
+        }
+        Ok(())
+    }
 }

@@ -10,7 +10,7 @@ use zstd::stream::raw::{Decoder, Operation};
 
 use crate::error::{Error, Result};
 use crate::index::{Checkpoint, Codec, Resume, SeekIndex};
-use crate::input::{copy_out, skip_and_fill, sticky, Counted, Decode};
+use crate::input::{skip_and_fill, Counted, Decode, Flow};
 
 /// The default spacing of checkpoints, in uncompressed bytes: a zstd
 /// checkpoint costs 28 bytes, so frame starts are kept densely (a pzstd
@@ -118,14 +118,18 @@ impl<R: BufRead> Frames<R> {
 /// uncompressed bytes after the last one. [`ZstdIndexer::finish`] gives
 /// the index.
 pub struct ZstdIndexer<R> {
+    state: Indexing<R>,
+    flow: Flow,
+}
+
+/// The decoder and the checkpoints so far.
+struct Indexing<R> {
     fr: Frames<R>,
     span: u64,
     checkpoints: Vec<Checkpoint>,
     /// A frame start due as a checkpoint, kept once output follows it (so
     /// skippable and empty frames at the end make none).
     candidate: Option<(u64, u64)>,
-    done: bool,
-    failed: Option<String>,
 }
 
 impl<R: BufRead> ZstdIndexer<R> {
@@ -138,25 +142,58 @@ impl<R: BufRead> ZstdIndexer<R> {
     /// (at least 1).
     pub fn with_span(input: R, span: u64) -> Result<Self> {
         Ok(ZstdIndexer {
-            fr: Frames::at_frame(input, 0, 0)?,
-            span: span.max(1),
-            checkpoints: vec![Checkpoint {
-                compressed: 0,
-                uncompressed: 0,
-                resume: Resume::Stream,
-            }],
-            candidate: None,
-            done: false,
-            failed: None,
+            state: Indexing {
+                fr: Frames::at_frame(input, 0, 0)?,
+                span: span.max(1),
+                checkpoints: vec![Checkpoint {
+                    compressed: 0,
+                    uncompressed: 0,
+                    resume: Resume::Stream,
+                }],
+                candidate: None,
+            },
+            flow: Flow::default(),
         })
     }
 
     /// The compressed input.
     pub fn get_ref(&self) -> &R {
-        self.fr.input.get_ref()
+        self.state.fr.input.get_ref()
     }
 
-    fn step(&mut self) -> Result<()> {
+    /// Reads what is left of the stream and returns the index.
+    pub fn finish(mut self) -> Result<SeekIndex> {
+        self.flow.drain(&mut self.state)?;
+        let s = self.state;
+        Ok(SeekIndex {
+            codec: Codec::Zstd,
+            compressed_size: s.fr.total_in(),
+            uncompressed_size: s.fr.total_out(),
+            span: s.span,
+            checkpoints: s.checkpoints,
+        })
+    }
+
+    /// The compressed input, once the index is no longer wanted.
+    pub fn into_inner(self) -> R {
+        self.state.fr.input.into_inner()
+    }
+}
+
+impl<R: BufRead> Read for ZstdIndexer<R> {
+    fn read(&mut self, out: &mut [u8]) -> io::Result<usize> {
+        self.flow.read(&mut self.state, out)
+    }
+}
+
+impl<R: BufRead> Decode for Indexing<R> {
+    fn pending(&self) -> &[u8] {
+        self.fr.pending()
+    }
+    fn take(&mut self, n: usize) {
+        self.fr.take(n)
+    }
+    fn more(&mut self) -> Result<bool> {
         let before = self.fr.total_out();
         match self.fr.advance()? {
             Event::Frame(at) => {
@@ -179,67 +216,13 @@ impl<R: BufRead> ZstdIndexer<R> {
                     }
                 }
             }
-            Event::End => {
-                if self.fr.frames == 0 {
-                    return Err(Error::corrupt("an empty stream is not zstd"));
-                }
-                self.done = true;
-            }
+            Event::End if self.fr.frames == 0 => return Err(Error::corrupt("an empty stream is not zstd")),
+            Event::End => return Ok(false),
         }
-        Ok(())
+        Ok(true)
     }
-
-    /// Reads what is left of the stream and returns the index.
-    pub fn finish(mut self) -> Result<SeekIndex> {
-        if let Some(msg) = &self.failed {
-            return Err(Error::corrupt(msg.clone()));
-        }
-        while !self.done {
-            let n = self.fr.pending().len();
-            if n > 0 {
-                self.fr.take(n);
-            } else {
-                self.step()?;
-            }
-        }
-        Ok(SeekIndex {
-            codec: Codec::Zstd,
-            compressed_size: self.fr.total_in(),
-            uncompressed_size: self.fr.total_out(),
-            span: self.span,
-            checkpoints: self.checkpoints,
-        })
-    }
-
-    /// The compressed input, once the index is no longer wanted.
-    pub fn into_inner(self) -> R {
-        self.fr.input.into_inner()
-    }
-}
-
-impl<R: BufRead> Read for ZstdIndexer<R> {
-    fn read(&mut self, out: &mut [u8]) -> io::Result<usize> {
-        sticky(&self.failed)?;
-        if out.is_empty() {
-            return Ok(0);
-        }
-        loop {
-            let pending = self.fr.pending();
-            if !pending.is_empty() {
-                let n = copy_out(pending, out);
-                self.fr.take(n);
-                return Ok(n);
-            }
-            if self.done {
-                return Ok(0);
-            }
-            if let Err(e) = self.step() {
-                if !matches!(e, Error::Io(_)) {
-                    self.failed = Some(e.to_string());
-                }
-                return Err(e.into());
-            }
-        }
+    fn total_out(&self) -> u64 {
+        self.fr.total_out()
     }
 }
 
