@@ -280,3 +280,38 @@ fn reads_refuse_short_fetches_and_bad_ranges() {
         .is_err());
     index.read_at(7..7, &[], &mut []).unwrap();
 }
+
+/// What a lazy mount does with an ordinary layer: each file of the tar
+/// read on its own, from where the tar stream holds it.
+#[test]
+fn every_file_of_a_tar_layer_reads_back_alone() {
+    let mut b = tar::Builder::new(Vec::new());
+    let mut files = Vec::new();
+    let mut r = Rng(9);
+    for i in 0..150u64 {
+        let len = match i % 5 {
+            0 => 0,
+            1 => r.below(100) as usize,
+            2 => r.below(20_000) as usize,
+            3 => r.below(200_000) as usize,
+            _ => 1 + r.below(1 << 20) as usize,
+        };
+        let data = corpus(1000 + i, len);
+        let mut h = tar::Header::new_ustar();
+        h.set_size(len as u64);
+        h.set_mode(0o644);
+        b.append_data(&mut h, format!("dir/file-{i}"), &data[..]).unwrap();
+        files.push(data);
+    }
+    let tar = b.into_inner().unwrap();
+    let Some(blob) = cli("gzip", &["-c", "-6", "-n"], &tar) else {
+        return;
+    };
+    let index = build_index(&blob, 256 << 10, &tar);
+    let mut archive = tar::Archive::new(&tar[..]);
+    for (i, entry) in archive.entries().unwrap().enumerate() {
+        let entry = entry.unwrap();
+        let (at, len) = (entry.raw_file_position(), entry.size());
+        assert_eq!(read(&index, &blob, at, at + len), files[i], "file {i}");
+    }
+}

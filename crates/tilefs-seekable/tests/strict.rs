@@ -166,6 +166,10 @@ fn estargz_tables() {
     );
     says(estargz(r#"{"name":"x","type":"socket"}"#), "unknown type");
     says(
+        estargz(r#"{"name":"./","type":"symlink","linkName":"x"}"#),
+        "the root as a symlink",
+    );
+    says(
         estargz(&format!(
             r#"{{"name":"x","type":"chunk","offset":5,"chunkDigest":"{D}"}}"#
         )),

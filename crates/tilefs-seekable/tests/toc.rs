@@ -290,6 +290,29 @@ fn estargz_layers_read_back_file_by_file() {
         if args.len() > 1 {
             assert!(chunks > 50 && shared > 10, "{chunks} chunks, {shared} shared");
         }
+        // Pulled as an ordinary gzip layer (a member per chunk and more),
+        // its seek index reads the big file through its checkpoints.
+        let mut ix = tilefs_seekable::gzip::GzipIndexer::with_span(&blob[..], 64 << 10);
+        let mut stream = Vec::new();
+        std::io::Read::read_to_end(&mut ix, &mut stream).unwrap();
+        let index = ix.finish().unwrap();
+        let members = index
+            .checkpoints()
+            .iter()
+            .filter(|c| c.resume == tilefs_seekable::Resume::Stream)
+            .count();
+        assert!(
+            members >= 1 && index.checkpoints().len() > 20,
+            "{members} member checkpoints"
+        );
+        let big = &tree.iter().find(|(p, _)| p == "a/big").unwrap().1.data;
+        let at = stream.windows(4096).position(|w| w == &big[..4096]).unwrap() as u64;
+        let f = index.fetch_range(at..at + big.len() as u64).unwrap();
+        let mut out = vec![0u8; big.len()];
+        index
+            .read_at(at..at + big.len() as u64, slice(&blob, f), &mut out)
+            .unwrap();
+        assert!(&out == big);
     }
 }
 

@@ -232,6 +232,9 @@ impl Builder {
         if self.paths.contains_key(&path) {
             return Err(Error::toc("listed twice"));
         }
+        if path.is_empty() && e.kind != "dir" {
+            return Err(Error::toc(format!("the root as a {}", e.kind)));
+        }
         let is_reg = e.kind == "reg";
         let is_link = matches!(e.kind.as_str(), "symlink" | "hardlink");
         let is_dev = matches!(e.kind.as_str(), "char" | "block");
