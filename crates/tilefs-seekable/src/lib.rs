@@ -10,7 +10,7 @@
 //! - [`SeekIndex`]: the checkpoints of one layer, what a range of the tar
 //!   stream costs to fetch ([`SeekIndex::fetch_range`]) and its reading
 //!   from the fetched bytes ([`SeekIndex::read_at`]); serialized as
-//!   [`format`] specifies;
+//!   [`format`](mod@format) specifies;
 //! - [`toc`]: the tables of contents of eStargz and zstd:chunked layers,
 //!   which need no index: footers, the ranges to fetch, the table checked
 //!   against the digest in the layer's annotations, and every regular
