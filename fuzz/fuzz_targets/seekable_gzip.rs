@@ -16,7 +16,9 @@ use tilefs_seekable::SeekIndex;
 const CAP: u64 = 8 << 20;
 
 fuzz_target!(|data: &[u8]| {
-    let Some((&first, blob)) = data.split_first() else { return };
+    let Some((&first, blob)) = data.split_first() else {
+        return;
+    };
     let span = 1u64 << (first % 17);
     let mut ix = GzipIndexer::with_span(blob, span);
     let mut out = Vec::new();
@@ -28,9 +30,12 @@ fuzz_target!(|data: &[u8]| {
     }
     let Ok(index) = ix.finish() else { return };
     let mut theirs = Vec::new();
-    flate2::read::MultiGzDecoder::new(blob).take(CAP + 1).read_to_end(&mut theirs).unwrap_or_else(|e| {
-        panic!("flate2 refuses a stream the indexer accepts: {e}");
-    });
+    flate2::read::MultiGzDecoder::new(blob)
+        .take(CAP + 1)
+        .read_to_end(&mut theirs)
+        .unwrap_or_else(|e| {
+            panic!("flate2 refuses a stream the indexer accepts: {e}");
+        });
     assert!(theirs == out, "flate2 decodes the stream differently");
     assert_eq!(index.uncompressed_size(), out.len() as u64);
     assert_eq!(SeekIndex::decode(&index.encode()).unwrap(), index);
@@ -39,7 +44,12 @@ fuzz_target!(|data: &[u8]| {
         let b = (a + 1000).min(out.len() as u64);
         let f = index.fetch_range(a..b).unwrap();
         let mut got = vec![0u8; (b - a) as usize];
-        index.read_at(a..b, &blob[f.start as usize..f.end as usize], &mut got).unwrap();
-        assert!(got == out[a as usize..b as usize], "checkpoint at {a} reads other bytes");
+        index
+            .read_at(a..b, &blob[f.start as usize..f.end as usize], &mut got)
+            .unwrap();
+        assert!(
+            got == out[a as usize..b as usize],
+            "checkpoint at {a} reads other bytes"
+        );
     }
 });

@@ -14,7 +14,9 @@ use libfuzzer_sys::fuzz_target;
 use tilefs_seekable::toc::{estargz, zstd_chunked, Kind};
 
 fuzz_target!(|data: &[u8]| {
-    let Some((&first, json)) = data.split_first() else { return };
+    let Some((&first, json)) = data.split_first() else {
+        return;
+    };
     let at = 8 + (1u64 << (first >> 1).min(62));
     let toc = if first & 1 == 0 {
         estargz::parse_json(json, at)
@@ -31,7 +33,11 @@ fuzz_target!(|data: &[u8]| {
     let mut seen: HashMap<&str, &Kind> = HashMap::new();
     for e in &toc.entries {
         assert!(!e.path.starts_with('/') && !e.path.ends_with('/'), "{:?}", e.path);
-        assert!(e.path.split('/').all(|n| !matches!(n, "" | "." | "..")) || e.path.is_empty(), "{:?}", e.path);
+        assert!(
+            e.path.split('/').all(|n| !matches!(n, "" | "." | "..")) || e.path.is_empty(),
+            "{:?}",
+            e.path
+        );
         assert!(e.mode <= 0o7777);
         match &e.kind {
             Kind::File(f) => {

@@ -16,9 +16,13 @@ use tilefs_seekable::SeekIndex;
 const CAP: u64 = 8 << 20;
 
 fuzz_target!(|data: &[u8]| {
-    let Some((&first, blob)) = data.split_first() else { return };
+    let Some((&first, blob)) = data.split_first() else {
+        return;
+    };
     let span = 1u64 << (first % 17);
-    let Ok(mut ix) = ZstdIndexer::with_span(blob, span) else { return };
+    let Ok(mut ix) = ZstdIndexer::with_span(blob, span) else {
+        return;
+    };
     let mut out = Vec::new();
     if (&mut ix).take(CAP).read_to_end(&mut out).is_err() {
         return;
@@ -29,7 +33,8 @@ fuzz_target!(|data: &[u8]| {
     let Ok(index) = ix.finish() else { return };
     let mut theirs = Vec::new();
     let mut d = zstd::Decoder::new(blob).unwrap();
-    d.read_to_end(&mut theirs).unwrap_or_else(|e| panic!("zstd refuses a stream the indexer accepts: {e}"));
+    d.read_to_end(&mut theirs)
+        .unwrap_or_else(|e| panic!("zstd refuses a stream the indexer accepts: {e}"));
     assert!(theirs == out, "zstd decodes the stream differently");
     assert_eq!(SeekIndex::decode(&index.encode()).unwrap(), index);
     for c in index.checkpoints() {
@@ -37,7 +42,12 @@ fuzz_target!(|data: &[u8]| {
         let b = (a + 1000).min(out.len() as u64);
         let f = index.fetch_range(a..b).unwrap();
         let mut got = vec![0u8; (b - a) as usize];
-        index.read_at(a..b, &blob[f.start as usize..f.end as usize], &mut got).unwrap();
-        assert!(got == out[a as usize..b as usize], "checkpoint at {a} reads other bytes");
+        index
+            .read_at(a..b, &blob[f.start as usize..f.end as usize], &mut got)
+            .unwrap();
+        assert!(
+            got == out[a as usize..b as usize],
+            "checkpoint at {a} reads other bytes"
+        );
     }
 });
