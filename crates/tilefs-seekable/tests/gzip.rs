@@ -4,7 +4,7 @@ mod common;
 
 use std::io::{BufReader, Read, Write};
 
-use common::{cli, corpus, Rng};
+use common::{cli, corpus, read, Rng};
 use flate2::write::GzEncoder;
 use flate2::Compression;
 use tilefs_seekable::gzip::GzipIndexer;
@@ -37,16 +37,6 @@ fn build_index(blob: &[u8], span: u64, expect: &[u8]) -> SeekIndex {
     let decoded = SeekIndex::decode(&index.encode()).unwrap();
     assert_eq!(decoded, index, "the index does not round-trip through its encoding");
     index
-}
-
-/// Reads `range` through the index from the bytes `fetch_range` names.
-fn read(index: &SeekIndex, blob: &[u8], a: u64, b: u64) -> Vec<u8> {
-    let f = index.fetch_range(a..b).unwrap();
-    let mut out = vec![0u8; (b - a) as usize];
-    index
-        .read_at(a..b, &blob[f.start as usize..f.end as usize], &mut out)
-        .unwrap();
-    out
 }
 
 /// Every checkpoint, reads across checkpoints and random ranges give the

@@ -4,7 +4,7 @@ mod common;
 
 use std::io::{BufReader, Read};
 
-use common::{cli, corpus, Rng};
+use common::{cli, corpus, read, Rng};
 use tilefs_seekable::zstd::ZstdIndexer;
 use tilefs_seekable::{Codec, Resume, SeekIndex};
 
@@ -20,15 +20,6 @@ fn build_index(blob: &[u8], span: u64, expect: &[u8]) -> SeekIndex {
     assert!(index.checkpoints().iter().all(|c| c.resume == Resume::Stream));
     assert_eq!(SeekIndex::decode(&index.encode()).unwrap(), index);
     index
-}
-
-fn read(index: &SeekIndex, blob: &[u8], a: u64, b: u64) -> Vec<u8> {
-    let f = index.fetch_range(a..b).unwrap();
-    let mut out = vec![0u8; (b - a) as usize];
-    index
-        .read_at(a..b, &blob[f.start as usize..f.end as usize], &mut out)
-        .unwrap();
-    out
 }
 
 fn check_reads(index: &SeekIndex, blob: &[u8], data: &[u8]) {

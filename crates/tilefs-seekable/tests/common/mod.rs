@@ -6,6 +6,8 @@
 use std::io::Write;
 use std::process::{Command, Stdio};
 
+use tilefs_seekable::SeekIndex;
+
 /// A small xorshift generator: the same bytes on every run.
 pub struct Rng(pub u64);
 
@@ -94,4 +96,14 @@ pub fn cli(program: &str, args: &[&str], data: &[u8]) -> Option<Vec<u8>> {
     writer.join().unwrap();
     assert!(out.status.success(), "{program} {args:?} failed");
     Some(out.stdout)
+}
+
+/// Reads `a..b` through the index from the bytes `fetch_range` names.
+pub fn read(index: &SeekIndex, blob: &[u8], a: u64, b: u64) -> Vec<u8> {
+    let f = index.fetch_range(a..b).unwrap();
+    let mut out = vec![0u8; (b - a) as usize];
+    index
+        .read_at(a..b, &blob[f.start as usize..f.end as usize], &mut out)
+        .unwrap();
+    out
 }
