@@ -130,7 +130,9 @@ impl Server {
 
     /// The descriptors the server has open.
     fn descriptors(&self) -> usize {
-        std::fs::read_dir(format!("/proc/{}/fd", self.child.id())).unwrap().count()
+        std::fs::read_dir(format!("/proc/{}/fd", self.child.id()))
+            .unwrap()
+            .count()
     }
 }
 
@@ -151,7 +153,12 @@ impl Vmm {
         if !fds.is_empty() {
             control.push(SendAncillaryMessage::ScmRights(fds));
         }
-        let sent = sendmsg(&self.0, &[std::io::IoSlice::new(&msg)], &mut control, SendFlags::NOSIGNAL)?;
+        let sent = sendmsg(
+            &self.0,
+            &[std::io::IoSlice::new(&msg)],
+            &mut control,
+            SendFlags::NOSIGNAL,
+        )?;
         assert_eq!(sent, msg.len());
         Ok(())
     }
@@ -334,18 +341,21 @@ fn the_socket_is_its_owners_alone_unless_a_group_is_named() {
     assert_eq!(e.kind(), std::io::ErrorKind::PermissionDenied, "{e}");
     drop(server);
 
-    let getent = Command::new("getent").args(["group", &NOBODY.to_string()]).output().unwrap();
-    let group = String::from_utf8_lossy(&getent.stdout).split(':').next().unwrap().to_string();
+    let getent = Command::new("getent")
+        .args(["group", &NOBODY.to_string()])
+        .output()
+        .unwrap();
+    let group = String::from_utf8_lossy(&getent.stdout)
+        .split(':')
+        .next()
+        .unwrap()
+        .to_string();
     assert!(!group.is_empty(), "no group with gid {NOBODY}");
     let shared = Area::new();
     let server = Server::start(&shared, "000", &["--socket-group", &group]);
     let m = std::fs::symlink_metadata(&server.socket).unwrap();
     assert_eq!((m.mode() & 0o7777, m.gid()), (0o660, NOBODY));
-    std::fs::set_permissions(
-        server.socket.parent().unwrap(),
-        std::fs::Permissions::from_mode(0o755),
-    )
-    .unwrap();
+    std::fs::set_permissions(server.socket.parent().unwrap(), std::fs::Permissions::from_mode(0o755)).unwrap();
     nobody_connects(&server.socket).unwrap();
     // A group that does not exist is an error naming it.
     let out = tilefs_any(&[

@@ -209,7 +209,7 @@ impl<F: Filesystem> Device<F> {
             let head = descs.head_index();
             chain.gather(&*mem, descs.map(|d| (d.addr(), d.len(), d.is_write_only())));
             let used = self.answer(&*mem, chain, buf);
-            self.complete(&mut vring.get_mut(), &*mem, head, used)?;
+            self.complete(&mut vring.get_mut(), &mem, head, used)?;
         }
         Ok(())
     }
