@@ -131,6 +131,15 @@ impl Service {
     fn log(&self) -> String {
         self.log.lock().unwrap().clone()
     }
+
+    /// Waits (10 s at most) until `what` is in `n` lines of the log.
+    fn wait_for_log(&self, what: &str, n: usize) {
+        let end = Instant::now() + Duration::from_secs(10);
+        while self.log().lines().filter(|l| l.contains(what)).count() < n {
+            assert!(Instant::now() < end, "no {n} lines with {what:?}:\n{}", self.log());
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
 }
 
 struct Setup {
@@ -1028,7 +1037,7 @@ impl Drop for Killed {
 fn a_mount_point_that_stops_answering_holds_up_no_one_else() {
     let _serial = serial();
     require(cannot_fuse());
-    let mut s = setup_with("", &["--request-timeout", "3"]);
+    let mut s = setup_with("", &["--request-timeout", "5"]);
     let fuse = StallingFuse::mount(&s.area.dir("fuse"), NOBODY);
     let sub = fuse.sub();
     let _sitting = Killed(
@@ -1046,14 +1055,11 @@ fn a_mount_point_that_stops_answering_holds_up_no_one_else() {
         fuse.wait_held(1);
         let more: Vec<_> = (0..3).map(|_| sc.spawn(|| ask(NOBODY, &sub))).collect();
         fuse.wait_held(4);
-        // The user's fifth request at once: busy, not queued.
-        let t = Instant::now();
+        // The user's fifth request: busy, not queued.
         let r = ask(NOBODY, &sub).expect("a reply");
         assert!(r.busy, "{r:?}");
-        assert!(t.elapsed() < Duration::from_secs(2), "{:?}", t.elapsed());
-        // Another user is served meanwhile, at once: a mount, and an
-        // unmount that checks it is not in use.
-        let t = Instant::now();
+        // Another user is served meanwhile: a mount, and an unmount that
+        // checks it is not in use.
         let r = ask(DAEMON, &daemons).expect("another user's request was held up");
         assert!(r.ok, "{r:?}");
         assert!(is_mounted(&daemons));
@@ -1067,22 +1073,18 @@ fn a_mount_point_that_stops_answering_holds_up_no_one_else() {
         .expect("another user's unmount was held up");
         assert!(r.ok, "{r:?}");
         assert!(!is_mounted(&daemons));
-        assert!(t.elapsed() < Duration::from_secs(2), "{:?}", t.elapsed());
-        // The stalled requests: refused at their deadline.
-        refused(&first.join().unwrap(), "did not finish within 3s");
+        // ... before the stalled ones were refused, at their deadline.
+        assert!(!first.is_finished() && more.iter().all(|m| !m.is_finished()));
+        refused(&first.join().unwrap(), "did not finish within 5s");
         for m in more {
             let r = m.join().unwrap().expect("no reply at the deadline");
-            assert!(r.error.unwrap_or_default().contains("did not finish within 3s"));
+            assert!(r.error.unwrap_or_default().contains("did not finish within 5s"));
         }
     });
     // The directory answers again: what waited on it ends, and nothing is
     // attached there for a client long gone.
     fuse.release();
-    let end = Instant::now() + Duration::from_secs(10);
-    while s.service.log().matches("ended after its client was answered").count() < 4 {
-        assert!(Instant::now() < end, "{}", s.service.log());
-        std::thread::sleep(Duration::from_millis(20));
-    }
+    s.service.wait_for_log("ended after its client was answered", 4);
     assert!(!is_mounted(&sub), "mounted for a request refused at its deadline");
     // Its threads ended, the user is served again (there too).
     ok(&s.mount_as_nobody("os:1", &sub, &[]));
@@ -1108,17 +1110,9 @@ fn a_request_whose_client_hung_up_is_not_carried_out() {
     });
     fuse.wait_held(1);
     drop(conn);
-    let end = Instant::now() + Duration::from_secs(5);
-    while !s.service.log().contains("the client hung up") {
-        assert!(Instant::now() < end, "{}", s.service.log());
-        std::thread::sleep(Duration::from_millis(20));
-    }
+    s.service.wait_for_log("the client hung up", 1);
     fuse.release();
-    let end = Instant::now() + Duration::from_secs(10);
-    while !s.service.log().contains("ended after its client was answered") {
-        assert!(Instant::now() < end, "{}", s.service.log());
-        std::thread::sleep(Duration::from_millis(20));
-    }
+    s.service.wait_for_log("ended after its client was answered", 1);
     assert!(!is_mounted(&sub), "mounted for a client that hung up");
 }
 

@@ -264,13 +264,7 @@ impl Tally {
             TurnedAway::Idle => c.idle += 1,
             TurnedAway::Anonymous => c.anonymous += 1,
         }
-        if c.last.is_none_or(|t| t.elapsed() >= TALLY_EVERY) {
-            if let Some(line) = c.take() {
-                log(&format!(
-                    "connections turned away (counted, a line a minute at most): {line}"
-                ));
-            }
-        }
+        c.log_if_due();
     }
 
     /// How long until a line may be logged again.
@@ -281,14 +275,7 @@ impl Tally {
 
     /// Logs what was counted since the last line, if a line is due.
     fn flush_due(&self) {
-        let mut c = self.0.lock().unwrap_or_else(|e| e.into_inner());
-        if c.last.is_none_or(|t| t.elapsed() >= TALLY_EVERY) {
-            if let Some(line) = c.take() {
-                log(&format!(
-                    "connections turned away (counted, a line a minute at most): {line}"
-                ));
-            }
-        }
+        self.0.lock().unwrap_or_else(|e| e.into_inner()).log_if_due();
     }
 
     /// What was counted and not logged yet, taken (for the last line).
@@ -298,6 +285,16 @@ impl Tally {
 }
 
 impl Counts {
+    fn log_if_due(&mut self) {
+        if self.last.is_none_or(|t| t.elapsed() >= TALLY_EVERY) {
+            if let Some(line) = self.take() {
+                log(&format!(
+                    "connections turned away (counted, a line a minute at most): {line}"
+                ));
+            }
+        }
+    }
+
     /// The counts as a line's text, reset; None when there are none.
     fn take(&mut self) -> Option<String> {
         let mut parts = Vec::new();
@@ -923,8 +920,11 @@ fn out_of_descriptors() -> bool {
     else {
         return false;
     };
-    let open = std::fs::read_dir("/proc/self/fd").map_or(0, |d| d.count() as u64);
-    open + 8 >= limit
+    match std::fs::read_dir("/proc/self/fd") {
+        Ok(d) => d.count() as u64 + 8 >= limit,
+        // Not even one more to look with.
+        Err(e) => matches!(e.raw_os_error(), Some(libc::EMFILE | libc::ENFILE)),
+    }
 }
 
 /// The listening socket systemd passed, if it did (socket activation).
