@@ -36,8 +36,8 @@ Unknown keys, names that resolve to no user or group, and relative paths are err
 policy is loaded. The policy, the signature policies and key files it names, and the stores' \
 tags and check records are read only if root alone could have written them (root's, writable by \
 no one else, every directory above them too, reached through no symlink). Each request has \
---request-timeout seconds; one whose client hangs up or whose time runs out is not carried out. Clients find the service at $TILEFS_MOUNTD_SOCKET, else \
-/run/tilefs/mountd.sock. SIGTERM or SIGINT stops it; it removes the socket it made.";
+--request-timeout seconds; one whose client hangs up or whose time runs out is not carried out. \
+Clients find the service at $TILEFS_MOUNTD_SOCKET, else /run/tilefs/mountd.sock. SIGTERM or SIGINT stops it; it removes the socket it made.";
 
 #[derive(Args)]
 pub struct MountdArgs {
