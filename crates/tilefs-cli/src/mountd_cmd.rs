@@ -28,12 +28,16 @@ The policy (TOML, --policy, default /etc/tilefs/mountd.toml):
   images = [\"os:1\"]                # optional: only these tags (default: all)
   verity = \"require\"               # optional: require | auto | off, over what users ask
   writable = true                  # optional: allow --upper/--work (default false)
+  signature_policy = \"/etc/containers/policy.json\"  # optional: mount only images it accepts
   [store.pinned]                   # optional: tags that mount only with this digest
   \"os:1\" = \"sha256:6d0c...\"
 
 Unknown keys, names that resolve to no user or group, and relative paths are errors when the \
-policy is loaded. Clients find the service at $TILEFS_MOUNTD_SOCKET, else \
-/run/tilefs/mountd.sock. SIGTERM or SIGINT stops it; it removes the socket it made.";
+policy is loaded. The policy, the signature policies and key files it names, and the stores' \
+tags and check records are read only if root alone could have written them (root's, writable by \
+no one else, every directory above them too, reached through no symlink). Each request has \
+--request-timeout seconds; one whose client hangs up or whose time runs out is not carried out. \
+Clients find the service at $TILEFS_MOUNTD_SOCKET, else /run/tilefs/mountd.sock. SIGTERM or SIGINT stops it; it removes the socket it made.";
 
 #[derive(Args)]
 pub struct MountdArgs {
@@ -43,6 +47,11 @@ pub struct MountdArgs {
     /// Policy: which users may mount which stores' tagged images (TOML; see tilefs-mountd(1))
     #[arg(long, value_name = "FILE", default_value = server::DEFAULT_POLICY)]
     pub policy: PathBuf,
+    /// How long a request may take once asked (checking its directories, building and attaching
+    /// the mount); past it the client is told so and nothing is done for it
+    #[arg(long, value_name = "SECONDS", default_value_t = server::DEFAULT_REQUEST_TIMEOUT.as_secs(),
+          value_parser = clap::value_parser!(u64).range(1..=3600))]
+    pub request_timeout: u64,
 }
 
 /// The arguments the service starts its helper process with.
@@ -67,6 +76,7 @@ pub fn run(a: MountdArgs) -> Result<ExitCode> {
             program: "/proc/self/exe".into(),
             args: HELPER_ARGS.iter().map(Into::into).collect(),
         },
+        request_timeout: std::time::Duration::from_secs(a.request_timeout),
     };
     // Signals are taken before the socket exists: a SIGTERM right after
     // it appears still shuts down cleanly.
@@ -81,6 +91,12 @@ pub fn run(a: MountdArgs) -> Result<ExitCode> {
             } else {
                 "SIGTERM"
             };
+            // Its socket exists a moment before the service can be
+            // stopped cleanly: a signal in between waits for it.
+            let end = std::time::Instant::now() + std::time::Duration::from_secs(2);
+            while on_signal.get().is_none() && std::time::Instant::now() < end {
+                std::thread::sleep(std::time::Duration::from_millis(5));
+            }
             match on_signal.get() {
                 Some(svc) => svc.shutdown(name),
                 None => eprintln!("tilefs-mountd: stopped by {name} while starting"),

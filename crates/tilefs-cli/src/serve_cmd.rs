@@ -42,6 +42,10 @@ pub struct ServeArgs {
     /// at least 16 for an image pulled with --lazy, whose fetches hold their threads)
     #[arg(long, default_value_t = tilefs_fuse::default_threads(), value_name = "N")]
     pub threads: usize,
+    /// Share the socket with this group (name or gid): mode 0660 (else it is 0600, the
+    /// owner's alone, whatever the umask); for a VMM running as another user of that group
+    #[arg(long, value_name = "GROUP")]
+    pub socket_group: Option<String>,
     /// Exit when the VMM disconnects (else serve the next one)
     #[arg(long)]
     pub once: bool,
@@ -68,6 +72,15 @@ pub fn run(a: ServeArgs) -> Result<ExitCode> {
         .map(tilefs_mount::options::parse_digest)
         .transpose()
         .map_err(|e| anyhow!("--digest: {e}"))?;
+    let socket_group = match &a.socket_group {
+        Some(g) => Some(
+            g.parse()
+                .ok()
+                .or_else(|| tilefs_sys::users::gid_of(g))
+                .ok_or_else(|| anyhow!("--socket-group: no group {g:?}"))?,
+        ),
+        None => None,
+    };
     let upper = a.upper.clone().zip(a.work.clone());
     let log = match &a.log {
         Some(p) => LogTo::File(p.clone()),
@@ -100,6 +113,7 @@ pub fn run(a: ServeArgs) -> Result<ExitCode> {
         request_queues: usize::from(a.queues),
         threads,
         once: a.once,
+        socket_group,
     };
     let r = tilefs_vhost::serve(fs, log, &opts);
     let _ = std::fs::remove_file(&socket);

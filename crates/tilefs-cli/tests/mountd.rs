@@ -6,12 +6,15 @@
 //! hostile local user tried on it, each refused.
 
 mod common;
+#[path = "mountd/stalling_fuse.rs"]
+mod stalling_fuse;
 
 use common::*;
 use rustix::fd::OwnedFd;
+use stalling_fuse::StallingFuse;
 use std::ffi::OsStr;
 use std::fs;
-use std::io::{BufRead, BufReader};
+use std::io::{BufRead, BufReader, Read};
 use std::os::unix::fs::{MetadataExt, PermissionsExt};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Output, Stdio};
@@ -50,6 +53,25 @@ fn on_thread_as<T: Send>(uid: u32, f: impl FnOnce() -> T + Send) -> T {
         })
         .join()
         .unwrap()
+    })
+}
+
+/// Asks the service as `uid`, on a thread with that user's credentials:
+/// `bytes`, with the directories `dirs` opened as the client opens them;
+/// None when no reply came within `wait`.
+fn ask_as(uid: u32, socket: &Path, bytes: &[u8], dirs: &[&Path], wait: Duration) -> Option<proto::Reply> {
+    on_thread_as(uid, || {
+        use rustix::fs::{Mode, OFlags};
+        let flags = OFlags::PATH | OFlags::DIRECTORY | OFlags::NOFOLLOW | OFlags::CLOEXEC;
+        let fds: Vec<OwnedFd> = dirs
+            .iter()
+            .map(|d| rustix::fs::open(*d, flags, Mode::empty()).unwrap())
+            .collect();
+        let fd = connect(socket);
+        rustix::net::sockopt::set_socket_timeout(&fd, rustix::net::sockopt::Timeout::Recv, Some(wait)).unwrap();
+        let _ = proto::send(&fd, bytes, &fds);
+        let (reply, _) = proto::recv(&fd).ok()?;
+        Some(serde_json::from_slice(&reply).unwrap())
     })
 }
 
@@ -109,6 +131,15 @@ impl Service {
     fn log(&self) -> String {
         self.log.lock().unwrap().clone()
     }
+
+    /// Waits (10 s at most) until `what` is in `n` lines of the log.
+    fn wait_for_log(&self, what: &str, n: usize) {
+        let end = Instant::now() + Duration::from_secs(10);
+        while self.log().lines().filter(|l| l.contains(what)).count() < n {
+            assert!(Instant::now() < end, "no {n} lines with {what:?}:\n{}", self.log());
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
 }
 
 struct Setup {
@@ -123,6 +154,11 @@ struct Setup {
 /// in a 0700 directory; a file of nobody's own; a policy letting nobody
 /// (and daemon) mount it; and the service on it.
 fn setup(policy_extra: &str) -> Setup {
+    setup_with(policy_extra, &[])
+}
+
+/// [`setup`], the service started with `args` besides.
+fn setup_with(policy_extra: &str, args: &[&str]) -> Setup {
     require(cannot_mount("erofs").or_else(|| cannot_mount("overlay")));
     let area = Area::new();
     fs::set_permissions(area.tmp.path(), fs::Permissions::from_mode(0o755)).unwrap();
@@ -175,6 +211,7 @@ fn setup(policy_extra: &str) -> Setup {
         os("--policy"),
         policy.as_os_str(),
     ]);
+    cmd.args(args);
     let service = Service::start(cmd, &socket);
     Setup {
         area,
@@ -976,5 +1013,244 @@ fn the_signature_policy_decides_what_the_service_mounts() {
     // Root's own record of the image it checked still serves.
     ok(&s.mount_as_nobody("pulled", &mnt, &[]));
     ok(&s.umount_as_nobody(&mnt));
+    assert!(!is_mounted(&mnt));
+}
+
+/// A child killed (and reaped) when dropped.
+struct Killed(Child);
+
+impl Drop for Killed {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+/// Issue 43, item 5: a user's FUSE directory that stops answering once
+/// the service's first checks of it have passed, sent as a mount point
+/// (and a process of the user's sitting in it). Requests waiting on it
+/// hold up no one else's (a mount and an unmount, which looks at every
+/// process's directories), each is answered at its deadline, the user has
+/// at most 4 of them in flight (the fifth is told the service is busy),
+/// and none is carried out when the directory answers again.
+#[test]
+fn a_mount_point_that_stops_answering_holds_up_no_one_else() {
+    let _serial = serial();
+    require(cannot_fuse());
+    let mut s = setup_with("", &["--request-timeout", "5"]);
+    let fuse = StallingFuse::mount(&s.area.dir("fuse"), NOBODY);
+    let sub = fuse.sub();
+    let _sitting = Killed(
+        as_nobody(Command::new("sleep").arg("600").current_dir(&fuse.root))
+            .spawn()
+            .unwrap(),
+    );
+    fuse.arm();
+    let socket = s.service.socket.clone();
+    let request = s.request(true, false);
+    let ask = |uid: u32, dir: &Path| ask_as(uid, &socket, request.as_bytes(), &[dir], Duration::from_secs(20));
+    let daemons = s.mountpoint_of("daemons", DAEMON);
+    std::thread::scope(|sc| {
+        let first = sc.spawn(|| s.mount_as_nobody("os:1", &sub, &[]));
+        fuse.wait_held(1);
+        let more: Vec<_> = (0..3).map(|_| sc.spawn(|| ask(NOBODY, &sub))).collect();
+        fuse.wait_held(4);
+        // The user's fifth request: busy, not queued.
+        let r = ask(NOBODY, &sub).expect("a reply");
+        assert!(r.busy, "{r:?}");
+        // Another user is served meanwhile: a mount, and an unmount that
+        // checks it is not in use.
+        let r = ask(DAEMON, &daemons).expect("another user's request was held up");
+        assert!(r.ok, "{r:?}");
+        assert!(is_mounted(&daemons));
+        let r = ask_as(
+            DAEMON,
+            &socket,
+            br#"{"op":"umount"}"#,
+            &[&daemons],
+            Duration::from_secs(20),
+        )
+        .expect("another user's unmount was held up");
+        assert!(r.ok, "{r:?}");
+        assert!(!is_mounted(&daemons));
+        // ... before the stalled ones were refused, at their deadline.
+        assert!(!first.is_finished() && more.iter().all(|m| !m.is_finished()));
+        refused(&first.join().unwrap(), "did not finish within 5s");
+        for m in more {
+            let r = m.join().unwrap().expect("no reply at the deadline");
+            assert!(r.error.unwrap_or_default().contains("did not finish within 5s"));
+        }
+    });
+    // The directory answers again: what waited on it ends, and nothing is
+    // attached there for a client long gone.
+    fuse.release();
+    s.service.wait_for_log("ended after its client was answered", 4);
+    assert!(!is_mounted(&sub), "mounted for a request refused at its deadline");
+    // Its threads ended, the user is served again (there too).
+    ok(&s.mount_as_nobody("os:1", &sub, &[]));
+    ok(&s.umount_as_nobody(&sub));
+}
+
+/// Issue 43, item 5: a request whose client hangs up before its mount is
+/// attached is not carried out, even when what held it up answers again.
+#[test]
+fn a_request_whose_client_hung_up_is_not_carried_out() {
+    let _serial = serial();
+    require(cannot_fuse());
+    let s = setup("");
+    let fuse = StallingFuse::mount(&s.area.dir("fuse"), NOBODY);
+    fuse.arm();
+    let sub = fuse.sub();
+    let socket = s.service.socket.clone();
+    let conn = on_thread_as(NOBODY, || {
+        let fd = connect(&socket);
+        let dir = rustix::fs::open(&sub, rustix::fs::OFlags::PATH, rustix::fs::Mode::empty()).unwrap();
+        proto::send(&fd, s.request(true, false).as_bytes(), &[dir]).unwrap();
+        fd
+    });
+    fuse.wait_held(1);
+    drop(conn);
+    s.service.wait_for_log("the client hung up", 1);
+    fuse.release();
+    s.service.wait_for_log("ended after its client was answered", 1);
+    assert!(!is_mounted(&sub), "mounted for a client that hung up");
+}
+
+/// The counts in a line of turned-away connections ("...: 3 of ..., 2 idle ...").
+fn counted(line: &str) -> u64 {
+    let counts = line.rsplit(": ").next().unwrap_or_default();
+    counts
+        .split(", ")
+        .filter_map(|part| part.split(' ').next()?.parse::<u64>().ok())
+        .sum()
+}
+
+/// Issue 43, item 6: connections turned away before they ask anything
+/// (of users the policy does not name, beyond a user's share, idle past
+/// 5 s) are counted and logged in one line a minute at most; what was
+/// counted since is in the shutdown's line.
+#[test]
+fn turned_away_connections_are_logged_once_a_minute_in_all() {
+    let _serial = serial();
+    let mut s = setup("");
+    let socket = s.service.socket.clone();
+    let connect_as =
+        |uid: u32, n: usize| -> Vec<OwnedFd> { on_thread_as(uid, || (0..n).map(|_| connect(&socket)).collect()) };
+    let answered = |fds: &[OwnedFd]| {
+        for fd in fds {
+            proto::recv(fd).unwrap();
+        }
+    };
+    let unlisted = connect_as(4242, 50);
+    answered(&unlisted);
+    let idle = connect_as(NOBODY, 4);
+    std::thread::sleep(Duration::from_millis(300));
+    let beyond = connect_as(NOBODY, 6);
+    answered(&beyond);
+    // The idle ones are dropped after 5 s.
+    for fd in &idle {
+        let _ = rustix::net::sockopt::set_socket_timeout(
+            fd,
+            rustix::net::sockopt::Timeout::Recv,
+            Some(Duration::from_secs(10)),
+        );
+        assert_eq!(proto::recv(fd).map(|(b, _)| b.len()), Ok(0), "not dropped");
+    }
+    std::thread::sleep(Duration::from_millis(200));
+    let log = s.service.log();
+    let lines: Vec<&str> = log.lines().filter(|l| l.contains("connections turned away")).collect();
+    assert_eq!(lines.len(), 1, "{log}");
+    assert!(!log.contains("not a user the policy names"), "{log}");
+    rustix::process::kill_process(
+        rustix::process::Pid::from_raw(s.service.child.id() as i32).unwrap(),
+        rustix::process::Signal::TERM,
+    )
+    .unwrap();
+    s.service.child.wait().unwrap();
+    std::thread::sleep(Duration::from_millis(100));
+    let log = s.service.log();
+    let lines: Vec<&str> = log.lines().filter(|l| l.contains("connections turned away")).collect();
+    assert_eq!(lines.len(), 2, "{log}");
+    assert!(lines[1].contains("shutting down (SIGTERM)"), "{log}");
+    assert!(
+        lines[1].contains("of users the policy does not name (uid 4242)") && lines[1].contains("idle"),
+        "{log}"
+    );
+    assert_eq!(lines.iter().map(|l| counted(l)).sum::<u64>(), 60, "{log}");
+}
+
+/// Issue 43, item 5: the service reads a file it trusts (its policy, a
+/// store's signature policy) only if root alone could have written it:
+/// not through a symlink (here to a file the user may write), not one
+/// others may write, named in the error with the reason; and a signature
+/// policy replaced by a symlink at run time is refused at the next mount.
+#[test]
+fn the_service_reads_only_files_root_alone_could_write() {
+    let _serial = serial();
+    let keep = Area::new();
+    fs::set_permissions(keep.tmp.path(), fs::Permissions::from_mode(0o755)).unwrap();
+    let accept = r#"{"default":[{"type":"insecureAcceptAnything"}]}"#;
+    let roots = keep.path("policy.json");
+    fs::write(&roots, accept).unwrap();
+    let users = keep.path("users.json");
+    fs::write(&users, accept).unwrap();
+    give_to_nobody(&users);
+    let link = keep.path("link.json");
+    std::os::unix::fs::symlink(&roots, &link).unwrap();
+    let mut s = setup(&format!("signature_policy = \"{}\"\n", roots.display()));
+    let start = |policy_extra: &str| {
+        let text = format!(
+            "[[store]]\npath = \"{}\"\nusers = [\"nobody\"]\n{policy_extra}",
+            s.store.display()
+        );
+        fs::write(&s.policy, text).unwrap();
+        // A service that starts is a failure: stopped after 10 s.
+        let mut cmd = Command::new(tilefs_bin());
+        cmd.args([
+            os("mountd"),
+            os("--socket"),
+            s.area.path("other.sock").as_os_str(),
+            os("--policy"),
+            s.policy.as_os_str(),
+        ]);
+        let mut child = Killed(cmd.stdout(Stdio::null()).stderr(Stdio::piped()).spawn().unwrap());
+        let end = Instant::now() + Duration::from_secs(10);
+        while child.0.try_wait().unwrap().is_none() {
+            assert!(Instant::now() < end, "the service started on a file it cannot trust");
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        let mut err = Vec::new();
+        child.0.stderr.take().unwrap().read_to_end(&mut err).unwrap();
+        Output {
+            status: child.0.wait().unwrap(),
+            stdout: Vec::new(),
+            stderr: err,
+        }
+    };
+    for (sp, why) in [(&link, "is a symlink"), (&users, "is not root's alone (uid 65534")] {
+        let out = start(&format!("signature_policy = \"{}\"\n", sp.display()));
+        refused(&out, why);
+        assert!(stderr(&out).contains(&sp.display().to_string()), "{}", stderr(&out));
+    }
+    // The policy itself, where others may write it.
+    fs::set_permissions(&s.policy, fs::Permissions::from_mode(0o666)).unwrap();
+    let out = start("");
+    refused(&out, "is not root's alone");
+    assert!(
+        stderr(&out).contains(&s.policy.display().to_string()),
+        "{}",
+        stderr(&out)
+    );
+    // At run time: the signature policy is read at each request.
+    let mnt = s.mountpoint("mnt");
+    refused(
+        &s.mount_as_nobody("os:1", &mnt, &[]),
+        "no record of a signature policy check",
+    );
+    fs::remove_file(&roots).unwrap();
+    std::os::unix::fs::symlink(&users, &roots).unwrap();
+    let out = s.mount_as_nobody("os:1", &mnt, &[]);
+    refused(&out, "is a symlink");
+    assert!(stderr(&out).contains(&roots.display().to_string()), "{}", stderr(&out));
     assert!(!is_mounted(&mnt));
 }

@@ -10,6 +10,8 @@
 //! - [`registries_conf`]: containers-registries.conf(5) and its drop-ins:
 //!   mirrors, insecure and blocked registries, short names;
 //! - [`gpg`], [`sigstore`], [`payload`]: the signatures themselves;
+//! - [`rootfile`]: reading files a root service trusts (no one else could
+//!   have written them);
 //! - [`dockerref`]: docker references in their fully expanded form.
 //!
 //! The check is a library call ([`policy::Policy::evaluate`]) so that every
@@ -28,6 +30,7 @@ pub mod payload;
 pub mod policy;
 pub mod registries_conf;
 pub mod registries_d;
+pub mod rootfile;
 pub mod sigstore;
 
 pub use dockerref::DockerRef;

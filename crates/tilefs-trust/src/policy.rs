@@ -20,6 +20,9 @@ pub struct Policy {
     pub origin: String,
     default: Vec<Requirement>,
     transports: BTreeMap<String, BTreeMap<String, Vec<Requirement>>>,
+    /// Key files are read only if root alone could have written them
+    /// ([`crate::rootfile`]): the policy of a root service.
+    roots_keys: bool,
 }
 
 /// Where a key comes from: files are read when the requirement is
@@ -442,6 +445,7 @@ impl Policy {
             origin: origin.to_string(),
             default,
             transports,
+            roots_keys: false,
         })
     }
 
@@ -449,6 +453,16 @@ impl Policy {
     pub fn load(path: &Path) -> Result<Policy, String> {
         let raw = crate::read_config(path).map_err(|e| format!("{}: {e}", path.display()))?;
         Policy::parse(&raw, &path.display().to_string())
+    }
+
+    /// Reads and parses the policy file of a service running as root:
+    /// it, and every key file it names, read only if root alone could have
+    /// written them ([`crate::rootfile`]).
+    pub fn load_roots(path: &Path) -> Result<Policy, String> {
+        let raw = crate::rootfile::read_existing(path, crate::MAX_CONFIG)?;
+        let mut p = Policy::parse(&raw, &path.display().to_string())?;
+        p.roots_keys = true;
+        Ok(p)
     }
 
     /// The requirements for `s`, and the scope they came from.
@@ -498,7 +512,7 @@ impl Policy {
                 Requirement::InsecureAcceptAnything => by.push("insecureAcceptAnything".to_string()),
                 Requirement::Reject => return Err(refuse("the policy rejects every image here (reject)".into())),
                 Requirement::SignedBy { keys, identity } => {
-                    let certs = load_keys(keys)
+                    let certs = load_keys(keys, self.roots_keys)
                         .and_then(|data| {
                             let mut all = Vec::new();
                             for d in data {
@@ -544,7 +558,7 @@ impl Policy {
                     }
                 }
                 Requirement::SigstoreSigned { keys, identity } => {
-                    let pubkeys = load_keys(keys)
+                    let pubkeys = load_keys(keys, self.roots_keys)
                         .and_then(|data| {
                             data.iter()
                                 .map(|d| crate::sigstore::parse_public_key(d))
@@ -597,12 +611,15 @@ impl Policy {
     }
 }
 
-fn load_keys(k: &KeySource) -> Result<Vec<Vec<u8>>, String> {
+fn load_keys(k: &KeySource, roots: bool) -> Result<Vec<Vec<u8>>, String> {
     match k {
         KeySource::Data(d) => Ok(vec![d.clone()]),
         KeySource::Paths(ps) => ps
             .iter()
-            .map(|p| crate::read_config(p).map_err(|e| format!("{}: {e}", p.display())))
+            .map(|p| match roots {
+                true => crate::rootfile::read_existing(p, crate::MAX_CONFIG),
+                false => crate::read_config(p).map_err(|e| format!("{}: {e}", p.display())),
+            })
             .collect(),
     }
 }

@@ -36,7 +36,11 @@ use vmm_sys_util::epoll::EventSet;
 use vmm_sys_util::event::{new_event_consumer_and_notifier, EventConsumer, EventFlag, EventNotifier};
 use zerocopy::IntoBytes;
 
+/// Guest memory as vhost-user-backend publishes it, to the vrings.
 type Mem = GuestMemoryAtomic<GuestMemoryMmap<()>>;
+/// Guest memory as the device reads and writes it: only a table whose
+/// every region was found within its file (see [`check_regions`]).
+type Checked = Arc<GuestMemoryMmap<()>>;
 type Log = Arc<dyn Fn(&str) + Send + Sync>;
 
 /// Longest virtqueue offered.
@@ -62,6 +66,9 @@ pub struct Options {
     pub threads: usize,
     /// Serve one connection, then return (else the next VMM may connect).
     pub once: bool,
+    /// The group the socket is shared with (mode 0660); else it is the
+    /// owner's alone (0600), whatever the umask.
+    pub socket_group: Option<u32>,
 }
 
 /// The device: one per VMM connection.
@@ -70,7 +77,10 @@ pub struct Device<F: Filesystem> {
     conn: Arc<Connection>,
     /// Set by INIT (again by a guest that restarts its driver).
     handler: RwLock<Option<Arc<Handler<F>>>>,
-    mem: RwLock<Option<Mem>>,
+    /// Every access to guest memory goes through this table, never
+    /// through the one vhost-user-backend publishes to the vrings: that
+    /// one is mapped before the device may check it.
+    mem: RwLock<Option<Checked>>,
     tag: Option<[u8; TAG_LEN]>,
     queues: usize,
     log: Log,
@@ -192,7 +202,6 @@ impl<F: Filesystem> Device<F> {
         let Some(mem) = self.mem.read().unwrap().clone() else {
             return Ok(());
         };
-        let mem = mem.memory();
         loop {
             // (The ring's lock is not held while the request is answered.)
             let next = pop_enabled(&mut vring.get_mut(), &mem);
@@ -200,18 +209,19 @@ impl<F: Filesystem> Device<F> {
             let head = descs.head_index();
             chain.gather(&*mem, descs.map(|d| (d.addr(), d.len(), d.is_write_only())));
             let used = self.answer(&*mem, chain, buf);
-            self.complete(&mut vring.get_mut(), head, used)?;
+            self.complete(&mut vring.get_mut(), &mem, head, used)?;
         }
         Ok(())
     }
 
-    /// Puts a finished chain in the used ring and tells the guest if it
-    /// asked to be told.
-    fn complete(&self, v: &mut VringState<Mem>, head: u16, used: u32) -> io::Result<()> {
-        if v.add_used(head, used).is_err() {
+    /// Puts a finished chain in the used ring (through the checked
+    /// memory `mem`) and tells the guest if it asked to be told.
+    fn complete(&self, v: &mut VringState<Mem>, mem: &GuestMemoryMmap<()>, head: u16, used: u32) -> io::Result<()> {
+        let q = v.get_queue_mut();
+        if q.add_used(mem, head, used).is_err() {
             self.fault("a used ring that cannot be written");
         }
-        if v.needs_notification().unwrap_or(true) {
+        if q.needs_notification(mem).unwrap_or(true) {
             v.signal_used_queue()?;
         }
         Ok(())
@@ -304,7 +314,7 @@ impl Pool {
                         return;
                     }
                     if st.kicked {
-                        let mem = dev.mem.read().unwrap().clone().map(|m| m.memory());
+                        let mem = dev.mem.read().unwrap().clone();
                         match mem.and_then(|m| pop_enabled(&mut vring.get_mut(), &m).map(|d| (m, d))) {
                             Some(got) => break got,
                             None => st.kicked = false,
@@ -321,7 +331,7 @@ impl Pool {
             chain.gather(&*mem, descs.map(|d| (d.addr(), d.len(), d.is_write_only())));
             let used = dev.answer(&*mem, &chain, &mut buf);
             let mut st = self.state.lock().unwrap();
-            if st.generation == generation && dev.complete(&mut vring.get_mut(), head, used).is_err() {
+            if st.generation == generation && dev.complete(&mut vring.get_mut(), &mem, head, used).is_err() {
                 dev.fault("cannot notify the guest");
             }
             st.in_flight -= 1;
@@ -369,6 +379,17 @@ pub struct Backend<F: Filesystem> {
     dev: Arc<Device<F>>,
     pools: Vec<Arc<Pool>>,
     threads: usize,
+    /// The exit events handed to vhost-user-backend's queue threads: see
+    /// [`Backend::close_exit_events`].
+    exits: Mutex<Vec<ExitEvent>>,
+}
+
+/// An exit event's consumer as vhost-user-backend took it (its number:
+/// the library registers it with its epoll and never closes it), and a
+/// descriptor of the same eventfd of our own, by which it is recognised.
+struct ExitEvent {
+    taken: std::os::fd::RawFd,
+    ours: EventConsumer,
 }
 
 impl<F: Filesystem> Backend<F> {
@@ -379,6 +400,18 @@ impl<F: Filesystem> Backend<F> {
             dev: Arc::new(dev),
             pools,
             threads: threads.max(1),
+            exits: Mutex::new(Vec::new()),
+        }
+    }
+
+    /// Closes the exit events' consumers vhost-user-backend leaves open
+    /// (one per queue thread: 9 descriptors per connection with 8 request
+    /// queues). Called once the connection's handler is dropped (its
+    /// threads joined, their epolls closed), when nothing uses them; each
+    /// number is closed only while it still names our eventfd.
+    fn close_exit_events(&self) {
+        for e in self.exits.lock().unwrap().drain(..) {
+            tilefs_sys::fd::close_if_same_file(e.taken, &e.ours);
         }
     }
 
@@ -457,8 +490,20 @@ impl<F: Filesystem> VhostUserBackend for Backend<F> {
     }
 
     fn update_memory(&self, mem: Mem) -> io::Result<()> {
-        *self.dev.mem.write().unwrap() = Some(mem);
-        Ok(())
+        let table = mem.memory().into_inner();
+        match check_regions(&table) {
+            Ok(()) => {
+                *self.dev.mem.write().unwrap() = Some(table);
+                Ok(())
+            }
+            Err(why) => {
+                // No request is served until a VMM sends a table that
+                // passes (the connection ends on this error).
+                *self.dev.mem.write().unwrap() = None;
+                (self.dev.log)(&format!("virtio-fs: memory table refused: {why}; disconnecting"));
+                Err(io::Error::new(io::ErrorKind::InvalidInput, why))
+            }
+        }
     }
 
     fn queues_per_thread(&self) -> Vec<u64> {
@@ -467,7 +512,14 @@ impl<F: Filesystem> VhostUserBackend for Backend<F> {
     }
 
     fn exit_event(&self, _thread_index: usize) -> Option<(EventConsumer, EventNotifier)> {
-        new_event_consumer_and_notifier(EventFlag::NONBLOCK).ok()
+        use std::os::fd::AsRawFd;
+        let (consumer, notifier) = new_event_consumer_and_notifier(EventFlag::NONBLOCK | EventFlag::CLOEXEC).ok()?;
+        let ours = consumer.try_clone().ok()?;
+        self.exits.lock().unwrap().push(ExitEvent {
+            taken: consumer.as_raw_fd(),
+            ours,
+        });
+        Some((consumer, notifier))
     }
 
     fn stop_vring(&self, queue_index: u32) -> io::Result<()> {
@@ -517,12 +569,96 @@ impl<F: Filesystem> VhostUserBackend for Backend<F> {
     }
 }
 
+/// Whether every region of `mem` lies within its file: a VMM may declare
+/// a region larger than the file it sends with it, and reading guest
+/// memory past the file's end would kill the server with SIGBUS. (A VMM
+/// that shrinks the file later still can: only a sealed memfd, QEMU's
+/// memory-backend-memfd default, rules that out.)
+pub fn check_regions(mem: &GuestMemoryMmap<()>) -> Result<(), String> {
+    use vm_memory::{GuestMemoryBackend, GuestMemoryRegion};
+    for (i, r) in mem.iter().enumerate() {
+        let what = || format!("memory region {i} (guest 0x{:x}, {} bytes)", r.start_addr().0, r.len());
+        let fo = r
+            .file_offset()
+            .ok_or_else(|| format!("{} came without a file", what()))?;
+        let size = fo
+            .file()
+            .metadata()
+            .map_err(|e| format!("{}: its file: {e}", what()))?
+            .len();
+        let end = fo.start().checked_add(r.len());
+        if end.is_none_or(|end| end > size) {
+            return Err(format!(
+                "{} from offset {} is larger than its file ({size} bytes)",
+                what(),
+                fo.start()
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// The socket VMMs connect to: created for the server's owner alone
+/// (0600), or with `group` for that group too (0660), whatever the umask;
+/// a stale socket there is replaced. It is made so before it listens, so
+/// no one connects through a wider mode meanwhile.
+fn listen(path: &std::path::Path, group: Option<u32>) -> io::Result<Listener> {
+    use rustix::fs::{AtFlags, Mode, OFlags};
+    use rustix::net::{AddressFamily, SocketAddrUnix, SocketFlags, SocketType};
+    let err = |what: &str, e: rustix::io::Errno| io::Error::other(format!("{}: {what}: {e}", path.display()));
+    if std::fs::symlink_metadata(path).is_ok_and(|m| std::os::unix::fs::FileTypeExt::is_socket(&m.file_type())) {
+        let _ = std::fs::remove_file(path);
+    }
+    let fd = rustix::net::socket_with(AddressFamily::UNIX, SocketType::STREAM, SocketFlags::CLOEXEC, None)
+        .map_err(|e| err("socket", e))?;
+    let addr = SocketAddrUnix::new(path).map_err(|e| err("socket address", e))?;
+    rustix::net::bind(&fd, &addr).map_err(|e| err("cannot listen", e))?;
+    // By descriptor, never following a symlink: whoever may write the
+    // directory cannot have the mode and group given to another file.
+    let node = rustix::fs::open(path, OFlags::PATH | OFlags::NOFOLLOW | OFlags::CLOEXEC, Mode::empty())
+        .map_err(|e| err("the socket", e))?;
+    let st = rustix::fs::fstat(&node).map_err(|e| err("the socket", e))?;
+    if rustix::fs::FileType::from_raw_mode(st.st_mode) != rustix::fs::FileType::Socket {
+        return Err(err("the socket", rustix::io::Errno::NOTSOCK));
+    }
+    let mode = match group {
+        Some(gid) => {
+            rustix::fs::chownat(
+                &node,
+                "",
+                None,
+                Some(rustix::fs::Gid::from_raw(gid)),
+                AtFlags::EMPTY_PATH,
+            )
+            .map_err(|e| err("chown", e))?;
+            0o660
+        }
+        None => 0o600,
+    };
+    rustix::fs::chmod(
+        format!("/proc/self/fd/{}", std::os::fd::AsRawFd::as_raw_fd(&node)),
+        Mode::from_raw_mode(mode),
+    )
+    .map_err(|e| err("chmod", e))?;
+    rustix::net::listen(&fd, 16).map_err(|e| err("listen", e))?;
+    Ok(Listener::from(std::os::unix::net::UnixListener::from(fd)))
+}
+
+/// Removes the socket file when serving ends, however it ends.
+struct SocketFile<'a>(&'a std::path::Path);
+
+impl Drop for SocketFile<'_> {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(self.0);
+    }
+}
+
 /// Serves `fs` to VMMs connecting on `opts.socket`, one at a time: a
 /// guest that disconnects (or a VMM that dies) ends its connection, and
 /// the next VMM may connect (unless `opts.once`).
 pub fn serve<F: Filesystem>(fs: Arc<F>, log: Log, opts: &Options) -> io::Result<()> {
-    let mut listener = Listener::new(&opts.socket, true)
-        .map_err(|e| io::Error::other(format!("{}: cannot listen: {e}", opts.socket.display())))?;
+    let mut listener = listen(&opts.socket, opts.socket_group)?;
+    let _file = SocketFile(&opts.socket);
     loop {
         let device = Device::new(fs.clone(), log.clone(), opts.tag.as_deref(), opts.request_queues)?;
         let backend = Arc::new(Backend::new(device, opts.threads));
@@ -544,6 +680,7 @@ pub fn serve<F: Filesystem>(fs: Arc<F>, log: Log, opts: &Options) -> io::Result<
         // kicks); then the workers finish what they were answering (a
         // write reaches the upper directory before it is answered).
         drop(daemon);
+        backend.close_exit_events();
         backend.shutdown();
         if opts.once {
             fs.destroy();

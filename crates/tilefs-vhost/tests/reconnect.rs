@@ -55,6 +55,7 @@ fn the_next_vmm_is_served_after_one_goes_away() {
         request_queues: 1,
         threads: 2,
         once: false,
+        socket_group: None,
     };
     let log: Arc<dyn Fn(&str) + Send + Sync> = Arc::new(|m: &str| eprintln!("{m}"));
     std::thread::spawn(move || serve(Arc::new(Echo), log, &opts));
@@ -94,6 +95,7 @@ fn once_returns_when_the_vmm_goes_away() {
         request_queues: 1,
         threads: 2,
         once: true,
+        socket_group: None,
     };
     let log: Arc<dyn Fn(&str) + Send + Sync> = Arc::new(|m: &str| eprintln!("{m}"));
     let t = std::thread::spawn(move || serve(Arc::new(Echo), log, &opts));

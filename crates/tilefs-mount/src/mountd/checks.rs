@@ -213,11 +213,14 @@ pub(crate) fn in_use(root: BorrowedFd<'_>) -> Result<Option<String>, String> {
 
 /// How the process at `/proc/PID` uses mount `id` (device `dev`), if it does.
 fn process_uses(proc: &Path, id: u64, dev: &str) -> Option<&'static str> {
+    // The mount a directory is on is the kernel's to say: its filesystem
+    // is not asked (any user's process may sit in a FUSE directory that
+    // never answers).
     let mnt_of = |link: &str| {
         rustix::fs::statx(
             rustix::fs::CWD,
             proc.join(link),
-            AtFlags::empty(),
+            AtFlags::STATX_DONT_SYNC,
             StatxFlags::from_bits_retain(STATX_MNT_ID),
         )
         .ok()

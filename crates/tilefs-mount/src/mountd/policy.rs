@@ -73,9 +73,11 @@ pub struct Caller {
 }
 
 impl Policy {
-    /// Reads and checks a policy file.
+    /// Reads and checks a policy file: only if root alone could have
+    /// written it (see [`tilefs_trust::rootfile`]).
     pub fn load(path: &Path) -> Result<Policy, String> {
-        let text = std::fs::read_to_string(path).map_err(|e| format!("{}: {e}", path.display()))?;
+        let bytes = tilefs_trust::rootfile::read_existing(path, tilefs_trust::MAX_CONFIG)?;
+        let text = String::from_utf8(bytes).map_err(|_| format!("{}: not UTF-8", path.display()))?;
         Policy::parse(&text).map_err(|e| format!("{}: {e}", path.display()))
     }
 
@@ -104,8 +106,9 @@ impl Policy {
                         s.path.display()
                     ));
                 }
-                // A policy that does not parse now would refuse every mount.
-                tilefs_trust::Policy::load(sp).map_err(|e| format!("store {}: {e}", s.path.display()))?;
+                // A policy that does not parse now (or that the service
+                // cannot trust) would refuse every mount.
+                tilefs_trust::Policy::load_roots(sp).map_err(|e| format!("store {}: {e}", s.path.display()))?;
             }
             for (tag, d) in &s.pinned {
                 crate::options::parse_digest(d).map_err(|e| format!("pinned {tag:?}: {e}"))?;

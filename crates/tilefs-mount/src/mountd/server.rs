@@ -11,7 +11,22 @@
 //!   [`helper`](super::helper)): created with the caller's credentials in a
 //!   user namespace that maps only the caller, over the read-only mount.
 //!
-//! Every request and refusal is logged with the caller, escaped.
+//! Every request and refusal is logged with the caller, escaped;
+//! connections turned away before they asked anything are counted and
+//! logged at most once a minute in all ([`Tally`]).
+//!
+//! No request holds up another's. Whatever touches a path the caller
+//! chose (its mount point, upper and work directories: a FUSE directory
+//! of the caller's that never answers blocks any system call on it, and
+//! nothing but the end of that connection interrupts one) runs on a
+//! thread of the request's own, holding no lock another request needs.
+//! The client's connection waits for it up to the request's deadline
+//! (`--request-timeout`), watching for the client hanging up; then the
+//! client is answered and the request abandoned: if its thread ever
+//! returns, it does nothing more (a mount it attached meanwhile is
+//! detached again). Such a thread keeps its user's request slot, so a
+//! user has at most [`MAX_CLIENTS_PER_USER`] of them, and no other user
+//! is affected.
 
 use super::checks::{self, STATX_MNT_ID_UNIQUE};
 use super::helper::{self, HelperCommand, Ids, WritableLayers};
@@ -19,13 +34,14 @@ use super::policy::{Caller, Policy};
 use super::proto::{self, Reply, Request};
 use crate::{build_detached, MountAttrs, MountOptions, Verity};
 use rustix::fd::{AsFd, AsRawFd, BorrowedFd, OwnedFd};
-use rustix::fs::{AtFlags, Mode, OFlags, ResolveFlags, StatxFlags};
+use rustix::fs::{AtFlags, Mode, OFlags, StatxFlags};
 use rustix::io::Errno;
 use rustix::mount::MoveMountFlags;
 use rustix::net::{AddressFamily, SocketAddrUnix, SocketFlags, SocketType};
-use std::collections::HashMap;
+use std::collections::{BTreeSet, HashMap, HashSet};
 use std::path::{Path, PathBuf};
-use std::sync::{Arc, Mutex};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{mpsc, Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
 pub const DEFAULT_SOCKET: &str = "/run/tilefs/mountd.sock";
@@ -41,6 +57,10 @@ const MAX_CLIENTS_PER_USER: usize = 4;
 const DEFAULT_MAX_MOUNTS_PER_USER: usize = 64;
 /// A client has this long to send its request and take its reply.
 const CLIENT_TIMEOUT: Duration = Duration::from_secs(5);
+/// How long a request may take once read, unless the service is told.
+pub const DEFAULT_REQUEST_TIMEOUT: Duration = Duration::from_secs(30);
+/// What a request's thread says when its client no longer waits.
+const GONE: &str = "its client no longer waits for it";
 
 /// A line of the service's log: every control character escaped, so that
 /// nothing a client sent (a path with a newline, say) can forge a line.
@@ -66,6 +86,9 @@ pub struct Config {
     pub policy: PathBuf,
     /// How to run the helper (`tilefs mountd --helper`).
     pub helper: HelperCommand,
+    /// How long a request may take once read (its checks, building and
+    /// attaching the mount) before its client is told it did not finish.
+    pub request_timeout: Duration,
 }
 
 /// The service, bound and ready to serve.
@@ -76,35 +99,230 @@ pub struct Service {
     bound: Option<PathBuf>,
     policy: Policy,
     helper: HelperCommand,
+    request_timeout: Duration,
     slots: Mutex<Slots>,
-    /// Held from checking a mount point to attaching there, and while
-    /// unmounting: two requests never race each other.
-    attaching: Mutex<()>,
+    /// Directories a mount is being attached at, by device and inode: a
+    /// second request for one of them meanwhile is refused, never queued
+    /// (nor stacked on the first).
+    targets: Mutex<HashSet<(u64, u64)>>,
+    /// Mounts between their last check and their record: shutdown waits
+    /// for them (briefly).
+    attaching: Mutex<usize>,
+    attached: Condvar,
+    /// Set at shutdown: no mount is attached from then on.
+    closing: AtomicBool,
+    turned_away: Tally,
 }
 
 #[derive(Default)]
 struct Slots {
-    total: usize,
+    /// Connections being served.
+    connections: usize,
+    /// Requests of each user not finished: connections being served, and
+    /// the threads of requests whose client was answered before they
+    /// ended.
     by_uid: HashMap<u32, usize>,
 }
 
-/// A request being served; frees its slot when dropped (also when the
-/// thread serving it panics).
-struct Slot<'a> {
-    svc: &'a Service,
+/// A connection being served; frees its place when dropped.
+struct ConnSlot<'a>(&'a Service);
+
+impl Drop for ConnSlot<'_> {
+    fn drop(&mut self) {
+        self.0.slots.lock().unwrap_or_else(|e| e.into_inner()).connections -= 1;
+    }
+}
+
+/// A request of a user, from its connection to the end of its thread;
+/// frees its place when dropped (also when that thread panics).
+struct UserSlot {
+    svc: Arc<Service>,
     uid: u32,
 }
 
-impl Drop for Slot<'_> {
+impl Drop for UserSlot {
     fn drop(&mut self) {
         let mut s = self.svc.slots.lock().unwrap_or_else(|e| e.into_inner());
-        s.total -= 1;
         if let Some(n) = s.by_uid.get_mut(&self.uid) {
             *n -= 1;
             if *n == 0 {
                 s.by_uid.remove(&self.uid);
             }
         }
+    }
+}
+
+/// A request carried out on a thread of its own, and whether its client
+/// still waits for its result.
+#[derive(Default)]
+struct Job(Mutex<Phase>);
+
+#[derive(Default, PartialEq)]
+enum Phase {
+    #[default]
+    Running,
+    /// The client was answered (deadline) or hung up: nothing more is done.
+    Abandoned,
+    /// Past the point of no return: the client gets the result.
+    Committed,
+}
+
+impl Job {
+    fn abandoned(&self) -> bool {
+        *self.0.lock().unwrap_or_else(|e| e.into_inner()) == Phase::Abandoned
+    }
+
+    /// Called by the request's thread when it is about to do what cannot
+    /// be undone, or has done what it will undo otherwise: whether the
+    /// client still waits (then it waits for the result, however late).
+    fn commit(&self) -> bool {
+        let mut p = self.0.lock().unwrap_or_else(|e| e.into_inner());
+        if *p == Phase::Abandoned {
+            return false;
+        }
+        *p = Phase::Committed;
+        true
+    }
+
+    /// Called by the connection when it stops waiting: false if the
+    /// request was committed (its result is coming).
+    fn abandon(&self) -> bool {
+        let mut p = self.0.lock().unwrap_or_else(|e| e.into_inner());
+        if *p == Phase::Committed {
+            return false;
+        }
+        *p = Phase::Abandoned;
+        true
+    }
+}
+
+/// A directory claimed for one attach; released when dropped.
+struct Claim<'a> {
+    svc: &'a Service,
+    key: (u64, u64),
+}
+
+impl Drop for Claim<'_> {
+    fn drop(&mut self) {
+        self.svc
+            .targets
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .remove(&self.key);
+    }
+}
+
+/// A mount between its last check and its record.
+struct Attaching<'a>(&'a Service);
+
+impl Drop for Attaching<'_> {
+    fn drop(&mut self) {
+        *self.0.attaching.lock().unwrap_or_else(|e| e.into_inner()) -= 1;
+        self.0.attached.notify_all();
+    }
+}
+
+/// Connections turned away before they asked anything (idle, of users the
+/// policy does not name, beyond a user's share): counted, and logged in
+/// one line at most once a minute, so that no client can flood the log.
+#[derive(Default)]
+struct Tally(Mutex<Counts>);
+
+#[derive(Default)]
+struct Counts {
+    /// When the last line was logged.
+    last: Option<Instant>,
+    unlisted: u64,
+    /// Their uids (the first few).
+    unlisted_uids: BTreeSet<u32>,
+    busy: u64,
+    idle: u64,
+    anonymous: u64,
+}
+
+enum TurnedAway {
+    Unlisted(u32),
+    Busy,
+    Idle,
+    /// No credentials could be read.
+    Anonymous,
+}
+
+const TALLY_EVERY: Duration = Duration::from_secs(60);
+
+impl Tally {
+    fn note(&self, why: TurnedAway) {
+        let mut c = self.0.lock().unwrap_or_else(|e| e.into_inner());
+        match why {
+            TurnedAway::Unlisted(uid) => {
+                c.unlisted += 1;
+                if c.unlisted_uids.len() < 8 {
+                    c.unlisted_uids.insert(uid);
+                }
+            }
+            TurnedAway::Busy => c.busy += 1,
+            TurnedAway::Idle => c.idle += 1,
+            TurnedAway::Anonymous => c.anonymous += 1,
+        }
+        c.log_if_due();
+    }
+
+    /// How long until a line may be logged again.
+    fn due_in(&self) -> Duration {
+        let c = self.0.lock().unwrap_or_else(|e| e.into_inner());
+        c.last.map_or(TALLY_EVERY, |t| TALLY_EVERY.saturating_sub(t.elapsed()))
+    }
+
+    /// Logs what was counted since the last line, if a line is due.
+    fn flush_due(&self) {
+        self.0.lock().unwrap_or_else(|e| e.into_inner()).log_if_due();
+    }
+
+    /// What was counted and not logged yet, taken (for the last line).
+    fn rest(&self) -> Option<String> {
+        self.0.lock().unwrap_or_else(|e| e.into_inner()).take()
+    }
+}
+
+impl Counts {
+    fn log_if_due(&mut self) {
+        if self.last.is_none_or(|t| t.elapsed() >= TALLY_EVERY) {
+            if let Some(line) = self.take() {
+                log(&format!(
+                    "connections turned away (counted, a line a minute at most): {line}"
+                ));
+            }
+        }
+    }
+
+    /// The counts as a line's text, reset; None when there are none.
+    fn take(&mut self) -> Option<String> {
+        let mut parts = Vec::new();
+        if self.unlisted > 0 {
+            let uids: Vec<String> = self.unlisted_uids.iter().map(u32::to_string).collect();
+            parts.push(format!(
+                "{} of users the policy does not name (uid {})",
+                self.unlisted,
+                uids.join(", ")
+            ));
+        }
+        if self.busy > 0 {
+            parts.push(format!("{} beyond their user's share (busy)", self.busy));
+        }
+        if self.idle > 0 {
+            parts.push(format!("{} idle (no request within {CLIENT_TIMEOUT:?})", self.idle));
+        }
+        if self.anonymous > 0 {
+            parts.push(format!("{} without credentials", self.anonymous));
+        }
+        if parts.is_empty() {
+            return None;
+        }
+        *self = Counts {
+            last: Some(Instant::now()),
+            ..Counts::default()
+        };
+        Some(parts.join(", "))
     }
 }
 
@@ -133,14 +351,26 @@ impl Service {
             bound,
             policy,
             helper: config.helper.clone(),
+            request_timeout: config.request_timeout,
             slots: Mutex::new(Slots::default()),
-            attaching: Mutex::new(()),
+            targets: Mutex::new(HashSet::new()),
+            attaching: Mutex::new(0),
+            attached: Condvar::new(),
+            closing: AtomicBool::new(false),
+            turned_away: Tally::default(),
         })
     }
 
     /// Serves clients until the process ends. A failed accept (out of
     /// descriptors or memory) is waited out, never the end of the service.
     pub fn serve(self: &Arc<Self>) -> Result<(), String> {
+        let svc = self.clone();
+        let _ = std::thread::Builder::new()
+            .name("mountd-tally".into())
+            .spawn(move || loop {
+                std::thread::sleep(svc.turned_away.due_in().max(Duration::from_secs(1)));
+                svc.turned_away.flush_due();
+            });
         let mut last_complaint: Option<Instant> = None;
         loop {
             let conn = match rustix::net::accept_with(&self.listener, SocketFlags::CLOEXEC) {
@@ -167,30 +397,39 @@ impl Service {
         }
     }
 
-    /// Ends the service: waits for a mount being attached, removes the
-    /// socket file it created and logs it. The caller then exits.
+    /// Ends the service: no mount is attached from now on; waits (2 s at
+    /// most) for mounts being attached to be recorded, removes the socket
+    /// file it created and logs it. The caller then exits.
     pub fn shutdown(&self, why: &str) {
-        let _attaching = self.attaching.lock().unwrap_or_else(|e| e.into_inner());
+        self.closing.store(true, Ordering::SeqCst);
+        let n = self.attaching.lock().unwrap_or_else(|e| e.into_inner());
+        let _ = self
+            .attached
+            .wait_timeout_while(n, Duration::from_secs(2), |n| *n > 0)
+            .unwrap_or_else(|e| e.into_inner());
         if let Some(p) = &self.bound {
             let _ = std::fs::remove_file(p);
         }
-        log(&format!("shutting down ({why})"));
+        match self.turned_away.rest() {
+            Some(rest) => log(&format!(
+                "shutting down ({why}); connections turned away since the last count: {rest}"
+            )),
+            None => log(&format!("shutting down ({why})")),
+        }
     }
 
     /// One connection: who it is, a slot for it, its request.
-    fn client(&self, conn: OwnedFd) {
+    fn client(self: &Arc<Self>, conn: OwnedFd) {
         use rustix::net::sockopt;
         let _ = sockopt::set_socket_timeout(&conn, sockopt::Timeout::Recv, Some(CLIENT_TIMEOUT));
         let _ = sockopt::set_socket_timeout(&conn, sockopt::Timeout::Send, Some(CLIENT_TIMEOUT));
-        let caller = match peer(&conn) {
-            Ok(c) => c,
-            Err(e) => return log(&format!("a client without credentials: {e}")),
+        let Ok(caller) = peer(&conn) else {
+            return self.turned_away.note(TurnedAway::Anonymous);
         };
-        let who = format!("uid {} (pid {})", caller.uid, caller.pid);
         // Users the policy does not name are answered at once, before they
         // can hold a slot.
         if !self.policy.lists(&caller) {
-            log(&format!("{who}: refused: not a user the policy names"));
+            self.turned_away.note(TurnedAway::Unlisted(caller.uid));
             let _ = reply(
                 &conn,
                 Err(format!("uid {} may not use this mount service", caller.uid)),
@@ -198,39 +437,38 @@ impl Service {
             );
             return;
         }
-        let Some(_slot) = self.slot(caller.uid) else {
-            log(&format!("{who}: refused: too many requests at once"));
+        let Some((_conn_slot, user_slot)) = self.slot(caller.uid) else {
+            self.turned_away.note(TurnedAway::Busy);
             let _ = send_reply(&conn, &Reply::busy("the mount service is busy; try again"), None);
             return;
         };
-        let served = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| self.request(&conn, &caller, &who)));
-        if served.is_err() {
-            log(&format!("{who}: internal error serving the request"));
-            let _ = reply(&conn, Err("internal error in the mount service".into()), None);
-        }
+        self.request(conn, caller, user_slot);
     }
 
-    fn slot(&self, uid: u32) -> Option<Slot<'_>> {
+    fn slot(self: &Arc<Self>, uid: u32) -> Option<(ConnSlot<'_>, UserSlot)> {
         let mut s = self.slots.lock().unwrap_or_else(|e| e.into_inner());
         let mine = s.by_uid.get(&uid).copied().unwrap_or(0);
-        if s.total >= MAX_CLIENTS || mine >= MAX_CLIENTS_PER_USER {
+        if s.connections >= MAX_CLIENTS || mine >= MAX_CLIENTS_PER_USER {
             return None;
         }
-        s.total += 1;
+        s.connections += 1;
         *s.by_uid.entry(uid).or_default() += 1;
-        Some(Slot { svc: self, uid })
+        Some((ConnSlot(self), UserSlot { svc: self.clone(), uid }))
     }
 
-    fn request(&self, conn: &OwnedFd, caller: &Caller, who: &str) {
-        let result = match proto::recv(conn) {
-            Ok((bytes, fds)) => Request::parse(&bytes).and_then(|req| self.handle(caller, conn, req, fds)),
-            Err(Errno::AGAIN) => return log(&format!("{who}: no request within {CLIENT_TIMEOUT:?}")),
+    /// Reads the request, has it carried out on a thread of its own (which
+    /// keeps the user's slot until it ends) and answers it.
+    fn request(self: &Arc<Self>, conn: OwnedFd, caller: Caller, slot: UserSlot) {
+        let who = format!("uid {} (pid {})", caller.uid, caller.pid);
+        let got = match proto::recv(&conn) {
+            Ok((bytes, fds)) => Request::parse(&bytes).map(|req| (req, fds)),
+            Err(Errno::AGAIN) => return self.turned_away.note(TurnedAway::Idle),
             Err(Errno::MFILE) => {
                 log(&format!(
                     "{who}: refused: no descriptors left for the ones the request carried"
                 ));
                 let _ = send_reply(
-                    conn,
+                    &conn,
                     &Reply::busy("the mount service is busy (out of descriptors); try again"),
                     None,
                 );
@@ -239,6 +477,18 @@ impl Service {
             Err(Errno::MSGSIZE) => Err(format!("the request is larger than {} bytes", proto::MAX_MESSAGE)),
             Err(e) => return log(&format!("{who}: cannot read the request: {e}")),
         };
+        let conn = Arc::new(conn);
+        let result = match got {
+            Ok((req, fds)) => match self.carry_out(&conn, caller, req, fds, slot, &who) {
+                Some(r) => r,
+                None => {
+                    return log(&format!(
+                        "{who}: the client hung up before its request was done: not carried out"
+                    ))
+                }
+            },
+            Err(e) => Err(e),
+        };
         let (result, back) = match result {
             Ok((notices, back)) => (Ok(notices), back),
             // Whatever failed, it may have failed for want of descriptors:
@@ -246,7 +496,7 @@ impl Service {
             Err(e) if out_of_descriptors() => {
                 log(&format!("{who}: busy: {e}"));
                 let _ = send_reply(
-                    conn,
+                    &*conn,
                     &Reply::busy(format!("the mount service is busy ({e}); try again")),
                     None,
                 );
@@ -257,12 +507,78 @@ impl Service {
                 (Err(e), None)
             }
         };
-        if let Err(e) = reply(conn, result, back.as_ref()) {
+        if let Err(e) = reply(&*conn, result, back.as_ref()) {
             log(&format!("{who}: cannot send the reply: {e}"));
         }
     }
 
-    fn handle(&self, caller: &Caller, conn: &OwnedFd, req: Request, fds: Vec<OwnedFd>) -> Result<Handled, String> {
+    /// Carries out `req` on a thread of its own and waits for it, up to
+    /// the request's deadline, while the client is there; None when the
+    /// client hung up first. Past the deadline the result is an error,
+    /// and whatever the thread does later is undone or not done.
+    fn carry_out(
+        self: &Arc<Self>,
+        conn: &Arc<OwnedFd>,
+        caller: Caller,
+        req: Request,
+        fds: Vec<OwnedFd>,
+        slot: UserSlot,
+        who: &str,
+    ) -> Option<Result<Handled, String>> {
+        let job = Arc::new(Job::default());
+        let (tx, rx) = mpsc::channel();
+        let (svc, conn2, job2, who2) = (self.clone(), conn.clone(), job.clone(), who.to_string());
+        let spawned = std::thread::Builder::new().name("mountd-request".into()).spawn(move || {
+            let _slot = slot;
+            let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                svc.handle(&caller, &conn2, req, fds, &job2)
+            }))
+            .unwrap_or_else(|_| {
+                log(&format!("{who2}: internal error serving the request"));
+                Err("internal error in the mount service".into())
+            });
+            if job2.abandoned() {
+                let how = r.as_ref().err().map_or("done", String::as_str);
+                log(&format!(
+                    "{who2}: a request ended after its client was answered or had hung up; nothing was done for it ({how})"
+                ));
+            }
+            let _ = tx.send(r);
+        });
+        if let Err(e) = spawned {
+            log(&format!("{who}: cannot start a thread: {e}"));
+            return Some(Err("the mount service is busy (no thread); try again".into()));
+        }
+        let deadline = Instant::now() + self.request_timeout;
+        loop {
+            match rx.recv_timeout(Duration::from_millis(50)) {
+                Ok(r) => return Some(r),
+                Err(mpsc::RecvTimeoutError::Disconnected) => {
+                    return Some(Err("internal error in the mount service".into()))
+                }
+                Err(mpsc::RecvTimeoutError::Timeout) => {}
+            }
+            let hung_up = hung_up(conn);
+            if (hung_up || Instant::now() >= deadline) && job.abandon() {
+                if hung_up {
+                    return None;
+                }
+                return Some(Err(format!(
+                    "the request did not finish within {}s (a directory it names does not answer, or the system is overloaded); nothing was done for it",
+                    self.request_timeout.as_secs()
+                )));
+            }
+        }
+    }
+
+    fn handle(
+        &self,
+        caller: &Caller,
+        conn: &OwnedFd,
+        req: Request,
+        fds: Vec<OwnedFd>,
+        job: &Job,
+    ) -> Result<Handled, String> {
         let who = format!("uid {} (pid {})", caller.uid, caller.pid);
         let mut fds = fds.into_iter();
         match req {
@@ -314,7 +630,7 @@ impl Service {
                 };
                 tilefs_store::tags::validate_tag(&image).map_err(|e| e.to_string())?;
                 let image_path = rule.path.join(tilefs_store::store::IMAGES_DIR).join(&image);
-                let file = open_tag(&rule.path, &image).map_err(|e| format!("{}: {e}", image_path.display()))?;
+                let file = open_tag(&rule.path, &image)?;
                 // The policy's verity wins over the request's, where it says one.
                 let verity: Verity = match (&rule.verity, &verity) {
                     (Some(v), _) | (None, Some(v)) => v.parse()?,
@@ -353,6 +669,9 @@ impl Service {
                     attrs,
                     ..MountOptions::default()
                 };
+                if job.abandoned() {
+                    return Err(GONE.into());
+                }
                 let built = build_detached(&o, file).map_err(|e| e.to_string())?;
                 let ids = Ids {
                     uid: caller.uid,
@@ -362,6 +681,9 @@ impl Service {
                 // The read-only mount serves as it is only where the
                 // service attaches it itself.
                 let mount = if layers.is_some() || !attach {
+                    if job.abandoned() {
+                        return Err(GONE.into());
+                    }
                     let order = helper::Order {
                         caller: ids,
                         lower: built.mount,
@@ -376,13 +698,17 @@ impl Service {
                 };
                 let kind = if upper { "writable" } else { "read-only" };
                 let Some(target) = target else {
+                    // Dropped unsent otherwise: it was never attached anywhere.
+                    if !job.commit() {
+                        return Err(GONE.into());
+                    }
                     log(&format!(
                         "{who}: made a {kind} mount of {image} of {} for its own namespace",
                         store.display()
                     ));
                     return Ok((built.notices, Some(mount)));
                 };
-                let id = self.attach(caller, &mount, target.as_fd())?;
+                let id = self.attach(caller, &mount, target.as_fd(), job)?;
                 log(&format!(
                     "{who}: mounted {image} of {} {kind} (mount {id})",
                     store.display()
@@ -398,13 +724,15 @@ impl Service {
                 if Record::read(id).map(|r| r.uid) != Some(caller.uid) {
                     return Err("not a mount this service made for you".into());
                 }
-                let _one_at_a_time = self.attaching.lock().unwrap_or_else(|e| e.into_inner());
                 if !lazy {
                     if let Some(why) = checks::in_use(target.as_fd())? {
                         return Err(format!(
                             "the mount is busy ({why}); close what uses it and retry, or unmount lazily"
                         ));
                     }
+                }
+                if !job.commit() {
+                    return Err(GONE.into());
                 }
                 detach(&target).map_err(|e| format!("unmount: {e}"))?;
                 let _ = std::fs::remove_file(Record::path(id));
@@ -449,10 +777,12 @@ impl Service {
 
     /// Attaches `mount` at `target` after checking the mount point again
     /// (nothing may have changed since the request's check), and records
-    /// it as the caller's. Returns its unique id.
-    fn attach(&self, caller: &Caller, mount: &OwnedFd, target: BorrowedFd<'_>) -> Result<u64, String> {
-        let _one_at_a_time = self.attaching.lock().unwrap_or_else(|e| e.into_inner());
+    /// it as the caller's, unless the client no longer waits (then the
+    /// mount is detached again). Returns its unique id.
+    fn attach(&self, caller: &Caller, mount: &OwnedFd, target: BorrowedFd<'_>, job: &Job) -> Result<u64, String> {
+        let _claim = self.claim(target)?;
         checks::mount_point(caller, target)?;
+        let _attaching = self.begin_attach(job)?;
         rustix::mount::move_mount(
             mount,
             "",
@@ -461,12 +791,52 @@ impl Service {
             MoveMountFlags::MOVE_MOUNT_F_EMPTY_PATH | MoveMountFlags::MOVE_MOUNT_T_EMPTY_PATH,
         )
         .map_err(|e| format!("attaching the mount: {e}"))?;
-        let recorded = Record::write(caller.uid, mount.as_fd());
-        if recorded.is_err() {
+        let id = Record::write(caller.uid, mount.as_fd()).inspect_err(|_| {
             // An unrecorded mount could never be unmounted by its user.
             let _ = detach(mount);
+        })?;
+        // The deadline may have passed while the kernel attached it.
+        if !job.commit() {
+            let _ = detach(mount);
+            let _ = std::fs::remove_file(Record::path(id));
+            return Err(GONE.into());
         }
-        recorded
+        Ok(id)
+    }
+
+    /// Claims the directory `target` for one attach: a second request for
+    /// it meanwhile is refused. By device and inode as cached (asking its
+    /// filesystem nothing).
+    fn claim(&self, target: BorrowedFd<'_>) -> Result<Claim<'_>, String> {
+        let st = rustix::fs::statx(
+            target,
+            "",
+            AtFlags::EMPTY_PATH | AtFlags::STATX_DONT_SYNC,
+            StatxFlags::INO,
+        )
+        .map_err(|e| format!("the mount point: {e}"))?;
+        let key = (
+            u64::from(st.stx_dev_major) << 32 | u64::from(st.stx_dev_minor),
+            st.stx_ino,
+        );
+        if !self.targets.lock().unwrap_or_else(|e| e.into_inner()).insert(key) {
+            return Err("another request is attaching a mount at this mount point".into());
+        }
+        Ok(Claim { svc: self, key })
+    }
+
+    /// Counts a mount as being attached, unless the service is shutting
+    /// down or the client no longer waits.
+    fn begin_attach(&self, job: &Job) -> Result<Attaching<'_>, String> {
+        let mut n = self.attaching.lock().unwrap_or_else(|e| e.into_inner());
+        if self.closing.load(Ordering::SeqCst) {
+            return Err("the mount service is shutting down".into());
+        }
+        if job.abandoned() {
+            return Err(GONE.into());
+        }
+        *n += 1;
+        Ok(Attaching(self))
     }
 }
 
@@ -530,6 +900,17 @@ fn detach(fd: &OwnedFd) -> Result<(), Errno> {
     )
 }
 
+/// Whether the client closed its end of the connection.
+fn hung_up(conn: &OwnedFd) -> bool {
+    use rustix::event::{PollFd, PollFlags, Timespec};
+    let mut p = [PollFd::new(conn, PollFlags::RDHUP)];
+    let now = Timespec { tv_sec: 0, tv_nsec: 0 };
+    rustix::event::poll(&mut p, Some(&now)).is_ok_and(|n| n > 0)
+        && p[0]
+            .revents()
+            .intersects(PollFlags::RDHUP | PollFlags::HUP | PollFlags::ERR)
+}
+
 /// Whether this process has (nearly) every descriptor its limit allows
 /// open, so that opening one more may have failed.
 fn out_of_descriptors() -> bool {
@@ -539,8 +920,11 @@ fn out_of_descriptors() -> bool {
     else {
         return false;
     };
-    let open = std::fs::read_dir("/proc/self/fd").map_or(0, |d| d.count() as u64);
-    open + 8 >= limit
+    match std::fs::read_dir("/proc/self/fd") {
+        Ok(d) => d.count() as u64 + 8 >= limit,
+        // Not even one more to look with.
+        Err(e) => matches!(e.raw_os_error(), Some(libc::EMFILE | libc::ENFILE)),
+    }
 }
 
 /// The listening socket systemd passed, if it did (socket activation).
@@ -623,8 +1007,6 @@ fn in_initial_user_namespace(caller: &Caller, pidfd: &OwnedFd) -> Result<bool, S
     Ok(theirs == mine)
 }
 
-/// Opens `STORE/images/TAG` beneath the store, following no symlink,
-/// without blocking, and only if it is a regular file.
 /// The fs-verity digest of the image open as `file` (read in place: the
 /// offset stays where the mount reads from), once the signature policy at
 /// `policy_path` has accepted it by its pull's record.
@@ -635,101 +1017,30 @@ fn signature_check(store: &Path, tag: &str, file: &std::fs::File, policy_path: &
     file.read_exact_at(&mut bytes, 0)
         .map_err(|e| format!("{tag}: cannot read the image: {e}"))?;
     let d = tilefs_image::verity::digest_bytes(&bytes);
-    let policy = tilefs_trust::Policy::load(policy_path)?;
-    let record = read_trust_record(store, &d).map_err(|e| format!("{tag} of store {}: {e}", store.display()))?;
+    let policy = tilefs_trust::Policy::load_roots(policy_path)?;
+    // The record of the signature check of the image, if it has one, read
+    // only if root alone could have written it: a record a user could
+    // write would let the user vouch for any image of theirs.
+    let record_path = store
+        .join(tilefs_store::store::TRUST_DIR)
+        .join(format!("{}.json", hex::encode(d)));
+    // Records are small; one larger than this is not ours.
+    let record = tilefs_trust::rootfile::read(&record_path, 1 << 20)?;
     tilefs_trust::evidence::check_record_bytes(record.as_deref(), store, &d, &policy)
         .map_err(|e| format!("{tag} of store {}: {e}", store.display()))?;
     Ok(d)
 }
 
-/// The record of the signature check of image `d` (`STORE/.trust/HEX.json`),
-/// if it has one, read only if root wrote it: the store, its `.trust`
-/// directory and the record must be root's and writable by no one else, and
-/// no symlink is followed. A record a user could write would let the user
-/// vouch for any image of theirs.
-fn read_trust_record(store: &Path, d: &[u8; 32]) -> Result<Option<Vec<u8>>, String> {
-    use std::io::Read;
-    let root_only = |fd: &OwnedFd, what: &str| -> Result<(), String> {
-        let st = rustix::fs::fstat(fd).map_err(|e| format!("{what}: {e}"))?;
-        if st.st_uid != 0 || st.st_mode & 0o022 != 0 {
-            return Err(format!(
-                "{what} is not root's alone (uid {}, mode {:04o}), so its signature check records cannot be trusted",
-                st.st_uid,
-                st.st_mode & 0o7777
-            ));
-        }
-        Ok(())
-    };
-    let dir = rustix::fs::open(
-        store,
-        OFlags::RDONLY | OFlags::DIRECTORY | OFlags::CLOEXEC,
-        Mode::empty(),
-    )
-    .map_err(|e| format!("the store: {e}"))?;
-    root_only(&dir, "the store")?;
-    let resolve = ResolveFlags::BENEATH | ResolveFlags::NO_SYMLINKS | ResolveFlags::NO_MAGICLINKS;
-    let trust = match rustix::fs::openat2(
-        &dir,
-        tilefs_store::store::TRUST_DIR,
-        OFlags::RDONLY | OFlags::DIRECTORY | OFlags::CLOEXEC,
-        Mode::empty(),
-        resolve,
-    ) {
-        Ok(fd) => fd,
-        Err(Errno::NOENT) => return Ok(None),
-        Err(e) => return Err(format!("{}: {e}", tilefs_store::store::TRUST_DIR)),
-    };
-    root_only(&trust, tilefs_store::store::TRUST_DIR)?;
-    let name = format!("{}.json", hex::encode(d));
-    let fd = match rustix::fs::openat2(
-        &trust,
-        name.as_str(),
-        OFlags::RDONLY | OFlags::NONBLOCK | OFlags::NOCTTY | OFlags::CLOEXEC,
-        Mode::empty(),
-        resolve,
-    ) {
-        Ok(fd) => fd,
-        Err(Errno::NOENT) => return Ok(None),
-        Err(e) => return Err(format!("{name}: {e}")),
-    };
-    let st = rustix::fs::fstat(&fd).map_err(|e| format!("{name}: {e}"))?;
-    if rustix::fs::FileType::from_raw_mode(st.st_mode) != rustix::fs::FileType::RegularFile {
-        return Err(format!("{name}: not a regular file"));
-    }
-    root_only(&fd, &name)?;
-    let mut raw = Vec::new();
-    // Records are small; one larger than this is not ours.
-    std::fs::File::from(fd)
-        .take(1 << 20)
-        .read_to_end(&mut raw)
-        .map_err(|e| format!("{name}: {e}"))?;
-    Ok(Some(raw))
-}
-
+/// Opens `STORE/images/TAG`, a regular file that root alone could have
+/// written, reached through no symlink (the kernel parses what it holds).
 fn open_tag(store: &Path, tag: &str) -> Result<std::fs::File, String> {
-    let dir = rustix::fs::open(
-        store,
-        OFlags::RDONLY | OFlags::DIRECTORY | OFlags::CLOEXEC,
-        Mode::empty(),
-    )
-    .map_err(|e| format!("the store: {e}"))?;
-    let fd = rustix::fs::openat2(
-        &dir,
-        format!("{}/{tag}", tilefs_store::store::IMAGES_DIR),
-        OFlags::RDONLY | OFlags::NOFOLLOW | OFlags::NONBLOCK | OFlags::CLOEXEC | OFlags::NOCTTY,
-        Mode::empty(),
-        ResolveFlags::BENEATH | ResolveFlags::NO_SYMLINKS | ResolveFlags::NO_MAGICLINKS,
-    )
-    .map_err(|e| match e {
-        Errno::NOENT => "no such tag in the store (only tagged images are served)".to_string(),
-        e => e.to_string(),
-    })?;
-    let st = rustix::fs::fstat(&fd).map_err(|e| e.to_string())?;
-    if rustix::fs::FileType::from_raw_mode(st.st_mode) != rustix::fs::FileType::RegularFile {
-        return Err("not a regular file".into());
-    }
-    rustix::fs::fcntl_setfl(&fd, OFlags::empty()).map_err(|e| e.to_string())?;
-    Ok(std::fs::File::from(fd))
+    let path = store.join(tilefs_store::store::IMAGES_DIR).join(tag);
+    tilefs_trust::rootfile::open(&path)?.ok_or_else(|| {
+        format!(
+            "{}: no such tag in the store (only tagged images are served)",
+            path.display()
+        )
+    })
 }
 
 /// A writable mount's upper and work directories: directories the caller
