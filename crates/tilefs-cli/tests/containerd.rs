@@ -937,3 +937,100 @@ fn hostile_layers_write_nothing_outside_and_read_nothing_outside() {
     );
     drop(rig);
 }
+
+/// Issue 43: `ctr snapshots commit` of a running container's snapshot. The
+/// container holds a file open for writing and writes on after the
+/// Commit: the objects the Commit stored never change (fsck finds them
+/// whole, a view of the committed snapshot shows the bytes of the
+/// Commit), and the container keeps its upper directory (it creates files
+/// in `/` after), as under containerd's overlayfs snapshotter.
+#[test]
+fn committing_a_running_container_copies_and_leaves_it_working() {
+    require_tools();
+    let area = Area::new();
+    let rig = Rig::start(&area);
+    let a = push_image(&area, rig.registry(), "a", &[&|r: &Path| base_layer(r, 1, 5000, 1)]);
+    rig.pull(&a);
+    rig.settle();
+    // 2000 lines (some 20 KB: an object), then fd 3 kept open for append
+    // by the container's process for its whole life.
+    let script = "i=0; while [ $i -lt 2000 ]; do echo line-$i; i=$((i+1)); done > /data/log; \
+                  exec 3>>/data/log; echo > /ready; exec sleep 1000";
+    ok(rig.ctr().args([
+        "run",
+        "-d",
+        "--snapshotter",
+        "tilefs",
+        &a,
+        "live",
+        "/bin/sh",
+        "-c",
+        script,
+    ]));
+    let exec = |n: &str, cmd: &str| {
+        run(rig
+            .ctr()
+            .args(["tasks", "exec", "--exec-id", n, "live", "/bin/sh", "-c", cmd]))
+    };
+    let t = Instant::now();
+    while !exec("wait", "test -e /ready").status.success() {
+        assert!(t.elapsed() < Duration::from_secs(20), "the container did not start");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    let original: String = (0..2000).map(|i| format!("line-{i}\n")).collect();
+    ok(rig.snapshots().args(["commit", "frozen", "live"]));
+    rig.settle();
+    // The container writes on, through its open descriptor and by name.
+    let out = exec(
+        "write",
+        "echo through-fd >> /proc/1/fd/3 && echo by-name >> /data/log && md5sum /data/log",
+    );
+    assert!(
+        out.status.success(),
+        "the container cannot write after the Commit: {}",
+        stderr(&out)
+    );
+    let mut now = original.clone();
+    now.push_str("through-fd\nby-name\n");
+    let want = {
+        let p = area.path("now");
+        fs::write(&p, &now).unwrap();
+        ok(Command::new("md5sum").arg(&p))
+            .split_whitespace()
+            .next()
+            .unwrap()
+            .to_string()
+    };
+    let text = String::from_utf8_lossy(&out.stdout).to_string();
+    assert_eq!(text.trim(), format!("{want}  /data/log"));
+    // The store: no object changed.
+    let fsck = run(Command::new(tilefs_bin()).args(["fsck", "--store"]).arg(&rig.store));
+    assert!(
+        fsck.status.success(),
+        "fsck after the container wrote on: {}{}",
+        String::from_utf8_lossy(&fsck.stdout),
+        stderr(&fsck)
+    );
+    // The committed snapshot shows the file as it was at the Commit.
+    rig.view("look", "frozen").unwrap();
+    let mnt = area.dir("look");
+    mount_snapshot(&rig, "look", &mnt);
+    let seen = fs::read_to_string(mnt.join("data/log"));
+    let ready = mnt.join("ready").exists();
+    umount(&mnt);
+    assert_eq!(
+        seen.unwrap(),
+        original,
+        "the committed snapshot's file changed after the Commit"
+    );
+    assert!(ready, "the committed snapshot lacks /ready");
+    // Its upper directory is still its own: it makes files in `/`.
+    let out = exec("create", "echo new > /made-after && cat /made-after");
+    assert!(
+        out.status.success(),
+        "the container cannot create a file after the Commit: {}",
+        stderr(&out)
+    );
+    assert_eq!(String::from_utf8_lossy(&out.stdout), "new\n");
+    drop(rig);
+}

@@ -37,6 +37,7 @@
 //!   unsynced has its objects checked at the next start, and damaged ones
 //!   removed.
 
+pub mod claim;
 pub mod filter;
 pub mod layer;
 pub mod lazy;
@@ -115,6 +116,8 @@ struct Inner {
     failed: HashMap<u64, String>,
     /// Snapshots (an unpack's) mounted over pending uppers: those uppers.
     lower_users: HashMap<u64, Vec<u64>>,
+    /// Upper directories a reap found a live overlay's, and when.
+    in_use: HashMap<u64, std::time::Instant>,
 }
 
 /// Why a Prepare with CRI's labels made no lazy snapshot.
@@ -167,7 +170,7 @@ impl Tilefs {
     /// Opens (creating) the snapshotter's root and store, loads the records
     /// and removes what a crash left behind.
     pub fn open(root: &Path, store: &Path, lazy: Option<lazy::Lazy>) -> Result<Tilefs, String> {
-        for d in [state::METADATA, state::SNAPSHOTS, state::MOUNTS] {
+        for d in [state::METADATA, state::SNAPSHOTS, state::MOUNTS, state::EMPTY] {
             let p = root.join(d);
             std::fs::create_dir_all(&p).map_err(|e| format!("{}: cannot create: {e}", p.display()))?;
         }
@@ -223,6 +226,7 @@ impl Tilefs {
                     ingesting: None,
                     failed: HashMap::new(),
                     lower_users: HashMap::new(),
+                    in_use: HashMap::new(),
                 }),
                 syncing: Mutex::new(()),
                 changed: std::sync::Condvar::new(),
@@ -588,13 +592,27 @@ impl Shared {
     fn mounts_of(&self, inner: &mut Inner, r: &Record) -> Result<Vec<Mount>, Error> {
         let dir = state::snapshot_dir(&self.root, r.id);
         let fs = dir.join("fs");
-        if r.parent.is_empty() {
-            let ro = if r.kind == SnapKind::View { "ro" } else { "rw" };
+        if r.parent.is_empty() && r.kind == SnapKind::View {
             return Ok(vec![Mount {
                 r#type: "bind".into(),
                 source: fs.to_string_lossy().into_owned(),
                 target: String::new(),
-                options: vec![ro.into(), "rbind".into()],
+                options: vec!["ro".into(), "rbind".into()],
+            }]);
+        }
+        if r.parent.is_empty() {
+            // An overlay over an empty directory rather than a bind mount:
+            // overlayfs marks its upper directory in use while it lives,
+            // which a Commit asks (see `claim`) before it moves a file.
+            return Ok(vec![Mount {
+                r#type: "overlay".into(),
+                source: "overlay".into(),
+                target: String::new(),
+                options: vec![
+                    format!("workdir={}", dir.join("work").display()),
+                    format!("upperdir={}", fs.display()),
+                    format!("lowerdir={}", self.root.join(state::EMPTY).display()),
+                ],
             }]);
         }
         let mut lowers = Vec::new();
@@ -919,21 +937,53 @@ impl Shared {
     }
 
     /// Removes the upper and work directories of stored snapshots that no
-    /// unpack's mount uses.
+    /// unpack's mount uses, and what is left of removed snapshots, but for
+    /// upper directories a live overlay has (asked again a minute after).
     fn reap(&self) {
-        let dirs: Vec<PathBuf> = {
+        const RETRY: std::time::Duration = std::time::Duration::from_secs(60);
+        let todo: Vec<(u64, bool)> = {
             let inner = self.lock();
             let used: HashSet<u64> = inner.lower_users.values().flatten().copied().collect();
-            inner
+            let known: HashSet<u64> = inner.by_key.values().map(|r| r.id).collect();
+            let leftovers = inner
                 .by_key
                 .values()
                 .filter(|r| r.kind == SnapKind::Committed && !r.pending && !r.kept && !used.contains(&r.id))
-                .map(|r| state::snapshot_dir(&self.root, r.id))
-                .filter(|d| d.join("fs").exists() || d.join("work").exists())
+                .map(|r| (r.id, false));
+            // Read under the lock: a snapshot's directory and record are
+            // made together under it.
+            let gone = ids_in(&self.root, state::SNAPSHOTS)
+                .into_iter()
+                .filter(|id| !known.contains(id) && inner.ingesting != Some(*id))
+                .map(|id| (id, true));
+            leftovers
+                .chain(gone)
+                .filter(|(id, _)| {
+                    let d = state::snapshot_dir(&self.root, *id);
+                    d.join("fs").exists() || d.join("work").exists() || !known.contains(id)
+                })
+                .filter(|(id, _)| inner.in_use.get(id).is_none_or(|t| t.elapsed() >= RETRY))
                 .collect()
         };
-        for d in dirs {
-            remove_leftovers(&d);
+        for (id, gone) in todo {
+            let d = state::snapshot_dir(&self.root, id);
+            let removed = if gone {
+                match remove_snapshot_dir(&d) {
+                    Ok(()) => !d.exists(),
+                    Err(e) => {
+                        eprintln!("tilefs snapshotter: {e}");
+                        false
+                    }
+                }
+            } else {
+                remove_leftovers(&d)
+            };
+            let mut inner = self.lock();
+            if removed {
+                inner.in_use.remove(&id);
+            } else {
+                inner.in_use.insert(id, std::time::Instant::now());
+            }
         }
     }
 
@@ -1057,8 +1107,23 @@ impl Shared {
     /// digest (hex) and the layer's usage.
     fn build(&self, id: u64, chain: &[u64]) -> Result<(String, layer::LayerUsage), Error> {
         let store = Store::open(&self.store).map_err(internal)?;
+        let dir = state::snapshot_dir(&self.root, id);
+        let upper = dir.join("fs");
+        // Files are moved only out of an upper directory no live overlay
+        // has (an unpack's, which containerd's differ wrote and closed),
+        // held from overlayfs while they move; a running container's
+        // Commit copies them and leaves its upper directory to it.
+        let claimed = match claim::claim(&upper, &dir.join(state::CLAIM)) {
+            Ok(claim::Upper::Free(c)) => Some(c),
+            Ok(claim::Upper::InUse) => None,
+            Err(e) => {
+                eprintln!("tilefs snapshotter: snapshot {id}: {e}: its files are copied");
+                None
+            }
+        };
+        let method = if claimed.is_some() { Method::Move } else { Method::Copy };
         // Held until the tag is written: no gc removes the new objects.
-        let mut ingest = Ingest::new(&store, Method::Move).map_err(internal)?;
+        let mut ingest = Ingest::new(&store, method).map_err(internal)?;
         // Synced after the Commit (see `sync_committed`).
         ingest.defer_sync();
         let t0 = std::time::Instant::now();
@@ -1069,8 +1134,6 @@ impl Shared {
                 .apply_layer(&format!("snapshot {a}"), entries)
                 .map_err(|e| internal(format!("snapshot {a}: {e}")))?;
         }
-        let dir = state::snapshot_dir(&self.root, id);
-        let upper = dir.join("fs");
         let journal = |undo: &[layer::Undo]| {
             let bytes = postcard::to_stdvec(undo).map_err(|e| format!("cannot encode the commit journal: {e}"))?;
             state::write_atomic(&dir.join(state::UNDO), &bytes)
@@ -1092,14 +1155,21 @@ impl Shared {
             compat::write_image(applier).map_err(|e| internal(format!("commit: cannot write the image: {e}")))?;
         ingest.finish().map_err(internal)?;
         tags::write_tag(&store, &self.tag(id), &image.bytes).map_err(internal)?;
+        let copied = ingest.stats.copied.load(std::sync::atomic::Ordering::Relaxed);
         drop(ingest);
+        drop(claimed);
         // Where a Commit's time goes, for whoever tunes it.
         eprintln!(
-            "tilefs snapshotter: snapshot {id}: chain of {} read in {:.2} s, layer read and its files stored in {:.2} s, \
-             image written in {:.2} s",
+            "tilefs snapshotter: snapshot {id}: chain of {} read in {:.2} s, layer read and its files stored in {:.2} s \
+             ({}), image written in {:.2} s",
             chain.len(),
             (t1 - t0).as_secs_f64(),
             (t2 - t1).as_secs_f64(),
+            match (method, copied) {
+                (Method::Copy, _) => "copied: a live overlay has its upper directory".to_string(),
+                (_, 0) => "moved".to_string(),
+                (_, n) => format!("moved, but {n} copied: linked elsewhere or open for writing"),
+            },
             t2.elapsed().as_secs_f64()
         );
         Ok((hex::encode(image.digest), usage))
@@ -1148,16 +1218,10 @@ impl Shared {
             self.mounting.lock().unwrap_or_else(|e| e.into_inner()).remove(&id);
             self.remove_tag(id)?;
         }
-        let dir = state::snapshot_dir(&self.root, id);
-        std::fs::remove_dir_all(&dir)
-            .or_else(|e| {
-                if e.kind() == std::io::ErrorKind::NotFound {
-                    Ok(())
-                } else {
-                    Err(e)
-                }
-            })
-            .map_err(|e| internal(format!("{}: cannot remove: {e}", dir.display())))
+        let removed = remove_snapshot_dir(&state::snapshot_dir(&self.root, id)).map_err(internal);
+        // Upper directories that were in use may be free now.
+        self.send(Job::Reap);
+        removed
     }
 
     fn stat(&self, key: &str) -> Result<Info, Error> {
@@ -1253,29 +1317,24 @@ impl Shared {
         let mut keep: HashSet<u64> = inner.lower_users.values().flatten().copied().collect();
         keep.extend(inner.by_key.values().filter(|r| r.pending || r.kept).map(|r| r.id));
         let busy: HashSet<u64> = inner.ingesting.into_iter().collect();
-        let ids_of = |sub: &str| -> Vec<u64> {
-            std::fs::read_dir(self.root.join(sub))
-                .map(|rd| {
-                    rd.flatten()
-                        .filter_map(|e| e.file_name().to_str().and_then(|n| n.parse::<u64>().ok()))
-                        .collect()
-                })
-                .unwrap_or_default()
-        };
-        for id in ids_of(state::MOUNTS) {
+        for id in ids_in(&self.root, state::MOUNTS) {
             if ids.get(&id) != Some(&SnapKind::Committed) {
                 let m = state::mount_dir(&self.root, id);
                 unmount(&m);
                 let _ = std::fs::remove_dir(&m);
             }
         }
-        for id in ids_of(state::SNAPSHOTS) {
+        for id in ids_in(&self.root, state::SNAPSHOTS) {
             let dir = state::snapshot_dir(&self.root, id);
             match ids.get(&id) {
                 None if !busy.contains(&id) => {
-                    let _ = std::fs::remove_dir_all(&dir);
+                    if let Err(e) = remove_snapshot_dir(&dir) {
+                        eprintln!("tilefs snapshotter: {e}");
+                    }
                 }
-                Some(SnapKind::Committed) if !keep.contains(&id) => remove_leftovers(&dir),
+                Some(SnapKind::Committed) if !keep.contains(&id) => {
+                    remove_leftovers(&dir);
+                }
                 // A Commit that crashed: its files given back.
                 Some(SnapKind::Active) if !busy.contains(&id) && dir.join(state::UNDO).exists() => {
                     if let Err(e) = self.undo_commit(id) {
@@ -1304,9 +1363,27 @@ impl Shared {
     }
 }
 
-/// A committed snapshot's upper and work directories (its files are in the
-/// store now) and its commit journal.
-fn remove_leftovers(dir: &Path) {
+/// Removes a snapshot's upper and work directories and its commit journal
+/// (a committed snapshot's files are in the store now), unless a live
+/// overlay has them: a container's, whose snapshot was committed or
+/// removed under it, which goes on writing there as under containerd's
+/// overlayfs snapshotter. Those stay until a later reap finds them free.
+/// Whether they are gone.
+fn remove_leftovers(dir: &Path) -> bool {
+    let fs = dir.join("fs");
+    // Held while they go: no overlay takes them meanwhile.
+    let _claim = if fs.exists() {
+        match claim::claim(&fs, &dir.join(state::CLAIM)) {
+            Ok(claim::Upper::Free(c)) => Some(c),
+            Ok(claim::Upper::InUse) => return false,
+            Err(e) => {
+                eprintln!("tilefs snapshotter: {e}: kept as if it were in use");
+                return false;
+            }
+        }
+    } else {
+        None
+    };
     let _ = std::fs::remove_file(dir.join(state::UNDO));
     for sub in ["fs", "work"] {
         let p = dir.join(sub);
@@ -1316,6 +1393,31 @@ fn remove_leftovers(dir: &Path) {
             }
         }
     }
+    true
+}
+
+/// Removes the directory of a snapshot that is gone, but for an upper
+/// directory a live overlay has (see [`remove_leftovers`]).
+fn remove_snapshot_dir(dir: &Path) -> Result<(), String> {
+    if !remove_leftovers(dir) {
+        let _ = std::fs::remove_file(dir.join("layer"));
+        return Ok(());
+    }
+    match std::fs::remove_dir_all(dir) {
+        Err(e) if e.kind() != std::io::ErrorKind::NotFound => Err(format!("{}: cannot remove: {e}", dir.display())),
+        _ => Ok(()),
+    }
+}
+
+/// The ids of the entries of `ROOT/sub` (snapshots' or mounts').
+fn ids_in(root: &Path, sub: &str) -> Vec<u64> {
+    std::fs::read_dir(root.join(sub))
+        .map(|rd| {
+            rd.flatten()
+                .filter_map(|e| e.file_name().to_str().and_then(|n| n.parse::<u64>().ok()))
+                .collect()
+        })
+        .unwrap_or_default()
 }
 
 fn unmount(m: &Path) {
