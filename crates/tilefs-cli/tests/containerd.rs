@@ -948,7 +948,7 @@ fn hostile_layers_write_nothing_outside_and_read_nothing_outside() {
 fn committing_a_running_container_copies_and_leaves_it_working() {
     require_tools();
     let area = Area::new();
-    let rig = Rig::start(&area);
+    let mut rig = Rig::start(&area);
     let a = push_image(&area, rig.registry(), "a", &[&|r: &Path| base_layer(r, 1, 5000, 1)]);
     rig.pull(&a);
     rig.settle();
@@ -1032,5 +1032,31 @@ fn committing_a_running_container_copies_and_leaves_it_working() {
         stderr(&out)
     );
     assert_eq!(String::from_utf8_lossy(&out.stdout), "new\n");
+    // An unpack's files were moved; the running container's copied.
+    let log = fs::read_to_string(area.path("snapshotter.log")).unwrap();
+    assert!(log.contains("stored in") && log.contains("(moved)"), "{log}");
+    assert!(
+        log.contains("(copied: a live overlay has its upper directory)"),
+        "{log}"
+    );
+    // Once the container is gone, so is its upper directory (here at the
+    // snapshotter's next start).
+    ok(rig.ctr().args(["tasks", "kill", "-s", "SIGKILL", "live"]));
+    let t = Instant::now();
+    while !run(rig.ctr().args(["tasks", "delete", "live"])).status.success() {
+        assert!(t.elapsed() < Duration::from_secs(20), "the task did not stop");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    let snapshots = rig.root.join("snapshots");
+    let kept = || {
+        fs::read_dir(&snapshots)
+            .unwrap()
+            .flatten()
+            .any(|e| e.path().join("fs/made-after").exists())
+    };
+    assert!(kept(), "the container's upper directory went while it ran");
+    rig.stop_snapshotter("-TERM");
+    rig.start_snapshotter();
+    assert!(!kept(), "the upper directory of a container that is gone stays");
     drop(rig);
 }

@@ -961,6 +961,73 @@ mod tests {
     use super::*;
     use std::os::unix::fs::MetadataExt;
 
+    /// Moves `name` of `dir` into `store`, as the snapshotter does, the
+    /// caller's tree naming it `names` times; the object's path.
+    fn moved(store: &Store, dir: &Path, name: &str, names: u64) -> std::path::PathBuf {
+        let d = rfs::open(dir, OFlags::PATH | OFlags::DIRECTORY | OFlags::CLOEXEC, Mode::empty()).unwrap();
+        let c = std::ffi::CString::new(name).unwrap();
+        let st = rfs::statat(&d, c.as_c_str(), AtFlags::SYMLINK_NOFOLLOW).unwrap();
+        let ingest = Ingest::new(store, Method::Move).unwrap();
+        let digest = ingest
+            .import_named(
+                &SourceFile {
+                    dir: d.as_fd(),
+                    name: &c,
+                    path: &dir.join(name),
+                    stat: &st,
+                },
+                names,
+            )
+            .unwrap();
+        ingest.finish().unwrap();
+        store.object_path(&digest)
+    }
+
+    /// Issue 43: a moved file's inode becomes the object only where no
+    /// writer can reach it; one linked elsewhere or open for writing is
+    /// copied, and writes to it leave the object as it was.
+    #[test]
+    fn a_move_links_only_what_no_writer_can_reach() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = Store::create(&dir.path().join("store")).unwrap();
+        let src = dir.path().join("src");
+        std::fs::create_dir(&src).unwrap();
+        let ino = |p: &Path| std::fs::metadata(p).unwrap().ino();
+
+        std::fs::write(src.join("alone"), vec![1u8; 5000]).unwrap();
+        let obj = moved(&store, &src, "alone", 1);
+        assert_eq!(
+            ino(&obj),
+            ino(&src.join("alone")),
+            "a file no one else reaches is linked"
+        );
+
+        // Two names in the caller's tree: linked; a third elsewhere: copied.
+        std::fs::write(src.join("pair"), vec![2u8; 5000]).unwrap();
+        std::fs::hard_link(src.join("pair"), src.join("pair2")).unwrap();
+        assert_eq!(ino(&moved(&store, &src, "pair", 2)), ino(&src.join("pair")));
+        std::fs::write(src.join("linked"), vec![3u8; 5000]).unwrap();
+        std::fs::hard_link(src.join("linked"), dir.path().join("outside")).unwrap();
+        let obj = moved(&store, &src, "linked", 1);
+        assert_ne!(
+            ino(&obj),
+            ino(&src.join("linked")),
+            "a file linked elsewhere was linked in"
+        );
+
+        // Open for writing: copied, and a write after leaves the object.
+        std::fs::write(src.join("open"), vec![4u8; 5000]).unwrap();
+        let mut w = std::fs::OpenOptions::new().append(true).open(src.join("open")).unwrap();
+        let obj = moved(&store, &src, "open", 1);
+        assert_ne!(
+            ino(&obj),
+            ino(&src.join("open")),
+            "a file open for writing was linked in"
+        );
+        std::io::Write::write_all(&mut w, b"more").unwrap();
+        assert_eq!(std::fs::read(&obj).unwrap(), vec![4u8; 5000]);
+    }
+
     /// Imports running at once in one process (a lazy mount's fetches):
     /// none takes another's temporary name, and an object another stored
     /// first is kept and counts as stored.
