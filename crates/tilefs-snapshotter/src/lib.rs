@@ -101,6 +101,12 @@ struct Shared {
     /// CRI's lazy path, if the front end offers it.
     lazy: Option<lazy::Lazy>,
     artifacts: lazy::Artifacts,
+    /// The lazy snapshot a Prepare for each (chain ID, parent) was last
+    /// answered with: containerd's walk that follows is shown that one
+    /// alone (see [`lazy`]).
+    lazy_claims: Mutex<HashMap<(String, String), LazyClaim>>,
+    /// Signalled when a walk took up a claim.
+    walked: std::sync::Condvar,
     /// Per snapshot id, held while its image is mounted under `ROOT/mnt`
     /// (and while it is unmounted): one mount each, whoever asks first,
     /// and a slow mount holds up no other.
@@ -119,6 +125,19 @@ struct Inner {
     /// Upper directories a reap found a live overlay's, and when.
     in_use: HashMap<u64, std::time::Instant>,
 }
+
+/// What a Prepare answered AlreadyExists for a lazy snapshot told
+/// containerd, which walks for it by its chain ID label and parent next.
+struct LazyClaim {
+    name: String,
+    /// A walk for it came since.
+    walked: bool,
+}
+
+/// How long a Prepare for a lazy snapshot of another reference waits for
+/// containerd's walk of the one claimed before it (the two walk for the
+/// same label and parent: each must be shown its own).
+const CLAIM_WAIT: std::time::Duration = std::time::Duration::from_secs(10);
 
 /// Why a Prepare with CRI's labels made no lazy snapshot.
 enum NotLazy {
@@ -181,7 +200,11 @@ impl Tilefs {
         if !store.exists() {
             Store::create(store).map_err(|e| e.to_string())?;
         }
-        Store::open(store).map_err(|e| e.to_string())?;
+        // Said at each start, as fsck says it: the containers' files are
+        // as open as the store.
+        if let Some(w) = Store::open(store).map_err(|e| e.to_string())?.exposure() {
+            eprintln!("tilefs snapshotter: warning: {w}");
+        }
         let store = std::fs::canonicalize(store).map_err(|e| format!("{}: {e}", store.display()))?;
         // Both appear in overlayfs's options, which separate with these.
         for p in [&root, &store] {
@@ -233,6 +256,8 @@ impl Tilefs {
                 jobs: Mutex::new(None),
                 lazy,
                 artifacts: lazy::Artifacts::default(),
+                lazy_claims: Mutex::new(HashMap::new()),
+                walked: std::sync::Condvar::new(),
                 mounting: Mutex::new(HashMap::new()),
             }),
         };
@@ -412,8 +437,9 @@ impl Shared {
     }
 
     /// CRI's lazy path: if `t` names a layer of a runnable tilefs artifact
-    /// (checked, see [`lazy::check`]), the committed snapshot `t.name` of
-    /// the whole image, made now (or found made), and its name.
+    /// (checked, see [`lazy::check`]), the committed snapshot of the whole
+    /// image for `t`'s reference ([`lazy::snapshot_name`]), made now (or
+    /// found made), and its name, claimed for containerd's walk.
     fn make_lazy(
         self: &Arc<Self>,
         t: &lazy::Target,
@@ -421,14 +447,23 @@ impl Shared {
         labels: &HashMap<String, String>,
         lz: &lazy::Lazy,
     ) -> Result<Option<String>, NotLazy> {
-        if self.lock().by_key.get(&t.name).is_some_and(|r| r.lazy) {
-            return Ok(Some(t.name.clone()));
+        let name = lazy::snapshot_name(&t.reference, &t.name);
+        let claim = |name: &str| {
+            self.claim_lazy(&t.name, parent, name);
+            Ok(Some(name.to_string()))
+        };
+        if self.lock().by_key.get(&name).is_some_and(|r| r.lazy) {
+            return claim(&name);
         }
         let Some(layers) = self.artifacts.layers(&t.reference, lz).map_err(NotLazy::Because)? else {
             return Ok(None);
         };
         let chain = lazy::check(t, &layers).map_err(NotLazy::Because)?;
-        let below = chain.len().checked_sub(2).map(|i| chain[i].as_str()).unwrap_or("");
+        let below = chain
+            .len()
+            .checked_sub(2)
+            .map(|i| lazy::snapshot_name(&t.reference, &chain[i]))
+            .unwrap_or_default();
         if parent != below {
             return Err(NotLazy::Because(format!(
                 "its parent is {parent:?}, but the layer below it in {} is {below:?}",
@@ -472,7 +507,7 @@ impl Shared {
         let now = SystemTime::now();
         let r = Record {
             id,
-            key: t.name.clone(),
+            key: name.clone(),
             kind: SnapKind::Committed,
             parent: parent.to_string(),
             labels: labels.clone(),
@@ -486,15 +521,15 @@ impl Shared {
             kept: false,
         };
         let mut inner = self.lock();
-        if inner.by_key.contains_key(&t.name) {
+        if inner.by_key.contains_key(&name) {
             // Made meanwhile by another Prepare.
             drop(inner);
             let _ = tags::remove_tag(&store, &tag);
-            return Ok(Some(t.name.clone()));
+            return claim(&name);
         }
         state::save(&self.root, &r).map_err(failed)?;
         let first = pulled.then(|| r.clone());
-        inner.by_key.insert(t.name.clone(), r);
+        inner.by_key.insert(name.clone(), r);
         drop(inner);
         // The image's FUSE server starts while containerd prepares the
         // other layers, not when the container's Mounts comes.
@@ -516,13 +551,43 @@ impl Shared {
             });
         }
         eprintln!(
-            "tilefs snapshotter: {:?}: layer {} of {} made lazily ({:.2} s)",
-            t.name,
+            "tilefs snapshotter: {name:?}: layer {} of {} made lazily ({:.2} s)",
             chain.len(),
             t.reference,
             started.elapsed().as_secs_f64()
         );
-        Ok(Some(t.name.clone()))
+        claim(&name)
+    }
+
+    /// Makes `name` the lazy snapshot containerd's walk for chain ID
+    /// `target` over `parent` is shown. A claim of another name that no
+    /// walk took up yet is waited for first (for at most [`CLAIM_WAIT`]):
+    /// two Prepares of one artifact from two references, whatever their
+    /// order, each get their own.
+    fn claim_lazy(&self, target: &str, parent: &str, name: &str) {
+        let key = (target.to_string(), parent.to_string());
+        let deadline = std::time::Instant::now() + CLAIM_WAIT;
+        let mut claims = self.lazy_claims.lock().unwrap_or_else(|e| e.into_inner());
+        loop {
+            let now = std::time::Instant::now();
+            match claims.get(&key) {
+                Some(c) if c.name != name && !c.walked && now < deadline => {
+                    claims = self
+                        .walked
+                        .wait_timeout(claims, deadline - now)
+                        .unwrap_or_else(|e| e.into_inner())
+                        .0;
+                }
+                _ => break,
+            }
+        }
+        claims.insert(
+            key,
+            LazyClaim {
+                name: name.to_string(),
+                walked: false,
+            },
+        );
     }
 
     fn send(&self, job: Job) {
@@ -1207,6 +1272,10 @@ impl Shared {
         state::delete(&self.root, id).map_err(internal)?;
         inner.by_key.remove(key);
         inner.failed.remove(&id);
+        self.lazy_claims
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .retain(|_, c| c.name != key);
         if inner.lower_users.remove(&id).is_some() {
             self.send(Job::Reap);
         }
@@ -1282,12 +1351,25 @@ impl Shared {
         }
     }
 
+    /// The snapshots `filters` match. A walk for a chain ID label
+    /// (containerd's, after AlreadyExists) is shown, of the snapshots made
+    /// lazily for one chain ID and parent, only the one claimed last (see
+    /// [`Shared::claim_lazy`]), and takes up that claim; other lists (gc's)
+    /// show all.
     fn list(&self, filters: &[String]) -> Result<Vec<Info>, Error> {
         let f = filter::Filter::parse(filters).map_err(|e| Error::new(Code::InvalidArgument, e))?;
+        let walk = filters.iter().any(|f| f.contains(lazy::LABEL_TARGET));
         let inner = self.lock();
+        let mut claims = self.lazy_claims.lock().unwrap_or_else(|e| e.into_inner());
+        let claim_of = |r: &Record| {
+            let target = r.labels.get(lazy::LABEL_TARGET).filter(|_| r.lazy)?;
+            Some((target.clone(), r.parent.clone()))
+        };
+        let shown = |r: &Record| !walk || claim_of(r).and_then(|k| claims.get(&k)).is_none_or(|c| c.name == r.key);
         let mut out: Vec<Info> = inner
             .by_key
             .values()
+            .filter(|r| shown(r))
             .filter(|r| {
                 f.matches(&filter::Fields {
                     name: &r.key,
@@ -1298,6 +1380,17 @@ impl Shared {
             })
             .map(info_of)
             .collect();
+        if walk {
+            for i in &out {
+                let Some(target) = i.labels.get(lazy::LABEL_TARGET) else {
+                    continue;
+                };
+                if let Some(c) = claims.get_mut(&(target.clone(), i.parent.clone())) {
+                    c.walked |= c.name == i.name;
+                }
+            }
+            self.walked.notify_all();
+        }
         out.sort_by(|a, b| a.name.cmp(&b.name));
         Ok(out)
     }
