@@ -1060,3 +1060,32 @@ fn committing_a_running_container_copies_and_leaves_it_working() {
     assert!(!kept(), "the upper directory of a container that is gone stays");
     drop(rig);
 }
+
+/// Issue 43: the snapshotter says at each start, as `tilefs fsck` does,
+/// that a store others can read gives them every file of every image.
+#[test]
+fn the_snapshotter_warns_at_start_about_a_store_others_can_read() {
+    use std::os::unix::fs::PermissionsExt;
+    assert!(is_root(), "the containerd tests run as root");
+    let area = Area::new();
+    let (root, store, sock, log) = (
+        area.path("snaproot"),
+        area.path("store"),
+        area.path("s.sock"),
+        area.path("snapshotter.log"),
+    );
+    let mut child = Some(spawn_snapshotter(&root, &store, &sock, &[], &log));
+    stop_child(&mut child, "-TERM");
+    assert!(
+        !fs::read_to_string(&log).unwrap().contains("warning"),
+        "a store made is root's alone"
+    );
+    fs::set_permissions(&store, fs::Permissions::from_mode(0o755)).unwrap();
+    let mut child = Some(spawn_snapshotter(&root, &store, &sock, &[], &log));
+    stop_child(&mut child, "-TERM");
+    let text = fs::read_to_string(&log).unwrap();
+    assert!(
+        text.contains("tilefs snapshotter: warning:") && text.contains("every local user can read"),
+        "{text}"
+    );
+}

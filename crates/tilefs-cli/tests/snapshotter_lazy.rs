@@ -14,6 +14,7 @@ use containerd_snapshots::api::snapshots::v1::{
     StatSnapshotRequest, ViewSnapshotRequest,
 };
 use std::collections::HashMap;
+use std::ffi::OsStr;
 use std::fs;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command};
@@ -36,18 +37,11 @@ struct Snap {
     sock: PathBuf,
     child: Option<Child>,
     rt: tokio::runtime::Runtime,
-    /// The snapshotter's extra arguments.
-    extra: Vec<String>,
 }
 
 impl Snap {
     fn start(area: &Path) -> Snap {
-        Snap::start_with(area, &[])
-    }
-
-    fn start_with(area: &Path, extra: &[&str]) -> Snap {
         let mut s = Snap {
-            extra: extra.iter().map(|a| a.to_string()).collect(),
             area: area.to_path_buf(),
             sock: area.join("s.sock"),
             child: None,
@@ -63,14 +57,20 @@ impl Snap {
         s
     }
 
+    /// Started under the sandbox of contrib/systemd's unit, as
+    /// scripts/unit-sandbox applies it: the lazy path must work there.
     fn run(&mut self) {
-        let mut args = vec!["--tls-verify=false"];
-        args.extend(self.extra.iter().map(String::as_str));
-        self.child = Some(common::spawn_snapshotter(
+        let top = Path::new(env!("CARGO_MANIFEST_DIR")).join("../..");
+        let (sandbox, unit) = (
+            top.join("scripts/unit-sandbox"),
+            top.join("contrib/systemd/tilefs-snapshotter.service"),
+        );
+        self.child = Some(common::spawn_snapshotter_under(
+            &[sandbox.as_os_str(), unit.as_os_str(), OsStr::new("--")],
             &self.area.join("root"),
             &self.area.join("store"),
             &self.sock,
-            &args,
+            &["--tls-verify=false"],
             &self.area.join("snapshotter.log"),
         ));
     }
@@ -418,6 +418,7 @@ fn cri_labels_make_lazy_snapshots_only_when_the_artifact_says_the_same() {
         snap.remove(&key);
     }
     assert!(snap.log().contains("not served lazily"), "{}", snap.log());
+    assert!(snap.log().contains("unit-sandbox: applied"), "{}", snap.log());
 
     // The truth: every layer is committed at once, AlreadyExists, and
     // found as containerd finds it (by its chain ID label and parent).
