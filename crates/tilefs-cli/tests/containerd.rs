@@ -771,6 +771,8 @@ fn raw_tar(entries: &[(&str, tar::EntryType, &str, &[u8])]) -> Vec<u8> {
             _ => 0o644,
         });
         h.set_mtime(1_700_000_000);
+        h.set_uid(0);
+        h.set_gid(0);
         h.set_size(data.len() as u64);
         h.as_old_mut().name[..name.len()].copy_from_slice(name.as_bytes());
         h.as_old_mut().linkname[..link.len()].copy_from_slice(link.as_bytes());
@@ -1088,4 +1090,101 @@ fn the_snapshotter_warns_at_start_about_a_store_others_can_read() {
         text.contains("tilefs snapshotter: warning:") && text.contains("every local user can read"),
         "{text}"
     );
+}
+
+/// The names below `root` (not followed), `/`-joined, sorted.
+fn names_below(root: &Path) -> Vec<String> {
+    let mut out = Vec::new();
+    let mut stack = vec![root.to_path_buf()];
+    while let Some(d) = stack.pop() {
+        for e in fs::read_dir(&d).unwrap().flatten() {
+            let p = e.path();
+            if p.symlink_metadata().unwrap().is_dir() {
+                stack.push(p.clone());
+            }
+            out.push(p.strip_prefix(root).unwrap().display().to_string());
+        }
+    }
+    out.sort();
+    out
+}
+
+/// Issue 43: an opaque marker of the root (`./.wh..wh..opq`,
+/// `.wh..wh..opq`) means the same in `tilefs pull`, in the snapshotter and
+/// in containerd's own overlayfs snapshotter on the kernel: nothing is
+/// hidden (overlayfs ignores an opaque layer root).
+#[test]
+fn an_opaque_root_means_the_same_to_pull_the_snapshotter_and_containerd() {
+    use tar::EntryType as T;
+    require_tools();
+    let area = Area::new();
+    let rig = Rig::start(&area);
+    let image = push_raw_image(
+        &area,
+        rig.registry(),
+        "opaque-root",
+        &[
+            raw_tar(&[
+                ("etc/", T::Directory, "", b""),
+                ("etc/a", T::Regular, "", b"below"),
+                ("keep", T::Regular, "", b"kept"),
+            ]),
+            raw_tar(&[
+                ("./.wh..wh..opq", T::Regular, "", b""),
+                ("./new2", T::Regular, "", b"2"),
+            ]),
+            raw_tar(&[(".wh..wh..opq", T::Regular, "", b""), ("new3", T::Regular, "", b"3")]),
+        ],
+    );
+    // What a container sees, on each snapshotter: a view of the chain.
+    let seen_by = |snapshotter: &str| -> Vec<String> {
+        ok(rig
+            .ctr()
+            .args(["images", "pull", "--plain-http", "--snapshotter", snapshotter, &image]));
+        let mut snaps = rig.ctr();
+        snaps.args(["snapshots", "--snapshotter", snapshotter]);
+        let list = ok(Command::new(snaps.get_program()).args(snaps.get_args()).arg("ls"));
+        let rows: Vec<Vec<&str>> = list.lines().skip(1).map(|l| l.split_whitespace().collect()).collect();
+        let top = rows
+            .iter()
+            .filter(|r| r.last() == Some(&"Committed"))
+            .map(|r| r[0])
+            .find(|k| !rows.iter().any(|r| r.len() == 3 && r[1] == *k))
+            .unwrap_or_else(|| panic!("no top snapshot: {list}"));
+        let key = format!("view-{snapshotter}");
+        // Labelled a gc root at once (see `Rig::view`): a view is none.
+        ok(Command::new(snaps.get_program())
+            .args(snaps.get_args())
+            .args(["view", &key, top]));
+        ok(Command::new(snaps.get_program()).args(snaps.get_args()).args([
+            "label",
+            &key,
+            "containerd.io/gc.root=test",
+        ]));
+        let mnt = area.dir(&key);
+        let cmd = ok(Command::new(snaps.get_program())
+            .args(snaps.get_args())
+            .arg("mounts")
+            .arg(&mnt)
+            .arg(&key));
+        ok(Command::new("sh").args(["-c", cmd.trim()]));
+        let names = names_below(&mnt);
+        umount(&mnt);
+        names
+    };
+    let want = ["etc", "etc/a", "keep", "new2", "new3"];
+    assert_eq!(seen_by("overlayfs"), want, "containerd's overlayfs snapshotter");
+    assert_eq!(seen_by("tilefs"), want, "the tilefs snapshotter");
+    let pulled = area.dir("pulled");
+    common::oci::pull(&pulled, &format!("docker://{image}"), &["--tag", "x"]);
+    let dump = ok(Command::new(tilefs_bin()).arg("dump").arg(pulled.join("images/x")));
+    let mut names: Vec<String> = dump
+        .lines()
+        .filter_map(|l| l.split(' ').next())
+        .filter(|p| *p != "/")
+        .map(|p| p.trim_start_matches('/').to_string())
+        .collect();
+    names.sort();
+    assert_eq!(names, want, "tilefs pull");
+    drop(rig);
 }

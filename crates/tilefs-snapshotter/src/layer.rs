@@ -115,7 +115,9 @@ pub fn read_upper(
     // walk in dump order meets first.
     // The root's own metadata, as a layer's `./` entry gives it (the
     // directory is made 0755, root's, time zero, as a layer without one
-    // implies it).
+    // implies it). Its overlayfs markers are not the layer's: an opaque
+    // root (containerd's differ marks it for a layer's root `.wh..wh..opq`)
+    // hides nothing, as the kernel ignores it (see `tilefs_oci::apply`).
     let st = rustix::fs::fstat(&root.fd).map_err(|e| format!("{}: cannot stat: {e}", upper.display()))?;
     out.push(LayerEntry {
         path: Vec::new(),
