@@ -525,7 +525,7 @@ impl<'s> Ingest<'s> {
     ) -> Result<Hashed, StoreError> {
         // A link elsewhere, or a writer (EAGAIN; a filesystem without
         // leases cannot tell): copied.
-        let unreached = st.st_nlink as u64 <= names && tilefs_sys::fs::lease_read(src.as_fd()).is_ok();
+        let unreached = st.st_nlink <= names && tilefs_sys::fs::lease_read(src.as_fd()).is_ok();
         if unreached && self.linking.load(Relaxed) {
             let mut s = std::fs::File::from(src.try_clone().map_err(|e| StoreError::io(f.path, "cannot dup", e))?);
             let (n, d) = hash_copy(&mut s, None).map_err(|e| self.copy_error(f.path, e))?;
