@@ -3,9 +3,12 @@
 //!
 //! - An active snapshot is an upper and a work directory; a committed one
 //!   is a layer: the upper directory's regular files moved into the shared
-//!   store ([`tilefs_store::ingest::Method::Move`]: linked in, never
-//!   copied; dropped where the store has them already) and its entries
-//!   kept ([`layer`]).
+//!   store ([`tilefs_store::ingest::Method::Move`]: linked in, not copied;
+//!   dropped where the store has them already) and its entries kept
+//!   ([`layer`]). Only what no writer can reach is moved: an upper
+//!   directory a live overlay has (a running container's, see [`claim`])
+//!   is copied and left to it, as is a file linked elsewhere or open for
+//!   writing; no object changes after it is stored.
 //! - Each committed snapshot's chain is one EROFS image, flattened from
 //!   its layers by the code and rules of `tilefs pull` (so the same bytes
 //!   as a pull of the same OCI image), built once at Commit and tagged in
@@ -1276,9 +1279,7 @@ impl Shared {
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .retain(|_, c| c.name != key);
-        if inner.lower_users.remove(&id).is_some() {
-            self.send(Job::Reap);
-        }
+        inner.lower_users.remove(&id);
         drop(inner);
         if committed {
             let lock = self.mount_lock(id);
@@ -1288,7 +1289,8 @@ impl Shared {
             self.remove_tag(id)?;
         }
         let removed = remove_snapshot_dir(&state::snapshot_dir(&self.root, id)).map_err(internal);
-        // Upper directories that were in use may be free now.
+        // Upper directories this one held as lowers, or that were in use,
+        // may be free now.
         self.send(Job::Reap);
         removed
     }
