@@ -31,9 +31,9 @@ pub struct BuildArgs {
     /// images are gc roots
     #[arg(long, value_name = "NAME")]
     pub tag: Option<String>,
-    /// Hardlink source files into the store instead of copying (same filesystem only; a later
-    /// change to a source file then changes the object too, which fsck reports)
-    #[arg(long)]
+    /// Retired: an object hardlinked to a source file changed whenever the file did. Builds
+    /// clone (FICLONE) where the filesystem can and copy otherwise; drop the option
+    #[arg(long, hide = true)]
     pub hardlink: bool,
     /// No progress display
     #[arg(short, long)]
@@ -128,8 +128,7 @@ pub fn run(a: BuildArgs) -> Result<ExitCode> {
     // Held until the image is tagged, so a gc cannot remove new objects.
     let ingest = match &store {
         Some(s) => {
-            let method = if a.hardlink { Method::Hardlink } else { Method::Copy };
-            let mut i = Ingest::new(s, method)?;
+            let mut i = Ingest::new(s, Method::Copy)?;
             i.set_cancel(cancel.clone());
             Some(i)
         }
@@ -172,6 +171,13 @@ pub fn run(a: BuildArgs) -> Result<ExitCode> {
 /// Everything that can be checked is, before any work: the source, the
 /// tag and the output (and then the store).
 fn check_args(a: &BuildArgs) -> Result<()> {
+    if a.hardlink {
+        bail!(
+            "--hardlink is retired: an object hardlinked to a source file changes whenever the file does, \
+             under every image that shares it; drop the option (builds clone with FICLONE where the \
+             filesystem can, copy otherwise)"
+        );
+    }
     if a.source.as_os_str().is_empty() {
         bail!("empty source path");
     }
@@ -190,7 +196,6 @@ fn store_path(a: &BuildArgs) -> Result<Option<PathBuf>> {
     Ok(match (&a.store, &a.tag) {
         (Some(p), _) => Some(p.clone()),
         (None, Some(_)) => Some(tilefs_store::default_store_path()?),
-        (None, None) if a.hardlink => bail!("--hardlink needs --store or --tag"),
         (None, None) => None,
     })
 }

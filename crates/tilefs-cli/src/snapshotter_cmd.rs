@@ -25,6 +25,11 @@ pub struct SnapshotterArgs {
     /// How CRI's lazy path reaches registries (as `tilefs pull` does)
     #[command(flatten)]
     pub registry: RegistryArgs,
+    /// containers-policy.json(5) that each image the lazy path serves is checked against, in its
+    /// own registry [default: ~/.config/containers/policy.json if it exists, else
+    /// /etc/containers/policy.json; without one no image is served lazily]
+    #[arg(long, value_name = "FILE")]
+    pub signature_policy: Option<PathBuf>,
 }
 
 #[derive(serde::Deserialize, Default)]
@@ -55,7 +60,7 @@ pub fn run(a: SnapshotterArgs) -> Result<ExitCode> {
     let lazy = tilefs_snapshotter::lazy::Lazy {
         pull: tilefs_oci::pull::PullOptions {
             registry: a.registry.options(),
-            trust: a.registry.trust(None),
+            trust: a.registry.trust(a.signature_policy.clone()),
             ..Default::default()
         },
         mount: std::sync::Arc::new(mount_lazy),

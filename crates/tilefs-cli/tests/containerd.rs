@@ -771,6 +771,8 @@ fn raw_tar(entries: &[(&str, tar::EntryType, &str, &[u8])]) -> Vec<u8> {
             _ => 0o644,
         });
         h.set_mtime(1_700_000_000);
+        h.set_uid(0);
+        h.set_gid(0);
         h.set_size(data.len() as u64);
         h.as_old_mut().name[..name.len()].copy_from_slice(name.as_bytes());
         h.as_old_mut().linkname[..link.len()].copy_from_slice(link.as_bytes());
@@ -935,5 +937,254 @@ fn hostile_layers_write_nothing_outside_and_read_nothing_outside() {
             .any(|d| inside.iter().all(|p| d.lines().any(|l| l.starts_with(p.as_str())))),
         "no chain holds {inside:?}: {dumps:#?}"
     );
+    drop(rig);
+}
+
+/// Issue 43: `ctr snapshots commit` of a running container's snapshot. The
+/// container holds a file open for writing and writes on after the
+/// Commit: the objects the Commit stored never change (fsck finds them
+/// whole, a view of the committed snapshot shows the bytes of the
+/// Commit), and the container keeps its upper directory (it creates files
+/// in `/` after), as under containerd's overlayfs snapshotter.
+#[test]
+fn committing_a_running_container_copies_and_leaves_it_working() {
+    require_tools();
+    let area = Area::new();
+    let mut rig = Rig::start(&area);
+    let a = push_image(&area, rig.registry(), "a", &[&|r: &Path| base_layer(r, 1, 5000, 1)]);
+    rig.pull(&a);
+    rig.settle();
+    // 2000 lines (some 20 KB: an object), then fd 3 kept open for append
+    // by the container's process for its whole life.
+    let script = "i=0; while [ $i -lt 2000 ]; do echo line-$i; i=$((i+1)); done > /data/log; \
+                  exec 3>>/data/log; echo > /ready; exec sleep 1000";
+    ok(rig.ctr().args([
+        "run",
+        "-d",
+        "--snapshotter",
+        "tilefs",
+        &a,
+        "live",
+        "/bin/sh",
+        "-c",
+        script,
+    ]));
+    let exec = |n: &str, cmd: &str| {
+        run(rig
+            .ctr()
+            .args(["tasks", "exec", "--exec-id", n, "live", "/bin/sh", "-c", cmd]))
+    };
+    let t = Instant::now();
+    while !exec("wait", "test -e /ready").status.success() {
+        assert!(t.elapsed() < Duration::from_secs(20), "the container did not start");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    let original: String = (0..2000).map(|i| format!("line-{i}\n")).collect();
+    ok(rig.snapshots().args(["commit", "frozen", "live"]));
+    rig.settle();
+    // The container writes on, through its open descriptor and by name.
+    let out = exec(
+        "write",
+        "echo through-fd >> /proc/1/fd/3 && echo by-name >> /data/log && md5sum /data/log",
+    );
+    assert!(
+        out.status.success(),
+        "the container cannot write after the Commit: {}",
+        stderr(&out)
+    );
+    let mut now = original.clone();
+    now.push_str("through-fd\nby-name\n");
+    let want = {
+        let p = area.path("now");
+        fs::write(&p, &now).unwrap();
+        ok(Command::new("md5sum").arg(&p))
+            .split_whitespace()
+            .next()
+            .unwrap()
+            .to_string()
+    };
+    let text = String::from_utf8_lossy(&out.stdout).to_string();
+    assert_eq!(text.trim(), format!("{want}  /data/log"));
+    // The store: no object changed.
+    let fsck = run(Command::new(tilefs_bin()).args(["fsck", "--store"]).arg(&rig.store));
+    assert!(
+        fsck.status.success(),
+        "fsck after the container wrote on: {}{}",
+        String::from_utf8_lossy(&fsck.stdout),
+        stderr(&fsck)
+    );
+    // The committed snapshot shows the file as it was at the Commit.
+    rig.view("look", "frozen").unwrap();
+    let mnt = area.dir("look");
+    mount_snapshot(&rig, "look", &mnt);
+    let seen = fs::read_to_string(mnt.join("data/log"));
+    let ready = mnt.join("ready").exists();
+    umount(&mnt);
+    assert_eq!(
+        seen.unwrap(),
+        original,
+        "the committed snapshot's file changed after the Commit"
+    );
+    assert!(ready, "the committed snapshot lacks /ready");
+    // Its upper directory is still its own: it makes files in `/`.
+    let out = exec("create", "echo new > /made-after && cat /made-after");
+    assert!(
+        out.status.success(),
+        "the container cannot create a file after the Commit: {}",
+        stderr(&out)
+    );
+    assert_eq!(String::from_utf8_lossy(&out.stdout), "new\n");
+    // An unpack's files were moved; the running container's copied.
+    let log = fs::read_to_string(area.path("snapshotter.log")).unwrap();
+    assert!(log.contains("stored in") && log.contains("(moved)"), "{log}");
+    assert!(
+        log.contains("(copied: a live overlay has its upper directory)"),
+        "{log}"
+    );
+    // Once the container is gone, so is its upper directory (here at the
+    // snapshotter's next start).
+    ok(rig.ctr().args(["tasks", "kill", "-s", "SIGKILL", "live"]));
+    let t = Instant::now();
+    while !run(rig.ctr().args(["tasks", "delete", "live"])).status.success() {
+        assert!(t.elapsed() < Duration::from_secs(20), "the task did not stop");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    let snapshots = rig.root.join("snapshots");
+    let kept = || {
+        fs::read_dir(&snapshots)
+            .unwrap()
+            .flatten()
+            .any(|e| e.path().join("fs/made-after").exists())
+    };
+    assert!(kept(), "the container's upper directory went while it ran");
+    rig.stop_snapshotter("-TERM");
+    rig.start_snapshotter();
+    assert!(!kept(), "the upper directory of a container that is gone stays");
+    drop(rig);
+}
+
+/// Issue 43: the snapshotter says at each start, as `tilefs fsck` does,
+/// that a store others can read gives them every file of every image.
+#[test]
+fn the_snapshotter_warns_at_start_about_a_store_others_can_read() {
+    use std::os::unix::fs::PermissionsExt;
+    assert!(is_root(), "the containerd tests run as root");
+    let area = Area::new();
+    let (root, store, sock, log) = (
+        area.path("snaproot"),
+        area.path("store"),
+        area.path("s.sock"),
+        area.path("snapshotter.log"),
+    );
+    let mut child = Some(spawn_snapshotter(&root, &store, &sock, &[], &log));
+    stop_child(&mut child, "-TERM");
+    assert!(
+        !fs::read_to_string(&log).unwrap().contains("warning"),
+        "a store made is root's alone"
+    );
+    fs::set_permissions(&store, fs::Permissions::from_mode(0o755)).unwrap();
+    let mut child = Some(spawn_snapshotter(&root, &store, &sock, &[], &log));
+    stop_child(&mut child, "-TERM");
+    let text = fs::read_to_string(&log).unwrap();
+    assert!(
+        text.contains("tilefs snapshotter: warning:") && text.contains("every local user can read"),
+        "{text}"
+    );
+}
+
+/// The names below `root` (not followed), `/`-joined, sorted.
+fn names_below(root: &Path) -> Vec<String> {
+    let mut out = Vec::new();
+    let mut stack = vec![root.to_path_buf()];
+    while let Some(d) = stack.pop() {
+        for e in fs::read_dir(&d).unwrap().flatten() {
+            let p = e.path();
+            if p.symlink_metadata().unwrap().is_dir() {
+                stack.push(p.clone());
+            }
+            out.push(p.strip_prefix(root).unwrap().display().to_string());
+        }
+    }
+    out.sort();
+    out
+}
+
+/// Issue 43: an opaque marker of the root (`./.wh..wh..opq`,
+/// `.wh..wh..opq`) means the same in `tilefs pull`, in the snapshotter and
+/// in containerd's own overlayfs snapshotter on the kernel: nothing is
+/// hidden (overlayfs ignores an opaque layer root).
+#[test]
+fn an_opaque_root_means_the_same_to_pull_the_snapshotter_and_containerd() {
+    use tar::EntryType as T;
+    require_tools();
+    let area = Area::new();
+    let rig = Rig::start(&area);
+    let image = push_raw_image(
+        &area,
+        rig.registry(),
+        "opaque-root",
+        &[
+            raw_tar(&[
+                ("etc/", T::Directory, "", b""),
+                ("etc/a", T::Regular, "", b"below"),
+                ("keep", T::Regular, "", b"kept"),
+            ]),
+            raw_tar(&[
+                ("./.wh..wh..opq", T::Regular, "", b""),
+                ("./new2", T::Regular, "", b"2"),
+            ]),
+            raw_tar(&[(".wh..wh..opq", T::Regular, "", b""), ("new3", T::Regular, "", b"3")]),
+        ],
+    );
+    // What a container sees, on each snapshotter: a view of the chain.
+    let seen_by = |snapshotter: &str| -> Vec<String> {
+        ok(rig
+            .ctr()
+            .args(["images", "pull", "--plain-http", "--snapshotter", snapshotter, &image]));
+        let mut snaps = rig.ctr();
+        snaps.args(["snapshots", "--snapshotter", snapshotter]);
+        let list = ok(Command::new(snaps.get_program()).args(snaps.get_args()).arg("ls"));
+        let rows: Vec<Vec<&str>> = list.lines().skip(1).map(|l| l.split_whitespace().collect()).collect();
+        let top = rows
+            .iter()
+            .filter(|r| r.last() == Some(&"Committed"))
+            .map(|r| r[0])
+            .find(|k| !rows.iter().any(|r| r.len() == 3 && r[1] == *k))
+            .unwrap_or_else(|| panic!("no top snapshot: {list}"));
+        let key = format!("view-{snapshotter}");
+        // Labelled a gc root at once (see `Rig::view`): a view is none.
+        ok(Command::new(snaps.get_program())
+            .args(snaps.get_args())
+            .args(["view", &key, top]));
+        ok(Command::new(snaps.get_program()).args(snaps.get_args()).args([
+            "label",
+            &key,
+            "containerd.io/gc.root=test",
+        ]));
+        let mnt = area.dir(&key);
+        let cmd = ok(Command::new(snaps.get_program())
+            .args(snaps.get_args())
+            .arg("mounts")
+            .arg(&mnt)
+            .arg(&key));
+        ok(Command::new("sh").args(["-c", cmd.trim()]));
+        let names = names_below(&mnt);
+        umount(&mnt);
+        names
+    };
+    let want = ["etc", "etc/a", "keep", "new2", "new3"];
+    assert_eq!(seen_by("overlayfs"), want, "containerd's overlayfs snapshotter");
+    assert_eq!(seen_by("tilefs"), want, "the tilefs snapshotter");
+    let pulled = area.dir("pulled");
+    common::oci::pull(&pulled, &format!("docker://{image}"), &["--tag", "x"]);
+    let dump = ok(Command::new(tilefs_bin()).arg("dump").arg(pulled.join("images/x")));
+    let mut names: Vec<String> = dump
+        .lines()
+        .filter_map(|l| l.split(' ').next())
+        .filter(|p| *p != "/")
+        .map(|p| p.trim_start_matches('/').to_string())
+        .collect();
+    names.sort();
+    assert_eq!(names, want, "tilefs pull");
     drop(rig);
 }

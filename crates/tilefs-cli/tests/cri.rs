@@ -74,10 +74,17 @@ pub struct CriRig {
     containerd: Option<Child>,
     snapshotter: Option<Child>,
     registry: Option<Registry>,
+    /// The snapshotter's arguments besides root, store and socket.
+    snapshotter_args: Vec<String>,
 }
 
 impl CriRig {
     pub fn start(area: &Area) -> CriRig {
+        CriRig::start_with(area, &[])
+    }
+
+    /// With `tilefs snapshotter` given `args` too.
+    pub fn start_with(area: &Area, args: &[&str]) -> CriRig {
         require_tools();
         let base = area.path("");
         let dir_name = base
@@ -98,6 +105,12 @@ impl CriRig {
             containerd: None,
             snapshotter: None,
             registry: Some(Registry::start(area)),
+            // The lazy path reaches the plain-HTTP registry.
+            snapshotter_args: ["--tls-verify=false"]
+                .iter()
+                .chain(args)
+                .map(|a| a.to_string())
+                .collect(),
         };
         // CRI pulls its sandbox image like any other: ours is busybox
         // sleeping until StopPodSandbox kills it.
@@ -196,12 +209,12 @@ state = "{state}"
     }
 
     pub fn start_snapshotter(&mut self) {
+        let args: Vec<&str> = self.snapshotter_args.iter().map(String::as_str).collect();
         self.snapshotter = Some(common::spawn_snapshotter(
             &self.root,
             &self.store,
             &self.snap_sock,
-            // The lazy path reaches the plain-HTTP registry.
-            &["--tls-verify=false"],
+            &args,
             &self.area.join("snapshotter.log"),
         ));
         // containerd's gRPC client reconnects to a restarted plugin after
@@ -844,9 +857,9 @@ fn cri_starts_a_pod_lazily_from_a_runnable_tilefs_image() {
     }
     let records = rig.records();
     assert!(
-        chain
+        chain.iter().all(|id| records
             .iter()
-            .all(|id| records.iter().any(|r| r["key"] == id.as_str() && r["lazy"] == true)),
+            .any(|r| r["labels"]["containerd.io/snapshot.ref"] == id.as_str() && r["lazy"] == true)),
         "{records:?}"
     );
 
@@ -875,4 +888,209 @@ fn cri_starts_a_pod_lazily_from_a_runnable_tilefs_image() {
 fn write_files_for_app(root: &Path, seed: u64, n: usize) {
     let files: Vec<(String, usize)> = (0..n).map(|i| (format!("data/l{seed}-{i}"), 16 << 10)).collect();
     common::oci::write_files(root, seed, &files);
+}
+
+/// A Prepare through containerd's own snapshots API in namespace `ns`, as
+/// the unpacker of any containerd client there makes it (CRI's labels
+/// included): Ok, or the error's code and message.
+fn prepare_in_namespace(
+    sock: &Path,
+    ns: &str,
+    key: &str,
+    parent: &str,
+    labels: std::collections::HashMap<String, String>,
+) -> Result<(), (tonic::Code, String)> {
+    use containerd_snapshots::api::snapshots::v1::snapshots_client::SnapshotsClient;
+    use containerd_snapshots::api::snapshots::v1::PrepareSnapshotRequest;
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .enable_all()
+        .build()
+        .unwrap();
+    let sock = sock.to_path_buf();
+    rt.block_on(async move {
+        let ch = tonic::transport::Endpoint::try_from("http://containerd")
+            .unwrap()
+            .connect_with_connector(tower::service_fn(move |_| {
+                tokio::net::UnixStream::connect(sock.clone())
+            }))
+            .await
+            .unwrap();
+        let mut r = tonic::Request::new(PrepareSnapshotRequest {
+            snapshotter: "tilefs".into(),
+            key: key.into(),
+            parent: parent.into(),
+            labels,
+        });
+        r.metadata_mut().insert("containerd-namespace", ns.parse().unwrap());
+        SnapshotsClient::new(ch)
+            .prepare(r)
+            .await
+            .map(drop)
+            .map_err(|s| (s.code(), s.message().to_string()))
+    })
+}
+
+/// Issue 43: a lazy snapshot belongs to its image reference. One runnable
+/// artifact is in two repositories, `evil` (which pushed it first and was
+/// served lazily first, in another containerd namespace) and `good`. CRI's
+/// pull of `good` is checked in `good`'s registry under its own signature
+/// policy (a policy that rejects it makes the pull fail, not fall back on
+/// `evil`'s snapshot), and once accepted its pod reads files fetched from
+/// `good` alone: `evil`'s access log shows nothing of them.
+#[test]
+fn cri_lazy_snapshots_are_each_references_own() {
+    let area = Area::new();
+    let policy = area.path("policy.json");
+    let write_policy = |reject_good: Option<&str>| {
+        let mut p = serde_json::json!({"default": [{"type": "insecureAcceptAnything"}]});
+        if let Some(repo) = reject_good {
+            p["transports"] = serde_json::json!({"docker": {repo: [{"type": "reject"}]}});
+        }
+        fs::write(&policy, p.to_string()).unwrap();
+    };
+    write_policy(None);
+    let rig = CriRig::start_with(&area, &["--signature-policy", policy.to_str().unwrap()]);
+    let plain = push_image_with(
+        &area,
+        rig.registry(),
+        "plain",
+        &[&|r: &Path| {
+            busybox_into(r, &["sh", "cat", "md5sum"]);
+            let files: Vec<(String, usize)> = (0..16).map(|i| (format!("data/f{i}"), 256 << 10)).collect();
+            common::oci::write_files(r, 11, &files);
+        }],
+        &["--config.cmd", "/bin/sh"],
+    );
+    let work = area.dir("work-store");
+    let tilefs_in = |args: &[&str]| {
+        let mut c = Command::new(tilefs_bin());
+        c.args(args).arg("--store").arg(&work);
+        ok(&mut c)
+    };
+    tilefs_in(&[
+        "pull",
+        "-q",
+        "--tls-verify=false",
+        "--tag",
+        "app",
+        &format!("docker://{plain}"),
+    ]);
+    let reg = rig.registry_addr().to_string();
+    let (evil, good) = (format!("{reg}/evil/app:lazy"), format!("{reg}/good/app:lazy"));
+    for r in [&evil, &good] {
+        tilefs_in(&[
+            "push",
+            "-q",
+            "--tls-verify=false",
+            "--runnable-from",
+            &format!("docker://{plain}"),
+            "app",
+            &format!("docker://{r}"),
+        ]);
+    }
+    let raw = common::oci::skopeo_raw(&format!("docker://{evil}"));
+    assert_eq!(
+        raw,
+        common::oci::skopeo_raw(&format!("docker://{good}")),
+        "one artifact"
+    );
+    let layers: Vec<String> = raw["layers"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|l| l["digest"].as_str().unwrap().to_string())
+        .collect();
+    let pack = layers.last().unwrap().clone();
+    let chain = chain_ids(&evil);
+    let manifest = format!(
+        "sha256:{}",
+        sha256_hex(
+            &Command::new("skopeo")
+                .args(["inspect", "--raw", "--tls-verify=false", &format!("docker://{evil}")])
+                .output()
+                .unwrap()
+                .stdout
+        )
+    );
+
+    // `evil` first, in namespace "evil": each layer is made lazily there,
+    // as containerd's unpacker asks (AlreadyExists: the snapshot is made).
+    for (i, layer) in layers.iter().enumerate() {
+        let labels = [
+            ("containerd.io/snapshot.ref", chain[i].as_str()),
+            ("containerd.io/snapshot/cri.image-ref", evil.as_str()),
+            ("containerd.io/snapshot/cri.manifest-digest", manifest.as_str()),
+            ("containerd.io/snapshot/cri.layer-digest", layer.as_str()),
+        ]
+        .into_iter()
+        .map(|(k, v)| (k.to_string(), v.to_string()))
+        .collect();
+        let parent = if i == 0 { "" } else { chain[i - 1].as_str() };
+        let got = prepare_in_namespace(&area.path("c.sock"), "evil", &format!("extract-{i}"), parent, labels);
+        assert_eq!(
+            got.as_ref().map_err(|e| e.0),
+            Err(tonic::Code::AlreadyExists),
+            "{got:?}"
+        );
+    }
+    let log = || fs::read_to_string(area.path("snapshotter.log")).unwrap_or_default();
+    assert!(
+        log().contains("/evil/app@") && log().contains("made lazily"),
+        "{}",
+        log()
+    );
+
+    // A policy that rejects `good`: its pull fails (its layers are no
+    // tar), rather than taking `evil`'s snapshots.
+    write_policy(Some(&format!("{reg}/good")));
+    let refused = run(rig.crictl().args(["pull", &good]));
+    assert!(
+        !refused.status.success(),
+        "a pull the policy rejects succeeded: {}",
+        log()
+    );
+    assert!(
+        log().contains("not served lazily") && log().contains("good/app"),
+        "{}",
+        log()
+    );
+
+    // Accepted: the pull is lazy (the pack is not downloaded), from
+    // `good`; the pod's reads are fetched from `good`, none from `evil`.
+    write_policy(None);
+    let from = rig.registry().requests().len();
+    rig.pull(&good);
+    assert!(
+        rig.registry().requests()[from..]
+            .iter()
+            .all(|r| !(r.method == "GET" && r.path.ends_with(&pack))),
+        "the pull downloaded the pack"
+    );
+    let out = rig.run_pod_and_container(&good, "md5sum /data/f3");
+    let want = ok(Command::new("md5sum").arg(area.path("bundle-plain/rootfs/data/f3")));
+    assert_eq!(out.split_whitespace().next(), want.split_whitespace().next(), "{out}");
+    let since = &rig.registry().requests()[from..];
+    let to_evil: Vec<&str> = since
+        .iter()
+        .filter(|r| r.path.contains("/evil/"))
+        .map(|r| r.path.as_str())
+        .collect();
+    assert!(
+        to_evil.is_empty(),
+        "the victim's pull or reads went to evil: {to_evil:?}"
+    );
+    assert!(
+        since
+            .iter()
+            .any(|r| r.path.starts_with("/v2/good/app/blobs/") && r.path.ends_with(&pack)),
+        "no file was fetched from good"
+    );
+    let records = rig.records();
+    assert!(
+        records
+            .iter()
+            .any(|r| r["lazy"] == true && r["key"].as_str().is_some_and(|k| k.contains("/good/app@"))),
+        "{records:?}"
+    );
 }

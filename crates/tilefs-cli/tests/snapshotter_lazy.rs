@@ -10,10 +10,11 @@ use common::registry::Registry;
 use common::*;
 use containerd_snapshots::api::snapshots::v1::snapshots_client::SnapshotsClient;
 use containerd_snapshots::api::snapshots::v1::{
-    CommitSnapshotRequest, MountsRequest, PrepareSnapshotRequest, RemoveSnapshotRequest, StatSnapshotRequest,
-    ViewSnapshotRequest,
+    CommitSnapshotRequest, ListSnapshotsRequest, MountsRequest, PrepareSnapshotRequest, RemoveSnapshotRequest,
+    StatSnapshotRequest, ViewSnapshotRequest,
 };
 use std::collections::HashMap;
+use std::ffi::OsStr;
 use std::fs;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command};
@@ -56,14 +57,48 @@ impl Snap {
         s
     }
 
+    /// Started under the sandbox of contrib/systemd's unit, as
+    /// scripts/unit-sandbox applies it: the lazy path must work there.
     fn run(&mut self) {
-        self.child = Some(common::spawn_snapshotter(
+        let top = Path::new(env!("CARGO_MANIFEST_DIR")).join("../..");
+        let (sandbox, unit) = (
+            top.join("scripts/unit-sandbox"),
+            top.join("contrib/systemd/tilefs-snapshotter.service"),
+        );
+        self.child = Some(common::spawn_snapshotter_under(
+            &[sandbox.as_os_str(), unit.as_os_str(), OsStr::new("--")],
             &self.area.join("root"),
             &self.area.join("store"),
             &self.sock,
             &["--tls-verify=false"],
             &self.area.join("snapshotter.log"),
         ));
+    }
+
+    /// The committed snapshot containerd finds after a Prepare answered
+    /// AlreadyExists: it walks for the chain ID label and the parent.
+    fn walk(&self, target: &str, parent: &str) -> Option<String> {
+        let mut c = self.client();
+        let filter = format!("labels.\"{TARGET}\"=={target},parent==\"{parent}\"");
+        self.rt.block_on(async {
+            let mut stream = c
+                .list(ListSnapshotsRequest {
+                    snapshotter: "tilefs".into(),
+                    filters: vec![filter],
+                })
+                .await
+                .unwrap()
+                .into_inner();
+            let mut found = None;
+            while let Some(page) = stream.message().await.unwrap() {
+                for i in page.info {
+                    if found.is_none() && i.kind == 3 && i.labels.get(TARGET).map(String::as_str) == Some(target) {
+                        found = Some(i.name);
+                    }
+                }
+            }
+            found
+        })
     }
 
     fn stop(&mut self) {
@@ -379,17 +414,20 @@ fn cri_labels_make_lazy_snapshots_only_when_the_artifact_says_the_same() {
         let key = format!("k8s.io/1/extract-lie{i}");
         let got = snap.prepare(&key, parent, labels(target, man, layer));
         assert!(got.is_ok(), "lie {i}: {got:?}\n{}", snap.log());
-        assert_eq!(snap.stat(target), Err(Code::NotFound), "lie {i} made {target}");
+        assert_eq!(snap.walk(target, parent), None, "lie {i} made {target}");
         snap.remove(&key);
     }
     assert!(snap.log().contains("not served lazily"), "{}", snap.log());
+    assert!(snap.log().contains("unit-sandbox: applied"), "{}", snap.log());
 
-    // The truth: every layer is committed at once, AlreadyExists.
+    // The truth: every layer is committed at once, AlreadyExists, and
+    // found as containerd finds it (by its chain ID label and parent).
+    let mut names: Vec<String> = Vec::new();
     for (i, layer) in layers.iter().enumerate() {
-        let parent = if i == 0 { "" } else { chain[i - 1].as_str() };
+        let parent = names.last().cloned().unwrap_or_default();
         let got = snap.prepare(
             &format!("k8s.io/2/extract-{i}"),
-            parent,
+            &parent,
             labels(&chain[i], &manifest, layer),
         );
         assert_eq!(
@@ -398,11 +436,13 @@ fn cri_labels_make_lazy_snapshots_only_when_the_artifact_says_the_same() {
             "layer {i}: {got:?}\n{}",
             snap.log()
         );
-        let (kind, l) = snap.stat(&chain[i]).unwrap();
+        let name = snap.walk(&chain[i], &parent).expect("the lazy snapshot");
+        let (kind, l) = snap.stat(&name).unwrap();
         assert_eq!(kind, 3, "committed"); // containerd's KindCommitted
         assert_eq!(l.get(TARGET), Some(&chain[i]));
+        names.push(name);
     }
-    let top = chain.last().unwrap();
+    let top = names.last().unwrap();
     let fetched = |from: usize| -> u64 {
         registry.requests()[from..]
             .iter()
@@ -490,8 +530,8 @@ fn cri_labels_make_lazy_snapshots_only_when_the_artifact_says_the_same() {
     for k in ["k8s.io/3/view", "k8s.io/4/cview", "k8s.io/4/c2", "k8s.io/4/c"] {
         snap.remove(k);
     }
-    for id in chain.iter().rev() {
-        snap.remove(id);
+    for name in names.iter().rev() {
+        snap.remove(name);
     }
     // An artifact whose image the registry now sends corrupt: the labels
     // are true, so the Prepare fails, naming why (containerd could not
@@ -504,7 +544,7 @@ fn cri_labels_make_lazy_snapshots_only_when_the_artifact_says_the_same() {
         .unwrap_err();
     assert_eq!(e.0, Code::Unavailable, "{e:?}");
     assert!(e.1.contains(&layers[0]) && e.1.contains("does not match"), "{e:?}");
-    assert_eq!(snap.stat(&chain[0]), Err(Code::NotFound));
+    assert_eq!(snap.walk(&chain[0], ""), None);
 
     let left: Vec<String> = mountinfo_lines()
         .into_iter()

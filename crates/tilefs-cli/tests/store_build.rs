@@ -118,14 +118,17 @@ fn objects_are_named_by_digest_and_stored_once() {
     }
 }
 
+/// Issue 43: `--hardlink` made an object of the source file's inode, which
+/// changed whenever the file did. It is refused, saying why and what to do
+/// instead; a build shares no inode with its sources.
 #[test]
-fn hardlink_mode_links_sources() {
+fn hardlink_is_retired_and_objects_share_no_inode_with_sources() {
     let tmp = tempfile::tempdir().unwrap();
     let src = tmp.path().join("src");
     plain_tree(&src, 6, 5000, 2);
     let store = tmp.path().join("store");
     let img = tmp.path().join("img");
-    tilefs(&[
+    let refused = tilefs_any(&[
         os("build"),
         os("--hardlink"),
         os("--store"),
@@ -133,11 +136,33 @@ fn hardlink_mode_links_sources() {
         src.as_os_str(),
         img.as_os_str(),
     ]);
+    let err = stderr(&refused);
+    assert_eq!(refused.status.code(), Some(1), "{err}");
+    assert!(
+        err.contains("--hardlink is retired") && err.contains("drop the option"),
+        "{err}"
+    );
+    assert!(!img.exists() && !store.exists(), "a refused build wrote something");
+    tilefs(&[
+        os("build"),
+        os("--store"),
+        store.as_os_str(),
+        src.as_os_str(),
+        img.as_os_str(),
+    ]);
     let obj = store.join(object_rel(&digest_hex(&src.join("file0"))));
-    assert_eq!(
+    assert_ne!(
         fs::metadata(&obj).unwrap().ino(),
         fs::metadata(src.join("file0")).unwrap().ino()
     );
+    // A change to the source leaves the object as it was.
+    let before = fs::read(&obj).unwrap();
+    fs::OpenOptions::new()
+        .append(true)
+        .open(src.join("file0"))
+        .and_then(|mut f| std::io::Write::write_all(&mut f, b"more"))
+        .unwrap();
+    assert_eq!(fs::read(&obj).unwrap(), before);
 }
 
 #[test]

@@ -10,6 +10,14 @@
 //! entries of their own layer, wherever they sit in the tar stream: each
 //! layer's whiteouts are applied first, then its other entries.
 //!
+//! An opaque marker of the root (`.wh..wh..opq` or `./.wh..wh..opq`) hides
+//! nothing, as a container sees it on containerd's overlayfs snapshotter
+//! and on tilefs's: containerd applies it as `trusted.overlay.opaque` on
+//! the layer's upper directory, and the kernel's overlayfs ignores that
+//! xattr on a layer's root (only a directory below the root is ever
+//! opaque). A pull therefore shows the layers below the root's marker, as
+//! the containers do.
+//!
 //! The working tree is an arena where removed inodes simply stop being
 //! reachable; [`Applier::finish`] walks what is reachable into a compact
 //! [`Tree`] whose link counts and primary entries follow the order of a
@@ -83,6 +91,8 @@ impl Applier {
 
     fn remove(&mut self, e: &LayerEntry) -> Result<(), String> {
         match e.kind {
+            // The root's marker: see the module's doc.
+            Kind::Opaque if e.path.is_empty() => Ok(()),
             Kind::Opaque => {
                 // Only a directory below has contents to hide.
                 if let Some(id) = self.lookup(&e.path)? {
@@ -389,6 +399,19 @@ mod tests {
         let t = a.finish();
         assert_eq!(names(&t, "/d"), ["c"]);
         assert!(t.lookup_path(b"/x").is_none());
+    }
+
+    /// Issue 43: the root's opaque marker hides nothing, as overlayfs
+    /// ignores an opaque layer root (what containers see).
+    #[test]
+    fn an_opaque_root_hides_nothing() {
+        let mut a = Applier::new(false);
+        a.apply_layer("l1", vec![e("d", Kind::Dir), file("d/a", "1"), file("x", "x")])
+            .unwrap();
+        a.apply_layer("l2", vec![e("", Kind::Opaque), file("y", "y")]).unwrap();
+        let t = a.finish();
+        assert_eq!(names(&t, "/"), ["d", "x", "y"]);
+        assert_eq!(names(&t, "/d"), ["a"]);
     }
 
     #[test]

@@ -11,13 +11,15 @@
 //! `trusted.overlay.redirect` naming where its contents were below (a layer
 //! cannot say "renamed", so it is written out whole: opaque, with the
 //! entries it shows). Regular files of more than 64 bytes go into the
-//! store by [`Method::Move`]: linked in, never copied, dropped where the
-//! store has their object already.
+//! store: by [`Method::Move`] (linked in where no writer can reach them,
+//! dropped where the store has their object already) when the caller
+//! holds the upper directory from overlayfs (see [`crate::claim`]), else
+//! copied.
 //!
 //! Moving a file in changes its inode (owner root, mode 0644, now shared
 //! with the store): what it was is journaled first ([`Undo`]) so that a
 //! Commit that fails, or a crash, gives the active snapshot back exactly
-//! ([`restore`]).
+//! ([`restore`]). A copy changes nothing in the upper directory.
 //!
 //! The directory is untrusted: it is read through
 //! [`tilefs_commit::upper::Dir`], which never follows a symlink or leaves
@@ -35,7 +37,7 @@ use tilefs_image::tree::{
     InodeId, Timespec, Tree, RECOMMENDED_INLINE_MAX, S_IFBLK, S_IFCHR, S_IFDIR, S_IFIFO, S_IFLNK, S_IFMT, S_IFREG,
 };
 use tilefs_oci::layer::{Content, Kind, LayerEntry, Meta};
-use tilefs_store::ingest::{Ingest, SourceFile};
+use tilefs_store::ingest::{Ingest, Method, SourceFile};
 
 /// Overlayfs's own markers in the upper directory (never file xattrs).
 const OVERLAY_PREFIX: &[u8] = b"trusted.overlay.";
@@ -95,7 +97,7 @@ fn resolve_redirect(parent_below: Option<&[u8]>, r: &[u8]) -> Option<Vec<u8>> {
 /// Reads the upper directory `upper` as a layer over `below` (the chain's
 /// tree so far, where a metacopy file finds its data and a renamed
 /// directory its contents). `journal` gets what the files to move were,
-/// before any of them changes.
+/// before any of them changes (nothing, if `ingest` copies).
 pub fn read_upper(
     upper: &Path,
     ingest: &Ingest<'_>,
@@ -106,12 +108,16 @@ pub fn read_upper(
     let mut out = Vec::new();
     let mut usage = LayerUsage::default();
     let mut links: HashMap<(u64, u64), Vec<Vec<u8>>> = HashMap::new();
+    // Each inode's names in the layer: a file with others is copied.
+    let mut names_of: HashMap<(u64, u64), u64> = HashMap::new();
     let mut pending: Vec<Pending> = Vec::new();
     // Depth first, by name: a hardlinked file's first name is the one a
     // walk in dump order meets first.
     // The root's own metadata, as a layer's `./` entry gives it (the
     // directory is made 0755, root's, time zero, as a layer without one
-    // implies it).
+    // implies it). Its overlayfs markers are not the layer's: an opaque
+    // root (containerd's differ marks it for a layer's root `.wh..wh..opq`)
+    // hides nothing, as the kernel ignores it (see `tilefs_oci::apply`).
     let st = rustix::fs::fstat(&root.fd).map_err(|e| format!("{}: cannot stat: {e}", upper.display()))?;
     out.push(LayerEntry {
         path: Vec::new(),
@@ -235,6 +241,7 @@ pub fn read_upper(
                     let size = st.st_size as u64;
                     if st.st_nlink > 1 {
                         let id = (st.st_dev, st.st_ino);
+                        *names_of.entry(id).or_default() += 1;
                         if let Some(first) = links.get(&id) {
                             out.push(LayerEntry {
                                 path,
@@ -254,6 +261,7 @@ pub fn read_upper(
                             name: name.clone(),
                             stat: st,
                             path: shown,
+                            names: 1,
                         });
                         Content::Pending(0)
                     } else {
@@ -305,7 +313,11 @@ pub fn read_upper(
             });
         }
     }
-    journal(&undo_of(&pending, &out))?;
+    let moving = ingest.method() == Method::Move;
+    journal(&if moving { undo_of(&pending, &out) } else { Vec::new() })?;
+    for p in &mut pending {
+        p.names = names_of.get(&(p.stat.st_dev, p.stat.st_ino)).copied().unwrap_or(1);
+    }
     import_all(upper, ingest, &pending, &mut out)?;
     Ok((out, usage))
 }
@@ -560,6 +572,8 @@ struct Pending {
     name: CString,
     stat: rustix::fs::Stat,
     path: PathBuf,
+    /// Its names in the layer (its hardlinks there).
+    names: u64,
 }
 
 /// The upper directory, opened without following a link on its way.
@@ -601,12 +615,15 @@ fn import_all(upper: &Path, ingest: &Ingest<'_>, pending: &[Pending], out: &mut 
         }
         .map_err(|e| format!("{}: cannot open its directory: {e}", p.path.display()))?;
         ingest
-            .import(&SourceFile {
-                dir: rustix::fd::AsFd::as_fd(&dir),
-                name: &p.name,
-                path: &p.path,
-                stat: &p.stat,
-            })
+            .import_named(
+                &SourceFile {
+                    dir: rustix::fd::AsFd::as_fd(&dir),
+                    name: &p.name,
+                    path: &p.path,
+                    stat: &p.stat,
+                },
+                p.names,
+            )
             .map_err(|e| e.to_string())
     };
     let pool = rayon::ThreadPoolBuilder::new()

@@ -6,12 +6,29 @@
 //! (started by the front end, see [`MountFn`]) that fetches each file on
 //! its first read and checks it before serving a byte.
 //!
-//! The labels are not trusted: the snapshot is named by the chain ID the
-//! artifact's own configuration (fetched by the manifest's digest, under
-//! the signature policy) gives the layer, and made only if the labels say
-//! the same. Every layer of an artifact shows the whole image: the chain
-//! IDs are those of the artifact's blobs (its EROFS image first), which no
-//! other image shares, so no other chain is built on them by mistake.
+//! The labels are not trusted: the snapshot is made only if the chain ID
+//! the artifact's own configuration (fetched by the manifest's digest, under
+//! the signature policy) gives the layer is the one the labels name. Every
+//! layer of an artifact shows the whole image: the chain IDs are those of
+//! the artifact's blobs (its EROFS image first), which no other image
+//! shares, so no other chain is built on them by mistake.
+//!
+//! A lazy snapshot belongs to its image reference (issue 43): two
+//! repositories may hold the same artifact, one of them hostile, and a
+//! Prepare for one must neither be answered with the other's snapshot
+//! (whose files are fetched from the other registry, which would see what
+//! is read and could withhold it) nor skip its own registry and signature
+//! policy. So each is named by reference and chain ID
+//! ([`snapshot_name`]). containerd, told AlreadyExists, looks for the
+//! snapshot by the chain ID label and the parent (a walk, which names
+//! neither the reference nor containerd's namespace: containerd 1.6 sends
+//! the namespace header to no proxy plugin); the walk is shown only the
+//! snapshot the Prepare before it was answered with, and a Prepare of
+//! another reference for the same chain ID and parent waits until that
+//! walk came. Within one containerd namespace containerd itself asks the
+//! snapshotter nothing for a chain ID it has already (its metadata is
+//! keyed by chain ID, whatever the snapshotter): a second reference with
+//! the same artifact there uses the first's snapshots.
 
 use std::collections::HashMap;
 use std::path::Path;
@@ -68,6 +85,13 @@ impl Target {
             })
         })())
     }
+}
+
+/// The name of the lazy snapshot of chain ID `chain` of image
+/// `reference` (repository and manifest digest):
+/// `lazy/REFERENCE/CHAIN`.
+pub fn snapshot_name(reference: &ImageRef, chain: &str) -> String {
+    format!("lazy/{reference}/{chain}")
 }
 
 /// The repository of `HOST/PATH[:TAG][@DIGEST]`.

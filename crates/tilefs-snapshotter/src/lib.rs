@@ -3,9 +3,12 @@
 //!
 //! - An active snapshot is an upper and a work directory; a committed one
 //!   is a layer: the upper directory's regular files moved into the shared
-//!   store ([`tilefs_store::ingest::Method::Move`]: linked in, never
-//!   copied; dropped where the store has them already) and its entries
-//!   kept ([`layer`]).
+//!   store ([`tilefs_store::ingest::Method::Move`]: linked in, not copied;
+//!   dropped where the store has them already) and its entries kept
+//!   ([`layer`]). Only what no writer can reach is moved: an upper
+//!   directory a live overlay has (a running container's, see [`claim`])
+//!   is copied and left to it, as is a file linked elsewhere or open for
+//!   writing; no object changes after it is stored.
 //! - Each committed snapshot's chain is one EROFS image, flattened from
 //!   its layers by the code and rules of `tilefs pull` (so the same bytes
 //!   as a pull of the same OCI image), built once at Commit and tagged in
@@ -37,6 +40,7 @@
 //!   unsynced has its objects checked at the next start, and damaged ones
 //!   removed.
 
+pub mod claim;
 pub mod filter;
 pub mod layer;
 pub mod lazy;
@@ -100,6 +104,12 @@ struct Shared {
     /// CRI's lazy path, if the front end offers it.
     lazy: Option<lazy::Lazy>,
     artifacts: lazy::Artifacts,
+    /// The lazy snapshot a Prepare for each (chain ID, parent) was last
+    /// answered with: containerd's walk that follows is shown that one
+    /// alone (see [`lazy`]).
+    lazy_claims: Mutex<HashMap<(String, String), LazyClaim>>,
+    /// Signalled when a walk took up a claim.
+    walked: std::sync::Condvar,
     /// Per snapshot id, held while its image is mounted under `ROOT/mnt`
     /// (and while it is unmounted): one mount each, whoever asks first,
     /// and a slow mount holds up no other.
@@ -115,7 +125,22 @@ struct Inner {
     failed: HashMap<u64, String>,
     /// Snapshots (an unpack's) mounted over pending uppers: those uppers.
     lower_users: HashMap<u64, Vec<u64>>,
+    /// Upper directories a reap found a live overlay's, and when.
+    in_use: HashMap<u64, std::time::Instant>,
 }
+
+/// What a Prepare answered AlreadyExists for a lazy snapshot told
+/// containerd, which walks for it by its chain ID label and parent next.
+struct LazyClaim {
+    name: String,
+    /// A walk for it came since.
+    walked: bool,
+}
+
+/// How long a Prepare for a lazy snapshot of another reference waits for
+/// containerd's walk of the one claimed before it (the two walk for the
+/// same label and parent: each must be shown its own).
+const CLAIM_WAIT: std::time::Duration = std::time::Duration::from_secs(10);
 
 /// Why a Prepare with CRI's labels made no lazy snapshot.
 enum NotLazy {
@@ -167,7 +192,7 @@ impl Tilefs {
     /// Opens (creating) the snapshotter's root and store, loads the records
     /// and removes what a crash left behind.
     pub fn open(root: &Path, store: &Path, lazy: Option<lazy::Lazy>) -> Result<Tilefs, String> {
-        for d in [state::METADATA, state::SNAPSHOTS, state::MOUNTS] {
+        for d in [state::METADATA, state::SNAPSHOTS, state::MOUNTS, state::EMPTY] {
             let p = root.join(d);
             std::fs::create_dir_all(&p).map_err(|e| format!("{}: cannot create: {e}", p.display()))?;
         }
@@ -178,7 +203,11 @@ impl Tilefs {
         if !store.exists() {
             Store::create(store).map_err(|e| e.to_string())?;
         }
-        Store::open(store).map_err(|e| e.to_string())?;
+        // Said at each start, as fsck says it: the containers' files are
+        // as open as the store.
+        if let Some(w) = Store::open(store).map_err(|e| e.to_string())?.exposure() {
+            eprintln!("tilefs snapshotter: warning: {w}");
+        }
         let store = std::fs::canonicalize(store).map_err(|e| format!("{}: {e}", store.display()))?;
         // Both appear in overlayfs's options, which separate with these.
         for p in [&root, &store] {
@@ -223,12 +252,15 @@ impl Tilefs {
                     ingesting: None,
                     failed: HashMap::new(),
                     lower_users: HashMap::new(),
+                    in_use: HashMap::new(),
                 }),
                 syncing: Mutex::new(()),
                 changed: std::sync::Condvar::new(),
                 jobs: Mutex::new(None),
                 lazy,
                 artifacts: lazy::Artifacts::default(),
+                lazy_claims: Mutex::new(HashMap::new()),
+                walked: std::sync::Condvar::new(),
                 mounting: Mutex::new(HashMap::new()),
             }),
         };
@@ -408,8 +440,9 @@ impl Shared {
     }
 
     /// CRI's lazy path: if `t` names a layer of a runnable tilefs artifact
-    /// (checked, see [`lazy::check`]), the committed snapshot `t.name` of
-    /// the whole image, made now (or found made), and its name.
+    /// (checked, see [`lazy::check`]), the committed snapshot of the whole
+    /// image for `t`'s reference ([`lazy::snapshot_name`]), made now (or
+    /// found made), and its name, claimed for containerd's walk.
     fn make_lazy(
         self: &Arc<Self>,
         t: &lazy::Target,
@@ -417,14 +450,23 @@ impl Shared {
         labels: &HashMap<String, String>,
         lz: &lazy::Lazy,
     ) -> Result<Option<String>, NotLazy> {
-        if self.lock().by_key.get(&t.name).is_some_and(|r| r.lazy) {
-            return Ok(Some(t.name.clone()));
+        let name = lazy::snapshot_name(&t.reference, &t.name);
+        let claim = |name: &str| {
+            self.claim_lazy(&t.name, parent, name);
+            Ok(Some(name.to_string()))
+        };
+        if self.lock().by_key.get(&name).is_some_and(|r| r.lazy) {
+            return claim(&name);
         }
         let Some(layers) = self.artifacts.layers(&t.reference, lz).map_err(NotLazy::Because)? else {
             return Ok(None);
         };
         let chain = lazy::check(t, &layers).map_err(NotLazy::Because)?;
-        let below = chain.len().checked_sub(2).map(|i| chain[i].as_str()).unwrap_or("");
+        let below = chain
+            .len()
+            .checked_sub(2)
+            .map(|i| lazy::snapshot_name(&t.reference, &chain[i]))
+            .unwrap_or_default();
         if parent != below {
             return Err(NotLazy::Because(format!(
                 "its parent is {parent:?}, but the layer below it in {} is {below:?}",
@@ -468,7 +510,7 @@ impl Shared {
         let now = SystemTime::now();
         let r = Record {
             id,
-            key: t.name.clone(),
+            key: name.clone(),
             kind: SnapKind::Committed,
             parent: parent.to_string(),
             labels: labels.clone(),
@@ -482,15 +524,15 @@ impl Shared {
             kept: false,
         };
         let mut inner = self.lock();
-        if inner.by_key.contains_key(&t.name) {
+        if inner.by_key.contains_key(&name) {
             // Made meanwhile by another Prepare.
             drop(inner);
             let _ = tags::remove_tag(&store, &tag);
-            return Ok(Some(t.name.clone()));
+            return claim(&name);
         }
         state::save(&self.root, &r).map_err(failed)?;
         let first = pulled.then(|| r.clone());
-        inner.by_key.insert(t.name.clone(), r);
+        inner.by_key.insert(name.clone(), r);
         drop(inner);
         // The image's FUSE server starts while containerd prepares the
         // other layers, not when the container's Mounts comes.
@@ -512,13 +554,43 @@ impl Shared {
             });
         }
         eprintln!(
-            "tilefs snapshotter: {:?}: layer {} of {} made lazily ({:.2} s)",
-            t.name,
+            "tilefs snapshotter: {name:?}: layer {} of {} made lazily ({:.2} s)",
             chain.len(),
             t.reference,
             started.elapsed().as_secs_f64()
         );
-        Ok(Some(t.name.clone()))
+        claim(&name)
+    }
+
+    /// Makes `name` the lazy snapshot containerd's walk for chain ID
+    /// `target` over `parent` is shown. A claim of another name that no
+    /// walk took up yet is waited for first (for at most [`CLAIM_WAIT`]):
+    /// two Prepares of one artifact from two references, whatever their
+    /// order, each get their own.
+    fn claim_lazy(&self, target: &str, parent: &str, name: &str) {
+        let key = (target.to_string(), parent.to_string());
+        let deadline = std::time::Instant::now() + CLAIM_WAIT;
+        let mut claims = self.lazy_claims.lock().unwrap_or_else(|e| e.into_inner());
+        loop {
+            let now = std::time::Instant::now();
+            match claims.get(&key) {
+                Some(c) if c.name != name && !c.walked && now < deadline => {
+                    claims = self
+                        .walked
+                        .wait_timeout(claims, deadline - now)
+                        .unwrap_or_else(|e| e.into_inner())
+                        .0;
+                }
+                _ => break,
+            }
+        }
+        claims.insert(
+            key,
+            LazyClaim {
+                name: name.to_string(),
+                walked: false,
+            },
+        );
     }
 
     fn send(&self, job: Job) {
@@ -588,13 +660,27 @@ impl Shared {
     fn mounts_of(&self, inner: &mut Inner, r: &Record) -> Result<Vec<Mount>, Error> {
         let dir = state::snapshot_dir(&self.root, r.id);
         let fs = dir.join("fs");
-        if r.parent.is_empty() {
-            let ro = if r.kind == SnapKind::View { "ro" } else { "rw" };
+        if r.parent.is_empty() && r.kind == SnapKind::View {
             return Ok(vec![Mount {
                 r#type: "bind".into(),
                 source: fs.to_string_lossy().into_owned(),
                 target: String::new(),
-                options: vec![ro.into(), "rbind".into()],
+                options: vec!["ro".into(), "rbind".into()],
+            }]);
+        }
+        if r.parent.is_empty() {
+            // An overlay over an empty directory rather than a bind mount:
+            // overlayfs marks its upper directory in use while it lives,
+            // which a Commit asks (see `claim`) before it moves a file.
+            return Ok(vec![Mount {
+                r#type: "overlay".into(),
+                source: "overlay".into(),
+                target: String::new(),
+                options: vec![
+                    format!("workdir={}", dir.join("work").display()),
+                    format!("upperdir={}", fs.display()),
+                    format!("lowerdir={}", self.root.join(state::EMPTY).display()),
+                ],
             }]);
         }
         let mut lowers = Vec::new();
@@ -919,21 +1005,53 @@ impl Shared {
     }
 
     /// Removes the upper and work directories of stored snapshots that no
-    /// unpack's mount uses.
+    /// unpack's mount uses, and what is left of removed snapshots, but for
+    /// upper directories a live overlay has (asked again a minute after).
     fn reap(&self) {
-        let dirs: Vec<PathBuf> = {
+        const RETRY: std::time::Duration = std::time::Duration::from_secs(60);
+        let todo: Vec<(u64, bool)> = {
             let inner = self.lock();
             let used: HashSet<u64> = inner.lower_users.values().flatten().copied().collect();
-            inner
+            let known: HashSet<u64> = inner.by_key.values().map(|r| r.id).collect();
+            let leftovers = inner
                 .by_key
                 .values()
                 .filter(|r| r.kind == SnapKind::Committed && !r.pending && !r.kept && !used.contains(&r.id))
-                .map(|r| state::snapshot_dir(&self.root, r.id))
-                .filter(|d| d.join("fs").exists() || d.join("work").exists())
+                .map(|r| (r.id, false));
+            // Read under the lock: a snapshot's directory and record are
+            // made together under it.
+            let gone = ids_in(&self.root, state::SNAPSHOTS)
+                .into_iter()
+                .filter(|id| !known.contains(id) && inner.ingesting != Some(*id))
+                .map(|id| (id, true));
+            leftovers
+                .chain(gone)
+                .filter(|(id, _)| {
+                    let d = state::snapshot_dir(&self.root, *id);
+                    d.join("fs").exists() || d.join("work").exists() || !known.contains(id)
+                })
+                .filter(|(id, _)| inner.in_use.get(id).is_none_or(|t| t.elapsed() >= RETRY))
                 .collect()
         };
-        for d in dirs {
-            remove_leftovers(&d);
+        for (id, gone) in todo {
+            let d = state::snapshot_dir(&self.root, id);
+            let removed = if gone {
+                match remove_snapshot_dir(&d) {
+                    Ok(()) => !d.exists(),
+                    Err(e) => {
+                        eprintln!("tilefs snapshotter: {e}");
+                        false
+                    }
+                }
+            } else {
+                remove_leftovers(&d)
+            };
+            let mut inner = self.lock();
+            if removed {
+                inner.in_use.remove(&id);
+            } else {
+                inner.in_use.insert(id, std::time::Instant::now());
+            }
         }
     }
 
@@ -1057,8 +1175,23 @@ impl Shared {
     /// digest (hex) and the layer's usage.
     fn build(&self, id: u64, chain: &[u64]) -> Result<(String, layer::LayerUsage), Error> {
         let store = Store::open(&self.store).map_err(internal)?;
+        let dir = state::snapshot_dir(&self.root, id);
+        let upper = dir.join("fs");
+        // Files are moved only out of an upper directory no live overlay
+        // has (an unpack's, which containerd's differ wrote and closed),
+        // held from overlayfs while they move; a running container's
+        // Commit copies them and leaves its upper directory to it.
+        let claimed = match claim::claim(&upper, &dir.join(state::CLAIM)) {
+            Ok(claim::Upper::Free(c)) => Some(c),
+            Ok(claim::Upper::InUse) => None,
+            Err(e) => {
+                eprintln!("tilefs snapshotter: snapshot {id}: {e}: its files are copied");
+                None
+            }
+        };
+        let method = if claimed.is_some() { Method::Move } else { Method::Copy };
         // Held until the tag is written: no gc removes the new objects.
-        let mut ingest = Ingest::new(&store, Method::Move).map_err(internal)?;
+        let mut ingest = Ingest::new(&store, method).map_err(internal)?;
         // Synced after the Commit (see `sync_committed`).
         ingest.defer_sync();
         let t0 = std::time::Instant::now();
@@ -1069,8 +1202,6 @@ impl Shared {
                 .apply_layer(&format!("snapshot {a}"), entries)
                 .map_err(|e| internal(format!("snapshot {a}: {e}")))?;
         }
-        let dir = state::snapshot_dir(&self.root, id);
-        let upper = dir.join("fs");
         let journal = |undo: &[layer::Undo]| {
             let bytes = postcard::to_stdvec(undo).map_err(|e| format!("cannot encode the commit journal: {e}"))?;
             state::write_atomic(&dir.join(state::UNDO), &bytes)
@@ -1092,14 +1223,21 @@ impl Shared {
             compat::write_image(applier).map_err(|e| internal(format!("commit: cannot write the image: {e}")))?;
         ingest.finish().map_err(internal)?;
         tags::write_tag(&store, &self.tag(id), &image.bytes).map_err(internal)?;
+        let copied = ingest.stats.copied.load(std::sync::atomic::Ordering::Relaxed);
         drop(ingest);
+        drop(claimed);
         // Where a Commit's time goes, for whoever tunes it.
         eprintln!(
-            "tilefs snapshotter: snapshot {id}: chain of {} read in {:.2} s, layer read and its files stored in {:.2} s, \
-             image written in {:.2} s",
+            "tilefs snapshotter: snapshot {id}: chain of {} read in {:.2} s, layer read and its files stored in {:.2} s \
+             ({}), image written in {:.2} s",
             chain.len(),
             (t1 - t0).as_secs_f64(),
             (t2 - t1).as_secs_f64(),
+            match (method, copied) {
+                (Method::Copy, _) => "copied: a live overlay has its upper directory".to_string(),
+                (_, 0) => "moved".to_string(),
+                (_, n) => format!("moved, but {n} copied: linked elsewhere or open for writing"),
+            },
             t2.elapsed().as_secs_f64()
         );
         Ok((hex::encode(image.digest), usage))
@@ -1137,9 +1275,11 @@ impl Shared {
         state::delete(&self.root, id).map_err(internal)?;
         inner.by_key.remove(key);
         inner.failed.remove(&id);
-        if inner.lower_users.remove(&id).is_some() {
-            self.send(Job::Reap);
-        }
+        self.lazy_claims
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .retain(|_, c| c.name != key);
+        inner.lower_users.remove(&id);
         drop(inner);
         if committed {
             let lock = self.mount_lock(id);
@@ -1148,16 +1288,11 @@ impl Shared {
             self.mounting.lock().unwrap_or_else(|e| e.into_inner()).remove(&id);
             self.remove_tag(id)?;
         }
-        let dir = state::snapshot_dir(&self.root, id);
-        std::fs::remove_dir_all(&dir)
-            .or_else(|e| {
-                if e.kind() == std::io::ErrorKind::NotFound {
-                    Ok(())
-                } else {
-                    Err(e)
-                }
-            })
-            .map_err(|e| internal(format!("{}: cannot remove: {e}", dir.display())))
+        let removed = remove_snapshot_dir(&state::snapshot_dir(&self.root, id)).map_err(internal);
+        // Upper directories this one held as lowers, or that were in use,
+        // may be free now.
+        self.send(Job::Reap);
+        removed
     }
 
     fn stat(&self, key: &str) -> Result<Info, Error> {
@@ -1218,12 +1353,25 @@ impl Shared {
         }
     }
 
+    /// The snapshots `filters` match. A walk for a chain ID label
+    /// (containerd's, after AlreadyExists) is shown, of the snapshots made
+    /// lazily for one chain ID and parent, only the one claimed last (see
+    /// [`Shared::claim_lazy`]), and takes up that claim; other lists (gc's)
+    /// show all.
     fn list(&self, filters: &[String]) -> Result<Vec<Info>, Error> {
         let f = filter::Filter::parse(filters).map_err(|e| Error::new(Code::InvalidArgument, e))?;
+        let walk = filters.iter().any(|f| f.contains(lazy::LABEL_TARGET));
         let inner = self.lock();
+        let mut claims = self.lazy_claims.lock().unwrap_or_else(|e| e.into_inner());
+        let claim_of = |r: &Record| {
+            let target = r.labels.get(lazy::LABEL_TARGET).filter(|_| r.lazy)?;
+            Some((target.clone(), r.parent.clone()))
+        };
+        let shown = |r: &Record| !walk || claim_of(r).and_then(|k| claims.get(&k)).is_none_or(|c| c.name == r.key);
         let mut out: Vec<Info> = inner
             .by_key
             .values()
+            .filter(|r| shown(r))
             .filter(|r| {
                 f.matches(&filter::Fields {
                     name: &r.key,
@@ -1234,6 +1382,17 @@ impl Shared {
             })
             .map(info_of)
             .collect();
+        if walk {
+            for i in &out {
+                let Some(target) = i.labels.get(lazy::LABEL_TARGET) else {
+                    continue;
+                };
+                if let Some(c) = claims.get_mut(&(target.clone(), i.parent.clone())) {
+                    c.walked |= c.name == i.name;
+                }
+            }
+            self.walked.notify_all();
+        }
         out.sort_by(|a, b| a.name.cmp(&b.name));
         Ok(out)
     }
@@ -1253,29 +1412,24 @@ impl Shared {
         let mut keep: HashSet<u64> = inner.lower_users.values().flatten().copied().collect();
         keep.extend(inner.by_key.values().filter(|r| r.pending || r.kept).map(|r| r.id));
         let busy: HashSet<u64> = inner.ingesting.into_iter().collect();
-        let ids_of = |sub: &str| -> Vec<u64> {
-            std::fs::read_dir(self.root.join(sub))
-                .map(|rd| {
-                    rd.flatten()
-                        .filter_map(|e| e.file_name().to_str().and_then(|n| n.parse::<u64>().ok()))
-                        .collect()
-                })
-                .unwrap_or_default()
-        };
-        for id in ids_of(state::MOUNTS) {
+        for id in ids_in(&self.root, state::MOUNTS) {
             if ids.get(&id) != Some(&SnapKind::Committed) {
                 let m = state::mount_dir(&self.root, id);
                 unmount(&m);
                 let _ = std::fs::remove_dir(&m);
             }
         }
-        for id in ids_of(state::SNAPSHOTS) {
+        for id in ids_in(&self.root, state::SNAPSHOTS) {
             let dir = state::snapshot_dir(&self.root, id);
             match ids.get(&id) {
                 None if !busy.contains(&id) => {
-                    let _ = std::fs::remove_dir_all(&dir);
+                    if let Err(e) = remove_snapshot_dir(&dir) {
+                        eprintln!("tilefs snapshotter: {e}");
+                    }
                 }
-                Some(SnapKind::Committed) if !keep.contains(&id) => remove_leftovers(&dir),
+                Some(SnapKind::Committed) if !keep.contains(&id) => {
+                    remove_leftovers(&dir);
+                }
                 // A Commit that crashed: its files given back.
                 Some(SnapKind::Active) if !busy.contains(&id) && dir.join(state::UNDO).exists() => {
                     if let Err(e) = self.undo_commit(id) {
@@ -1304,9 +1458,27 @@ impl Shared {
     }
 }
 
-/// A committed snapshot's upper and work directories (its files are in the
-/// store now) and its commit journal.
-fn remove_leftovers(dir: &Path) {
+/// Removes a snapshot's upper and work directories and its commit journal
+/// (a committed snapshot's files are in the store now), unless a live
+/// overlay has them: a container's, whose snapshot was committed or
+/// removed under it, which goes on writing there as under containerd's
+/// overlayfs snapshotter. Those stay until a later reap finds them free.
+/// Whether they are gone.
+fn remove_leftovers(dir: &Path) -> bool {
+    let fs = dir.join("fs");
+    // Held while they go: no overlay takes them meanwhile.
+    let _claim = if fs.exists() {
+        match claim::claim(&fs, &dir.join(state::CLAIM)) {
+            Ok(claim::Upper::Free(c)) => Some(c),
+            Ok(claim::Upper::InUse) => return false,
+            Err(e) => {
+                eprintln!("tilefs snapshotter: {e}: kept as if it were in use");
+                return false;
+            }
+        }
+    } else {
+        None
+    };
     let _ = std::fs::remove_file(dir.join(state::UNDO));
     for sub in ["fs", "work"] {
         let p = dir.join(sub);
@@ -1316,6 +1488,31 @@ fn remove_leftovers(dir: &Path) {
             }
         }
     }
+    true
+}
+
+/// Removes the directory of a snapshot that is gone, but for an upper
+/// directory a live overlay has (see [`remove_leftovers`]).
+fn remove_snapshot_dir(dir: &Path) -> Result<(), String> {
+    if !remove_leftovers(dir) {
+        let _ = std::fs::remove_file(dir.join("layer"));
+        return Ok(());
+    }
+    match std::fs::remove_dir_all(dir) {
+        Err(e) if e.kind() != std::io::ErrorKind::NotFound => Err(format!("{}: cannot remove: {e}", dir.display())),
+        _ => Ok(()),
+    }
+}
+
+/// The ids of the entries of `ROOT/sub` (snapshots' or mounts').
+fn ids_in(root: &Path, sub: &str) -> Vec<u64> {
+    std::fs::read_dir(root.join(sub))
+        .map(|rd| {
+            rd.flatten()
+                .filter_map(|e| e.file_name().to_str().and_then(|n| n.parse::<u64>().ok()))
+                .collect()
+        })
+        .unwrap_or_default()
 }
 
 fn unmount(m: &Path) {

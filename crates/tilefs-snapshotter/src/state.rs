@@ -67,6 +67,12 @@ pub const MOUNTS: &str = "mnt";
 /// In a snapshot's directory while it is committed: what its files were
 /// ([`crate::layer::Undo`]).
 pub const UNDO: &str = "undo";
+/// A snapshot's scratch directory of a claim on its upper directory (see
+/// [`crate::claim`]).
+pub const CLAIM: &str = "claim";
+/// An empty directory: the lower directory of an active snapshot without
+/// a parent (an overlay, so that its upper directory is marked in use).
+pub const EMPTY: &str = "empty";
 
 /// Loads every record; a record that does not parse is an error (it names
 /// the file), never silently dropped.

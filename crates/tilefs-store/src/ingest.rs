@@ -35,19 +35,21 @@ pub enum Method {
     /// Clone where the filesystem can, copy otherwise.
     #[default]
     Copy,
-    /// Hardlink the source file into the store (same filesystem only). No
-    /// data is written, but a later change to the source file changes the
-    /// object too (fsck reports it as corrupt).
-    Hardlink,
-    /// Move the source file into the store: it is hardlinked in (its inode
-    /// becomes the object, no data is written) and the caller removes the
-    /// source names once the image that needs the objects is recorded, so
-    /// until then a crash leaves the source whole. A file whose object is
-    /// present already is not linked at all (dropped with its source). A
-    /// new object is made owned by the store's user with mode 0644 (no
-    /// setuid bit or file capability reaches the store) and gets
-    /// fs-verity where the filesystem has it. Across filesystems it is
-    /// copied instead.
+    /// Move the source file into the store where no writer can reach it:
+    /// its inode becomes the object (hardlinked in, no data written), and
+    /// the caller removes the source names once the image that needs the
+    /// objects is recorded, so until then a crash leaves the source whole.
+    /// A file is linked only if it has no link but the names the caller's
+    /// tree holds ([`Ingest::import_named`]) and the kernel grants a read
+    /// lease on it (no descriptor has it open for writing, and none can
+    /// open it so while it is hashed and linked); any other is copied, as
+    /// across filesystems. The caller answers for the rest: no mount may
+    /// write the source's directory (the snapshotter claims a layer's
+    /// upper directory from overlayfs first), and nobody else may reach
+    /// its names. A file whose object is present already is not linked at
+    /// all (dropped with its source). A new object is made owned by the
+    /// store's user with mode 0644 (no setuid bit or file capability
+    /// reaches the store) and gets fs-verity where the filesystem has it.
     Move,
 }
 
@@ -61,6 +63,8 @@ pub struct Stats {
     pub dedup_bytes: AtomicU64,
     pub cache_hits: AtomicU64,
     pub replaced: AtomicU64,
+    /// Files a [`Method::Move`] copied: a writer could reach them.
+    pub copied: AtomicU64,
 }
 
 /// A snapshot of [`Stats`].
@@ -74,6 +78,8 @@ pub struct StatsSnapshot {
     pub cache_hits: u64,
     /// Objects present with the wrong size (so damaged) and written anew.
     pub replaced: u64,
+    /// Files a [`Method::Move`] copied: a writer could reach them.
+    pub copied: u64,
 }
 
 impl Stats {
@@ -86,6 +92,7 @@ impl Stats {
             dedup_bytes: self.dedup_bytes.load(Relaxed),
             cache_hits: self.cache_hits.load(Relaxed),
             replaced: self.replaced.load(Relaxed),
+            copied: self.copied.load(Relaxed),
         }
     }
 }
@@ -229,6 +236,11 @@ impl<'s> Ingest<'s> {
         self.cache.save(self.store, &self.tmp)
     }
 
+    /// How this import makes objects.
+    pub fn method(&self) -> Method {
+        self.method
+    }
+
     /// Why objects are not fs-verity protected, if they are not.
     pub fn verity_warning(&self) -> Option<String> {
         self.verity_warning.lock().unwrap().clone()
@@ -236,6 +248,13 @@ impl<'s> Ingest<'s> {
 
     /// Imports one file and returns its digest.
     pub fn import(&self, f: &SourceFile) -> Result<[u8; 32], StoreError> {
+        self.import_named(f, 1)
+    }
+
+    /// [`Ingest::import`] of a file that the caller's tree names `names`
+    /// times (its hardlinks): a [`Method::Move`] links in only a file with
+    /// no other link.
+    pub fn import_named(&self, f: &SourceFile, names: u64) -> Result<[u8; 32], StoreError> {
         if self.cancel.as_ref().is_some_and(|c| c.load(Relaxed)) {
             return Err(StoreError::Interrupted);
         }
@@ -269,9 +288,8 @@ impl<'s> Ingest<'s> {
 
         let tmp_name = self.temp_name();
         let result = match self.method {
-            Method::Hardlink => self.link_in(f, &src, &tmp_name).map(|(n, d)| Hashed(n, d, None)),
             Method::Copy => self.copy_in(f, &src, &tmp_name, size),
-            Method::Move => self.move_in(f, &src, &tmp_name, size),
+            Method::Move => self.move_in(f, &src, &now, names, &tmp_name),
         };
         let Hashed(written, digest, buffered) = match result {
             Ok(r) => r,
@@ -493,33 +511,22 @@ impl<'s> Ingest<'s> {
         Ok(Hashed(n, d, None))
     }
 
-    /// Hardlink the source into the temporary name, then hash it.
-    fn link_in(&self, f: &SourceFile, src: &OwnedFd, tmp_name: &str) -> Result<(u64, [u8; 32]), StoreError> {
-        rfs::linkat(f.dir, f.name, &self.tmp, tmp_name, AtFlags::empty()).map_err(|e| {
-            let hint = if e == rustix::io::Errno::XDEV {
-                "cannot hardlink into the store: not on the same filesystem (drop --hardlink to copy)"
-            } else {
-                "cannot hardlink into the store"
-            };
-            StoreError::source_io(f.path, hint, e.into())
-        })?;
-        let linked = rfs::statat(&self.tmp, tmp_name, AtFlags::SYMLINK_NOFOLLOW)
-            .map_err(|e| StoreError::source_io(f.path, "cannot stat", e.into()))?;
-        if linked.st_ino != f.stat.st_ino {
-            return Err(StoreError::source(f.path, "file was replaced during the build"));
-        }
-        let mut src = std::fs::File::from(
-            src.try_clone()
-                .map_err(|e| StoreError::source_io(f.path, "cannot dup", e))?,
-        );
-        hash_copy(&mut src, None).map_err(|e| self.copy_error(f.path, e))
-    }
-
-    /// [`Method::Move`]: the source's inode when both are on one
-    /// filesystem (hashed in place), else a copy. Only the hash is taken
-    /// here; whether the object is new is decided by [`Ingest::place`].
-    fn move_in(&self, f: &SourceFile, src: &OwnedFd, tmp_name: &str, size: u64) -> Result<Hashed, StoreError> {
-        if self.linking.load(Relaxed) {
+    /// [`Method::Move`]: the source's inode when no writer can reach it
+    /// (see there) and both are on one filesystem (hashed in place, under
+    /// the read lease), else a copy. Only the hash is taken here; whether
+    /// the object is new is decided by [`Ingest::place`].
+    fn move_in(
+        &self,
+        f: &SourceFile,
+        src: &OwnedFd,
+        st: &rfs::Stat,
+        names: u64,
+        tmp_name: &str,
+    ) -> Result<Hashed, StoreError> {
+        // A link elsewhere, or a writer (EAGAIN; a filesystem without
+        // leases cannot tell): copied.
+        let unreached = st.st_nlink <= names && tilefs_sys::fs::lease_read(src.as_fd()).is_ok();
+        if unreached && self.linking.load(Relaxed) {
             let mut s = std::fs::File::from(src.try_clone().map_err(|e| StoreError::io(f.path, "cannot dup", e))?);
             let (n, d) = hash_copy(&mut s, None).map_err(|e| self.copy_error(f.path, e))?;
             // Present already (or met before in this import): nothing to
@@ -531,16 +538,29 @@ impl<'s> Ingest<'s> {
                 Ok(()) => {
                     let linked = rfs::statat(&self.tmp, tmp_name, AtFlags::SYMLINK_NOFOLLOW)
                         .map_err(|e| StoreError::io(f.path, "cannot stat", e.into()))?;
-                    if linked.st_ino != f.stat.st_ino || linked.st_dev != f.stat.st_dev {
+                    if linked.st_ino != st.st_ino || linked.st_dev != st.st_dev {
                         return Err(StoreError::source(f.path, "file was replaced while being moved"));
                     }
+                    // Linked elsewhere meanwhile (link(2) waits for no lease).
+                    if linked.st_nlink != st.st_nlink + 1 {
+                        return Err(StoreError::source(
+                            f.path,
+                            "file was linked elsewhere while being moved",
+                        ));
+                    }
+                    let _ = tilefs_sys::fs::lease_release(src.as_fd());
                     return Ok(Hashed(n, d, None));
                 }
                 Err(rustix::io::Errno::XDEV) | Err(rustix::io::Errno::PERM) => self.linking.store(false, Relaxed),
                 Err(e) => return Err(StoreError::io(f.path, "cannot link into the store", e.into())),
             }
         }
-        self.copy_in(f, src, tmp_name, size)
+        if unreached {
+            let _ = tilefs_sys::fs::lease_release(src.as_fd());
+        } else {
+            self.stats.copied.fetch_add(1, Relaxed);
+        }
+        self.copy_in(f, src, tmp_name, st.st_size as u64)
     }
 
     /// A moved-in object made the store's: owned by this process's user
@@ -940,6 +960,73 @@ impl DigestCache {
 mod tests {
     use super::*;
     use std::os::unix::fs::MetadataExt;
+
+    /// Moves `name` of `dir` into `store`, as the snapshotter does, the
+    /// caller's tree naming it `names` times; the object's path.
+    fn moved(store: &Store, dir: &Path, name: &str, names: u64) -> std::path::PathBuf {
+        let d = rfs::open(dir, OFlags::PATH | OFlags::DIRECTORY | OFlags::CLOEXEC, Mode::empty()).unwrap();
+        let c = std::ffi::CString::new(name).unwrap();
+        let st = rfs::statat(&d, c.as_c_str(), AtFlags::SYMLINK_NOFOLLOW).unwrap();
+        let ingest = Ingest::new(store, Method::Move).unwrap();
+        let digest = ingest
+            .import_named(
+                &SourceFile {
+                    dir: d.as_fd(),
+                    name: &c,
+                    path: &dir.join(name),
+                    stat: &st,
+                },
+                names,
+            )
+            .unwrap();
+        ingest.finish().unwrap();
+        store.object_path(&digest)
+    }
+
+    /// Issue 43: a moved file's inode becomes the object only where no
+    /// writer can reach it; one linked elsewhere or open for writing is
+    /// copied, and writes to it leave the object as it was.
+    #[test]
+    fn a_move_links_only_what_no_writer_can_reach() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = Store::create(&dir.path().join("store")).unwrap();
+        let src = dir.path().join("src");
+        std::fs::create_dir(&src).unwrap();
+        let ino = |p: &Path| std::fs::metadata(p).unwrap().ino();
+
+        std::fs::write(src.join("alone"), vec![1u8; 5000]).unwrap();
+        let obj = moved(&store, &src, "alone", 1);
+        assert_eq!(
+            ino(&obj),
+            ino(&src.join("alone")),
+            "a file no one else reaches is linked"
+        );
+
+        // Two names in the caller's tree: linked; a third elsewhere: copied.
+        std::fs::write(src.join("pair"), vec![2u8; 5000]).unwrap();
+        std::fs::hard_link(src.join("pair"), src.join("pair2")).unwrap();
+        assert_eq!(ino(&moved(&store, &src, "pair", 2)), ino(&src.join("pair")));
+        std::fs::write(src.join("linked"), vec![3u8; 5000]).unwrap();
+        std::fs::hard_link(src.join("linked"), dir.path().join("outside")).unwrap();
+        let obj = moved(&store, &src, "linked", 1);
+        assert_ne!(
+            ino(&obj),
+            ino(&src.join("linked")),
+            "a file linked elsewhere was linked in"
+        );
+
+        // Open for writing: copied, and a write after leaves the object.
+        std::fs::write(src.join("open"), vec![4u8; 5000]).unwrap();
+        let mut w = std::fs::OpenOptions::new().append(true).open(src.join("open")).unwrap();
+        let obj = moved(&store, &src, "open", 1);
+        assert_ne!(
+            ino(&obj),
+            ino(&src.join("open")),
+            "a file open for writing was linked in"
+        );
+        std::io::Write::write_all(&mut w, b"more").unwrap();
+        assert_eq!(std::fs::read(&obj).unwrap(), vec![4u8; 5000]);
+    }
 
     /// Imports running at once in one process (a lazy mount's fetches):
     /// none takes another's temporary name, and an object another stored

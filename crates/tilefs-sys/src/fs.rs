@@ -73,3 +73,38 @@ pub fn ofd_lock(fd: BorrowedFd<'_>, kind: RangeLock, start: u64, len: u64) -> Re
         Err(last_errno())
     }
 }
+
+/// Takes a read lease on `fd` (`F_SETLEASE`, `F_RDLCK`; the descriptor must
+/// be open read-only): the kernel refuses it with EAGAIN while any
+/// descriptor anywhere has the file open for writing, and while it is held
+/// an open for writing (or a truncate) waits until it is let go with
+/// [`lease_release`] or the descriptor is closed (at most
+/// `/proc/sys/fs/lease-break-time` seconds). The kernel tells the holder of
+/// such a wait by a signal: SIGURG here, which a process ignores unless it
+/// asks for it (the default, SIGIO, would end the process).
+pub fn lease_read(fd: BorrowedFd<'_>) -> Result<(), Errno> {
+    // <asm-generic/fcntl.h>'s F_SETSIG (10 on every architecture Linux
+    // runs tilefs on), which the libc crate leaves out.
+    const F_SETSIG: libc::c_int = 10;
+    // SAFETY: F_SETSIG and F_SETLEASE take an int argument and touch no
+    // memory of ours; the descriptor is borrowed for the calls.
+    unsafe {
+        if libc::fcntl(fd.as_raw_fd(), F_SETSIG, libc::SIGURG) != 0 {
+            return Err(last_errno());
+        }
+        if libc::fcntl(fd.as_raw_fd(), libc::F_SETLEASE, libc::F_RDLCK) != 0 {
+            return Err(last_errno());
+        }
+    }
+    Ok(())
+}
+
+/// Lets go of a lease taken with [`lease_read`].
+pub fn lease_release(fd: BorrowedFd<'_>) -> Result<(), Errno> {
+    // SAFETY: as in `lease_read`.
+    if unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_SETLEASE, libc::F_UNLCK) } == 0 {
+        Ok(())
+    } else {
+        Err(last_errno())
+    }
+}

@@ -48,9 +48,30 @@ pub fn mount_helper_bin() -> PathBuf {
 /// `tilefs snapshotter --root ROOT --store STORE --socket SOCK EXTRA...`,
 /// its stderr appended to `log`, once it listens on `sock`.
 pub fn spawn_snapshotter(root: &Path, store: &Path, sock: &Path, extra: &[&str], log: &Path) -> std::process::Child {
+    spawn_snapshotter_under(&[], root, store, sock, extra, log)
+}
+
+/// [`spawn_snapshotter`] run by the command `under` (a sandbox, say:
+/// `scripts/unit-sandbox UNIT --`).
+pub fn spawn_snapshotter_under(
+    under: &[&OsStr],
+    root: &Path,
+    store: &Path,
+    sock: &Path,
+    extra: &[&str],
+    log: &Path,
+) -> std::process::Child {
     let out = fs::OpenOptions::new().create(true).append(true).open(log).unwrap();
     let _ = fs::remove_file(sock);
-    let child = Command::new(tilefs_bin())
+    let mut cmd = match under.split_first() {
+        Some((first, rest)) => {
+            let mut c = Command::new(first);
+            c.args(rest).arg(tilefs_bin());
+            c
+        }
+        None => Command::new(tilefs_bin()),
+    };
+    let child = cmd
         .arg("snapshotter")
         .arg("--root")
         .arg(root)
