@@ -775,6 +775,42 @@ fn registries_conf_routes_pulls() {
         .unwrap_err();
     assert!(e.contains("blocked") && e.contains(&format!("{addr}/team")), "{e}");
 
+    // Host names match tables without regard to case, as DNS names do (a
+    // block is not passed by writing the host in capitals; skopeo 1.9
+    // compares them as written).
+    let port = addr.rsplit_once(':').unwrap().1;
+    write(&format!(
+        "[[registry]]\nlocation = \"localhost:{port}\"\ninsecure = true\n[[registry]]\nprefix = \"localhost:{port}/team/app\"\nlocation = \"localhost:{port}/team/app\"\nblocked = true\n"
+    ));
+    for shouting in [
+        format!("LocalHost:{port}/team/app:v1"),
+        format!("LOCALHOST:{port}/team/app@{digest}"),
+    ] {
+        let e = env
+            .pull(&env.area.path("s4"), &format!("docker://{shouting}"), &accept, &[])
+            .unwrap_err();
+        assert!(e.contains("is blocked"), "{shouting}: {e}");
+    }
+    // ... and `insecure` applies to LOCALHOST as to localhost.
+    let other = format!("docker://{addr}/team/other:v1");
+    env.skopeo_ok(
+        None,
+        &[
+            "copy",
+            "-q",
+            "--dest-tls-verify=false",
+            &format!("oci:{}:b", layout2.display()),
+            &other,
+        ],
+    );
+    env.pull(
+        &env.area.path("s4"),
+        &format!("docker://LOCALHOST:{port}/team/other:v1"),
+        &accept,
+        &[],
+    )
+    .unwrap();
+
     // Short names: an alias; one search registry; several, which
     // enforcing refuses without a terminal and permissive tries in order.
     // Drop-ins in FILE.d/ apply over the file; the environment names the
