@@ -19,6 +19,11 @@ pub struct RegistryArgs {
     /// mounts)
     #[arg(long, default_value_t = 60, value_name = "SECS")]
     pub timeout: u64,
+    /// Least average rate of a transfer, in bytes per second, over each --timeout it waits for
+    /// data: a registry that sends less (drips) fails it (0: no least rate; --timeout alone
+    /// then ends a transfer that stops)
+    #[arg(long, default_value_t = tilefs_oci::transport::DEFAULT_MIN_RATE, value_name = "BYTES")]
+    pub min_rate: u64,
     /// registries.conf to read (and the drop-ins of FILE.d/) [default: $CONTAINERS_REGISTRIES_CONF,
     /// else ~/.config/containers/registries.conf if it exists, else /etc/containers/registries.conf,
     /// with their registries.conf.d]
@@ -35,6 +40,8 @@ impl RegistryArgs {
         RegistryOptions {
             tls_verify: self.tls_verify.unwrap_or(true),
             timeout: Duration::from_secs(self.timeout.max(1)),
+            min_rate: self.min_rate,
+            cancel: None,
         }
     }
 

@@ -10,6 +10,7 @@
 //! `https://`) and from sigstore attachments of the registry that served
 //! the manifest. Nothing is written before the image is accepted.
 
+use crate::bounded::MAX_SIGNATURE;
 use crate::digest::Digest;
 use crate::manifest::{BlobRef, Platform};
 use crate::transport::registry::Registry;
@@ -45,8 +46,6 @@ pub struct TrustRecord {
 
 /// Most lookaside signatures read for one image.
 const MAX_LOOKASIDE: usize = 128;
-/// Largest signature or attachment payload.
-const MAX_SIGNATURE: u64 = 4 << 20;
 
 /// An image opened and accepted by the policy.
 pub struct Opened {
@@ -143,7 +142,7 @@ fn open_registry(
                 } else {
                     !ep.insecure
                 },
-                timeout: registry.timeout,
+                ..registry.clone()
             };
             let physical = ep.reference.to_string();
             let attempt = Registry::open(&physical, &opts).and_then(|reg| {
@@ -324,7 +323,7 @@ impl RegistrySignatures<'_> {
                     Err(e) => return Err(format!("{}: {e}", path.display())),
                 }
             } else if url.starts_with("http://") || url.starts_with("https://") {
-                self.reg.http_get(&url, MAX_SIGNATURE as usize)?
+                self.reg.http_get(&url, MAX_SIGNATURE)?
             } else {
                 return Err(format!(
                     "lookaside {base}: only file://, http:// and https:// are supported"
@@ -411,7 +410,7 @@ pub fn push_options(dest: &str, registry: &RegistryOptions, trust: &TrustOptions
     let r = DockerRef::parse_normalized(dest).map_err(|e| OciError::Reference(e.to_string()))?;
     Ok(RegistryOptions {
         tls_verify: !conf.registry_for(&r).is_some_and(|x| x.insecure),
-        timeout: registry.timeout,
+        ..registry.clone()
     })
 }
 
