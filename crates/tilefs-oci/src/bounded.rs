@@ -53,7 +53,7 @@ pub fn read_at_most(r: &mut dyn Read, limit: u64) -> Result<Vec<u8>, ReadError> 
 pub fn size(n: u64) -> String {
     const UNITS: [(u64, &str); 4] = [(1 << 40, "TiB"), (1 << 30, "GiB"), (1 << 20, "MiB"), (1 << 10, "KiB")];
     for (unit, name) in UNITS {
-        if n >= unit && n % unit == 0 {
+        if n >= unit && n.is_multiple_of(unit) {
             return format!("{} {name}", n / unit);
         }
     }
