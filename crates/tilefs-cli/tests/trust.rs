@@ -10,7 +10,7 @@
 
 mod common;
 
-use common::registry::Registry;
+use common::registry::{Answer, Registry, Relay};
 use common::*;
 use sha2::Digest as _;
 use std::fs;
@@ -846,4 +846,65 @@ fn registries_conf_routes_pulls() {
         .output()
         .unwrap();
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+}
+
+#[test]
+fn endless_signatures_are_refused_at_their_size_cap() {
+    let env = Env::new();
+    let registry = Registry::start(&env.area);
+    let layout = env.area.dir("layout");
+    oci_layout(&layout, "a", "the image");
+    env.skopeo_ok(
+        None,
+        &[
+            "copy",
+            "-q",
+            "--dest-tls-verify=false",
+            &format!("oci:{}:a", layout.display()),
+            &format!("docker://{}/team/app:v1", registry.addr),
+        ],
+    );
+    // Signature attachments (`sha256-HEX.sig`) and lookaside signatures
+    // that stream forever.
+    let relay = Relay::answering(&registry.addr, |_, path| {
+        match path.ends_with(".sig") || path.starts_with("/sigs/") {
+            true => Answer::Endless("application/vnd.oci.image.manifest.v1+json"),
+            false => Answer::Forward,
+        }
+    });
+    fs::write(
+        env.regd.join("test.yaml"),
+        format!(
+            "docker:\n  {0}:\n    lookaside: http://{0}/sigs\n    use-sigstore-attachments: true\n",
+            relay.addr
+        ),
+    )
+    .unwrap();
+    let (_, sigstore_pub) = env.sigstore_key("cosign");
+    let (_, gpg_pub) = env.gpg_key("signer");
+    let remote = format!("docker://{}/team/app:v1", relay.addr);
+    for (policy, what) in [
+        (sigstore_signed(&sigstore_pub, ""), "signature attachments"),
+        (signed_by(&gpg_pub, ""), "lookaside signature"),
+    ] {
+        let policy = env.policy("policy.json", &policy);
+        let store = env.area.path("store");
+        let mut cmd = env.cmd(&tilefs_bin());
+        cmd.args(["pull", "-q", "--tls-verify=false", "--store"])
+            .arg(&store)
+            .arg("--signature-policy")
+            .arg(&policy)
+            .arg("--registries.d")
+            .arg(&env.regd)
+            .arg("--registries-conf")
+            .arg(&env.conf)
+            .arg(&remote);
+        let w = oci::watch(cmd, None, std::time::Duration::from_secs(120));
+        let err = stderr(&w.out);
+        assert_eq!(w.out.status.code(), Some(1), "{what}: {err}");
+        assert!(err.contains("larger than 4 MiB (the limit)"), "{what}: {err}");
+        assert!(w.peak_mib < 150, "{what}: {} MiB", w.peak_mib);
+        assert!(w.took < std::time::Duration::from_secs(15), "{what}: {:?}", w.took);
+        assert!(tagged(&store).is_empty());
+    }
 }
