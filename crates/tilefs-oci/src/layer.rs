@@ -363,10 +363,13 @@ impl EntryReader<'_> {
                     self.spend_holes(size, expanded.holes()).map_err(fail)?;
                     (size, &mut expanded)
                 } else {
-                    // Old GNU sparse headers: the tar reader expands them.
-                    let stored = entry.header().entry_size().unwrap_or(0);
-                    self.spend_holes(entry.size(), entry.size().saturating_sub(stored))
-                        .map_err(fail)?;
+                    // Old GNU sparse headers: the tar reader expands them
+                    // (its size is the file's, the header's what it holds).
+                    if etype == EntryType::GNUSparse {
+                        let stored = entry.header().entry_size().unwrap_or(0);
+                        self.spend_holes(entry.size(), entry.size().saturating_sub(stored))
+                            .map_err(fail)?;
+                    }
                     (entry.size(), entry)
                 };
                 let mut data = Guarded {
@@ -894,6 +897,40 @@ mod tests {
         assert!(
             err.contains("its path is 2049 directories deep, more than the 2048"),
             "{err}"
+        );
+    }
+
+    #[test]
+    fn only_sparse_files_spend_holes() {
+        // A regular file whose size is a PAX record (the header's says 0,
+        // as writers put sizes past 8 GiB): no holes, whatever the header.
+        let mut b = tar::Builder::new(Vec::new());
+        b.append_pax_extensions([("size", &b"5"[..])]).unwrap();
+        let mut h = tar::Header::new_ustar();
+        h.set_path("f").unwrap();
+        h.set_mode(0o644);
+        h.set_uid(0);
+        h.set_gid(0);
+        h.set_mtime(0);
+        h.set_size(0);
+        h.set_cksum();
+        b.append(&h, &b"hello"[..]).unwrap();
+        let tar = b.into_inner().unwrap();
+        let dir = tempfile::tempdir().unwrap();
+        let store = tilefs_store::Store::create(&dir.path().join("store")).unwrap();
+        let ingest = Ingest::new(&store, tilefs_store::ingest::Method::Copy).unwrap();
+        let budget = AtomicU64::new(0);
+        let opts = ReadOptions {
+            sparse_budget: Some(&budget),
+            ..ReadOptions::default()
+        };
+        let e = read_entries(&mut &tar[..], "l", &ingest, opts).unwrap();
+        assert_eq!(
+            e[0].kind,
+            Kind::File {
+                size: 5,
+                content: Content::Inline(b"hello".to_vec())
+            }
         );
     }
 
