@@ -44,7 +44,8 @@ pub struct TrustRecord {
     pub paths: Paths,
 }
 
-/// Most lookaside signatures read for one image.
+/// Most signatures read for one image, from the lookaside and from the
+/// attachments each (each at most [`MAX_SIGNATURE`] bytes).
 const MAX_LOOKASIDE: usize = 128;
 
 /// An image opened and accepted by the policy.
@@ -347,8 +348,17 @@ impl RegistrySignatures<'_> {
         };
         let m: sigstore::AttachmentManifest =
             serde_json::from_slice(&raw).map_err(|e| format!("attachments {tag}: not a manifest: {e}"))?;
+        let layers = sigstore::signature_layers(&m);
+        if layers.len() > MAX_LOOKASIDE {
+            return Err(format!(
+                "attachments {tag}: {} signatures, more than the {MAX_LOOKASIDE} read for an image",
+                layers.len()
+            ));
+        }
         let mut out = Vec::new();
-        for (layer, signature) in sigstore::signature_layers(&m) {
+        // Each payload fetched once, however many signatures share it.
+        let mut fetched: std::collections::HashMap<String, Vec<u8>> = Default::default();
+        for (layer, signature) in layers {
             let d = Digest::parse(&layer.digest).map_err(|e| format!("attachments {tag}: {e}"))?;
             if layer.size > MAX_SIGNATURE {
                 return Err(format!(
@@ -356,18 +366,20 @@ impl RegistrySignatures<'_> {
                     layer.size
                 ));
             }
-            let payload = self
-                .reg
-                .blob_bytes(
-                    &BlobRef {
+            let payload = match fetched.get(&layer.digest) {
+                Some(p) => p.clone(),
+                None => {
+                    let blob = BlobRef {
                         digest: d,
                         size: Some(layer.size),
                         media_type: layer.media_type.clone(),
                         member: None,
-                    },
-                    layer.size,
-                )
-                .map_err(|e| e.to_string())?;
+                    };
+                    let p = self.reg.blob_bytes(&blob, layer.size).map_err(|e| e.to_string())?;
+                    fetched.insert(layer.digest.clone(), p.clone());
+                    p
+                }
+            };
             out.push(SigstoreSignature { payload, signature });
         }
         Ok(out)

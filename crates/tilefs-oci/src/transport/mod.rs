@@ -11,7 +11,7 @@ use crate::digest::Digest;
 use crate::manifest::{self, BlobRef, Document, Platform};
 use crate::{ImageRef, OciError};
 use std::io::Read;
-use std::sync::atomic::{AtomicBool, Ordering::Relaxed};
+use std::sync::atomic::AtomicBool;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -82,13 +82,6 @@ impl Default for RegistryOptions {
             min_rate: DEFAULT_MIN_RATE,
             cancel: None,
         }
-    }
-}
-
-impl RegistryOptions {
-    /// Whether [`RegistryOptions::cancel`] is set.
-    pub fn cancelled(&self) -> bool {
-        self.cancel.as_ref().is_some_and(|c| c.load(Relaxed))
     }
 }
 
