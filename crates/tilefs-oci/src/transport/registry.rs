@@ -85,8 +85,6 @@ struct Get {
     whole_within_timeout: bool,
     /// Most bytes passed on (past them the reader sees the end).
     limit: u64,
-    /// What a stalled transfer's message names when nothing came.
-    silent: String,
 }
 
 impl Registry {
@@ -268,11 +266,11 @@ impl Registry {
             authorize,
             whole_within_timeout: true,
             limit: limit.saturating_add(1),
-            silent: match authorize {
-                true => self.silent(),
-                false => format!("no answer within {} s (--timeout)", self.limits.timeout.as_secs()),
-            },
         });
+        if !authorize {
+            // Not the registry: a lookaside store.
+            reader.silent = format!("no answer within {} s (--timeout)", self.limits.timeout.as_secs());
+        }
         match read_at_most(&mut reader, limit) {
             Ok(bytes) => Ok(Some(bytes)),
             Err(bounded::ReadError::Io(e)) if e.kind() == io::ErrorKind::NotFound => Ok(None),
@@ -405,7 +403,6 @@ impl Registry {
                 Some((_, len)) => len,
                 None => blob.size.map_or(u64::MAX, |s| s.saturating_add(1)),
             },
-            silent: self.silent(),
         });
         if range.is_none() {
             r.context = format!("registry {}: ", self.registry);
@@ -420,7 +417,6 @@ impl Registry {
         let http = self.http.clone();
         let (range, mut left) = (get.range, get.limit);
         let deadline = get.whole_within_timeout.then(|| Instant::now() + self.limits.timeout);
-        let silent = get.silent.clone();
         self.rt.spawn(async move {
             let transfer = async {
                 let resp = match http.send(&get).await {
@@ -469,7 +465,7 @@ impl Registry {
             limits: self.limits.clone(),
             deadline,
             window: (Duration::ZERO, 0),
-            silent,
+            silent: self.silent(),
             context: String::new(),
             failed: None,
         }
