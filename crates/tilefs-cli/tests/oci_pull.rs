@@ -4,7 +4,8 @@
 
 mod common;
 
-use common::registry::Registry;
+use common::oci::{watch, Watched};
+use common::registry::{Answer, Registry, Relay};
 use common::*;
 use std::collections::BTreeMap;
 use std::fs;
@@ -1510,5 +1511,392 @@ fn layers_past_a_limit_are_refused_naming_it() {
     tags.sort();
     pulled.sort();
     assert_eq!(tags, pulled, "only the images without a limit passed are tagged");
+    assert_fsck_clean(&store);
+}
+
+// ---- hostile registries and layers ---------------------------------------
+//
+// What a registry or a layer sends is untrusted: none of it may take a
+// pull to more memory or time than it bounds, and a pull stops within a
+// second of SIGINT or SIGTERM whatever it is doing.
+
+/// `tilefs pull -q --store STORE EXTRA… REFERENCE`, watched ([`watch`]).
+fn watch_pull(store: &Path, reference: &str, extra: &[&str], signal: Option<(&str, Duration)>) -> Watched {
+    let mut cmd = Command::new(tilefs_bin());
+    cmd.args(["pull", "-q", "--store"])
+        .arg(store)
+        .args(extra)
+        .arg(reference);
+    watch(cmd, signal, Duration::from_secs(120))
+}
+
+/// A pull that failed (exit 1): its message.
+fn failed(w: &Watched) -> String {
+    assert_eq!(w.out.status.code(), Some(1), "the pull should fail: {}", stderr(&w.out));
+    stderr(&w.out)
+}
+
+/// A pull that a signal stopped: "interrupted", exit 130 (as `build`),
+/// within a second of the signal, nothing tagged in `store`.
+fn assert_stopped(w: &Watched, store: &Path, stage: &str) {
+    assert_eq!(
+        w.out.status.code(),
+        Some(130),
+        "{stage}: {} (after {:?})",
+        stderr(&w.out),
+        w.took
+    );
+    assert_eq!(stderr(&w.out).trim(), "tilefs: interrupted", "{stage}");
+    let after = w.after_signal.expect("the signal was sent");
+    assert!(
+        after < Duration::from_secs(1),
+        "{stage}: ended {after:?} after the signal"
+    );
+    assert!(tags_in(store).is_empty(), "{stage}: a tag was written");
+}
+
+/// A small image (one gzip layer, one 10 KiB file) pushed to `registry` as
+/// team/app:v1: its manifest (JSON) from the layout.
+fn small_image_in(area: &Area, registry: &Registry) -> serde_json::Value {
+    let layout = area.path("small-layout");
+    let md = write_image(
+        &layout,
+        "small",
+        &[(&[dir("usr"), file("usr/f", &pattern(10240, 3))], Comp::Gzip)],
+    );
+    skopeo(&[
+        "copy",
+        "-q",
+        "--dest-tls-verify=false",
+        &format!("oci:{}:small", layout.display()),
+        &format!("docker://{}/team/app:v1", registry.addr),
+    ]);
+    let manifest = fs::read(layout.join("blobs/sha256").join(md.trim_start_matches("sha256:"))).unwrap();
+    serde_json::from_slice(&manifest).unwrap()
+}
+
+#[test]
+fn an_endless_manifest_is_refused_at_its_size_cap() {
+    let area = Area::new();
+    let registry = Registry::start(&area);
+    small_image_in(&area, &registry);
+    // Manifests stream forever, as fast as loopback takes them.
+    let relay = Relay::answering(&registry.addr, |_, path| match path.contains("/manifests/") {
+        true => Answer::Endless("application/vnd.oci.image.manifest.v1+json"),
+        false => Answer::Forward,
+    });
+    let store = area.path("store");
+    let remote = format!("docker://{}/team/app:v1", relay.addr);
+    for extra in [&["--tls-verify=false"][..], &["--tls-verify=false", "--lazy"]] {
+        let w = watch_pull(&store, &remote, extra, None);
+        let err = failed(&w);
+        assert!(
+            err.contains(&format!(
+                "manifest of {}/team/app:v1: larger than 4 MiB (the limit)",
+                relay.addr
+            )),
+            "{extra:?}: {err}"
+        );
+        // Before: 19 GB of memory in 60 s, until --timeout ended it.
+        assert!(w.peak_mib < 150, "{extra:?}: {} MiB", w.peak_mib);
+        assert!(w.took < Duration::from_secs(10), "{extra:?}: {:?}", w.took);
+    }
+    assert!(tags_in(&store).is_empty());
+}
+
+#[test]
+fn a_registry_that_drips_fails_at_the_least_rate() {
+    let area = Area::new();
+    let registry = Registry::start(&area);
+    let manifest = small_image_in(&area, &registry);
+    let layer = manifest["layers"][0]["digest"].as_str().unwrap().to_string();
+    let size = manifest["layers"][0]["size"].as_u64().unwrap();
+    // The layer comes a byte a second (after its headers, at once).
+    let drip = layer.clone();
+    let relay = Relay::answering(&registry.addr, move |_, path| match path.ends_with(&drip) {
+        true => Answer::Drip {
+            len: size,
+            per_second: 1,
+        },
+        false => Answer::Forward,
+    });
+    let store = area.path("store");
+    let remote = format!("docker://{}/team/app:v1", relay.addr);
+    let w = watch_pull(&store, &remote, &["--tls-verify=false", "--timeout", "3"], None);
+    let err = failed(&w);
+    assert!(
+        err.contains(&format!("blob {layer}: registry {}: ", relay.addr))
+            && err.contains("in 3 s, less than 1024 bytes/s (--min-rate)"),
+        "{err}"
+    );
+    // Before: no end (--timeout applied only between bytes).
+    assert!(w.took < Duration::from_secs(10), "{:?}", w.took);
+    // A manifest must come whole within --timeout, however fast it comes.
+    let relay = Relay::answering(&registry.addr, |_, path| match path.contains("/manifests/") {
+        true => Answer::Drip {
+            len: 64 << 10,
+            per_second: 4096,
+        },
+        false => Answer::Forward,
+    });
+    let remote = format!("docker://{}/team/app:v1", relay.addr);
+    let w = watch_pull(&store, &remote, &["--tls-verify=false", "--timeout", "2"], None);
+    let err = failed(&w);
+    assert!(err.contains("not complete within 2 s (--timeout;"), "{err}");
+    assert!(w.took < Duration::from_secs(6), "{:?}", w.took);
+    assert!(tags_in(&store).is_empty());
+}
+
+#[test]
+fn a_manifest_naming_one_blob_20000_times_fetches_it_once() {
+    let area = Area::new();
+    let registry = Registry::start(&area);
+    let manifest = small_image_in(&area, &registry);
+    let layer = manifest["layers"][0].clone();
+    let digest = layer["digest"].as_str().unwrap().to_string();
+    let store = area.path("store");
+    let once = pull(
+        &store,
+        &format!("docker://{}/team/app:v1", registry.addr),
+        &["--tls-verify=false"],
+    );
+    // The same image, its layer listed 20,000 times (as its configuration's
+    // diff ids are): a registry that serves such a manifest.
+    let config = fs::read(
+        area.path("small-layout/blobs/sha256").join(
+            manifest["config"]["digest"]
+                .as_str()
+                .unwrap()
+                .trim_start_matches("sha256:"),
+        ),
+    )
+    .unwrap();
+    let mut config: serde_json::Value = serde_json::from_slice(&config).unwrap();
+    let diff = config["rootfs"]["diff_ids"][0].clone();
+    config["rootfs"]["diff_ids"] = serde_json::Value::Array(vec![diff; 20_000]);
+    let config = config.to_string().into_bytes();
+    let config_digest = format!("sha256:{}", sha256_hex(&config));
+    let mut many = manifest.clone();
+    many["config"]["digest"] = config_digest.clone().into();
+    many["config"]["size"] = config.len().into();
+    many["layers"] = serde_json::Value::Array(vec![layer; 20_000]);
+    let many = many.to_string().into_bytes();
+    assert!(many.len() < 4 << 20);
+    let relay = Relay::answering(&registry.addr, move |_, path| {
+        if path.ends_with("/manifests/many") {
+            Answer::Body("application/vnd.oci.image.manifest.v1+json", many.clone())
+        } else if path.ends_with(&config_digest) {
+            Answer::Body("application/octet-stream", config.clone())
+        } else {
+            Answer::Forward
+        }
+    });
+    let fresh = area.path("fresh");
+    let before = registry.blobs_sent().len();
+    let w = watch_pull(
+        &fresh,
+        &format!("docker://{}/team/app:many", relay.addr),
+        &["--tls-verify=false"],
+        None,
+    );
+    assert!(w.out.status.success(), "{}", stderr(&w.out));
+    // The same tree: a layer applied over itself changes nothing.
+    assert_eq!(String::from_utf8_lossy(&w.out.stdout).trim(), once);
+    let sent: Vec<String> = registry.blobs_sent()[before..].to_vec();
+    assert_eq!(sent, [digest], "each distinct blob is fetched once");
+    // Before: 20,000 fetches and 81 s.
+    assert!(w.took < Duration::from_secs(30), "{:?}", w.took);
+}
+
+#[test]
+fn a_redirect_to_a_file_url_is_refused_saying_so() {
+    let area = Area::new();
+    let registry = Registry::start(&area);
+    let manifest = small_image_in(&area, &registry);
+    let layer = manifest["layers"][0]["digest"].as_str().unwrap().to_string();
+    let to = layer.clone();
+    let relay = Relay::answering(&registry.addr, move |_, path| match path.ends_with(&to) {
+        true => Answer::Redirect("file:///etc/passwd".into()),
+        false => Answer::Forward,
+    });
+    let store = area.path("store");
+    let err = fails(
+        &store,
+        &format!("docker://{}/team/app:v1", relay.addr),
+        &["--tls-verify=false"],
+    );
+    // Before: "0 bytes where its descriptor states 10240".
+    assert!(
+        err.contains(&format!("blob {layer}: registry {}: HTTP 302 Found", relay.addr))
+            && err.contains("a redirect to \"file:///etc/passwd\", not followed (only HTTP(S) redirects are)"),
+        "{err}"
+    );
+    assert!(tags_in(&store).is_empty());
+}
+
+/// A PAX sparse file (format 1.0, as GNU tar writes it) of `size` bytes
+/// holding one byte, at its end.
+fn pax_sparse(name: &str, size: u64) -> E {
+    let mut data = format!("1\n{}\n1\n", size - 1).into_bytes();
+    data.resize(512, 0);
+    data.push(b'x');
+    E {
+        pax: vec![
+            ("GNU.sparse.major".into(), b"1".to_vec()),
+            ("GNU.sparse.minor".into(), b"0".to_vec()),
+            ("GNU.sparse.name".into(), name.as_bytes().to_vec()),
+            ("GNU.sparse.realsize".into(), size.to_string().into_bytes()),
+        ],
+        data,
+        ..file(&format!("GNUSparseFile.0/{name}"), b"")
+    }
+}
+
+/// A layer of one old GNU sparse entry (type `S`) of `size` bytes holding
+/// one byte, at its end.
+fn gnu_sparse_layer(name: &str, size: u64) -> Vec<u8> {
+    let mut h = tar::Header::new_gnu();
+    h.set_path(name).unwrap();
+    h.set_entry_type(tar::EntryType::GNUSparse);
+    h.set_mode(0o644);
+    h.set_uid(0);
+    h.set_gid(0);
+    h.set_mtime(0);
+    h.set_size(1);
+    let gnu = h.as_gnu_mut().unwrap();
+    gnu.set_real_size(size);
+    gnu.sparse[0].set_offset(size - 1);
+    gnu.sparse[0].set_length(1);
+    h.set_cksum();
+    let mut b = tar::Builder::new(Vec::new());
+    b.append(&h, &b"x"[..]).unwrap();
+    b.into_inner().unwrap()
+}
+
+/// A layer whose first entry has a GNU long name of `len` bytes.
+fn long_name_layer(len: usize) -> Vec<u8> {
+    let mut h = tar::Header::new_gnu();
+    h.as_gnu_mut().unwrap().name[..13].copy_from_slice(b"././@LongLink");
+    h.set_entry_type(tar::EntryType::GNULongName);
+    h.set_mode(0o644);
+    h.set_size(len as u64);
+    h.set_cksum();
+    let mut tar = h.as_bytes().to_vec();
+    tar.resize(512 + len.next_multiple_of(512), b'n');
+    tar.extend_from_slice(&tar_of(&[file("f", b"x")]));
+    tar
+}
+
+#[test]
+fn layers_that_declare_far_more_than_they_hold_are_refused() {
+    let area = Area::new();
+    let layout = area.path("layout");
+    let tib10 = 10u64 << 40;
+    let blob = |tar: Vec<u8>| {
+        let diff = format!("sha256:{}", sha256_hex(&tar));
+        let (blob, mt) = compress(&tar, Comp::Gzip);
+        (blob, mt, diff)
+    };
+    let cases: Vec<(&str, Vec<u8>, &str)> = vec![
+        (
+            "pax-sparse",
+            tar_of(&[pax_sparse("disk", tib10)]),
+            "disk: a sparse file of 10995116277760 bytes, 10995116277759 of them holes: more than the 64 GiB of holes a pull expands",
+        ),
+        (
+            "gnu-sparse",
+            gnu_sparse_layer("disk", tib10),
+            "disk: a sparse file of 10995116277760 bytes, 10995116277759 of them holes: more than the 64 GiB",
+        ),
+        (
+            "long-name",
+            long_name_layer(256 << 20),
+            "entry 1: unreadable tar header: the entry's headers (long names, PAX records) pass 16 MiB (the limit)",
+        ),
+        (
+            "big-pax-record",
+            tar_of(&[E {
+                pax: vec![("SCHILY.xattr.user.x".into(), vec![b'v'; 32 << 20])],
+                ..file("f", b"x")
+            }]),
+            "pass 16 MiB (the limit)",
+        ),
+    ];
+    // Holes over several files and layers add up.
+    let half = 40u64 << 30;
+    let two = [tar_of(&[pax_sparse("a", half)]), tar_of(&[pax_sparse("b", half)])];
+    for (name, tar, _) in &cases {
+        write_image_blobs(&layout, name, &[blob(tar.clone())]);
+    }
+    write_image_blobs(&layout, "two-layers", &[blob(two[0].clone()), blob(two[1].clone())]);
+    let store = area.path("store");
+    for (name, tar, why) in &cases {
+        let w = watch_pull(&store, &format!("oci:{}:{name}", layout.display()), &[], None);
+        let err = failed(&w);
+        assert!(err.contains(why) && err.contains("layer sha256:"), "{name}: {err}");
+        // Before: a sparse file hashed for hours (10 TiB at ~1 GiB/s); a
+        // 256 MiB long name took 1.5 GB of memory (a 1 GiB one, 5.7 GB).
+        assert!(w.took < Duration::from_secs(10), "{name}: {:?}", w.took);
+        assert!(
+            w.peak_mib < 150,
+            "{name}: {} MiB (a {} byte layer)",
+            w.peak_mib,
+            tar.len()
+        );
+    }
+    let w = watch_pull(&store, &format!("oci:{}:two-layers", layout.display()), &[], None);
+    let err = failed(&w);
+    assert!(
+        err.contains(
+            "42949672959 of them holes: more than the 25769803777 bytes left of the 64 GiB of holes a pull expands"
+        ),
+        "{err}"
+    );
+    assert!(tags_in(&store).is_empty());
+    assert_fsck_clean(&store);
+}
+
+#[test]
+fn sigint_and_sigterm_stop_a_pull_within_a_second_in_every_stage() {
+    let area = Area::new();
+    // Hashing: a sparse file of 60 GiB (within the limit) is hashed as
+    // zeros by the store, about a minute's work.
+    let layout = area.path("layout");
+    write_image(&layout, "sparse", &[(&[pax_sparse("disk", 60 << 30)], Comp::Gzip)]);
+    let store = area.path("store");
+    let sparse = format!("oci:{}:sparse", layout.display());
+    for sig in ["INT", "TERM"] {
+        let w = watch_pull(&store, &sparse, &[], Some((sig, Duration::from_secs(1))));
+        assert_stopped(&w, &store, &format!("SIG{sig} while hashing"));
+    }
+    // Fetching the manifest from a registry that does not answer, and
+    // reading a layer that comes a byte a second (no --min-rate).
+    let registry = Registry::start(&area);
+    let manifest = small_image_in(&area, &registry);
+    let layer = manifest["layers"][0]["digest"].as_str().unwrap().to_string();
+    let relay = Relay::answering(&registry.addr, move |_, path| {
+        if path.contains("/manifests/stall") {
+            Answer::Stall
+        } else if path.ends_with(&layer) {
+            Answer::Drip {
+                len: 1 << 20,
+                per_second: 1,
+            }
+        } else {
+            Answer::Forward
+        }
+    });
+    let base = format!("docker://{}/team/app", relay.addr);
+    for (reference, stage) in [("stall", "fetching the manifest"), ("v1", "reading a layer")] {
+        for sig in ["INT", "TERM"] {
+            let w = watch_pull(
+                &store,
+                &format!("{base}:{reference}"),
+                &["--tls-verify=false", "--min-rate", "0"],
+                Some((sig, Duration::from_millis(1500))),
+            );
+            assert_stopped(&w, &store, &format!("SIG{sig} {stage}"));
+        }
+    }
     assert_fsck_clean(&store);
 }

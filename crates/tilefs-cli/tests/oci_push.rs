@@ -7,7 +7,7 @@
 mod common;
 
 use common::oci::*;
-use common::registry::{End, Pass, Registry, Relay};
+use common::registry::{Answer, End, Pass, Registry, Relay};
 use common::*;
 use std::fs;
 use std::io::Write;
@@ -717,4 +717,60 @@ fn push_takes_names_as_podman_does_and_waits_no_longer_than_the_timeout() {
     assert!(shown.contains(&format!("blobs to {addr}: 0 blobs, 0 B / ")), "{shown}");
     assert!(shown.contains("(waiting for the server, 2 s)"), "{shown}");
     drop(silent);
+}
+
+#[test]
+fn range_requests_that_drip_fail_at_the_least_rate() {
+    let area = Area::new();
+    let registry = Registry::start(&area);
+    let src = area.dir("src");
+    let files = tree(&src, 11, 4, 64 << 10);
+    let store = area.path("store");
+    let digest = build_tag(&store, "app", &src);
+    let remote = format!("docker://{}/team/app:v1", registry.addr);
+    push(&store, "app", &remote);
+    // The packs (the blobs after the image and its object index) come a
+    // byte a second.
+    let m = skopeo_raw(&remote);
+    let packs: Vec<String> = m["layers"].as_array().unwrap()[2..]
+        .iter()
+        .map(|l| l["digest"].as_str().unwrap().to_string())
+        .collect();
+    assert!(!packs.is_empty());
+    let relay = Relay::answering(&registry.addr, move |_, path| {
+        match packs.iter().any(|p| path.ends_with(p.as_str())) {
+            true => Answer::Drip {
+                len: 1 << 20,
+                per_second: 1,
+            },
+            false => Answer::Forward,
+        }
+    });
+    let dripping = format!("docker://{}/team/app:v1", relay.addr);
+    let t = Instant::now();
+    let err = pull_fails(&area.path("s"), &dripping, &["--timeout", "2"]);
+    assert!(
+        err.contains("blob sha256:") && err.contains("less than 1024 bytes/s (--min-rate)"),
+        "{err}"
+    );
+    assert!(t.elapsed() < Duration::from_secs(30), "took {:?}", t.elapsed());
+    // A lazy mount's fetches too (the default --min-rate, the timeout the
+    // pull recorded): the read fails with EIO, the log says why.
+    require(cannot_fuse());
+    let lazy = area.path("lazy");
+    assert_eq!(pull(&lazy, &dripping, &["--lazy", "--timeout", "2"]), digest);
+    let tag = format!("{}_team_app:v1", relay.addr);
+    let mnt = area.dir("mnt");
+    let log = area.path("fuse.log");
+    let (_m, _) = mount_tag(&lazy, &tag, &mnt, &log);
+    let t = Instant::now();
+    let e = read(&mnt.join(&files[0].0)).unwrap_err();
+    assert_eq!(e.raw_os_error(), Some(libc::EIO), "{e}");
+    assert!(
+        t.elapsed() < Duration::from_secs(30),
+        "a dripping read took {:?}",
+        t.elapsed()
+    );
+    let logged = fs::read_to_string(&log).unwrap();
+    assert!(logged.contains("--min-rate"), "{logged}");
 }

@@ -10,7 +10,7 @@
 
 mod common;
 
-use common::registry::Registry;
+use common::registry::{Answer, Registry, Relay};
 use common::*;
 use sha2::Digest as _;
 use std::fs;
@@ -775,6 +775,42 @@ fn registries_conf_routes_pulls() {
         .unwrap_err();
     assert!(e.contains("blocked") && e.contains(&format!("{addr}/team")), "{e}");
 
+    // Host names match tables without regard to case, as DNS names do (a
+    // block is not passed by writing the host in capitals; skopeo 1.9
+    // compares them as written).
+    let port = addr.rsplit_once(':').unwrap().1;
+    write(&format!(
+        "[[registry]]\nlocation = \"localhost:{port}\"\ninsecure = true\n[[registry]]\nprefix = \"localhost:{port}/team/app\"\nlocation = \"localhost:{port}/team/app\"\nblocked = true\n"
+    ));
+    for shouting in [
+        format!("LocalHost:{port}/team/app:v1"),
+        format!("LOCALHOST:{port}/team/app@{digest}"),
+    ] {
+        let e = env
+            .pull(&env.area.path("s4"), &format!("docker://{shouting}"), &accept, &[])
+            .unwrap_err();
+        assert!(e.contains("is blocked"), "{shouting}: {e}");
+    }
+    // ... and `insecure` applies to LOCALHOST as to localhost.
+    let other = format!("docker://{addr}/team/other:v1");
+    env.skopeo_ok(
+        None,
+        &[
+            "copy",
+            "-q",
+            "--dest-tls-verify=false",
+            &format!("oci:{}:b", layout2.display()),
+            &other,
+        ],
+    );
+    env.pull(
+        &env.area.path("s4"),
+        &format!("docker://LOCALHOST:{port}/team/other:v1"),
+        &accept,
+        &[],
+    )
+    .unwrap();
+
     // Short names: an alias; one search registry; several, which
     // enforcing refuses without a terminal and permissive tries in order.
     // Drop-ins in FILE.d/ apply over the file; the environment names the
@@ -810,4 +846,65 @@ fn registries_conf_routes_pulls() {
         .output()
         .unwrap();
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+}
+
+#[test]
+fn endless_signatures_are_refused_at_their_size_cap() {
+    let env = Env::new();
+    let registry = Registry::start(&env.area);
+    let layout = env.area.dir("layout");
+    oci_layout(&layout, "a", "the image");
+    env.skopeo_ok(
+        None,
+        &[
+            "copy",
+            "-q",
+            "--dest-tls-verify=false",
+            &format!("oci:{}:a", layout.display()),
+            &format!("docker://{}/team/app:v1", registry.addr),
+        ],
+    );
+    // Signature attachments (`sha256-HEX.sig`) and lookaside signatures
+    // that stream forever.
+    let relay = Relay::answering(&registry.addr, |_, path| {
+        match path.ends_with(".sig") || path.starts_with("/sigs/") {
+            true => Answer::Endless("application/vnd.oci.image.manifest.v1+json"),
+            false => Answer::Forward,
+        }
+    });
+    fs::write(
+        env.regd.join("test.yaml"),
+        format!(
+            "docker:\n  {0}:\n    lookaside: http://{0}/sigs\n    use-sigstore-attachments: true\n",
+            relay.addr
+        ),
+    )
+    .unwrap();
+    let (_, sigstore_pub) = env.sigstore_key("cosign");
+    let (_, gpg_pub) = env.gpg_key("signer");
+    let remote = format!("docker://{}/team/app:v1", relay.addr);
+    for (policy, what) in [
+        (sigstore_signed(&sigstore_pub, ""), "signature attachments"),
+        (signed_by(&gpg_pub, ""), "lookaside signature"),
+    ] {
+        let policy = env.policy("policy.json", &policy);
+        let store = env.area.path("store");
+        let mut cmd = env.cmd(&tilefs_bin());
+        cmd.args(["pull", "-q", "--tls-verify=false", "--store"])
+            .arg(&store)
+            .arg("--signature-policy")
+            .arg(&policy)
+            .arg("--registries.d")
+            .arg(&env.regd)
+            .arg("--registries-conf")
+            .arg(&env.conf)
+            .arg(&remote);
+        let w = oci::watch(cmd, None, std::time::Duration::from_secs(120));
+        let err = stderr(&w.out);
+        assert_eq!(w.out.status.code(), Some(1), "{what}: {err}");
+        assert!(err.contains("larger than 4 MiB (the limit)"), "{what}: {err}");
+        assert!(w.peak_mib < 150, "{what}: {} MiB", w.peak_mib);
+        assert!(w.took < std::time::Duration::from_secs(15), "{what}: {:?}", w.took);
+        assert!(tagged(&store).is_empty());
+    }
 }

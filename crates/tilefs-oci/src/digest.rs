@@ -156,7 +156,8 @@ impl BlobCheck {
 
 /// Reads a blob, hashing it; at its end, checks its size and digest and
 /// fails the read (and records why in its [`BlobCheck`]) if they differ
-/// from the descriptor's. Reading past the stated size fails at once.
+/// from the descriptor's. Reading past the stated size fails at once; a
+/// transfer that fails is recorded as the blob's failure too.
 pub struct Verified<R> {
     inner: R,
     hasher: Option<Hasher>,
@@ -197,7 +198,13 @@ impl<R: Read> Read for Verified<R> {
         let Some(h) = self.hasher.as_mut() else {
             return Ok(0);
         };
-        let n = self.inner.read(buf)?;
+        let n = match self.inner.read(buf) {
+            Ok(n) => n,
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => return Err(e),
+            // The transfer failed: that is what is wrong with the blob,
+            // whatever the readers above make of what came.
+            Err(e) => return Err(self.check.fail(e.to_string())),
+        };
         if n > 0 {
             h.update(&buf[..n]);
             self.read += n as u64;

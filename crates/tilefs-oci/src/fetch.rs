@@ -396,7 +396,7 @@ fn fetch_claimed(f: &Fetching, range: &Range, defer: Option<&Mutex<Vec<Placed>>>
         cut = false;
     }
     for run in &runs {
-        fetch_range(f.t, pack, run, f.ingest, f.progress, None)?;
+        fetch_range(f.t, pack, run, f.ingest, f.progress, None, f.cancel)?;
     }
     f.ingest.commit()?;
     drop(locks);
@@ -404,8 +404,8 @@ fn fetch_claimed(f: &Fetching, range: &Range, defer: Option<&Mutex<Vec<Placed>>>
 }
 
 /// Fetches one range, retrying (with back-off, at most [`ATTEMPTS`] times,
-/// and never past `deadline`) from the first object not yet stored when
-/// the transfer fails.
+/// never past `deadline`, and not once `cancel` is set) from the first
+/// object not yet stored when the transfer fails.
 fn fetch_range(
     t: &dyn Transport,
     pack: &BlobRef,
@@ -413,7 +413,9 @@ fn fetch_range(
     ingest: &Ingest,
     progress: &PullProgress,
     deadline: Option<Instant>,
+    cancel: Option<&AtomicBool>,
 ) -> Result<(), OciError> {
+    let cancelled = || cancel.is_some_and(|c| c.load(Relaxed));
     let mut done = 0;
     let mut attempt = 0;
     loop {
@@ -431,14 +433,20 @@ fn fetch_range(
             Err(e) => Fetch::Transfer(e),
         };
         let e = match err {
+            _ if cancelled() => return Err(OciError::Interrupted),
             Fetch::Wrong(e) => return Err(e),
             Fetch::Transfer(e) => e,
         };
-        let backoff = Duration::from_millis(250 << attempt.min(5));
-        if attempt >= ATTEMPTS || deadline.is_some_and(|d| Instant::now() + backoff >= d) {
+        let backoff = Instant::now() + Duration::from_millis(250 << attempt.min(5));
+        if attempt >= ATTEMPTS || deadline.is_some_and(|d| backoff >= d) {
             return Err(e);
         }
-        std::thread::sleep(backoff);
+        while Instant::now() < backoff {
+            if cancelled() {
+                return Err(OciError::Interrupted);
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
     }
 }
 
@@ -748,9 +756,11 @@ impl LazySource {
             return Ok(t.as_ref());
         }
         let r = ImageRef::parse(&self.record.source).map_err(|e| e.to_string())?;
+        // The default --min-rate: the record keeps the timeout only.
         let opts = RegistryOptions {
             tls_verify: self.record.tls_verify,
             timeout: self.timeout(),
+            ..RegistryOptions::default()
         };
         // Only an image the policy accepts is fetched.
         if let ImageRef::Registry { .. } = r {
@@ -862,7 +872,15 @@ impl LazySource {
         ingest.commit_each();
         let (range, ahead) = self.range_for(digest, loc, &pack.digest, locks.as_ref());
         let deadline = Instant::now() + self.timeout();
-        let fetched = fetch_range(t, &pack, &range, &ingest, &PullProgress::default(), Some(deadline));
+        let fetched = fetch_range(
+            t,
+            &pack,
+            &range,
+            &ingest,
+            &PullProgress::default(),
+            Some(deadline),
+            None,
+        );
         // Stored for good before the locks go and those waiting look.
         let committed = ingest.finish();
         drop(locks);

@@ -27,6 +27,19 @@
 //! - xattr names are at most 255 bytes (XATTR_NAME_MAX) and values at most
 //!   65535 (EROFS's 16-bit length, one short of XATTR_SIZE_MAX): checked
 //!   by [`crate::apply`], and only for the xattrs the image keeps.
+//!
+//! And what a small layer could make cost much more than it does is
+//! bounded, since a layer is untrusted:
+//!
+//! - the headers of one entry (its tar headers, GNU long names, PAX
+//!   records) are at most [`MAX_HEADERS`] bytes: the tar reader holds them
+//!   in memory, and a compressed layer of a megabyte could declare
+//!   gigabytes of them;
+//! - sparse files (PAX formats 0.1 and 1.0, old GNU sparse headers) may
+//!   declare holes of [`MAX_SPARSE_HOLES`] bytes in all, in one layer or
+//!   over all the layers of a pull ([`ReadOptions::sparse_budget`]):
+//!   holes cost nothing to send and are stored as holes, but the store
+//!   hashes them as zeros (0.7 s of CPU per GiB measured).
 
 use crate::OciError;
 use std::io::{self, Read};
@@ -109,6 +122,15 @@ pub struct Job {
     pub data: Vec<u8>,
 }
 
+/// Most bytes of headers (tar headers, GNU long names, PAX records) one
+/// entry may have: a PATH_MAX-deep path of 255-byte names is half a
+/// megabyte, an xattr value 64 KiB.
+pub const MAX_HEADERS: u64 = 16 << 20;
+
+/// Most bytes of holes the sparse files of a layer (or of a pull, with a
+/// shared [`ReadOptions::sparse_budget`]) may declare.
+pub const MAX_SPARSE_HOLES: u64 = 64 << 30;
+
 /// Files up to this size are handed to an [`Offload`] (larger ones are
 /// streamed into the store by the reading thread).
 pub const OFFLOAD_MAX: u64 = 4 << 20;
@@ -173,8 +195,7 @@ pub fn display_components(path: &[Vec<u8>]) -> String {
     if path.is_empty() {
         return "/".to_string();
     }
-    let joined = path.join(&b'/');
-    joined.escape_ascii().to_string()
+    display_name(&path.join(&b'/'))
 }
 
 /// Options of layer reading.
@@ -186,6 +207,9 @@ pub struct ReadOptions<'a> {
     pub entries: Option<&'a AtomicU64>,
     /// Where file contents go to be digested and stored by other threads.
     pub offload: Option<&'a (dyn Fn(Job) + Sync)>,
+    /// Bytes of holes sparse files may still declare, shared by the layers
+    /// of a pull (without one, a layer may declare [`MAX_SPARSE_HOLES`]).
+    pub sparse_budget: Option<&'a AtomicU64>,
 }
 
 /// Reads the tar stream `tar` (already decompressed), storing file
@@ -196,28 +220,96 @@ pub fn read_entries(
     ingest: &Ingest,
     opts: ReadOptions,
 ) -> Result<Vec<LayerEntry>, OciError> {
-    let mut archive = tar::Archive::new(tar);
+    let stopped = || opts.stop.is_some_and(|stop| stop());
+    let own_budget = AtomicU64::new(MAX_SPARSE_HOLES);
+    // What the tar reader may still read before it hands over the next
+    // entry: its headers.
+    let headers = AtomicU64::new(u64::MAX);
+    let mut archive = tar::Archive::new(Guarded {
+        inner: tar,
+        stop: opts.stop,
+        headers: Some(&headers),
+    });
     let mut reader = EntryReader {
         blob,
         ingest,
         opts,
         jobs: 0,
+        sparse_budget: opts.sparse_budget.unwrap_or(&own_budget),
     };
     let mut out = Vec::new();
-    let entries = archive
+    let mut entries = archive
         .entries()
         .map_err(|e| OciError::layer(blob, None, format!("not a tar stream: {e}")))?;
-    for (index, entry) in entries.enumerate() {
-        if opts.stop.is_some_and(|stop| stop()) {
+    for index in 0.. {
+        if stopped() {
             return Err(OciError::Interrupted);
         }
-        let mut entry = entry
-            .map_err(|e| OciError::layer(blob, None, format!("entry {}: unreadable tar header: {e}", index + 1)))?;
-        if let Some(e) = reader.entry(&mut entry, index)? {
-            out.push(e);
+        headers.store(MAX_HEADERS, Relaxed);
+        let next = entries.next();
+        headers.store(u64::MAX, Relaxed);
+        let Some(entry) = next else { break };
+        let read = entry
+            .map_err(|e| OciError::layer(blob, None, format!("entry {}: unreadable tar header: {e}", index + 1)))
+            .and_then(|mut entry| {
+                let e = reader.entry(&mut entry, index)?;
+                // What the entry holds past what it puts in the tree is
+                // skipped here, not counted as the next one's headers.
+                io::copy(&mut entry, &mut io::sink())
+                    .map_err(|e| OciError::layer(blob, None, format!("entry {}: cannot read: {e}", index + 1)))?;
+                Ok(e)
+            });
+        match read {
+            Ok(Some(e)) => out.push(e),
+            Ok(None) => {}
+            Err(_) if stopped() => return Err(OciError::Interrupted),
+            Err(e) => return Err(e),
         }
     }
     Ok(out)
+}
+
+/// A layer's stream as the tar reader reads it: stops once `stop` says so
+/// (a file of zeros that costs nothing to send may take long to hash), and
+/// fails when an entry's headers pass `headers`.
+pub(crate) struct Guarded<'a, R> {
+    inner: R,
+    stop: Option<&'a (dyn Fn() -> bool + Sync)>,
+    headers: Option<&'a AtomicU64>,
+}
+
+impl<'a, R: Read> Guarded<'a, R> {
+    /// `inner`, failing ("interrupted") once `stop` says so.
+    pub(crate) fn stoppable(inner: R, stop: &'a (dyn Fn() -> bool + Sync)) -> Self {
+        Guarded {
+            inner,
+            stop: Some(stop),
+            headers: None,
+        }
+    }
+}
+
+impl<R: Read> Read for Guarded<'_, R> {
+    fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+        if self.stop.is_some_and(|stop| stop()) {
+            return Err(io::Error::other("interrupted"));
+        }
+        let Some(left) = self.headers.map(|h| h.load(Relaxed)) else {
+            return self.inner.read(buf);
+        };
+        if left == 0 {
+            return Err(io::Error::other(format!(
+                "the entry's headers (long names, PAX records) pass {} (the limit)",
+                crate::bounded::size(MAX_HEADERS)
+            )));
+        }
+        let want = buf.len().min(usize::try_from(left).unwrap_or(usize::MAX));
+        let n = self.inner.read(&mut buf[..want])?;
+        if left != u64::MAX {
+            self.headers.unwrap().store(left - n as u64, Relaxed);
+        }
+        Ok(n)
+    }
 }
 
 /// What reading a layer carries from one entry to the next.
@@ -227,6 +319,8 @@ struct EntryReader<'a> {
     opts: ReadOptions<'a>,
     /// Files handed to the offload so far (the next one's job id).
     jobs: u32,
+    /// Bytes of holes sparse files may still declare.
+    sparse_budget: &'a AtomicU64,
 }
 
 impl EntryReader<'_> {
@@ -241,7 +335,7 @@ impl EntryReader<'_> {
             Some(n) => n.clone(),
             None => entry.path_bytes().into_owned(),
         };
-        let name = raw_path.escape_ascii().to_string();
+        let name = display_name(&raw_path);
         let fail = |reason: String| OciError::layer(blob, Some(&name), reason);
         let path = split_path(&raw_path).map_err(|r| fail(r.to_string()))?;
         let meta = meta_of(entry.header(), &pax).map_err(fail)?;
@@ -265,11 +359,25 @@ impl EntryReader<'_> {
                 let mut expanded;
                 let (size, data): (u64, &mut dyn Read) = if sparse.is_sparse() {
                     expanded = sparse.reader(entry).map_err(fail)?;
-                    (sparse.real_size.unwrap_or(0), &mut expanded)
+                    let size = sparse.real_size.unwrap_or(0);
+                    self.spend_holes(size, expanded.holes()).map_err(fail)?;
+                    (size, &mut expanded)
                 } else {
+                    // Old GNU sparse headers: the tar reader expands them
+                    // (its size is the file's, the header's what it holds).
+                    if etype == EntryType::GNUSparse {
+                        let stored = entry.header().entry_size().unwrap_or(0);
+                        self.spend_holes(entry.size(), entry.size().saturating_sub(stored))
+                            .map_err(fail)?;
+                    }
                     (entry.size(), entry)
                 };
-                let content = self.contents(data, size, &name)?;
+                let mut data = Guarded {
+                    inner: data,
+                    stop: self.opts.stop,
+                    headers: None,
+                };
+                let content = self.contents(&mut data, size, &name)?;
                 Kind::File { size, content }
             }
             EntryType::Symlink => Kind::Symlink(symlink_target(entry).map_err(fail)?),
@@ -292,6 +400,25 @@ impl EntryReader<'_> {
             return Err(fail("the root is not a directory".into()));
         }
         Ok(Some(LayerEntry { path, kind, meta }))
+    }
+
+    /// Takes the `holes` a sparse file of `size` bytes declares from the
+    /// budget.
+    fn spend_holes(&self, size: u64, holes: u64) -> Result<(), String> {
+        if holes == 0 {
+            return Ok(());
+        }
+        self.sparse_budget
+            .fetch_update(Relaxed, Relaxed, |left| left.checked_sub(holes))
+            .map(drop)
+            .map_err(|left| {
+                let limit = crate::bounded::size(MAX_SPARSE_HOLES);
+                let past = match left {
+                    MAX_SPARSE_HOLES => format!("the {limit} of holes a pull expands"),
+                    left => format!("the {left} bytes left of the {limit} of holes a pull expands"),
+                };
+                format!("a sparse file of {size} bytes, {holes} of them holes: more than {past}")
+            })
     }
 
     /// The `size` bytes of the file `name` read from `data`: kept inline,
@@ -561,6 +688,13 @@ impl SparseInfo {
     }
 }
 
+impl SparseReader<'_> {
+    /// Bytes of the file its pieces do not hold.
+    fn holes(&self) -> u64 {
+        self.real - self.pieces.iter().map(|p| p.1).sum::<u64>()
+    }
+}
+
 /// Expands a sparse file's pieces into its contents.
 struct SparseReader<'a> {
     data: &'a mut dyn Read,
@@ -601,6 +735,18 @@ impl Read for SparseReader<'_> {
         };
         self.pos += n as u64;
         Ok(n)
+    }
+}
+
+/// Longest name messages show whole (twice PATH_MAX).
+const SHOWN_NAME: usize = 8192;
+
+/// A member name for messages: bytes that are not UTF-8 escaped, and a
+/// name longer than [`SHOWN_NAME`] cut short (saying how long it is).
+fn display_name(raw: &[u8]) -> String {
+    match raw.len() > SHOWN_NAME {
+        false => raw.escape_ascii().to_string(),
+        true => format!("{}… ({} bytes)", raw[..SHOWN_NAME].escape_ascii(), raw.len()),
     }
 }
 
@@ -751,6 +897,40 @@ mod tests {
         assert!(
             err.contains("its path is 2049 directories deep, more than the 2048"),
             "{err}"
+        );
+    }
+
+    #[test]
+    fn only_sparse_files_spend_holes() {
+        // A regular file whose size is a PAX record (the header's says 0,
+        // as writers put sizes past 8 GiB): no holes, whatever the header.
+        let mut b = tar::Builder::new(Vec::new());
+        b.append_pax_extensions([("size", &b"5"[..])]).unwrap();
+        let mut h = tar::Header::new_ustar();
+        h.set_path("f").unwrap();
+        h.set_mode(0o644);
+        h.set_uid(0);
+        h.set_gid(0);
+        h.set_mtime(0);
+        h.set_size(0);
+        h.set_cksum();
+        b.append(&h, &b"hello"[..]).unwrap();
+        let tar = b.into_inner().unwrap();
+        let dir = tempfile::tempdir().unwrap();
+        let store = tilefs_store::Store::create(&dir.path().join("store")).unwrap();
+        let ingest = Ingest::new(&store, tilefs_store::ingest::Method::Copy).unwrap();
+        let budget = AtomicU64::new(0);
+        let opts = ReadOptions {
+            sparse_budget: Some(&budget),
+            ..ReadOptions::default()
+        };
+        let e = read_entries(&mut &tar[..], "l", &ingest, opts).unwrap();
+        assert_eq!(
+            e[0].kind,
+            Kind::File {
+                size: 5,
+                content: Content::Inline(b"hello".to_vec())
+            }
         );
     }
 

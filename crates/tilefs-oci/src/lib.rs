@@ -4,6 +4,7 @@
 //! - [`transport`]: where manifests and blobs come from (an OCI layout, an
 //!   OCI or Docker archive, a registry through the distribution API), every
 //!   blob checked against its digest as it streams;
+//! - [`bounded`]: documents read with their size cap while they stream;
 //! - [`manifest`]: from an index or manifest to the list of layers;
 //! - [`layer`]: one layer's tar stream to entries, file contents into the
 //!   store (layers are read in parallel);
@@ -23,6 +24,7 @@
 
 pub mod apply;
 pub mod artifact;
+pub mod bounded;
 pub mod compat;
 pub mod digest;
 pub mod fetch;

@@ -14,9 +14,8 @@ pub const DOCKER_MANIFEST: &str = "application/vnd.docker.distribution.manifest.
 /// Media types a registry may answer a manifest request with.
 pub const MANIFEST_TYPES: &[&str] = &[OCI_INDEX, OCI_MANIFEST, DOCKER_LIST, DOCKER_MANIFEST];
 
-/// Largest manifest or index accepted (the distribution spec's limit for
-/// registries is 4 MiB).
-pub const MAX_MANIFEST: u64 = 4 << 20;
+/// Largest manifest or index accepted (see [`crate::bounded`]).
+pub use crate::bounded::MAX_MANIFEST;
 
 /// A blob to fetch: its digest, size and media type, and for archives the
 /// member holding it.

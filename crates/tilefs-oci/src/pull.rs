@@ -11,9 +11,10 @@
 //! and named by their own digest (so never corrupt); `gc` removes them.
 
 use crate::apply::Applier;
+use crate::bounded::MAX_CONFIG;
 use crate::digest::Verified;
 use crate::layer::{self, Compression, Content, Job, Kind, LayerEntry, ReadOptions};
-use crate::manifest::{BlobRef, Platform, MAX_MANIFEST};
+use crate::manifest::{BlobRef, Platform};
 use crate::transport::{self, RegistryOptions, Transport};
 use crate::{compat, ImageRef, OciError};
 use std::collections::HashMap;
@@ -98,7 +99,7 @@ pub fn pull(store: &Store, r: &ImageRef, tag: &str, opts: &PullOptions) -> Resul
         remote,
     );
     // Nothing is written before the policy has accepted the image.
-    let opened = crate::trust::open_checked(r, &opts.registry, &opts.trust, &platform)?;
+    let opened = crate::trust::open_checked(r, &registry_options(opts), &opts.trust, &platform)?;
     let (t, resolved, r) = (opened.transport, opened.resolved, &opened.source);
     let opts = &PullOptions {
         registry: opened.registry,
@@ -111,17 +112,20 @@ pub fn pull(store: &Store, r: &ImageRef, tag: &str, opts: &PullOptions) -> Resul
         progress.stage.set("fetching the image configuration", remote);
         check_config(t.as_ref(), config, resolved.layers.len())?;
     }
+    // A blob the manifest lists more than once is read once.
+    let distinct = distinct_blobs(&resolved.layers);
     progress.stage.set(
-        match resolved.layers.len() {
-            1 => "reading its layer".to_string(),
-            n => format!("reading its {n} layers"),
+        match (resolved.layers.len(), distinct.len()) {
+            (1, _) => "reading its layer".to_string(),
+            (n, d) if d == n => format!("reading its {n} layers"),
+            (n, d) => format!("reading its {n} layers ({d} distinct)"),
         },
         remote,
     );
-    progress.layers_total.store(resolved.layers.len() as u64, Relaxed);
+    progress.layers_total.store(distinct.len() as u64, Relaxed);
     progress
         .blob_total
-        .store(resolved.layers.iter().filter_map(|l| l.size).sum(), Relaxed);
+        .store(distinct.iter().filter_map(|l| l.size).sum(), Relaxed);
 
     let mut ingest = Ingest::new(store, Method::Copy)?;
     // Measured on a 1.1 GB, 51k-file pull: 128 MiB batches beat 1 GiB by a
@@ -152,11 +156,18 @@ pub fn pull(store: &Store, r: &ImageRef, tag: &str, opts: &PullOptions) -> Resul
             lazy_objects: 0,
         });
     }
-    let layers = read_layers(store, t.as_ref(), &resolved.layers, &ingest, &progress, &presence, opts)?;
+    let read = read_layers(store, t.as_ref(), &distinct, &ingest, &progress, &presence, opts)?;
     progress.stage.set("writing the image", false);
     let mut applier = Applier::new(opts.keep_all_xattrs);
     let mut entries = 0;
-    for (blob, l) in resolved.layers.iter().zip(layers) {
+    for (blob, l) in resolved
+        .layers
+        .iter()
+        .zip(in_manifest_order(&resolved.layers, &distinct, read))
+    {
+        if opts.cancel.as_ref().is_some_and(|c| c.load(Relaxed)) {
+            return Err(OciError::Interrupted);
+        }
         entries += l.len();
         applier.apply_layer(&blob.digest.to_string(), l)?;
     }
@@ -185,6 +196,15 @@ pub fn pull(store: &Store, r: &ImageRef, tag: &str, opts: &PullOptions) -> Resul
         notes,
         lazy_objects: 0,
     })
+}
+
+/// How to reach registries: the pull's cancellation stops their
+/// transfers too.
+fn registry_options(opts: &PullOptions) -> RegistryOptions {
+    RegistryOptions {
+        cancel: opts.registry.cancel.clone().or_else(|| opts.cancel.clone()),
+        ..opts.registry.clone()
+    }
 }
 
 /// `--lazy` asked of an image of layers: its files exist only inside the
@@ -227,38 +247,42 @@ pub fn runnable_layers(r: &ImageRef, opts: &PullOptions) -> Result<Option<Vec<cr
 /// configuration.
 fn open_with_config(r: &ImageRef, opts: &PullOptions) -> Result<(crate::trust::Opened, Vec<u8>), OciError> {
     let platform = opts.platform.clone().unwrap_or_else(Platform::host);
-    let opened = crate::trust::open_checked(r, &opts.registry, &opts.trust, &platform)?;
+    let opened = crate::trust::open_checked(r, &registry_options(opts), &opts.trust, &platform)?;
     let what = opened.source.to_string();
     let config = opened
         .resolved
         .config
         .as_ref()
         .ok_or_else(|| OciError::manifest(&what, "has no image configuration of its own"))?;
-    if config.size.is_some_and(|s| s > MAX_MANIFEST) {
-        return Err(OciError::manifest(&what, "its configuration is larger than 4 MiB"));
-    }
-    let raw = transport::read_checked(
-        opened.transport.open_blob(config)?,
-        &config.digest,
-        config.size.unwrap_or(MAX_MANIFEST),
-        "configuration",
-    )?;
+    let raw = read_config(opened.transport.as_ref(), config)?;
     Ok((opened, raw))
+}
+
+/// An image configuration's bytes: at most its descriptor's size, and
+/// [`MAX_CONFIG`], checked against its digest.
+fn read_config(t: &dyn Transport, config: &BlobRef) -> Result<Vec<u8>, OciError> {
+    if let Some(size) = config.size.filter(|&s| s > MAX_CONFIG) {
+        return Err(OciError::manifest(
+            format!("configuration {}", config.digest),
+            format!(
+                "its descriptor states {size} bytes, more than {} (the limit)",
+                crate::bounded::size(MAX_CONFIG)
+            ),
+        ));
+    }
+    transport::read_checked(
+        t.open_blob(config)?,
+        &config.digest,
+        config.size.unwrap_or(MAX_CONFIG),
+        "configuration",
+    )
 }
 
 /// The configuration must be an image configuration listing as many
 /// layers as the manifest (composefs-rs walks the configuration's list).
 fn check_config(t: &dyn Transport, config: &BlobRef, layers: usize) -> Result<(), OciError> {
     let what = format!("configuration {}", config.digest);
-    if config.size.is_some_and(|s| s > MAX_MANIFEST) {
-        return Err(OciError::manifest(&what, "larger than 4 MiB"));
-    }
-    let raw = transport::read_checked(
-        t.open_blob(config)?,
-        &config.digest,
-        config.size.unwrap_or(MAX_MANIFEST),
-        "configuration",
-    )?;
+    let raw = read_config(t, config)?;
     let v: serde_json::Value =
         serde_json::from_slice(&raw).map_err(|e| OciError::manifest(&what, format!("not JSON: {e}")))?;
     let diff_ids = v
@@ -272,6 +296,34 @@ fn check_config(t: &dyn Transport, config: &BlobRef, layers: usize) -> Result<()
         ));
     }
     Ok(())
+}
+
+/// The blobs of `layers`, each once, in the order they first come.
+fn distinct_blobs(layers: &[BlobRef]) -> Vec<BlobRef> {
+    let mut seen = std::collections::HashSet::new();
+    layers.iter().filter(|l| seen.insert(&l.digest)).cloned().collect()
+}
+
+/// The entries of each of `layers`, from those read of each of `distinct`
+/// (a blob listed twice gives its entries twice).
+fn in_manifest_order(layers: &[BlobRef], distinct: &[BlobRef], read: Vec<Vec<LayerEntry>>) -> Vec<Vec<LayerEntry>> {
+    let at: HashMap<&crate::digest::Digest, usize> = distinct.iter().enumerate().map(|(i, b)| (&b.digest, i)).collect();
+    let mut uses = vec![0usize; distinct.len()];
+    for l in layers {
+        uses[at[&l.digest]] += 1;
+    }
+    let mut read: Vec<Option<Vec<LayerEntry>>> = read.into_iter().map(Some).collect();
+    layers
+        .iter()
+        .map(|l| {
+            let i = at[&l.digest];
+            uses[i] -= 1;
+            match uses[i] {
+                0 => read[i].take().unwrap_or_default(),
+                _ => read[i].clone().unwrap_or_default(),
+            }
+        })
+        .collect()
 }
 
 /// Reads every layer, several at once, largest first; returns their
@@ -303,6 +355,8 @@ fn read_layers(
     let (tx, rx) = mpsc::sync_channel::<(usize, Job)>(64);
     let rx = Mutex::new(rx);
     let pending: Vec<Pending> = layers.iter().map(|_| Pending::default()).collect();
+    // The holes sparse files may declare, over all the layers.
+    let sparse_budget = AtomicU64::new(layer::MAX_SPARSE_HOLES);
     std::thread::scope(|outer| {
         for _ in 0..workers {
             outer.spawn(|| loop {
@@ -331,7 +385,7 @@ fn read_layers(
                                 // The workers outlive every sender.
                                 let _ = tx.send((i, job));
                             };
-                            let r = read_layer(t, &layers[i], ingest, progress, &stop, &offload)
+                            let r = read_layer(t, &layers[i], ingest, progress, &stop, &offload, &sparse_budget)
                                 .and_then(|entries| pending[i].resolve(&layers[i].digest.to_string(), entries));
                             if let Ok(entries) = &r {
                                 crate::layer_cache::save(store, &layers[i].digest, entries);
@@ -380,6 +434,7 @@ fn read_layer(
     progress: &PullProgress,
     stop: &(dyn Fn() -> bool + Sync),
     offload: &(dyn Fn(Job) + Sync),
+    sparse_budget: &AtomicU64,
 ) -> Result<Vec<LayerEntry>, OciError> {
     let name = blob.digest.to_string();
     let raw = t.open_blob(blob)?;
@@ -402,13 +457,14 @@ fn read_layer(
             stop: Some(stop),
             entries: Some(&progress.entries),
             offload: Some(offload),
+            sparse_budget: Some(sparse_budget),
         };
         let entries =
             layer::read_entries(&mut stream, &name, ingest, opts).map_err(|e| with_compression(e, compression))?;
         // The rest of the stream (tar padding, the compressor's trailer)
         // must be read too: that is where a truncated or corrupt stream and
         // a wrong digest show.
-        io::copy(&mut stream, &mut io::sink()).map_err(|e| {
+        io::copy(&mut layer::Guarded::stoppable(&mut stream, stop), &mut io::sink()).map_err(|e| {
             OciError::layer(
                 &name,
                 None,
@@ -426,7 +482,12 @@ fn read_layer(
     if let Some(f) = check.failure() {
         return Err(OciError::blob(&name, f));
     }
-    let entries = result?;
+    let entries = match result {
+        // Stopped (interrupted, or another layer failed): not this layer's
+        // error.
+        Err(_) if stop() => return Err(OciError::Interrupted),
+        r => r?,
+    };
     check.result().map_err(|f| OciError::blob(&name, f))?;
     Ok(entries)
 }

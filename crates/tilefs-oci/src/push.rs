@@ -130,10 +130,9 @@ pub fn push(store: &Store, tag: &str, dest: &ImageRef, opts: &PushOptions) -> Re
         opts.runnable_from.as_deref(),
     )?;
 
-    let registry = Registry::open(
-        reference,
-        &crate::trust::push_options(reference, &opts.registry, &opts.trust)?,
-    )?;
+    let mut reach = crate::trust::push_options(reference, &opts.registry, &opts.trust)?;
+    reach.cancel = reach.cancel.or_else(|| opts.cancel.clone());
+    let registry = Registry::open(reference, &reach)?;
     let sources = crate::layer_cache::origins(store, registry.registry(), registry.repository());
     // From here the counters are of bytes sent.
     progress.stage.set(

@@ -10,6 +10,7 @@
 //! `https://`) and from sigstore attachments of the registry that served
 //! the manifest. Nothing is written before the image is accepted.
 
+use crate::bounded::MAX_SIGNATURE;
 use crate::digest::Digest;
 use crate::manifest::{BlobRef, Platform};
 use crate::transport::registry::Registry;
@@ -43,10 +44,9 @@ pub struct TrustRecord {
     pub paths: Paths,
 }
 
-/// Most lookaside signatures read for one image.
+/// Most signatures read for one image, from the lookaside and from the
+/// attachments each (each at most [`MAX_SIGNATURE`] bytes).
 const MAX_LOOKASIDE: usize = 128;
-/// Largest signature or attachment payload.
-const MAX_SIGNATURE: u64 = 4 << 20;
 
 /// An image opened and accepted by the policy.
 pub struct Opened {
@@ -143,7 +143,7 @@ fn open_registry(
                 } else {
                     !ep.insecure
                 },
-                timeout: registry.timeout,
+                ..registry.clone()
             };
             let physical = ep.reference.to_string();
             let attempt = Registry::open(&physical, &opts).and_then(|reg| {
@@ -324,7 +324,7 @@ impl RegistrySignatures<'_> {
                     Err(e) => return Err(format!("{}: {e}", path.display())),
                 }
             } else if url.starts_with("http://") || url.starts_with("https://") {
-                self.reg.http_get(&url, MAX_SIGNATURE as usize)?
+                self.reg.http_get(&url, MAX_SIGNATURE)?
             } else {
                 return Err(format!(
                     "lookaside {base}: only file://, http:// and https:// are supported"
@@ -348,8 +348,17 @@ impl RegistrySignatures<'_> {
         };
         let m: sigstore::AttachmentManifest =
             serde_json::from_slice(&raw).map_err(|e| format!("attachments {tag}: not a manifest: {e}"))?;
+        let layers = sigstore::signature_layers(&m);
+        if layers.len() > MAX_LOOKASIDE {
+            return Err(format!(
+                "attachments {tag}: {} signatures, more than the {MAX_LOOKASIDE} read for an image",
+                layers.len()
+            ));
+        }
         let mut out = Vec::new();
-        for (layer, signature) in sigstore::signature_layers(&m) {
+        // Each payload fetched once, however many signatures share it.
+        let mut fetched: std::collections::HashMap<String, Vec<u8>> = Default::default();
+        for (layer, signature) in layers {
             let d = Digest::parse(&layer.digest).map_err(|e| format!("attachments {tag}: {e}"))?;
             if layer.size > MAX_SIGNATURE {
                 return Err(format!(
@@ -357,18 +366,20 @@ impl RegistrySignatures<'_> {
                     layer.size
                 ));
             }
-            let payload = self
-                .reg
-                .blob_bytes(
-                    &BlobRef {
+            let payload = match fetched.get(&layer.digest) {
+                Some(p) => p.clone(),
+                None => {
+                    let blob = BlobRef {
                         digest: d,
                         size: Some(layer.size),
                         media_type: layer.media_type.clone(),
                         member: None,
-                    },
-                    layer.size,
-                )
-                .map_err(|e| e.to_string())?;
+                    };
+                    let p = self.reg.blob_bytes(&blob, layer.size).map_err(|e| e.to_string())?;
+                    fetched.insert(layer.digest.clone(), p.clone());
+                    p
+                }
+            };
             out.push(SigstoreSignature { payload, signature });
         }
         Ok(out)
@@ -411,7 +422,7 @@ pub fn push_options(dest: &str, registry: &RegistryOptions, trust: &TrustOptions
     let r = DockerRef::parse_normalized(dest).map_err(|e| OciError::Reference(e.to_string()))?;
     Ok(RegistryOptions {
         tls_verify: !conf.registry_for(&r).is_some_and(|x| x.insecure),
-        timeout: registry.timeout,
+        ..registry.clone()
     })
 }
 

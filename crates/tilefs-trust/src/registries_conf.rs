@@ -133,18 +133,35 @@ fn valid_location(loc: &str) -> bool {
     }
 }
 
-/// Whether `name` (a fully expanded reference) is under `prefix`.
+/// Whether `name` (a fully expanded reference) is under `prefix`. Host
+/// names are compared as DNS compares them, without regard to case
+/// (`Blocked.IO/x` is under `blocked.io`); the rest of the name exactly.
 fn prefix_matches(name: &str, prefix: &str) -> bool {
     if let Some(domain) = prefix.strip_prefix("*.") {
         let host = name.split('/').next().unwrap_or("");
-        let host = host.split(':').next().unwrap_or(host);
-        return host.ends_with(&format!(".{domain}"));
+        let host = host.split(':').next().unwrap_or(host).to_ascii_lowercase();
+        return host.ends_with(&format!(".{}", domain.to_ascii_lowercase()));
     }
-    match name.strip_prefix(prefix) {
+    match strip_prefix(name, prefix) {
         Some("") => true,
         Some(rest) => rest.starts_with(['/', ':', '@']),
         None => false,
     }
+}
+
+/// `name` without `prefix` at its start, the host names (up to the first
+/// `/`) compared without regard to case.
+fn strip_prefix<'a>(name: &'a str, prefix: &str) -> Option<&'a str> {
+    let head = name.get(..prefix.len())?;
+    let host = prefix.find('/').unwrap_or(prefix.len());
+    let same = head[..host].eq_ignore_ascii_case(&prefix[..host]) && head[host..] == prefix[host..];
+    same.then(|| &name[prefix.len()..])
+}
+
+/// A prefix as tables are told apart: its host name in lower case.
+fn prefix_key(prefix: &str) -> String {
+    let host = prefix.find('/').unwrap_or(prefix.len());
+    format!("{}{}", prefix[..host].to_ascii_lowercase(), &prefix[host..])
 }
 
 impl RegistriesConf {
@@ -169,7 +186,7 @@ impl RegistriesConf {
             let mut by_loc: BTreeMap<String, Registry> = BTreeMap::new();
             for (list, insecure) in [(&v1.insecure.registries, true), (&v1.block.registries, false)] {
                 for loc in list {
-                    let r = by_loc.entry(loc.clone()).or_insert_with(|| Registry {
+                    let r = by_loc.entry(prefix_key(loc)).or_insert_with(|| Registry {
                         prefix: loc.clone(),
                         location: loc.clone(),
                         insecure: false,
@@ -226,7 +243,7 @@ impl RegistriesConf {
             if r.prefix.is_empty() {
                 return Err(format!("{name}: a [[registry]] has neither prefix nor location"));
             }
-            if !seen.insert(r.prefix.clone()) {
+            if !seen.insert(prefix_key(&r.prefix)) {
                 return Err(format!(
                     "{name}: two [[registry]] tables have the prefix {:?}",
                     r.prefix
@@ -274,7 +291,11 @@ impl RegistriesConf {
                 }
             }
             // A drop-in's table replaces one of the same prefix.
-            match self.registries.iter_mut().find(|x| x.prefix == r.prefix) {
+            match self
+                .registries
+                .iter_mut()
+                .find(|x| prefix_key(&x.prefix) == prefix_key(&r.prefix))
+            {
                 Some(x) => *x = r,
                 None => self.registries.push(r),
             }
@@ -369,7 +390,7 @@ impl RegistriesConf {
                 return Ok(r.clone());
             }
             let name = r.to_string();
-            let rest = name.strip_prefix(&reg.prefix).unwrap_or("");
+            let rest = strip_prefix(&name, &reg.prefix).unwrap_or("");
             let mut out = DockerRef::parse_qualified(&format!("{loc}{rest}"))
                 .map_err(|e| format!("prefix {:?} rewritten to {loc:?}: {e}", reg.prefix))?;
             if out.tag.is_none() && out.digest.is_none() {
@@ -625,6 +646,48 @@ mod tests {
             let mut c = RegistriesConf::default();
             assert!(c.add(bad.as_bytes(), Path::new("x")).is_err(), "{bad}");
         }
+    }
+
+    #[test]
+    fn host_names_match_without_regard_to_case() {
+        let c = conf(&[r#"
+            [[registry]]
+            location = "blocked.io"
+            blocked = true
+            [[registry]]
+            prefix = "Example.COM/team"
+            location = "mirror.local/team"
+            [[registry]]
+            prefix = "*.Corp.example"
+            insecure = true
+        "#]);
+        for name in [
+            "Blocked.IO/x",
+            "BLOCKED.io/a/b:1",
+            "blocked.IO/x@sha256:0123456789abcdef0123456789abcdef0123456789abcdef0123456789abcdef",
+        ] {
+            assert!(c.route(&r(name)).unwrap_err().contains("is blocked"), "{name}");
+        }
+        let route = c.route(&r("EXAMPLE.com/team/app:1")).unwrap();
+        assert_eq!(route.endpoints[0].reference.to_string(), "mirror.local/team/app:1");
+        // The path is not a host name: repository names are lower case.
+        assert!(c.route(&r("example.com/teams/app")).unwrap().prefix.is_none());
+        assert!(c.route(&r("A.CORP.example/x")).unwrap().endpoints[0].insecure);
+        // Tables whose prefixes differ only in the case of their host are
+        // one table: two in one file are refused, a drop-in replaces.
+        let mut dup = RegistriesConf::default();
+        let two = "[[registry]]\nlocation=\"a.io\"\n[[registry]]\nlocation=\"A.io\"";
+        assert!(dup.add(two.as_bytes(), Path::new("x")).is_err());
+        let c = conf(&[
+            "[[registry]]\nlocation = \"a.io\"\nblocked = true",
+            "[[registry]]\nlocation = \"A.IO\"\ninsecure = true",
+        ]);
+        assert_eq!(c.registries.len(), 1);
+        assert!(c.route(&r("a.io/x")).unwrap().endpoints[0].insecure);
+        // Version 1 lists too.
+        let v1 =
+            conf(&["[registries.insecure]\nregistries = [\"bad.io\"]\n[registries.block]\nregistries = [\"Bad.io\"]"]);
+        assert!(v1.route(&r("BAD.IO/x")).unwrap_err().contains("is blocked"));
     }
 
     #[test]

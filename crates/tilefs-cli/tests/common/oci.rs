@@ -210,3 +210,96 @@ pub fn busybox_into(root: &Path, applets: &[&str]) {
         std::os::unix::fs::symlink("busybox", root.join("bin").join(app)).unwrap();
     }
 }
+
+/// A command watched as it ran.
+pub struct Watched {
+    /// Its status, and the first 64 KiB of its stdout and stderr.
+    pub out: std::process::Output,
+    /// Its peak resident memory (VmHWM, read every 10 ms), in MiB.
+    pub peak_mib: u64,
+    pub took: std::time::Duration,
+    /// From the signal it was sent to its exit.
+    pub after_signal: Option<std::time::Duration>,
+}
+
+/// Runs `cmd` to its end, watching its memory; sends it `signal` (a name
+/// for kill(1)) once `after` has passed; kills it past `limit` (its status
+/// then says so). It is killed if the test fails meanwhile.
+pub fn watch(mut cmd: Command, signal: Option<(&str, std::time::Duration)>, limit: std::time::Duration) -> Watched {
+    use std::io::Read;
+    use std::process::Stdio;
+    use std::time::{Duration, Instant};
+    struct Reaped(std::process::Child);
+    impl Drop for Reaped {
+        fn drop(&mut self) {
+            let _ = self.0.kill();
+            let _ = self.0.wait();
+        }
+    }
+    let started = Instant::now();
+    let mut child = Reaped(
+        cmd.stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap(),
+    );
+    // Drained as they come (an error message could be huge), kept short.
+    let drain = |r: Box<dyn Read + Send>| {
+        std::thread::spawn(move || {
+            let mut kept = Vec::new();
+            let mut r = r;
+            let mut buf = [0u8; 64 << 10];
+            while let Ok(n @ 1..) = r.read(&mut buf) {
+                let room = (64 << 10) - kept.len().min(64 << 10);
+                kept.extend_from_slice(&buf[..n.min(room)]);
+            }
+            kept
+        })
+    };
+    let stdout = drain(Box::new(child.0.stdout.take().unwrap()));
+    let stderr = drain(Box::new(child.0.stderr.take().unwrap()));
+    let pid = child.0.id();
+    let hwm = || {
+        fs::read_to_string(format!("/proc/{pid}/status"))
+            .ok()?
+            .lines()
+            .find_map(|l| l.strip_prefix("VmHWM:"))?
+            .trim()
+            .trim_end_matches(" kB")
+            .parse::<u64>()
+            .ok()
+    };
+    let (mut peak_kib, mut signalled) = (0, None);
+    let status = loop {
+        if let Some(st) = child.0.try_wait().unwrap() {
+            break st;
+        }
+        peak_kib = peak_kib.max(hwm().unwrap_or(0));
+        if let (Some((sig, after)), None) = (signal, signalled) {
+            if started.elapsed() >= after {
+                Command::new("kill")
+                    .arg(format!("-{sig}"))
+                    .arg(pid.to_string())
+                    .status()
+                    .unwrap();
+                signalled = Some(Instant::now());
+            }
+        }
+        if started.elapsed() > limit {
+            let _ = child.0.kill();
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    };
+    let (took, after_signal) = (started.elapsed(), signalled.map(|s| s.elapsed()));
+    Watched {
+        out: std::process::Output {
+            status,
+            stdout: stdout.join().unwrap(),
+            stderr: stderr.join().unwrap(),
+        },
+        peak_mib: peak_kib / 1024,
+        took,
+        after_signal,
+    }
+}

@@ -230,6 +230,24 @@ pub enum End {
     Stall,
 }
 
+/// What a [`Relay`] answers a request with.
+pub enum Answer {
+    /// Forward it to the upstream server (its answer passes as `pass`
+    /// says).
+    Forward,
+    /// 200 with this media type and a body that never ends (until the
+    /// client goes or the relay is dropped).
+    Endless(&'static str),
+    /// 200 stating `len` bytes, sent `per_second` bytes a second.
+    Drip { len: u64, per_second: u64 },
+    /// 302 to this location.
+    Redirect(String),
+    /// 200 with this media type and body.
+    Body(&'static str, Vec<u8>),
+    /// Nothing: the connection is held open.
+    Stall,
+}
+
 /// Forwards 127.0.0.1 connections to `upstream`: requests as they come,
 /// and each chunk of the answers as `pass(chunk length, stopping)` says.
 /// Stopped when dropped.
@@ -238,8 +256,26 @@ pub struct Relay {
     stop: Arc<AtomicBool>,
 }
 
+/// How a [`Relay`] answers a request: by its method and path.
+type Answering = Arc<dyn Fn(&str, &str) -> Answer + Send + Sync>;
+
 impl Relay {
     pub fn start(upstream: &str, pass: impl Fn(usize, &AtomicBool) -> Pass + Send + Sync + 'static) -> Relay {
+        Relay::spawn(upstream, None, pass)
+    }
+
+    /// A relay that answers requests itself as `answer(method, path)`
+    /// says (a hostile registry in front of a real one), forwarding the
+    /// others whole.
+    pub fn answering(upstream: &str, answer: impl Fn(&str, &str) -> Answer + Send + Sync + 'static) -> Relay {
+        Relay::spawn(upstream, Some(Arc::new(answer)), |_, _| Pass::All)
+    }
+
+    fn spawn(
+        upstream: &str,
+        answer: Option<Answering>,
+        pass: impl Fn(usize, &AtomicBool) -> Pass + Send + Sync + 'static,
+    ) -> Relay {
         let listener = TcpListener::bind("127.0.0.1:0").unwrap();
         let addr = listener.local_addr().unwrap().to_string();
         listener.set_nonblocking(true).unwrap();
@@ -256,8 +292,12 @@ impl Relay {
                     continue;
                 };
                 let (c2, s2) = (client.try_clone().unwrap(), server.try_clone().unwrap());
-                std::thread::spawn(move || {
-                    let _ = std::io::copy(&mut { c2 }, &mut { s2 });
+                let (answer, stop) = (answer.clone(), stop2.clone());
+                std::thread::spawn(move || match answer {
+                    None => {
+                        let _ = std::io::copy(&mut { c2 }, &mut { s2 });
+                    }
+                    Some(answer) => requests(c2, s2, &*answer, &stop),
                 });
                 let (stop, pass) = (stop2.clone(), pass.clone());
                 std::thread::spawn(move || {
@@ -289,6 +329,110 @@ impl Relay {
         });
         Relay { addr, stop }
     }
+}
+
+/// The requests of one connection: each answered as `answer` says, or
+/// forwarded to `server` (a request with a body of unstated length ends
+/// the inspection: the rest is forwarded as it comes).
+fn requests(client: TcpStream, mut server: TcpStream, answer: &dyn Fn(&str, &str) -> Answer, stop: &AtomicBool) {
+    use std::io::BufRead;
+    let mut out = client.try_clone().unwrap();
+    let mut reader = std::io::BufReader::new(client);
+    loop {
+        let mut head = Vec::new();
+        loop {
+            let mut line = Vec::new();
+            match reader.read_until(b'\n', &mut line) {
+                Ok(0) | Err(_) => return,
+                Ok(_) => {}
+            }
+            head.extend_from_slice(&line);
+            if line == b"\r\n" || line == b"\n" {
+                break;
+            }
+        }
+        let text = String::from_utf8_lossy(&head).into_owned();
+        let mut first = text.split_whitespace();
+        let (method, path) = (first.next().unwrap_or(""), first.next().unwrap_or(""));
+        let header = |name: &str| {
+            text.lines().find_map(|l| {
+                let (k, v) = l.split_once(':')?;
+                k.trim().eq_ignore_ascii_case(name).then(|| v.trim().to_string())
+            })
+        };
+        let reply = match answer(method, path) {
+            Answer::Forward => {
+                if server.write_all(&head).is_err() {
+                    return;
+                }
+                if header("transfer-encoding").is_some() {
+                    let _ = std::io::copy(&mut reader, &mut server);
+                    return;
+                }
+                let len: u64 = header("content-length").and_then(|l| l.parse().ok()).unwrap_or(0);
+                if std::io::copy(&mut (&mut reader).take(len), &mut server).is_err() {
+                    return;
+                }
+                continue;
+            }
+            a => a,
+        };
+        let _ = respond(&mut out, reply, stop);
+        let _ = out.shutdown(std::net::Shutdown::Both);
+        let _ = server.shutdown(std::net::Shutdown::Both);
+        return;
+    }
+}
+
+/// Writes a relay's own answer.
+fn respond(out: &mut TcpStream, answer: Answer, stop: &AtomicBool) -> std::io::Result<()> {
+    match answer {
+        Answer::Forward => unreachable!("forwarded, not answered"),
+        Answer::Endless(media_type) => {
+            out.write_all(
+                format!("HTTP/1.1 200 OK\r\nContent-Type: {media_type}\r\nConnection: close\r\n\r\n").as_bytes(),
+            )?;
+            let chunk = [b' '; 64 << 10];
+            while !stop.load(Relaxed) {
+                out.write_all(&chunk)?;
+            }
+        }
+        Answer::Drip { len, per_second } => {
+            out.write_all(format!("HTTP/1.1 200 OK\r\nContent-Length: {len}\r\n\r\n").as_bytes())?;
+            let mut left = len;
+            while left > 0 {
+                let until = Instant::now() + Duration::from_secs(1);
+                while Instant::now() < until {
+                    if stop.load(Relaxed) {
+                        return Ok(());
+                    }
+                    std::thread::sleep(Duration::from_millis(20));
+                }
+                let n = per_second.min(left);
+                out.write_all(&vec![b'x'; n as usize])?;
+                left -= n;
+            }
+        }
+        Answer::Redirect(to) => {
+            out.write_all(format!("HTTP/1.1 302 Found\r\nLocation: {to}\r\nContent-Length: 0\r\n\r\n").as_bytes())?;
+        }
+        Answer::Body(media_type, body) => {
+            out.write_all(
+                format!(
+                    "HTTP/1.1 200 OK\r\nContent-Type: {media_type}\r\nContent-Length: {}\r\n\r\n",
+                    body.len()
+                )
+                .as_bytes(),
+            )?;
+            out.write_all(&body)?;
+        }
+        Answer::Stall => {
+            while !stop.load(Relaxed) {
+                std::thread::sleep(Duration::from_millis(20));
+            }
+        }
+    }
+    Ok(())
 }
 
 impl Drop for Relay {

@@ -11,6 +11,8 @@ use crate::digest::Digest;
 use crate::manifest::{self, BlobRef, Document, Platform};
 use crate::{ImageRef, OciError};
 use std::io::Read;
+use std::sync::atomic::AtomicBool;
+use std::sync::Arc;
 use std::time::Duration;
 
 /// An image as its transport describes it.
@@ -57,15 +59,28 @@ pub struct RegistryOptions {
     /// Check TLS certificates and require HTTPS (`--tls-verify=false`
     /// allows plain HTTP and unchecked certificates, as skopeo's does).
     pub tls_verify: bool,
-    /// How long a connection or a read may take before it fails.
+    /// How long a connection, an answer or the next bytes of a transfer
+    /// may take before it fails; a small document (a manifest, a
+    /// configuration, a signature) must come whole within it.
     pub timeout: Duration,
+    /// Least average rate, in bytes per second, of a transfer over each
+    /// `timeout` it waits for data (0: none): a server that drips fails.
+    pub min_rate: u64,
+    /// Once set, transfers under way fail ("interrupted") within a tenth of
+    /// a second.
+    pub cancel: Option<Arc<AtomicBool>>,
 }
+
+/// The default of [`RegistryOptions::min_rate`] (`--min-rate`).
+pub const DEFAULT_MIN_RATE: u64 = 1024;
 
 impl Default for RegistryOptions {
     fn default() -> Self {
         RegistryOptions {
             tls_verify: true,
             timeout: Duration::from_secs(60),
+            min_rate: DEFAULT_MIN_RATE,
+            cancel: None,
         }
     }
 }
@@ -170,19 +185,11 @@ pub(crate) fn choose<'a, T>(
     }
 }
 
-/// Reads a whole small blob (a manifest, a configuration) and checks it.
+/// Reads a whole small blob (a manifest, a configuration) with its size
+/// cap ([`crate::bounded`]) and checks it.
 pub(crate) fn read_checked(mut r: impl Read, d: &Digest, limit: u64, what: &str) -> Result<Vec<u8>, OciError> {
-    let mut bytes = Vec::new();
-    r.by_ref()
-        .take(limit + 1)
-        .read_to_end(&mut bytes)
-        .map_err(|e| OciError::blob(&d.to_string(), format!("cannot read {what}: {e}")))?;
-    if bytes.len() as u64 > limit {
-        return Err(OciError::blob(
-            &d.to_string(),
-            format!("{what} larger than {limit} bytes"),
-        ));
-    }
+    let bytes = crate::bounded::read_at_most(&mut r, limit)
+        .map_err(|e| OciError::blob(&d.to_string(), format!("{what}: {e}")))?;
     if !d.matches(&bytes) {
         return Err(OciError::blob(
             &d.to_string(),

@@ -1,35 +1,90 @@
-//! Registries, through the OCI distribution API (oci-client): token and
-//! basic authentication with the credentials [`super::auth`] finds,
-//! manifests in OCI and Docker media types, blobs streamed.
+//! Registries, through the OCI distribution API.
 //!
-//! The client is asynchronous; a small runtime of our own drives it, and
-//! each blob reaches the (synchronous, multi-threaded) layer readers
-//! through a bounded channel, so a slow reader slows the download rather
-//! than buffering the blob in memory.
+//! Every GET (manifests, blobs and ranges of them, tag lists, lookaside
+//! signatures) is made here, with reqwest, and streamed to its reader
+//! through a bounded channel ([`ChannelReader`]): a slow reader slows the
+//! download rather than buffering it, and a document is read with its
+//! size cap ([`crate::bounded`]) as it comes. Each transfer is bounded in
+//! time: `--timeout` without a byte (or for a small document's whole
+//! fetch) and `--min-rate` over each `--timeout` spent waiting; and it
+//! stops within a tenth of a second of a cancellation. A redirect is
+//! followed only to HTTP(S).
+//!
+//! Credentials are those [`super::auth`] finds, sent as the registry's
+//! challenge (its answer to `GET /v2/`) asks: Basic, or a Bearer token
+//! that oci-client obtains. Uploads (a push) go through oci-client.
+//!
+//! The client is asynchronous; a small runtime of our own drives it.
 
 use super::{resolve_manifest, RegistryOptions, Resolved, Transport};
+use crate::bounded::{self, read_at_most, MAX_ERROR_BODY};
 use crate::digest::Digest;
 use crate::manifest::{BlobRef, Platform, MANIFEST_TYPES, MAX_MANIFEST};
 use crate::OciError;
 use futures_util::StreamExt;
-use oci_client::client::{BlobResponse, ClientConfig, ClientProtocol};
+use oci_client::client::{ClientConfig, ClientProtocol};
 use oci_client::secrets::RegistryAuth;
-use oci_client::{Client, Reference};
+use oci_client::{Client, Reference, RegistryOperation};
+use reqwest::header::{HeaderValue, ACCEPT, AUTHORIZATION, RANGE, WWW_AUTHENTICATE};
+use reqwest::StatusCode;
 use std::io::{self, Read};
-use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::Relaxed};
 use std::sync::Arc;
+use std::time::{Duration, Instant};
 use tokio::sync::mpsc;
 
 pub struct Registry {
     rt: tokio::runtime::Runtime,
+    /// oci-client: uploads, and Bearer tokens.
     client: Client,
+    http: Arc<Http>,
+    reference: Reference,
+    registry: String,
+    limits: Limits,
+}
+
+/// What bounds a transfer in time.
+#[derive(Clone)]
+struct Limits {
+    timeout: Duration,
+    min_rate: u64,
+    cancel: Option<Arc<AtomicBool>>,
+}
+
+impl Limits {
+    fn cancelled(&self) -> bool {
+        self.cancel.as_ref().is_some_and(|c| c.load(Relaxed))
+    }
+}
+
+/// What the GETs share: the HTTP client and how to authorize.
+struct Http {
+    client: reqwest::Client,
+    /// For a Bearer token.
+    oci: Client,
     reference: Reference,
     auth: RegistryAuth,
-    registry: String,
-    timeout: std::time::Duration,
-    tls_verify: bool,
+    /// `SCHEME://HOST[:PORT]`.
+    base: String,
+    /// The Authorization header to send, once the registry's challenge is
+    /// known (the inner None: none).
+    authorization: tokio::sync::Mutex<Option<Option<HeaderValue>>>,
     /// Said when the registry refuses us: which credentials were used.
     auth_source: String,
+}
+
+/// One GET.
+struct Get {
+    url: String,
+    accept: Option<String>,
+    /// (offset, length) of a part of a blob.
+    range: Option<(u64, u64)>,
+    /// Send the registry's credentials (not to a lookaside store).
+    authorize: bool,
+    /// The whole answer must come within the timeout (a small document).
+    whole_within_timeout: bool,
+    /// Most bytes passed on (past them the reader sees the end).
+    limit: u64,
 }
 
 impl Registry {
@@ -75,15 +130,16 @@ impl Registry {
             use_monolithic_push: true,
             ..ClientConfig::default()
         };
+        let error = |reason: String| OciError::Registry {
+            registry: registry.clone(),
+            reason,
+        };
         let rt = tokio::runtime::Builder::new_multi_thread()
             .worker_threads(2)
             .enable_all()
             .thread_name("tilefs-registry")
             .build()
-            .map_err(|e| OciError::Registry {
-                registry: registry.clone(),
-                reason: format!("cannot start the client's threads: {e}"),
-            })?;
+            .map_err(|e| error(format!("cannot start the client's threads: {e}")))?;
         // TLS needs a crypto provider chosen once per process.
         let _ = rustls::crypto::ring::default_provider().install_default();
         let client = rt.block_on(async {
@@ -91,15 +147,43 @@ impl Registry {
             c.store_auth_if_needed(&registry, &auth).await;
             c
         });
+        let http = reqwest::Client::builder()
+            .danger_accept_invalid_certs(!opts.tls_verify)
+            .connect_timeout(opts.timeout)
+            .read_timeout(opts.timeout)
+            .redirect(reqwest::redirect::Policy::custom(|a| {
+                if a.previous().len() >= 10 {
+                    a.error("more than 10 redirects")
+                } else if !matches!(a.url().scheme(), "http" | "https") {
+                    let to = a.url().to_string();
+                    a.error(format!("redirected to {to}, which is not an HTTP(S) URL"))
+                } else {
+                    a.follow()
+                }
+            }))
+            .user_agent(concat!("tilefs/", env!("CARGO_PKG_VERSION")))
+            .build()
+            .map_err(|e| error(format!("cannot make an HTTP client: {}", with_causes(&e))))?;
+        let scheme = if opts.tls_verify { "https" } else { "http" };
         Ok(Registry {
             rt,
+            http: Arc::new(Http {
+                client: http,
+                oci: client.clone(),
+                reference: parsed.clone(),
+                auth,
+                base: format!("{scheme}://{registry}"),
+                authorization: tokio::sync::Mutex::new(None),
+                auth_source,
+            }),
             client,
             reference: parsed,
-            auth,
             registry,
-            timeout: opts.timeout,
-            tls_verify: opts.tls_verify,
-            auth_source,
+            limits: Limits {
+                timeout: opts.timeout,
+                min_rate: opts.min_rate,
+                cancel: opts.cancel.clone(),
+            },
         })
     }
 
@@ -108,6 +192,15 @@ impl Registry {
             registry: self.registry.clone(),
             reason: format!("{what}: {e}"),
         }
+    }
+
+    /// The error of a GET's reader: an interruption as such, the rest
+    /// naming `what`.
+    fn read_error(&self, what: &str, e: impl std::fmt::Display) -> OciError {
+        if self.limits.cancelled() {
+            return OciError::Interrupted;
+        }
+        self.error(what, e)
     }
 
     fn client_error(&self, what: &str, e: oci_client::errors::OciDistributionError) -> OciError {
@@ -119,7 +212,7 @@ impl Registry {
             }
             e => with_causes(e),
         };
-        if self.tls_verify && msg.contains("InvalidContentType") {
+        if msg.contains("InvalidContentType") && self.http.base.starts_with("https:") {
             msg.push_str(" (it does not speak TLS: a plain-HTTP registry needs --tls-verify=false)");
         }
         // (A HEAD request's refusal comes as a bare status.)
@@ -132,47 +225,104 @@ impl Registry {
             || msg.contains("answered UNAUTHORIZED")
             || msg.contains("answered DENIED")
         {
-            msg.push_str(&format!(" ({})", self.auth_source));
+            msg.push_str(&format!(" ({})", self.http.auth_source));
         }
         self.error(what, msg)
     }
 
     /// `what` got no answer within the timeout.
     fn timed_out(&self, what: &str) -> OciError {
-        self.error(
-            what,
-            format!(
-                "no answer within {} s (--timeout; is {} the registry, and up?)",
-                self.timeout.as_secs(),
-                self.registry
-            ),
+        self.error(what, self.silent())
+    }
+
+    /// Why a server that sent nothing failed.
+    fn silent(&self) -> String {
+        format!(
+            "no answer within {} s (--timeout; is {} the registry, and up?)",
+            self.limits.timeout.as_secs(),
+            self.registry
         )
+    }
+
+    fn url(&self, r: &Reference, kind: &str, name: &str) -> String {
+        format!("{}/v2/{}/{kind}/{name}", self.http.base, r.repository())
+    }
+
+    /// A small document: GET `url` (a manifest, a tag list, a lookaside
+    /// signature), whole within the timeout and at most `limit` bytes.
+    /// None when the server has none (404).
+    fn document(
+        &self,
+        url: String,
+        accept: Option<String>,
+        authorize: bool,
+        limit: u64,
+        what: &str,
+    ) -> Result<Option<Vec<u8>>, OciError> {
+        let mut reader = self.stream(Get {
+            url,
+            accept,
+            range: None,
+            authorize,
+            whole_within_timeout: true,
+            limit: limit.saturating_add(1),
+        });
+        if !authorize {
+            // Not the registry: a lookaside store.
+            reader.silent = format!("no answer within {} s (--timeout)", self.limits.timeout.as_secs());
+        }
+        match read_at_most(&mut reader, limit) {
+            Ok(bytes) => Ok(Some(bytes)),
+            Err(bounded::ReadError::Io(e)) if e.kind() == io::ErrorKind::NotFound => Ok(None),
+            Err(bounded::ReadError::Io(e)) => Err(self.read_error(what, e)),
+            Err(e) => Err(self.error(what, e)),
+        }
+    }
+
+    /// The manifest `r` names (any media type of [`MANIFEST_TYPES`]), or
+    /// None when the registry has none.
+    fn try_manifest(&self, r: &Reference) -> Result<Option<Vec<u8>>, OciError> {
+        let name = r.digest().or(r.tag()).unwrap_or("latest");
+        self.document(
+            self.url(r, "manifests", name),
+            Some(MANIFEST_TYPES.join(", ")),
+            true,
+            MAX_MANIFEST,
+            &format!("manifest of {r}"),
+        )
+    }
+
+    fn manifest(&self, r: &Reference) -> Result<Vec<u8>, OciError> {
+        match self.try_manifest(r)? {
+            Some(bytes) => Ok(bytes),
+            None => Err(self.missing(r)),
+        }
     }
 
     /// What the registry lacks, said as such: the repository, or the tag
     /// (with the tags it has), or the manifest of that digest.
-    fn missing(&self, r: &Reference, e: &oci_client::errors::OciDistributionError) -> OciError {
-        use oci_client::errors::{OciDistributionError as E, OciErrorCode};
+    fn missing(&self, r: &Reference) -> OciError {
         let repo = r.repository();
-        let name_unknown = |e: &E| match e {
-            E::RegistryError { envelope, .. } => envelope.errors.iter().any(|x| x.code == OciErrorCode::NameUnknown),
-            E::ServerError { code, .. } => *code == 404,
-            _ => false,
-        };
         // The registry's tags of the repository say whether there is one
         // (many registries answer MANIFEST_UNKNOWN either way).
-        let tags = if matches!(e, E::RegistryError { .. }) && name_unknown(e) {
-            Err(true)
-        } else {
-            let fut = self.client.list_tags(r, &self.auth, Some(50), None);
-            match self
-                .rt
-                .block_on(async { tokio::time::timeout(self.timeout, fut).await })
-            {
-                Ok(Ok(list)) => Ok(list.tags),
-                Ok(Err(e)) => Err(name_unknown(&e)),
-                Err(_) => Err(false),
-            }
+        let list = self.document(
+            format!("{}/v2/{repo}/tags/list?n=50", self.http.base),
+            None,
+            true,
+            MAX_ERROR_BODY,
+            "tags",
+        );
+        let tags = match list {
+            Ok(None) => Err(true),
+            Ok(Some(body)) => serde_json::from_slice::<serde_json::Value>(&body)
+                .ok()
+                .and_then(|v| v.get("tags").cloned())
+                .map(|t| match t {
+                    serde_json::Value::Array(a) => a.iter().filter_map(|x| x.as_str().map(str::to_string)).collect(),
+                    _ => Vec::new(),
+                })
+                .ok_or(false),
+            Err(_) => Err(false),
         };
         let reason = match (tags, r.digest()) {
             (Err(true), _) => format!("no repository {repo} (check its name)"),
@@ -195,28 +345,6 @@ impl Registry {
             registry: self.registry.clone(),
             reason,
         }
-    }
-
-    fn manifest(&self, r: &Reference) -> Result<Vec<u8>, OciError> {
-        let fut = self.client.pull_manifest_raw(r, &self.auth, MANIFEST_TYPES);
-        let (bytes, _) = self
-            .rt
-            .block_on(async { tokio::time::timeout(self.timeout, fut).await })
-            .map_err(|_| self.timed_out(&format!("manifest of {r}")))?
-            .map_err(|e| match e {
-                e if not_found(&e) => self.missing(r, &e),
-                // Bytes that are not what their digest says: not a registry
-                // to pass over for the next one, an error.
-                oci_client::errors::OciDistributionError::DigestError(d) => OciError::blob(
-                    r.digest().unwrap_or("manifest"),
-                    format!("manifest from {} does not match its digest: {d}", self.registry),
-                ),
-                e => self.client_error(&format!("manifest of {r}"), e),
-            })?;
-        if bytes.len() as u64 > MAX_MANIFEST {
-            return Err(self.error(&format!("manifest of {r}"), "larger than 4 MiB"));
-        }
-        Ok(bytes.to_vec())
     }
 }
 
@@ -242,26 +370,16 @@ impl Transport for Registry {
             Some(top_digest),
             &format!("manifest of {}", self.reference),
             platform,
-            &|d, _| {
-                let r = self.reference.clone_with_digest(d.to_string());
-                let bytes = self.manifest(&r)?;
-                if !d.matches(&bytes) {
-                    return Err(OciError::blob(
-                        &d.to_string(),
-                        format!("manifest from {} does not match its digest", self.registry),
-                    ));
-                }
-                Ok(bytes)
-            },
+            &|d, _| self.manifest_by_digest(d),
         )
     }
 
     fn open_blob(&self, blob: &BlobRef) -> Result<Box<dyn Read + Send + '_>, OciError> {
-        Ok(Box::new(self.stream(blob, None)))
+        Ok(Box::new(self.blob_stream(blob, None)))
     }
 
     fn open_range(&self, blob: &BlobRef, offset: u64, len: u64) -> Result<Box<dyn Read + Send + '_>, OciError> {
-        Ok(Box::new(self.stream(blob, Some((offset, len)))))
+        Ok(Box::new(self.blob_stream(blob, Some((offset, len)))))
     }
 
     fn origin(&self) -> String {
@@ -270,77 +388,243 @@ impl Transport for Registry {
 }
 
 impl Registry {
-    /// Streams a blob, or `len` bytes of it from `offset`, through a
-    /// bounded channel. A registry that ignores the range and sends the
-    /// whole blob is read past the bytes before the range.
-    fn stream(&self, blob: &BlobRef, range: Option<(u64, u64)>) -> ChannelReader {
-        let desc = oci_client::manifest::OciDescriptor {
-            media_type: blob.media_type.clone(),
-            digest: blob.digest.to_string(),
-            size: blob.size.unwrap_or(0) as i64,
-            ..Default::default()
-        };
+    /// A blob, or `len` bytes of it from `offset`. Errors name the
+    /// registry (a part of a blob is read for a caller that names it
+    /// itself); the caller names the blob.
+    fn blob_stream(&self, blob: &BlobRef, range: Option<(u64, u64)>) -> ChannelReader {
+        let mut r = self.stream(Get {
+            url: self.url(&self.reference, "blobs", &blob.digest.to_string()),
+            accept: None,
+            range,
+            authorize: true,
+            whole_within_timeout: false,
+            // A whole blob: one byte past its size shows it is longer.
+            limit: match range {
+                Some((_, len)) => len,
+                None => blob.size.map_or(u64::MAX, |s| s.saturating_add(1)),
+            },
+        });
+        if range.is_none() {
+            r.context = format!("registry {}: ", self.registry);
+        }
+        r.expected = range.map(|r| r.1).or(blob.size);
+        r
+    }
+
+    /// Starts `get` and returns the reader of its answer.
+    fn stream(&self, get: Get) -> ChannelReader {
         let (tx, rx) = mpsc::channel::<io::Result<bytes::Bytes>>(16);
-        let client = self.client.clone();
-        let reference = self.reference.clone();
-        let registry = self.registry.clone();
-        let what = blob.digest.to_string();
+        let http = self.http.clone();
+        let (range, mut left) = (get.range, get.limit);
+        let deadline = get.whole_within_timeout.then(|| Instant::now() + self.limits.timeout);
         self.rt.spawn(async move {
-            // A part of a blob is read for a caller that names the blob
-            // and the registry itself.
-            let err = |e: String| match range {
-                None => io::Error::other(format!("registry {registry}: blob {what}: {e}")),
-                Some(_) => io::Error::other(e),
-            };
-            let (mut stream, mut skip, mut left) = match range {
-                None => match client.pull_blob_stream(&reference, &desc).await {
-                    Ok(s) => (s.stream, 0, u64::MAX),
+            let transfer = async {
+                let resp = match http.send(&get).await {
+                    Ok(r) => r,
                     Err(e) => {
-                        let _ = tx.send(Err(err(with_causes(&e)))).await;
+                        let _ = tx.send(Err(e)).await;
                         return;
                     }
-                },
-                Some((offset, len)) => match client
-                    .pull_blob_stream_partial(&reference, &desc, offset, Some(len))
-                    .await
-                {
-                    Ok(BlobResponse::Partial(s)) => (s.stream, 0, len),
-                    Ok(BlobResponse::Full(s)) => (s.stream, offset, len),
-                    Err(e) => {
-                        let _ = tx.send(Err(err(with_causes(&e)))).await;
+                };
+                // A registry that ignores the range sends the whole blob:
+                // the bytes before the range are dropped.
+                let mut skip = match (range, resp.status()) {
+                    (Some((offset, _)), StatusCode::OK) => offset,
+                    _ => 0,
+                };
+                let mut stream = resp.bytes_stream();
+                while let Some(chunk) = stream.next().await {
+                    let item = chunk.map_err(|e| io::Error::other(with_causes(&e)));
+                    let failed = item.is_err();
+                    let item = item.map(|mut b| {
+                        let cut = skip.min(b.len() as u64) as usize;
+                        skip -= cut as u64;
+                        let _ = b.split_to(cut);
+                        b.truncate(left.min(b.len() as u64) as usize);
+                        left -= b.len() as u64;
+                        b
+                    });
+                    // The reader went away (an error elsewhere): stop.
+                    if tx.send(item).await.is_err() || failed || left == 0 {
                         return;
                     }
-                },
-            };
-            while let Some(chunk) = stream.next().await {
-                let item = chunk.map_err(|e| err(with_causes(&e)));
-                let failed = item.is_err();
-                let item = item.map(|mut b| {
-                    let cut = skip.min(b.len() as u64) as usize;
-                    skip -= cut as u64;
-                    let _ = b.split_to(cut);
-                    b.truncate(left.min(b.len() as u64) as usize);
-                    left -= b.len() as u64;
-                    b
-                });
-                // The reader went away (an error elsewhere): stop.
-                if tx.send(item).await.is_err() || failed || left == 0 {
-                    return;
                 }
-            }
+            };
+            // A reader that goes away ends the request, answered or not.
+            let gone = tx.closed();
+            futures_util::pin_mut!(transfer, gone);
+            futures_util::future::select(transfer, gone).await;
         });
         ChannelReader {
             rx,
             current: bytes::Bytes::new(),
             done: false,
-            expected: range.map(|r| r.1).or(blob.size),
+            expected: None,
             received: 0,
             handle: self.rt.handle().clone(),
-            // A stalled transfer fails rather than hangs its reader.
-            stall: self.timeout,
+            limits: self.limits.clone(),
+            deadline,
+            window: (Duration::ZERO, 0),
+            silent: self.silent(),
+            context: String::new(),
+            failed: None,
+        }
+    }
+}
+
+impl Http {
+    /// Sends `get`, authorized as the registry asks; a refusal of the
+    /// authorization used (an expired token) is answered by asking again,
+    /// once. Answers other than the data are errors: 404 of kind NotFound.
+    async fn send(&self, get: &Get) -> io::Result<reqwest::Response> {
+        let mut renewed = false;
+        loop {
+            let authorization = match get.authorize {
+                true => self.authorization(renewed).await?,
+                false => None,
+            };
+            let mut req = self.client.get(&get.url);
+            if let Some(a) = &get.accept {
+                req = req.header(ACCEPT, a);
+            }
+            if let Some((offset, len)) = get.range {
+                let end = (offset + len).saturating_sub(1);
+                req = req.header(RANGE, format!("bytes={offset}-{end}"));
+            }
+            if let Some(a) = &authorization {
+                req = req.header(AUTHORIZATION, a.clone());
+            }
+            let resp = req.send().await.map_err(|e| self.unsent(&e))?;
+            let status = resp.status();
+            if status == StatusCode::UNAUTHORIZED && get.authorize && !renewed {
+                renewed = true;
+                continue;
+            }
+            if status == StatusCode::OK || status == StatusCode::PARTIAL_CONTENT && get.range.is_some() {
+                return Ok(resp);
+            }
+            let location = resp
+                .headers()
+                .get(reqwest::header::LOCATION)
+                .and_then(|l| l.to_str().ok())
+                .map(str::to_string);
+            let body = error_body(resp).await;
+            let mut msg = format!("HTTP {status}{body}");
+            if let (true, Some(l)) = (status.is_redirection(), location) {
+                msg.push_str(&format!(
+                    ": a redirect to {l:?}, not followed (only HTTP(S) redirects are)"
+                ));
+            }
+            if status == StatusCode::UNAUTHORIZED || status == StatusCode::FORBIDDEN {
+                msg.push_str(&format!(" ({})", self.auth_source));
+            }
+            let kind = match status {
+                StatusCode::NOT_FOUND => io::ErrorKind::NotFound,
+                _ => io::ErrorKind::Other,
+            };
+            return Err(io::Error::new(kind, msg));
         }
     }
 
+    /// Why a request could not be made, with a hint for the usual mistake.
+    fn unsent(&self, e: &reqwest::Error) -> io::Error {
+        let mut msg = with_causes(e);
+        if self.base.starts_with("https:") && msg.contains("InvalidContentType") {
+            msg.push_str(" (it does not speak TLS: a plain-HTTP registry needs --tls-verify=false)");
+        }
+        match e.is_timeout() {
+            true => io::Error::new(io::ErrorKind::TimedOut, msg),
+            false => io::Error::other(msg),
+        }
+    }
+
+    /// The Authorization header the registry's challenge asks for: learnt
+    /// once, again when `renew` (the one used was refused).
+    async fn authorization(&self, renew: bool) -> io::Result<Option<HeaderValue>> {
+        let mut known = self.authorization.lock().await;
+        if let (Some(a), false) = (&*known, renew) {
+            return Ok(a.clone());
+        }
+        let a = self.challenge().await?;
+        *known = Some(a.clone());
+        Ok(a)
+    }
+
+    async fn challenge(&self) -> io::Result<Option<HeaderValue>> {
+        let resp = self
+            .client
+            .get(format!("{}/v2/", self.base))
+            .send()
+            .await
+            .map_err(|e| self.unsent(&e))?;
+        if resp.status() != StatusCode::UNAUTHORIZED {
+            return Ok(None);
+        }
+        let scheme = resp
+            .headers()
+            .get(WWW_AUTHENTICATE)
+            .and_then(|h| h.to_str().ok())
+            .and_then(|h| h.split_whitespace().next())
+            .map(str::to_ascii_lowercase);
+        drop(resp);
+        let basic = || match &self.auth {
+            RegistryAuth::Basic(user, password) => {
+                use base64::Engine;
+                let token = base64::engine::general_purpose::STANDARD.encode(format!("{user}:{password}"));
+                sensitive(format!("Basic {token}"))
+            }
+            _ => Ok(None),
+        };
+        match scheme.as_deref() {
+            Some("bearer") => match self
+                .oci
+                .auth(&self.reference, &self.auth, RegistryOperation::Pull)
+                .await
+            {
+                Ok(Some(token)) => sensitive(format!("Bearer {token}")),
+                Ok(None) => basic(),
+                Err(e) => Err(io::Error::other(format!(
+                    "authentication failed: {} ({})",
+                    with_causes(&e),
+                    self.auth_source
+                ))),
+            },
+            Some("basic") => basic(),
+            _ => Ok(None),
+        }
+    }
+}
+
+fn sensitive(v: String) -> io::Result<Option<HeaderValue>> {
+    let mut h = HeaderValue::from_str(&v).map_err(|_| io::Error::other("credentials that are not a valid header"))?;
+    h.set_sensitive(true);
+    Ok(Some(h))
+}
+
+/// The first part of an error answer's body, for its message: what the
+/// registry said in a distribution-API error, else its first line.
+async fn error_body(resp: reqwest::Response) -> String {
+    let mut body = Vec::new();
+    let mut stream = resp.bytes_stream();
+    while let Some(Ok(chunk)) = stream.next().await {
+        body.extend_from_slice(&chunk);
+        if body.len() as u64 >= MAX_ERROR_BODY {
+            break;
+        }
+    }
+    if let Ok(envelope) = serde_json::from_slice::<oci_client::errors::OciEnvelope>(&body) {
+        if !envelope.errors.is_empty() {
+            return format!(": {}", said(&envelope));
+        }
+    }
+    let text = String::from_utf8_lossy(&body);
+    match text.lines().map(str::trim).find(|l| !l.is_empty()) {
+        Some(line) => format!(": {}", line.chars().take(200).collect::<String>()),
+        None => String::new(),
+    }
+}
+
+impl Registry {
     /// Whether the repository has blob `d`.
     pub fn has_blob(&self, d: &Digest) -> Result<bool, OciError> {
         let digest = d.to_string();
@@ -414,9 +698,12 @@ impl Registry {
                 loop {
                     tokio::time::sleep(std::time::Duration::from_millis(250)).await;
                     let now = taken.load(Relaxed);
+                    if self.limits.cancelled() {
+                        return;
+                    }
                     if now != last.0 {
                         last = (now, tokio::time::Instant::now());
-                    } else if last.1.elapsed() >= self.timeout {
+                    } else if last.1.elapsed() >= self.limits.timeout {
                         return;
                     }
                 }
@@ -433,7 +720,7 @@ impl Registry {
                     // The reader may wait on a full channel: let it go.
                     Err(oci_client::errors::OciDistributionError::GenericError(Some(format!(
                         "no progress for {} s (--timeout)",
-                        self.timeout.as_secs()
+                        self.limits.timeout.as_secs()
                     ))))
                 }
             };
@@ -442,6 +729,9 @@ impl Registry {
                 .unwrap_or_else(|_| Err(io::Error::other("the reading thread failed")));
             (r, read)
         });
+        if self.limits.cancelled() {
+            return Err(OciError::Interrupted);
+        }
         if let Err(e) = read {
             return Err(self.error(&format!("blob {d}"), format!("cannot read what to upload: {e}")));
         }
@@ -468,67 +758,157 @@ impl Registry {
         &self.registry
     }
 
-    /// Runs a client call with the timeout.
+    /// Runs a client call with the timeout, until cancelled.
     fn run<T>(
         &self,
         what: &str,
         fut: impl std::future::Future<Output = Result<T, oci_client::errors::OciDistributionError>>,
     ) -> Result<T, OciError> {
+        let limits = &self.limits;
         self.rt
-            .block_on(async { tokio::time::timeout(self.timeout, fut).await })
+            .block_on(async {
+                let work = tokio::time::timeout(limits.timeout, fut);
+                let stop = cancelled(limits);
+                futures_util::pin_mut!(work, stop);
+                match futures_util::future::select(work, stop).await {
+                    futures_util::future::Either::Left((r, _)) => Some(r),
+                    futures_util::future::Either::Right(_) => None,
+                }
+            })
+            .ok_or(OciError::Interrupted)?
             .map_err(|_| self.timed_out(what))?
             .map_err(|e| self.client_error(what, e))
     }
 }
 
-/// The reading end of a blob download.
+/// Ends once `limits` is cancelled.
+async fn cancelled(limits: &Limits) {
+    while !limits.cancelled() {
+        tokio::time::sleep(POLL).await;
+    }
+}
+
+/// How often a wait looks whether it was cancelled.
+const POLL: Duration = Duration::from_millis(100);
+
+/// The reading end of a GET: its answer's bytes, as they come, within the
+/// transfer's [`Limits`].
 struct ChannelReader {
     rx: mpsc::Receiver<io::Result<bytes::Bytes>>,
     current: bytes::Bytes,
     done: bool,
-    /// The descriptor's size, and how much has come.
+    /// How much should come (a blob's size, a range's length), and how
+    /// much has.
     expected: Option<u64>,
     received: u64,
     handle: tokio::runtime::Handle,
-    /// Longest wait for the next piece.
-    stall: std::time::Duration,
+    limits: Limits,
+    /// When the whole answer must have come.
+    deadline: Option<Instant>,
+    /// Time spent waiting for data in the current window, and the bytes
+    /// that came in it: a window closes after `limits.timeout` of waiting
+    /// (a reader that is slow itself does not count against the server).
+    window: (Duration, u64),
+    /// Why a server that sent nothing failed.
+    silent: String,
+    /// Put before the messages of the errors the reader makes.
+    context: String,
+    /// Why the transfer failed, once it has.
+    failed: Option<io::Error>,
+}
+
+impl ChannelReader {
+    fn fail(&mut self, kind: io::ErrorKind, why: String) -> io::Error {
+        let e = io::Error::new(kind, format!("{}{why}", self.context));
+        self.failed = Some(io::Error::new(e.kind(), e.to_string()));
+        e
+    }
+
+    /// Waits up to [`POLL`] for the next piece; Ok(false) when none came.
+    fn wait(&mut self) -> io::Result<bool> {
+        if self.limits.cancelled() {
+            return Err(self.fail(io::ErrorKind::Other, "interrupted".into()));
+        }
+        let now = Instant::now();
+        let slice = match self.deadline {
+            Some(d) if now >= d => {
+                let t = self.limits.timeout.as_secs();
+                let why = match self.received {
+                    0 => self.silent.clone(),
+                    n => format!("not complete within {t} s (--timeout; {n} bytes came)"),
+                };
+                return Err(self.fail(io::ErrorKind::TimedOut, why));
+            }
+            Some(d) => POLL.min(d - now),
+            None => POLL,
+        };
+        let next = self
+            .handle
+            .block_on(async { tokio::time::timeout(slice, self.rx.recv()).await });
+        self.window.0 += now.elapsed();
+        let came = match next {
+            Err(_) => false,
+            Ok(Some(Ok(b))) => {
+                self.received += b.len() as u64;
+                self.window.1 += b.len() as u64;
+                self.current = b;
+                true
+            }
+            Ok(Some(Err(e))) => {
+                // Once every byte has come, an error at the end is not the
+                // caller's concern: it checks the bytes itself and says
+                // precisely what is wrong with them.
+                if self.expected == Some(self.received) {
+                    self.done = true;
+                    return Ok(false);
+                }
+                let why = match (e.kind(), self.received) {
+                    (io::ErrorKind::TimedOut, 0) => self.silent.clone(),
+                    _ => e.to_string(),
+                };
+                return Err(self.fail(e.kind(), why));
+            }
+            // The sender finished: the answer is complete.
+            Ok(None) => {
+                self.done = true;
+                true
+            }
+        };
+        let (waited, bytes) = self.window;
+        if waited >= self.limits.timeout {
+            let t = self.limits.timeout.as_secs().max(1);
+            if bytes == 0 {
+                let why = match self.received {
+                    0 => self.silent.clone(),
+                    _ => format!("no data for {t} s (--timeout)"),
+                };
+                return Err(self.fail(io::ErrorKind::TimedOut, why));
+            }
+            if bytes < self.limits.min_rate.saturating_mul(t) {
+                let why = format!(
+                    "{bytes} bytes in {t} s, less than {} bytes/s (--min-rate)",
+                    self.limits.min_rate
+                );
+                return Err(self.fail(io::ErrorKind::TimedOut, why));
+            }
+            self.window = (Duration::ZERO, 0);
+        }
+        Ok(came)
+    }
 }
 
 impl Read for ChannelReader {
     fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
         while self.current.is_empty() {
+            // A transfer that failed fails every read after (a reader that
+            // reads on does not take it for the end).
+            if let Some(e) = &self.failed {
+                return Err(io::Error::new(e.kind(), e.to_string()));
+            }
             if self.done {
                 return Ok(0);
             }
-            let next = self
-                .handle
-                .block_on(async { tokio::time::timeout(self.stall, self.rx.recv()).await });
-            let Ok(next) = next else {
-                self.done = true;
-                return Err(io::Error::new(
-                    io::ErrorKind::TimedOut,
-                    format!("no data for {} s", self.stall.as_secs()),
-                ));
-            };
-            match next {
-                Some(Ok(b)) => {
-                    self.received += b.len() as u64;
-                    self.current = b;
-                }
-                Some(Err(e)) => {
-                    self.done = true;
-                    // Once every byte has come, the client's own digest
-                    // check is all an error at the end can be: the caller
-                    // checks the bytes itself and says precisely what is
-                    // wrong with them.
-                    if self.expected == Some(self.received) {
-                        return Ok(0);
-                    }
-                    return Err(e);
-                }
-                // The sender finished: the blob is complete.
-                None => self.done = true,
-            }
+            self.wait()?;
         }
         let n = self.current.len().min(buf.len());
         buf[..n].copy_from_slice(&self.current[..n]);
@@ -583,19 +963,7 @@ impl Registry {
             self.reference.repository().to_string(),
             tag.to_string(),
         );
-        let fut = self.client.pull_manifest_raw(&r, &self.auth, MANIFEST_TYPES);
-        match self
-            .rt
-            .block_on(async { tokio::time::timeout(self.timeout, fut).await })
-            .map_err(|_| self.timed_out(&format!("manifest of {r}")))?
-        {
-            Ok((bytes, _)) if bytes.len() as u64 > MAX_MANIFEST => {
-                Err(self.error(&format!("manifest of {r}"), "larger than 4 MiB"))
-            }
-            Ok((bytes, _)) => Ok(Some(bytes.to_vec())),
-            Err(e) if not_found(&e) => Ok(None),
-            Err(e) => Err(self.client_error(&format!("manifest of {r}"), e)),
-        }
+        self.try_manifest(&r)
     }
 
     /// The manifest `d` of this repository, checked against its digest.
@@ -610,9 +978,14 @@ impl Registry {
         Ok(bytes)
     }
 
-    /// A whole small blob, checked against its digest.
+    /// A whole small blob, at most `limit` bytes, checked against its
+    /// digest.
     pub fn blob_bytes(&self, blob: &BlobRef, limit: u64) -> Result<Vec<u8>, OciError> {
-        super::read_checked(self.stream(blob, None), &blob.digest, limit, "blob")
+        let r = super::read_checked(self.blob_stream(blob, None), &blob.digest, limit, "blob");
+        if self.limits.cancelled() {
+            return Err(OciError::Interrupted);
+        }
+        r
     }
 
     /// Puts `manifest` (of `media_type`) under `tag` of this repository.
@@ -630,50 +1003,13 @@ impl Registry {
     }
 
     /// GETs `url` (a lookaside signature store) with this registry's TLS
-    /// settings: the body, or None for a 404.
-    pub fn http_get(&self, url: &str, limit: usize) -> Result<Option<Vec<u8>>, String> {
-        let client = reqwest::Client::builder()
-            .danger_accept_invalid_certs(!self.tls_verify)
-            .connect_timeout(self.timeout)
-            .read_timeout(self.timeout)
-            .build()
-            .map_err(|e| with_causes(&e))?;
-        let fut = async {
-            let resp = client.get(url).send().await.map_err(|e| with_causes(&e))?;
-            if resp.status() == reqwest::StatusCode::NOT_FOUND {
-                return Ok(None);
-            }
-            if !resp.status().is_success() {
-                return Err(format!("{url}: HTTP status {}", resp.status()));
-            }
-            let mut body = Vec::new();
-            let mut stream = resp.bytes_stream();
-            while let Some(chunk) = stream.next().await {
-                body.extend_from_slice(&chunk.map_err(|e| with_causes(&e))?);
-                if body.len() > limit {
-                    return Err(format!("{url}: larger than {limit} bytes"));
-                }
-            }
-            Ok(Some(body))
-        };
-        self.rt
-            .block_on(async { tokio::time::timeout(self.timeout, fut).await })
-            .map_err(|_| format!("{url}: no answer within {} s (--timeout)", self.timeout.as_secs()))?
-    }
-}
-
-/// Whether a client error says the manifest does not exist.
-fn not_found(e: &oci_client::errors::OciDistributionError) -> bool {
-    use oci_client::errors::OciDistributionError as E;
-    match e {
-        E::ImageManifestNotFoundError(_) => true,
-        E::ServerError { code, .. } => *code == 404,
-        E::RegistryError { envelope, .. } => envelope.errors.iter().any(|x| {
-            matches!(
-                x.code,
-                oci_client::errors::OciErrorCode::ManifestUnknown | oci_client::errors::OciErrorCode::NameUnknown
-            )
-        }),
-        _ => false,
+    /// settings and limits, without its credentials: the body, at most
+    /// `limit` bytes, or None for a 404.
+    pub fn http_get(&self, url: &str, limit: u64) -> Result<Option<Vec<u8>>, String> {
+        self.document(url.to_string(), None, false, limit, url)
+            .map_err(|e| match e {
+                OciError::Registry { reason, .. } => reason,
+                e => e.to_string(),
+            })
     }
 }
