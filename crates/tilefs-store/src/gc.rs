@@ -241,6 +241,15 @@ fn prune_trust<'a>(store: &Store, images: impl Iterator<Item = &'a [u8; 32]>) {
     }
 }
 
+/// The objects `image` references, as gc counts them: what letting go of
+/// it may free.
+pub fn objects_of(image: &[u8]) -> Result<HashSet<[u8; 32]>, StoreError> {
+    let (tree, _) = tilefs_image::erofs::read_image(image).map_err(|e| StoreError::Invalid(e.to_string()))?;
+    let mut objects = HashSet::new();
+    add_references(&tree, &mut objects);
+    Ok(objects)
+}
+
 fn add_references(tree: &tilefs_image::Tree, referenced: &mut HashSet<[u8; 32]>) {
     for inode in tree.inodes.iter().filter(|i| i.is_external()) {
         if let Some(d) = inode.payload.as_deref().and_then(parse_object_rel) {

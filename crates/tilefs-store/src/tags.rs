@@ -238,7 +238,7 @@ pub(crate) fn read_tag_if_present(store: &Store, name: &str) -> Result<Option<Ve
 
 /// Reads the image of a tag, or of a root a component holds, as listed:
 /// None if it went since.
-pub(crate) fn read_listed(store: &Store, t: &TagInfo) -> Result<Option<Vec<u8>>, StoreError> {
+pub fn read_listed(store: &Store, t: &TagInfo) -> Result<Option<Vec<u8>>, StoreError> {
     match &t.owner {
         None => read_tag_if_present(store, &t.name),
         Some(owner) => crate::owned::read_root_if_present(store, owner, &t.name),

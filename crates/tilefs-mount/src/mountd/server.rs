@@ -353,7 +353,9 @@ impl Service {
                     attrs,
                     ..MountOptions::default()
                 };
-                let built = build_detached(&o, file).map_err(|e| e.to_string())?;
+                // A gc root of the store from the mount on (see gcroot).
+                let root = super::gcroot::before(&rule.path, &file);
+                let mut built = build_detached(&o, file).map_err(|e| e.to_string())?;
                 let ids = Ids {
                     uid: caller.uid,
                     gid: caller.gids[0],
@@ -375,14 +377,20 @@ impl Service {
                     built.mount
                 };
                 let kind = if upper { "writable" } else { "read-only" };
+                let recorded = |target: Option<BorrowedFd<'_>>| {
+                    root.and_then(|r| super::gcroot::record(r, mount.as_fd(), target, &peer_pidfd(conn)?))
+                        .map_err(|e| format!("not recorded as a gc root of store {}: {e}", store.display()))
+                };
                 let Some(target) = target else {
                     log(&format!(
                         "{who}: made a {kind} mount of {image} of {} for its own namespace",
                         store.display()
                     ));
+                    built.notices.extend(recorded(None).err());
                     return Ok((built.notices, Some(mount)));
                 };
                 let id = self.attach(caller, &mount, target.as_fd())?;
+                built.notices.extend(recorded(Some(target.as_fd())).err());
                 log(&format!(
                     "{who}: mounted {image} of {} {kind} (mount {id})",
                     store.display()
