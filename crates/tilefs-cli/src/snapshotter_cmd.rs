@@ -37,7 +37,7 @@ pub struct SnapshotterArgs {
     /// [default: /var/lib/containerd/io.containerd.snapshotter.v1.tilefs, if /var/lib/containerd
     /// is a directory]
     #[arg(long, value_name = "PATH")]
-    pub cri_imagefs: Option<PathBuf>,
+    pub cri_imagefs: Option<std::ffi::OsString>,
     /// How CRI's lazy path reaches registries (as `tilefs pull` does)
     #[command(flatten)]
     pub registry: RegistryArgs,
@@ -71,7 +71,7 @@ pub fn run(a: SnapshotterArgs) -> Result<ExitCode> {
         .gc_delay
         .or(file.gc_delay)
         .map_or(DEFAULT_GC_DELAY, Duration::from_secs);
-    let cri_imagefs = match a.cri_imagefs.or(file.cri_imagefs) {
+    let cri_imagefs = match a.cri_imagefs.map(PathBuf::from).or(file.cri_imagefs) {
         Some(p) if p.as_os_str().is_empty() => None,
         Some(p) => Some(p),
         None => Path::new(DEFAULT_CONTAINERD_ROOT).is_dir().then(|| {
