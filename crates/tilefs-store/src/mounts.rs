@@ -17,7 +17,8 @@
 //!   not look into (a non-root gc, another user's namespace) keeps the
 //!   record: what cannot be told dead is alive. A mount the service
 //!   hands over detached (to a client in a user namespace, which attaches
-//!   it itself) is alive for [`HANDOVER_GRACE`] before it is found. On a
+//!   it itself) is alive for [`HANDOVER_GRACE`] before it is found, while
+//!   the namespace it is for lives. On a
 //!   kernel without these ids, as before them: the mount point is the root
 //!   of the mount with the recorded `/proc` id, in gc's namespace.
 //!
@@ -385,8 +386,13 @@ fn kernel_mount_alive(
     if let Some((unique, ns)) = unique {
         match tilefs_sys::ns::mount_in_namespace(unique, ns) {
             Ok(true) => return true,
-            // Handed over detached: perhaps not attached yet.
-            Ok(false) => return mountpoint.is_none() && age.is_none_or(|a| a < HANDOVER_GRACE),
+            // Handed over detached: perhaps not attached yet (while the
+            // namespace it is for lives).
+            Ok(false) => {
+                return mountpoint.is_none()
+                    && age.is_none_or(|a| a < HANDOVER_GRACE)
+                    && tilefs_sys::ns::mount_namespace_exists(ns).unwrap_or(true)
+            }
             // Not ours to look into: it may well be alive.
             Err(rustix::io::Errno::PERM | rustix::io::Errno::ACCESS) => return true,
             // A kernel without statmount: as before it.
@@ -483,6 +489,12 @@ mod tests {
             ..gone.clone()
         };
         register_kernel_mount(&s, b"c", &handed).unwrap();
+        // ... for a namespace that is no more: gone.
+        let nowhere = KernelMount {
+            unique: Some((unique + (1 << 40), u64::MAX - 1)),
+            ..handed.clone()
+        };
+        register_kernel_mount(&s, b"d", &nowhere).unwrap();
         let mut live: Vec<Vec<u8>> = live_mounts(&s, true).unwrap().into_iter().map(|m| m.image).collect();
         live.sort();
         assert_eq!(live, [b"a".to_vec(), b"c".to_vec()]);

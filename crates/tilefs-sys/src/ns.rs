@@ -58,6 +58,40 @@ pub fn pidfd_mnt_ns(pidfd: BorrowedFd<'_>) -> io::Result<OwnedFd> {
     Ok(unsafe { OwnedFd::from_raw_fd(r) })
 }
 
+/// struct mnt_id_req, MNT_ID_REQ_SIZE_VER1: what statmount and listmount
+/// are asked.
+#[repr(C)]
+struct MntIdReq {
+    size: u32,
+    spare: u32,
+    mnt_id: u64,
+    param: u64,
+    mnt_ns_id: u64,
+}
+
+impl MntIdReq {
+    fn new(mnt_id: u64, param: u64, mnt_ns_id: u64) -> MntIdReq {
+        MntIdReq {
+            size: std::mem::size_of::<MntIdReq>() as u32,
+            spare: 0,
+            mnt_id,
+            param,
+            mnt_ns_id,
+        }
+    }
+}
+
+// New system calls have one number on every architecture (but alpha).
+const SYS_STATMOUNT: libc::c_long = 457;
+const SYS_LISTMOUNT: libc::c_long = 458;
+
+fn errno_of(r: libc::c_long) -> Result<(), Errno> {
+    if r >= 0 {
+        return Ok(());
+    }
+    Err(Errno::from_io_error(&io::Error::last_os_error()).unwrap_or(Errno::IO))
+}
+
 /// Whether the mount whose unique id (statx's `STATX_MNT_ID_UNIQUE`) is
 /// `mnt_id` is mounted in the mount namespace of id `ns_id`: `statmount`
 /// (Linux 6.8; a namespace other than the caller's from 6.11). Ok(false)
@@ -65,25 +99,8 @@ pub fn pidfd_mnt_ns(pidfd: BorrowedFd<'_>) -> io::Result<OwnedFd> {
 /// namespace any more); an error when it cannot tell (EPERM: the
 /// namespace is not ours to look into; ENOSYS, EINVAL: an older kernel).
 pub fn mount_in_namespace(mnt_id: u64, ns_id: u64) -> Result<bool, Errno> {
-    // struct mnt_id_req, MNT_ID_REQ_SIZE_VER1.
-    #[repr(C)]
-    struct MntIdReq {
-        size: u32,
-        spare: u32,
-        mnt_id: u64,
-        param: u64,
-        mnt_ns_id: u64,
-    }
     const STATMOUNT_SB_BASIC: u64 = 0x1;
-    // New system calls have one number on every architecture (but alpha).
-    const SYS_STATMOUNT: libc::c_long = 457;
-    let req = MntIdReq {
-        size: std::mem::size_of::<MntIdReq>() as u32,
-        spare: 0,
-        mnt_id,
-        param: STATMOUNT_SB_BASIC,
-        mnt_ns_id: ns_id,
-    };
+    let req = MntIdReq::new(mnt_id, STATMOUNT_SB_BASIC, ns_id);
     // struct statmount is 512 bytes in Linux 6.18; room for a later,
     // larger one (the kernel writes at most what it is given).
     let mut buf = [0u64; 256];
@@ -98,11 +115,33 @@ pub fn mount_in_namespace(mnt_id: u64, ns_id: u64) -> Result<bool, Errno> {
             0u32,
         )
     };
-    if r == 0 {
-        return Ok(true);
+    match errno_of(r) {
+        Ok(()) => Ok(true),
+        Err(Errno::NOENT) => Ok(false),
+        Err(e) => Err(e),
     }
-    match Errno::from_io_error(&io::Error::last_os_error()).unwrap_or(Errno::IO) {
-        Errno::NOENT => Ok(false),
-        e => Err(e),
+}
+
+/// Whether the mount namespace of id `ns_id` still exists: `listmount`
+/// of its root (Linux 6.11), errors as [`mount_in_namespace`]'s.
+pub fn mount_namespace_exists(ns_id: u64) -> Result<bool, Errno> {
+    const LSMT_ROOT: u64 = u64::MAX;
+    let req = MntIdReq::new(LSMT_ROOT, 0, ns_id);
+    let mut ids = [0u64; 1];
+    // SAFETY: listmount reads `req` and writes at most `ids.len()` ids
+    // into `ids`; both outlive the call.
+    let r = unsafe {
+        libc::syscall(
+            SYS_LISTMOUNT,
+            &req as *const MntIdReq,
+            ids.as_mut_ptr(),
+            ids.len(),
+            0u32,
+        )
+    };
+    match errno_of(r) {
+        Ok(()) => Ok(true),
+        Err(Errno::NOENT) => Ok(false),
+        Err(e) => Err(e),
     }
 }

@@ -1,10 +1,11 @@
 //! The service's mounts as gc roots of their store (see
 //! `tilefs_store::mounts`): a user's mount keeps its objects while it
 //! lives, whatever is done to its tag meanwhile. The record names the
-//! mount by its unique id and the mount namespace it is in, the caller's,
-//! so `tilefs gc` finds it from any namespace; a mount handed over
-//! detached (to a client in a user namespace of its own) is recorded in
-//! the caller's namespace too, where the client attaches it.
+//! mount by its unique id and the mount namespace it is in (the service's,
+//! where it attaches mounts; for a mount handed over detached to a client
+//! in a user namespace of its own, the client's, where it attaches it), so
+//! `tilefs gc` finds it from any namespace. (No system call here is
+//! outside the unit's filter.)
 
 use rustix::fd::{AsFd, BorrowedFd, OwnedFd};
 use rustix::fs::{AtFlags, StatxFlags};
@@ -40,8 +41,9 @@ pub(crate) fn before(store: &Path, image: &std::fs::File) -> Result<Pending, Str
     })
 }
 
-/// Records `mount`, attached by the service at `target` or (None) handed
-/// over detached, for the caller whose pidfd is `caller`.
+/// Records `mount`, attached by the service at `target` (in its own mount
+/// namespace: it attaches nowhere else) or (None) handed over detached to
+/// the caller whose pidfd is `caller`, who attaches it in its own.
 pub(crate) fn record(
     p: Pending,
     mount: BorrowedFd<'_>,
@@ -53,12 +55,12 @@ pub(crate) fn record(
             .map(|st| st.stx_mnt_id)
             .map_err(|e| format!("the mount's id: {e}"))
     };
-    let ns = tilefs_sys::ns::pidfd_mnt_ns(caller.as_fd()).map_err(|e| format!("the caller's mount namespace: {e}"))?;
-    let ns = tilefs_sys::ns::mnt_ns_id(ns.as_fd()).map_err(|e| format!("the caller's mount namespace: {e}"))?;
-    let unique = id(super::checks::STATX_MNT_ID_UNIQUE)?;
-    if target.is_some() && !tilefs_sys::ns::mount_in_namespace(unique, ns).unwrap_or(true) {
-        return Err("the mount point is not in the caller's mount namespace".into());
+    let ns = match target {
+        Some(_) => std::fs::File::open("/proc/self/ns/mnt").map(OwnedFd::from),
+        None => tilefs_sys::ns::pidfd_mnt_ns(caller.as_fd()),
     }
+    .and_then(|ns| tilefs_sys::ns::mnt_ns_id(ns.as_fd()))
+    .map_err(|e| format!("the mount namespace: {e}"))?;
     // Where it is, as the service sees it: named for people reading the
     // record; the ids are what count.
     let mountpoint =
@@ -66,7 +68,7 @@ pub(crate) fn record(
     let m = KernelMount {
         mount_id: id(super::checks::STATX_MNT_ID)?,
         mountpoint,
-        unique: Some((unique, ns)),
+        unique: Some((id(super::checks::STATX_MNT_ID_UNIQUE)?, ns)),
     };
     tilefs_store::mounts::register_kernel_mount(&p.store, &p.image, &m).map_err(|e| e.to_string())
 }
