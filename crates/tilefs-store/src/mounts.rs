@@ -112,7 +112,7 @@ pub struct UpperLayer {
 
 /// Where a FUSE mount is, for its record: what `tilefs commit` needs to
 /// find a writable mount's layers from its mount point.
-#[derive(Debug, Clone, Default)]
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct FuseWhere {
     /// The mount point (canonical).
     pub mountpoint: Option<PathBuf>,
@@ -167,7 +167,7 @@ impl FuseWhere {
 /// lives.
 pub fn register_fuse(store: &Store, image: &[u8], at: &FuseWhere) -> Result<MountRecord, StoreError> {
     let name = temp_name("fuse-");
-    let header = format!("{MAGIC} fuse 0 {}\n", at.field());
+    let header = header_line(&RecordHeader::Fuse(at.clone()));
     let (dir, fd) = write_record(store, &name, &header, image, true)?;
     Ok(MountRecord {
         dir,
@@ -207,13 +207,76 @@ pub fn register_kernel(store: &Store, image: &[u8], mountpoint: &Path, mount_id:
 /// Records kernel mount `m` of `image`.
 pub fn register_kernel_mount(store: &Store, image: &[u8], m: &KernelMount) -> Result<(), StoreError> {
     let name = format!("kernel-{}-{}", m.mount_id, temp_name(""));
-    let at = match &m.mountpoint {
-        Some(p) => hex::encode(p.as_os_str().as_bytes()),
-        None => "-".into(),
+    write_record(
+        store,
+        &name,
+        &header_line(&RecordHeader::Kernel(m.clone())),
+        image,
+        false,
+    )
+    .map(drop)
+}
+
+/// What a record's header says.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum RecordHeader {
+    Fuse(FuseWhere),
+    Kernel(KernelMount),
+}
+
+/// A record's header line (with its newline).
+pub fn header_line(h: &RecordHeader) -> String {
+    match h {
+        RecordHeader::Fuse(at) => format!("{MAGIC} fuse 0 {}\n", at.field()),
+        RecordHeader::Kernel(m) => {
+            let at = match &m.mountpoint {
+                Some(p) => hex::encode(p.as_os_str().as_bytes()),
+                None => "-".into(),
+            };
+            let unique = m.unique.map(|(u, ns)| format!(" {u} {ns}")).unwrap_or_default();
+            format!("{MAGIC} kernel {} {at}{unique}\n", m.mount_id)
+        }
+    }
+}
+
+/// Reads a record's header line (without its newline), as found in a
+/// store (untrusted).
+pub fn parse_header(line: &[u8]) -> Result<RecordHeader, String> {
+    let line = std::str::from_utf8(line).map_err(|_| "bad header".to_string())?;
+    let fields: Vec<&str> = match line.strip_prefix(MAGIC) {
+        Some(rest) if rest.starts_with(' ') => rest.split(' ').skip(1).collect(),
+        _ => return Err("unknown header".into()),
     };
-    let unique = m.unique.map(|(u, ns)| format!(" {u} {ns}")).unwrap_or_default();
-    let header = format!("{MAGIC} kernel {} {at}{unique}\n", m.mount_id);
-    write_record(store, &name, &header, image, false).map(drop)
+    match fields.as_slice() {
+        ["fuse", "0", at] => Ok(RecordHeader::Fuse(
+            FuseWhere::parse(at).ok_or("bad mount point or layers")?,
+        )),
+        ["kernel", id, mnt, unique @ ..] if unique.is_empty() || unique.len() == 2 => {
+            let number = |s: &str| match s.parse::<u64>() {
+                Ok(n) if n.to_string() == s => Ok(n),
+                _ => Err("bad mount id".to_string()),
+            };
+            let mountpoint = match *mnt {
+                "-" => None,
+                h => {
+                    let bytes = hex::decode(h).map_err(|_| "bad mount point")?;
+                    if bytes.is_empty() || hex::encode(&bytes) != h {
+                        return Err("bad mount point".into());
+                    }
+                    Some(PathBuf::from(std::ffi::OsStr::from_bytes(&bytes)))
+                }
+            };
+            Ok(RecordHeader::Kernel(KernelMount {
+                mount_id: number(id)?,
+                mountpoint,
+                unique: match unique {
+                    [u, ns] => Some((number(u)?, number(ns)?)),
+                    _ => None,
+                },
+            }))
+        }
+        _ => Err("unknown header".into()),
+    }
 }
 
 /// The id of this process's mount namespace, where the kernel gives one.
@@ -327,37 +390,21 @@ pub fn live_mounts(store: &Store, remove_stale: bool) -> Result<Vec<LiveMount>, 
             .iter()
             .position(|&b| b == b'\n')
             .ok_or_else(|| bad("no header".into()))?;
-        let header = std::str::from_utf8(&bytes[..nl]).map_err(|_| bad("bad header".into()))?;
-        let fields: Vec<&str> = header.strip_prefix(MAGIC).unwrap_or("").split_whitespace().collect();
-        let (kind, alive, mountpoint, mount_id, upper) = match fields.as_slice() {
-            ["fuse", _, at] => {
-                let at = FuseWhere::parse(at).ok_or_else(|| bad("bad mount point or layers".into()))?;
+        let (kind, alive, mountpoint, mount_id, upper) = match parse_header(&bytes[..nl]).map_err(bad)? {
+            RecordHeader::Fuse(at) => {
                 // Locked by a living server: our shared try fails.
                 let alive = rfs::flock(&fd, FlockOperation::NonBlockingLockShared).is_err();
                 ("fuse", alive, at.mountpoint, None, at.upper)
             }
-            ["kernel", id, mnt, unique @ ..] if unique.is_empty() || unique.len() == 2 => {
-                let number = |s: &str| s.parse::<u64>().map_err(|_| bad("bad mount id".into()));
-                let id = number(id)?;
-                let mnt = match *mnt {
-                    "-" => None,
-                    h => Some(PathBuf::from(std::ffi::OsStr::from_bytes(
-                        &hex::decode(h).map_err(|_| bad("bad mount point".into()))?,
-                    ))),
-                };
-                let unique = match unique {
-                    [u, ns] => Some((number(u)?, number(ns)?)),
-                    _ => None,
-                };
+            RecordHeader::Kernel(m) => {
                 let age = st.st_mtime.try_into().ok().and_then(|t: u64| {
                     std::time::SystemTime::now()
                         .duration_since(std::time::UNIX_EPOCH + std::time::Duration::from_secs(t))
                         .ok()
                 });
-                let alive = kernel_mount_alive(id, mnt.as_deref(), unique, age);
-                ("kernel", alive, mnt, Some(id), None)
+                let alive = kernel_mount_alive(m.mount_id, m.mountpoint.as_deref(), m.unique, age);
+                ("kernel", alive, m.mountpoint, Some(m.mount_id), None)
             }
-            _ => return Err(bad("unknown header".into())),
         };
         if alive {
             live.push(LiveMount {
