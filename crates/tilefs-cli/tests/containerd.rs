@@ -1023,5 +1023,37 @@ fn hostile_layers_write_nothing_outside_and_read_nothing_outside() {
             .any(|d| inside.iter().all(|p| d.lines().any(|l| l.starts_with(p.as_str())))),
         "no chain holds {inside:?}: {dumps:#?}"
     );
+
+    // A snapshotter gone for good (its state removed) leaves its images
+    // held: fsck names them, gc keeps them, `untag --orphaned` lets them go.
+    let mut rig = rig;
+    rig.stop_snapshotter("-TERM");
+    let held = held_images(&rig.store);
+    assert!(!held.is_empty());
+    fs::rename(rig.root.join("metadata"), rig.root.join("metadata.gone")).unwrap();
+    let store = rig.store.clone();
+    let tilefs_in = |args: &[&str]| ok(Command::new(tilefs_bin()).args(args).arg("--store").arg(&store));
+    let fsck = tilefs_in(&["fsck"]);
+    assert!(
+        fsck.contains(&format!(
+            "held by the containerd snapshotter at {}, which is gone",
+            rig.root.display()
+        )) && fsck.contains("tilefs untag --orphaned"),
+        "{fsck}"
+    );
+    let objects = objects_in(&store);
+    tilefs_in(&["gc"]);
+    assert_eq!(objects_in(&store), objects, "gc collected what an orphaned image holds");
+    let out = run(Command::new(tilefs_bin())
+        .args(["untag", "--orphaned", "--store"])
+        .arg(&store));
+    assert!(
+        out.status.success() && stderr(&out).contains("which is gone"),
+        "{}",
+        stderr(&out)
+    );
+    assert!(held_images(&store).is_empty());
+    tilefs_in(&["gc"]);
+    assert_eq!(objects_in(&store), 0);
     drop(rig);
 }
