@@ -234,54 +234,52 @@ pub fn images(a: ImagesArgs) -> Result<ExitCode> {
 
 /// The table of `tilefs images`: tag left-aligned, numbers right-aligned.
 fn print_image_table(out: &mut impl Write, rows: &[ImageRow]) -> std::io::Result<()> {
-    {
-        let cells: Vec<[String; 5]> = rows
-            .iter()
-            .map(|r| match &r.error {
-                None => [
-                    r.tag.clone(),
-                    HumanBytes(r.image_bytes).to_string(),
-                    r.objects.to_string(),
-                    HumanBytes(r.external_bytes).to_string(),
-                    if r.lazy && r.missing > 0 {
-                        format!("{} (lazy)", r.missing)
-                    } else {
-                        r.missing.to_string()
-                    },
-                ],
-                Some(_) => [
-                    r.tag.clone(),
-                    HumanBytes(r.image_bytes).to_string(),
-                    "-".into(),
-                    "-".into(),
-                    "-".into(),
-                ],
-            })
-            .collect();
-        let header = ["TAG", "IMAGE SIZE", "OBJECTS", "EXTERNAL BYTES", "MISSING"].map(String::from);
-        let mut widths = header.clone().map(|h| h.len());
-        for c in &cells {
-            for (w, s) in widths.iter_mut().zip(c) {
-                *w = (*w).max(s.chars().count());
-            }
+    let cells: Vec<[String; 5]> = rows
+        .iter()
+        .map(|r| match &r.error {
+            None => [
+                r.tag.clone(),
+                HumanBytes(r.image_bytes).to_string(),
+                r.objects.to_string(),
+                HumanBytes(r.external_bytes).to_string(),
+                if r.lazy && r.missing > 0 {
+                    format!("{} (lazy)", r.missing)
+                } else {
+                    r.missing.to_string()
+                },
+            ],
+            Some(_) => [
+                r.tag.clone(),
+                HumanBytes(r.image_bytes).to_string(),
+                "-".into(),
+                "-".into(),
+                "-".into(),
+            ],
+        })
+        .collect();
+    let header = ["TAG", "IMAGE SIZE", "OBJECTS", "EXTERNAL BYTES", "MISSING"].map(String::from);
+    let mut widths = header.clone().map(|h| h.len());
+    for c in &cells {
+        for (w, s) in widths.iter_mut().zip(c) {
+            *w = (*w).max(s.chars().count());
         }
-        for c in std::iter::once(&header).chain(&cells) {
-            // Tag left-aligned, numbers right-aligned.
-            let line = format!(
-                "{:<w0$}  {:>w1$}  {:>w2$}  {:>w3$}  {:>w4$}",
-                c[0],
-                c[1],
-                c[2],
-                c[3],
-                c[4],
-                w0 = widths[0],
-                w1 = widths[1],
-                w2 = widths[2],
-                w3 = widths[3],
-                w4 = widths[4]
-            );
-            writeln!(out, "{}", line.trim_end())?;
-        }
+    }
+    for c in std::iter::once(&header).chain(&cells) {
+        // Tag left-aligned, numbers right-aligned.
+        let line = format!(
+            "{:<w0$}  {:>w1$}  {:>w2$}  {:>w3$}  {:>w4$}",
+            c[0],
+            c[1],
+            c[2],
+            c[3],
+            c[4],
+            w0 = widths[0],
+            w1 = widths[1],
+            w2 = widths[2],
+            w3 = widths[3],
+            w4 = widths[4]
+        );
+        writeln!(out, "{}", line.trim_end())?;
     }
     Ok(())
 }
@@ -296,8 +294,9 @@ pub fn untag(a: UntagArgs) -> Result<ExitCode> {
         }
         for (o, why) in released {
             let who = o.holder.as_ref().map(|h| h.describe()).unwrap_or(o.id.clone());
+            let their = if o.roots.len() == 1 { "its" } else { "their" };
             eprintln!(
-                "let go of {} held by {who}, which is gone ({why}): {}; their objects stay until `tilefs gc`",
+                "let go of {} held by {who}, which is gone ({why}): {}; {their} objects stay until `tilefs gc`",
                 plural(o.roots.len() as u64, "image"),
                 o.roots.iter().map(|r| r.name.as_str()).collect::<Vec<_>>().join(", ")
             );
@@ -384,9 +383,10 @@ fn print_fsck(out: &mut impl Write, store: &Store, r: &FsckReport, repair: bool,
         store.path().display()
     )?;
     for o in &r.orphaned {
+        let keep = if o.images.len() == 1 { "keeps its" } else { "keep their" };
         writeln!(
             out,
-            "warning: {} held by {}, which is gone ({}), keep their objects: `tilefs untag --orphaned` lets them go ({})",
+            "warning: {} held by {}, which is gone ({}), {keep} objects: `tilefs untag --orphaned` lets them go ({})",
             plural(o.images.len() as u64, "image"),
             o.holder.as_deref().unwrap_or(&o.owner),
             o.why,

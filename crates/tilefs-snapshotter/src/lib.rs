@@ -766,15 +766,12 @@ impl Shared {
 
     /// [`Shared::ensure_mounted`], its mount lock held.
     fn mount_image(&self, r: &Record) -> Result<PathBuf, Error> {
-        let image = owned::root_path(
-            &Store::open(&self.store).map_err(internal)?,
-            &self.holder,
-            &self.tag(r.id),
-        );
         let mnt = state::mount_dir(&self.root, r.id);
         if tilefs_mount::is_mount_root(&mnt) {
             return Ok(mnt);
         }
+        let store = Store::open(&self.store).map_err(internal)?;
+        let image = owned::root_path(&store, &self.holder, &self.tag(r.id));
         std::fs::create_dir_all(&mnt).map_err(|e| internal(format!("{}: cannot create: {e}", mnt.display())))?;
         if r.lazy {
             let lz = self.lazy.as_ref().ok_or_else(|| {
@@ -1210,10 +1207,10 @@ impl Shared {
     /// collector.
     fn release_image(&self, id: u64) -> Result<(), Error> {
         let store = Store::open(&self.store).map_err(internal)?;
-        let image = owned::root_path(&store, &self.holder, &self.tag(id));
         // An image that cannot be read frees nothing it would name.
-        let objects = std::fs::read(&image)
+        let objects = owned::read_root(&store, &self.holder, &self.tag(id))
             .ok()
+            .flatten()
             .and_then(|bytes| tilefs_store::gc::objects_of(&bytes).ok());
         self.remove_tag(id)?;
         if let Some(objects) = objects {

@@ -11,9 +11,10 @@
 //! - a kernel mount has no process, so its record names the mount: its
 //!   unique id (statx's `STATX_MNT_ID_UNIQUE`, never reused) and the id of
 //!   the mount namespace it is in. It is alive while `statmount` finds
-//!   that mount in that namespace, whichever namespace gc runs in: the
-//!   mount service attaches a user's mount in the user's namespace, and
-//!   `tilefs mount` may run in a namespace of its own. A namespace gc may
+//!   that mount in that namespace, whichever namespace gc runs in:
+//!   `tilefs mount` may run in a namespace of its own, the mount service
+//!   (sandboxed, say) in its own, and a client in a user namespace attaches
+//!   the mount the service hands it in its own. A namespace gc may
 //!   not look into (a non-root gc, another user's namespace) keeps the
 //!   record: what cannot be told dead is alive. A mount the service
 //!   hands over detached (to a client in a user namespace, which attaches

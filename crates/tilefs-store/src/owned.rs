@@ -323,6 +323,12 @@ pub fn adopt(store: &Store, holder: &Holder, name: &str) -> Result<bool, StoreEr
     }
 }
 
+/// Reads `holder`'s image `name` (never through a symlink); None if it
+/// has none.
+pub fn read_root(store: &Store, holder: &Holder, name: &str) -> Result<Option<Vec<u8>>, StoreError> {
+    read_root_if_present(store, &holder.id(), name)
+}
+
 /// Reads image `name` of the holder whose id is `owner_id`; None if it is
 /// not there.
 pub(crate) fn read_root_if_present(store: &Store, owner_id: &str, name: &str) -> Result<Option<Vec<u8>>, StoreError> {
