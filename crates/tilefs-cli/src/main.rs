@@ -58,13 +58,14 @@ enum Command {
     GenerateSigstoreKey(keys_cmd::GenerateSigstoreKeyArgs),
     /// Print the fs-verity SHA-256 digest of files, as `fsverity digest` does
     Digest(digest::DigestArgs),
-    /// List the images tagged in a store
+    /// List the images tagged in a store, and apart those tilefs holds (the snapshotter's)
     Images(store_cmds::ImagesArgs),
-    /// Remove a tag from a store
+    /// Remove a tag from a store (not an image tilefs holds), or images whose holder is gone
     Untag(store_cmds::UntagArgs),
-    /// Check every object and every tagged image's references in a store
+    /// Check every object and the references of every tagged and held image in a store
     Fsck(store_cmds::FsckArgs),
-    /// Remove objects no tagged image references, and leftovers of interrupted imports
+    /// Remove objects no tagged or held image and no live mount references, and leftovers of
+    /// interrupted imports
     Gc(store_cmds::GcArgs),
     /// Mount an image read-only (or writable with --upper/--work)
     Mount(mount_cmd::MountArgs),

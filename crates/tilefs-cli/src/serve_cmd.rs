@@ -89,6 +89,10 @@ pub fn run(a: ServeArgs) -> Result<ExitCode> {
     let store = a.store.path()?;
     let spec = tilefs_present::serve_spec(&store, &a.image, upper, verity, digest, log)?;
     let server = tilefs_fuse::Server::build(&spec)?;
+    // Its objects stay while it serves, whatever is done to its tag.
+    let _record = tilefs_present::record_served(&spec, &server)
+        .map_err(|e| eprintln!("tilefs: {}", tilefs_present::Notice::NotRecorded(e.to_string())))
+        .ok();
     // The same worker count as a FUSE mount of the image would have.
     let threads = server.serve_config(a.threads, true, Some(false)).threads;
     let log = server.log_fn();

@@ -5,9 +5,12 @@ use crate::registry_arg::RegistryArgs;
 use crate::store_arg::StoreArg;
 use anyhow::{anyhow, Context, Result};
 use clap::Args;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::ExitCode;
-use tilefs_snapshotter::{Config, DEFAULT_ROOT, DEFAULT_SOCKET};
+use std::time::Duration;
+use tilefs_snapshotter::{
+    Config, DEFAULT_CONTAINERD_ROOT, DEFAULT_GC_DELAY, DEFAULT_PLUGIN_NAME, DEFAULT_ROOT, DEFAULT_SOCKET,
+};
 
 #[derive(Args)]
 pub struct SnapshotterArgs {
@@ -19,9 +22,22 @@ pub struct SnapshotterArgs {
     pub root: Option<PathBuf>,
     #[command(flatten)]
     pub store: StoreArg,
-    /// TOML file with `root`, `store` and `socket` (options given on the command line win)
+    /// TOML file with `root`, `store`, `socket`, `gc`, `gc_delay` and `cri_imagefs` (options given on
+    /// the command line win)
     #[arg(long, value_name = "FILE")]
     pub config: Option<PathBuf>,
+    /// Collect the objects removed snapshots used this long after the last Remove (default 10)
+    #[arg(long, value_name = "SECONDS")]
+    pub gc_delay: Option<u64>,
+    /// Never collect by itself (`tilefs gc` does)
+    #[arg(long)]
+    pub no_gc: bool,
+    /// Make PATH (the image filesystem containerd's CRI names for this proxy plugin:
+    /// CONTAINERD_ROOT/io.containerd.snapshotter.v1.NAME) a symlink to the store; empty: none
+    /// [default: /var/lib/containerd/io.containerd.snapshotter.v1.tilefs, if /var/lib/containerd
+    /// is a directory]
+    #[arg(long, value_name = "PATH")]
+    pub cri_imagefs: Option<std::ffi::OsString>,
     /// How CRI's lazy path reaches registries (as `tilefs pull` does)
     #[command(flatten)]
     pub registry: RegistryArgs,
@@ -38,6 +54,9 @@ struct FileConfig {
     root: Option<PathBuf>,
     store: Option<PathBuf>,
     socket: Option<PathBuf>,
+    gc: Option<bool>,
+    gc_delay: Option<u64>,
+    cri_imagefs: Option<PathBuf>,
 }
 
 pub fn run(a: SnapshotterArgs) -> Result<ExitCode> {
@@ -52,10 +71,24 @@ pub fn run(a: SnapshotterArgs) -> Result<ExitCode> {
         (Some(s), _) | (None, Some(s)) => s,
         (None, None) => a.store.path()?,
     };
+    let gc = !a.no_gc && file.gc != Some(false);
+    let delay = a
+        .gc_delay
+        .or(file.gc_delay)
+        .map_or(DEFAULT_GC_DELAY, Duration::from_secs);
+    let cri_imagefs = match a.cri_imagefs.map(PathBuf::from).or(file.cri_imagefs) {
+        Some(p) if p.as_os_str().is_empty() => None,
+        Some(p) => Some(p),
+        None => Path::new(DEFAULT_CONTAINERD_ROOT).is_dir().then(|| {
+            Path::new(DEFAULT_CONTAINERD_ROOT).join(format!("io.containerd.snapshotter.v1.{DEFAULT_PLUGIN_NAME}"))
+        }),
+    };
     let cfg = Config {
         root: a.root.or(file.root).unwrap_or_else(|| DEFAULT_ROOT.into()),
         store,
         socket: a.socket.or(file.socket).unwrap_or_else(|| DEFAULT_SOCKET.into()),
+        gc_delay: gc.then_some(delay),
+        cri_imagefs,
     };
     let lazy = tilefs_snapshotter::lazy::Lazy {
         pull: tilefs_oci::pull::PullOptions {

@@ -30,8 +30,14 @@ pub struct ImagesArgs {
 pub struct UntagArgs {
     #[command(flatten)]
     pub store: StoreArg,
-    /// Tag to remove (its objects stay until gc)
-    pub name: String,
+    /// Tag to remove (its objects stay until gc); images tilefs holds (the snapshotter's) are
+    /// refused, naming their holder
+    #[arg(required_unless_present = "orphaned", conflicts_with = "orphaned")]
+    pub name: Option<String>,
+    /// Let go of the images held by tilefs components that are gone for good (`tilefs fsck`
+    /// names them), instead of a tag
+    #[arg(long)]
+    pub orphaned: bool,
 }
 
 #[derive(Args)]
@@ -113,12 +119,36 @@ struct ImageRow {
     /// Pulled with --lazy: the absent objects are to be fetched on first
     /// read, not missing.
     lazy: bool,
+    /// Who holds it, for an image a tilefs component holds (null for the
+    /// user's tags): its id, and its record (`kind`, `root`...), what it
+    /// is (`description`) and why it is gone for good (`gone`), if it is.
+    owner: Option<serde_json::Value>,
     #[serde(skip_serializing_if = "Option::is_none")]
     error: Option<String>,
 }
 
+/// The `owner` of the rows of holder `o`.
+fn owner_json(o: &tilefs_store::owned::Owned) -> serde_json::Value {
+    let mut v = match &o.holder {
+        Ok(h) => {
+            let mut v = serde_json::to_value(h).unwrap_or_else(|_| json!({}));
+            v["description"] = json!(h.describe());
+            v["gone"] = json!(h.gone());
+            v
+        }
+        Err(e) => json!({ "error": e }),
+    };
+    v["id"] = json!(o.id);
+    v
+}
+
 /// `lazy`: the images pulled lazily (their absent objects are to come).
-fn image_row(store: &Store, t: &tags::TagInfo, lazy: &std::collections::HashSet<[u8; 32]>) -> ImageRow {
+fn image_row(
+    store: &Store,
+    t: &tags::TagInfo,
+    owner: Option<serde_json::Value>,
+    lazy: &std::collections::HashSet<[u8; 32]>,
+) -> ImageRow {
     let mut row = ImageRow {
         tag: t.name.clone(),
         path: t.path.clone(),
@@ -127,10 +157,12 @@ fn image_row(store: &Store, t: &tags::TagInfo, lazy: &std::collections::HashSet<
         external_bytes: 0,
         missing: 0,
         lazy: false,
+        owner,
         error: None,
     };
-    let read = tags::read_tag(store, &t.name)
+    let read = tags::read_listed(store, t)
         .map_err(|e| e.to_string())
+        .and_then(|bytes| bytes.ok_or_else(|| "removed meanwhile".to_string()))
         .and_then(|bytes| {
             row.lazy = !lazy.is_empty() && lazy.contains(&tilefs_image::verity::digest_bytes(&bytes));
             tilefs_image::erofs::read_image(&bytes).map_err(|e| e.to_string())
@@ -153,60 +185,37 @@ fn image_row(store: &Store, t: &tags::TagInfo, lazy: &std::collections::HashSet<
 pub fn images(a: ImagesArgs) -> Result<ExitCode> {
     let store = open_store(&a.store.path()?)?;
     let tags = tags::list_tags(&store)?;
+    let held = tilefs_store::owned::scan(&store)?;
     let lazy = tilefs_store::remote::records(&store);
-    let rows: Vec<ImageRow> = tags.par_iter().map(|t| image_row(&store, t, &lazy)).collect();
+    let mut rows: Vec<ImageRow> = tags.par_iter().map(|t| image_row(&store, t, None, &lazy)).collect();
+    // The images tilefs holds, by holder.
+    let mut sections = Vec::new();
+    for o in &held.owners {
+        let owner = owner_json(o);
+        let first = rows.len();
+        rows.extend(o.roots.iter().map(|t| image_row(&store, t, Some(owner.clone()), &lazy)));
+        let title = match &o.holder {
+            Ok(h) => match h.gone() {
+                None => format!("held by {} ({}):", h.describe(), h.released_when()),
+                Some(why) => format!(
+                    "held by {}, which is gone ({why}; `tilefs untag --orphaned` lets them go):",
+                    h.describe()
+                ),
+            },
+            Err(e) => format!("held by tilefs ({}: its record cannot be read: {e}):", o.id),
+        };
+        sections.push((title, first..rows.len()));
+    }
     let bad = rows.iter().filter(|r| r.error.is_some()).count();
     let mut out = std::io::stdout().lock();
     if a.json {
         serde_json::to_writer_pretty(&mut out, &rows)?;
         writeln!(out)?;
     } else {
-        let cells: Vec<[String; 5]> = rows
-            .iter()
-            .map(|r| match &r.error {
-                None => [
-                    r.tag.clone(),
-                    HumanBytes(r.image_bytes).to_string(),
-                    r.objects.to_string(),
-                    HumanBytes(r.external_bytes).to_string(),
-                    if r.lazy && r.missing > 0 {
-                        format!("{} (lazy)", r.missing)
-                    } else {
-                        r.missing.to_string()
-                    },
-                ],
-                Some(_) => [
-                    r.tag.clone(),
-                    HumanBytes(r.image_bytes).to_string(),
-                    "-".into(),
-                    "-".into(),
-                    "-".into(),
-                ],
-            })
-            .collect();
-        let header = ["TAG", "IMAGE SIZE", "OBJECTS", "EXTERNAL BYTES", "MISSING"].map(String::from);
-        let mut widths = header.clone().map(|h| h.len());
-        for c in &cells {
-            for (w, s) in widths.iter_mut().zip(c) {
-                *w = (*w).max(s.chars().count());
-            }
-        }
-        for c in std::iter::once(&header).chain(&cells) {
-            // Tag left-aligned, numbers right-aligned.
-            let line = format!(
-                "{:<w0$}  {:>w1$}  {:>w2$}  {:>w3$}  {:>w4$}",
-                c[0],
-                c[1],
-                c[2],
-                c[3],
-                c[4],
-                w0 = widths[0],
-                w1 = widths[1],
-                w2 = widths[2],
-                w3 = widths[3],
-                w4 = widths[4]
-            );
-            writeln!(out, "{}", line.trim_end())?;
+        print_image_table(&mut out, &rows[..tags.len()])?;
+        for (title, range) in sections.into_iter().filter(|(_, r)| !r.is_empty()) {
+            writeln!(out, "\n{title}")?;
+            print_image_table(&mut out, &rows[range])?;
         }
     }
     out.flush()?;
@@ -223,11 +232,79 @@ pub fn images(a: ImagesArgs) -> Result<ExitCode> {
     Ok(if bad > 0 { ExitCode::FAILURE } else { ExitCode::SUCCESS })
 }
 
+/// The table of `tilefs images`: tag left-aligned, numbers right-aligned.
+fn print_image_table(out: &mut impl Write, rows: &[ImageRow]) -> std::io::Result<()> {
+    let cells: Vec<[String; 5]> = rows
+        .iter()
+        .map(|r| match &r.error {
+            None => [
+                r.tag.clone(),
+                HumanBytes(r.image_bytes).to_string(),
+                r.objects.to_string(),
+                HumanBytes(r.external_bytes).to_string(),
+                if r.lazy && r.missing > 0 {
+                    format!("{} (lazy)", r.missing)
+                } else {
+                    r.missing.to_string()
+                },
+            ],
+            Some(_) => [
+                r.tag.clone(),
+                HumanBytes(r.image_bytes).to_string(),
+                "-".into(),
+                "-".into(),
+                "-".into(),
+            ],
+        })
+        .collect();
+    let header = ["TAG", "IMAGE SIZE", "OBJECTS", "EXTERNAL BYTES", "MISSING"].map(String::from);
+    let mut widths = header.clone().map(|h| h.len());
+    for c in &cells {
+        for (w, s) in widths.iter_mut().zip(c) {
+            *w = (*w).max(s.chars().count());
+        }
+    }
+    for c in std::iter::once(&header).chain(&cells) {
+        // Tag left-aligned, numbers right-aligned.
+        let line = format!(
+            "{:<w0$}  {:>w1$}  {:>w2$}  {:>w3$}  {:>w4$}",
+            c[0],
+            c[1],
+            c[2],
+            c[3],
+            c[4],
+            w0 = widths[0],
+            w1 = widths[1],
+            w2 = widths[2],
+            w3 = widths[3],
+            w4 = widths[4]
+        );
+        writeln!(out, "{}", line.trim_end())?;
+    }
+    Ok(())
+}
+
 pub fn untag(a: UntagArgs) -> Result<ExitCode> {
     let store = open_store(&a.store.path()?)?;
     say_if_waiting(&store, LockMode::Shared);
-    tags::remove_tag(&store, &a.name)?;
-    eprintln!("untagged {}: its objects stay until `tilefs gc`", a.name);
+    let Some(name) = a.name else {
+        let released = tilefs_store::owned::release_orphaned(&store)?;
+        if released.is_empty() {
+            eprintln!("no image is held by a tilefs component that is gone");
+        }
+        for (o, why) in released {
+            let who = o.holder.as_ref().map(|h| h.describe()).unwrap_or(o.id.clone());
+            let their = if o.roots.len() == 1 { "its" } else { "their" };
+            eprintln!(
+                "let go of {} held by {who}, which is gone ({why}): {}; {their} objects stay until `tilefs gc`",
+                plural(o.roots.len() as u64, "image"),
+                o.roots.iter().map(|r| r.name.as_str()).collect::<Vec<_>>().join(", ")
+            );
+        }
+        return Ok(ExitCode::SUCCESS);
+    };
+    tags::remove_tag(&store, &name)?;
+    eprintln!("untagged {name}: its objects stay until `tilefs gc`");
     Ok(ExitCode::SUCCESS)
 }
 
@@ -238,6 +315,8 @@ fn fsck_json(store: &Store, r: &FsckReport) -> serde_json::Value {
         "objects": r.objects,
         "bytes": r.bytes,
         "images": r.images,
+        "held": r.held,
+        "orphaned": r.orphaned,
         "leftovers": r.leftovers,
         "corrupt": r.corrupt,
         "corrupt_used_by": r.corrupt_used_by.iter().map(|(o, t)| json!({"object": o, "tags": t})).collect::<Vec<_>>(),
@@ -290,14 +369,30 @@ fn print_fsck(out: &mut impl Write, store: &Store, r: &FsckReport, repair: bool,
     if quiet && r.is_clean() {
         return Ok(());
     }
+    let held = if r.held > 0 {
+        format!(" and {} held by tilefs", plural(r.held, "image"))
+    } else {
+        String::new()
+    };
     writeln!(
         out,
-        "checked {} ({}) and {} in {}",
+        "checked {} ({}) and {}{held} in {}",
         plural(r.objects, "object"),
         HumanBytes(r.bytes),
         plural(r.images, "tagged image"),
         store.path().display()
     )?;
+    for o in &r.orphaned {
+        let keep = if o.images.len() == 1 { "keeps its" } else { "keep their" };
+        writeln!(
+            out,
+            "warning: {} held by {}, which is gone ({}), {keep} objects: `tilefs untag --orphaned` lets them go ({})",
+            plural(o.images.len() as u64, "image"),
+            o.holder.as_deref().unwrap_or(&o.owner),
+            o.why,
+            o.images.join(", ")
+        )?;
+    }
     for (tag, n) in &r.not_fetched {
         writeln!(
             out,
@@ -451,7 +546,13 @@ pub fn gc(a: GcArgs) -> Result<ExitCode> {
     if !a.quiet {
         say_if_waiting(&store, LockMode::Exclusive);
     }
-    let r = tilefs_store::gc::gc(&store, &GcOptions { dry_run: a.dry_run })?;
+    let r = tilefs_store::gc::gc(
+        &store,
+        &GcOptions {
+            dry_run: a.dry_run,
+            ..GcOptions::default()
+        },
+    )?;
     if a.quiet {
         return Ok(ExitCode::SUCCESS);
     }
@@ -470,6 +571,9 @@ pub fn gc(a: GcArgs) -> Result<ExitCode> {
             HumanBytes(r.leftover_bytes_removed)
         )?;
         let mut by = vec![plural(r.images, "tagged image")];
+        if r.held > 0 {
+            by.push(format!("{} held by tilefs", plural(r.held, "image")));
+        }
         if r.mounts > 0 {
             by.push(plural(r.mounts, "live mount"));
         }

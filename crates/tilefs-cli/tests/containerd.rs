@@ -106,7 +106,8 @@ impl Rig {
             &self.root,
             &self.store,
             &self.snap_sock,
-            &[],
+            // Removed snapshots' objects collected a second after.
+            &["--gc-delay", "1"],
             &self.area.join("snapshotter.log"),
         ));
         // containerd's gRPC client reconnects to a restarted plugin after
@@ -178,11 +179,11 @@ impl Rig {
     }
 
     /// Waits until the snapshotter stored every committed snapshot's layer
-    /// (it does after Commit returns): one image tag each.
+    /// (it does after Commit returns): one held image each.
     fn settle(&self) {
         let t = Instant::now();
         loop {
-            let (tags, committed) = (tags_in(&self.store).len(), self.committed().len());
+            let (tags, committed) = (held_images(&self.store).len(), self.committed().len());
             if tags == committed {
                 return;
             }
@@ -369,12 +370,15 @@ fn containerd_pulls_runs_and_shares_files_through_tilefs() {
     // same entries, files, objects, modes, owners and xattrs.
     let pulled_store = area.dir("pulled");
     let digest = common::oci::pull(&pulled_store, &format!("docker://{a}"), &["--tag", "a"]);
-    let images: Vec<String> = tags_in(&rig.store);
-    let last = images
-        .iter()
-        .max_by_key(|t| t.rsplit('-').next().and_then(|n| n.parse::<u64>().ok()))
+    let ours = held_images(&rig.store)
+        .into_iter()
+        .max_by_key(|p| {
+            p.to_string_lossy()
+                .rsplit('-')
+                .next()
+                .and_then(|n| n.parse::<u64>().ok())
+        })
         .unwrap();
-    let ours = rig.store.join("images").join(last);
     if digest_hex(&ours) != digest {
         let dump = |p: &Path| {
             ok(Command::new(tilefs_bin()).arg("dump").arg(p))
@@ -517,6 +521,87 @@ fn containerd_pulls_runs_and_shares_files_through_tilefs() {
     assert_eq!(out.lines().next(), Some("hello from a"), "{out}");
     assert!(out.contains(&want_md5), "{out}");
     assert_eq!(rig.run_in(&a, "c4", "cat /etc/msg"), "hello from a");
+
+    // What a running container uses is never collected: the snapshotter's
+    // images are listed apart from the user's tags, `untag` refuses them
+    // naming their holder, gc keeps their objects and the container reads
+    // on (from the disk: caches dropped).
+    let held = held_images(&rig.store);
+    assert_eq!(held.len(), rig.committed().len(), "{held:?}");
+    assert!(tags_in(&rig.store).is_empty(), "{:?}", tags_in(&rig.store));
+    let holder = format!("held by the containerd snapshotter at {}", rig.root.display());
+    let listing = ok(Command::new(tilefs_bin()).args(["images", "--store"]).arg(&rig.store));
+    let (mine, theirs) = listing
+        .split_once(&holder)
+        .unwrap_or_else(|| panic!("no section of held images: {listing}"));
+    let names: Vec<&str> = held.iter().map(|p| p.file_name().unwrap().to_str().unwrap()).collect();
+    assert!(
+        names.iter().all(|n| theirs.contains(n) && !mine.contains(n)),
+        "{listing}"
+    );
+    let json: serde_json::Value = serde_json::from_str(&ok(Command::new(tilefs_bin())
+        .args(["images", "--json", "--store"])
+        .arg(&rig.store)))
+    .unwrap();
+    assert!(
+        json.as_array().unwrap().iter().all(|r| r["owner"]["kind"] == "containerd-snapshotter"
+            && r["owner"]["root"] == rig.root.to_str().unwrap()),
+        "{json}"
+    );
+    for name in &names {
+        let out = run(Command::new(tilefs_bin())
+            .args(["untag", "--store"])
+            .arg(&rig.store)
+            .arg(name));
+        assert!(!out.status.success(), "untag of {name} was not refused");
+        let why = stderr(&out);
+        assert!(
+            why.contains(&holder) && why.contains("when containerd removes the snapshot"),
+            "{why}"
+        );
+    }
+    let gc = |store: &Path| -> serde_json::Value {
+        serde_json::from_str(&ok(Command::new(tilefs_bin())
+            .args(["gc", "--json", "--store"])
+            .arg(store)))
+        .unwrap()
+    };
+    let r = gc(&rig.store);
+    assert_eq!(
+        (r["objects_removed"].as_u64(), r["held"].as_u64()),
+        (Some(0), Some(held.len() as u64)),
+        "{r}"
+    );
+    let exec_reads = |rig: &Rig, id: &str| {
+        let _ = fs::write("/proc/sys/vm/drop_caches", "3");
+        let out = ok(rig.ctr().args([
+            "tasks",
+            "exec",
+            "--exec-id",
+            id,
+            "long",
+            "/bin/sh",
+            "-c",
+            "cat /etc/msg; echo; md5sum /data/own-0",
+        ]));
+        assert_eq!(out.lines().next(), Some("hello from a"), "{out}");
+        assert!(out.contains(&want_md5), "{out}");
+    };
+    exec_reads(&rig, "e2");
+    // A store of an older tilefs, whose snapshotter tagged its images in
+    // images/ as the user's: the next start holds them again, each written
+    // held before its tag goes.
+    rig.stop_snapshotter("-KILL");
+    fs::create_dir_all(rig.store.join("images")).unwrap();
+    for p in &held {
+        fs::rename(p, rig.store.join("images").join(p.file_name().unwrap())).unwrap();
+    }
+    fs::remove_dir_all(rig.store.join(".owned")).unwrap();
+    rig.start_snapshotter();
+    assert_eq!(held_images(&rig.store), held, "not held again after the start");
+    assert!(tags_in(&rig.store).is_empty(), "{:?}", tags_in(&rig.store));
+    assert_eq!(gc(&rig.store)["objects_removed"].as_u64(), Some(0));
+    exec_reads(&rig, "e3");
     ok(rig.ctr().args(["tasks", "kill", "-s", "SIGKILL", "long"]));
     let t = Instant::now();
     while !run(rig.ctr().args(["tasks", "delete", "long"])).status.success() {
@@ -525,20 +610,27 @@ fn containerd_pulls_runs_and_shares_files_through_tilefs() {
     }
     ok(rig.ctr().args(["containers", "delete", "long"]));
 
-    // gc: the images removed, containerd removes their snapshots, and
-    // `tilefs gc` frees the objects.
+    // gc: the images removed, containerd removes their snapshots, and the
+    // snapshotter frees their objects a second after, with no `tilefs gc`.
     ok(rig.ctr().args(["images", "rm", "--sync", &a, &b]));
     let t = Instant::now();
-    while !rig.committed().is_empty() {
+    while !rig.committed().is_empty() || objects_in(&rig.store) > 0 {
         assert!(
             t.elapsed() < Duration::from_secs(30),
-            "containerd's gc left {:?}",
-            rig.committed()
+            "containerd's gc left {:?}, and {} objects are left",
+            rig.committed(),
+            objects_in(&rig.store)
         );
         std::thread::sleep(Duration::from_millis(200));
     }
-    ok(Command::new(tilefs_bin()).args(["gc", "--store"]).arg(&rig.store));
-    assert_eq!(objects_in(&rig.store), 0, "objects left after the snapshots went");
+    let log = fs::read_to_string(rig.area.join("snapshotter.log")).unwrap();
+    assert!(log.contains("tilefs snapshotter: collected "), "{log}");
+    assert!(held_images(&rig.store).is_empty());
+    assert_eq!(
+        gc(&rig.store)["objects_removed"].as_u64(),
+        Some(0),
+        "left for a manual gc"
+    );
     let leftover: Vec<_> = fs::read_dir(rig.root.join("snapshots")).unwrap().flatten().collect();
     assert!(leftover.is_empty(), "{leftover:?}");
     drop(rig);
@@ -666,7 +758,7 @@ fn a_failed_commit_gives_the_snapshot_back_and_renamed_directories_commit() {
     // succeeded (it only switches the record), a mount on it fails.
     let v = area.dir("v1");
     {
-        let _frozen = Immutable::set(&rig.store.join("images"));
+        let _frozen = Immutable::set(held_images(&rig.store)[0].parent().unwrap());
         ok(rig.snapshots().args(["commit", "done", "act"]));
         let err = rig
             .view("v1", "done")
@@ -915,13 +1007,9 @@ fn hostile_layers_write_nothing_outside_and_read_nothing_outside() {
     // gc after the failed pulls).
     assert!(pulled[0], "the image of symlinks and .. names was refused");
     rig.settle();
-    let dumps: Vec<String> = tags_in(&rig.store)
+    let dumps: Vec<String> = held_images(&rig.store)
         .iter()
-        .map(|t| {
-            ok(Command::new(tilefs_bin())
-                .arg("dump")
-                .arg(rig.store.join("images").join(t)))
-        })
+        .map(|t| ok(Command::new(tilefs_bin()).arg("dump").arg(t)))
         .collect();
     // containerd's differ keeps `..` names and paths through symlinks in
     // the snapshot (it resolves them in the upper directory, which has no
@@ -937,6 +1025,38 @@ fn hostile_layers_write_nothing_outside_and_read_nothing_outside() {
             .any(|d| inside.iter().all(|p| d.lines().any(|l| l.starts_with(p.as_str())))),
         "no chain holds {inside:?}: {dumps:#?}"
     );
+
+    // A snapshotter gone for good (its state removed) leaves its images
+    // held: fsck names them, gc keeps them, `untag --orphaned` lets them go.
+    let mut rig = rig;
+    rig.stop_snapshotter("-TERM");
+    let held = held_images(&rig.store);
+    assert!(!held.is_empty());
+    fs::rename(rig.root.join("metadata"), rig.root.join("metadata.gone")).unwrap();
+    let store = rig.store.clone();
+    let tilefs_in = |args: &[&str]| ok(Command::new(tilefs_bin()).args(args).arg("--store").arg(&store));
+    let fsck = tilefs_in(&["fsck"]);
+    assert!(
+        fsck.contains(&format!(
+            "held by the containerd snapshotter at {}, which is gone",
+            rig.root.display()
+        )) && fsck.contains("tilefs untag --orphaned"),
+        "{fsck}"
+    );
+    let objects = objects_in(&store);
+    tilefs_in(&["gc"]);
+    assert_eq!(objects_in(&store), objects, "gc collected what an orphaned image holds");
+    let out = run(Command::new(tilefs_bin())
+        .args(["untag", "--orphaned", "--store"])
+        .arg(&store));
+    assert!(
+        out.status.success() && stderr(&out).contains("which is gone"),
+        "{}",
+        stderr(&out)
+    );
+    assert!(held_images(&store).is_empty());
+    tilefs_in(&["gc"]);
+    assert_eq!(objects_in(&store), 0);
     drop(rig);
 }
 

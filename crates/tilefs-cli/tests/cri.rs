@@ -209,7 +209,16 @@ state = "{state}"
     }
 
     pub fn start_snapshotter(&mut self) {
-        let args: Vec<&str> = self.snapshotter_args.iter().map(String::as_str).collect();
+        // Removed snapshots' objects collected a second after; CRI's image
+        // filesystem path where this containerd's CRI says it is.
+        let imagefs = format!(
+            "--cri-imagefs={}",
+            self.area.join("croot/io.containerd.snapshotter.v1.tilefs").display()
+        );
+        let args: Vec<&str> = ["--gc-delay=1", imagefs.as_str()]
+            .into_iter()
+            .chain(self.snapshotter_args.iter().map(String::as_str))
+            .collect();
         self.snapshotter = Some(common::spawn_snapshotter(
             &self.root,
             &self.store,
@@ -426,11 +435,11 @@ state = "{state}"
     }
 
     /// Waits until the snapshotter stored every committed snapshot's layer
-    /// (it does after Commit returns): one image tag each.
+    /// (it does after Commit returns): one held image each.
     pub fn settle(&self) {
         wait_for("the snapshotter storing every layer", Duration::from_secs(120), || {
             let committed = self.snapshot_list().iter().filter(|s| s.2 == "Committed").count();
-            tags_in(&self.store).len() == committed
+            held_images(&self.store).len() == committed
         });
     }
 
@@ -775,6 +784,55 @@ fn cri_pulls_and_runs_a_pod_on_tilefs() {
     rig.restart_snapshotter();
     let logs = rig.run_pod_and_container(&image, "cat /etc/msg");
     assert_eq!(logs.trim_end(), "hello through CRI");
+
+    // The image filesystem CRI reports (for the kubelet's image gc) is a
+    // directory that exists: the store's.
+    let info: serde_json::Value = serde_json::from_str(&ok(rig.crictl().args(["imagefsinfo", "-o", "json"]))).unwrap();
+    let fs_path = info["status"]["imageFilesystems"][0]["fsId"]["mountpoint"]
+        .as_str()
+        .unwrap_or_else(|| panic!("no image filesystem: {info}"));
+    assert!(Path::new(fs_path).is_dir(), "{fs_path} (imagefsinfo) is no directory");
+    assert_eq!(
+        fs::canonicalize(fs_path).unwrap(),
+        fs::canonicalize(&rig.store).unwrap(),
+        "{fs_path} is not the store"
+    );
+
+    // `crictl rmi`: containerd removes the image's snapshots and the
+    // snapshotter gives the space back a second after, no `tilefs gc` run.
+    let bytes_of_objects = || -> u64 {
+        fs::read_dir(&rig.store)
+            .unwrap()
+            .flatten()
+            .filter(|e| e.file_name().len() == 2)
+            .flat_map(|e| fs::read_dir(e.path()).unwrap().flatten())
+            .map(|o| o.metadata().unwrap().len())
+            .sum()
+    };
+    let (held, before) = (held_images(&rig.store).len(), bytes_of_objects());
+    ok(rig.crictl().args(["rmi", &image]));
+    let removable = || -> u64 {
+        let out = ok(Command::new(tilefs_bin())
+            .args(["gc", "--dry-run", "--json", "--store"])
+            .arg(&rig.store));
+        serde_json::from_str::<serde_json::Value>(&out).unwrap()["objects_removed"]
+            .as_u64()
+            .unwrap()
+    };
+    wait_for(
+        "the snapshotter collecting the image's objects",
+        Duration::from_secs(60),
+        || held_images(&rig.store).len() < held && removable() == 0,
+    );
+    let after = bytes_of_objects();
+    // The app's own 9 files of 16 KiB at least (busybox is the pause
+    // image's too).
+    assert!(
+        after + 9 * (16 << 10) <= before,
+        "{before} bytes of objects before, {after} after"
+    );
+    let log = fs::read_to_string(area.path("snapshotter.log")).unwrap();
+    assert!(log.contains("tilefs snapshotter: collected "), "{log}");
     drop(rig);
 }
 

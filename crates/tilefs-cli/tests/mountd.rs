@@ -1254,3 +1254,71 @@ fn the_service_reads_only_files_root_alone_could_write() {
     assert!(stderr(&out).contains(&roots.display().to_string()), "{}", stderr(&out));
     assert!(!is_mounted(&mnt));
 }
+
+/// A delegated mount keeps its image's objects whatever root does to the
+/// tags (`tilefs untag` of every tag of them, then `tilefs gc`): one the
+/// service attached for its caller, and one it handed over to a caller in
+/// a user and mount namespace of its own (`unshare -Urm`), attached there,
+/// where gc (here) cannot see it by path. Once that namespace is gone, so
+/// is its root; unmounted, so is the other's.
+#[test]
+fn a_delegated_mount_keeps_its_image_through_untag_and_gc() {
+    let _serial = serial();
+    let mut s = setup("");
+    let gc = |store: &Path| -> serde_json::Value {
+        let out = tilefs(&[os("gc"), os("--json"), os("--store"), store.as_os_str()]);
+        serde_json::from_slice(&out.stdout).unwrap()
+    };
+    let counts = |r: &serde_json::Value| (r["objects_removed"].as_u64().unwrap(), r["mounts"].as_u64().unwrap());
+    let here = s.mountpoint("here");
+    ok(&s.mount_as_nobody("os:1", &here, &[]));
+    // In its own namespaces, the caller mounts, says so, and reads the
+    // file once it gets a line.
+    let there = s.mountpoint("there");
+    let script = format!(
+        "{t} mount --delegated --store {st} os:1 {m} && echo mounted && read go && cat {m}/hello",
+        t = tilefs_bin().display(),
+        st = s.store.display(),
+        m = there.display(),
+    );
+    let mut cmd = Command::new("unshare");
+    cmd.args(["-Urm", "sh", "-c", &script])
+        .env("TILEFS_MOUNTD_SOCKET", &s.service.socket)
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped());
+    struct Reap(Child);
+    impl Drop for Reap {
+        fn drop(&mut self) {
+            let _ = self.0.kill();
+            let _ = self.0.wait();
+        }
+    }
+    let mut sh = Reap(as_nobody(&mut cmd).spawn().unwrap());
+    let mut lines = BufReader::new(sh.0.stdout.take().unwrap()).lines();
+    assert_eq!(
+        lines.next().and_then(Result::ok).as_deref(),
+        Some("mounted"),
+        "{}",
+        s.service.log()
+    );
+    assert!(!is_mounted(&there), "the namespace's mount is visible here");
+    for tag in ["os:1", "other"] {
+        tilefs(&[os("untag"), os("--store"), s.store.as_os_str(), os(tag)]);
+    }
+    let r = gc(&s.store);
+    assert_eq!(counts(&r), (0, 2), "{r}");
+    let _ = fs::write("/proc/sys/vm/drop_caches", "3");
+    let cat = s.as_nobody(Path::new("/bin/cat"), &[here.join("hello").as_os_str()]);
+    assert_eq!(cat.stdout, b"hello from a delegated mount");
+    std::io::Write::write_all(sh.0.stdin.as_mut().unwrap(), b"go\n").unwrap();
+    assert_eq!(
+        lines.next().and_then(Result::ok).as_deref(),
+        Some("hello from a delegated mount")
+    );
+    assert!(sh.0.wait().unwrap().success());
+    // That namespace gone, one mount keeps the objects; unmounted, none.
+    assert_eq!(counts(&gc(&s.store)), (0, 1));
+    ok(&s.umount_as_nobody(&here));
+    let r = gc(&s.store);
+    assert!(r["objects_removed"].as_u64().unwrap() > 0 && r["mounts"] == 0, "{r}");
+}

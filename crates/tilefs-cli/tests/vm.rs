@@ -695,6 +695,15 @@ fn a_killed_vmm_loses_no_synced_write_and_the_next_boots_with_the_image_as_root(
         std::thread::sleep(Duration::from_millis(100));
     }
     assert!(server.running(), "the server exited with the killed VMM:\n{}", slog());
+    // While served, the image (built by path: no tag keeps it) is a gc
+    // root: gc removes none of the objects the next guest boots from.
+    let out = tilefs(&[os("gc"), os("--json"), os("--store"), store.as_os_str()]);
+    let r: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(
+        (r["objects_removed"].as_u64(), r["mounts"].as_u64()),
+        (Some(0), Some(1)),
+        "{r}"
+    );
 
     // The next VMM on the same socket: its guest's root is the image.
     let boot = make_initramfs(a.tmp.path(), "switch-root", &format!("{INIT_START}{SWITCH_ROOT}"));

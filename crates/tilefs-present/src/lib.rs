@@ -486,6 +486,22 @@ fn fuse(
     })
 }
 
+/// Records `server`, which serves `spec` over another transport than a
+/// mount (a VM's virtio-fs device), as a gc root of its store for as long
+/// as the returned record (the serving process) lives, as a FUSE mount's
+/// is.
+pub fn record_served(
+    spec: &tilefs_fuse::ServeSpec,
+    server: &tilefs_fuse::Server,
+) -> Result<tilefs_store::mounts::MountRecord, Error> {
+    let store = Store::open(&spec.store)?;
+    Ok(tilefs_store::mounts::register_fuse(
+        &store,
+        server.image_bytes(),
+        &tilefs_store::mounts::FuseWhere::default(),
+    )?)
+}
+
 /// What a server of another transport than a mount (a virtio-fs device
 /// for a VM) serves: `image` (a file, or a tag in `store`) from `store`,
 /// writable with `upper` (upper and work directories), a lazily pulled

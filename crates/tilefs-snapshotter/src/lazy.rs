@@ -43,7 +43,7 @@ pub const LABEL_IMAGE_REF: &str = "containerd.io/snapshot/cri.image-ref";
 pub const LABEL_MANIFEST: &str = "containerd.io/snapshot/cri.manifest-digest";
 pub const LABEL_LAYER: &str = "containerd.io/snapshot/cri.layer-digest";
 
-/// Serves the lazily pulled image tagged `tag` in store `store` at
+/// Serves the lazily pulled image `image` (a file, or a tag) of store `store` at
 /// `mountpoint`, read-only and open to every user (overlayfs reads it
 /// for the container), in the background until it is unmounted; returns
 /// once it is mounted.

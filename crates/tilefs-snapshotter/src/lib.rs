@@ -11,8 +11,9 @@
 //!   writing; no object changes after it is stored.
 //! - Each committed snapshot's chain is one EROFS image, flattened from
 //!   its layers by the code and rules of `tilefs pull` (so the same bytes
-//!   as a pull of the same OCI image), built once at Commit and tagged in
-//!   the store (a gc root while the snapshot exists).
+//!   as a pull of the same OCI image), built once at Commit and held in
+//!   the store ([`tilefs_store::owned`]: a gc root while the snapshot
+//!   exists, which `tilefs untag` does not remove).
 //! - Mounts returns one kernel overlay mount, which containerd mounts
 //!   itself: the chain's EROFS image (mounted here, read-only, under
 //!   `ROOT/mnt/ID`) with the store as its data-only lower layer, and the
@@ -34,6 +35,8 @@
 //!   fetches files on first read, below their overlay. A Commit over such
 //!   an image keeps its upper directory as its layer (flattening the chain
 //!   would fetch the whole image), a lower directory of the mounts above.
+//! - Remove gives the space back ([`collect`]): the objects of the images
+//!   of removed snapshots are collected a while after the last Remove.
 //! - Commit does not wait for the disk: the layer's files (which
 //!   containerd wrote without syncing) are synced in the background, and a
 //!   committed snapshot is marked synced after. One that a crash left
@@ -41,6 +44,7 @@
 //!   removed.
 
 pub mod claim;
+pub mod collect;
 pub mod filter;
 pub mod layer;
 pub mod lazy;
@@ -56,12 +60,12 @@ use std::time::SystemTime;
 use tilefs_oci::apply::Applier;
 use tilefs_oci::compat;
 use tilefs_store::ingest::{Ingest, Method};
+use tilefs_store::owned::{self, Holder};
 use tilefs_store::{tags, Store};
 use tonic::{Code, Status};
 
-/// Where the snapshotter keeps things.
-#[derive(Debug, Clone, serde::Deserialize)]
-#[serde(deny_unknown_fields)]
+/// Where the snapshotter keeps things, and what it does by itself.
+#[derive(Debug, Clone)]
 pub struct Config {
     /// Its state: records, upper directories, EROFS mounts.
     pub root: PathBuf,
@@ -69,7 +73,24 @@ pub struct Config {
     pub store: PathBuf,
     /// The unix socket containerd connects to.
     pub socket: PathBuf,
+    /// How long after the last Remove the objects removed snapshots used
+    /// are collected ([`collect`]); None: never (`tilefs gc` does).
+    pub gc_delay: Option<std::time::Duration>,
+    /// Where containerd's CRI plugin says a proxy snapshotter's images
+    /// are (`CONTAINERD_ROOT/io.containerd.snapshotter.v1.NAME`, which
+    /// `crictl imagefsinfo` and the kubelet's image gc read): made a
+    /// symlink to the store at start ([`link_imagefs`]).
+    pub cri_imagefs: Option<PathBuf>,
 }
+
+/// The collection delay unless configured.
+pub const DEFAULT_GC_DELAY: std::time::Duration = std::time::Duration::from_secs(10);
+/// containerd's default root: where CRI's path for a proxy snapshotter
+/// named `tilefs` is, unless configured.
+pub const DEFAULT_CONTAINERD_ROOT: &str = "/var/lib/containerd";
+/// The name of the plugin in containerd's `proxy_plugins` that the README
+/// gives (CRI's path for it ends in it).
+pub const DEFAULT_PLUGIN_NAME: &str = "tilefs";
 
 /// The worker's nice value: storing layers yields the CPU to the unpack
 /// of the next one, which a pull waits for.
@@ -93,8 +114,11 @@ pub struct Tilefs {
 struct Shared {
     root: PathBuf,
     store: PathBuf,
-    /// Tags of committed snapshots' images: this prefix and the id.
+    /// Who holds the committed snapshots' images in the store.
+    holder: Holder,
+    /// Names of committed snapshots' images: this prefix and the id.
     tag_prefix: String,
+    collector: Arc<collect::Collector>,
     inner: Mutex<Inner>,
     /// Held by the one background sync that runs.
     syncing: Mutex<()>,
@@ -191,7 +215,8 @@ fn internal(e: impl std::fmt::Display) -> Error {
 impl Tilefs {
     /// Opens (creating) the snapshotter's root and store, loads the records
     /// and removes what a crash left behind.
-    pub fn open(root: &Path, store: &Path, lazy: Option<lazy::Lazy>) -> Result<Tilefs, String> {
+    pub fn open(cfg: &Config, lazy: Option<lazy::Lazy>) -> Result<Tilefs, String> {
+        let (root, store) = (cfg.root.as_path(), cfg.store.as_path());
         for d in [state::METADATA, state::SNAPSHOTS, state::MOUNTS, state::EMPTY] {
             let p = root.join(d);
             std::fs::create_dir_all(&p).map_err(|e| format!("{}: cannot create: {e}", p.display()))?;
@@ -219,9 +244,10 @@ impl Tilefs {
                 ));
             }
         }
-        let mut h = <sha2::Sha256 as sha2::Digest>::new();
-        sha2::Digest::update(&mut h, root.as_os_str().as_encoded_bytes());
-        let tag_prefix = format!("snapshotter-{}-", &hex::encode(sha2::Digest::finalize(h))[..12]);
+        let holder = Holder::ContainerdSnapshotter { root: root.clone() };
+        let tag_prefix = format!("{}-", holder.id());
+        adopt_tags(&store, &holder, &tag_prefix)?;
+        let collector = collect::Collector::start(&store, &root, cfg.gc_delay)?;
         let records = state::load(&root)?;
         let mut next_id = records.iter().map(|r| r.id).max().unwrap_or(0) + 1;
         if let Ok(rd) = std::fs::read_dir(root.join(state::SNAPSHOTS)) {
@@ -245,7 +271,9 @@ impl Tilefs {
             s: Arc::new(Shared {
                 root,
                 store,
+                holder,
                 tag_prefix,
+                collector,
                 inner: Mutex::new(Inner {
                     by_key,
                     next_id,
@@ -295,6 +323,67 @@ impl Tilefs {
     pub fn root(&self) -> &Path {
         &self.s.root
     }
+}
+
+/// Makes the snapshotter `holder` of its images in the store: registered
+/// first, then the tags an older tilefs kept them as
+/// (`STORE/images/snapshotter-HASH-ID`, which `tilefs untag` could remove
+/// under a running container) made its held images, each written held
+/// before its tag goes (a crash between leaves both; the next start ends
+/// the move).
+fn adopt_tags(store: &Path, holder: &Holder, prefix: &str) -> Result<(), String> {
+    let s = Store::open(store).map_err(|e| e.to_string())?;
+    owned::register(&s, holder).map_err(|e| e.to_string())?;
+    let mut moved = 0;
+    // A store whose tags cannot be listed has none of ours to move (fsck
+    // says what is wrong with it).
+    for t in tags::list_tags(&s).unwrap_or_default() {
+        if t.name.strip_prefix(prefix).is_some_and(|id| id.parse::<u64>().is_ok()) {
+            owned::adopt(&s, holder, &t.name).map_err(|e| e.to_string())?;
+            moved += 1;
+        }
+    }
+    if moved > 0 {
+        eprintln!(
+            "tilefs snapshotter: the images of {moved} snapshots, tagged in {} by an older tilefs, are held apart from \
+             the user's tags now (in {})",
+            store.display(),
+            owned::root_path(&s, holder, "").display()
+        );
+    }
+    Ok(())
+}
+
+/// Makes `link` a symlink to `store`: the path containerd's CRI plugin
+/// reports as the image filesystem of a proxy snapshotter
+/// (`crictl imagefsinfo`, the kubelet's image gc, which measures the
+/// filesystem that path is on: the store's, where the images are). A
+/// symlink elsewhere is replaced; anything else there is left alone.
+pub fn link_imagefs(link: &Path, store: &Path) -> Result<(), String> {
+    match std::fs::read_link(link) {
+        Ok(to) if to == store => return Ok(()),
+        Ok(_) => {}
+        Err(_) if std::fs::symlink_metadata(link).is_ok() => {
+            return Err(format!(
+                "{}: exists and is no symlink: left as it is (CRI reports it as the image filesystem)",
+                link.display()
+            ))
+        }
+        Err(_) => {}
+    }
+    let dir = link
+        .parent()
+        .filter(|d| !d.as_os_str().is_empty())
+        .unwrap_or(Path::new("."));
+    std::fs::create_dir_all(dir).map_err(|e| format!("{}: cannot create: {e}", dir.display()))?;
+    let tmp = dir.join(format!(".tilefs-imagefs-{}", std::process::id()));
+    let _ = std::fs::remove_file(&tmp);
+    std::os::unix::fs::symlink(store, &tmp)
+        .and_then(|()| std::fs::rename(&tmp, link))
+        .map_err(|e| {
+            let _ = std::fs::remove_file(&tmp);
+            format!("{}: cannot link it to {}: {e}", link.display(), store.display())
+        })
 }
 
 /// Runs `f` on a thread that may block.
@@ -504,6 +593,8 @@ impl Shared {
                 };
                 let report =
                     tilefs_oci::pull::pull(&store, &t.reference, &tag, &opts).map_err(|e| failed(e.to_string()))?;
+                // The pull tags it: held from here, as every image of ours.
+                owned::adopt(&store, &self.holder, &tag).map_err(|e| failed(e.to_string()))?;
                 Some(report.digest)
             }
         };
@@ -527,7 +618,7 @@ impl Shared {
         if inner.by_key.contains_key(&name) {
             // Made meanwhile by another Prepare.
             drop(inner);
-            let _ = tags::remove_tag(&store, &tag);
+            let _ = self.remove_tag(id);
             return claim(&name);
         }
         state::save(&self.root, &r).map_err(failed)?;
@@ -761,11 +852,12 @@ impl Shared {
 
     /// [`Shared::ensure_mounted`], its mount lock held.
     fn mount_image(&self, r: &Record) -> Result<PathBuf, Error> {
-        let tag = self.tag(r.id);
         let mnt = state::mount_dir(&self.root, r.id);
         if tilefs_mount::is_mount_root(&mnt) {
             return Ok(mnt);
         }
+        let store = Store::open(&self.store).map_err(internal)?;
+        let image = owned::root_path(&store, &self.holder, &self.tag(r.id));
         std::fs::create_dir_all(&mnt).map_err(|e| internal(format!("{}: cannot create: {e}", mnt.display())))?;
         if r.lazy {
             let lz = self.lazy.as_ref().ok_or_else(|| {
@@ -774,12 +866,10 @@ impl Shared {
                     r.key
                 ))
             })?;
-            (lz.mount)(&self.store, &tag, &mnt)
+            (lz.mount)(&self.store, &image.to_string_lossy(), &mnt)
                 .map_err(|e| internal(format!("snapshot {:?}: cannot mount its image: {e}", r.key)))?;
             return Ok(mnt);
         }
-        let store = Store::open(&self.store).map_err(internal)?;
-        let image = tags::tag_path(&store, &tag);
         tilefs_mount::mount_erofs_at(&image, &mnt, tilefs_mount::ErofsBacking::Auto)
             .map_err(|e| internal(format!("snapshot {:?}: cannot mount its image: {e}", r.key)))?;
         Ok(mnt)
@@ -1222,7 +1312,7 @@ impl Shared {
         let (_, image) =
             compat::write_image(applier).map_err(|e| internal(format!("commit: cannot write the image: {e}")))?;
         ingest.finish().map_err(internal)?;
-        tags::write_tag(&store, &self.tag(id), &image.bytes).map_err(internal)?;
+        owned::write_root(&store, &self.holder, &self.tag(id), &image.bytes).map_err(internal)?;
         let copied = ingest.stats.copied.load(std::sync::atomic::Ordering::Relaxed);
         drop(ingest);
         drop(claimed);
@@ -1243,13 +1333,28 @@ impl Shared {
         Ok((hex::encode(image.digest), usage))
     }
 
+    /// Lets go of snapshot `id`'s image (if it has one).
     fn remove_tag(&self, id: u64) -> Result<(), Error> {
         let store = Store::open(&self.store).map_err(internal)?;
-        match tags::remove_tag(&store, &self.tag(id)) {
-            Ok(()) => Ok(()),
-            Err(_) if !tags::tag_path(&store, &self.tag(id)).exists() => Ok(()),
-            Err(e) => Err(internal(e)),
+        owned::remove_root(&store, &self.holder, &self.tag(id))
+            .map(drop)
+            .map_err(internal)
+    }
+
+    /// Lets go of snapshot `id`'s image, its objects handed to the
+    /// collector.
+    fn release_image(&self, id: u64) -> Result<(), Error> {
+        let store = Store::open(&self.store).map_err(internal)?;
+        // An image that cannot be read frees nothing it would name.
+        let objects = owned::read_root(&store, &self.holder, &self.tag(id))
+            .ok()
+            .flatten()
+            .and_then(|bytes| tilefs_store::gc::objects_of(&bytes).ok());
+        self.remove_tag(id)?;
+        if let Some(objects) = objects {
+            self.collector.add(objects);
         }
+        Ok(())
     }
 
     fn remove(&self, key: &str) -> Result<(), Error> {
@@ -1286,7 +1391,7 @@ impl Shared {
             let _one = lock.lock().unwrap_or_else(|e| e.into_inner());
             unmount(&state::mount_dir(&self.root, id));
             self.mounting.lock().unwrap_or_else(|e| e.into_inner()).remove(&id);
-            self.remove_tag(id)?;
+            self.release_image(id)?;
         }
         let removed = remove_snapshot_dir(&state::snapshot_dir(&self.root, id)).map_err(internal);
         // Upper directories this one held as lowers, or that were in use,
@@ -1440,18 +1545,18 @@ impl Shared {
             }
         }
         let store = Store::open(&self.store).map_err(internal)?;
-        if let Ok(list) = tags::list_tags(&store) {
-            for t in list {
-                let Some(id) = t
-                    .name
-                    .strip_prefix(&self.tag_prefix)
-                    .and_then(|i| i.parse::<u64>().ok())
-                else {
-                    continue;
-                };
-                if ids.get(&id) != Some(&SnapKind::Committed) && !busy.contains(&id) {
-                    let _ = tags::remove_tag(&store, &t.name);
-                }
+        let held = owned::scan(&store).map_err(internal)?;
+        let ours = held.owners.iter().filter(|o| o.id == self.holder.id());
+        for t in ours.flat_map(|o| &o.roots) {
+            let Some(id) = t
+                .name
+                .strip_prefix(&self.tag_prefix)
+                .and_then(|i| i.parse::<u64>().ok())
+            else {
+                continue;
+            };
+            if ids.get(&id) != Some(&SnapKind::Committed) && !busy.contains(&id) {
+                let _ = self.release_image(id);
             }
         }
         Ok(())
@@ -1610,7 +1715,16 @@ impl Snapshotter for Tilefs {
 
 /// Serves the snapshotter on `cfg.socket` until SIGINT or SIGTERM.
 pub fn serve(cfg: &Config, lazy: Option<lazy::Lazy>, ready: impl FnOnce(&Path)) -> Result<(), String> {
-    let snap = Tilefs::open(&cfg.root, &cfg.store, lazy)?;
+    let snap = Tilefs::open(cfg, lazy)?;
+    if let Some(link) = &cfg.cri_imagefs {
+        match link_imagefs(link, &snap.s.store) {
+            Ok(()) => eprintln!(
+                "tilefs snapshotter: {} (CRI's image filesystem) leads to the store",
+                link.display()
+            ),
+            Err(e) => eprintln!("tilefs snapshotter: {e}"),
+        }
+    }
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .max_blocking_threads(16)

@@ -1,5 +1,6 @@
-//! `fsck`: every object's digest recomputed, every tagged image's references
-//! checked.
+//! `fsck`: every object's digest recomputed, the references of every tagged
+//! image and every image a tilefs component holds checked; holders gone
+//! for good named.
 //!
 //! fsck holds the store lock shared (as builds do), so a gc cannot remove
 //! objects under it while builds may go on: an object appears only whole,
@@ -34,6 +35,11 @@ pub struct FsckReport {
     pub bytes: u64,
     /// Tagged images checked.
     pub images: u64,
+    /// Images held by tilefs components checked.
+    pub held: u64,
+    /// Images whose holder is gone for good (or cannot be told): kept as
+    /// roots until `tilefs untag --orphaned`; a warning, not damage.
+    pub orphaned: Vec<Orphaned>,
     /// Objects whose contents do not match their name.
     pub corrupt: Vec<PathBuf>,
     /// The tagged images that use each corrupt object (those used by none
@@ -59,6 +65,18 @@ pub struct FsckReport {
     /// Who other than its owner can read the store, if anyone (a warning,
     /// not damage).
     pub exposed: Option<String>,
+}
+
+/// A holder's images that nothing will let go.
+#[derive(Debug, serde::Serialize)]
+pub struct Orphaned {
+    /// The holder's id (its directory in `STORE/.owned`).
+    pub owner: String,
+    /// Who it was, if its record says.
+    pub holder: Option<String>,
+    /// Why it is taken for gone.
+    pub why: String,
+    pub images: Vec<String>,
 }
 
 impl FsckReport {
@@ -109,6 +127,9 @@ pub fn fsck(store: &Store, opts: &FsckOptions, progress: &(dyn Fn(u64, u64) + Sy
 
     let images = tags::scan_images(store)?;
     strays.extend(images.others);
+    let held = crate::owned::scan(store)?;
+    strays.extend(held.others.iter().cloned());
+    report.orphaned = orphaned(&held);
     report.corrupt.sort();
     report.unreadable.sort();
     strays.sort();
@@ -117,8 +138,29 @@ pub fn fsck(store: &Store, opts: &FsckOptions, progress: &(dyn Fn(u64, u64) + Sy
         repair(store, &mut report, &mut present)?;
     }
     // References, after any repair: the report says what is true now.
-    check_references(store, &pool, &images.tags, &present, &mut report);
+    let roots: Vec<TagInfo> = images.tags.into_iter().chain(held.roots().cloned()).collect();
+    check_references(store, &pool, &roots, &present, &mut report);
     Ok(report)
+}
+
+/// The holders gone for good, or whose record cannot be read.
+fn orphaned(held: &crate::owned::OwnedScan) -> Vec<Orphaned> {
+    held.owners
+        .iter()
+        .filter(|o| !o.roots.is_empty())
+        .filter_map(|o| {
+            let (holder, why) = match &o.holder {
+                Ok(h) => (Some(h.describe()), h.gone()?),
+                Err(e) => (None, format!("its record cannot be read: {e}")),
+            };
+            Some(Orphaned {
+                owner: o.id.clone(),
+                holder,
+                why,
+                images: o.roots.iter().map(|r| r.name.clone()).collect(),
+            })
+        })
+        .collect()
 }
 
 /// The store's own directories must be directories: a symlink there
@@ -255,7 +297,8 @@ fn check_references(
     present: &HashSet<[u8; 32]>,
     report: &mut FsckReport,
 ) {
-    report.images = images.len() as u64;
+    report.held = images.iter().filter(|t| t.owner.is_some()).count() as u64;
+    report.images = images.len() as u64 - report.held;
     let lazy = crate::remote::records(store);
     let checked: Vec<ImageCheck> = pool.install(|| images.par_iter().map(|t| check_image(store, t, &lazy)).collect());
     // Absent objects, with the tags needing them and whether all of those
@@ -271,6 +314,7 @@ fn check_references(
         .collect();
     for (tag, c) in images.iter().zip(checked) {
         match c {
+            ImageCheck::Gone if tag.owner.is_some() => report.held -= 1,
             ImageCheck::Gone => report.images -= 1,
             ImageCheck::Bad(reason) => report.bad_images.push((tag.name.clone(), reason)),
             ImageCheck::Read {
@@ -361,7 +405,7 @@ enum ImageCheck {
 /// Reads a tagged image: the objects it references, and its references that
 /// cannot be objects.
 fn check_image(store: &Store, tag: &TagInfo, lazy_images: &std::collections::HashSet<[u8; 32]>) -> ImageCheck {
-    let bytes = match tags::read_tag_if_present(store, &tag.name) {
+    let bytes = match tags::read_listed(store, tag) {
         Ok(Some(b)) => b,
         // Untagged since the listing.
         Ok(None) => return ImageCheck::Gone,

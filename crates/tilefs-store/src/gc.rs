@@ -1,11 +1,17 @@
-//! `gc`: removes objects no tagged image or live mount references, and
-//! leftovers of interrupted imports.
+//! `gc`: removes objects no tagged image, no image a tilefs component
+//! holds ([`crate::owned`]) and no live mount ([`crate::mounts`])
+//! references, and leftovers of interrupted imports.
 //!
 //! gc holds the store lock exclusively: builds hold it shared from their
 //! first import to their tag, so no object gc sees unreferenced can be
-//! about to be tagged, and no temporary file can be in use. Every tagged
-//! image must be read: if one cannot be, gc stops before removing anything,
+//! about to be tagged, and no temporary file can be in use. Every root
+//! must be read: if one cannot be, gc stops before removing anything,
 //! since the objects it references are unknown.
+//!
+//! A collection may be limited to some objects ([`GcOptions::only`]): those
+//! of images just let go (the snapshotter's, after containerd removed
+//! snapshots). Every root is read all the same, but the store is not
+//! scanned and leftovers are left to a full gc.
 
 use crate::store::{ObjectScan, TMP_DIR};
 use crate::tags;
@@ -20,12 +26,18 @@ use std::path::Path;
 pub struct GcOptions {
     /// Report only; remove nothing.
     pub dry_run: bool,
+    /// Consider only these objects (leftovers are not removed either).
+    pub only: Option<HashSet<[u8; 32]>>,
+    /// Fail with [`StoreError::Busy`] rather than wait for the lock.
+    pub no_wait: bool,
 }
 
 #[derive(Debug, Default, serde::Serialize)]
 pub struct GcReport {
     /// Tagged images whose references were kept.
     pub images: u64,
+    /// Images held by tilefs components whose references were kept.
+    pub held: u64,
     /// Live mounts whose references were kept.
     pub mounts: u64,
     pub objects_kept: u64,
@@ -40,28 +52,31 @@ pub struct GcReport {
 
 /// Runs gc under the store's exclusive lock.
 pub fn gc(store: &Store, opts: &GcOptions) -> Result<GcReport, StoreError> {
-    let _lock = store.lock(LockMode::Exclusive, true)?;
+    let _lock = store.lock(LockMode::Exclusive, !opts.no_wait)?;
     let mut report = GcReport {
         dry_run: opts.dry_run,
         ..GcReport::default()
     };
 
     let images = tags::scan_images(store)?;
-    if let Some(other) = images.others.first() {
+    let held = crate::owned::scan(store)?;
+    if let Some(other) = images.others.first().or(held.others.first()) {
         return Err(StoreError::Invalid(format!(
             "refusing to gc: {} is not a tagged image (a symlink, directory or file with an invalid tag name), so \
              what it references is unknown; move it out of the store or run `tilefs fsck --repair`; nothing was removed",
             other.display()
         )));
     }
+    let roots: Vec<&tags::TagInfo> = images.tags.iter().chain(held.roots()).collect();
     // Records of images (where a lazy one's objects are, how a pulled one
     // passed the signature policy) whose image is no longer tagged or
     // mounted go too (images are hashed only when there are records).
     let lazy_records = crate::remote::records(store);
     let trust_records = trust_records(store);
     let mut lazy: HashSet<[u8; 32]> = lazy_records.union(&trust_records).copied().collect();
-    let mut referenced = referenced_objects(store, &images.tags, &mut lazy)?;
+    let mut referenced = referenced_objects(store, &roots, &mut lazy)?;
     report.images = images.tags.len() as u64;
+    report.held = roots.len() as u64 - report.images;
     // Live mounts keep what they use; records of gone ones are cleared.
     for m in crate::mounts::live_mounts(store, !opts.dry_run)? {
         let (tree, _) = tilefs_image::erofs::read_image(&m.image).map_err(|e| {
@@ -91,7 +106,22 @@ pub fn gc(store: &Store, opts: &GcOptions) -> Result<GcReport, StoreError> {
         }
     };
 
-    let ObjectScan { objects, leftovers, .. } = store.scan_objects()?;
+    let ObjectScan { objects, leftovers, .. } = match &opts.only {
+        None => store.scan_objects()?,
+        Some(only) => {
+            // Only objects that are there, under real fan-out directories.
+            let mut objects: Vec<([u8; 32], std::path::PathBuf)> = only
+                .iter()
+                .filter(|d| store.has_object(d))
+                .map(|d| (*d, store.object_path(d)))
+                .collect();
+            objects.sort();
+            ObjectScan {
+                objects,
+                ..ObjectScan::default()
+            }
+        }
+    };
     // Objects come sorted by digest, so by fan-out directory.
     let mut fanout: Option<(String, OwnedFd)> = None;
     for (d, path) in objects {
@@ -151,17 +181,17 @@ pub fn gc(store: &Store, opts: &GcOptions) -> Result<GcReport, StoreError> {
     Ok(report)
 }
 
-/// Every object any of `tags` references (by redirect, or by digest for a
-/// file whose redirect is not an object path); removes the tagged images
+/// Every object any of `roots` references (by redirect, or by digest for a
+/// file whose redirect is not an object path); removes the rooted images
 /// from `lazy` (records of lazily pulled images). Fails if one cannot be
 /// read.
 fn referenced_objects(
     store: &Store,
-    tags: &[tags::TagInfo],
+    roots: &[&tags::TagInfo],
     lazy: &mut HashSet<[u8; 32]>,
 ) -> Result<HashSet<[u8; 32]>, StoreError> {
     let mut referenced = HashSet::new();
-    for tag in tags {
+    for tag in roots {
         let refuse = |why: String| {
             StoreError::Invalid(format!(
                 "refusing to gc: tagged image {:?} ({}) cannot be read, so the objects it needs are unknown: {why}; \
@@ -171,7 +201,7 @@ fn referenced_objects(
             ))
         };
         // A tag removed by hand since the listing is no root any more.
-        let Some(bytes) = tags::read_tag_if_present(store, &tag.name).map_err(|e| refuse(e.to_string()))? else {
+        let Some(bytes) = tags::read_listed(store, tag).map_err(|e| refuse(e.to_string()))? else {
             continue;
         };
         let (tree, _) = tilefs_image::erofs::read_image(&bytes).map_err(|e| refuse(e.to_string()))?;
@@ -209,6 +239,15 @@ fn prune_trust<'a>(store: &Store, images: impl Iterator<Item = &'a [u8; 32]>) {
     for d in images {
         let _ = rfs::unlinkat(&dir, format!("{}.json", hex::encode(d)), AtFlags::empty());
     }
+}
+
+/// The objects `image` references, as gc counts them: what letting go of
+/// it may free.
+pub fn objects_of(image: &[u8]) -> Result<HashSet<[u8; 32]>, StoreError> {
+    let (tree, _) = tilefs_image::erofs::read_image(image).map_err(|e| StoreError::Invalid(e.to_string()))?;
+    let mut objects = HashSet::new();
+    add_references(&tree, &mut objects);
+    Ok(objects)
 }
 
 fn add_references(tree: &tilefs_image::Tree, referenced: &mut HashSet<[u8; 32]>) {

@@ -4,12 +4,13 @@
 //! - [`ingest`]: putting source files into the store (clone or copy,
 //!   digest while writing, durable before visible), with a digest cache;
 //! - [`tags`]: named images kept in the store (gc roots);
+//! - [`owned`]: images tilefs components hold (gc roots not the user's);
 //! - [`fsck`]: proving a store is whole;
 //! - [`mounts`]: live mounts, gc roots while they live;
 //! - [`presence`]: which of many objects a store holds;
 //! - [`remote`]: images pulled lazily, whose objects come on demand;
 //! - [`fetch_lock`]: objects being fetched, one fetch each across processes;
-//! - [`gc`]: removing what no tagged image or live mount needs;
+//! - [`gc`]: removing what no tagged or held image or live mount needs;
 //! - [`verity`]: how mounts check objects against their image's digests.
 
 pub mod fetch_lock;
@@ -18,6 +19,7 @@ pub mod fsck;
 pub mod gc;
 pub mod ingest;
 pub mod mounts;
+pub mod owned;
 pub mod presence;
 pub mod remote;
 pub mod store;

@@ -8,13 +8,26 @@
 //! - a FUSE mount's record is locked (`flock`, exclusive) by its server
 //!   for as long as the server lives; the kernel drops the lock when the
 //!   server ends, however it ends;
-//! - a kernel mount has no process, so its record names the mount point
-//!   and the mount's id: it is alive while that path is the root of the
-//!   mount with that id (in gc's mount namespace).
+//! - a kernel mount has no process, so its record names the mount: its
+//!   unique id (statx's `STATX_MNT_ID_UNIQUE`, never reused) and the id of
+//!   the mount namespace it is in. It is alive while `statmount` finds
+//!   that mount in that namespace, whichever namespace gc runs in:
+//!   `tilefs mount` may run in a namespace of its own, the mount service
+//!   (sandboxed, say) in its own, and a client in a user namespace attaches
+//!   the mount the service hands it in its own. A namespace gc may
+//!   not look into (a non-root gc, another user's namespace) keeps the
+//!   record: what cannot be told dead is alive. A mount the service
+//!   hands over detached (to a client in a user namespace, which attaches
+//!   it itself) is alive for [`HANDOVER_GRACE`] before it is found, while
+//!   the namespace it is for lives. On a
+//!   kernel without these ids, as before them: the mount point is the root
+//!   of the mount with the recorded `/proc` id, in gc's namespace.
 //!
 //! A record is one file: a header line
-//! `tilefs-mount-record 1 fuse|kernel MOUNT_ID WHERE\n`, then the image's
-//! bytes. For a kernel mount WHERE is `HEX(MOUNTPOINT)`; for a FUSE mount
+//! `tilefs-mount-record 1 fuse|kernel MOUNT_ID WHERE[ UNIQUE_ID MNTNS_ID]\n`,
+//! then the image's bytes. For a kernel mount WHERE is `HEX(MOUNTPOINT)`,
+//! or `-` for one handed over detached, and MOUNT_ID the id `/proc` shows
+//! (tilefs commit finds a mount by it); for a FUSE mount
 //! (whose id is unknown when it is recorded, so 0) it is `-` or
 //! `HEX(MOUNTPOINT)`, followed for a writable mount by
 //! `:HEX(UPPER):HEX(WORK):trusted|user` (its layers and the namespace of
@@ -33,6 +46,10 @@ use std::path::{Path, PathBuf};
 
 pub const MOUNTS_DIR: &str = ".mounts";
 const MAGIC: &str = "tilefs-mount-record 1";
+/// How long a kernel mount handed over detached counts as alive before it
+/// is found attached (a client attaches it as soon as it has it; its
+/// request waits 60 s at most).
+pub const HANDOVER_GRACE: std::time::Duration = std::time::Duration::from_secs(120);
 
 /// A FUSE mount's record, locked while this value (or a copy of its
 /// descriptor in a forked server) lives.
@@ -96,7 +113,7 @@ pub struct UpperLayer {
 
 /// Where a FUSE mount is, for its record: what `tilefs commit` needs to
 /// find a writable mount's layers from its mount point.
-#[derive(Debug, Clone, Default)]
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct FuseWhere {
     /// The mount point (canonical).
     pub mountpoint: Option<PathBuf>,
@@ -151,7 +168,7 @@ impl FuseWhere {
 /// lives.
 pub fn register_fuse(store: &Store, image: &[u8], at: &FuseWhere) -> Result<MountRecord, StoreError> {
     let name = temp_name("fuse-");
-    let header = format!("{MAGIC} fuse 0 {}\n", at.field());
+    let header = header_line(&RecordHeader::Fuse(at.clone()));
     let (dir, fd) = write_record(store, &name, &header, image, true)?;
     Ok(MountRecord {
         dir,
@@ -160,17 +177,122 @@ pub fn register_fuse(store: &Store, image: &[u8], at: &FuseWhere) -> Result<Moun
     })
 }
 
-/// Records a kernel mount of `image` at `mountpoint` (canonical), the mount
-/// with id `mount_id` (statx's `stx_mnt_id`); gc removes the record once
-/// that mount is gone.
-pub fn register_kernel(store: &Store, image: &[u8], mountpoint: &Path, mount_id: u64) -> Result<(), StoreError> {
-    let name = format!("kernel-{mount_id}-{}", temp_name(""));
-    let header = format!(
-        "{MAGIC} kernel {mount_id} {}\n",
-        hex::encode(mountpoint.as_os_str().as_bytes())
-    );
-    write_record(store, &name, &header, image, false).map(drop)
+/// A kernel mount, as its record names it.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct KernelMount {
+    /// The id `/proc` shows (statx's `STATX_MNT_ID`).
+    pub mount_id: u64,
+    /// Where it is (canonical); None for a mount handed over detached.
+    pub mountpoint: Option<PathBuf>,
+    /// Its unique id and its mount namespace's id, where the kernel has
+    /// them (Linux 6.8 and 6.11).
+    pub unique: Option<(u64, u64)>,
 }
+
+/// Records a kernel mount of `image` at `mountpoint` (canonical), the mount
+/// with id `mount_id` (statx's `stx_mnt_id`) in this process's mount
+/// namespace; gc removes the record once that mount is gone.
+pub fn register_kernel(store: &Store, image: &[u8], mountpoint: &Path, mount_id: u64) -> Result<(), StoreError> {
+    let unique = unique_mount_id(mountpoint).zip(own_mnt_ns_id());
+    register_kernel_mount(
+        store,
+        image,
+        &KernelMount {
+            mount_id,
+            mountpoint: Some(mountpoint.to_path_buf()),
+            unique,
+        },
+    )
+}
+
+/// Records kernel mount `m` of `image`.
+pub fn register_kernel_mount(store: &Store, image: &[u8], m: &KernelMount) -> Result<(), StoreError> {
+    let name = format!("kernel-{}-{}", m.mount_id, temp_name(""));
+    write_record(
+        store,
+        &name,
+        &header_line(&RecordHeader::Kernel(m.clone())),
+        image,
+        false,
+    )
+    .map(drop)
+}
+
+/// What a record's header says.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum RecordHeader {
+    Fuse(FuseWhere),
+    Kernel(KernelMount),
+}
+
+/// A record's header line (with its newline).
+pub fn header_line(h: &RecordHeader) -> String {
+    match h {
+        RecordHeader::Fuse(at) => format!("{MAGIC} fuse 0 {}\n", at.field()),
+        RecordHeader::Kernel(m) => {
+            let at = match &m.mountpoint {
+                Some(p) => hex::encode(p.as_os_str().as_bytes()),
+                None => "-".into(),
+            };
+            let unique = m.unique.map(|(u, ns)| format!(" {u} {ns}")).unwrap_or_default();
+            format!("{MAGIC} kernel {} {at}{unique}\n", m.mount_id)
+        }
+    }
+}
+
+/// Reads a record's header line (without its newline), as found in a
+/// store (untrusted).
+pub fn parse_header(line: &[u8]) -> Result<RecordHeader, String> {
+    let line = std::str::from_utf8(line).map_err(|_| "bad header".to_string())?;
+    let fields: Vec<&str> = match line.strip_prefix(MAGIC) {
+        Some(rest) if rest.starts_with(' ') => rest.split(' ').skip(1).collect(),
+        _ => return Err("unknown header".into()),
+    };
+    match fields.as_slice() {
+        ["fuse", "0", at] => Ok(RecordHeader::Fuse(
+            FuseWhere::parse(at).ok_or("bad mount point or layers")?,
+        )),
+        ["kernel", id, mnt, unique @ ..] if unique.is_empty() || unique.len() == 2 => {
+            let number = |s: &str| match s.parse::<u64>() {
+                Ok(n) if n.to_string() == s => Ok(n),
+                _ => Err("bad mount id".to_string()),
+            };
+            let mountpoint = match *mnt {
+                "-" => None,
+                h => {
+                    let bytes = hex::decode(h).map_err(|_| "bad mount point")?;
+                    if bytes.is_empty() || hex::encode(&bytes) != h {
+                        return Err("bad mount point".into());
+                    }
+                    Some(PathBuf::from(std::ffi::OsStr::from_bytes(&bytes)))
+                }
+            };
+            Ok(RecordHeader::Kernel(KernelMount {
+                mount_id: number(id)?,
+                mountpoint,
+                unique: match unique {
+                    [u, ns] => Some((number(u)?, number(ns)?)),
+                    _ => None,
+                },
+            }))
+        }
+        _ => Err("unknown header".into()),
+    }
+}
+
+/// The id of this process's mount namespace, where the kernel gives one.
+pub fn own_mnt_ns_id() -> Option<u64> {
+    let ns = std::fs::File::open("/proc/self/ns/mnt").ok()?;
+    tilefs_sys::ns::mnt_ns_id(rustix::fd::AsFd::as_fd(&ns)).ok()
+}
+
+/// The unique id (never reused) of the mount whose root `path` is.
+pub fn unique_mount_id(path: &Path) -> Option<u64> {
+    mount_ids(rfs::CWD, path, rfs::StatxFlags::from_bits_retain(STATX_MNT_ID_UNIQUE))
+}
+
+/// statx's STATX_MNT_ID_UNIQUE (Linux 6.8).
+const STATX_MNT_ID_UNIQUE: u32 = 0x4000;
 
 fn write_record(
     store: &Store,
@@ -269,23 +391,21 @@ pub fn live_mounts(store: &Store, remove_stale: bool) -> Result<Vec<LiveMount>, 
             .iter()
             .position(|&b| b == b'\n')
             .ok_or_else(|| bad("no header".into()))?;
-        let header = std::str::from_utf8(&bytes[..nl]).map_err(|_| bad("bad header".into()))?;
-        let fields: Vec<&str> = header.strip_prefix(MAGIC).unwrap_or("").split_whitespace().collect();
-        let (kind, alive, mountpoint, mount_id, upper) = match fields.as_slice() {
-            ["fuse", _, at] => {
-                let at = FuseWhere::parse(at).ok_or_else(|| bad("bad mount point or layers".into()))?;
+        let (kind, alive, mountpoint, mount_id, upper) = match parse_header(&bytes[..nl]).map_err(bad)? {
+            RecordHeader::Fuse(at) => {
                 // Locked by a living server: our shared try fails.
                 let alive = rfs::flock(&fd, FlockOperation::NonBlockingLockShared).is_err();
                 ("fuse", alive, at.mountpoint, None, at.upper)
             }
-            ["kernel", id, mnt] => {
-                let id: u64 = id.parse().map_err(|_| bad("bad mount id".into()))?;
-                let mnt = PathBuf::from(std::ffi::OsStr::from_bytes(
-                    &hex::decode(mnt).map_err(|_| bad("bad mount point".into()))?,
-                ));
-                ("kernel", mount_id_of(&mnt) == Some(id), Some(mnt), Some(id), None)
+            RecordHeader::Kernel(m) => {
+                let age = st.st_mtime.try_into().ok().and_then(|t: u64| {
+                    std::time::SystemTime::now()
+                        .duration_since(std::time::UNIX_EPOCH + std::time::Duration::from_secs(t))
+                        .ok()
+                });
+                let alive = kernel_mount_alive(m.mount_id, m.mountpoint.as_deref(), m.unique, age);
+                ("kernel", alive, m.mountpoint, Some(m.mount_id), None)
             }
-            _ => return Err(bad("unknown header".into())),
         };
         if alive {
             live.push(LiveMount {
@@ -303,19 +423,46 @@ pub fn live_mounts(store: &Store, remove_stale: bool) -> Result<Vec<LiveMount>, 
     Ok(live)
 }
 
+/// Whether a kernel mount's record is of a live mount; `age`: how long
+/// ago it was written.
+fn kernel_mount_alive(
+    mount_id: u64,
+    mountpoint: Option<&Path>,
+    unique: Option<(u64, u64)>,
+    age: Option<std::time::Duration>,
+) -> bool {
+    if let Some((unique, ns)) = unique {
+        match tilefs_sys::ns::mount_in_namespace(unique, ns) {
+            Ok(true) => return true,
+            // Handed over detached: perhaps not attached yet (while the
+            // namespace it is for lives).
+            Ok(false) => {
+                return mountpoint.is_none()
+                    && age.is_none_or(|a| a < HANDOVER_GRACE)
+                    && tilefs_sys::ns::mount_namespace_exists(ns).unwrap_or(true)
+            }
+            // Not ours to look into: it may well be alive.
+            Err(rustix::io::Errno::PERM | rustix::io::Errno::ACCESS) => return true,
+            // A kernel without statmount: as before it.
+            Err(_) => {}
+        }
+    }
+    mountpoint.is_some_and(|m| mount_id_of(m) == Some(mount_id))
+}
+
 /// The id of the mount whose root `path` is, if it is one.
 pub fn mount_id_of(path: &Path) -> Option<u64> {
-    use rustix::fs::{StatxAttributes, StatxFlags};
-    let st = rfs::statx(
-        rfs::CWD,
-        path,
-        AtFlags::SYMLINK_NOFOLLOW | AtFlags::NO_AUTOMOUNT,
-        StatxFlags::MNT_ID,
-    )
-    .ok()?;
+    mount_ids(rfs::CWD, path, rfs::StatxFlags::MNT_ID)
+}
+
+/// The mount id statx gives with `which` (`MNT_ID` or the unique one) of
+/// the mount whose root `path` is, if it is one.
+fn mount_ids(dir: impl rustix::fd::AsFd, path: &Path, which: rfs::StatxFlags) -> Option<u64> {
+    use rustix::fs::StatxAttributes;
+    let st = rfs::statx(dir, path, AtFlags::SYMLINK_NOFOLLOW | AtFlags::NO_AUTOMOUNT, which).ok()?;
     let root = st.stx_attributes_mask.contains(StatxAttributes::MOUNT_ROOT)
         && st.stx_attributes.contains(StatxAttributes::MOUNT_ROOT);
-    root.then_some(st.stx_mnt_id)
+    (root && st.stx_mask & which.bits() == which.bits()).then_some(st.stx_mnt_id)
 }
 
 #[cfg(test)]
@@ -362,6 +509,43 @@ mod tests {
                 .count(),
             1
         );
+    }
+
+    #[test]
+    fn kernel_records_by_unique_id_and_namespace() {
+        let dir = tempfile::tempdir().unwrap();
+        let s = Store::create(&dir.path().join("s")).unwrap();
+        let (Some(unique), Some(ns)) = (unique_mount_id(Path::new("/")), own_mnt_ns_id()) else {
+            eprintln!("this kernel gives no unique mount or namespace ids: nothing to check");
+            return;
+        };
+        let root = KernelMount {
+            mount_id: 0,
+            mountpoint: Some("/nowhere".into()),
+            unique: Some((unique, ns)),
+        };
+        // Found in its namespace: alive, wherever its recorded path leads.
+        register_kernel_mount(&s, b"a", &root).unwrap();
+        // No such mount there: gone; unless handed over just now.
+        let gone = KernelMount {
+            unique: Some((unique + (1 << 40), ns)),
+            ..root.clone()
+        };
+        register_kernel_mount(&s, b"b", &gone).unwrap();
+        let handed = KernelMount {
+            mountpoint: None,
+            ..gone.clone()
+        };
+        register_kernel_mount(&s, b"c", &handed).unwrap();
+        // ... for a namespace that is no more: gone.
+        let nowhere = KernelMount {
+            unique: Some((unique + (1 << 40), u64::MAX - 1)),
+            ..handed.clone()
+        };
+        register_kernel_mount(&s, b"d", &nowhere).unwrap();
+        let mut live: Vec<Vec<u8>> = live_mounts(&s, true).unwrap().into_iter().map(|m| m.image).collect();
+        live.sort();
+        assert_eq!(live, [b"a".to_vec(), b"c".to_vec()]);
     }
 
     #[test]

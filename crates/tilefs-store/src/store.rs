@@ -3,13 +3,17 @@
 //! digest store lays them out, plus tilefs's own bookkeeping:
 //!
 //! - `images/NAME`: tagged images (gc roots);
+//! - `.owned/OWNER/NAME`: images a tilefs component holds (gc roots the
+//!   user does not remove; `.owned/OWNER/.owner` names the holder, see
+//!   [`crate::owned`]);
 //! - `.tmp/`: objects and images being written (leftovers of an interrupted
 //!   import live here until `gc`);
 //! - `.lock`: builds hold it shared, `gc` exclusive;
 //! - `.fetch-lock`: fetches lock ranges of it for the objects they bring;
 //! - `.quarantine/`: objects `fsck --repair` moved aside;
 //! - `.digest-cache`: digests of source files already imported;
-//! - `.mounts/`: images of live mounts (gc roots while they live);
+//! - `.mounts/`: images of live mounts (gc roots while they live: see
+//!   [`crate::mounts`]);
 //! - `.no-verity-noted`: the user was told the store's filesystem has no
 //!   fs-verity (said once per store).
 
@@ -267,6 +271,7 @@ impl Store {
                 || name == TRUST_DIR
                 || name == crate::remote::REMOTE_DIR
                 || name == crate::mounts::MOUNTS_DIR
+                || name == crate::owned::OWNED_DIR
             {
                 continue;
             }

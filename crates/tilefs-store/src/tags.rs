@@ -6,20 +6,27 @@
 //!
 //! Nothing here follows a symlink inside the store: `images/` and `.tmp/`
 //! must be real directories, and only regular files in `images/` are tags.
+//! The images tilefs components hold (see [`crate::owned`]) are written,
+//! listed and read by the same code, in their own directories.
 
 use crate::store::{temp_name, IMAGES_DIR, TMP_DIR};
 use crate::{Store, StoreError};
+use rustix::fd::OwnedFd;
 use rustix::fs::{self as rfs, AtFlags, Mode, OFlags};
 use std::io::{self, Write};
 use std::os::unix::ffi::OsStrExt;
 use std::path::{Path, PathBuf};
 
-/// One tagged image.
+/// One tagged image, or one image a tilefs component holds.
 #[derive(Debug, Clone, serde::Serialize)]
 pub struct TagInfo {
     pub name: String,
     pub path: PathBuf,
     pub image_bytes: u64,
+    /// The id of the component that holds it (`STORE/.owned/OWNER/NAME`);
+    /// None for the user's tags (`STORE/images/NAME`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub owner: Option<String>,
 }
 
 /// Longest tag name, in bytes.
@@ -58,8 +65,20 @@ pub fn tag_path(store: &Store, name: &str) -> PathBuf {
 /// the tag (which would find the new objects unreferenced).
 pub fn write_tag(store: &Store, name: &str, image: &[u8]) -> Result<PathBuf, StoreError> {
     validate_tag(name)?;
-    let final_path = tag_path(store, name);
     let images = store.open_subdir(IMAGES_DIR)?;
+    write_image_in(store, &images, &store.join(IMAGES_DIR), name, image)
+}
+
+/// Writes `image` as `name` in the store directory `dir` (at `dir_path`),
+/// atomically: through `.tmp/`, synced, renamed, the directory synced.
+pub(crate) fn write_image_in(
+    store: &Store,
+    dir: &OwnedFd,
+    dir_path: &Path,
+    name: &str,
+    image: &[u8],
+) -> Result<PathBuf, StoreError> {
+    let final_path = dir_path.join(name);
     let tmp = store.open_subdir(TMP_DIR)?;
     let tmp_dir_path = store.join(TMP_DIR);
 
@@ -97,14 +116,14 @@ pub fn write_tag(store: &Store, name: &str, image: &[u8]) -> Result<PathBuf, Sto
     rfs::fchmod(&file, Mode::from_raw_mode(0o644))
         .map_err(|e| cleanup(StoreError::io(&tmp_path, "cannot set permissions", e.into())))?;
     drop(file);
-    rfs::renameat(&tmp, tmp_name.as_str(), &images, name).map_err(|e| {
+    rfs::renameat(&tmp, tmp_name.as_str(), dir, name).map_err(|e| {
         cleanup(StoreError::io(
             &final_path,
             "cannot rename the new image into place",
             e.into(),
         ))
     })?;
-    rfs::fsync(&images).map_err(|e| StoreError::io(&store.join(IMAGES_DIR), "cannot sync directory", e.into()))?;
+    rfs::fsync(dir).map_err(|e| StoreError::io(dir_path, "cannot sync directory", e.into()))?;
     Ok(final_path)
 }
 
@@ -120,29 +139,42 @@ pub(crate) struct ImagesScan {
 /// not a real directory is reported in `others` (and has no tags).
 pub(crate) fn scan_images(store: &Store) -> Result<ImagesScan, StoreError> {
     let dir_path = store.join(IMAGES_DIR);
-    let mut scan = ImagesScan::default();
     let fd = match store.open_existing_subdir(IMAGES_DIR) {
         Ok(fd) => fd,
-        Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(scan),
+        Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(ImagesScan::default()),
         Err(_)
             if std::fs::symlink_metadata(&dir_path)
                 .map(|m| !m.file_type().is_dir())
                 .unwrap_or(false) =>
         {
-            scan.others.push(dir_path);
-            return Ok(scan);
+            return Ok(ImagesScan {
+                tags: Vec::new(),
+                others: vec![dir_path],
+            });
         }
         Err(e) => return Err(StoreError::io(&dir_path, "cannot open directory", e)),
     };
-    let mut dir = rfs::Dir::read_from(&fd).map_err(|e| StoreError::io(&dir_path, "cannot list", e.into()))?;
+    scan_dir(&fd, &dir_path, None, |_| false)
+}
+
+/// Lists the images in directory `fd` (at `dir_path`), held by `owner`;
+/// names `skip` accepts are neither images nor others.
+pub(crate) fn scan_dir(
+    fd: &OwnedFd,
+    dir_path: &Path,
+    owner: Option<&str>,
+    skip: impl Fn(&[u8]) -> bool,
+) -> Result<ImagesScan, StoreError> {
+    let mut scan = ImagesScan::default();
+    let mut dir = rfs::Dir::read_from(fd).map_err(|e| StoreError::io(dir_path, "cannot list", e.into()))?;
     while let Some(entry) = dir.read() {
-        let entry = entry.map_err(|e| StoreError::io(&dir_path, "cannot list", e.into()))?;
+        let entry = entry.map_err(|e| StoreError::io(dir_path, "cannot list", e.into()))?;
         let raw = entry.file_name().to_bytes();
-        if raw == b"." || raw == b".." {
+        if raw == b"." || raw == b".." || skip(raw) {
             continue;
         }
         let path = dir_path.join(std::ffi::OsStr::from_bytes(raw));
-        let st = match rfs::statat(&fd, entry.file_name(), AtFlags::SYMLINK_NOFOLLOW) {
+        let st = match rfs::statat(fd, entry.file_name(), AtFlags::SYMLINK_NOFOLLOW) {
             Ok(st) => st,
             Err(rustix::io::Errno::NOENT) => continue, // removed meanwhile
             Err(e) => return Err(StoreError::io(&path, "cannot stat", e.into())),
@@ -153,6 +185,7 @@ pub(crate) fn scan_images(store: &Store) -> Result<ImagesScan, StoreError> {
                 name: name.to_string(),
                 path,
                 image_bytes: st.st_size as u64,
+                owner: owner.map(str::to_string),
             }),
             _ => scan.others.push(path),
         }
@@ -178,22 +211,45 @@ pub fn list_tags(store: &Store) -> Result<Vec<TagInfo>, StoreError> {
     Ok(scan_images(store)?.tags)
 }
 
-/// Reads a tag's image, without following a symlink.
+/// Reads a tag's image, without following a symlink; a name no tag has
+/// but an image a tilefs component holds has (see [`crate::owned`]) reads
+/// that one.
 pub fn read_tag(store: &Store, name: &str) -> Result<Vec<u8>, StoreError> {
-    read_tag_if_present(store, name)?.ok_or_else(|| no_such_tag(store, name))
+    if let Some(bytes) = read_tag_if_present(store, name)? {
+        return Ok(bytes);
+    }
+    match crate::owned::find(store, name)? {
+        Some(held) => crate::owned::read_root_if_present(store, &held.owner_id, name)?,
+        None => None,
+    }
+    .ok_or_else(|| no_such_tag(store, name))
 }
 
 /// Reads a tag's image, or None if there is no such tag (any more).
 pub(crate) fn read_tag_if_present(store: &Store, name: &str) -> Result<Option<Vec<u8>>, StoreError> {
     validate_tag(name)?;
-    let path = tag_path(store, name);
     let dir = match store.open_existing_subdir(IMAGES_DIR) {
         Ok(fd) => fd,
         Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(None),
         Err(e) => return Err(StoreError::io(&store.join(IMAGES_DIR), "cannot open directory", e)),
     };
+    read_in(&dir, &tag_path(store, name), name)
+}
+
+/// Reads the image of a tag, or of a root a component holds, as listed:
+/// None if it went since.
+pub fn read_listed(store: &Store, t: &TagInfo) -> Result<Option<Vec<u8>>, StoreError> {
+    match &t.owner {
+        None => read_tag_if_present(store, &t.name),
+        Some(owner) => crate::owned::read_root_if_present(store, owner, &t.name),
+    }
+}
+
+/// Reads image `name` in directory `dir` (its path `path`), without
+/// following a symlink or blocking on what is no regular file.
+pub(crate) fn read_in(dir: &OwnedFd, path: &Path, name: &str) -> Result<Option<Vec<u8>>, StoreError> {
     let fd = match rfs::openat(
-        &dir,
+        dir,
         name,
         OFlags::RDONLY | OFlags::NOFOLLOW | OFlags::CLOEXEC | OFlags::NONBLOCK,
         Mode::empty(),
@@ -202,12 +258,12 @@ pub(crate) fn read_tag_if_present(store: &Store, name: &str) -> Result<Option<Ve
         Err(rustix::io::Errno::NOENT) => return Ok(None),
         Err(rustix::io::Errno::LOOP) => {
             return Err(StoreError::io(
-                &path,
+                path,
                 "cannot read tag",
                 io::Error::other("a symlink, not an image"),
             ))
         }
-        Err(e) => return Err(StoreError::io(&path, "cannot read tag", e.into())),
+        Err(e) => return Err(StoreError::io(path, "cannot read tag", e.into())),
     };
     // Opened without blocking (a FIFO planted here must not hang us), and
     // read only if it is a plain file.
@@ -215,17 +271,17 @@ pub(crate) fn read_tag_if_present(store: &Store, name: &str) -> Result<Option<Ve
         Ok(st) if rfs::FileType::from_raw_mode(st.st_mode) == rfs::FileType::RegularFile => {}
         Ok(_) => {
             return Err(StoreError::io(
-                &path,
+                path,
                 "cannot read tag",
                 io::Error::other("not a regular file"),
             ))
         }
-        Err(e) => return Err(StoreError::io(&path, "cannot read tag", e.into())),
+        Err(e) => return Err(StoreError::io(path, "cannot read tag", e.into())),
     }
     let _ = rfs::fcntl_setfl(&fd, OFlags::empty());
     let mut file = std::fs::File::from(fd);
     let mut bytes = Vec::new();
-    io::Read::read_to_end(&mut file, &mut bytes).map_err(|e| StoreError::io(&path, "cannot read tag", e))?;
+    io::Read::read_to_end(&mut file, &mut bytes).map_err(|e| StoreError::io(path, "cannot read tag", e))?;
     Ok(Some(bytes))
 }
 
@@ -235,21 +291,26 @@ fn no_such_tag(store: &Store, name: &str) -> StoreError {
 
 /// Removes a tag (its objects stay until `gc`). Holds the store lock
 /// shared meanwhile, as a build does to tag, so that a running gc never
-/// sees a tag vanish between listing and reading it.
+/// sees a tag vanish between listing and reading it. A name that is no
+/// tag of the user's but an image a tilefs component holds is refused,
+/// naming the holder: it goes when the holder lets it go.
 pub fn remove_tag(store: &Store, name: &str) -> Result<(), StoreError> {
     validate_tag(name)?;
     let _lock = store.lock(crate::LockMode::Shared, true)?;
     let dir_path = store.join(IMAGES_DIR);
-    let dir = store.open_existing_subdir(IMAGES_DIR).map_err(|e| {
-        if e.kind() == io::ErrorKind::NotFound {
-            no_such_tag(store, name)
-        } else {
-            StoreError::io(&dir_path, "cannot open directory", e)
-        }
-    })?;
+    let missing = || match crate::owned::find(store, name) {
+        Ok(Some(held)) => StoreError::Invalid(held.refusal(name)),
+        Ok(None) => no_such_tag(store, name),
+        Err(e) => e,
+    };
+    let dir = match store.open_existing_subdir(IMAGES_DIR) {
+        Ok(dir) => dir,
+        Err(e) if e.kind() == io::ErrorKind::NotFound => return Err(missing()),
+        Err(e) => return Err(StoreError::io(&dir_path, "cannot open directory", e)),
+    };
     match rfs::unlinkat(&dir, name, AtFlags::empty()) {
         Ok(()) => {}
-        Err(rustix::io::Errno::NOENT) => return Err(no_such_tag(store, name)),
+        Err(rustix::io::Errno::NOENT) => return Err(missing()),
         Err(e) => return Err(StoreError::io(&tag_path(store, name), "cannot remove tag", e.into())),
     }
     rfs::fsync(&dir).map_err(|e| StoreError::io(&dir_path, "cannot sync directory", e.into()))
@@ -266,6 +327,11 @@ pub fn resolve_image(store: Option<&Store>, arg: &Path) -> Result<PathBuf, Store
         let p = tag_path(store, name);
         if std::fs::symlink_metadata(&p).is_ok_and(|m| m.file_type().is_file()) {
             return Ok(p);
+        }
+        // An image a tilefs component holds, by its name (to look at or
+        // mount: it is still not the user's to remove).
+        if let Ok(Some(held)) = crate::owned::find(store, name) {
+            return Ok(held.path);
         }
     }
     let what = if arg.is_dir() {

@@ -279,7 +279,14 @@ fn gc_removes_exactly_the_unreferenced() {
     let stray = f.root().join("junk");
     std::fs::write(&stray, b"junk").unwrap();
 
-    let dry = gc(&f.store, &GcOptions { dry_run: true }).unwrap();
+    let dry = gc(
+        &f.store,
+        &GcOptions {
+            dry_run: true,
+            ..GcOptions::default()
+        },
+    )
+    .unwrap();
     assert!(dry.dry_run);
     assert_eq!((dry.objects_removed, dry.bytes_removed), (1, f.sizes[3]));
     assert_eq!((dry.leftovers_removed, dry.leftover_bytes_removed), (3, 3000 + 5 + 7));
@@ -405,10 +412,82 @@ fn gc_drops_the_trust_records_of_images_no_tag_keeps() {
     for p in [&kept, &gone, &other] {
         std::fs::write(p, "{}").unwrap();
     }
-    let dry = gc(&f.store, &GcOptions { dry_run: true }).unwrap();
+    let dry = gc(
+        &f.store,
+        &GcOptions {
+            dry_run: true,
+            ..GcOptions::default()
+        },
+    )
+    .unwrap();
     assert!(dry.dry_run && gone.exists(), "a dry run removes no record");
-    gc(&f.store, &GcOptions { dry_run: false }).unwrap();
+    gc(&f.store, &GcOptions::default()).unwrap();
     assert!(kept.exists(), "the record of a tagged image stays");
     assert!(!gone.exists(), "the record of an image no tag or mount keeps goes");
     assert!(other.exists(), "what is not a record is left alone");
+}
+
+#[test]
+fn held_images_are_roots_and_orphans_are_reported_not_collected() {
+    let f = Fixture::new();
+    let snap = tempfile::tempdir().unwrap();
+    std::fs::create_dir(snap.path().join("metadata")).unwrap();
+    let holder = tilefs_store::owned::Holder::ContainerdSnapshotter {
+        root: snap.path().to_path_buf(),
+    };
+    // d held (not tagged), then the user's tag of a, b and c removed.
+    let dd = std::fs::read(f.store.object_path(&f.d)).unwrap();
+    tilefs_store::owned::write_root(&f.store, &holder, "held-1", &image(&[("d", &dd)])).unwrap();
+    tags::remove_tag(&f.store, "img").unwrap();
+    let r = gc(&f.store, &GcOptions::default()).unwrap();
+    assert_eq!((r.images, r.held, r.objects_removed, r.objects_kept), (0, 1, 3, 1));
+    assert!(f.store.has_object(&f.d));
+    let report = f.check(false);
+    assert!(report.is_clean() && report.orphaned.is_empty(), "{report:?}");
+    assert_eq!((report.images, report.held), (0, 1));
+    // Its holder gone for good: still a root, and fsck says so.
+    drop(snap);
+    let report = f.check(false);
+    assert!(report.is_clean(), "{report:?}");
+    assert_eq!(report.orphaned.len(), 1, "{report:?}");
+    assert!(report.orphaned[0].why.contains("does not exist"), "{report:?}");
+    assert_eq!(report.orphaned[0].images, ["held-1"]);
+    gc(&f.store, &GcOptions::default()).unwrap();
+    assert!(f.store.has_object(&f.d), "gc collected what an orphaned image holds");
+    assert_eq!(tilefs_store::owned::release_orphaned(&f.store).unwrap().len(), 1);
+    gc(&f.store, &GcOptions::default()).unwrap();
+    assert!(!f.store.has_object(&f.d));
+}
+
+#[test]
+fn a_limited_gc_removes_only_unreferenced_candidates_and_no_leftovers() {
+    let f = Fixture::new();
+    let leftover = f.store.join(TMP_DIR).join("half-written");
+    std::fs::create_dir_all(leftover.parent().unwrap()).unwrap();
+    std::fs::write(&leftover, b"x").unwrap();
+    let extra = put_object(&f.store, &data(9, 9000));
+    // a is tagged: kept; d is a candidate no root has; `extra` is none.
+    let only = [f.a, f.d, [0x42; 32]].into_iter().collect();
+    let r = gc(
+        &f.store,
+        &GcOptions {
+            only: Some(only),
+            ..GcOptions::default()
+        },
+    )
+    .unwrap();
+    assert_eq!((r.objects_removed, r.objects_kept, r.leftovers_removed), (1, 1, 0));
+    assert_eq!(r.bytes_removed, f.sizes[3]);
+    assert!(!f.store.has_object(&f.d) && f.store.has_object(&f.a) && f.store.has_object(&extra));
+    assert!(leftover.exists());
+    // Not waiting: a build holding the lock makes it busy at once.
+    let _build = f.store.lock(LockMode::Shared, true).unwrap();
+    let busy = gc(
+        &f.store,
+        &GcOptions {
+            no_wait: true,
+            ..GcOptions::default()
+        },
+    );
+    assert!(matches!(busy, Err(tilefs_store::StoreError::Busy(_))), "{busy:?}");
 }

@@ -46,7 +46,9 @@ pub fn mount_helper_bin() -> PathBuf {
 }
 
 /// `tilefs snapshotter --root ROOT --store STORE --socket SOCK EXTRA...`,
-/// its stderr appended to `log`, once it listens on `sock`.
+/// its stderr appended to `log`, once it listens on `sock`. Unless EXTRA
+/// says where, it makes no link for CRI's image filesystem (whose default
+/// is in the machine's /var/lib/containerd).
 pub fn spawn_snapshotter(root: &Path, store: &Path, sock: &Path, extra: &[&str], log: &Path) -> std::process::Child {
     spawn_snapshotter_under(&[], root, store, sock, extra, log)
 }
@@ -63,6 +65,11 @@ pub fn spawn_snapshotter_under(
 ) -> std::process::Child {
     let out = fs::OpenOptions::new().create(true).append(true).open(log).unwrap();
     let _ = fs::remove_file(sock);
+    let no_link: &[&str] = if extra.iter().any(|a| a.starts_with("--cri-imagefs")) {
+        &[]
+    } else {
+        &["--cri-imagefs="]
+    };
     let mut cmd = match under.split_first() {
         Some((first, rest)) => {
             let mut c = Command::new(first);
@@ -79,6 +86,7 @@ pub fn spawn_snapshotter_under(
         .arg(store)
         .arg("--socket")
         .arg(sock)
+        .args(no_link)
         .args(extra)
         .stdout(std::process::Stdio::null())
         .stderr(out)
@@ -692,6 +700,21 @@ pub fn tags_in(store: &Path) -> Vec<String> {
                 .collect()
         })
         .unwrap_or_default()
+}
+
+/// The images tilefs components hold in a store (the snapshotter's, one
+/// per committed snapshot): `STORE/.owned/HOLDER/NAME`, sorted.
+pub fn held_images(store: &Path) -> Vec<PathBuf> {
+    let mut v: Vec<PathBuf> = fs::read_dir(store.join(".owned"))
+        .into_iter()
+        .flatten()
+        .flatten()
+        .flat_map(|h| fs::read_dir(h.path()).into_iter().flatten().flatten())
+        .map(|e| e.path())
+        .filter(|p| !p.file_name().unwrap().to_string_lossy().starts_with('.'))
+        .collect();
+    v.sort();
+    v
 }
 
 /// A scratch directory for one test.

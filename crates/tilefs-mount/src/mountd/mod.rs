@@ -8,12 +8,14 @@
 //! - [`proto`]: requests and replies on the socket;
 //! - [`server`]: the service;
 //! - [`checks`]: where a mount may be attached, and whether it is in use;
+//! - [`gcroot`]: its mounts recorded as gc roots of their store;
 //! - [`helper`]: the steps that need namespaces of their own (locked
 //!   flags, writable overlays made with the caller's credentials);
 //! - [`client`]: asking it.
 
 mod checks;
 pub mod client;
+mod gcroot;
 pub mod helper;
 pub mod policy;
 pub mod proto;

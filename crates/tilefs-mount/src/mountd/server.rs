@@ -672,7 +672,9 @@ impl Service {
                 if job.abandoned() {
                     return Err(GONE.into());
                 }
-                let built = build_detached(&o, file).map_err(|e| e.to_string())?;
+                // A gc root of the store from the mount on (see gcroot).
+                let root = super::gcroot::before(&rule.path, &file);
+                let mut built = build_detached(&o, file).map_err(|e| e.to_string())?;
                 let ids = Ids {
                     uid: caller.uid,
                     gid: caller.gids[0],
@@ -697,6 +699,10 @@ impl Service {
                     built.mount
                 };
                 let kind = if upper { "writable" } else { "read-only" };
+                let recorded = |target: Option<BorrowedFd<'_>>| {
+                    root.and_then(|r| super::gcroot::record(r, mount.as_fd(), target, &peer_pidfd(conn)?))
+                        .map_err(|e| format!("not recorded as a gc root of store {}: {e}", store.display()))
+                };
                 let Some(target) = target else {
                     // Dropped unsent otherwise: it was never attached anywhere.
                     if !job.commit() {
@@ -706,9 +712,11 @@ impl Service {
                         "{who}: made a {kind} mount of {image} of {} for its own namespace",
                         store.display()
                     ));
+                    built.notices.extend(recorded(None).err());
                     return Ok((built.notices, Some(mount)));
                 };
                 let id = self.attach(caller, &mount, target.as_fd(), job)?;
+                built.notices.extend(recorded(Some(target.as_fd())).err());
                 log(&format!(
                     "{who}: mounted {image} of {} {kind} (mount {id})",
                     store.display()
