@@ -716,3 +716,155 @@ pub(crate) fn pull_indexed(
         lazy_fallback: None,
     }))
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::io::Write;
+
+    /// A gzip layer of a directory, files of several sizes (one of 6 MiB,
+    /// past a checkpoint's span), a symlink, a hardlink and a whiteout.
+    fn layer() -> (Vec<u8>, Vec<(&'static str, Vec<u8>)>) {
+        let files: Vec<(&str, Vec<u8>)> = vec![
+            ("etc/small", b"inline".to_vec()),
+            ("etc/config", (0..5000u32).flat_map(|i| i.to_le_bytes()).collect()),
+            ("big", (0..(6u32 << 20)).map(|i| (i.wrapping_mul(2654435761) >> 13) as u8).collect()),
+            ("after", vec![7u8; 300]),
+        ];
+        let mut b = tar::Builder::new(Vec::new());
+        let header = |path: &str, size: usize, t: tar::EntryType| {
+            let mut h = tar::Header::new_ustar();
+            h.set_path(path).unwrap();
+            h.set_size(size as u64);
+            h.set_mode(0o644);
+            h.set_entry_type(t);
+            h.set_mtime(1);
+            h.set_uid(0);
+            h.set_gid(0);
+            h.set_cksum();
+            h
+        };
+        b.append(&header("etc/", 0, tar::EntryType::Directory), std::io::empty()).unwrap();
+        for (p, data) in &files {
+            b.append(&header(p, data.len(), tar::EntryType::Regular), &data[..]).unwrap();
+        }
+        let mut h = header("etc/link", 0, tar::EntryType::Symlink);
+        h.set_link_name("config").unwrap();
+        h.set_cksum();
+        b.append(&h, std::io::empty()).unwrap();
+        let mut h = header("etc/hard", 0, tar::EntryType::Link);
+        h.set_link_name("etc/config").unwrap();
+        h.set_cksum();
+        b.append(&h, std::io::empty()).unwrap();
+        b.append(&header("etc/.wh.small", 0, tar::EntryType::Regular), std::io::empty())
+            .unwrap();
+        let tar = b.into_inner().unwrap();
+        let mut gz = flate2::write::GzEncoder::new(Vec::new(), flate2::Compression::default());
+        gz.write_all(&tar).unwrap();
+        (gz.finish().unwrap(), files)
+    }
+
+    /// The map of `blob` as `tilefs index` makes it.
+    fn map_of(blob: &[u8]) -> LayerMap {
+        let dir = tempfile::tempdir().unwrap();
+        let store = Store::create(&dir.path().join("store")).unwrap();
+        let ingest = Ingest::new(&store, Method::Copy).unwrap();
+        let mut ix = tilefs_seekable::gzip::GzipIndexer::with_span(blob, 1 << 20);
+        let (entries, placements) =
+            layer::read_entries_placed(&mut ix, "l", &ingest, layer::ReadOptions::default()).unwrap();
+        std::io::copy(&mut ix, &mut std::io::sink()).unwrap();
+        LayerMap {
+            entries,
+            placements,
+            seek: Some(ix.finish().unwrap()),
+        }
+    }
+
+    #[test]
+    fn a_map_places_every_file_where_a_range_read_finds_it() {
+        let (blob, files) = layer();
+        let map = map_of(&blob);
+        let seek = map.seek.as_ref().unwrap();
+        assert!(seek.is_enterable());
+        let again = LayerMap::decode(&map.encode(), blob.len() as u64).unwrap();
+        assert_eq!((&again.entries, &again.placements), (&map.entries, &map.placements));
+        assert_eq!(again.seek.as_ref(), Some(seek));
+        let mut found = 0;
+        for (e, p) in map.entries.iter().zip(&map.placements) {
+            let Kind::File { size, content } = &e.kind else {
+                assert_eq!(*p, Placement::None);
+                continue;
+            };
+            let want = &files.iter().find(|f| f.0.as_bytes() == e.path.join(&b'/')).unwrap().1;
+            match (content, p) {
+                (Content::Inline(v), Placement::None) => assert_eq!(v, want),
+                (Content::Object(d), Placement::At(off)) => {
+                    let range = seek.fetch_range(*off..off + size).unwrap();
+                    let mut out = vec![0u8; *size as usize];
+                    seek.read_at(*off..off + size, &blob[range.start as usize..range.end as usize], &mut out)
+                        .unwrap();
+                    assert_eq!(&out, want);
+                    assert_eq!(*d, tilefs_image::verity::digest_bytes(want));
+                    found += 1;
+                }
+                other => panic!("{other:?}"),
+            }
+        }
+        assert_eq!(found, 3);
+        // The objects are placed; the image of the map is the layer's.
+        let objects: Vec<ObjectRef> = map
+            .entries
+            .iter()
+            .filter_map(|e| match &e.kind {
+                Kind::File {
+                    size,
+                    content: Content::Object(d),
+                } => Some(ObjectRef { digest: *d, size: *size }),
+                _ => None,
+            })
+            .collect();
+        let index = locate(&[&map], &objects).unwrap();
+        assert_eq!(index.objects.len(), 3);
+        // Over a layer of its other entries: its whiteout removes from it.
+        let mut below = map.clone();
+        below.entries.retain(|e| e.kind != Kind::Whiteout);
+        let d = Digest::sha256_of(&blob);
+        flatten(&[&below, &map], &[&d, &d], false).unwrap();
+    }
+
+    #[test]
+    fn maps_that_no_layer_could_give_are_refused() {
+        let (blob, _) = layer();
+        let map = map_of(&blob);
+        let size = blob.len() as u64;
+        let refused = |m: &LayerMap| LayerMap::decode(&m.encode(), size).unwrap_err();
+        let file = map
+            .placements
+            .iter()
+            .position(|p| matches!(p, Placement::At(_)))
+            .unwrap();
+        let mut m = map.clone();
+        m.placements[file] = Placement::At(u64::MAX - 3);
+        assert!(refused(&m).contains("pass the stream's end"), "{}", refused(&m));
+        let mut m = map.clone();
+        m.placements[0] = Placement::At(0);
+        assert!(refused(&m).contains("placement"), "{}", refused(&m));
+        let mut m = map.clone();
+        m.entries[1].path.push(b"..".to_vec());
+        assert!(refused(&m).contains("path component"), "{}", refused(&m));
+        let mut m = map.clone();
+        m.placements.pop();
+        assert!(refused(&m).contains("placements for"), "{}", refused(&m));
+        assert!(LayerMap::decode(&map.encode(), size + 1).unwrap_err().contains("seek index"));
+        assert!(LayerMap::decode(b"junk", size).is_err());
+        // Seeds for the fuzz target: a real map, with its layer size.
+        if let Some(dir) = std::env::var_os("TILEFS_WRITE_LAZY_INDEX_SEEDS") {
+            let dir = std::path::Path::new(&dir);
+            std::fs::create_dir_all(dir).unwrap();
+            let mut seed = size.to_le_bytes().to_vec();
+            seed.push(0);
+            seed.extend(map.encode());
+            std::fs::write(dir.join("layer-map"), seed).unwrap();
+        }
+    }
+}
