@@ -918,6 +918,12 @@ impl LazySource {
         if !sequential {
             return (range, ahead);
         }
+        // In a compressed layer, neighbours up to the next checkpoint only:
+        // past it they would cost another span of the blob.
+        let limit = match self.layers.get(loc.pack as usize) {
+            Some((c, _)) => c.free_until(loc.offset + loc.size).unwrap_or(u64::MAX),
+            None => u64::MAX,
+        };
         let at = self
             .by_offset
             .partition_point(|&(p, o, _)| (p, o) <= (loc.pack, loc.offset));
@@ -928,6 +934,7 @@ impl LazySource {
                 || o < range.end
                 || o - range.end > GAP
                 || o + l.size - range.start > loc.size + READ_AHEAD
+                || o + l.size > limit
                 || range.objects.len() > READ_AHEAD_OBJECTS
             {
                 break;

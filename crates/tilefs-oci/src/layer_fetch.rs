@@ -38,6 +38,17 @@ impl Coding {
             Coding::Seek(s) => s.is_enterable(),
         }
     }
+
+    /// Where the compressed bytes fetched to read up to `at` stop giving
+    /// more for free: the first checkpoint at or after it (None: the end
+    /// of the stream; or an uncompressed layer, where read-ahead is bounded
+    /// as a pack's is).
+    pub(crate) fn free_until(&self, at: u64) -> Option<u64> {
+        match self {
+            Coding::Plain => None,
+            Coding::Seek(s) => s.checkpoints().iter().map(|c| c.uncompressed).find(|&u| u >= at),
+        }
+    }
 }
 
 /// Runs `f` on a reader of `len` bytes of the tar stream of `blob` from

@@ -728,7 +728,12 @@ mod tests {
         let files: Vec<(&str, Vec<u8>)> = vec![
             ("etc/small", b"inline".to_vec()),
             ("etc/config", (0..5000u32).flat_map(|i| i.to_le_bytes()).collect()),
-            ("big", (0..(6u32 << 20)).map(|i| (i.wrapping_mul(2654435761) >> 13) as u8).collect()),
+            (
+                "big",
+                (0..(6u32 << 20))
+                    .map(|i| (i.wrapping_mul(2654435761) >> 13) as u8)
+                    .collect(),
+            ),
             ("after", vec![7u8; 300]),
         ];
         let mut b = tar::Builder::new(Vec::new());
@@ -744,9 +749,11 @@ mod tests {
             h.set_cksum();
             h
         };
-        b.append(&header("etc/", 0, tar::EntryType::Directory), std::io::empty()).unwrap();
+        b.append(&header("etc/", 0, tar::EntryType::Directory), std::io::empty())
+            .unwrap();
         for (p, data) in &files {
-            b.append(&header(p, data.len(), tar::EntryType::Regular), &data[..]).unwrap();
+            b.append(&header(p, data.len(), tar::EntryType::Regular), &data[..])
+                .unwrap();
         }
         let mut h = header("etc/link", 0, tar::EntryType::Symlink);
         h.set_link_name("config").unwrap();
@@ -801,8 +808,12 @@ mod tests {
                 (Content::Object(d), Placement::At(off)) => {
                     let range = seek.fetch_range(*off..off + size).unwrap();
                     let mut out = vec![0u8; *size as usize];
-                    seek.read_at(*off..off + size, &blob[range.start as usize..range.end as usize], &mut out)
-                        .unwrap();
+                    seek.read_at(
+                        *off..off + size,
+                        &blob[range.start as usize..range.end as usize],
+                        &mut out,
+                    )
+                    .unwrap();
                     assert_eq!(&out, want);
                     assert_eq!(*d, tilefs_image::verity::digest_bytes(want));
                     found += 1;
@@ -819,7 +830,10 @@ mod tests {
                 Kind::File {
                     size,
                     content: Content::Object(d),
-                } => Some(ObjectRef { digest: *d, size: *size }),
+                } => Some(ObjectRef {
+                    digest: *d,
+                    size: *size,
+                }),
                 _ => None,
             })
             .collect();
@@ -855,7 +869,9 @@ mod tests {
         let mut m = map.clone();
         m.placements.pop();
         assert!(refused(&m).contains("placements for"), "{}", refused(&m));
-        assert!(LayerMap::decode(&map.encode(), size + 1).unwrap_err().contains("seek index"));
+        assert!(LayerMap::decode(&map.encode(), size + 1)
+            .unwrap_err()
+            .contains("seek index"));
         assert!(LayerMap::decode(b"junk", size).is_err());
         // Seeds for the fuzz target: a real map, with its layer size.
         if let Some(dir) = std::env::var_os("TILEFS_WRITE_LAZY_INDEX_SEEDS") {
