@@ -603,7 +603,8 @@ impl<R: Read> Read for Counting<'_, R> {
     }
 }
 
-/// 3: layers of ordinary images ([`LazyRecord::layers`]).
+/// 3: layers of ordinary images ([`LazyRecord::layers`]); records of 2
+/// are still read.
 const RECORD_VERSION: u32 = 3;
 
 /// Why a lazy-pull record may not decide where this user's credentials go,
@@ -661,6 +662,40 @@ pub struct LazyRecord {
     pub layers: Vec<LayerCoding>,
     /// How the index passed the signature policy: checked again too.
     pub index_trust: Option<crate::trust::TrustRecord>,
+}
+
+/// A record's bytes: of this version, or of version 2 (artifacts only:
+/// this one without its last fields), read as it was written.
+fn decode_record(raw: &[u8]) -> Result<LazyRecord, postcard::Error> {
+    let head: RecordV2 = postcard::from_bytes(raw)?;
+    if head.version != 2 {
+        return postcard::from_bytes(raw);
+    }
+    Ok(LazyRecord {
+        version: RECORD_VERSION,
+        source: head.source,
+        manifest_digest: head.manifest_digest,
+        tls_verify: head.tls_verify,
+        timeout_secs: head.timeout_secs,
+        packs: head.packs,
+        index: head.index,
+        trust: head.trust,
+        layers: Vec::new(),
+        index_trust: None,
+    })
+}
+
+/// The fields of a version 2 record (all a version 3 record begins with).
+#[derive(serde::Serialize, serde::Deserialize)]
+struct RecordV2 {
+    version: u32,
+    source: String,
+    manifest_digest: Option<String>,
+    tls_verify: bool,
+    timeout_secs: u64,
+    packs: Vec<(String, u64)>,
+    index: ObjectIndex,
+    trust: Option<crate::trust::TrustRecord>,
 }
 
 /// How an ordinary layer's stream is reached.
@@ -744,7 +779,7 @@ impl LazyRecord {
         let mut raw = Vec::new();
         f.read_to_end(&mut raw)
             .map_err(|e| OciError::io(&path, "cannot read", e))?;
-        let r: LazyRecord = postcard::from_bytes(&raw)
+        let r = decode_record(&raw)
             .map_err(|e| OciError::io(&path, "not a tilefs lazy-pull record", io::Error::other(e)))?;
         if r.version != RECORD_VERSION {
             return Err(OciError::io(
@@ -1066,5 +1101,31 @@ impl ObjectSource for LazySource {
                 r
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn records_of_version_2_are_still_read() {
+        let old = RecordV2 {
+            version: 2,
+            source: "docker://r.example/a:v1".into(),
+            manifest_digest: None,
+            tls_verify: true,
+            timeout_secs: 60,
+            packs: vec![("sha256:00".into(), 5)],
+            index: ObjectIndex::default(),
+            trust: None,
+        };
+        let r = decode_record(&postcard::to_stdvec(&old).unwrap()).unwrap();
+        assert_eq!((r.version, &r.packs, r.layers.len()), (RECORD_VERSION, &old.packs, 0));
+        let mut now = r.clone();
+        now.packs = vec![("sha256:11".into(), 7)];
+        now.layers = vec![LayerCoding::Plain];
+        let again = decode_record(&postcard::to_stdvec(&now).unwrap()).unwrap();
+        assert_eq!((again.packs, again.layers.len()), (now.packs, 1));
     }
 }
