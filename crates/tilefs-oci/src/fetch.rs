@@ -1006,7 +1006,9 @@ impl LazySource {
         let coding = match self.layers.get(loc.pack as usize) {
             None if self.layers.is_empty() => None,
             None => return Err(format!("the record names layer {} that it does not list", loc.pack)),
-            Some((c, whole)) if loc.offset == crate::lazy_index::WHOLE_LAYER || !c.enterable() => {
+            Some((c, whole))
+                if loc.offset == crate::lazy_index::WHOLE_LAYER || !c.enterable_at(loc.offset, loc.size) =>
+            {
                 return self.whole_layer(digest, &pack, whole);
             }
             Some((c, _)) => Some(c),

@@ -22,6 +22,10 @@ use tilefs_store::ingest::Ingest;
 /// (about this plus its compressed bytes).
 const PIECE: u64 = 8 << 20;
 
+/// Most compressed bytes one piece may need: past it, the layer is read
+/// whole (streamed) instead.
+const MAX_FETCH: u64 = 64 << 20;
+
 /// How a layer's tar stream is reached.
 pub(crate) enum Coding {
     /// Not compressed: the stream is the blob.
@@ -30,12 +34,18 @@ pub(crate) enum Coding {
 }
 
 impl Coding {
-    /// Whether a part of the stream can be read without the rest: a
-    /// compressed layer of one checkpoint cannot.
-    pub(crate) fn enterable(&self) -> bool {
+    /// Whether `size` bytes at `offset` of the stream are best read
+    /// without the rest: not in a compressed layer of one checkpoint, nor
+    /// where the compressed bytes of a piece would pass [`MAX_FETCH`]
+    /// (checkpoints far apart: big zstd frames), which are held in memory.
+    pub(crate) fn enterable_at(&self, offset: u64, size: u64) -> bool {
         match self {
             Coding::Plain => true,
-            Coding::Seek(s) => s.is_enterable(),
+            Coding::Seek(s) => {
+                s.is_enterable()
+                    && s.fetch_range(offset..offset.saturating_add(size.min(PIECE)))
+                        .is_ok_and(|r| r.end - r.start <= MAX_FETCH)
+            }
         }
     }
 
@@ -103,6 +113,15 @@ impl Pieces<'_> {
             io::Error::new(io::ErrorKind::InvalidData, e.to_string())
         };
         let range = self.seek.fetch_range(want.clone()).map_err(bad)?;
+        if range.end - range.start > MAX_FETCH {
+            self.corrupt.store(true, Relaxed);
+            return Err(io::Error::other(format!(
+                "the seek index's checkpoints around {}..{to} are {} bytes apart, more than {}",
+                self.pos,
+                range.end - range.start,
+                crate::bounded::size(MAX_FETCH)
+            )));
+        }
         let mut fetched = Vec::with_capacity((range.end - range.start) as usize);
         self.t
             .open_range(self.blob, range.start, range.end - range.start)
