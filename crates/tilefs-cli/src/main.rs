@@ -5,6 +5,7 @@ mod commit_cmd;
 mod digest;
 mod docs;
 mod fuse_serve;
+mod index_cmd;
 mod inspect;
 mod keys_cmd;
 mod mount_cmd;
@@ -54,6 +55,9 @@ enum Command {
     Pull(pull_cmd::PullArgs),
     /// Push a tagged image and its objects to an OCI registry (fetchable by range, lazily)
     Push(push_cmd::PushArgs),
+    /// Index an ordinary OCI image in a registry so that it is pulled and mounted lazily as it is
+    /// (pushes a small artifact that refers to the image)
+    Index(index_cmd::IndexArgs),
     /// Write a sigstore key pair (PREFIX.key, encrypted, and PREFIX.pub) for signed pushes
     GenerateSigstoreKey(keys_cmd::GenerateSigstoreKeyArgs),
     /// Print the fs-verity SHA-256 digest of files, as `fsverity digest` does
@@ -136,6 +140,7 @@ fn main() -> ExitCode {
         Command::Digest(a) => digest::run(a),
         Command::Pull(a) => pull_cmd::run(a),
         Command::Push(a) => push_cmd::run(a),
+        Command::Index(a) => index_cmd::run(a),
         Command::GenerateSigstoreKey(a) => keys_cmd::run(a),
         Command::Images(a) => store_cmds::images(a),
         Command::Untag(a) => store_cmds::untag(a),

@@ -44,9 +44,10 @@ pub struct PullArgs {
     /// Layers read at once [default: one per core, at least 2]
     #[arg(short, long, default_value_t = 0, value_name = "N", hide_default_value = true)]
     pub jobs: usize,
-    /// For an image pushed by `tilefs push`: fetch only the image and its object index; a FUSE
-    /// mount then fetches each file's object on its first read (`tilefs pull` without --lazy
-    /// completes the store)
+    /// Fetch only the image and where its files are: for an image pushed by `tilefs push`, its
+    /// object index; for an ordinary image, its index made by `tilefs index` (without one, the
+    /// image is pulled whole, saying why). A FUSE mount then fetches each file on its first read
+    /// (`tilefs pull` without --lazy completes the store)
     #[arg(long)]
     pub lazy: bool,
     /// No progress display

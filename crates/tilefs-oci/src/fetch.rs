@@ -164,6 +164,8 @@ pub(crate) fn pull_artifact(
                 .collect(),
             index: remote_image.index.clone(),
             trust: resolved.trust.clone(),
+            layers: Vec::new(),
+            index_trust: None,
         };
         record.save(store, &remote_image.digest)?;
     } else if !absent.is_empty() {
@@ -223,6 +225,8 @@ pub(crate) fn pull_artifact(
         objects,
         notes: Vec::new(),
         lazy_objects: if lazy { absent.len() as u64 } else { 0 },
+        lazy_index: None,
+        lazy_fallback: None,
     })
 }
 
@@ -396,7 +400,7 @@ fn fetch_claimed(f: &Fetching, range: &Range, defer: Option<&Mutex<Vec<Placed>>>
         cut = false;
     }
     for run in &runs {
-        fetch_range(f.t, pack, run, f.ingest, f.progress, None, f.cancel)?;
+        fetch_range(f.t, pack, None, run, f.ingest, f.progress, None, f.cancel)?;
     }
     f.ingest.commit()?;
     drop(locks);
@@ -405,10 +409,13 @@ fn fetch_claimed(f: &Fetching, range: &Range, defer: Option<&Mutex<Vec<Placed>>>
 
 /// Fetches one range, retrying (with back-off, at most [`ATTEMPTS`] times,
 /// never past `deadline`, and not once `cancel` is set) from the first
-/// object not yet stored when the transfer fails.
+/// object not yet stored when the transfer fails. With `coding`, `pack` is
+/// an ordinary layer and the range one of its tar stream.
+#[allow(clippy::too_many_arguments)]
 fn fetch_range(
     t: &dyn Transport,
     pack: &BlobRef,
+    coding: Option<&crate::layer_fetch::Coding>,
     range: &Range,
     ingest: &Ingest,
     progress: &PullProgress,
@@ -424,11 +431,19 @@ fn fetch_range(
         // One large object alone is fetched in parallel pieces; runs of
         // objects are already fetched several at once.
         let split = range.objects.len() - done == 1;
-        let err = match with_range(t, pack, start, range.end - start, split, |reader| {
+        let corrupt = AtomicBool::new(false);
+        let read = |reader: &mut dyn Read| {
             let mut reader = Counting(reader, &progress.blob_bytes);
             read_objects(&mut reader, pack, start, &range.objects[done..], ingest, &mut done)
-        }) {
+        };
+        let fetched = match coding {
+            None => with_range(t, pack, start, range.end - start, split, read),
+            Some(c) => crate::layer_fetch::with_stream_range(t, pack, c, start, range.end - start, &corrupt, read),
+        };
+        let err = match fetched {
             Ok(Ok(())) => return Ok(()),
+            // A compressed range that does not decode: as wrong bytes.
+            Ok(Err(Fetch::Transfer(e))) if corrupt.load(Relaxed) => Fetch::Wrong(e),
             Ok(Err(e)) => e,
             Err(e) => Fetch::Transfer(e),
         };
@@ -588,7 +603,9 @@ impl<R: Read> Read for Counting<'_, R> {
     }
 }
 
-const RECORD_VERSION: u32 = 2;
+/// 3: layers of ordinary images ([`LazyRecord::layers`]); records of 2
+/// are still read.
+const RECORD_VERSION: u32 = 3;
 
 /// Why a lazy-pull record may not decide where this user's credentials go,
 /// if it may not: its registry and `tls_verify` do, so a user who can write
@@ -637,10 +654,99 @@ pub struct LazyRecord {
     /// How the pull passed the signature policy (a registry image's fetches
     /// check it again before the first one).
     pub trust: Option<crate::trust::TrustRecord>,
+    /// For an ordinary image pulled through its index
+    /// ([`crate::lazy_index`]), one per pack, which are then its layers:
+    /// how each is compressed (the index's locations are offsets in the
+    /// uncompressed stream, or [`crate::lazy_index::WHOLE_LAYER`]). Empty
+    /// for a tilefs artifact.
+    pub layers: Vec<LayerCoding>,
+    /// How the index passed the signature policy: checked again too.
+    pub index_trust: Option<crate::trust::TrustRecord>,
+}
+
+/// A record's bytes: of this version, or of version 2 (artifacts only:
+/// this one without its last fields), read as it was written.
+fn decode_record(raw: &[u8]) -> Result<LazyRecord, postcard::Error> {
+    let head: RecordV2 = postcard::from_bytes(raw)?;
+    if head.version != 2 {
+        return postcard::from_bytes(raw);
+    }
+    Ok(LazyRecord {
+        version: RECORD_VERSION,
+        source: head.source,
+        manifest_digest: head.manifest_digest,
+        tls_verify: head.tls_verify,
+        timeout_secs: head.timeout_secs,
+        packs: head.packs,
+        index: head.index,
+        trust: head.trust,
+        layers: Vec::new(),
+        index_trust: None,
+    })
+}
+
+/// The fields of a version 2 record (all a version 3 record begins with).
+#[derive(serde::Serialize, serde::Deserialize)]
+struct RecordV2 {
+    version: u32,
+    source: String,
+    manifest_digest: Option<String>,
+    tls_verify: bool,
+    timeout_secs: u64,
+    packs: Vec<(String, u64)>,
+    index: ObjectIndex,
+    trust: Option<crate::trust::TrustRecord>,
+}
+
+/// How an ordinary layer's stream is reached.
+#[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
+pub enum LayerCoding {
+    /// Not compressed: stream offsets are blob offsets.
+    Plain,
+    /// Compressed, with this seek index ([`tilefs_seekable::format`]).
+    Seek(Vec<u8>),
 }
 
 impl LazyRecord {
-    fn save(&self, store: &Store, image: &[u8; 32]) -> Result<(), OciError> {
+    /// The record of an ordinary image whose layers `maps` describe (a
+    /// prefix of them makes the image of a chain) and whose objects lie as
+    /// `index` says ([`crate::lazy_index::locate`]), pulled from `source`
+    /// as `resolved` (its layers, its trust record) with `opts`.
+    pub fn for_layers(
+        source: &ImageRef,
+        resolved: &Resolved,
+        opts: &PullOptions,
+        maps: &[&crate::lazy_index::LayerMap],
+        index: ObjectIndex,
+        index_trust: Option<crate::trust::TrustRecord>,
+    ) -> LazyRecord {
+        LazyRecord {
+            version: RECORD_VERSION,
+            source: source.to_string(),
+            manifest_digest: resolved.manifest_digest.as_ref().map(|d| d.to_string()),
+            tls_verify: opts.registry.tls_verify,
+            timeout_secs: opts.registry.timeout.as_secs(),
+            packs: resolved
+                .layers
+                .iter()
+                .take(maps.len())
+                .map(|l| (l.digest.to_string(), l.size.unwrap_or(0)))
+                .collect(),
+            index,
+            trust: resolved.trust.clone(),
+            layers: maps
+                .iter()
+                .map(|m| match &m.seek {
+                    Some(s) => LayerCoding::Seek(s.encode()),
+                    None => LayerCoding::Plain,
+                })
+                .collect(),
+            index_trust,
+        }
+    }
+
+    /// Writes the record of `image` (its fs-verity digest) in `store`.
+    pub fn save(&self, store: &Store, image: &[u8; 32]) -> Result<(), OciError> {
         let bytes = postcard::to_stdvec(self).map_err(|e| OciError::Reference(format!("cannot encode: {e}")))?;
         crate::layer_cache::write_record_in(store, REMOTE_DIR, &hex::encode(image), &bytes).map_err(|e| {
             OciError::io(
@@ -673,7 +779,7 @@ impl LazyRecord {
         let mut raw = Vec::new();
         f.read_to_end(&mut raw)
             .map_err(|e| OciError::io(&path, "cannot read", e))?;
-        let r: LazyRecord = postcard::from_bytes(&raw)
+        let r = decode_record(&raw)
             .map_err(|e| OciError::io(&path, "not a tilefs lazy-pull record", io::Error::other(e)))?;
         if r.version != RECORD_VERSION {
             return Err(OciError::io(
@@ -717,6 +823,9 @@ pub struct LazySource {
     /// Where the last fetch ended (pack, offset): a fetch starting there
     /// is part of a sequential read, and reads ahead.
     last_end: Mutex<Option<(u32, u64)>>,
+    /// An ordinary image's layers ([`LazyRecord::layers`]), decoded, each
+    /// with the lock of reading it whole (once, not by every reader).
+    layers: Vec<(crate::layer_fetch::Coding, Mutex<()>)>,
 }
 
 /// How far a sequential read fetches ahead of the object asked for.
@@ -739,6 +848,26 @@ impl LazySource {
             .map(|(i, (_, l))| (l.pack, l.offset, i))
             .collect();
         by_offset.sort_unstable();
+        let path = remote::record_path(&store, image);
+        let mut layers = Vec::with_capacity(record.layers.len());
+        for (i, c) in record.layers.iter().enumerate() {
+            let coding = match c {
+                LayerCoding::Plain => crate::layer_fetch::Coding::Plain,
+                LayerCoding::Seek(b) => {
+                    crate::layer_fetch::Coding::Seek(tilefs_seekable::SeekIndex::decode(b).map_err(|e| {
+                        OciError::io(&path, "a lazy-pull record", io::Error::other(format!("layer {i}: {e}")))
+                    })?)
+                }
+            };
+            layers.push((coding, Mutex::new(())));
+        }
+        if !layers.is_empty() && layers.len() != record.packs.len() {
+            return Err(OciError::io(
+                &path,
+                "a lazy-pull record",
+                io::Error::other("its layers and packs differ in number"),
+            ));
+        }
         Ok(Some(LazySource {
             store,
             record,
@@ -746,6 +875,7 @@ impl LazySource {
             transport: OnceLock::new(),
             flights: Flights::default(),
             last_end: Mutex::new(None),
+            layers,
         }))
     }
 
@@ -769,6 +899,10 @@ impl LazySource {
             })?;
             crate::trust::recheck(trust, &self.record.source, &opts)
                 .map_err(|e| format!("the signature policy refuses the image now: {e}"))?;
+            if let Some(index) = &self.record.index_trust {
+                crate::trust::recheck(index, &self.record.source, &opts)
+                    .map_err(|e| format!("the signature policy refuses the image's index now: {e}"))?;
+            }
         }
         let t = transport::open(&r, &opts).map_err(|e| e.to_string())?;
         Ok(self.transport.get_or_init(|| t).as_ref())
@@ -808,23 +942,34 @@ impl LazySource {
             objects: vec![(*digest, loc)],
         };
         let mut ahead = Vec::new();
-        let sequential = self
-            .last_end
-            .lock()
-            .unwrap()
-            .is_some_and(|(p, end)| p == loc.pack && loc.offset >= end && loc.offset - end <= GAP);
+        // In a layer, the files after this one come with its checkpoint's
+        // bytes anyway: they are decoded and stored in the same pass.
+        let sequential = !self.layers.is_empty()
+            || self
+                .last_end
+                .lock()
+                .unwrap()
+                .is_some_and(|(p, end)| p == loc.pack && loc.offset >= end && loc.offset - end <= GAP);
         if !sequential {
             return (range, ahead);
         }
+        // In a compressed layer, neighbours up to the next checkpoint only:
+        // past it they would cost another span of the blob.
+        let limit = match self.layers.get(loc.pack as usize) {
+            Some((c, _)) => c.free_until(loc.offset + loc.size).unwrap_or(u64::MAX),
+            None => u64::MAX,
+        };
         let at = self
             .by_offset
             .partition_point(|&(p, o, _)| (p, o) <= (loc.pack, loc.offset));
         for &(p, o, i) in &self.by_offset[at..] {
             let (d, l) = self.record.index.objects[i];
             if p != loc.pack
+                || o == crate::lazy_index::WHOLE_LAYER
                 || o < range.end
                 || o - range.end > GAP
                 || o + l.size - range.start > loc.size + READ_AHEAD
+                || o + l.size > limit
                 || range.objects.len() > READ_AHEAD_OBJECTS
             {
                 break;
@@ -858,6 +1003,16 @@ impl LazySource {
             .record
             .pack(loc.pack)
             .ok_or_else(|| format!("the record names pack {} that it does not list", loc.pack))?;
+        let coding = match self.layers.get(loc.pack as usize) {
+            None if self.layers.is_empty() => None,
+            None => return Err(format!("the record names layer {} that it does not list", loc.pack)),
+            Some((c, whole))
+                if loc.offset == crate::lazy_index::WHOLE_LAYER || !c.enterable_at(loc.offset, loc.size) =>
+            {
+                return self.whole_layer(digest, &pack, whole);
+            }
+            Some((c, _)) => Some(c),
+        };
         let locks = FetchLocks::open(&self.store);
         if let Some(k) = &locks {
             // Past the deadline (a fetch elsewhere that hangs), fetched
@@ -875,6 +1030,7 @@ impl LazySource {
         let fetched = fetch_range(
             t,
             &pack,
+            coding,
             &range,
             &ingest,
             &PullProgress::default(),
@@ -901,6 +1057,27 @@ impl LazySource {
         }
         came(digest)
     }
+
+    /// Brings `digest` by reading its layer `blob` whole (under `whole`, so
+    /// the readers of its other files wait for that one read), storing
+    /// every file of it.
+    fn whole_layer(&self, digest: &[u8; 32], blob: &BlobRef, whole: &Mutex<()>) -> Result<(), String> {
+        let _once = whole.lock().unwrap_or_else(|e| e.into_inner());
+        if self.store.has_object(digest) {
+            return Ok(());
+        }
+        let t = self.transport()?;
+        let mut ingest = Ingest::for_fetched(&self.store).map_err(|e| e.to_string())?;
+        ingest.commit_each();
+        let read = crate::layer_fetch::fetch_whole(t, blob, &ingest);
+        let committed = ingest.finish();
+        read.map_err(|e| e.to_string())?;
+        committed.map_err(|e| e.to_string())?;
+        match self.store.has_object(digest) {
+            true => Ok(()),
+            false => Err(format!("layer {} holds no such file", blob.digest)),
+        }
+    }
 }
 
 impl ObjectSource for LazySource {
@@ -926,5 +1103,31 @@ impl ObjectSource for LazySource {
                 r
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn records_of_version_2_are_still_read() {
+        let old = RecordV2 {
+            version: 2,
+            source: "docker://r.example/a:v1".into(),
+            manifest_digest: None,
+            tls_verify: true,
+            timeout_secs: 60,
+            packs: vec![("sha256:00".into(), 5)],
+            index: ObjectIndex::default(),
+            trust: None,
+        };
+        let r = decode_record(&postcard::to_stdvec(&old).unwrap()).unwrap();
+        assert_eq!((r.version, &r.packs, r.layers.len()), (RECORD_VERSION, &old.packs, 0));
+        let mut now = r.clone();
+        now.packs = vec![("sha256:11".into(), 7)];
+        now.layers = vec![LayerCoding::Plain];
+        let again = decode_record(&postcard::to_stdvec(&now).unwrap()).unwrap();
+        assert_eq!((again.packs, again.layers.len()), (now.packs, 1));
     }
 }

@@ -212,6 +212,20 @@ pub struct ReadOptions<'a> {
     pub sparse_budget: Option<&'a AtomicU64>,
 }
 
+/// Where a regular file's contents lie in its layer's uncompressed tar
+/// stream, for lazy reads of ordinary layers ([`crate::lazy_index`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub enum Placement {
+    /// Not a file whose contents are an object (a directory, a link, a
+    /// file kept inline in the image).
+    None,
+    /// Its `size` bytes start at this offset of the tar stream.
+    At(u64),
+    /// A sparse file: its pieces are spread over the stream with a map of
+    /// their own, so it is read by reading the whole layer.
+    WholeLayer,
+}
+
 /// Reads the tar stream `tar` (already decompressed), storing file
 /// contents through `ingest`. `blob` names the layer in messages.
 pub fn read_entries(
@@ -220,6 +234,17 @@ pub fn read_entries(
     ingest: &Ingest,
     opts: ReadOptions,
 ) -> Result<Vec<LayerEntry>, OciError> {
+    read_entries_placed(tar, blob, ingest, opts).map(|(entries, _)| entries)
+}
+
+/// [`read_entries`], with each entry's [`Placement`] in the stream (the
+/// two lists are as long as each other).
+pub fn read_entries_placed(
+    tar: &mut dyn Read,
+    blob: &str,
+    ingest: &Ingest,
+    opts: ReadOptions,
+) -> Result<(Vec<LayerEntry>, Vec<Placement>), OciError> {
     let stopped = || opts.stop.is_some_and(|stop| stop());
     let own_budget = AtomicU64::new(MAX_SPARSE_HOLES);
     // What the tar reader may still read before it hands over the next
@@ -236,8 +261,10 @@ pub fn read_entries(
         opts,
         jobs: 0,
         sparse_budget: opts.sparse_budget.unwrap_or(&own_budget),
+        placement: Placement::None,
     };
     let mut out = Vec::new();
+    let mut placements = Vec::new();
     let mut entries = archive
         .entries()
         .map_err(|e| OciError::layer(blob, None, format!("not a tar stream: {e}")))?;
@@ -260,13 +287,23 @@ pub fn read_entries(
                 Ok(e)
             });
         match read {
-            Ok(Some(e)) => out.push(e),
+            Ok(Some(e)) => {
+                let placed = match e.kind {
+                    Kind::File {
+                        content: Content::Inline(_),
+                        ..
+                    } => Placement::None,
+                    _ => reader.placement,
+                };
+                out.push(e);
+                placements.push(placed);
+            }
             Ok(None) => {}
             Err(_) if stopped() => return Err(OciError::Interrupted),
             Err(e) => return Err(e),
         }
     }
-    Ok(out)
+    Ok((out, placements))
 }
 
 /// A layer's stream as the tar reader reads it: stops once `stop` says so
@@ -321,6 +358,8 @@ struct EntryReader<'a> {
     jobs: u32,
     /// Bytes of holes sparse files may still declare.
     sparse_budget: &'a AtomicU64,
+    /// Where the last entry's contents lie.
+    placement: Placement,
 }
 
 impl EntryReader<'_> {
@@ -337,6 +376,7 @@ impl EntryReader<'_> {
         };
         let name = display_name(&raw_path);
         let fail = |reason: String| OciError::layer(blob, Some(&name), reason);
+        self.placement = Placement::None;
         let path = split_path(&raw_path).map_err(|r| fail(r.to_string()))?;
         let meta = meta_of(entry.header(), &pax).map_err(fail)?;
         if let Some(n) = self.opts.entries {
@@ -357,6 +397,10 @@ impl EntryReader<'_> {
                     return Err(fail("the root is not a regular file".into()));
                 }
                 let mut expanded;
+                self.placement = match sparse.is_sparse() || etype == EntryType::GNUSparse {
+                    true => Placement::WholeLayer,
+                    false => Placement::At(entry.raw_file_position()),
+                };
                 let (size, data): (u64, &mut dyn Read) = if sparse.is_sparse() {
                     expanded = sparse.reader(entry).map_err(fail)?;
                     let size = sparse.real_size.unwrap_or(0);

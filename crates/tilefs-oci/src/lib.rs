@@ -19,6 +19,10 @@
 //! - [`fetch`]: an artifact's objects by range, all the store lacks or
 //!   each when first read (lazy pulls); `flights`: one fetch of an object
 //!   at a time in a process, its answer shared by every reader waiting;
+//! - [`lazy_index`]: indexes of ordinary images (`tilefs index`), so that
+//!   they start lazily unconverted; [`referrers`]: how an index is listed
+//!   beside its image (the referrers API, or the fallback tag);
+//!   `layer_fetch`: objects read out of byte ranges of ordinary layers;
 //! - [`trust`]: the signature policy, registries.d and registries.conf on
 //!   every path that brings an image in, and signing on push.
 
@@ -31,10 +35,13 @@ pub mod fetch;
 mod flights;
 pub mod layer;
 pub mod layer_cache;
+mod layer_fetch;
+pub mod lazy_index;
 pub mod manifest;
 pub mod pull;
 pub mod push;
 pub mod reference;
+pub mod referrers;
 pub mod transport;
 pub mod trust;
 

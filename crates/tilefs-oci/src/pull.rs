@@ -82,6 +82,12 @@ pub struct PullReport {
     pub notes: Vec<String>,
     /// Objects left to fetch on demand (`--lazy`).
     pub lazy_objects: u64,
+    /// The tilefs index an ordinary image was pulled lazily by.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub lazy_index: Option<String>,
+    /// Why `--lazy` pulled an ordinary image whole.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub lazy_fallback: Option<String>,
 }
 
 /// Pulls the image `r` into `store` and tags it `tag`.
@@ -107,6 +113,13 @@ pub fn pull(store: &Store, r: &ImageRef, tag: &str, opts: &PullOptions) -> Resul
     };
     if resolved.artifact {
         return crate::fetch::pull_artifact(store, r, t.as_ref(), resolved, tag, opts, &progress);
+    }
+    let mut lazy_fallback = None;
+    if opts.lazy {
+        match crate::lazy_index::pull_indexed(store, r, &resolved, tag, opts, &progress)? {
+            Ok(report) => return Ok(report),
+            Err(why) => lazy_fallback = Some(why),
+        }
     }
     if let Some(config) = &resolved.config {
         progress.stage.set("fetching the image configuration", remote);
@@ -152,11 +165,14 @@ pub fn pull(store: &Store, r: &ImageRef, tag: &str, opts: &PullOptions) -> Resul
             blob_bytes: 0,
             entries: known.entries,
             objects: StatsSnapshot::default(),
-            notes: lazy_note(opts).into_iter().collect(),
+            notes: lazy_fallback.iter().map(|w| lazy_note(w)).collect(),
             lazy_objects: 0,
+            lazy_index: None,
+            lazy_fallback,
         });
     }
-    let read = read_layers(store, t.as_ref(), &distinct, &ingest, &progress, &presence, opts)?;
+    let read = read_layers(store, t.as_ref(), &distinct, &ingest, &progress, &presence, opts, false)?;
+    let read = read.into_iter().map(|l| l.entries).collect();
     progress.stage.set("writing the image", false);
     let mut applier = Applier::new(opts.keep_all_xattrs);
     let mut entries = 0;
@@ -181,7 +197,7 @@ pub fn pull(store: &Store, r: &ImageRef, tag: &str, opts: &PullOptions) -> Resul
     needed.dedup();
     crate::layer_cache::save_image(store, &key, &image.bytes, entries, needed);
     let mut notes: Vec<String> = ingest.verity_warning().into_iter().collect();
-    notes.extend(lazy_note(opts));
+    notes.extend(lazy_fallback.iter().map(|w| lazy_note(w)));
     drop(ingest);
     Ok(PullReport {
         tag: tag.to_string(),
@@ -195,6 +211,8 @@ pub fn pull(store: &Store, r: &ImageRef, tag: &str, opts: &PullOptions) -> Resul
         objects,
         notes,
         lazy_objects: 0,
+        lazy_index: None,
+        lazy_fallback,
     })
 }
 
@@ -207,11 +225,10 @@ fn registry_options(opts: &PullOptions) -> RegistryOptions {
     }
 }
 
-/// `--lazy` asked of an image of layers: its files exist only inside the
-/// layers' compressed streams, so it is pulled whole.
-fn lazy_note(opts: &PullOptions) -> Option<String> {
-    opts.lazy
-        .then(|| "--lazy applies to images pushed by `tilefs push`; this image of layers was pulled whole".to_string())
+/// `--lazy` asked of an image of layers that could not be pulled lazily:
+/// it was pulled whole, and why.
+fn lazy_note(why: &str) -> String {
+    format!("pulled whole, not lazily: {why}")
 }
 
 /// The image configuration (bytes, checked against its digest) of the OCI
@@ -326,9 +343,20 @@ fn in_manifest_order(layers: &[BlobRef], distinct: &[BlobRef], read: Vec<Vec<Lay
         .collect()
 }
 
-/// Reads every layer, several at once, largest first; returns their
-/// entries in manifest order, or the first error in that order.
-fn read_layers(
+/// One layer as read: its entries, and with `locate` where each file lies
+/// in its tar stream and the stream's seek index (None for a layer that
+/// is not compressed: its offsets are the blob's).
+pub(crate) struct LayerRead {
+    pub entries: Vec<LayerEntry>,
+    pub placements: Vec<layer::Placement>,
+    pub seek: Option<tilefs_seekable::SeekIndex>,
+}
+
+/// Reads every layer, several at once, largest first; returns them in the
+/// order of `layers`, or the first error in that order. With `locate`,
+/// every layer is read (none taken from the layer cache) and located.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn read_layers(
     store: &Store,
     t: &dyn Transport,
     layers: &[BlobRef],
@@ -336,7 +364,8 @@ fn read_layers(
     progress: &PullProgress,
     presence: &tilefs_store::presence::Presence,
     opts: &PullOptions,
-) -> Result<Vec<Vec<LayerEntry>>, OciError> {
+    locate: bool,
+) -> Result<Vec<LayerRead>, OciError> {
     let mut order: Vec<usize> = (0..layers.len()).collect();
     order.sort_by_key(|&i| std::cmp::Reverse(layers[i].size.unwrap_or(0)));
     let threads = match opts.jobs {
@@ -346,7 +375,7 @@ fn read_layers(
     .min(layers.len().max(1));
     let next = AtomicUsize::new(0);
     let failed = AtomicBool::new(false);
-    type Slot = Mutex<Option<Result<Vec<LayerEntry>, OciError>>>;
+    type Slot = Mutex<Option<Result<LayerRead, OciError>>>;
     let results: Vec<Slot> = layers.iter().map(|_| Mutex::new(None)).collect();
     let stop = || failed.load(Relaxed) || opts.cancel.as_ref().is_some_and(|c| c.load(Relaxed));
     // Files read by the layer threads are digested and stored by workers,
@@ -374,10 +403,18 @@ fn read_layers(
                     if stop() {
                         break;
                     }
-                    let r = match crate::layer_cache::load(store, &layers[i].digest, presence) {
+                    let cached = match locate {
+                        false => crate::layer_cache::load(store, &layers[i].digest, presence),
+                        true => None,
+                    };
+                    let r = match cached {
                         Some(entries) => {
                             progress.entries.fetch_add(entries.len() as u64, Relaxed);
-                            Ok(entries)
+                            Ok(LayerRead {
+                                entries,
+                                placements: Vec::new(),
+                                seek: None,
+                            })
                         }
                         None => {
                             let offload = |job: Job| {
@@ -385,10 +422,19 @@ fn read_layers(
                                 // The workers outlive every sender.
                                 let _ = tx.send((i, job));
                             };
-                            let r = read_layer(t, &layers[i], ingest, progress, &stop, &offload, &sparse_budget)
-                                .and_then(|entries| pending[i].resolve(&layers[i].digest.to_string(), entries));
-                            if let Ok(entries) = &r {
-                                crate::layer_cache::save(store, &layers[i].digest, entries);
+                            let how = Reading {
+                                progress,
+                                stop: &stop,
+                                offload: &offload,
+                                sparse_budget: &sparse_budget,
+                                locate,
+                            };
+                            let r = read_layer(t, &layers[i], ingest, &how).and_then(|mut l| {
+                                l.entries = pending[i].resolve(&layers[i].digest.to_string(), l.entries)?;
+                                Ok(l)
+                            });
+                            if let Ok(l) = &r {
+                                crate::layer_cache::save(store, &layers[i].digest, &l.entries);
                             }
                             r
                         }
@@ -426,41 +472,67 @@ fn read_layers(
     }
 }
 
+/// How a layer is read: what its reading shares with the others.
+struct Reading<'a> {
+    progress: &'a PullProgress,
+    stop: &'a (dyn Fn() -> bool + Sync),
+    offload: &'a (dyn Fn(Job) + Sync),
+    sparse_budget: &'a AtomicU64,
+    /// Record where files lie and the seek index.
+    locate: bool,
+}
+
+/// The decompressed stream of a layer: the plain decoders, or with
+/// `locate` the indexing ones, which record checkpoints as they go.
+enum Decoded<'a, R: BufRead> {
+    Plain(Box<dyn Read + 'a>),
+    Gzip(tilefs_seekable::gzip::GzipIndexer<R>),
+    Zstd(tilefs_seekable::zstd::ZstdIndexer<R>),
+}
+
+impl<R: BufRead> Read for Decoded<'_, R> {
+    fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+        match self {
+            Decoded::Plain(r) => r.read(buf),
+            Decoded::Gzip(r) => r.read(buf),
+            Decoded::Zstd(r) => r.read(buf),
+        }
+    }
+}
+
 /// Reads one layer: blob -> digest check -> decompressor -> tar entries.
-fn read_layer(
-    t: &dyn Transport,
-    blob: &BlobRef,
-    ingest: &Ingest,
-    progress: &PullProgress,
-    stop: &(dyn Fn() -> bool + Sync),
-    offload: &(dyn Fn(Job) + Sync),
-    sparse_budget: &AtomicU64,
-) -> Result<Vec<LayerEntry>, OciError> {
+fn read_layer(t: &dyn Transport, blob: &BlobRef, ingest: &Ingest, how: &Reading) -> Result<LayerRead, OciError> {
     let name = blob.digest.to_string();
     let raw = t.open_blob(blob)?;
-    let verified = Verified::new(raw, blob.digest.clone(), blob.size).counting(progress.blob_bytes.clone());
+    let verified = Verified::new(raw, blob.digest.clone(), blob.size).counting(how.progress.blob_bytes.clone());
     let check = verified.check();
+    let stop = how.stop;
     let mut buf = BufReader::with_capacity(1 << 20, verified);
-    let result = (|| -> Result<Vec<LayerEntry>, OciError> {
+    let result = (|| -> Result<LayerRead, OciError> {
         let head = buf
             .fill_buf()
             .map_err(|e| OciError::layer(&name, None, format!("cannot read: {e}")))?;
         let compression = Compression::sniff(head);
-        let mut stream: Box<dyn Read> = match compression {
-            Compression::None => Box::new(&mut buf),
-            Compression::Gzip => Box::new(flate2::bufread::MultiGzDecoder::new(&mut buf)),
-            Compression::Zstd => Box::new(
+        let seek_error = |e: tilefs_seekable::Error| OciError::layer(&name, None, format!("{compression:?}: {e}"));
+        let mut stream: Decoded<'_, &mut BufReader<_>> = match (compression, how.locate) {
+            (Compression::None, _) => Decoded::Plain(Box::new(&mut buf)),
+            (Compression::Gzip, false) => Decoded::Plain(Box::new(flate2::bufread::MultiGzDecoder::new(&mut buf))),
+            (Compression::Zstd, false) => Decoded::Plain(Box::new(
                 zstd::Decoder::with_buffer(&mut buf).map_err(|e| OciError::layer(&name, None, format!("zstd: {e}")))?,
-            ),
+            )),
+            (Compression::Gzip, true) => Decoded::Gzip(tilefs_seekable::gzip::GzipIndexer::new(&mut buf)),
+            (Compression::Zstd, true) => {
+                Decoded::Zstd(tilefs_seekable::zstd::ZstdIndexer::new(&mut buf).map_err(seek_error)?)
+            }
         };
         let opts = ReadOptions {
             stop: Some(stop),
-            entries: Some(&progress.entries),
-            offload: Some(offload),
-            sparse_budget: Some(sparse_budget),
+            entries: Some(&how.progress.entries),
+            offload: Some(how.offload),
+            sparse_budget: Some(how.sparse_budget),
         };
-        let entries =
-            layer::read_entries(&mut stream, &name, ingest, opts).map_err(|e| with_compression(e, compression))?;
+        let (entries, placements) = layer::read_entries_placed(&mut stream, &name, ingest, opts)
+            .map_err(|e| with_compression(e, compression))?;
         // The rest of the stream (tar padding, the compressor's trailer)
         // must be read too: that is where a truncated or corrupt stream and
         // a wrong digest show.
@@ -471,7 +543,16 @@ fn read_layer(
                 format!("{} stream after the tar archive: {e}", compression.name()),
             )
         })?;
-        Ok(entries)
+        let seek = match stream {
+            Decoded::Plain(_) => None,
+            Decoded::Gzip(g) => Some(g.finish().map_err(seek_error)?),
+            Decoded::Zstd(z) => Some(z.finish().map_err(seek_error)?),
+        };
+        Ok(LayerRead {
+            entries,
+            placements: if how.locate { placements } else { Vec::new() },
+            seek,
+        })
     })();
     // A blob that is not what its descriptor says is the error, whatever
     // it made the decompressor or tar reader say: on an error, the rest of
@@ -482,14 +563,14 @@ fn read_layer(
     if let Some(f) = check.failure() {
         return Err(OciError::blob(&name, f));
     }
-    let entries = match result {
+    let read = match result {
         // Stopped (interrupted, or another layer failed): not this layer's
         // error.
         Err(_) if stop() => return Err(OciError::Interrupted),
         r => r?,
     };
     check.result().map_err(|f| OciError::blob(&name, f))?;
-    Ok(entries)
+    Ok(read)
 }
 
 /// Adds the compression to a layer error that the decompressor caused.

@@ -426,6 +426,31 @@ pub fn push_options(dest: &str, registry: &RegistryOptions, trust: &TrustOptions
     })
 }
 
+/// Judges a manifest that refers to the image `image` accepted (an index
+/// of it, [`crate::lazy_index`]) as that image: same policy scope, its own
+/// signatures (so a policy that wants the image signed wants the index
+/// signed). Returns the record of its acceptance, for later rechecks.
+pub fn check_referrer(
+    image: &TrustRecord,
+    reg: &Registry,
+    manifest: &[u8],
+    digest: &Digest,
+) -> Result<TrustRecord, OciError> {
+    let logical = image
+        .logical
+        .strip_prefix("docker://")
+        .ok_or_else(|| OciError::Reference(format!("{:?} is not a registry image", image.logical)))?;
+    let logical = DockerRef::parse_normalized(logical).map_err(|e| OciError::Reference(e.to_string()))?;
+    let policy = image.paths.load_policy().map_err(OciError::Reference)?;
+    check_registry_image(&policy, &image.paths, &logical, reg, manifest, &digest.to_string())
+        .map_err(|e| refused(format!("its index {digest}: {e}")))?;
+    Ok(TrustRecord {
+        logical: image.logical.clone(),
+        manifest_digest: digest.to_string(),
+        paths: image.paths.clone(),
+    })
+}
+
 /// How `tilefs push` signs what it pushes.
 #[derive(Debug, Clone, Default)]
 pub struct SignOptions {

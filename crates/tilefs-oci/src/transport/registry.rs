@@ -1002,6 +1002,41 @@ impl Registry {
         self.run("manifest", fut)
     }
 
+    /// Puts `manifest` (of `media_type`) by its digest `d`, untagged (a
+    /// referrer, which its subject's list names).
+    pub fn put_manifest_by_digest(&self, d: &Digest, manifest: Vec<u8>, media_type: &str) -> Result<String, OciError> {
+        let r = self.reference.clone_with_digest(d.to_string());
+        let header = media_type
+            .parse()
+            .map_err(|_| self.error("manifest", format!("invalid media type {media_type:?}")))?;
+        let fut = self.client.push_manifest_raw(&r, manifest, header);
+        self.run("manifest", fut)
+    }
+
+    /// The referrers API's list of the manifests that refer to `subject`
+    /// with `artifact_type` (an OCI image index; a registry may ignore the
+    /// filter), or None where the registry has no such API (404).
+    pub fn referrers(&self, subject: &Digest, artifact_type: &str) -> Result<Option<Vec<u8>>, OciError> {
+        let filter: String = artifact_type
+            .bytes()
+            .map(|b| match b {
+                b'A'..=b'Z' | b'a'..=b'z' | b'0'..=b'9' | b'-' | b'.' | b'_' | b'~' => (b as char).to_string(),
+                b => format!("%{b:02X}"),
+            })
+            .collect();
+        self.document(
+            format!(
+                "{}/v2/{}/referrers/{subject}?artifactType={filter}",
+                self.http.base,
+                self.reference.repository()
+            ),
+            Some(crate::manifest::OCI_INDEX.to_string()),
+            true,
+            MAX_MANIFEST,
+            &format!("referrers of {subject}"),
+        )
+    }
+
     /// GETs `url` (a lookaside signature store) with this registry's TLS
     /// settings and limits, without its credentials: the body, at most
     /// `limit` bytes, or None for a 404.

@@ -1,0 +1,263 @@
+//! Ordinary OCI images (gzip layers made by umoci, pushed by skopeo to
+//! Debian's docker-registry, which has no referrers API) started lazily
+//! through `tilefs index`: the index is listed in the fallback tag beside
+//! another referrer, `pull --lazy` gives the image a full pull gives, a
+//! FUSE mount shows the same tree and fetches about a checkpoint's span
+//! for a small file, and wrong bytes from the registry fail only the file
+//! they belong to. Without an index, `pull --lazy` pulls whole and says so.
+
+mod common;
+
+use common::oci::*;
+use common::registry::Registry;
+use common::*;
+use std::fs;
+use std::io::Write;
+use std::path::Path;
+use std::process::{Command, Stdio};
+
+/// Uploads `data` as a blob of `repo` with curl (a session, then one PUT).
+fn upload_blob(r: &Registry, repo: &str, data: &[u8]) -> (String, usize) {
+    let digest = format!("sha256:{}", sha256_hex(data));
+    let out = Command::new("curl")
+        .args(["-sf", "-D", "-", "-o", "/dev/null", "-X", "POST"])
+        .arg(format!("http://{}/v2/{repo}/blobs/uploads/", r.addr))
+        .output()
+        .unwrap();
+    assert!(out.status.success());
+    let headers = String::from_utf8_lossy(&out.stdout);
+    let location = headers
+        .lines()
+        .find_map(|l| l.strip_prefix("Location: ").or_else(|| l.strip_prefix("location: ")))
+        .unwrap()
+        .trim()
+        .to_string();
+    let sep = if location.contains('?') { '&' } else { '?' };
+    let url = match location.starts_with("http") {
+        true => format!("{location}{sep}digest={digest}"),
+        false => format!("http://{}{location}{sep}digest={digest}", r.addr),
+    };
+    curl_put(&url, "application/octet-stream", data, "PUT");
+    (digest, data.len())
+}
+
+/// PUTs (or POSTs) `data` to `url` with curl, which must succeed.
+fn curl_put(url: &str, content_type: &str, data: &[u8], method: &str) {
+    let mut child = Command::new("curl")
+        .args(["-sf", "-X", method, "-H"])
+        .arg(format!("Content-Type: {content_type}"))
+        .args(["--data-binary", "@-", url])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::null())
+        .spawn()
+        .unwrap();
+    child.stdin.take().unwrap().write_all(data).unwrap();
+    assert!(child.wait().unwrap().success(), "{method} {url}");
+}
+
+fn get(r: &Registry, path: &str, accept: &str) -> Vec<u8> {
+    let out = Command::new("curl")
+        .args(["-sf", "-H"])
+        .arg(format!("Accept: {accept}"))
+        .arg(format!("http://{}{path}", r.addr))
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "GET {path}");
+    out.stdout
+}
+
+const OCI_MANIFEST: &str = "application/vnd.oci.image.manifest.v1+json";
+const OCI_INDEX: &str = "application/vnd.oci.image.index.v1+json";
+
+/// Another tool's referrer of `subject` in `repo`, listed in the fallback
+/// tag as such a tool lists it.
+fn other_referrer(r: &Registry, repo: &str, subject: &str, subject_size: usize) -> String {
+    let (cd, cs) = upload_blob(r, repo, b"{}");
+    let (ld, ls) = upload_blob(r, repo, b"a signature, say");
+    let manifest = serde_json::to_vec(&serde_json::json!({
+        "schemaVersion": 2, "mediaType": OCI_MANIFEST, "artifactType": "application/x.other",
+        "config": {"mediaType": "application/vnd.oci.empty.v1+json", "digest": cd, "size": cs},
+        "layers": [{"mediaType": "application/x.other.blob", "digest": ld, "size": ls}],
+        "subject": {"mediaType": OCI_MANIFEST, "digest": subject, "size": subject_size},
+    }))
+    .unwrap();
+    let md = format!("sha256:{}", sha256_hex(&manifest));
+    let base = format!("http://{}/v2/{repo}/manifests", r.addr);
+    curl_put(&format!("{base}/{md}"), OCI_MANIFEST, &manifest, "PUT");
+    let index = serde_json::to_vec(&serde_json::json!({
+        "schemaVersion": 2, "mediaType": OCI_INDEX,
+        "manifests": [{"mediaType": OCI_MANIFEST, "digest": md, "size": manifest.len(),
+            "artifactType": "application/x.other"}],
+    }))
+    .unwrap();
+    let tag = subject.replace(':', "-");
+    curl_put(&format!("{base}/{tag}"), OCI_INDEX, &index, "PUT");
+    md
+}
+
+/// What a user sees of every path under `root`, but the inode numbers
+/// (which the kernel's mount and FUSE number each their own way).
+fn view(root: &Path) -> Vec<(Vec<u8>, Seen)> {
+    scan(root)
+        .into_iter()
+        .map(|(p, mut s)| {
+            s.ino = 0;
+            (p, s)
+        })
+        .collect()
+}
+
+#[test]
+fn an_indexed_ordinary_image_mounts_lazily_and_checks_every_byte() {
+    require(cannot_fuse());
+    require(missing_program("umoci", "umoci"));
+    require(missing_program("skopeo", "skopeo"));
+    let area = Area::new();
+    let registry = Registry::start(&area);
+    // Two gzip layers: many 1 MiB files (checkpoints every 4 MiB or so of
+    // the tar stream), then a layer that removes one, replaces another,
+    // and adds a file of 6 MiB alone.
+    let base = |root: &Path| {
+        tree(root, 11, 32, 1 << 20);
+        write_files(root, 12, &[("etc/config".into(), 3000)]);
+    };
+    let top = |root: &Path| {
+        fs::remove_file(root.join("d1/f001")).unwrap();
+        write_files(root, 13, &[("d2/f002".into(), 5000), ("big/lone".into(), 6 << 20)]);
+    };
+    let remote = push_image_with(&area, &registry, "app", &[&base, &top], &[]);
+    let docker = format!("docker://{remote}");
+    let repo = "tilefs/app";
+    let manifest = get(&registry, &format!("/v2/{repo}/manifests/v1"), OCI_MANIFEST);
+    let subject = format!("sha256:{}", sha256_hex(&manifest));
+    let m: serde_json::Value = serde_json::from_slice(&manifest).unwrap();
+    let layer_bytes: u64 = m["layers"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|l| l["size"].as_u64().unwrap())
+        .sum();
+    let top_layer = m["layers"][1]["digest"].as_str().unwrap().to_string();
+
+    // No index yet: `--lazy` pulls whole, and says why.
+    let full = area.path("full");
+    let out = run_pull(&full, &docker, &["--json"]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let out = tilefs_any(&[
+        os("pull"),
+        os("--json"),
+        os("--lazy"),
+        os("--tls-verify=false"),
+        os("--store"),
+        full.as_os_str(),
+        os(&docker),
+    ]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let report: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let why = report["lazy_fallback"].as_str().unwrap_or_default();
+    assert!(
+        why.contains("has no tilefs index") && why.contains("tilefs index"),
+        "{report}"
+    );
+    assert!(stderr(&out).contains("pulled whole, not lazily"), "{}", stderr(&out));
+    assert_eq!(report["lazy_objects"], 0);
+    let digest = report["digest"].as_str().unwrap().to_string();
+
+    // Another tool's referrer is listed already; the index joins it.
+    let other = other_referrer(&registry, repo, &subject, manifest.len());
+    let out = tilefs(&[
+        os("index"),
+        os("--json"),
+        os("--tls-verify=false"),
+        os("--store"),
+        area.path("indexing").as_os_str(),
+        os(&docker),
+    ]);
+    let ix: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    eprintln!("{ix}");
+    assert_eq!(ix["digest"], digest.as_str(), "the index's image is the one pull makes");
+    assert_eq!(ix["subject"], subject.as_str());
+    assert_eq!(ix["referrers_api"], false);
+    let tag = subject.replace(':', "-");
+    assert_eq!(ix["fallback_tag"], tag.as_str());
+    let index_bytes = ix["index_bytes"].as_u64().unwrap();
+    assert!(
+        index_bytes * 20 <= layer_bytes,
+        "index {index_bytes} for {layer_bytes} of layers"
+    );
+    let listed: serde_json::Value =
+        serde_json::from_slice(&get(&registry, &format!("/v2/{repo}/manifests/{tag}"), OCI_INDEX)).unwrap();
+    let digests: Vec<&str> = listed["manifests"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|d| d["digest"].as_str().unwrap())
+        .collect();
+    assert_eq!(digests, [other.as_str(), ix["manifest_digest"].as_str().unwrap()]);
+
+    // A lazy pull fetches the index, not the layers, and makes the image
+    // a full pull makes.
+    let lazy = area.path("lazy");
+    let n = registry.requests().len();
+    let out = tilefs(&[
+        os("pull"),
+        os("--json"),
+        os("--lazy"),
+        os("--tls-verify=false"),
+        os("--store"),
+        lazy.as_os_str(),
+        os(&docker),
+    ]);
+    let report: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(report["digest"], digest.as_str());
+    assert_eq!(report["lazy_index"], ix["manifest_digest"]);
+    assert!(report["lazy_objects"].as_u64().unwrap() > 30, "{report}");
+    let sent = blob_bytes_since(&registry, n);
+    assert!(
+        sent <= index_bytes,
+        "a lazy pull sent {sent} bytes (index {index_bytes})"
+    );
+    assert_eq!(objects_in(&lazy), 0);
+
+    // Mounted: a small file costs about a checkpoint's span of the layer,
+    // and the whole tree reads as a full pull's mount shows it.
+    let img = format!("{}_tilefs_app:v1", registry.addr);
+    let (mnt_full, mnt_lazy) = (area.dir("mnt-full"), area.dir("mnt-lazy"));
+    let (_full, _) = mount_tag(&full, &img, &mnt_full, &area.path("full.log"));
+    let (_lazy, notice) = mount_tag(&lazy, &img, &mnt_lazy, &area.path("lazy.log"));
+    assert!(notice.contains("FUSE"), "{notice}");
+    let n = registry.requests().len();
+    let small = read(&mnt_lazy.join("d3/f008")).unwrap();
+    let sent = blob_bytes_since(&registry, n);
+    eprintln!("reading a 1 MiB file fetched {sent} of {layer_bytes} bytes of layers");
+    assert!(
+        sent * 4 < layer_bytes,
+        "reading one file fetched {sent} of {layer_bytes}"
+    );
+    assert_eq!(small, read(&mnt_full.join("d3/f008")).unwrap());
+    assert_eq!(view(&mnt_lazy), view(&mnt_full));
+    let files = assert_same_contents(&mnt_full, &mnt_lazy, &scan(&mnt_full));
+    assert!(files > 30, "{files}");
+    drop((_full, _lazy));
+
+    // Wrong bytes in the top layer (a byte of its big file flipped where
+    // the registry keeps it): that file fails with EIO, nothing wrong is
+    // stored, the other layer's files still read.
+    let tampered = area.path("tampered");
+    pull(&tampered, &docker, &["--lazy"]);
+    let blob = registry.blob_file(&top_layer);
+    let mut bytes = fs::read(&blob).unwrap();
+    let mid = bytes.len() / 2;
+    bytes[mid] ^= 0x55;
+    fs::write(&blob, &bytes).unwrap();
+    let mnt = area.dir("mnt-tampered");
+    let log = area.path("tampered.log");
+    let (_m, _) = mount_tag(&tampered, &img, &mnt, &log);
+    let err = read(&mnt.join("big/lone")).unwrap_err();
+    assert_eq!(err.raw_os_error(), Some(5), "EIO expected: {err}");
+    let text = fs::read_to_string(&log).unwrap_or_default();
+    assert!(text.contains("fetch from"), "{text}");
+    assert_eq!(read(&mnt.join("d0/f005")).unwrap().len(), 1 << 20);
+    assert_eq!(read(&mnt.join("etc/config")).unwrap(), Rng::new(12).bytes(3000));
+    assert_eq!(read(&mnt.join("small")).unwrap(), b"inline contents");
+}
