@@ -79,6 +79,9 @@ struct Http {
     /// The Authorization header to send, once the registry's challenge is
     /// known (the inner None: none).
     authorization: tokio::sync::Mutex<Option<Option<HeaderValue>>>,
+    /// This client's entry in [`LEARNT`]: the API, the repository and
+    /// a digest of the credentials.
+    learnt_key: String,
     /// Said when the registry refuses us: which credentials were used.
     auth_source: String,
 }
@@ -194,6 +197,7 @@ impl Registry {
                 http_client(opts, None).map_err(|e| error(format!("cannot make an HTTP client: {e}")))?,
             ),
         };
+        let learnt_key = format!("{api}\n{}\n{}", parsed.repository(), fingerprint(&auth));
         Ok(Registry {
             rt,
             http: Arc::new(Http {
@@ -207,6 +211,7 @@ impl Registry {
                 mirrors,
                 headers,
                 authorization: tokio::sync::Mutex::new(None),
+                learnt_key,
                 auth_source,
             }),
             client,
@@ -595,12 +600,36 @@ impl Http {
 
     /// The Authorization header the registry's challenge asks for: learnt
     /// once, again when `renew` (the one used was refused).
+    /// The registry's answer is shared by the clients of this process for
+    /// the same repository and credentials ([`LEARNT`]), so that neither a
+    /// lazy mount's fetches nor the clients a pull opens one after another
+    /// (policy check, manifest, blobs) each ask `GET /v2/` first.
     async fn authorization(&self, renew: bool) -> io::Result<Option<HeaderValue>> {
         let mut known = self.authorization.lock().await;
         if let (Some(a), false) = (&*known, renew) {
             return Ok(a.clone());
         }
+        let learnt = |f: &mut dyn FnMut(&mut std::collections::HashMap<String, Option<HeaderValue>>)| {
+            f(LEARNT
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .get_or_insert_with(Default::default))
+        };
+        if !renew {
+            let mut found = None;
+            learnt(&mut |m| found = m.get(&self.learnt_key).cloned());
+            if let Some(a) = found {
+                *known = Some(a.clone());
+                return Ok(a);
+            }
+        }
         let a = self.challenge().await?;
+        learnt(&mut |m| {
+            if m.len() >= MAX_LEARNT {
+                m.clear();
+            }
+            m.insert(self.learnt_key.clone(), a.clone());
+        });
         *known = Some(a.clone());
         Ok(a)
     }
@@ -674,6 +703,24 @@ fn request(client: &reqwest::Client, url: &str, get: &Get, headers: &[(String, S
 /// Whether `status` answers `get` with its data.
 fn answered(status: StatusCode, get: &Get) -> bool {
     status == StatusCode::OK || status == StatusCode::PARTIAL_CONTENT && get.range.is_some()
+}
+
+/// The Authorization header each registry's challenge asked for, by
+/// [`Http::learnt_key`] (in memory only; a token the registry refuses is
+/// asked for again, once).
+static LEARNT: std::sync::Mutex<Option<std::collections::HashMap<String, Option<HeaderValue>>>> =
+    std::sync::Mutex::new(None);
+const MAX_LEARNT: usize = 256;
+
+/// A digest of `auth`'s secret, to tell entries apart without keeping it
+/// in a key.
+fn fingerprint(auth: &RegistryAuth) -> String {
+    let s = match auth {
+        RegistryAuth::Anonymous => return "anonymous".into(),
+        RegistryAuth::Basic(u, p) => format!("basic\n{u}\n{p}"),
+        RegistryAuth::Bearer(t) => format!("bearer\n{t}"),
+    };
+    Digest::sha256_of(s.as_bytes()).to_string()
 }
 
 fn sensitive(v: String) -> io::Result<Option<HeaderValue>> {
