@@ -94,7 +94,12 @@ pub fn run(mut a: SnapshotterArgs) -> Result<ExitCode> {
     let file: FileConfig = match &a.config {
         Some(p) => {
             let text = std::fs::read_to_string(p).with_context(|| format!("{}: cannot read", p.display()))?;
-            toml::from_str(&text).map_err(|e| anyhow!("{}: {}", p.display(), e.message()))?
+            toml::from_str(&text).map_err(|e| {
+                let line = e
+                    .span()
+                    .map_or(0, |s| text[..s.start.min(text.len())].matches('\n').count() + 1);
+                anyhow!("{}: line {line}: {}", p.display(), e.message())
+            })?
         }
         None => FileConfig::default(),
     };

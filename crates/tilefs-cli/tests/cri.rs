@@ -1373,3 +1373,34 @@ fn cri_credentials_and_mirrors_reach_the_lazy_path() {
     let (direct, _) = lazy_requests(rig.registry(), from, &pack);
     assert!(direct > 0, "the file came from nowhere");
 }
+
+/// The snapshotter's `--config` refuses what it does not know, naming the
+/// file and the key.
+#[test]
+fn snapshotter_config_mistakes_are_named() {
+    let area = Area::new();
+    let cfg = area.path("snap.toml");
+    for (text, said) in [
+        ("gc = false\ntls_verify = \"yes\"\n", "line 2"),
+        (
+            "[cri_keychain]\nenable_keychain = true\nimage_socket = \"/x\"\n",
+            "image_socket",
+        ),
+        ("[registry]\nconfig_dir = \"/x\"\n", "config_dir"),
+    ] {
+        fs::write(&cfg, text).unwrap();
+        let out = run(Command::new(tilefs_bin())
+            .arg("snapshotter")
+            .arg("--config")
+            .arg(&cfg)
+            .arg("--socket")
+            .arg(area.path("s.sock"))
+            .arg("--root")
+            .arg(area.path("root"))
+            .arg("--store")
+            .arg(area.path("store")));
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success(), "{text}: accepted");
+        assert!(err.contains("snap.toml") && err.contains(said), "{text}: {err}");
+    }
+}
