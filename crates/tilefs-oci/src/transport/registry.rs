@@ -515,7 +515,7 @@ impl Http {
     /// authorization used (an expired token) is answered by asking again,
     /// once. Answers other than the data are errors: 404 of kind NotFound.
     async fn send(&self, get: &Get) -> io::Result<reqwest::Response> {
-        if let Some(resp) = self.from_mirror(get).await {
+        if let Some(resp) = self.mirrored(get).await {
             return Ok(resp);
         }
         let mut renewed = false;
@@ -565,7 +565,7 @@ impl Http {
     /// asks the registry for (a blob, a manifest), if one does: a mirror
     /// that fails or lacks it is passed over for the next, the registry
     /// last.
-    async fn from_mirror(&self, get: &Get) -> Option<reqwest::Response> {
+    async fn mirrored(&self, get: &Get) -> Option<reqwest::Response> {
         let rest = get.url.strip_prefix(&self.api)?.strip_prefix('/')?;
         let by_tag = match rest.split_once("/manifests/") {
             Some((_, name)) => !name.starts_with("sha256:"),
@@ -599,37 +599,34 @@ impl Http {
     }
 
     /// The Authorization header the registry's challenge asks for: learnt
-    /// once, again when `renew` (the one used was refused).
-    /// The registry's answer is shared by the clients of this process for
-    /// the same repository and credentials ([`LEARNT`]), so that neither a
-    /// lazy mount's fetches nor the clients a pull opens one after another
-    /// (policy check, manifest, blobs) each ask `GET /v2/` first.
+    /// once, again when `renew` (the one used was refused). It is shared
+    /// by the clients of this process for the same repository and
+    /// credentials ([`LEARNT`]), so that neither a lazy mount's fetches
+    /// nor the clients a pull opens one after another (policy check,
+    /// manifest, blobs) each ask `GET /v2/` first.
     async fn authorization(&self, renew: bool) -> io::Result<Option<HeaderValue>> {
         let mut known = self.authorization.lock().await;
         if let (Some(a), false) = (&*known, renew) {
             return Ok(a.clone());
         }
-        let learnt = |f: &mut dyn FnMut(&mut std::collections::HashMap<String, Option<HeaderValue>>)| {
-            f(LEARNT
-                .lock()
-                .unwrap_or_else(|e| e.into_inner())
-                .get_or_insert_with(Default::default))
+        let learnt = || LEARNT.lock().unwrap_or_else(|e| e.into_inner());
+        let shared = match renew {
+            false => learnt().as_ref().and_then(|m| m.get(&self.learnt_key).cloned()),
+            true => None,
         };
-        if !renew {
-            let mut found = None;
-            learnt(&mut |m| found = m.get(&self.learnt_key).cloned());
-            if let Some(a) = found {
-                *known = Some(a.clone());
-                return Ok(a);
+        let a = match shared {
+            Some(a) => a,
+            None => {
+                let a = self.challenge().await?;
+                let mut m = learnt();
+                let m = m.get_or_insert_with(Default::default);
+                if m.len() >= MAX_LEARNT {
+                    m.clear();
+                }
+                m.insert(self.learnt_key.clone(), a.clone());
+                a
             }
-        }
-        let a = self.challenge().await?;
-        learnt(&mut |m| {
-            if m.len() >= MAX_LEARNT {
-                m.clear();
-            }
-            m.insert(self.learnt_key.clone(), a.clone());
-        });
+        };
         *known = Some(a.clone());
         Ok(a)
     }
