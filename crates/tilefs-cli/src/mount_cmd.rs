@@ -85,6 +85,14 @@ pub struct MountArgs {
     /// another takes over while a request waits (a fetch, a copy-up, a disk read, an fsync)
     #[arg(long, default_value_t = tilefs_fuse::default_threads(), value_name = "N")]
     pub threads: usize,
+    /// For the snapshotter: registry credentials for the image's repository, as JSON on stdin,
+    /// used by the fetches of a lazily pulled image (kept in memory only)
+    #[arg(long, hide = true)]
+    pub credentials_stdin: bool,
+    /// For the snapshotter: containerd's registry host configuration (DIR/HOST/hosts.toml) that the
+    /// fetches of a lazily pulled image honour
+    #[arg(long, hide = true, value_name = "DIR")]
+    pub hosts_dir: Option<PathBuf>,
 }
 
 #[derive(Args)]
@@ -108,6 +116,17 @@ pub struct Serving {
 }
 
 pub fn mount(a: MountArgs) -> Result<ExitCode> {
+    if a.credentials_stdin {
+        let mut json = Vec::new();
+        std::io::Read::read_to_end(&mut std::io::Read::take(std::io::stdin(), 1 << 20), &mut json)
+            .map_err(|e| anyhow!("--credentials-stdin: cannot read: {e}"))?;
+        let entry: tilefs_oci::transport::keychain::Entry =
+            serde_json::from_slice(&json).map_err(|e| anyhow!("--credentials-stdin: not credentials: {e}"))?;
+        tilefs_oci::transport::keychain::import(entry);
+    }
+    if a.hosts_dir.is_some() {
+        tilefs_oci::transport::hosts::set_config_path(a.hosts_dir.clone());
+    }
     let mut options = ParsedOptions::default();
     for o in &a.options {
         options.add(o).map_err(|e| anyhow!("-o {o}: {e}"))?;

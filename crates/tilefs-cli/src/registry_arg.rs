@@ -16,14 +16,14 @@ pub struct RegistryArgs {
     pub tls_verify: Option<bool>,
     /// Seconds to wait for a registry that does not answer (a connection, an answer, the next
     /// bytes of a transfer; a manifest must come whole within it) before the command fails
-    /// (recorded by `pull --lazy` for the fetches of its FUSE mounts)
-    #[arg(long, default_value_t = 60, value_name = "SECS")]
-    pub timeout: u64,
+    /// (recorded by `pull --lazy` for the fetches of its FUSE mounts) [default: 60]
+    #[arg(long, value_name = "SECS")]
+    pub timeout: Option<u64>,
     /// Least average rate of a transfer, in bytes per second, over each --timeout it waits for
     /// data: a registry that sends less (drips) fails it (0: no least rate; --timeout alone then
-    /// ends a transfer that stops; a lazy mount's fetches use the default)
-    #[arg(long, default_value_t = tilefs_oci::transport::DEFAULT_MIN_RATE, value_name = "BYTES")]
-    pub min_rate: u64,
+    /// ends a transfer that stops; a lazy mount's fetches use the default) [default: 1024]
+    #[arg(long, value_name = "BYTES")]
+    pub min_rate: Option<u64>,
     /// registries.conf to read (and the drop-ins of FILE.d/) [default: $CONTAINERS_REGISTRIES_CONF,
     /// else ~/.config/containers/registries.conf if it exists, else /etc/containers/registries.conf,
     /// with their registries.conf.d]
@@ -39,8 +39,8 @@ impl RegistryArgs {
     pub fn options(&self) -> RegistryOptions {
         RegistryOptions {
             tls_verify: self.tls_verify.unwrap_or(true),
-            timeout: Duration::from_secs(self.timeout.max(1)),
-            min_rate: self.min_rate,
+            timeout: Duration::from_secs(self.timeout.unwrap_or(60).max(1)),
+            min_rate: self.min_rate.unwrap_or(tilefs_oci::transport::DEFAULT_MIN_RATE),
             cancel: None,
         }
     }

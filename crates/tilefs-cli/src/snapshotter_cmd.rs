@@ -22,8 +22,12 @@ pub struct SnapshotterArgs {
     pub root: Option<PathBuf>,
     #[command(flatten)]
     pub store: StoreArg,
-    /// TOML file with `root`, `store`, `socket`, `gc`, `gc_delay` and `cri_imagefs` (options given on
-    /// the command line win)
+    /// TOML file with any of the options below (`root`, `store`, `socket`, `gc_delay`, `gc = false`,
+    /// `cri_imagefs`, `tls_verify`, `timeout`, `min_rate`, `registries_conf`, `registries_d`,
+    /// `signature_policy`), and the tables `[cri_keychain]` (`enable_keychain`,
+    /// `image_service_path`: serve CRI's image service here, in front of containerd's) and
+    /// `[registry]` (`config_path`: containerd's hosts.toml directory); options given on the command
+    /// line win
     #[arg(long, value_name = "FILE")]
     pub config: Option<PathBuf>,
     /// Collect the objects removed snapshots used this long after the last Remove (default 10)
@@ -57,13 +61,45 @@ struct FileConfig {
     gc: Option<bool>,
     gc_delay: Option<u64>,
     cri_imagefs: Option<PathBuf>,
+    tls_verify: Option<bool>,
+    timeout: Option<u64>,
+    min_rate: Option<u64>,
+    registries_conf: Option<PathBuf>,
+    registries_d: Option<PathBuf>,
+    signature_policy: Option<PathBuf>,
+    cri_keychain: Option<CriKeychain>,
+    registry: Option<RegistryHosts>,
 }
 
-pub fn run(a: SnapshotterArgs) -> Result<ExitCode> {
+/// stargz-snapshotter's keys.
+#[derive(serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+struct CriKeychain {
+    #[serde(default)]
+    enable_keychain: bool,
+    image_service_path: Option<PathBuf>,
+}
+
+/// containerd's key.
+#[derive(serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RegistryHosts {
+    config_path: Option<PathBuf>,
+}
+
+/// containerd's CRI socket, unless `image_service_path` says.
+const DEFAULT_IMAGE_SERVICE: &str = "/run/containerd/containerd.sock";
+
+pub fn run(mut a: SnapshotterArgs) -> Result<ExitCode> {
     let file: FileConfig = match &a.config {
         Some(p) => {
             let text = std::fs::read_to_string(p).with_context(|| format!("{}: cannot read", p.display()))?;
-            toml::from_str(&text).map_err(|e| anyhow!("{}: {}", p.display(), e.message()))?
+            toml::from_str(&text).map_err(|e| {
+                let line = e
+                    .span()
+                    .map_or(0, |s| text[..s.start.min(text.len())].matches('\n').count() + 1);
+                anyhow!("{}: line {line}: {}", p.display(), e.message())
+            })?
         }
         None => FileConfig::default(),
     };
@@ -83,23 +119,45 @@ pub fn run(a: SnapshotterArgs) -> Result<ExitCode> {
             Path::new(DEFAULT_CONTAINERD_ROOT).join(format!("io.containerd.snapshotter.v1.{DEFAULT_PLUGIN_NAME}"))
         }),
     };
+    let r = &mut a.registry;
+    r.tls_verify = r.tls_verify.or(file.tls_verify);
+    r.timeout = r.timeout.or(file.timeout);
+    r.min_rate = r.min_rate.or(file.min_rate);
+    r.registries_conf = r.registries_conf.take().or(file.registries_conf);
+    r.registries_d = r.registries_d.take().or(file.registries_d);
+    let signature_policy = a.signature_policy.clone().or(file.signature_policy);
+    // The lazy path's fetches, here and in the FUSE servers (which are
+    // told the directory), honour containerd's hosts.toml.
+    tilefs_oci::transport::hosts::set_config_path(file.registry.and_then(|r| r.config_path));
+    let cri_image_service = file
+        .cri_keychain
+        .filter(|k| k.enable_keychain)
+        .map(|k| k.image_service_path.unwrap_or_else(|| DEFAULT_IMAGE_SERVICE.into()));
     let cfg = Config {
         root: a.root.or(file.root).unwrap_or_else(|| DEFAULT_ROOT.into()),
         store,
         socket: a.socket.or(file.socket).unwrap_or_else(|| DEFAULT_SOCKET.into()),
         gc_delay: gc.then_some(delay),
         cri_imagefs,
+        cri_image_service,
     };
     let lazy = tilefs_snapshotter::lazy::Lazy {
         pull: tilefs_oci::pull::PullOptions {
             registry: a.registry.options(),
-            trust: a.registry.trust(a.signature_policy.clone()),
+            trust: a.registry.trust(signature_policy),
             ..Default::default()
         },
         mount: std::sync::Arc::new(mount_lazy),
     };
+    let proxied = cfg.cri_image_service.clone();
     tilefs_snapshotter::serve(&cfg, Some(lazy), |sock| {
-        eprintln!("tilefs snapshotter: serving on {}", sock.display())
+        eprintln!("tilefs snapshotter: serving on {}", sock.display());
+        if let Some(p) = proxied {
+            eprintln!(
+                "tilefs snapshotter: serving CRI's image service there too, in front of {}",
+                p.display()
+            );
+        }
     })
     .map_err(|e| anyhow!(e))?;
     Ok(ExitCode::SUCCESS)
@@ -107,11 +165,28 @@ pub fn run(a: SnapshotterArgs) -> Result<ExitCode> {
 
 /// Serves a lazily pulled image for the snapshotter: `tilefs mount`, whose
 /// FUSE server runs in a process of its own, so that containers keep
-/// reading through a restart of the snapshotter.
-fn mount_lazy(store: &std::path::Path, tag: &str, mountpoint: &std::path::Path) -> Result<(), String> {
+/// reading through a restart of the snapshotter. It is handed the
+/// credentials CRI gave for the image (through a pipe) and the hosts.toml
+/// directory.
+fn mount_lazy(
+    store: &std::path::Path,
+    tag: &str,
+    mountpoint: &std::path::Path,
+    reference: Option<&tilefs_oci::ImageRef>,
+) -> Result<(), String> {
+    use std::io::Write;
+    use tilefs_oci::transport::{hosts, keychain};
     let exe = std::env::current_exe().map_err(|e| format!("cannot find the tilefs program: {e}"))?;
-    let out = std::process::Command::new(exe)
-        .arg("mount")
+    let creds = reference.and_then(|r| keychain::export(&r.to_string()));
+    let mut cmd = std::process::Command::new(exe);
+    cmd.arg("mount");
+    if let Some(dir) = hosts::config_path() {
+        cmd.arg("--hosts-dir").arg(dir);
+    }
+    if creds.is_some() {
+        cmd.arg("--credentials-stdin");
+    }
+    let child = cmd
         .arg("--fuse")
         .arg("--quiet")
         .arg("--store")
@@ -119,8 +194,22 @@ fn mount_lazy(store: &std::path::Path, tag: &str, mountpoint: &std::path::Path) 
         .args(["-o", "ro,allow_other"])
         .arg(tag)
         .arg(mountpoint)
-        .stdin(std::process::Stdio::null())
-        .output()
+        .stdin(match creds {
+            Some(_) => std::process::Stdio::piped(),
+            None => std::process::Stdio::null(),
+        })
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .map_err(|e| format!("cannot run tilefs mount: {e}"))?;
+    let mut child = child;
+    if let (Some(c), Some(mut stdin)) = (creds, child.stdin.take()) {
+        let json = serde_json::to_vec(&c).map_err(|e| format!("cannot hand on the credentials: {e}"))?;
+        // A mount that failed before reading says why below.
+        let _ = stdin.write_all(&json);
+    }
+    let out = child
+        .wait_with_output()
         .map_err(|e| format!("cannot run tilefs mount: {e}"))?;
     if !out.status.success() {
         return Err(String::from_utf8_lossy(&out.stderr).trim().to_string());

@@ -76,6 +76,8 @@ pub struct CriRig {
     registry: Option<Registry>,
     /// The snapshotter's arguments besides root, store and socket.
     snapshotter_args: Vec<String>,
+    /// More registries containerd reaches over plain HTTP.
+    plain_http: Vec<String>,
 }
 
 impl CriRig {
@@ -85,6 +87,12 @@ impl CriRig {
 
     /// With `tilefs snapshotter` given `args` too.
     pub fn start_with(area: &Area, args: &[&str]) -> CriRig {
+        CriRig::start_opts(area, args, &[])
+    }
+
+    /// With `tilefs snapshotter` given `args` too, and containerd reaching
+    /// the registries at `plain_http` (`127.0.0.1:PORT`) over plain HTTP.
+    pub fn start_opts(area: &Area, args: &[&str], plain_http: &[&str]) -> CriRig {
         require_tools();
         let base = area.path("");
         let dir_name = base
@@ -111,6 +119,7 @@ impl CriRig {
                 .chain(args)
                 .map(|a| a.to_string())
                 .collect(),
+            plain_http: plain_http.iter().map(|a| a.to_string()).collect(),
         };
         // CRI pulls its sandbox image like any other: ours is busybox
         // sleeping until StopPodSandbox kills it.
@@ -163,6 +172,11 @@ impl CriRig {
         let p = |rel: &str| self.area.join(rel).display().to_string();
         let cri = "plugins.\"io.containerd.grpc.v1.cri\"";
         let reg = &self.registry().addr;
+        let more: String = self
+            .plain_http
+            .iter()
+            .map(|r| format!("[{cri}.registry.mirrors.\"{r}\"]\n  endpoint = [\"http://{r}\"]\n"))
+            .collect();
         format!(
             r#"version = 2
 root = "{root}"
@@ -196,7 +210,7 @@ state = "{state}"
   conf_dir = "{cni_conf}"
 [{cri}.registry.mirrors."{reg}"]
   endpoint = ["http://{reg}"]
-"#,
+{more}"#,
             root = p("croot"),
             state = p("cstate"),
             sock = self.sock.display(),
@@ -263,14 +277,31 @@ state = "{state}"
     }
 
     fn crictl_within(&self, timeout: &str) -> Command {
+        self.crictl_images_at(&self.sock, timeout)
+    }
+
+    /// crictl whose image calls go to the snapshotter's socket (its CRI
+    /// image service proxy, `[cri_keychain]`), as the kubelet's
+    /// --image-service-endpoint would.
+    pub fn crictl_via_snapshotter(&self) -> Command {
+        self.crictl_images_at(&self.snap_sock, CRICTL_TIMEOUT)
+    }
+
+    fn crictl_images_at(&self, images: &Path, timeout: &str) -> Command {
         let endpoint = format!("unix://{}", self.sock.display());
+        let images = format!("unix://{}", images.display());
         let mut c = Command::new("crictl");
         // Our own config file, so a host's /etc/crictl.yaml plays no part.
         c.arg("--config")
             .arg(self.area.join("crictl.yaml"))
-            .args(["--runtime-endpoint", &endpoint, "--image-endpoint", &endpoint])
+            .args(["--runtime-endpoint", &endpoint, "--image-endpoint", &images])
             .args(["--timeout", timeout]);
         c
+    }
+
+    /// containerd's CRI socket.
+    pub fn socket(&self) -> &Path {
+        &self.sock
     }
 
     /// ctr in CRI's namespace.
@@ -1151,4 +1182,225 @@ fn cri_lazy_snapshots_are_each_references_own() {
             .any(|r| r["lazy"] == true && r["key"].as_str().is_some_and(|k| k.contains("/good/app@"))),
         "{records:?}"
     );
+}
+
+/// A runnable tilefs image of an ordinary one (busybox and 24 files of
+/// 256 KiB), pushed as `dst` (`ADDR/REPO:TAG`) by `tilefs` with `envs`:
+/// returns the digest of its pack.
+fn push_runnable(area: &Area, rig: &CriRig, name: &str, dst: &str, envs: &[(&str, &Path)]) -> String {
+    let plain = push_image_with(
+        area,
+        rig.registry(),
+        name,
+        &[&|r: &Path| {
+            busybox_into(r, &["sh", "cat", "md5sum"]);
+            fs::create_dir_all(r.join("etc")).unwrap();
+            fs::write(r.join("etc/msg"), format!("hello from {name}")).unwrap();
+            let files: Vec<(String, usize)> = (0..24).map(|i| (format!("data/f{i}"), 256 << 10)).collect();
+            common::oci::write_files(r, 11, &files);
+        }],
+        &["--config.cmd", "/bin/sh"],
+    );
+    let work = area.dir(&format!("work-{name}"));
+    let tilefs = |args: &[&str]| {
+        let mut c = Command::new(tilefs_bin());
+        c.args(args).arg("--store").arg(&work);
+        for (k, v) in envs {
+            c.env(k, v);
+        }
+        ok(&mut c)
+    };
+    let src = format!("docker://{plain}");
+    tilefs(&["pull", "-q", "--tls-verify=false", "--tag", name, &src]);
+    tilefs(&[
+        "push",
+        "-q",
+        "--tls-verify=false",
+        "--runnable-from",
+        &src,
+        name,
+        &format!("docker://{dst}"),
+    ]);
+    let manifest = {
+        let mut c = Command::new("skopeo");
+        c.args(["inspect", "--raw", "--tls-verify=false"]);
+        for (k, v) in envs {
+            c.env(k, v);
+        }
+        serde_json::from_str::<serde_json::Value>(&ok(c.arg(format!("docker://{dst}")))).unwrap()
+    };
+    manifest["layers"].as_array().unwrap().last().unwrap()["digest"]
+        .as_str()
+        .unwrap()
+        .to_string()
+}
+
+/// What the snapshotter's fetches asked of `registry` for `pack` since
+/// request `from`: (range GETs answered, `GET /v2/` requests).
+fn lazy_requests(registry: &Registry, from: usize, pack: &str) -> (usize, usize) {
+    let reqs = registry.requests();
+    let ours = reqs[from..].iter().filter(|r| r.agent.starts_with("tilefs/"));
+    let (mut ranges, mut pings) = (0, 0);
+    for r in ours {
+        if r.method == "GET" && r.path.contains(pack) && matches!(r.status, 200 | 206) {
+            ranges += 1;
+        }
+        if r.method == "GET" && r.path == "/v2/" {
+            pings += 1;
+        }
+    }
+    (ranges, pings)
+}
+
+/// Kubernetes' way to the lazy path: the pull secret a pull carries reaches
+/// the snapshotter through its CRI image service proxy (`[cri_keychain]`),
+/// and containerd's hosts.toml (`[registry] config_path`) sends its fetches
+/// to a mirror, both configured in the snapshotter's `--config`.
+#[test]
+fn cri_credentials_and_mirrors_reach_the_lazy_path() {
+    let area = Area::new();
+    let htpasswd = area.path("htpasswd");
+    let out = run(Command::new("htpasswd").args(["-Bbn", "alice", "s3cret"]));
+    assert!(
+        out.status.success(),
+        "htpasswd (apache2-utils; scripts/setup installs it)"
+    );
+    fs::write(&htpasswd, &out.stdout).unwrap();
+    let secured = Registry::start_named(
+        &area,
+        "secured",
+        &format!(
+            "auth:\n  htpasswd:\n    realm: tilefs-test\n    path: {}\n",
+            htpasswd.display()
+        ),
+    );
+    let hosts = area.dir("hosts.d");
+    let config = area.path("snapshotter.toml");
+    fs::write(
+        &config,
+        format!(
+            "[cri_keychain]\nenable_keychain = true\nimage_service_path = \"{}\"\n[registry]\nconfig_path = \"{}\"\n",
+            area.path("c.sock").display(),
+            hosts.display()
+        ),
+    )
+    .unwrap();
+    let rig = CriRig::start_opts(&area, &["--config", config.to_str().unwrap()], &[&secured.addr]);
+
+    // Credentials: the runnable image in the registry that wants them.
+    let auth = area.path("auth.json");
+    {
+        use base64::Engine;
+        let b64 = base64::engine::general_purpose::STANDARD.encode("alice:s3cret");
+        fs::write(
+            &auth,
+            serde_json::json!({ "auths": { &secured.addr: { "auth": b64 } } }).to_string(),
+        )
+        .unwrap();
+    }
+    let private = format!("{}/team/app:lazy", secured.addr);
+    let pack = push_runnable(&area, &rig, "private", &private, &[("REGISTRY_AUTH_FILE", &auth)]);
+
+    // Without the secret, the pull fails, and crictl says why.
+    let out = run(rig.crictl_via_snapshotter().args(["pull", &private]));
+    let said = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "pulled without credentials");
+    eprintln!("without credentials, crictl says: {}", said.trim());
+    assert!(
+        said.contains("401") || said.to_lowercase().contains("unauthorized"),
+        "{said}"
+    );
+
+    // With it, through the proxy: the lazy path fetches with it.
+    let from = secured.requests().len();
+    ok(rig
+        .crictl_via_snapshotter()
+        .args(["pull", "--creds", "alice:s3cret", &private]));
+    let records = rig.records();
+    assert!(
+        records.iter().any(|r| r["lazy"] == true),
+        "no lazy snapshot: {records:?}\n{}",
+        fs::read_to_string(area.path("snapshotter.log")).unwrap_or_default()
+    );
+    let at_run = secured.requests().len();
+    // Files read out of order: a fetch each.
+    let out = rig.run_pod_and_container(
+        &private,
+        "cat /etc/msg; echo; for i in 21 17 13 9 5 1; do md5sum /data/f$i; done",
+    );
+    assert!(out.starts_with("hello from private\n"), "{out}");
+    let (ranges, pings) = lazy_requests(&secured, at_run, &pack);
+    eprintln!("secured registry, pod run: {ranges} range GETs of the pack, {pings} GET /v2/");
+    assert!(ranges > 0, "the files came from nowhere");
+    assert!(pings <= 1, "{pings} GET /v2/ for {ranges} range GETs");
+    let refused = secured.requests()[from..]
+        .iter()
+        .filter(|r| r.agent.starts_with("tilefs/") && r.status == 401 && r.path != "/v2/")
+        .count();
+    assert_eq!(refused, 0, "the snapshotter's requests were refused");
+
+    // A pull-through mirror of the rig's registry, named in hosts.toml.
+    let upstream = rig.registry_addr().to_string();
+    let mirror = Registry::start_named(&area, "mirror", &format!("proxy:\n  remoteurl: http://{upstream}\n"));
+    let dir = hosts.join(&upstream);
+    fs::create_dir_all(&dir).unwrap();
+    fs::write(
+        dir.join("hosts.toml"),
+        format!(
+            "server = \"http://{upstream}\"\n[host.\"http://{}\"]\n  capabilities = [\"pull\", \"resolve\"]\n",
+            mirror.addr
+        ),
+    )
+    .unwrap();
+    let public = format!("{upstream}/team/pub:lazy");
+    let pack = push_runnable(&area, &rig, "public", &public, &[]);
+    let from = rig.registry().requests().len();
+    rig.pull(&public);
+    let out = rig.run_pod_and_container(&public, "cat /etc/msg; echo; md5sum /data/f1 /data/f2 /data/f3");
+    assert!(out.starts_with("hello from public\n"), "{out}");
+    let (via_mirror, pings) = lazy_requests(&mirror, 0, &pack);
+    let (direct, _) = lazy_requests(rig.registry(), from, &pack);
+    eprintln!("mirror: {via_mirror} GETs of the pack by tilefs ({pings} GET /v2/), upstream: {direct}");
+    assert!(via_mirror > 0, "the mirror served no fetch");
+    assert_eq!(direct, 0, "the snapshotter fetched from the upstream registry");
+
+    // A mirror that is down is passed over: the registry itself serves.
+    let mut mirror = mirror;
+    mirror.stop();
+    let from = rig.registry().requests().len();
+    let out = rig.run_pod_and_container(&public, "md5sum /data/f20");
+    assert!(out.contains("/data/f20"), "{out}");
+    let (direct, _) = lazy_requests(rig.registry(), from, &pack);
+    assert!(direct > 0, "the file came from nowhere");
+}
+
+/// The snapshotter's `--config` refuses what it does not know, naming the
+/// file and the key.
+#[test]
+fn snapshotter_config_mistakes_are_named() {
+    let area = Area::new();
+    let cfg = area.path("snap.toml");
+    for (text, said) in [
+        ("gc = false\ntls_verify = \"yes\"\n", "line 2"),
+        (
+            "[cri_keychain]\nenable_keychain = true\nimage_socket = \"/x\"\n",
+            "image_socket",
+        ),
+        ("[registry]\nconfig_dir = \"/x\"\n", "config_dir"),
+    ] {
+        fs::write(&cfg, text).unwrap();
+        let out = run(Command::new(tilefs_bin())
+            .arg("snapshotter")
+            .arg("--config")
+            .arg(&cfg)
+            .arg("--socket")
+            .arg(area.path("s.sock"))
+            .arg("--root")
+            .arg(area.path("root"))
+            .arg("--store")
+            .arg(area.path("store")));
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success(), "{text}: accepted");
+        assert!(err.contains("snap.toml") && err.contains(said), "{text}: {err}");
+    }
 }

@@ -46,8 +46,9 @@ pub const LABEL_LAYER: &str = "containerd.io/snapshot/cri.layer-digest";
 /// Serves the lazily pulled image `image` (a file, or a tag) of store `store` at
 /// `mountpoint`, read-only and open to every user (overlayfs reads it
 /// for the container), in the background until it is unmounted; returns
-/// once it is mounted.
-pub type MountFn = dyn Fn(&Path, &str, &Path) -> Result<(), String> + Send + Sync;
+/// once it is mounted. The last argument is the image's reference (its
+/// credentials are the keychain's for it).
+pub type MountFn = dyn Fn(&Path, &str, &Path, Option<&ImageRef>) -> Result<(), String> + Send + Sync;
 
 /// What the lazy path needs from its front end.
 #[derive(Clone)]

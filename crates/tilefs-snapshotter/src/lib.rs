@@ -45,6 +45,7 @@
 
 pub mod claim;
 pub mod collect;
+pub mod cri;
 pub mod filter;
 pub mod layer;
 pub mod lazy;
@@ -81,6 +82,10 @@ pub struct Config {
     /// `crictl imagefsinfo` and the kubelet's image gc read): made a
     /// symlink to the store at start ([`link_imagefs`]).
     pub cri_imagefs: Option<PathBuf>,
+    /// containerd's CRI socket: CRI's image service is served on
+    /// `socket` too, as a proxy in front of it that keeps each pull's
+    /// credentials for the lazy path ([`cri`]).
+    pub cri_image_service: Option<PathBuf>,
 }
 
 /// The collection delay unless configured.
@@ -866,7 +871,8 @@ impl Shared {
                     r.key
                 ))
             })?;
-            (lz.mount)(&self.store, &image.to_string_lossy(), &mnt)
+            let reference = lazy::Target::of(&r.labels).and_then(Result::ok).map(|t| t.reference);
+            (lz.mount)(&self.store, &image.to_string_lossy(), &mnt, reference.as_ref())
                 .map_err(|e| internal(format!("snapshot {:?}: cannot mount its image: {e}", r.key)))?;
             return Ok(mnt);
         }
@@ -1754,9 +1760,11 @@ pub fn serve(cfg: &Config, lazy: Option<lazy::Lazy>, ready: impl FnOnce(&Path)) 
         let incoming = tokio_stream::wrappers::UnixListenerStream::new(listener);
         let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
         let shared = snap.s.clone();
+        let images = cfg.cri_image_service.as_deref().map(cri::server);
         let mut server = tokio::spawn(
             tonic::transport::Server::builder()
                 .add_service(containerd_snapshots::server(Arc::new(snap)))
+                .add_optional_service(images)
                 .serve_with_incoming_shutdown(incoming, async {
                     let _ = stopped.await;
                 }),

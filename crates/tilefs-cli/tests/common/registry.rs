@@ -29,6 +29,8 @@ pub struct Request {
     pub path: String,
     pub status: u16,
     pub bytes: u64,
+    /// The client's User-Agent.
+    pub agent: String,
 }
 
 impl Registry {
@@ -38,7 +40,12 @@ impl Registry {
 
     /// `extra`: more of the registry's configuration (an `auth:` section).
     pub fn start_with(area: &Area, extra: &str) -> Registry {
-        let root = area.dir("registry");
+        Registry::start_named(area, "registry", extra)
+    }
+
+    /// One of several in `area`, in its directory `name`.
+    pub fn start_named(area: &Area, name: &str, extra: &str) -> Registry {
+        let root = area.dir(name);
         let port = TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
         let addr = format!("127.0.0.1:{port}");
         let config = root.join("config.yml");
@@ -128,9 +135,9 @@ impl Registry {
             + &fs::read_to_string(self.root.join("stderr")).unwrap_or_default();
         log.lines()
             .filter_map(|l| {
-                let mut q = l.split('"');
-                let req = q.nth(1)?;
-                let mut rest = q.next()?.split_whitespace();
+                let q: Vec<&str> = l.split('"').collect();
+                let req = q.get(1)?;
+                let mut rest = q.get(2)?.split_whitespace();
                 let status = rest.next()?.parse().ok()?;
                 let bytes = rest.next()?.parse().unwrap_or(0);
                 let mut parts = req.split_whitespace();
@@ -139,6 +146,7 @@ impl Registry {
                     path: parts.next()?.to_string(),
                     status,
                     bytes,
+                    agent: q.get(5).unwrap_or(&"").to_string(),
                 })
             })
             .collect()

@@ -4,6 +4,8 @@
 
 pub mod archive;
 pub mod auth;
+pub mod hosts;
+pub mod keychain;
 pub mod layout;
 pub mod registry;
 

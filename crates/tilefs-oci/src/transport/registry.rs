@@ -66,11 +66,30 @@ struct Http {
     auth: RegistryAuth,
     /// `SCHEME://HOST[:PORT]`.
     base: String,
+    /// Where the distribution API is: `BASE/v2`, or the path hosts.toml
+    /// gives the server.
+    api: String,
+    /// The registry's name, as a mirror is told it (`ns`).
+    name: String,
+    /// Mirrors from hosts.toml ([`super::hosts`]), tried in order before
+    /// the registry for blobs and manifests; and the registry's own
+    /// headers from there.
+    mirrors: Vec<Mirror>,
+    headers: Vec<(String, String)>,
     /// The Authorization header to send, once the registry's challenge is
     /// known (the inner None: none).
     authorization: tokio::sync::Mutex<Option<Option<HeaderValue>>>,
+    /// This client's entry in [`LEARNT`]: the API, the repository and
+    /// a digest of the credentials.
+    learnt_key: String,
     /// Said when the registry refuses us: which credentials were used.
     auth_source: String,
+}
+
+/// A mirror of the registry: asked without the registry's credentials.
+struct Mirror {
+    host: super::hosts::Host,
+    client: reqwest::Client,
 }
 
 /// One GET.
@@ -101,10 +120,18 @@ impl Registry {
             OciError::Reference(format!("invalid registry reference {reference:?}: {why}"))
         })?;
         let registry = parsed.resolve_registry().to_string();
-        let creds = super::auth::credentials(&registry)?;
-        let auth_source = match &creds {
-            Some(c) => format!("the credentials in {} were refused", c.file.display()),
-            None => format!(
+        let given = super::keychain::lookup(&registry, parsed.repository());
+        let creds = match given {
+            Some(_) => None,
+            None => super::auth::credentials(&registry)?,
+        };
+        let auth_source = match (&given, &creds) {
+            (Some(_), _) => format!(
+                "the credentials given for {registry}/{} (CRI's PullImage) were refused",
+                parsed.repository()
+            ),
+            (None, Some(c)) => format!("the credentials in {} were refused", c.file.display()),
+            (None, None) => format!(
                 "no credentials for {registry} in {}",
                 super::auth::auth_files()
                     .iter()
@@ -113,9 +140,11 @@ impl Registry {
                     .join(", ")
             ),
         };
-        let auth = match creds {
-            Some(c) => RegistryAuth::Basic(c.user, c.password),
-            None => RegistryAuth::Anonymous,
+        let auth = match (given, creds) {
+            (Some(super::keychain::Secret::Basic { user, password }), _) => RegistryAuth::Basic(user, password),
+            (Some(super::keychain::Secret::Token(t)), _) => RegistryAuth::Bearer(t),
+            (None, Some(c)) => RegistryAuth::Basic(c.user, c.password),
+            (None, None) => RegistryAuth::Anonymous,
         };
         let config = ClientConfig {
             protocol: if opts.tls_verify {
@@ -147,24 +176,28 @@ impl Registry {
             c.store_auth_if_needed(&registry, &auth).await;
             c
         });
-        let http = reqwest::Client::builder()
-            .danger_accept_invalid_certs(!opts.tls_verify)
-            .connect_timeout(opts.timeout)
-            .read_timeout(opts.timeout)
-            .redirect(reqwest::redirect::Policy::custom(|a| {
-                if a.previous().len() >= 10 {
-                    a.error("more than 10 redirects")
-                } else if !matches!(a.url().scheme(), "http" | "https") {
-                    let to = a.url().to_string();
-                    a.error(format!("redirected to {to}, which is not an HTTP(S) URL"))
-                } else {
-                    a.follow()
-                }
-            }))
-            .user_agent(concat!("tilefs/", env!("CARGO_PKG_VERSION")))
-            .build()
-            .map_err(|e| error(format!("cannot make an HTTP client: {}", with_causes(&e))))?;
         let scheme = if opts.tls_verify { "https" } else { "http" };
+        // containerd names Docker Hub's directory docker.io.
+        let name = parsed.registry().to_string();
+        let hosts = super::hosts::for_registry(&name, scheme).map_err(error)?;
+        let (mut mirrors, mut upstream) = (Vec::new(), None);
+        for h in hosts.into_iter().flatten() {
+            let client = http_client(opts, Some(&h)).map_err(|e| error(format!("hosts.toml: {}: {e}", h.origin)))?;
+            match h.upstream {
+                true => upstream = Some((h, client)),
+                false => mirrors.push(Mirror { host: h, client }),
+            }
+        }
+        let (base, api, headers, http) = match upstream {
+            Some((h, client)) => (h.origin.clone(), format!("{}{}", h.origin, h.api), h.headers, client),
+            None => (
+                format!("{scheme}://{registry}"),
+                format!("{scheme}://{registry}/v2"),
+                Vec::new(),
+                http_client(opts, None).map_err(|e| error(format!("cannot make an HTTP client: {e}")))?,
+            ),
+        };
+        let learnt_key = format!("{api}\n{}\n{}", parsed.repository(), fingerprint(&auth));
         Ok(Registry {
             rt,
             http: Arc::new(Http {
@@ -172,8 +205,13 @@ impl Registry {
                 oci: client.clone(),
                 reference: parsed.clone(),
                 auth,
-                base: format!("{scheme}://{registry}"),
+                base,
+                api,
+                name,
+                mirrors,
+                headers,
                 authorization: tokio::sync::Mutex::new(None),
+                learnt_key,
                 auth_source,
             }),
             client,
@@ -245,7 +283,7 @@ impl Registry {
     }
 
     fn url(&self, r: &Reference, kind: &str, name: &str) -> String {
-        format!("{}/v2/{}/{kind}/{name}", self.http.base, r.repository())
+        format!("{}/{}/{kind}/{name}", self.http.api, r.repository())
     }
 
     /// A small document: GET `url` (a manifest, a tag list, a lookaside
@@ -306,7 +344,7 @@ impl Registry {
         // The registry's tags of the repository say whether there is one
         // (many registries answer MANIFEST_UNKNOWN either way).
         let list = self.document(
-            format!("{}/v2/{repo}/tags/list?n=50", self.http.base),
+            format!("{}/{repo}/tags/list?n=50", self.http.api),
             None,
             true,
             MAX_ERROR_BODY,
@@ -477,20 +515,17 @@ impl Http {
     /// authorization used (an expired token) is answered by asking again,
     /// once. Answers other than the data are errors: 404 of kind NotFound.
     async fn send(&self, get: &Get) -> io::Result<reqwest::Response> {
+        if let Some(resp) = self.mirrored(get).await {
+            return Ok(resp);
+        }
         let mut renewed = false;
         loop {
             let authorization = match get.authorize {
                 true => self.authorization(renewed).await?,
                 false => None,
             };
-            let mut req = self.client.get(&get.url);
-            if let Some(a) = &get.accept {
-                req = req.header(ACCEPT, a);
-            }
-            if let Some((offset, len)) = get.range {
-                let end = (offset + len).saturating_sub(1);
-                req = req.header(RANGE, format!("bytes={offset}-{end}"));
-            }
+            let headers = if get.authorize { &self.headers[..] } else { &[] };
+            let mut req = request(&self.client, &get.url, get, headers);
             if let Some(a) = &authorization {
                 req = req.header(AUTHORIZATION, a.clone());
             }
@@ -500,7 +535,7 @@ impl Http {
                 renewed = true;
                 continue;
             }
-            if status == StatusCode::OK || status == StatusCode::PARTIAL_CONTENT && get.range.is_some() {
+            if answered(status, get) {
                 return Ok(resp);
             }
             let location = resp
@@ -526,6 +561,31 @@ impl Http {
         }
     }
 
+    /// The answer of the first mirror (hosts.toml) that has what `get`
+    /// asks the registry for (a blob, a manifest), if one does: a mirror
+    /// that fails or lacks it is passed over for the next, the registry
+    /// last.
+    async fn mirrored(&self, get: &Get) -> Option<reqwest::Response> {
+        let rest = get.url.strip_prefix(&self.api)?.strip_prefix('/')?;
+        let by_tag = match rest.split_once("/manifests/") {
+            Some((_, name)) => !name.starts_with("sha256:"),
+            None if rest.contains("/blobs/") => false,
+            None => return None,
+        };
+        for m in &self.mirrors {
+            if !(if by_tag { m.host.resolve } else { m.host.pull }) {
+                continue;
+            }
+            let req = request(&m.client, &m.host.url(rest, &self.name), get, &m.host.headers);
+            if let Ok(resp) = req.send().await {
+                if answered(resp.status(), get) {
+                    return Some(resp);
+                }
+            }
+        }
+        None
+    }
+
     /// Why a request could not be made, with a hint for the usual mistake.
     fn unsent(&self, e: &reqwest::Error) -> io::Error {
         let mut msg = with_causes(e);
@@ -539,21 +599,46 @@ impl Http {
     }
 
     /// The Authorization header the registry's challenge asks for: learnt
-    /// once, again when `renew` (the one used was refused).
+    /// once, again when `renew` (the one used was refused). It is shared
+    /// by the clients of this process for the same repository and
+    /// credentials ([`LEARNT`]), so that neither a lazy mount's fetches
+    /// nor the clients a pull opens one after another (policy check,
+    /// manifest, blobs) each ask `GET /v2/` first.
     async fn authorization(&self, renew: bool) -> io::Result<Option<HeaderValue>> {
         let mut known = self.authorization.lock().await;
         if let (Some(a), false) = (&*known, renew) {
             return Ok(a.clone());
         }
-        let a = self.challenge().await?;
+        let learnt = || LEARNT.lock().unwrap_or_else(|e| e.into_inner());
+        let shared = match renew {
+            false => learnt().as_ref().and_then(|m| m.get(&self.learnt_key).cloned()),
+            true => None,
+        };
+        let a = match shared {
+            Some(a) => a,
+            None => {
+                let a = self.challenge().await?;
+                let mut m = learnt();
+                let m = m.get_or_insert_with(Default::default);
+                if m.len() >= MAX_LEARNT {
+                    m.clear();
+                }
+                m.insert(self.learnt_key.clone(), a.clone());
+                a
+            }
+        };
         *known = Some(a.clone());
         Ok(a)
     }
 
     async fn challenge(&self) -> io::Result<Option<HeaderValue>> {
+        // A registry token (CRI's registry_token) is sent as it is.
+        if let RegistryAuth::Bearer(t) = &self.auth {
+            return sensitive(format!("Bearer {t}"));
+        }
         let resp = self
             .client
-            .get(format!("{}/v2/", self.base))
+            .get(format!("{}/", self.api))
             .send()
             .await
             .map_err(|e| self.unsent(&e))?;
@@ -593,6 +678,46 @@ impl Http {
             _ => Ok(None),
         }
     }
+}
+
+/// The GET `get` asks for, of `url` through `client`, with `headers`
+/// (hosts.toml's).
+fn request(client: &reqwest::Client, url: &str, get: &Get, headers: &[(String, String)]) -> reqwest::RequestBuilder {
+    let mut req = client.get(url);
+    for (name, value) in headers {
+        req = req.header(name.as_str(), value.as_str());
+    }
+    if let Some(a) = &get.accept {
+        req = req.header(ACCEPT, a);
+    }
+    if let Some((offset, len)) = get.range {
+        let end = (offset + len).saturating_sub(1);
+        req = req.header(RANGE, format!("bytes={offset}-{end}"));
+    }
+    req
+}
+
+/// Whether `status` answers `get` with its data.
+fn answered(status: StatusCode, get: &Get) -> bool {
+    status == StatusCode::OK || status == StatusCode::PARTIAL_CONTENT && get.range.is_some()
+}
+
+/// The Authorization header each registry's challenge asked for, by
+/// [`Http::learnt_key`] (in memory only; a token the registry refuses is
+/// asked for again, once).
+static LEARNT: std::sync::Mutex<Option<std::collections::HashMap<String, Option<HeaderValue>>>> =
+    std::sync::Mutex::new(None);
+const MAX_LEARNT: usize = 256;
+
+/// A digest of `auth`'s secret, to tell entries apart without keeping it
+/// in a key.
+fn fingerprint(auth: &RegistryAuth) -> String {
+    let s = match auth {
+        RegistryAuth::Anonymous => return "anonymous".into(),
+        RegistryAuth::Basic(u, p) => format!("basic\n{u}\n{p}"),
+        RegistryAuth::Bearer(t) => format!("bearer\n{t}"),
+    };
+    Digest::sha256_of(s.as_bytes()).to_string()
 }
 
 fn sensitive(v: String) -> io::Result<Option<HeaderValue>> {
@@ -779,6 +904,33 @@ impl Registry {
             .map_err(|_| self.timed_out(what))?
             .map_err(|e| self.client_error(what, e))
     }
+}
+
+/// The HTTP client for the registry, or for `host` of its hosts.toml (its
+/// TLS settings besides `opts`').
+fn http_client(opts: &RegistryOptions, host: Option<&super::hosts::Host>) -> Result<reqwest::Client, String> {
+    let mut b = reqwest::Client::builder()
+        .danger_accept_invalid_certs(!opts.tls_verify || host.is_some_and(|h| h.skip_verify))
+        .connect_timeout(opts.timeout)
+        .read_timeout(opts.timeout)
+        .redirect(reqwest::redirect::Policy::custom(|a| {
+            if a.previous().len() >= 10 {
+                a.error("more than 10 redirects")
+            } else if !matches!(a.url().scheme(), "http" | "https") {
+                let to = a.url().to_string();
+                a.error(format!("redirected to {to}, which is not an HTTP(S) URL"))
+            } else {
+                a.follow()
+            }
+        }))
+        .user_agent(concat!("tilefs/", env!("CARGO_PKG_VERSION")));
+    for ca in host.map(|h| h.ca.as_slice()).unwrap_or_default() {
+        let pem = std::fs::read(ca).map_err(|e| format!("ca {}: cannot read: {e}", ca.display()))?;
+        let certs = reqwest::Certificate::from_pem_bundle(&pem)
+            .map_err(|e| format!("ca {}: not PEM certificates: {}", ca.display(), with_causes(&e)))?;
+        b = b.tls_certs_merge(certs);
+    }
+    b.build().map_err(|e| with_causes(&e))
 }
 
 /// Ends once `limits` is cancelled.
