@@ -1708,6 +1708,82 @@ fn a_manifest_naming_one_blob_20000_times_fetches_it_once() {
     assert!(w.took < Duration::from_secs(30), "{:?}", w.took);
 }
 
+/// Issue 43: a registry's token server is read as any other answer: one
+/// that streams forever is refused at 1 MiB, one that never answers fails
+/// at --timeout, and SIGINT stops a pull waiting for it.
+#[test]
+fn a_token_server_that_streams_forever_is_refused_at_its_cap() {
+    let area = Area::new();
+    let registry = Registry::start(&area);
+    small_image_in(&area, &registry);
+    let store = area.path("store");
+    // A token server that answers: the pull (and a push) ask it for the
+    // repository's scope and go on with the token.
+    let asked = std::sync::Arc::new(std::sync::Mutex::new(Vec::<String>::new()));
+    let log = asked.clone();
+    let tokens = Relay::answering(&registry.addr, move |_, path| {
+        log.lock().unwrap().push(path.to_string());
+        Answer::Body("application/json", br#"{"token":"t0ken"}"#.to_vec())
+    });
+    let realm = format!("Bearer realm=\"http://{}/token\",service=\"registry\"", tokens.addr);
+    let relay = Relay::answering(&registry.addr, move |_, path| match path {
+        "/v2/" => Answer::Challenge(realm.clone()),
+        _ => Answer::Forward,
+    });
+    let good = area.path("good");
+    pull(
+        &good,
+        &format!("docker://{}/team/app:v1", relay.addr),
+        &["--tls-verify=false", "--tag", "app"],
+    );
+    common::oci::push(&good, "app", &format!("docker://{}/team/copy:v1", relay.addr));
+    let asked = asked.lock().unwrap().clone();
+    let scope = |s: &str| asked.iter().any(|p| p.starts_with("/token?") && p.contains(s));
+    assert!(
+        scope("scope=repository%3Ateam%2Fapp%3Apull") && scope("scope=repository%3Ateam%2Fcopy%3Apull%2Cpush"),
+        "{asked:?}"
+    );
+    for stage in ["endless", "stall"] {
+        let tokens = Relay::answering(&registry.addr, move |_, _| match stage {
+            "endless" => Answer::Endless("application/json"),
+            _ => Answer::Stall,
+        });
+        // The registry asks for a Bearer token from that server.
+        let realm = format!("Bearer realm=\"http://{}/token\",service=\"registry\"", tokens.addr);
+        let relay = Relay::answering(&registry.addr, move |_, path| match path {
+            "/v2/" => Answer::Challenge(realm.clone()),
+            _ => Answer::Forward,
+        });
+        let remote = format!("docker://{}/team/app:v1", relay.addr);
+        let w = watch_pull(&store, &remote, &["--tls-verify=false", "--timeout", "2"], None);
+        let err = failed(&w);
+        let why = match stage {
+            "endless" => format!(
+                "authentication failed: the token server http://{}/token: its answer passes 1 MiB (the limit)",
+                tokens.addr
+            ),
+            _ => "no answer within 2 s (--timeout".to_string(),
+        };
+        assert!(
+            err.contains(&format!("registry {}", relay.addr)) && err.contains(&why),
+            "{stage}: {err}"
+        );
+        // Before: the whole answer read into memory until --timeout.
+        assert!(w.peak_mib < 150, "{stage}: {} MiB", w.peak_mib);
+        assert!(w.took < Duration::from_secs(10), "{stage}: {:?}", w.took);
+        if stage == "stall" {
+            let w = watch_pull(
+                &store,
+                &remote,
+                &["--tls-verify=false"],
+                Some(("INT", Duration::from_secs(1))),
+            );
+            assert_stopped(&w, &store, "SIGINT waiting for a token");
+        }
+    }
+    assert!(tags_in(&store).is_empty());
+}
+
 #[test]
 fn a_redirect_to_a_file_url_is_refused_saying_so() {
     let area = Area::new();
