@@ -236,6 +236,13 @@ impl<'s> Ingest<'s> {
         self.cache.save(self.store, &self.tmp)
     }
 
+    /// The objects this import stored or found stored: what a caller that
+    /// fails before tagging them may hand to a collection (any that no
+    /// root references is garbage).
+    pub fn imported(&self) -> Vec<[u8; 32]> {
+        self.seen.lock().unwrap().iter().copied().collect()
+    }
+
     /// How this import makes objects.
     pub fn method(&self) -> Method {
         self.method
