@@ -713,8 +713,9 @@ impl Registry {
     /// Whether the repository has blob `d`.
     pub fn has_blob(&self, d: &Digest) -> Result<bool, OciError> {
         let digest = d.to_string();
-        let fut = self.client()?.blob_exists(&self.reference, &digest);
-        self.run(&format!("blob {d}"), fut)
+        let what = format!("blob {d}");
+        let fut = self.client(&what)?.blob_exists(&self.reference, &digest);
+        self.run(&what, fut)
     }
 
     /// Asks the registry to link blob `d` from repository `from` (same
@@ -724,7 +725,7 @@ impl Registry {
             return false;
         };
         let digest = d.to_string();
-        let Ok(client) = self.client() else {
+        let Ok(client) = self.client("mount") else {
             return false;
         };
         let fut = client.mount_blob(&self.reference, &source, &digest);
@@ -741,7 +742,7 @@ impl Registry {
         src: &mut (dyn Read + Send),
         sent: &Arc<AtomicU64>,
     ) -> Result<(), OciError> {
-        let client = self.client()?;
+        let client = self.client(&format!("upload of blob {d}"))?;
         let (tx, rx) = mpsc::channel::<Result<bytes::Bytes, oci_client::errors::OciDistributionError>>(4);
         let digest = d.to_string();
         // This blob's bytes taken by the client (`sent` may be shared).
@@ -828,7 +829,7 @@ impl Registry {
 
     /// Puts `manifest` under the reference's tag; returns the URL.
     pub fn put_manifest(&self, manifest: Vec<u8>) -> Result<String, OciError> {
-        let fut = self.client()?.push_manifest_raw(
+        let fut = self.client("manifest")?.push_manifest_raw(
             &self.reference,
             manifest,
             crate::manifest::OCI_MANIFEST.parse().expect("a valid header value"),
@@ -873,11 +874,13 @@ impl Registry {
 
     /// oci-client, for uploads, its credentials set first: it is given a
     /// token we asked for (see [`Http::bearer`]) rather than left to ask.
-    fn client(&self) -> Result<&Client, OciError> {
+    /// `what` names the operation it is for in messages.
+    fn client(&self, what: &str) -> Result<&Client, OciError> {
         if self.client_auth.get().is_none() {
-            let auth = self
-                .within("authentication", self.http.push_auth())?
-                .map_err(|e| self.read_error("authentication", e))?;
+            let auth = self.within(what, self.http.push_auth())?.map_err(|e| match e.kind() {
+                io::ErrorKind::TimedOut => self.timed_out(what),
+                _ => self.read_error(what, e),
+            })?;
             self.rt
                 .block_on(self.client.store_auth_if_needed(&self.registry, &auth));
             let _ = self.client_auth.set(());
@@ -1103,7 +1106,7 @@ impl Registry {
         let header = media_type
             .parse()
             .map_err(|_| self.error("manifest", format!("invalid media type {media_type:?}")))?;
-        let fut = self.client()?.push_manifest_raw(&r, manifest, header);
+        let fut = self.client("manifest")?.push_manifest_raw(&r, manifest, header);
         self.run("manifest", fut)
     }
 
