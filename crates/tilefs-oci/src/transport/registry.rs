@@ -551,6 +551,41 @@ impl Http {
     }
 
     async fn challenge(&self) -> io::Result<Option<HeaderValue>> {
+        let Some((scheme, challenge)) = self.asks().await? else {
+            return Ok(None);
+        };
+        match scheme.as_str() {
+            "bearer" => {
+                let token = self.bearer(&challenge, RegistryOperation::Pull).await?;
+                sensitive(format!("Bearer {token}"))
+            }
+            "basic" => match &self.auth {
+                RegistryAuth::Basic(user, password) => {
+                    use base64::Engine;
+                    let token = base64::engine::general_purpose::STANDARD.encode(format!("{user}:{password}"));
+                    sensitive(format!("Basic {token}"))
+                }
+                _ => Ok(None),
+            },
+            _ => Ok(None),
+        }
+    }
+
+    /// The credentials oci-client is to push with: a Bearer token for
+    /// pulls and pushes where the registry asks for one, else ours.
+    async fn push_auth(&self) -> io::Result<RegistryAuth> {
+        match self.asks().await? {
+            Some((scheme, challenge)) if scheme == "bearer" => Ok(RegistryAuth::Bearer(
+                self.bearer(&challenge, RegistryOperation::Push).await?,
+            )),
+            _ => Ok(self.auth.clone()),
+        }
+    }
+
+    /// What the registry asks for (its answer to `GET /v2/`): None when it
+    /// asks for nothing, else the scheme (lower case) and the whole
+    /// `WWW-Authenticate` challenge.
+    async fn asks(&self) -> io::Result<Option<(String, String)>> {
         let resp = self
             .client
             .get(format!("{}/v2/", self.base))
@@ -566,53 +601,8 @@ impl Http {
             .and_then(|h| h.to_str().ok())
             .unwrap_or("")
             .to_string();
-        drop(resp);
-        let scheme = challenge.split_whitespace().next().map(str::to_ascii_lowercase);
-        let basic = || match &self.auth {
-            RegistryAuth::Basic(user, password) => {
-                use base64::Engine;
-                let token = base64::engine::general_purpose::STANDARD.encode(format!("{user}:{password}"));
-                sensitive(format!("Basic {token}"))
-            }
-            _ => Ok(None),
-        };
-        match scheme.as_deref() {
-            Some("bearer") => {
-                let token = self.bearer(&challenge, RegistryOperation::Pull).await?;
-                sensitive(format!("Bearer {token}"))
-            }
-            Some("basic") => basic(),
-            _ => Ok(None),
-        }
-    }
-
-    /// The credentials oci-client is to push with: a Bearer token for
-    /// pulls and pushes where the registry asks for one, else ours.
-    async fn push_auth(&self) -> io::Result<RegistryAuth> {
-        let resp = self
-            .client
-            .get(format!("{}/v2/", self.base))
-            .send()
-            .await
-            .map_err(|e| self.unsent(&e))?;
-        let challenge = resp
-            .headers()
-            .get(WWW_AUTHENTICATE)
-            .and_then(|h| h.to_str().ok())
-            .unwrap_or("")
-            .to_string();
-        let bearer = resp.status() == StatusCode::UNAUTHORIZED
-            && challenge
-                .split_whitespace()
-                .next()
-                .is_some_and(|s| s.eq_ignore_ascii_case("bearer"));
-        drop(resp);
-        match bearer {
-            true => Ok(RegistryAuth::Bearer(
-                self.bearer(&challenge, RegistryOperation::Push).await?,
-            )),
-            false => Ok(self.auth.clone()),
-        }
+        let scheme = challenge.split_whitespace().next().unwrap_or("").to_ascii_lowercase();
+        Ok(Some((scheme, challenge)))
     }
 
     /// A token for `operation` on our repository from the token server
