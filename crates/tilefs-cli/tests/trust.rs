@@ -848,6 +848,111 @@ fn registries_conf_routes_pulls() {
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
 }
 
+/// Issue 43: host names have no case, so an image cannot pass its scope's
+/// requirements by spelling its registry in capitals: a `reject` or a
+/// `signedBy` scope of `localhost:PORT/team/app` holds for
+/// `LOCALHOST:PORT/team/app`, a scope written `LocalHost:PORT/team` holds
+/// for `localhost:PORT/team/app`, and a registries.d key written in
+/// capitals says where the signatures of `localhost:PORT` are. (skopeo 1.9
+/// compares them as written.)
+#[test]
+fn policy_scopes_hold_whatever_the_case_of_the_host() {
+    let env = Env::new();
+    let registry = Registry::start(&env.area);
+    let port = registry.addr.rsplit_once(':').unwrap().1.to_string();
+    let layout = env.area.dir("layout");
+    oci_layout(&layout, "a", "the image");
+    env.skopeo_ok(
+        None,
+        &[
+            "copy",
+            "-q",
+            "--dest-tls-verify=false",
+            &format!("oci:{}:a", layout.display()),
+            &format!("docker://localhost:{port}/team/app:v1"),
+        ],
+    );
+    fs::write(
+        &env.conf,
+        format!("[[registry]]\nlocation = \"localhost:{port}\"\ninsecure = true\n"),
+    )
+    .unwrap();
+    let store = env.area.path("store");
+    let scoped = |name: &str, scope: &str, requirement: &str| {
+        env.policy(
+            name,
+            &format!(
+                r#"{{"default":[{{"type":"insecureAcceptAnything"}}],"transports":{{"docker":{{"{scope}":[{requirement}]}}}}}}"#
+            ),
+        )
+    };
+    let reject = scoped(
+        "reject.json",
+        &format!("localhost:{port}/team/app"),
+        r#"{"type":"reject"}"#,
+    );
+    for shouting in [
+        format!("LOCALHOST:{port}/team/app:v1"),
+        format!("LocalHost:{port}/team/app:v1"),
+    ] {
+        let e = env
+            .pull(&store, &format!("docker://{shouting}"), &reject, &[])
+            .unwrap_err();
+        assert!(
+            e.contains("refused by the signature policy")
+                && e.contains(&format!("scope \"localhost:{port}/team/app\" of transport docker")),
+            "{shouting}: {e}"
+        );
+    }
+    let reject = scoped(
+        "reject-team.json",
+        &format!("LocalHost:{port}/team"),
+        r#"{"type":"reject"}"#,
+    );
+    let e = env
+        .pull(&store, &format!("docker://localhost:{port}/team/app:v1"), &reject, &[])
+        .unwrap_err();
+    assert!(e.contains(&format!("scope \"localhost:{port}/team\"")), "{e}");
+
+    // signedBy: no signature where registries.d (its key in capitals) says
+    // they are.
+    let (_, key) = env.gpg_key("case");
+    fs::write(
+        env.regd.join("test.yaml"),
+        format!(
+            "docker:\n  LOCALHOST:{port}:\n    lookaside: file://{}\n",
+            env.sigs.display()
+        ),
+    )
+    .unwrap();
+    let signed = scoped(
+        "signed.json",
+        &format!("localhost:{port}/team/app"),
+        &format!(
+            r#"{{"type":"signedBy","keyType":"GPGKeys","keyPath":"{}"}}"#,
+            key.display()
+        ),
+    );
+    let e = env
+        .pull(&store, &format!("docker://LOCALHOST:{port}/team/app:v1"), &signed, &[])
+        .unwrap_err();
+    assert!(
+        e.contains("signedBy: no signature") && e.contains(&env.sigs.display().to_string()),
+        "{e}"
+    );
+    assert!(tagged(&store).is_empty());
+    // The same image by its lower-case name passes a policy that has no
+    // scope for it, and the capitals name the same image.
+    let accept = env.policy("accept.json", accept_anything());
+    let a = env
+        .pull(&store, &format!("docker://localhost:{port}/team/app:v1"), &accept, &[])
+        .unwrap();
+    let b = env
+        .pull(&store, &format!("docker://LOCALHOST:{port}/team/app:v1"), &accept, &[])
+        .unwrap();
+    assert_eq!(a, b);
+}
+
 #[test]
 fn endless_signatures_are_refused_at_their_size_cap() {
     let env = Env::new();

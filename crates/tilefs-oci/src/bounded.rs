@@ -15,6 +15,8 @@ pub const MAX_CONFIG: u64 = 4 << 20;
 pub const MAX_SIGNATURE: u64 = 4 << 20;
 /// A registry's error body (only its first part is shown) or tag list.
 pub const MAX_ERROR_BODY: u64 = 1 << 20;
+/// A token server's answer (a JSON object holding a token of a few KiB).
+pub const MAX_TOKEN_ANSWER: u64 = 1 << 20;
 
 /// Why a bounded read failed.
 #[derive(Debug)]

@@ -38,8 +38,12 @@
 //! - sparse files (PAX formats 0.1 and 1.0, old GNU sparse headers) may
 //!   declare holes of [`MAX_SPARSE_HOLES`] bytes in all, in one layer or
 //!   over all the layers of a pull ([`ReadOptions::sparse_budget`]):
-//!   holes cost nothing to send and are stored as holes, but the store
-//!   hashes them as zeros (0.7 s of CPU per GiB measured).
+//!   holes cost nothing to send, and the store hashes a run of zeros in a
+//!   few hashes per tree level and leaves it a hole. A PAX sparse file's
+//!   holes are not even read ([`Ingest::import_sparse`]); an old GNU one's
+//!   the tar reader expands into zeros, read at memory speed. The budget
+//!   bounds what a reader of the image (a container copying the file)
+//!   would meet.
 
 use crate::OciError;
 use std::io::{self, Read};
@@ -362,7 +366,7 @@ struct EntryReader<'a> {
     placement: Placement,
 }
 
-impl EntryReader<'_> {
+impl<'a> EntryReader<'a> {
     /// The entry `index` (from 0) of the layer, or `None` for one that
     /// puts nothing in the tree.
     fn entry<R: Read>(&mut self, entry: &mut tar::Entry<'_, R>, index: usize) -> Result<Option<LayerEntry>, OciError> {
@@ -396,33 +400,40 @@ impl EntryReader<'_> {
                 if path.is_empty() {
                     return Err(fail("the root is not a regular file".into()));
                 }
-                let mut expanded;
                 self.placement = match sparse.is_sparse() || etype == EntryType::GNUSparse {
                     true => Placement::WholeLayer,
                     false => Placement::At(entry.raw_file_position()),
                 };
-                let (size, data): (u64, &mut dyn Read) = if sparse.is_sparse() {
-                    expanded = sparse.reader(entry).map_err(fail)?;
+                if sparse.is_sparse() {
+                    let expanded = sparse.reader(entry).map_err(fail)?;
                     let size = sparse.real_size.unwrap_or(0);
                     self.spend_holes(size, expanded.holes()).map_err(fail)?;
-                    (size, &mut expanded)
+                    let content = match self.in_memory(size) {
+                        true => self.contents(&mut self.guarded(expanded), size, &name)?,
+                        // Larger ones go to the store as data and holes:
+                        // the holes are neither read nor hashed byte by byte.
+                        false => {
+                            let SparseReader { data, pieces, .. } = expanded;
+                            self.ingest
+                                .import_sparse(Path::new(&name), size, &pieces, &mut self.guarded(data))
+                                .map(Content::Object)
+                                .map_err(|e| store_error(e, fail))?
+                        }
+                    };
+                    Kind::File { size, content }
                 } else {
                     // Old GNU sparse headers: the tar reader expands them
-                    // (its size is the file's, the header's what it holds).
+                    // (its size is the file's, the header's what it holds);
+                    // the store hashes their zeros as holes, unwritten.
                     if etype == EntryType::GNUSparse {
                         let stored = entry.header().entry_size().unwrap_or(0);
                         self.spend_holes(entry.size(), entry.size().saturating_sub(stored))
                             .map_err(fail)?;
                     }
-                    (entry.size(), entry)
-                };
-                let mut data = Guarded {
-                    inner: data,
-                    stop: self.opts.stop,
-                    headers: None,
-                };
-                let content = self.contents(&mut data, size, &name)?;
-                Kind::File { size, content }
+                    let size = entry.size();
+                    let content = self.contents(&mut self.guarded(entry), size, &name)?;
+                    Kind::File { size, content }
+                }
             }
             EntryType::Symlink => Kind::Symlink(symlink_target(entry).map_err(fail)?),
             EntryType::Link => Kind::Hardlink(hardlink_target(entry).map_err(fail)?),
@@ -465,12 +476,27 @@ impl EntryReader<'_> {
             })
     }
 
+    /// `data` read until the pull is stopped.
+    fn guarded<R: Read>(&self, data: R) -> Guarded<'a, R> {
+        Guarded {
+            inner: data,
+            stop: self.opts.stop,
+            headers: None,
+        }
+    }
+
+    /// Whether a file of `size` bytes is read into memory (kept inline or
+    /// handed to the offload) rather than streamed into the store.
+    fn in_memory(&self, size: u64) -> bool {
+        size <= RECOMMENDED_INLINE_MAX || (size <= OFFLOAD_MAX && self.opts.offload.is_some())
+    }
+
     /// The `size` bytes of the file `name` read from `data`: kept inline,
     /// handed to the offload, or (larger ones) streamed into the store.
     fn contents(&mut self, data: &mut dyn Read, size: u64, name: &str) -> Result<Content, OciError> {
         let blob = self.blob;
         let fail = |reason: String| OciError::layer(blob, Some(name), reason);
-        if size <= RECOMMENDED_INLINE_MAX || (size <= OFFLOAD_MAX && self.opts.offload.is_some()) {
+        if self.in_memory(size) {
             let mut buf = Vec::with_capacity(size as usize);
             data.take(size + 1)
                 .read_to_end(&mut buf)
@@ -491,14 +517,19 @@ impl EntryReader<'_> {
         let d = self
             .ingest
             .import_reader(Path::new(name), size, data)
-            .map_err(|e| match e {
-                tilefs_store::StoreError::Interrupted => OciError::Interrupted,
-                // The entry's own failures, named by it.
-                tilefs_store::StoreError::SourceIo { what, err, .. } => fail(format!("{what}: {err}")),
-                tilefs_store::StoreError::Source { msg, .. } => fail(msg.to_string()),
-                e => OciError::Store(e),
-            })?;
+            .map_err(|e| store_error(e, fail))?;
         Ok(Content::Object(d))
+    }
+}
+
+/// A store's failure to import an entry's contents: the entry's own
+/// failures (it ends early, say) named by `fail`.
+fn store_error(e: tilefs_store::StoreError, fail: impl Fn(String) -> OciError) -> OciError {
+    match e {
+        tilefs_store::StoreError::Interrupted => OciError::Interrupted,
+        tilefs_store::StoreError::SourceIo { what, err, .. } => fail(format!("{what}: {err}")),
+        tilefs_store::StoreError::Source { msg, .. } => fail(msg.to_string()),
+        e => OciError::Store(e),
     }
 }
 

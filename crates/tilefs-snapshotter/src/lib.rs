@@ -101,6 +101,9 @@ pub const DEFAULT_PLUGIN_NAME: &str = "tilefs";
 /// of the next one, which a pull waits for.
 const WORKER_NICE: i32 = 10;
 
+/// When a Commit's steps began (reading the chain, the layer, writing the image).
+type BuildTimes = (std::time::Instant, std::time::Instant, std::time::Instant);
+
 /// How long after a layer is stored its files are synced.
 const SYNC_DELAY: std::time::Duration = std::time::Duration::from_secs(30);
 
@@ -1290,35 +1293,19 @@ impl Shared {
         let mut ingest = Ingest::new(&store, method).map_err(internal)?;
         // Synced after the Commit (see `sync_committed`).
         ingest.defer_sync();
-        let t0 = std::time::Instant::now();
-        let mut applier = Applier::new(false);
-        for &a in chain {
-            let entries = state::load_layer(&self.root, a).map_err(internal)?;
-            applier
-                .apply_layer(&format!("snapshot {a}"), entries)
-                .map_err(|e| internal(format!("snapshot {a}: {e}")))?;
-        }
-        let journal = |undo: &[layer::Undo]| {
-            let bytes = postcard::to_stdvec(undo).map_err(|e| format!("cannot encode the commit journal: {e}"))?;
-            state::write_atomic(&dir.join(state::UNDO), &bytes)
+        let made = self.build_with(&store, &ingest, id, chain, &dir, &upper);
+        let (image, usage, (t0, t1, t2)) = match made {
+            Ok(m) => m,
+            Err(e) => {
+                // Objects stored before the failure (a batch committed,
+                // the image not tagged) go as a Remove's would, once no
+                // root names them.
+                let objects = ingest.imported();
+                drop(ingest);
+                self.collector.add(objects);
+                return Err(e);
+            }
         };
-        let t1 = std::time::Instant::now();
-        let (mut entries, usage) = layer::read_upper(&upper, &ingest, applier.tree_mut(), journal)
-            .map_err(|e| internal(format!("commit: {e}")))?;
-        let t2 = std::time::Instant::now();
-        // overlayfs may leave whiteouts of names no layer below holds.
-        let tree = applier.tree_mut();
-        entries.retain(|e| {
-            !matches!(e.kind, tilefs_oci::layer::Kind::Whiteout) || tree.lookup_path(&e.path.join(&b'/')).is_some()
-        });
-        state::save_layer(&self.root, id, &entries).map_err(internal)?;
-        applier
-            .apply_layer(&format!("snapshot {id}"), entries)
-            .map_err(|e| internal(format!("commit: {e}")))?;
-        let (_, image) =
-            compat::write_image(applier).map_err(|e| internal(format!("commit: cannot write the image: {e}")))?;
-        ingest.finish().map_err(internal)?;
-        owned::write_root(&store, &self.holder, &self.tag(id), &image.bytes).map_err(internal)?;
         let copied = ingest.stats.copied.load(std::sync::atomic::Ordering::Relaxed);
         drop(ingest);
         drop(claimed);
@@ -1337,6 +1324,49 @@ impl Shared {
             t2.elapsed().as_secs_f64()
         );
         Ok((hex::encode(image.digest), usage))
+    }
+
+    /// [`Shared::build`]'s work through `ingest`: the image, the layer's
+    /// usage, and when its steps began.
+    fn build_with(
+        &self,
+        store: &Store,
+        ingest: &Ingest,
+        id: u64,
+        chain: &[u64],
+        dir: &Path,
+        upper: &Path,
+    ) -> Result<(tilefs_image::erofs::Image, layer::LayerUsage, BuildTimes), Error> {
+        let t0 = std::time::Instant::now();
+        let mut applier = Applier::new(false);
+        for &a in chain {
+            let entries = state::load_layer(&self.root, a).map_err(internal)?;
+            applier
+                .apply_layer(&format!("snapshot {a}"), entries)
+                .map_err(|e| internal(format!("snapshot {a}: {e}")))?;
+        }
+        let journal = |undo: &[layer::Undo]| {
+            let bytes = postcard::to_stdvec(undo).map_err(|e| format!("cannot encode the commit journal: {e}"))?;
+            state::write_atomic(&dir.join(state::UNDO), &bytes)
+        };
+        let t1 = std::time::Instant::now();
+        let (mut entries, usage) = layer::read_upper(upper, ingest, applier.tree_mut(), journal)
+            .map_err(|e| internal(format!("commit: {e}")))?;
+        let t2 = std::time::Instant::now();
+        // overlayfs may leave whiteouts of names no layer below holds.
+        let tree = applier.tree_mut();
+        entries.retain(|e| {
+            !matches!(e.kind, tilefs_oci::layer::Kind::Whiteout) || tree.lookup_path(&e.path.join(&b'/')).is_some()
+        });
+        state::save_layer(&self.root, id, &entries).map_err(internal)?;
+        applier
+            .apply_layer(&format!("snapshot {id}"), entries)
+            .map_err(|e| internal(format!("commit: {e}")))?;
+        let (_, image) =
+            compat::write_image(applier).map_err(|e| internal(format!("commit: cannot write the image: {e}")))?;
+        ingest.finish().map_err(internal)?;
+        owned::write_root(store, &self.holder, &self.tag(id), &image.bytes).map_err(internal)?;
+        Ok((image, usage, (t0, t1, t2)))
     }
 
     /// Lets go of snapshot `id`'s image (if it has one).

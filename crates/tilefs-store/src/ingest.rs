@@ -236,6 +236,13 @@ impl<'s> Ingest<'s> {
         self.cache.save(self.store, &self.tmp)
     }
 
+    /// The objects this import stored or found stored: what a caller that
+    /// fails before tagging them may hand to a collection (any that no
+    /// root references is garbage).
+    pub fn imported(&self) -> Vec<[u8; 32]> {
+        self.seen.lock().unwrap().iter().copied().collect()
+    }
+
     /// How this import makes objects.
     pub fn method(&self) -> Method {
         self.method
@@ -374,6 +381,50 @@ impl<'s> Ingest<'s> {
         Ok((tmp_name, hashed))
     }
 
+    /// Imports a sparse file of `size` bytes (a layer's) and returns its
+    /// digest: its data `extents` ((offset, length), in order, within
+    /// `size`) are read one after the other from `src`, its holes hashed
+    /// as zeros and left as holes in the object, never read or written: the
+    /// cost is that of the data, however large `size` is.
+    pub fn import_sparse(
+        &self,
+        what: &Path,
+        size: u64,
+        extents: &[(u64, u64)],
+        src: &mut dyn Read,
+    ) -> Result<[u8; 32], StoreError> {
+        if self.cancel.as_ref().is_some_and(|c| c.load(Relaxed)) {
+            return Err(StoreError::Interrupted);
+        }
+        self.stats.files.fetch_add(1, Relaxed);
+        self.stats.bytes.fetch_add(size, Relaxed);
+        let tmp_name = self.temp_name();
+        let mut dst = self.create_temp(&tmp_name)?;
+        let copied = (|| {
+            let mut sink = HashSink::new(Some(&mut dst));
+            for &(off, len) in extents {
+                if off < sink.total || off.checked_add(len).is_none_or(|end| end > size) {
+                    let why = "sparse map: pieces overlap, are out of order or pass the file's end";
+                    return Err(StoreError::source(what, why));
+                }
+                sink.hole(off - sink.total);
+                let n = sink.copy(&mut src.take(len)).map_err(|e| self.copy_error(what, e))?;
+                if n < len {
+                    return Err(StoreError::source(what, "contents end early"));
+                }
+            }
+            sink.hole(size - sink.total);
+            sink.finish().map_err(|e| self.copy_error(what, e))
+        })();
+        match copied {
+            Ok((n, d)) => self.place(tmp_name, size, Hashed(n, d, None)),
+            Err(e) => {
+                let _ = rfs::unlinkat(&self.tmp, &tmp_name, AtFlags::empty());
+                Err(e)
+            }
+        }
+    }
+
     /// Imports bytes held in memory and returns their digest.
     pub fn import_bytes(&self, data: Vec<u8>) -> Result<[u8; 32], StoreError> {
         let size = data.len() as u64;
@@ -497,7 +548,7 @@ impl<'s> Ingest<'s> {
                 )
                 .map(std::fs::File::from)
                 .map_err(|e| StoreError::source_io(f.path, "cannot reopen clone", e.into()))?;
-                let (n, d) = hash_copy(&mut clone, None).map_err(|e| self.copy_error(f.path, e))?;
+                let (n, d) = hash_file(&mut clone, None).map_err(|e| self.copy_error(f.path, e))?;
                 return Ok(Hashed(n, d, None));
             }
             self.cloning.store(false, Relaxed);
@@ -507,7 +558,7 @@ impl<'s> Ingest<'s> {
             return read_small(&mut srcf, size, f.path);
         }
         let mut dst = self.create_temp(tmp_name)?;
-        let (n, d) = hash_copy(&mut srcf, Some(&mut dst)).map_err(|e| self.copy_error(f.path, e))?;
+        let (n, d) = hash_file(&mut srcf, Some(&mut dst)).map_err(|e| self.copy_error(f.path, e))?;
         Ok(Hashed(n, d, None))
     }
 
@@ -528,7 +579,7 @@ impl<'s> Ingest<'s> {
         let unreached = st.st_nlink <= names && tilefs_sys::fs::lease_read(src.as_fd()).is_ok();
         if unreached && self.linking.load(Relaxed) {
             let mut s = std::fs::File::from(src.try_clone().map_err(|e| StoreError::io(f.path, "cannot dup", e))?);
-            let (n, d) = hash_copy(&mut s, None).map_err(|e| self.copy_error(f.path, e))?;
+            let (n, d) = hash_file(&mut s, None).map_err(|e| self.copy_error(f.path, e))?;
             // Present already (or met before in this import): nothing to
             // link, the source is simply dropped by the caller.
             if self.seen.lock().unwrap().contains(&d) || self.store.object_size(&d) == Some(n) {
@@ -760,60 +811,154 @@ enum CopyError {
 }
 
 /// Reads `src` to its end, hashing it and, if given, writing it to `dst`
-/// (holes kept). Whole buffers are filled: a decompressor hands out small
-/// pieces.
+/// (runs of zero blocks hashed as zeros and left as holes).
 fn hash_copy(src: &mut dyn Read, dst: Option<&mut std::fs::File>) -> Result<(u64, [u8; 32]), CopyError> {
-    let mut buf = COPY_BUF.take().unwrap_or_else(|| vec![0u8; 256 << 10]);
-    let r = hash_copy_with(src, dst, &mut buf);
-    COPY_BUF.set(Some(buf));
-    r
+    let mut sink = HashSink::new(dst);
+    sink.copy(src)?;
+    sink.finish()
 }
 
-fn hash_copy_with(
-    src: &mut dyn Read,
-    mut dst: Option<&mut std::fs::File>,
-    buf: &mut [u8],
-) -> Result<(u64, [u8; 32]), CopyError> {
-    let mut h = verity::Hasher::new();
-    let mut total = 0u64;
-    loop {
-        let mut n = 0;
-        while n < buf.len() {
-            match src.read(&mut buf[n..]) {
-                Ok(0) => break,
-                Ok(k) => n += k,
-                Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
-                Err(e) => return Err(CopyError::Read(e)),
+/// A file's bytes as they come, hashed and, given a destination, written:
+/// holes (declared by the source, or runs of zero blocks in its data) are
+/// hashed as zeros, a few hashes per tree level however long, and left as
+/// holes in the destination, so they cost neither hashing nor disk.
+struct HashSink<'a> {
+    h: verity::Hasher,
+    dst: Option<&'a mut std::fs::File>,
+    /// Bytes of the file so far.
+    total: u64,
+    /// Where the destination's offset is (behind `total` after a hole).
+    written: u64,
+}
+
+impl<'a> HashSink<'a> {
+    fn new(dst: Option<&'a mut std::fs::File>) -> HashSink<'a> {
+        HashSink {
+            h: verity::Hasher::new(),
+            dst,
+            total: 0,
+            written: 0,
+        }
+    }
+
+    /// `len` zero bytes, neither read nor written.
+    fn hole(&mut self, len: u64) {
+        self.h.update_zeros(len);
+        self.total += len;
+    }
+
+    /// Bytes of data: runs of zero 4 KiB blocks among them are holes.
+    fn data(&mut self, data: &[u8]) -> io::Result<()> {
+        const BLOCK: usize = 4096;
+        // Compared with memcmp, many times faster than a loop over bytes.
+        static ZEROS: [u8; BLOCK] = [0; BLOCK];
+        let zero = |c: &[u8]| c == &ZEROS[..c.len()];
+        let mut rest = data;
+        while !rest.is_empty() {
+            let is_zero = zero(&rest[..BLOCK.min(rest.len())]);
+            let run: usize = rest
+                .chunks(BLOCK)
+                .take_while(|c| zero(c) == is_zero)
+                .map(<[u8]>::len)
+                .sum();
+            let (piece, after) = rest.split_at(run);
+            rest = after;
+            if is_zero {
+                self.hole(run as u64);
+                continue;
+            }
+            self.h.update(piece);
+            if let Some(d) = self.dst.as_deref_mut() {
+                if self.written != self.total {
+                    use std::io::{Seek, SeekFrom};
+                    d.seek(SeekFrom::Start(self.total))?;
+                }
+                d.write_all(piece)?;
+                self.written = self.total + run as u64;
+            }
+            self.total += run as u64;
+        }
+        Ok(())
+    }
+
+    /// Reads `src` to its end (whole buffers filled: a decompressor hands
+    /// out small pieces); the bytes read.
+    fn copy(&mut self, src: &mut dyn Read) -> Result<u64, CopyError> {
+        let mut buf = COPY_BUF.take().unwrap_or_else(|| vec![0u8; 256 << 10]);
+        let r = self.copy_with(src, &mut buf);
+        COPY_BUF.set(Some(buf));
+        r
+    }
+
+    fn copy_with(&mut self, src: &mut dyn Read, buf: &mut [u8]) -> Result<u64, CopyError> {
+        let start = self.total;
+        loop {
+            let mut n = 0;
+            while n < buf.len() {
+                match src.read(&mut buf[n..]) {
+                    Ok(0) => break,
+                    Ok(k) => n += k,
+                    Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+                    Err(e) => return Err(CopyError::Read(e)),
+                }
+            }
+            self.data(&buf[..n]).map_err(CopyError::Write)?;
+            if n < buf.len() {
+                return Ok(self.total - start);
             }
         }
-        h.update(&buf[..n]);
-        if let Some(d) = dst.as_deref_mut() {
-            write_sparse(d, &buf[..n]).map_err(CopyError::Write)?;
-        }
-        total += n as u64;
-        if n < buf.len() {
-            break;
-        }
     }
-    if let Some(d) = dst {
-        // Trailing holes: give the file its full length.
-        d.set_len(total).map_err(CopyError::Write)?;
+
+    /// The file's length and digest, the destination given its full length
+    /// (trailing holes).
+    fn finish(self) -> Result<(u64, [u8; 32]), CopyError> {
+        if let Some(d) = self.dst {
+            d.set_len(self.total).map_err(CopyError::Write)?;
+        }
+        Ok((self.total, self.h.finalize()))
     }
-    Ok((total, h.finalize()))
 }
 
-/// Writes `data`, leaving holes where whole 64 KiB pieces are zero, so a
-/// sparse source stays sparse in the store (holes read as zeros).
-fn write_sparse(dst: &mut std::fs::File, data: &[u8]) -> io::Result<()> {
-    use std::io::{Seek, SeekFrom};
-    for piece in data.chunks(64 << 10) {
-        if piece.iter().all(|&b| b == 0) {
-            dst.seek(SeekFrom::Current(piece.len() as i64))?;
-        } else {
-            dst.write_all(piece)?;
+/// [`hash_copy`] of a source file, its holes never read ([`copy_file`]).
+fn hash_file(src: &mut std::fs::File, dst: Option<&mut std::fs::File>) -> Result<(u64, [u8; 32]), CopyError> {
+    let mut sink = HashSink::new(dst);
+    copy_file(src, &mut sink)?;
+    sink.finish()
+}
+
+/// Copies a source file through `sink`, asking the filesystem where its
+/// data is (SEEK_DATA, SEEK_HOLE): its holes are never read. A file that
+/// changes meanwhile gives the bytes the copy holds, which its size check
+/// then refuses.
+fn copy_file(src: &mut std::fs::File, sink: &mut HashSink) -> Result<(), CopyError> {
+    use rustix::fs::SeekFrom;
+    use std::io::Seek;
+    let mut pos = 0u64;
+    loop {
+        // ENXIO: no data past `pos`, the rest is a hole; a filesystem that
+        // cannot tell has data everywhere.
+        let data = match rfs::seek(&*src, SeekFrom::Data(pos)) {
+            Ok(d) => d.max(pos),
+            Err(rustix::io::Errno::NXIO) => {
+                let size = src.metadata().map_err(CopyError::Read)?.len();
+                sink.hole(size.saturating_sub(pos));
+                pos = pos.max(size);
+                break;
+            }
+            Err(_) => pos,
+        };
+        let end = rfs::seek(&*src, SeekFrom::Hole(data)).map_or(u64::MAX, |h| h.max(data));
+        sink.hole(data - pos);
+        src.seek(io::SeekFrom::Start(data)).map_err(CopyError::Read)?;
+        let n = sink.copy(&mut (&mut *src).take(end - data))?;
+        pos = data + n;
+        if n < end - data {
+            return Ok(());
         }
     }
-    Ok(())
+    // Written past its end meanwhile: read to the real end.
+    src.seek(io::SeekFrom::Start(pos)).map_err(CopyError::Read)?;
+    sink.copy(src).map(drop)
 }
 
 /// The digest cache's on-disk form of a [`FileState`].
@@ -1026,6 +1171,79 @@ mod tests {
         );
         std::io::Write::write_all(&mut w, b"more").unwrap();
         assert_eq!(std::fs::read(&obj).unwrap(), vec![4u8; 5000]);
+    }
+
+    /// Issue 43: sparse contents cost their data: a layer's sparse file
+    /// (its extents) and a source file with holes are hashed as the file
+    /// they stand for, their holes left holes in the object.
+    #[test]
+    fn holes_are_hashed_as_zeros_and_left_as_holes() {
+        use std::os::unix::fs::FileExt;
+        let dir = tempfile::tempdir().unwrap();
+        let size = 8u64 << 30;
+        let pieces: Vec<(u64, Vec<u8>)> = vec![
+            (0, vec![1u8; 5000]),
+            ((3 << 30) + 7, (0..10_000).map(|i| i as u8 | 1).collect()),
+            (size - 100, vec![3u8; 100]),
+        ];
+        let by_hand = dir.path().join("by-hand");
+        let f = std::fs::File::options()
+            .read(true)
+            .write(true)
+            .create_new(true)
+            .open(&by_hand)
+            .unwrap();
+        f.set_len(size).unwrap();
+        for (off, d) in &pieces {
+            f.write_all_at(d, *off).unwrap();
+        }
+        let want = verity::digest_file(&f, |_| {}).unwrap();
+        let small = |p: &Path| {
+            let m = std::fs::metadata(p).unwrap();
+            assert_eq!(m.len(), size);
+            assert!(m.blocks() * 512 < 1 << 20, "{} bytes on disk", m.blocks() * 512);
+        };
+
+        let store = Store::create(&dir.path().join("a")).unwrap();
+        let ingest = Ingest::new(&store, Method::Copy).unwrap();
+        let extents: Vec<(u64, u64)> = pieces.iter().map(|(o, d)| (*o, d.len() as u64)).collect();
+        let data = pieces.iter().flat_map(|p| p.1.clone()).collect::<Vec<u8>>();
+        let what = Path::new("disk");
+        assert_eq!(
+            ingest.import_sparse(what, size, &extents, &mut &data[..]).unwrap(),
+            want
+        );
+        ingest.finish().unwrap();
+        small(&store.object_path(&want));
+        // Pieces out of order, or data that ends early: refused.
+        let ingest = Ingest::new(&store, Method::Copy).unwrap();
+        let bad = [(10, 5), (0, 5)];
+        let e = ingest.import_sparse(what, size, &bad, &mut &data[..10]).unwrap_err();
+        assert!(e.to_string().contains("pieces overlap, are out of order"), "{e}");
+        let e = ingest
+            .import_sparse(what, size, &extents, &mut &data[..100])
+            .unwrap_err();
+        assert!(e.to_string().contains("contents end early"), "{e}");
+        drop(ingest);
+
+        let store = Store::create(&dir.path().join("b")).unwrap();
+        let ingest = Ingest::new(&store, Method::Copy).unwrap();
+        let d = rfs::open(
+            dir.path(),
+            OFlags::PATH | OFlags::DIRECTORY | OFlags::CLOEXEC,
+            Mode::empty(),
+        )
+        .unwrap();
+        let st = rfs::stat(&by_hand).unwrap();
+        let source = SourceFile {
+            dir: d.as_fd(),
+            name: c"by-hand",
+            path: &by_hand,
+            stat: &st,
+        };
+        assert_eq!(ingest.import(&source).unwrap(), want);
+        ingest.finish().unwrap();
+        small(&store.object_path(&want));
     }
 
     /// Imports running at once in one process (a lazy mount's fetches):

@@ -2,6 +2,13 @@
 //! of the distribution project's reference package, in the fully expanded
 //! form that policies, registries.d and signatures use: `busybox` is
 //! `docker.io/library/busybox`, `index.docker.io` is `docker.io`.
+//!
+//! A host name is a DNS name, which has no case: it is kept in lower case
+//! (`LOCALHOST:5000/x` is `localhost:5000/x`), so that every comparison
+//! with a scope, a registries.d key, a registries.conf prefix or a
+//! signature's claimed identity is made without regard to it. A
+//! repository path is compared as written (the grammar allows no capitals
+//! in it).
 
 use std::fmt;
 
@@ -40,6 +47,14 @@ fn err(input: &str, why: impl Into<String>) -> RefError {
 /// component cannot have).
 pub fn looks_like_domain(first: &str) -> bool {
     first.contains('.') || first.contains(':') || first == "localhost" || first.chars().any(|c| c.is_ascii_uppercase())
+}
+
+/// `scope` (a host, a namespace, a repository or an image, or a
+/// `*.DOMAIN` wildcard) with its host name in lower case, as references
+/// keep it: how scopes and prefixes written by people are looked up.
+pub fn lower_host(scope: &str) -> String {
+    let host = scope.find('/').unwrap_or(scope.len());
+    format!("{}{}", scope[..host].to_ascii_lowercase(), &scope[host..])
 }
 
 pub(crate) fn valid_domain(d: &str) -> bool {
@@ -187,6 +202,7 @@ impl DockerRef {
         tag: Option<String>,
         digest: Option<String>,
     ) -> Result<DockerRef, RefError> {
+        domain.make_ascii_lowercase();
         if domain == "index.docker.io" {
             domain = "docker.io".into();
         }

@@ -277,7 +277,8 @@ fn parse_identity(v: Option<&Value>, what: &str) -> Result<IdentityRule, String>
             check_keys(o, &what, &["type", "prefix", "signedPrefix"])?;
             let p = get_str(o, "prefix", &what)?.ok_or_else(|| format!("{what}: no prefix"))?;
             let s = get_str(o, "signedPrefix", &what)?.ok_or_else(|| format!("{what}: no signedPrefix"))?;
-            for x in [p, s] {
+            let (p, s) = (crate::dockerref::lower_host(p), crate::dockerref::lower_host(s));
+            for x in [&p, &s] {
                 if !valid_prefix(x) {
                     return Err(format!(
                         "{what}: {x:?} is not a host[:port], namespace or repository in the fully expanded form"
@@ -285,8 +286,8 @@ fn parse_identity(v: Option<&Value>, what: &str) -> Result<IdentityRule, String>
                 }
             }
             Ok(IdentityRule::RemapIdentity {
-                prefix: p.into(),
-                signed_prefix: s.into(),
+                prefix: p,
+                signed_prefix: s,
             })
         }
         other => Err(format!("{what}: unknown type {other:?}")),
@@ -430,11 +431,18 @@ impl Policy {
                         .ok_or_else(|| fail(format!("transports.{t} is not an object")))?;
                     let mut m = BTreeMap::new();
                     for (s, reqs) in scopes {
-                        check_scope(t, s).map_err(|e| fail(format!("transports.{t}: {e}")))?;
-                        m.insert(
-                            s.clone(),
-                            parse_requirements(reqs, &format!("transports.{t}.{s:?}")).map_err(fail)?,
-                        );
+                        // Host names as references keep them (lower case).
+                        let key = match t.as_str() {
+                            "docker" | "atomic" => crate::dockerref::lower_host(s),
+                            _ => s.clone(),
+                        };
+                        check_scope(t, &key).map_err(|e| fail(format!("transports.{t}: {e}")))?;
+                        let reqs = parse_requirements(reqs, &format!("transports.{t}.{s:?}")).map_err(fail)?;
+                        if m.insert(key, reqs).is_some() {
+                            return Err(fail(format!(
+                                "transports.{t}: scope {s:?} is given twice (host names have no case)"
+                            )));
+                        }
                     }
                     transports.insert(t.clone(), m);
                 }
@@ -729,6 +737,47 @@ mod tests {
         ] {
             assert!(Policy::parse(bad, "p").is_err(), "{}", String::from_utf8_lossy(bad));
         }
+    }
+
+    /// Issue 43: host names have no case, in references as in scopes: an
+    /// image named `LOCALHOST:5000/x` is under the scope of
+    /// `localhost:5000/x` (not let through to a laxer default), and a
+    /// scope written `Reg.IO` applies to `reg.io`. Repository paths are
+    /// compared as written.
+    #[test]
+    fn host_names_match_scopes_without_regard_to_case() {
+        let p = Policy::parse(
+            br#"{"default":[{"type":"insecureAcceptAnything"}],"transports":{"docker":{
+                "localhost:5000/x":[{"type":"reject"}],
+                "Reg.IO/team":[{"type":"reject"}],
+                "*.Example.COM":[{"type":"reject"}]}}}"#,
+            "p",
+        )
+        .unwrap();
+        for (image, scope) in [
+            ("LOCALHOST:5000/x:v1", "localhost:5000/x"),
+            (
+                "LocalHost:5000/x@sha256:0123456789abcdef0123456789abcdef0123456789abcdef0123456789abcdef",
+                "localhost:5000/x",
+            ),
+            ("reg.io/team/app", "reg.io/team"),
+            ("REG.io/team/app", "reg.io/team"),
+            ("a.EXAMPLE.com/x", "*.example.com"),
+        ] {
+            let s = Subject::docker(&r(image));
+            assert!(
+                matches!(p.requirements_for(&s).0, Scope::Scope { scope: ref x, .. } if x == scope),
+                "{image}"
+            );
+            assert!(p.evaluate(&s, b"{}", &NoSignatures("nowhere")).is_err(), "{image}");
+        }
+        assert_eq!(
+            p.requirements_for(&Subject::docker(&r("reg.io/teams/x"))).0,
+            Scope::Default
+        );
+        let twice = br#"{"default":[{"type":"reject"}],"transports":{"docker":{"reg.io/x":[{"type":"reject"}],"REG.io/x":[{"type":"reject"}]}}}"#;
+        let e = Policy::parse(twice, "p").unwrap_err();
+        assert!(e.contains("is given twice (host names have no case)"), "{e}");
     }
 
     #[test]

@@ -160,8 +160,7 @@ fn strip_prefix<'a>(name: &'a str, prefix: &str) -> Option<&'a str> {
 
 /// A prefix as tables are told apart: its host name in lower case.
 fn prefix_key(prefix: &str) -> String {
-    let host = prefix.find('/').unwrap_or(prefix.len());
-    format!("{}{}", prefix[..host].to_ascii_lowercase(), &prefix[host..])
+    crate::dockerref::lower_host(prefix)
 }
 
 impl RegistriesConf {

@@ -79,9 +79,11 @@ impl RegistriesD {
             self.default_docker = Some(d);
         }
         for (scope, s) in f.docker.unwrap_or_default() {
+            // Host names as references keep them (lower case).
+            let scope = crate::dockerref::lower_host(&scope);
             if self.docker.contains_key(&scope) {
                 return Err(format!(
-                    "{name}: docker scope {scope:?} is defined in more than one file"
+                    "{name}: docker scope {scope:?} is defined more than once (host names have no case)"
                 ));
             }
             self.docker.insert(scope, s);

@@ -254,6 +254,8 @@ pub enum Answer {
     Body(&'static str, Vec<u8>),
     /// Nothing: the connection is held open.
     Stall,
+    /// 401 with this `WWW-Authenticate` challenge.
+    Challenge(String),
 }
 
 /// Forwards 127.0.0.1 connections to `upstream`: requests as they come,
@@ -438,6 +440,12 @@ fn respond(out: &mut TcpStream, answer: Answer, stop: &AtomicBool) -> std::io::R
             while !stop.load(Relaxed) {
                 std::thread::sleep(Duration::from_millis(20));
             }
+        }
+        Answer::Challenge(challenge) => {
+            out.write_all(
+                format!("HTTP/1.1 401 Unauthorized\r\nWWW-Authenticate: {challenge}\r\nContent-Length: 0\r\n\r\n")
+                    .as_bytes(),
+            )?;
         }
     }
     Ok(())

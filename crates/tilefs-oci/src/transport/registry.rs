@@ -12,12 +12,15 @@
 //!
 //! Credentials are those [`super::auth`] finds, sent as the registry's
 //! challenge (its answer to `GET /v2/`) asks: Basic, or a Bearer token
-//! that oci-client obtains. Uploads (a push) go through oci-client.
+//! asked of the token server the challenge names, whose answer is read
+//! with its size cap ([`bounded::MAX_TOKEN_ANSWER`]) within the limits of
+//! the transfer it authorizes. Uploads (a push) go through oci-client,
+//! given that token (it would read a token server's answer whole).
 //!
 //! The client is asynchronous; a small runtime of our own drives it.
 
 use super::{resolve_manifest, RegistryOptions, Resolved, Transport};
-use crate::bounded::{self, read_at_most, MAX_ERROR_BODY};
+use crate::bounded::{self, read_at_most, MAX_ERROR_BODY, MAX_TOKEN_ANSWER};
 use crate::digest::Digest;
 use crate::manifest::{BlobRef, Platform, MANIFEST_TYPES, MAX_MANIFEST};
 use crate::OciError;
@@ -35,8 +38,10 @@ use tokio::sync::mpsc;
 
 pub struct Registry {
     rt: tokio::runtime::Runtime,
-    /// oci-client: uploads, and Bearer tokens.
+    /// oci-client: uploads.
     client: Client,
+    /// The credentials oci-client uses are set (see [`Registry::client`]).
+    client_auth: std::sync::OnceLock<()>,
     http: Arc<Http>,
     reference: Reference,
     registry: String,
@@ -60,8 +65,7 @@ impl Limits {
 /// What the GETs share: the HTTP client and how to authorize.
 struct Http {
     client: reqwest::Client,
-    /// For a Bearer token.
-    oci: Client,
+    /// Whose pulls (and pushes) a Bearer token is asked for.
     reference: Reference,
     auth: RegistryAuth,
     /// `SCHEME://HOST[:PORT]`.
@@ -171,11 +175,7 @@ impl Registry {
             .map_err(|e| error(format!("cannot start the client's threads: {e}")))?;
         // TLS needs a crypto provider chosen once per process.
         let _ = rustls::crypto::ring::default_provider().install_default();
-        let client = rt.block_on(async {
-            let c = Client::new(config);
-            c.store_auth_if_needed(&registry, &auth).await;
-            c
-        });
+        let client = Client::new(config);
         let scheme = if opts.tls_verify { "https" } else { "http" };
         // containerd names Docker Hub's directory docker.io.
         let name = parsed.registry().to_string();
@@ -202,7 +202,6 @@ impl Registry {
             rt,
             http: Arc::new(Http {
                 client: http,
-                oci: client.clone(),
                 reference: parsed.clone(),
                 auth,
                 base,
@@ -215,6 +214,7 @@ impl Registry {
                 auth_source,
             }),
             client,
+            client_auth: std::sync::OnceLock::new(),
             reference: parsed,
             registry,
             limits: Limits {
@@ -636,6 +636,41 @@ impl Http {
         if let RegistryAuth::Bearer(t) = &self.auth {
             return sensitive(format!("Bearer {t}"));
         }
+        let Some((scheme, challenge)) = self.asks().await? else {
+            return Ok(None);
+        };
+        match scheme.as_str() {
+            "bearer" => {
+                let token = self.bearer(&challenge, RegistryOperation::Pull).await?;
+                sensitive(format!("Bearer {token}"))
+            }
+            "basic" => match &self.auth {
+                RegistryAuth::Basic(user, password) => {
+                    use base64::Engine;
+                    let token = base64::engine::general_purpose::STANDARD.encode(format!("{user}:{password}"));
+                    sensitive(format!("Basic {token}"))
+                }
+                _ => Ok(None),
+            },
+            _ => Ok(None),
+        }
+    }
+
+    /// The credentials oci-client is to push with: a Bearer token for
+    /// pulls and pushes where the registry asks for one, else ours.
+    async fn push_auth(&self) -> io::Result<RegistryAuth> {
+        match self.asks().await? {
+            Some((scheme, challenge)) if scheme == "bearer" => Ok(RegistryAuth::Bearer(
+                self.bearer(&challenge, RegistryOperation::Push).await?,
+            )),
+            _ => Ok(self.auth.clone()),
+        }
+    }
+
+    /// What the registry asks for (its answer to `GET /v2/`): None when it
+    /// asks for nothing, else the scheme (lower case) and the whole
+    /// `WWW-Authenticate` challenge.
+    async fn asks(&self) -> io::Result<Option<(String, String)>> {
         let resp = self
             .client
             .get(format!("{}/", self.api))
@@ -645,38 +680,78 @@ impl Http {
         if resp.status() != StatusCode::UNAUTHORIZED {
             return Ok(None);
         }
-        let scheme = resp
+        let challenge = resp
             .headers()
             .get(WWW_AUTHENTICATE)
             .and_then(|h| h.to_str().ok())
-            .and_then(|h| h.split_whitespace().next())
-            .map(str::to_ascii_lowercase);
-        drop(resp);
-        let basic = || match &self.auth {
-            RegistryAuth::Basic(user, password) => {
-                use base64::Engine;
-                let token = base64::engine::general_purpose::STANDARD.encode(format!("{user}:{password}"));
-                sensitive(format!("Basic {token}"))
-            }
-            _ => Ok(None),
+            .unwrap_or("")
+            .to_string();
+        let scheme = challenge.split_whitespace().next().unwrap_or("").to_ascii_lowercase();
+        Ok(Some((scheme, challenge)))
+    }
+
+    /// A token for `operation` on our repository from the token server
+    /// that the Bearer `challenge` names (with our credentials, if any).
+    /// Its answer is read up to [`MAX_TOKEN_ANSWER`]: past it, an error.
+    async fn bearer(&self, challenge: &str, operation: RegistryOperation) -> io::Result<String> {
+        let fail = |why: String| io::Error::other(format!("authentication failed: {why}"));
+        let parsed = http_auth::parse_challenges(challenge).ok();
+        let params = parsed
+            .as_ref()
+            .and_then(|cs| cs.iter().find(|c| c.scheme.eq_ignore_ascii_case("bearer")))
+            .ok_or_else(|| fail(format!("the registry's Bearer challenge {challenge:?} does not parse")))?;
+        let param = |name: &str| {
+            params
+                .params
+                .iter()
+                .find(|(k, _)| k.eq_ignore_ascii_case(name))
+                .map(|(_, v)| v.to_unescaped())
         };
-        match scheme.as_deref() {
-            Some("bearer") => match self
-                .oci
-                .auth(&self.reference, &self.auth, RegistryOperation::Pull)
-                .await
-            {
-                Ok(Some(token)) => sensitive(format!("Bearer {token}")),
-                Ok(None) => basic(),
-                Err(e) => Err(io::Error::other(format!(
-                    "authentication failed: {} ({})",
-                    with_causes(&e),
-                    self.auth_source
-                ))),
-            },
-            Some("basic") => basic(),
-            _ => Ok(None),
+        let realm =
+            param("realm").ok_or_else(|| fail(format!("the registry's challenge {challenge:?} names no realm")))?;
+        let actions = match operation {
+            RegistryOperation::Pull => "pull",
+            RegistryOperation::Push => "pull,push",
+        };
+        let mut query = vec![("scope", format!("repository:{}:{actions}", self.reference.repository()))];
+        if let Some(service) = param("service") {
+            query.push(("service", service));
         }
+        let mut req = self.client.get(&realm).query(&query);
+        if let RegistryAuth::Basic(user, password) = &self.auth {
+            req = req.basic_auth(user, Some(password));
+        }
+        let server = |why: String| fail(format!("the token server {realm}: {why}"));
+        let resp = req.send().await.map_err(|e| server(with_causes(&e)))?;
+        let status = resp.status();
+        if status != StatusCode::OK {
+            let body = error_body(resp).await;
+            return Err(server(format!("HTTP {status}{body} ({})", self.auth_source)));
+        }
+        let mut body = Vec::new();
+        let mut stream = resp.bytes_stream();
+        while let Some(chunk) = stream.next().await {
+            let chunk = chunk.map_err(|e| server(with_causes(&e)))?;
+            if (body.len() + chunk.len()) as u64 > MAX_TOKEN_ANSWER {
+                return Err(server(format!(
+                    "its answer passes {} (the limit)",
+                    bounded::size(MAX_TOKEN_ANSWER)
+                )));
+            }
+            body.extend_from_slice(&chunk);
+        }
+        #[derive(serde::Deserialize)]
+        struct Answer {
+            token: Option<String>,
+            access_token: Option<String>,
+        }
+        let answer: Answer =
+            serde_json::from_slice(&body).map_err(|e| server(format!("its answer is not a token ({e})")))?;
+        answer
+            .token
+            .or(answer.access_token)
+            .filter(|t| !t.is_empty())
+            .ok_or_else(|| server("its answer holds no token".into()))
     }
 }
 
@@ -753,8 +828,9 @@ impl Registry {
     /// Whether the repository has blob `d`.
     pub fn has_blob(&self, d: &Digest) -> Result<bool, OciError> {
         let digest = d.to_string();
-        let fut = self.client.blob_exists(&self.reference, &digest);
-        self.run(&format!("blob {d}"), fut)
+        let what = format!("blob {d}");
+        let fut = self.client(&what)?.blob_exists(&self.reference, &digest);
+        self.run(&what, fut)
     }
 
     /// Asks the registry to link blob `d` from repository `from` (same
@@ -764,7 +840,10 @@ impl Registry {
             return false;
         };
         let digest = d.to_string();
-        let fut = self.client.mount_blob(&self.reference, &source, &digest);
+        let Ok(client) = self.client("mount") else {
+            return false;
+        };
+        let fut = client.mount_blob(&self.reference, &source, &digest);
         self.run("mount", fut).is_ok()
     }
 
@@ -778,6 +857,7 @@ impl Registry {
         src: &mut (dyn Read + Send),
         sent: &Arc<AtomicU64>,
     ) -> Result<(), OciError> {
+        let client = self.client(&format!("upload of blob {d}"))?;
         let (tx, rx) = mpsc::channel::<Result<bytes::Bytes, oci_client::errors::OciDistributionError>>(4);
         let digest = d.to_string();
         // This blob's bytes taken by the client (`sent` may be shared).
@@ -815,9 +895,7 @@ impl Registry {
             // A registry that stops taking bytes (or answering) for the
             // timeout fails the upload: a stalled write has no timeout of
             // its own.
-            let push = self
-                .client
-                .push_blob_stream(&self.reference, stream, &digest, Some(size));
+            let push = client.push_blob_stream(&self.reference, stream, &digest, Some(size));
             let stalled = async {
                 let mut last = (taken.load(Relaxed), tokio::time::Instant::now());
                 loop {
@@ -866,7 +944,7 @@ impl Registry {
 
     /// Puts `manifest` under the reference's tag; returns the URL.
     pub fn put_manifest(&self, manifest: Vec<u8>) -> Result<String, OciError> {
-        let fut = self.client.push_manifest_raw(
+        let fut = self.client("manifest")?.push_manifest_raw(
             &self.reference,
             manifest,
             crate::manifest::OCI_MANIFEST.parse().expect("a valid header value"),
@@ -889,6 +967,11 @@ impl Registry {
         what: &str,
         fut: impl std::future::Future<Output = Result<T, oci_client::errors::OciDistributionError>>,
     ) -> Result<T, OciError> {
+        self.within(what, fut)?.map_err(|e| self.client_error(what, e))
+    }
+
+    /// Runs `fut` with the timeout, until cancelled.
+    fn within<T>(&self, what: &str, fut: impl std::future::Future<Output = T>) -> Result<T, OciError> {
         let limits = &self.limits;
         self.rt
             .block_on(async {
@@ -901,8 +984,23 @@ impl Registry {
                 }
             })
             .ok_or(OciError::Interrupted)?
-            .map_err(|_| self.timed_out(what))?
-            .map_err(|e| self.client_error(what, e))
+            .map_err(|_| self.timed_out(what))
+    }
+
+    /// oci-client, for uploads, its credentials set first: it is given a
+    /// token we asked for (see [`Http::bearer`]) rather than left to ask.
+    /// `what` names the operation it is for in messages.
+    fn client(&self, what: &str) -> Result<&Client, OciError> {
+        if self.client_auth.get().is_none() {
+            let auth = self.within(what, self.http.push_auth())?.map_err(|e| match e.kind() {
+                io::ErrorKind::TimedOut => self.timed_out(what),
+                _ => self.read_error(what, e),
+            })?;
+            self.rt
+                .block_on(self.client.store_auth_if_needed(&self.registry, &auth));
+            let _ = self.client_auth.set(());
+        }
+        Ok(&self.client)
     }
 }
 
@@ -1150,7 +1248,7 @@ impl Registry {
         let header = media_type
             .parse()
             .map_err(|_| self.error("manifest", format!("invalid media type {media_type:?}")))?;
-        let fut = self.client.push_manifest_raw(&r, manifest, header);
+        let fut = self.client("manifest")?.push_manifest_raw(&r, manifest, header);
         self.run("manifest", fut)
     }
 
