@@ -5,7 +5,8 @@
 //! FUSE mount shows the same tree and fetches about a checkpoint's span
 //! for a small file, and a proxy that flips a byte of range answers fails
 //! only the file they belong to. Without an index, `pull --lazy` pulls
-//! whole and says so.
+//! whole and says so. A zstd image (skopeo's recompression) is indexed and
+//! pulled lazily too.
 
 mod common;
 
@@ -290,4 +291,68 @@ fn an_indexed_ordinary_image_mounts_lazily_and_checks_every_byte() {
         read(&mnt.join("big/lone")).unwrap(),
         read(&mnt_full.join("big/lone")).unwrap()
     );
+}
+
+#[test]
+fn an_indexed_zstd_image_pulls_lazily_to_the_image_a_full_pull_makes() {
+    require(cannot_fuse());
+    require(missing_program("umoci", "umoci"));
+    require(missing_program("skopeo", "skopeo"));
+    let area = Area::new();
+    let registry = Registry::start(&area);
+    let fill = |root: &Path| write_files(root, 21, &[("etc/config".into(), 3000), ("data/blob".into(), 3 << 20)]);
+    // skopeo recompresses umoci's gzip layer as zstd.
+    let remote = push_image_as(
+        &area,
+        &registry,
+        "zapp",
+        &[&fill],
+        &[],
+        &["--dest-compress-format", "zstd"],
+    );
+    let docker = format!("docker://{remote}");
+    let m: serde_json::Value =
+        serde_json::from_slice(&get(&registry, "/v2/tilefs/zapp/manifests/v1", OCI_MANIFEST)).unwrap();
+    assert_eq!(
+        m["layers"][0]["mediaType"], "application/vnd.oci.image.layer.v1.tar+zstd",
+        "{m}"
+    );
+
+    let full = area.path("full");
+    let out = run_pull(&full, &docker, &["--json"]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let digest = serde_json::from_slice::<serde_json::Value>(&out.stdout).unwrap()["digest"].clone();
+    let out = tilefs(&[
+        os("index"),
+        os("--json"),
+        os("--tls-verify=false"),
+        os("--store"),
+        area.path("indexing").as_os_str(),
+        os(&docker),
+    ]);
+    let ix: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(ix["digest"], digest);
+
+    let lazy = area.path("lazy");
+    let out = tilefs(&[
+        os("pull"),
+        os("--json"),
+        os("--lazy"),
+        os("--tls-verify=false"),
+        os("--store"),
+        lazy.as_os_str(),
+        os(&docker),
+    ]);
+    let report: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(report["digest"], digest, "{report}");
+    assert_eq!(report["lazy_index"], ix["manifest_digest"]);
+    assert_eq!(objects_in(&lazy), 0);
+    let mnt = area.dir("mnt");
+    let img = format!("{}_tilefs_zapp:v1", registry.addr);
+    let (_m, _) = mount_tag(&lazy, &img, &mnt, &area.path("lazy.log"));
+    // The files as written (one generator, in order), read from the
+    // mount: the single-frame layer is fetched whole on first use.
+    let mut want = Rng::new(21);
+    assert_eq!(read(&mnt.join("etc/config")).unwrap(), want.bytes(3000));
+    assert_eq!(read(&mnt.join("data/blob")).unwrap(), want.bytes(3 << 20));
 }
