@@ -25,7 +25,8 @@ use std::time::{Duration, Instant};
 /// forwarding and holds them open (`stall`).
 fn proxy(upstream: &str, budget: u64, stall: bool) -> Relay {
     let sent = AtomicU64::new(0);
-    Relay::start(upstream, move |n, _| {
+    Relay::start(upstream, move |chunk, _| {
+        let n = chunk.len();
         let before = sent.fetch_add(n as u64, Relaxed);
         let allowed = budget.saturating_sub(before).min(n as u64) as usize;
         match (allowed < n, stall) {

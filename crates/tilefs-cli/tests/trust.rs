@@ -4,9 +4,11 @@
 //! pulls them under policies that accept or refuse them; tilefs signs its
 //! pushes and skopeo checks them under the same policies; registries.conf
 //! routes pulls through mirrors, refuses blocked registries and resolves
-//! short names. Nothing reads the machine's /etc/containers: every command
-//! gets its policy, registries.d and registries.conf from the test, and
-//! HOME points into the test's directory.
+//! short names; a lazy pull uses an ordinary image's index only where the
+//! policy accepts the index's own signature. Nothing reads the machine's
+//! /etc/containers: every command gets its policy, registries.d and
+//! registries.conf from the test, and HOME points into the test's
+//! directory.
 
 mod common;
 
@@ -1012,4 +1014,70 @@ fn endless_signatures_are_refused_at_their_size_cap() {
         assert!(w.took < std::time::Duration::from_secs(15), "{what}: {:?}", w.took);
         assert!(tagged(&store).is_empty());
     }
+}
+
+#[test]
+fn a_lazy_pull_under_a_policy_that_wants_signatures_uses_only_a_signed_index() {
+    let env = Env::new();
+    let registry = Registry::start(&env.area);
+    let addr = registry.addr.clone();
+    env.registries_d(&[&addr]);
+    let (fpr, key) = env.gpg_key("alice");
+    let layout = env.area.dir("layout");
+    oci_layout(&layout, "a", "an ordinary image");
+    let remote = format!("docker://{addr}/signed/app:v1");
+    let src = format!("oci:{}:a", layout.display());
+    env.skopeo_ok(
+        None,
+        &[
+            "copy",
+            "-q",
+            "--dest-tls-verify=false",
+            "--sign-by",
+            &fpr,
+            &src,
+            &remote,
+        ],
+    );
+    let policy = env.policy("gpg.json", &signed_by(&key, ""));
+    let (regd, conf, pol) = (
+        env.regd.to_str().unwrap(),
+        env.conf.to_str().unwrap(),
+        policy.to_str().unwrap(),
+    );
+    let common = [
+        "--json",
+        "--tls-verify=false",
+        "--registries.d",
+        regd,
+        "--registries-conf",
+        conf,
+        "--signature-policy",
+        pol,
+    ];
+    let run = |args: &[&str]| {
+        let out = env.tilefs_ok(&[args, &common[..], &[&remote]].concat());
+        serde_json::from_slice::<serde_json::Value>(&out.stdout).unwrap()
+    };
+    let store = |name: &str| env.area.path(name).to_str().unwrap().to_string();
+
+    // An index nobody signed: the image (signed) is pulled whole, saying
+    // the policy refused its index.
+    let unsigned = run(&["index", "--store", &store("ix1")]);
+    let report = run(&["pull", "--lazy", "--store", &store("store1")]);
+    let why = report["lazy_fallback"].as_str().unwrap_or_default();
+    let named = unsigned["manifest_digest"].as_str().unwrap();
+    assert!(
+        why.contains(named) && why.contains("refused by the signature policy") && why.contains("no signature"),
+        "{report}"
+    );
+    assert_eq!(report["lazy_index"], serde_json::Value::Null, "{report}");
+    assert_eq!(report["digest"], unsigned["digest"]);
+
+    // The index signed with the key the policy names: used.
+    let signed = run(&["index", "--store", &store("ix2"), "--sign-by", &fpr]);
+    let report = run(&["pull", "--lazy", "--store", &store("store2")]);
+    assert_eq!(report["lazy_index"], signed["manifest_digest"], "{report}");
+    assert_eq!(report["lazy_fallback"], serde_json::Value::Null, "{report}");
+    assert_eq!(report["digest"], signed["digest"]);
 }

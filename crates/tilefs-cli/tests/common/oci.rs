@@ -178,6 +178,19 @@ pub fn push_image_with(
     layers: &[&dyn Fn(&Path)],
     config: &[&str],
 ) -> String {
+    push_image_as(area, registry, name, layers, config, &[])
+}
+
+/// [`push_image_with`], skopeo given `copy_flags` too (as
+/// `--dest-compress-format zstd`).
+pub fn push_image_as(
+    area: &Area,
+    registry: &Registry,
+    name: &str,
+    layers: &[&dyn Fn(&Path)],
+    config: &[&str],
+    copy_flags: &[&str],
+) -> String {
     let layout = area.path(&format!("layout-{name}"));
     let bundle = area.path(&format!("bundle-{name}"));
     let lay = format!("{}:{name}", layout.display());
@@ -191,13 +204,12 @@ pub fn push_image_with(
     }
     checked(Command::new("umoci").args(["config", "--image", &lay]).args(config));
     let remote = format!("{}/tilefs/{name}:v1", registry.addr);
-    checked(Command::new("skopeo").args([
-        "copy",
-        "-q",
-        "--dest-tls-verify=false",
-        &format!("oci:{lay}"),
-        &format!("docker://{remote}"),
-    ]));
+    checked(
+        Command::new("skopeo")
+            .args(["copy", "-q", "--dest-tls-verify=false"])
+            .args(copy_flags)
+            .args([format!("oci:{lay}"), format!("docker://{remote}")]),
+    );
     remote
 }
 

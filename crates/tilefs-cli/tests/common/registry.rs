@@ -259,7 +259,8 @@ pub enum Answer {
 }
 
 /// Forwards 127.0.0.1 connections to `upstream`: requests as they come,
-/// and each chunk of the answers as `pass(chunk length, stopping)` says.
+/// and each chunk of the answers as `pass(chunk, stopping)` says (which
+/// may also rewrite the chunk's bytes, as a corrupting proxy would).
 /// Stopped when dropped.
 pub struct Relay {
     pub addr: String,
@@ -270,7 +271,7 @@ pub struct Relay {
 type Answering = Arc<dyn Fn(&str, &str) -> Answer + Send + Sync>;
 
 impl Relay {
-    pub fn start(upstream: &str, pass: impl Fn(usize, &AtomicBool) -> Pass + Send + Sync + 'static) -> Relay {
+    pub fn start(upstream: &str, pass: impl Fn(&mut [u8], &AtomicBool) -> Pass + Send + Sync + 'static) -> Relay {
         Relay::spawn(upstream, None, pass)
     }
 
@@ -284,7 +285,7 @@ impl Relay {
     fn spawn(
         upstream: &str,
         answer: Option<Answering>,
-        pass: impl Fn(usize, &AtomicBool) -> Pass + Send + Sync + 'static,
+        pass: impl Fn(&mut [u8], &AtomicBool) -> Pass + Send + Sync + 'static,
     ) -> Relay {
         let listener = TcpListener::bind("127.0.0.1:0").unwrap();
         let addr = listener.local_addr().unwrap().to_string();
@@ -314,7 +315,7 @@ impl Relay {
                     let (mut client, mut server) = (client, server);
                     let mut buf = [0u8; 16 << 10];
                     while let Ok(n @ 1..) = server.read(&mut buf) {
-                        let (k, end) = match pass(n, &stop) {
+                        let (k, end) = match pass(&mut buf[..n], &stop) {
                             Pass::All => (n, None),
                             Pass::Then(k, end) => (k.min(n), Some(end)),
                         };
