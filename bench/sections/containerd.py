@@ -292,13 +292,19 @@ def _run(b, work: Path, tree: Path, procs: list) -> None:
     for role in ["tilefs", "reference"]:
         for name in ["a", "b"]:
             sh(pull_argv(role, name))
-    # The snapshotter stores committed layers after Commit returns: the
-    # disk is measured once it has (one image tag per committed snapshot).
+    # The disk is measured once the snapshotter holds one image per
+    # committed snapshot: in STORE/.owned/HOLDER/ (older tilefs: tags
+    # snapshotter-* in STORE/images/, so that a binary from before can be
+    # measured too).
     def settled() -> bool:
         out = sh(ctr + ["snapshots", "--snapshotter", "tilefs", "ls"]).stdout.decode()
         committed = sum(1 for l in out.splitlines()[1:] if l.split()[-1:] == ["Committed"])
         images = store / "images"
         tags = sum(1 for p in images.iterdir() if p.name.startswith("snapshotter-")) if images.exists() else 0
+        owned = store / ".owned"
+        if owned.exists():
+            tags += sum(1 for h in owned.iterdir() if h.is_dir()
+                        for p in h.iterdir() if not p.name.startswith("."))
         return tags == committed
 
     wait_for(settled, "the snapshotter's layers", timeout=300)
