@@ -31,19 +31,8 @@ pub struct IndexArgs {
     /// Platform to pick from a multi-platform image [default: this machine's]
     #[arg(long, value_name = "OS/ARCH[/VARIANT]")]
     pub platform: Option<String>,
-    /// Sign the index's manifest with this GnuPG key, as `tilefs push --sign-by` signs (a policy
-    /// that requires signatures of the image requires them of its index)
-    #[arg(long, value_name = "FINGERPRINT")]
-    pub sign_by: Option<String>,
-    /// Sign the index's manifest with this sigstore private key, as `tilefs push` does
-    #[arg(long, value_name = "FILE")]
-    pub sign_by_sigstore_private_key: Option<std::path::PathBuf>,
-    /// The passphrase of the signing key, on the first line of FILE
-    #[arg(long, value_name = "FILE")]
-    pub sign_passphrase_file: Option<std::path::PathBuf>,
-    /// The identity signatures claim [default: the image reference]
-    #[arg(long, value_name = "REFERENCE")]
-    pub sign_identity: Option<String>,
+    #[command(flatten)]
+    pub sign: crate::registry_arg::SignArgs,
     /// Layers read at once [default: one per core, at least 2]
     #[arg(short, long, default_value_t = 0, value_name = "N", hide_default_value = true)]
     pub jobs: usize,
@@ -76,13 +65,7 @@ pub fn run(a: IndexArgs) -> Result<ExitCode> {
             trust: trust.clone(),
             ..Default::default()
         },
-        sign: tilefs_oci::trust::SignOptions {
-            gpg: a.sign_by.clone(),
-            sigstore_key: a.sign_by_sigstore_private_key.clone(),
-            passphrase_file: a.sign_passphrase_file.clone(),
-            identity: a.sign_identity.clone(),
-            paths: trust.paths,
-        },
+        sign: a.sign.options(&trust),
     };
     let display = progress::enabled(a.quiet || a.json).then(|| {
         let c = counters.clone();

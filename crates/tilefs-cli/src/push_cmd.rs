@@ -23,21 +23,8 @@ pub struct PushArgs {
     pub store: StoreArg,
     #[command(flatten)]
     pub registry: RegistryArgs,
-    /// Sign the pushed manifest with this GnuPG key (from the user's keyring): a simple signature
-    /// in the lookaside store registries.d names for the destination (lookaside-staging)
-    #[arg(long, value_name = "FINGERPRINT")]
-    pub sign_by: Option<String>,
-    /// Sign the pushed manifest with this sigstore private key (cosign's encrypted format): an
-    /// attachment in the destination repository (registries.d must enable
-    /// use-sigstore-attachments for it)
-    #[arg(long, value_name = "FILE")]
-    pub sign_by_sigstore_private_key: Option<std::path::PathBuf>,
-    /// The passphrase of the signing key, on the first line of FILE
-    #[arg(long, value_name = "FILE")]
-    pub sign_passphrase_file: Option<std::path::PathBuf>,
-    /// The identity signatures claim [default: the destination reference]
-    #[arg(long, value_name = "REFERENCE")]
-    pub sign_identity: Option<String>,
+    #[command(flatten)]
+    pub sign: crate::registry_arg::SignArgs,
     /// Push a runnable image: the command, environment and platform of the OCI image REF (any
     /// reference pull takes) with this image's files, which containerd's CRI runs through `tilefs
     /// snapshotter` without downloading its layers (the snapshotter fetches files on first read)
@@ -85,13 +72,7 @@ pub fn run(a: PushArgs) -> Result<ExitCode> {
         cancel: Some(cancel.clone()),
         progress: Some(counters.clone()),
         trust: a.registry.trust(None),
-        sign: tilefs_oci::trust::SignOptions {
-            gpg: a.sign_by.clone(),
-            sigstore_key: a.sign_by_sigstore_private_key.clone(),
-            passphrase_file: a.sign_passphrase_file.clone(),
-            identity: a.sign_identity.clone(),
-            paths: a.registry.trust(None).paths,
-        },
+        sign: a.sign.options(&a.registry.trust(None)),
     };
     let display = progress::enabled(a.quiet || a.json).then(|| {
         let c = counters.clone();

@@ -57,3 +57,36 @@ impl RegistryArgs {
         }
     }
 }
+
+/// How a pushed manifest is signed: `tilefs push` and `tilefs index`.
+#[derive(Args, Debug, Clone)]
+pub struct SignArgs {
+    /// Sign the pushed manifest with this GnuPG key (from the user's keyring): a simple signature
+    /// in the lookaside store registries.d names for the destination (lookaside-staging)
+    #[arg(long, value_name = "FINGERPRINT")]
+    pub sign_by: Option<String>,
+    /// Sign the pushed manifest with this sigstore private key (cosign's encrypted format): an
+    /// attachment in the destination repository (registries.d must enable
+    /// use-sigstore-attachments for it)
+    #[arg(long, value_name = "FILE")]
+    pub sign_by_sigstore_private_key: Option<PathBuf>,
+    /// The passphrase of the signing key, on the first line of FILE
+    #[arg(long, value_name = "FILE")]
+    pub sign_passphrase_file: Option<PathBuf>,
+    /// The identity signatures claim [default: the destination reference]
+    #[arg(long, value_name = "REFERENCE")]
+    pub sign_identity: Option<String>,
+}
+
+impl SignArgs {
+    /// The signing options, with the trust configuration's paths.
+    pub fn options(&self, trust: &TrustOptions) -> tilefs_oci::trust::SignOptions {
+        tilefs_oci::trust::SignOptions {
+            gpg: self.sign_by.clone(),
+            sigstore_key: self.sign_by_sigstore_private_key.clone(),
+            passphrase_file: self.sign_passphrase_file.clone(),
+            identity: self.sign_identity.clone(),
+            paths: trust.paths.clone(),
+        }
+    }
+}
