@@ -29,6 +29,29 @@ fn run(cmd: &mut Command) -> Output {
 /// A command that must succeed; its stdout.
 use common::oci::checked as ok;
 
+/// `ctr snapshots view KEY PARENT` through `snaps` (`ctr ... snapshots
+/// --snapshotter S`), kept as a gc root. `view`, unlike `prepare` and
+/// `commit`, gives no `containerd.io/gc.root` label, so containerd's gc
+/// (scheduled after any removal, as after a pull) may take the view away
+/// before `label` reaches it: then it is made again. Err is what ctr
+/// printed.
+fn view_kept(snaps: &Command, key: &str, parent: &str) -> Result<(), String> {
+    let ctr = |args: &[&str]| run(Command::new(snaps.get_program()).args(snaps.get_args()).args(args));
+    for _ in 0..5 {
+        let out = ctr(&["view", key, parent]);
+        if !out.status.success() {
+            return Err(stderr(&out));
+        }
+        let out = ctr(&["label", key, "containerd.io/gc.root=test"]);
+        if out.status.success() {
+            return Ok(());
+        }
+        let said = stderr(&out);
+        assert!(said.contains("not found"), "labelling view {key}: {said}");
+    }
+    panic!("view {key}: containerd's gc took it away five times before it could be labelled");
+}
+
 /// containerd, the snapshotter and what they mounted; all stopped and
 /// removed on drop.
 struct Rig {
@@ -140,17 +163,10 @@ impl Rig {
         c
     }
 
-    /// A view of `parent`, kept as a gc root: `ctr snapshots view`, unlike
-    /// `prepare` and `commit`, gives no `containerd.io/gc.root` label, so
-    /// containerd's gc (run after any removal) would take it away.
+    /// A view of `parent`, kept as a gc root (see [`view_kept`]).
     /// Err is what ctr printed.
     fn view(&self, key: &str, parent: &str) -> Result<(), String> {
-        let out = run(self.snapshots().args(["view", key, parent]));
-        if !out.status.success() {
-            return Err(stderr(&out));
-        }
-        ok(self.snapshots().args(["label", key, "containerd.io/gc.root=test"]));
-        Ok(())
+        view_kept(&self.snapshots(), key, parent)
     }
 
     fn registry(&self) -> &Registry {
@@ -1311,15 +1327,7 @@ fn an_opaque_root_means_the_same_to_pull_the_snapshotter_and_containerd() {
             .find(|k| !rows.iter().any(|r| r.len() == 3 && r[1] == *k))
             .unwrap_or_else(|| panic!("no top snapshot: {list}"));
         let key = format!("view-{snapshotter}");
-        // Labelled a gc root at once (see `Rig::view`): a view is none.
-        ok(Command::new(snaps.get_program())
-            .args(snaps.get_args())
-            .args(["view", &key, top]));
-        ok(Command::new(snaps.get_program()).args(snaps.get_args()).args([
-            "label",
-            &key,
-            "containerd.io/gc.root=test",
-        ]));
+        view_kept(&snaps, &key, top).unwrap();
         let mnt = area.dir(&key);
         let cmd = ok(Command::new(snaps.get_program())
             .args(snaps.get_args())

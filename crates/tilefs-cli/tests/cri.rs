@@ -1199,7 +1199,9 @@ fn push_runnable(area: &Area, rig: &CriRig, name: &str, dst: &str, envs: &[(&str
             let files: Vec<(String, usize)> = (0..24).map(|i| (format!("data/f{i}"), 256 << 10)).collect();
             // Each image its own contents: no file of one is already in
             // the store when the other is read.
-            let seed = name.bytes().fold(11u64, |h, b| h.wrapping_mul(31).wrapping_add(b.into()));
+            let seed = name
+                .bytes()
+                .fold(11u64, |h, b| h.wrapping_mul(31).wrapping_add(b.into()));
             common::oci::write_files(r, seed, &files);
         }],
         &["--config.cmd", "/bin/sh"],
