@@ -270,6 +270,7 @@ impl Store {
                 || name == LAYER_CACHE
                 || name == TRUST_DIR
                 || name == crate::remote::REMOTE_DIR
+                || name == crate::alias::ALIAS_DIR
                 || name == crate::mounts::MOUNTS_DIR
                 || name == crate::owned::OWNED_DIR
             {
