@@ -342,18 +342,19 @@ fn image_of(store: &Store, record: TocRecord, keep_all_xattrs: bool) -> Result<T
         if let Table::Estargz { json, header, .. } = &l.table {
             entries.push(toc_file(store, json, header).map_err(|e| format!("layer {}: {e}", l.digest))?);
         }
-        applier
-            .apply_layer(&l.digest, entries)
-            .map_err(|e| e.to_string())?;
+        applier.apply_layer(&l.digest, entries).map_err(|e| e.to_string())?;
     }
     compat::normalize(applier.tree_mut());
     let mut tree = applier.finish();
     // Files not here yet: named by alias, with no fs-verity digest to
     // check (their bytes are checked against the table when fetched).
+    // Those of lower layers that upper ones removed are not counted.
+    let mut lazy_files = HashSet::new();
     for i in tree.inodes.iter_mut() {
         if let Some(d) = i.digest.filter(|d| aliased.contains(d)) {
             i.payload = Some(alias::alias_rel(&d).into_bytes());
             i.digest = None;
+            lazy_files.insert(d);
         }
     }
     let image = tilefs_image::erofs::write_image(
@@ -369,8 +370,8 @@ fn image_of(store: &Store, record: TocRecord, keep_all_xattrs: bool) -> Result<T
         digest: image.digest,
         entries: tree.inodes.len(),
         format_version: info.version,
-        lazy_files: aliased.len() as u64,
-        record: (!aliased.is_empty()).then_some(record),
+        lazy_files: lazy_files.len() as u64,
+        record: (!lazy_files.is_empty()).then_some(record),
         image: image.bytes,
         formats: formats.join("+"),
     })
@@ -406,7 +407,8 @@ fn contents(store: &Store, f: &toc::File, resolved: &mut HashMap<[u8; 32], Optio
     if let Some(v) = resolved.get(&sha) {
         return Ok(v.map_or(Got::Alias(sha), Got::Object));
     }
-    let verity = tilefs_image::verity::digest_file(&file, |_| {}).map_err(|e| format!("{}: {e}", alias::alias_rel(&sha)))?;
+    let verity =
+        tilefs_image::verity::digest_file(&file, |_| {}).map_err(|e| format!("{}: {e}", alias::alias_rel(&sha)))?;
     let v = alias::restore_object(store, &sha, &verity).ok().map(|()| verity);
     resolved.insert(sha, v);
     Ok(v.map_or(Got::Alias(sha), Got::Object))
@@ -733,7 +735,9 @@ impl ObjectSource for TocSource {
             _ => 0,
         };
         if listed != size {
-            return Err(format!("{rel}: the table of contents says {listed} bytes, the image {size}"));
+            return Err(format!(
+                "{rel}: the table of contents says {listed} bytes, the image {size}"
+            ));
         }
         match self.flights.join(sha) {
             Joined::Follow(flight) => flight.wait(),
@@ -781,20 +785,25 @@ impl Chunks<'_> {
             self.toc.read_chunk(c, &[], &mut out).map_err(|e| bad(e.to_string()))?;
         } else {
             if c.compressed.start < self.pos {
-                return Err(bad(format!(
-                    "chunks out of order at blob byte {}",
-                    c.compressed.start
-                )));
+                return Err(bad(format!("chunks out of order at blob byte {}", c.compressed.start)));
             }
-            io::copy(&mut (&mut self.reader).take(c.compressed.start - self.pos), &mut io::sink())?;
+            io::copy(
+                &mut (&mut self.reader).take(c.compressed.start - self.pos),
+                &mut io::sink(),
+            )?;
             let len = c.compressed.end - c.compressed.start;
             let mut fetched = Vec::with_capacity(len as usize);
             (&mut self.reader).take(len).read_to_end(&mut fetched)?;
             if fetched.len() as u64 != len {
-                return Err(io::Error::new(io::ErrorKind::UnexpectedEof, "the range answer ended early"));
+                return Err(io::Error::new(
+                    io::ErrorKind::UnexpectedEof,
+                    "the range answer ended early",
+                ));
             }
             self.pos = c.compressed.end;
-            self.toc.read_chunk(c, &fetched, &mut out).map_err(|e| bad(e.to_string()))?;
+            self.toc
+                .read_chunk(c, &fetched, &mut out)
+                .map_err(|e| bad(e.to_string()))?;
         }
         self.hash.update(&out);
         self.next += 1;

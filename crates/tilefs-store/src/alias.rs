@@ -102,7 +102,13 @@ fn fanout(store: &Store, sha256: &[u8; 32]) -> Result<OwnedFd, StoreError> {
 pub fn link(store: &Store, sha256: &[u8; 32], verity: &[u8; 32]) -> Result<(), StoreError> {
     let dir = fanout(store, sha256)?;
     let rel = Store::object_rel(sha256);
-    match rfs::linkat(store.dir_fd(), Store::object_rel(verity), &dir, &rel[3..], AtFlags::empty()) {
+    match rfs::linkat(
+        store.dir_fd(),
+        Store::object_rel(verity),
+        &dir,
+        &rel[3..],
+        AtFlags::empty(),
+    ) {
         Ok(()) | Err(rustix::io::Errno::EXIST) => Ok(()),
         Err(e) => Err(StoreError::io(
             &store.join(alias_rel(sha256)),
@@ -124,7 +130,11 @@ pub fn restore_object(store: &Store, sha256: &[u8; 32], verity: &[u8; 32]) -> Re
     let rel = Store::object_rel(verity);
     match rfs::linkat(store.dir_fd(), alias_rel(sha256), &dir, &rel[3..], AtFlags::empty()) {
         Ok(()) | Err(rustix::io::Errno::EXIST) => Ok(()),
-        Err(e) => Err(StoreError::io(&store.object_path(verity), "cannot link the object", e.into())),
+        Err(e) => Err(StoreError::io(
+            &store.object_path(verity),
+            "cannot link the object",
+            e.into(),
+        )),
     }
 }
 
@@ -152,9 +162,9 @@ pub(crate) fn scan(store: &Store) -> (Vec<([u8; 32], PathBuf)>, Vec<PathBuf>) {
     };
     for fan in rd.flatten() {
         let name = fan.file_name();
-        let fan_name = name.to_str().filter(|n| {
-            n.len() == 2 && n.bytes().all(|c| c.is_ascii_hexdigit() && !c.is_ascii_uppercase())
-        });
+        let fan_name = name
+            .to_str()
+            .filter(|n| n.len() == 2 && n.bytes().all(|c| c.is_ascii_hexdigit() && !c.is_ascii_uppercase()));
         let (Some(fan_name), true) = (fan_name, fan.file_type().is_ok_and(|t| t.is_dir())) else {
             strays.push(fan.path());
             continue;
@@ -192,7 +202,9 @@ pub(crate) fn sweep(
     let (aliases, _) = scan(store);
     let mut removed = 0;
     for (d, path) in aliases {
-        let Ok(m) = std::fs::symlink_metadata(&path) else { continue };
+        let Ok(m) = std::fs::symlink_metadata(&path) else {
+            continue;
+        };
         if named.contains(&d) || kept.contains(&(m.dev(), m.ino())) {
             continue;
         }

@@ -379,14 +379,11 @@ fn check_references(
             }
         }
     }
-    let missing = missing
-        .into_iter()
-        .map(|(d, m)| (Store::object_rel(&d), m))
-        .chain(
-            missing_aliases
-                .into_iter()
-                .map(|(d, m)| (crate::alias::alias_rel(&d), m)),
-        );
+    let missing = missing.into_iter().map(|(d, m)| (Store::object_rel(&d), m)).chain(
+        missing_aliases
+            .into_iter()
+            .map(|(d, m)| (crate::alias::alias_rel(&d), m)),
+    );
     for (rel, (tags, all_lazy)) in missing {
         if all_lazy {
             for t in tags {
@@ -506,10 +503,10 @@ fn check_image(store: &Store, tag: &TagInfo, lazy_images: &std::collections::Has
                     None
                 }
                 None => Some(format!(
-                "{}: redirect {:?} is not an object path (XX/ and 62 lower-case hex digits)",
-                String::from_utf8_lossy(path),
-                String::from_utf8_lossy(payload)
-            )),
+                    "{}: redirect {:?} is not an object path (XX/ and 62 lower-case hex digits)",
+                    String::from_utf8_lossy(path),
+                    String::from_utf8_lossy(payload)
+                )),
             },
         };
         if let Some(p) = problem {
