@@ -328,16 +328,15 @@ fn image_of(store: &Store, record: TocRecord, keep_all_xattrs: bool) -> Result<T
         }
         let mut entries = Vec::with_capacity(toc.entries.len() + 1);
         for e in &toc.entries {
-            let fail = |why: String| format!("layer {}: {:?}: {why}", l.digest, e.path);
-            let got = |f: &toc::File| -> Result<Got, String> { contents(store, f, &mut resolved) };
-            match entry(e, got).map_err(fail)? {
-                Some((le, Some(sha))) => {
-                    aliased.insert(sha);
-                    entries.push(le);
+            let got = |f: &toc::File| {
+                let got = contents(store, f, &mut resolved)?;
+                if let Got::Alias(d) = got {
+                    aliased.insert(d);
                 }
-                Some((le, None)) => entries.push(le),
-                None => {}
-            }
+                Ok(got)
+            };
+            let fail = |why: String| format!("layer {}: {:?}: {why}", l.digest, e.path);
+            entries.extend(entry(e, got).map_err(fail)?);
         }
         if let Table::Estargz { json, header, .. } = &l.table {
             entries.push(toc_file(store, json, header).map_err(|e| format!("layer {}: {e}", l.digest))?);
@@ -384,11 +383,7 @@ fn contents(store: &Store, f: &toc::File, resolved: &mut HashMap<[u8; 32], Optio
     if f.size == 0 {
         return Ok(Got::Inline(Vec::new()));
     }
-    let sha = match (f.digest, f.chunks.as_slice()) {
-        (Some(d), _) => d.0,
-        (None, [one]) => one.digest.0,
-        (None, _) => return Err("a file in several chunks without the digest of its whole contents".into()),
-    };
+    let sha = sha256_of(f)?;
     if alias::size(store, &sha) != Some(f.size) {
         return Ok(Got::Alias(sha));
     }
@@ -414,12 +409,36 @@ fn contents(store: &Store, f: &toc::File, resolved: &mut HashMap<[u8; 32], Optio
     Ok(v.map_or(Got::Alias(sha), Got::Object))
 }
 
+/// A table's entries as layer entries, every file named by its SHA-256
+/// (as a pull into an empty store names them); what the fuzz target
+/// `oci_toc_lazy` applies.
+pub fn entries_of(toc: &Toc) -> Result<Vec<LayerEntry>, String> {
+    let mut out = Vec::with_capacity(toc.entries.len());
+    for e in &toc.entries {
+        let got = |f: &toc::File| match f.size {
+            0 => Ok(Got::Inline(Vec::new())),
+            _ => sha256_of(f).map(Got::Alias),
+        };
+        out.extend(entry(e, got).map_err(|why| format!("{:?}: {why}", e.path))?);
+    }
+    Ok(out)
+}
+
+/// The SHA-256 of a file's contents, as its table gives it.
+fn sha256_of(f: &toc::File) -> Result<[u8; 32], String> {
+    match (f.digest, f.chunks.as_slice()) {
+        (Some(d), _) => Ok(d.0),
+        (None, [one]) => Ok(one.digest.0),
+        (None, _) => Err("a file in several chunks without the digest of its whole contents".into()),
+    }
+}
+
 /// A table's entry as a layer entry (None for bookkeeping a runtime
-/// skips), and the SHA-256 it names by alias, if it does.
+/// skips).
 fn entry(
     e: &toc::Entry,
     mut contents: impl FnMut(&toc::File) -> Result<Got, String>,
-) -> Result<Option<(LayerEntry, Option<[u8; 32]>)>, String> {
+) -> Result<Option<LayerEntry>, String> {
     let path = match e.path.is_empty() {
         true => Vec::new(),
         false => layer::split_path(e.path.as_bytes()).map_err(str::to_string)?,
@@ -441,21 +460,17 @@ fn entry(
     match layer::marker(&path)? {
         layer::Marker::No => {}
         layer::Marker::Skip => return Ok(None),
-        layer::Marker::Is(kind, path) => return Ok(Some((LayerEntry { path, kind, meta }, None))),
+        layer::Marker::Is(kind, path) => return Ok(Some(LayerEntry { path, kind, meta })),
     }
     layer::check_path(&path, matches!(e.kind, toc::Kind::Dir), "its path")?;
-    let mut sha = None;
     let kind = match &e.kind {
         toc::Kind::Dir => Kind::Dir,
         toc::Kind::File(f) => Kind::File {
             size: f.size,
             content: match contents(f)? {
                 Got::Inline(v) => Content::Inline(v),
-                Got::Object(d) => Content::Object(d),
-                Got::Alias(d) => {
-                    sha = Some(d);
-                    Content::Object(d)
-                }
+                // An alias stands as an object until the image is written.
+                Got::Object(d) | Got::Alias(d) => Content::Object(d),
             },
         },
         toc::Kind::Symlink { target } => Kind::Symlink(target.as_bytes().to_vec()),
@@ -470,7 +485,7 @@ fn entry(
         },
         toc::Kind::Fifo => Kind::Fifo,
     };
-    Ok(Some((LayerEntry { path, kind, meta }, sha)))
+    Ok(Some(LayerEntry { path, kind, meta }))
 }
 
 /// eStargz's `stargz.index.json`: the last file of the layer's tar stream,
@@ -637,8 +652,8 @@ impl TocSource {
                 .map_err(|e| OciError::io(&path, "a lazy-pull record", io::Error::other(format!("layer {i}: {e}"))))?;
             for (k, e) in toc.entries.iter().enumerate() {
                 if let toc::Kind::File(f) = &e.kind {
-                    if let Some(d) = f.digest.or(f.chunks.first().map(|c| c.digest)) {
-                        files.entry(d.0).or_insert((i, k));
+                    if let Ok(d) = sha256_of(f) {
+                        files.entry(d).or_insert((i, k));
                     }
                 }
             }
