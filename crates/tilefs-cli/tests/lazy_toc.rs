@@ -341,6 +341,26 @@ fn a_flipped_byte_fails_its_file_only_and_a_bad_table_digest_falls_back() {
         assert!(read(&mnt.join(f)).unwrap() == read(&mnt_full.join(f)).unwrap(), "{f}");
     }
 
+    // An alias whose contents are not its SHA-256 is corrupt to fsck; gc
+    // removes it (no image names it, it is no object gc keeps), and keeps
+    // those of the files read.
+    let bogus = lazy.join(".sha256/ab").join("c".repeat(62));
+    fs::create_dir_all(bogus.parent().unwrap()).unwrap();
+    fs::write(&bogus, b"not these bytes").unwrap();
+    let out = tilefs_any(&[os("fsck"), os("--store"), lazy.as_os_str()]);
+    let text = String::from_utf8_lossy(&out.stdout).into_owned() + &stderr(&out);
+    assert_eq!(out.status.code(), Some(1), "{text}");
+    assert!(text.contains(&bogus.display().to_string()), "{text}");
+    let out = tilefs(&[os("gc"), os("--json"), os("--store"), lazy.as_os_str()]);
+    let gc: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(gc["aliases_removed"], 1, "{gc}");
+    assert!(!bogus.exists());
+    let text = fsck_text(&lazy);
+    assert!(text.contains("not fetched"), "{text}");
+    let n = registry.requests().len();
+    assert!(read(&mnt.join("d/c")).unwrap() == read(&mnt_full.join("d/c")).unwrap());
+    assert_eq!(registry.requests()[n..].len(), 0, "fetched again after gc");
+
     // A table of contents whose digest is not the annotation's: pulled
     // whole, the reason said on stderr and in --json.
     let bad = push_seekable(&generator, &area, &registry, "badtoc", "estargz", &[&fill], true);

@@ -726,7 +726,8 @@ impl TocSource {
             want: *sha,
         };
         let what = format!("{} (layer {}, {:?})", alias::alias_rel(sha), layer.digest, e.path);
-        let ingest = Ingest::for_fetched(&self.store).map_err(|e| e.to_string())?;
+        let mut ingest = Ingest::for_fetched(&self.store).map_err(|e| e.to_string())?;
+        ingest.commit_each();
         let imported = ingest.import_reader(Path::new(&what), f.size, &mut chunks);
         let committed = ingest.finish();
         let verity = imported.map_err(|e| e.to_string())?;

@@ -98,23 +98,21 @@ fn fanout(store: &Store, sha256: &[u8; 32]) -> Result<OwnedFd, StoreError> {
 
 /// Links the alias `sha256` to the object `verity`, which the caller has
 /// just checked to hold contents of that SHA-256. An alias already there
-/// is kept (it holds the same contents).
+/// of the same size is kept (it holds the same contents, or fsck says it
+/// does not); one of another size is damage, and replaced.
 pub fn link(store: &Store, sha256: &[u8; 32], verity: &[u8; 32]) -> Result<(), StoreError> {
     let dir = fanout(store, sha256)?;
-    let rel = Store::object_rel(sha256);
-    match rfs::linkat(
-        store.dir_fd(),
-        Store::object_rel(verity),
-        &dir,
-        &rel[3..],
-        AtFlags::empty(),
-    ) {
-        Ok(()) | Err(rustix::io::Errno::EXIST) => Ok(()),
-        Err(e) => Err(StoreError::io(
-            &store.join(alias_rel(sha256)),
-            "cannot link the alias",
-            e.into(),
-        )),
+    let name = &Store::object_rel(sha256)[3..];
+    let fail = |e: rustix::io::Errno| StoreError::io(&store.join(alias_rel(sha256)), "cannot link the alias", e.into());
+    let link = || rfs::linkat(store.dir_fd(), Store::object_rel(verity), &dir, name, AtFlags::empty());
+    match link() {
+        Ok(()) => Ok(()),
+        Err(rustix::io::Errno::EXIST) if size(store, sha256) == store.object_size(verity) => Ok(()),
+        Err(rustix::io::Errno::EXIST) => {
+            rfs::unlinkat(&dir, name, AtFlags::empty()).map_err(fail)?;
+            link().map_err(fail)
+        }
+        Err(e) => Err(fail(e)),
     }
 }
 
