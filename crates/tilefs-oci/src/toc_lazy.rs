@@ -190,7 +190,11 @@ pub fn toc_image(
         return Ok(None);
     };
     let reg = Registry::open(reference, &opts.registry)?;
-    let manifest = reg.manifest_by_digest(manifest_digest)?;
+    // The reference named the platform's manifest itself, or an index.
+    let manifest = match manifest_digest.matches(&resolved.top_manifest) {
+        true => resolved.top_manifest.clone(),
+        false => reg.manifest_by_digest(manifest_digest)?,
+    };
     let annotated = match annotations(&manifest, &resolved.layers) {
         Ok(a) if a.iter().all(Option::is_none) => return Ok(None),
         Ok(a) => a,
