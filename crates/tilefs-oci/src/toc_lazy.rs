@@ -173,9 +173,11 @@ pub struct TocImage {
 /// The image of the tables of contents of `resolved`'s layers (the image
 /// `source` names, as the signature policy accepted it), in `store`: Ok(None)
 /// when its layers have none; Ok(Err(why)) when they cannot be used. The
-/// snapshotter's entry point: it writes the record with
-/// [`TocRecord::save`] under [`TocImage::digest`] and serves the image's
-/// FUSE mount through [`open_source`].
+/// snapshotter's entry point: holding the store's lock shared from this
+/// call until the image is held (the objects it found present are not
+/// referenced before), it writes the record with [`TocRecord::save`]
+/// under [`TocImage::digest`] and serves the image's FUSE mount through
+/// [`open_source`].
 pub fn toc_image(
     store: &Store,
     source: &ImageRef,
@@ -533,6 +535,9 @@ pub(crate) fn pull_toc(
     opts: &PullOptions,
     progress: &PullProgress,
 ) -> Result<TocPull, OciError> {
+    // Held shared (as builds hold it) until the tag is written: a gc
+    // meanwhile would take the objects found present for unreferenced.
+    let _lock = store.lock(tilefs_store::LockMode::Shared, true)?;
     let made = match toc_image(store, source, resolved, opts, progress) {
         Ok(Some(Ok(m))) => m,
         Ok(None) => return Ok(TocPull::NotToc),
@@ -730,6 +735,12 @@ impl TocSource {
             want: *sha,
         };
         let what = format!("{} (layer {}, {:?})", alias::alias_rel(sha), layer.digest, e.path);
+        // Held until the alias is linked: a gc meanwhile would take the
+        // new object for unreferenced.
+        let _lock = self
+            .store
+            .lock(tilefs_store::LockMode::Shared, true)
+            .map_err(|e| e.to_string())?;
         let mut ingest = Ingest::for_fetched(&self.store).map_err(|e| e.to_string())?;
         ingest.commit_each();
         let imported = ingest.import_reader(Path::new(&what), f.size, &mut chunks);
