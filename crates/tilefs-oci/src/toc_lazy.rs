@@ -203,7 +203,7 @@ pub fn toc_image(
         Err(why) => return Ok(Some(Err(why))),
     };
     progress.stage.set("fetching the layers' tables of contents", true);
-    let mut layers = Vec::with_capacity(annotated.len());
+    let (mut layers, mut tocs) = (Vec::with_capacity(annotated.len()), Vec::with_capacity(annotated.len()));
     for (l, a) in resolved.layers.iter().zip(annotated) {
         let Some(a) = a else {
             return Ok(Some(Err(format!(
@@ -212,7 +212,10 @@ pub fn toc_image(
             ))));
         };
         match read_table(&reg, l, &a) {
-            Ok(t) => layers.push(t),
+            Ok((layer, toc)) => {
+                layers.push(layer);
+                tocs.push(toc);
+            }
             Err(OciError::Interrupted) => return Err(OciError::Interrupted),
             Err(e) => return Ok(Some(Err(format!("layer {}: {e}", l.digest)))),
         }
@@ -227,7 +230,7 @@ pub fn toc_image(
         layers,
     };
     progress.stage.set("writing the image of the tables of contents", false);
-    Ok(Some(image_of(store, record, opts.keep_all_xattrs)))
+    Ok(Some(image_of(store, record, &tocs, opts.keep_all_xattrs)))
 }
 
 /// Each layer's table of contents as its annotations announce it (None
@@ -257,9 +260,9 @@ fn annotations(manifest: &[u8], layers: &[BlobRef]) -> Result<Vec<Option<Annotat
         .collect()
 }
 
-/// Fetches a layer's table of contents and checks it against the digest
-/// its annotation gives.
-fn read_table(reg: &Registry, blob: &BlobRef, a: &Annotated) -> Result<TocLayer, OciError> {
+/// Fetches a layer's table of contents, checks it against the digest its
+/// annotation gives and parses it.
+fn read_table(reg: &Registry, blob: &BlobRef, a: &Annotated) -> Result<(TocLayer, Toc), OciError> {
     let size = blob.size.unwrap_or(0);
     let bad = |e: tilefs_seekable::Error| OciError::blob(&blob.digest.to_string(), e.to_string());
     let get = |r: std::ops::Range<u64>| -> Result<Vec<u8>, OciError> {
@@ -302,13 +305,13 @@ fn read_table(reg: &Registry, blob: &BlobRef, a: &Annotated) -> Result<TocLayer,
             uncompressed_len: manifest.uncompressed_len,
         },
     };
-    // Checked (and its digest verified) now, so that a bad one falls back.
-    table.parse().map_err(|e| OciError::blob(&blob.digest.to_string(), e))?;
-    Ok(TocLayer {
+    let toc = table.parse().map_err(|e| OciError::blob(&blob.digest.to_string(), e))?;
+    let layer = TocLayer {
         digest: blob.digest.to_string(),
         size,
         table,
-    })
+    };
+    Ok((layer, toc))
 }
 
 /// A file's contents as the image gets them.
@@ -320,15 +323,14 @@ enum Got {
     Alias([u8; 32]),
 }
 
-/// The image of `record`'s tables: files present resolved to their
-/// objects, the others named by alias.
-fn image_of(store: &Store, record: TocRecord, keep_all_xattrs: bool) -> Result<TocImage, String> {
+/// The image of `record`'s tables (`tocs`, parsed): files present
+/// resolved to their objects, the others named by alias.
+fn image_of(store: &Store, record: TocRecord, tocs: &[Toc], keep_all_xattrs: bool) -> Result<TocImage, String> {
     let mut applier = Applier::new(keep_all_xattrs);
     let mut resolved: HashMap<[u8; 32], Option<[u8; 32]>> = HashMap::new();
     let mut aliased: HashSet<[u8; 32]> = HashSet::new();
     let mut formats: Vec<&str> = Vec::new();
-    for l in &record.layers {
-        let toc = l.table.parse().map_err(|e| format!("layer {}: {e}", l.digest))?;
+    for (l, toc) in record.layers.iter().zip(tocs) {
         if !formats.contains(&l.table.format()) {
             formats.push(l.table.format());
         }
