@@ -262,7 +262,7 @@ pub fn runnable_layers(r: &ImageRef, opts: &PullOptions) -> Result<Option<Vec<cr
 
 /// Opens `r` (checked against the signature policy) and reads its
 /// configuration.
-fn open_with_config(r: &ImageRef, opts: &PullOptions) -> Result<(crate::trust::Opened, Vec<u8>), OciError> {
+pub(crate) fn open_with_config(r: &ImageRef, opts: &PullOptions) -> Result<(crate::trust::Opened, Vec<u8>), OciError> {
     let platform = opts.platform.clone().unwrap_or_else(Platform::host);
     let opened = crate::trust::open_checked(r, &registry_options(opts), &opts.trust, &platform)?;
     let what = opened.source.to_string();
