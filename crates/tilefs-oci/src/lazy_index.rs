@@ -856,7 +856,8 @@ impl IndexedImage {
             let digests: Vec<&Digest> = self.resolved.layers.iter().take(n).map(|l| &l.digest).collect();
             flatten(&maps, &digests, false)?
         };
-        let (tree, _) = tilefs_image::erofs::read_image(&image).map_err(|e| OciError::manifest(what(), e.to_string()))?;
+        let (tree, _) =
+            tilefs_image::erofs::read_image(&image).map_err(|e| OciError::manifest(what(), e.to_string()))?;
         let objects = artifact::objects_of(&tree);
         drop(tree);
         let index = locate(&maps, &objects).map_err(|e| OciError::manifest(what(), e))?;

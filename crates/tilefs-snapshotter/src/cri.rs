@@ -37,7 +37,8 @@ pub struct Proxy {
 }
 
 /// The key of ImageStatus's `info` (verbose) that says how the image is
-/// served: `lazy: …`, or `pulled whole: …` and why.
+/// served: a JSON object (crictl shows only those), `{"lazy": BOOL,
+/// "message": "lazy: …" or "pulled whole: …"}`.
 pub const INFO_KEY: &str = "tilefs";
 
 /// The image service to serve, forwarding to the one at `backend` (a unix
@@ -101,8 +102,9 @@ impl ImageService for Proxy {
             .as_ref()
             .filter(|_| verbose)
             .and_then(|i| self.snap.said_of(&i.repo_digests));
-        if let Some(said) = said {
-            answer.get_mut().info.insert(INFO_KEY.to_string(), said);
+        if let Some((lazy, message)) = said {
+            let value = serde_json::json!({ "lazy": lazy, "message": message });
+            answer.get_mut().info.insert(INFO_KEY.to_string(), value.to_string());
         }
         Ok(answer)
     }

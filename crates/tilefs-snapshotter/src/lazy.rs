@@ -210,20 +210,27 @@ impl Plans {
 /// layers up to `t`'s, the last being `t.name`.
 pub fn check(t: &Target, blobs: &[Digest], diff_ids: &[Digest]) -> Result<Vec<String>, String> {
     let chain = chain_ids(diff_ids);
-    let mut at = blobs.iter().enumerate().filter(|(_, l)| l.to_string() == t.layer).map(|(i, _)| i);
+    let mut at = blobs
+        .iter()
+        .enumerate()
+        .filter(|(_, l)| l.to_string() == t.layer)
+        .map(|(i, _)| i);
     let first = at
         .next()
         .ok_or_else(|| format!("label {LABEL_LAYER} names {}, no layer of {}", t.layer, t.reference))?;
     // A blob listed twice is two layers of two chains.
-    let i = std::iter::once(first).chain(at).find(|&i| chain[i] == t.name).ok_or_else(|| {
-        format!(
-            "label {LABEL_TARGET} names {}, but layer {} of {} has chain ID {}",
-            t.name,
-            first + 1,
-            t.reference,
-            chain[first]
-        )
-    })?;
+    let i = std::iter::once(first)
+        .chain(at)
+        .find(|&i| chain[i] == t.name)
+        .ok_or_else(|| {
+            format!(
+                "label {LABEL_TARGET} names {}, but layer {} of {} has chain ID {}",
+                t.name,
+                first + 1,
+                t.reference,
+                chain[first]
+            )
+        })?;
     Ok(chain[..=i].to_vec())
 }
 
@@ -287,16 +294,18 @@ impl Said {
         })
     }
 
-    /// What is said of the image with these repo digests, if anything.
-    pub fn of(&self, repo_digests: &[String]) -> Option<String> {
+    /// What is said of the image with these repo digests, if anything:
+    /// whether every layer it had prepared was served lazily, and how (or
+    /// why not).
+    pub fn of(&self, repo_digests: &[String]) -> Option<(bool, String)> {
         let s = self.inner.lock().unwrap_or_else(|e| e.into_inner());
         let o = repo_digests
             .iter()
             .find_map(|d| s.of.get(d).or_else(|| s.of.get(s.alias.get(d)?)))?;
         Some(match (&o.lazy, o.whole.as_slice()) {
-            (Some(l), []) => l.clone(),
-            (None, w) => format!("pulled whole: {}", w.join("; ")),
-            (Some(l), w) => format!("{l}; but layers unpacked whole: {}", w.join("; ")),
+            (Some(l), []) => (true, l.clone()),
+            (None, w) => (false, format!("pulled whole: {}", w.join("; "))),
+            (Some(l), w) => (false, format!("{l}; but layers unpacked whole: {}", w.join("; "))),
         })
     }
 }
@@ -338,15 +347,16 @@ mod tests {
         assert_eq!(said.of(&[top.to_string()]), None);
         said.whole(img, "no index".into());
         said.whole(img, "no index".into());
-        assert_eq!(said.of(&[top.to_string()]).as_deref(), Some("pulled whole: no index"));
+        let of = |d: &str| said.of(&["other".into(), d.to_string()]);
+        assert_eq!(of(top), Some((false, "pulled whole: no index".into())));
         said.lazy(img, "lazy: x".into());
         assert_eq!(
-            said.of(&[img.to_string()]).as_deref(),
-            Some("lazy: x; but layers unpacked whole: no index")
+            of(img),
+            Some((false, "lazy: x; but layers unpacked whole: no index".into()))
         );
         said.begin(img, None);
         said.lazy(img, "lazy: x".into());
-        assert_eq!(said.of(&["other".into(), img.to_string()]).as_deref(), Some("lazy: x"));
+        assert_eq!(of(img), Some((true, "lazy: x".into())));
     }
 
     #[test]

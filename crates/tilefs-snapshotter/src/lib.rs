@@ -378,7 +378,7 @@ impl Tilefs {
     /// What became of the image with these repo digests (CRI's), if the
     /// snapshotter knows: how it is served lazily, or why it was pulled
     /// whole.
-    pub fn said_of(&self, repo_digests: &[String]) -> Option<String> {
+    pub fn said_of(&self, repo_digests: &[String]) -> Option<(bool, String)> {
         self.s.said.of(repo_digests)
     }
 }
@@ -726,8 +726,16 @@ impl Shared {
                 t.reference
             )));
         }
-        if !parent.is_empty() && self.lock().by_key.get(parent).is_none_or(|p| p.kind != SnapKind::Committed) {
-            return Err(NotLazy::Because(format!("its parent {parent:?} is no committed snapshot")));
+        if !parent.is_empty()
+            && self
+                .lock()
+                .by_key
+                .get(parent)
+                .is_none_or(|p| p.kind != SnapKind::Committed)
+        {
+            return Err(NotLazy::Because(format!(
+                "its parent {parent:?} is no committed snapshot"
+            )));
         }
         let below = n.checked_sub(2).map(|i| chain[i].as_str()).unwrap_or_default();
         let name = lazy::snapshot_name_on(&t.reference, &t.name, parent, below);
