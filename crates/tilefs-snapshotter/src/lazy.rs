@@ -177,8 +177,9 @@ pub struct Plans {
 }
 
 impl Plans {
-    /// Most manifests remembered (an index's image and maps are held).
-    const MAX: usize = 64;
+    /// Most manifests remembered (an index's image and layer maps are
+    /// held: a few MB each for an image of a GB).
+    const MAX: usize = 16;
     /// How long an image found to be pulled whole is taken to be.
     const WHOLE_FOR: Duration = Duration::from_secs(30);
 
