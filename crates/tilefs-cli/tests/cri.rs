@@ -1509,7 +1509,9 @@ fn cri_starts_an_ordinary_image_lazily_through_its_index() {
     // The pull, through the snapshotter's image service: no layer blob
     // is fetched; every layer is a lazy snapshot.
     let from = rig.registry().requests().len();
+    let t = Instant::now();
     ok(rig.crictl_via_snapshotter().args(["pull", &indexed]));
+    let pulled = t.elapsed();
     assert_eq!(layer_gets(from), [], "the pull fetched layer blobs");
     let chain = chain_ids(&indexed);
     let records = rig.records();
@@ -1535,7 +1537,13 @@ fn cri_starts_an_ordinary_image_lazily_through_its_index() {
     // range GETs of that layer's blob, a part of it from the checkpoint
     // before the file; the big file's layer is not fetched.
     let from = rig.registry().requests().len();
+    let t = Instant::now();
     let out = rig.run_pod_and_container(&indexed, "cat /etc/msg; echo; md5sum /data/f9");
+    eprintln!(
+        "indexed image through CRI: pull {:.2} s, pod run to its end {:.2} s",
+        pulled.as_secs_f64(),
+        t.elapsed().as_secs_f64()
+    );
     assert!(out.starts_with("hello from an ordinary image\n"), "{out}");
     assert!(out.contains(&md5("data/f9")), "{out}");
     let gets = layer_gets(from);
