@@ -45,9 +45,10 @@ pub struct SnapshotterArgs {
     /// How CRI's lazy path reaches registries (as `tilefs pull` does)
     #[command(flatten)]
     pub registry: RegistryArgs,
-    /// containers-policy.json(5) that each image the lazy path serves is checked against, in its
-    /// own registry [default: ~/.config/containers/policy.json if it exists, else
-    /// /etc/containers/policy.json; without one no image is served lazily]
+    /// containers-policy.json(5) that each image the lazy path serves (and its tilefs index), and
+    /// each pull through the CRI image service proxy, is checked against, in its own registry
+    /// [default: ~/.config/containers/policy.json if it exists, else /etc/containers/policy.json;
+    /// without one no image is served lazily]
     #[arg(long, value_name = "FILE")]
     pub signature_policy: Option<PathBuf>,
 }

@@ -1414,3 +1414,209 @@ fn snapshotter_config_mistakes_are_named() {
         assert!(err.contains("snap.toml") && err.contains(said), "{text}: {err}");
     }
 }
+
+/// Issue 44: an ordinary gzip image with a `tilefs index` starts lazily
+/// through CRI (its layers' chains made from the index's layer maps, its
+/// files fetched by range from the ordinary layer blobs and checked before
+/// a byte is served); the same kind of image without an index is pulled
+/// whole and runs; a layer blob whose bytes the registry changed fails the
+/// read of the file they belong to, and other files read. What became of
+/// each image reaches crictl (`inspecti`: info `tilefs`), and a pull the
+/// snapshotter's signature policy refuses fails with the policy's reason.
+#[test]
+fn cri_starts_an_ordinary_image_lazily_through_its_index() {
+    let area = Area::new();
+    let policy = area.path("policy.json");
+    let write_policy = |reject: Option<&str>| {
+        let mut p = serde_json::json!({"default": [{"type": "insecureAcceptAnything"}]});
+        if let Some(repo) = reject {
+            p["transports"] = serde_json::json!({"docker": {repo: [{"type": "reject"}]}});
+        }
+        fs::write(&policy, p.to_string()).unwrap();
+    };
+    write_policy(None);
+    let config = area.path("snapshotter.toml");
+    fs::write(
+        &config,
+        format!(
+            "signature_policy = \"{}\"\n[cri_keychain]\nenable_keychain = true\nimage_service_path = \"{}\"\n",
+            policy.display(),
+            area.path("c.sock").display()
+        ),
+    )
+    .unwrap();
+    let rig = CriRig::start_with(&area, &["--config", config.to_str().unwrap()]);
+    // Three gzip layers (umoci's): busybox (shorter than a checkpoint's
+    // span: fetched whole on first use), 24 files of 256 KiB (a checkpoint
+    // about every 4 MiB), one file of 8 MiB alone (the largest blob).
+    let indexed = push_image_with(
+        &area,
+        rig.registry(),
+        "indexed",
+        &[
+            &|r: &Path| {
+                busybox_into(r, &["sh", "cat", "echo", "md5sum"]);
+                fs::create_dir_all(r.join("etc")).unwrap();
+                fs::write(r.join("etc/msg"), "hello from an ordinary image").unwrap();
+            },
+            &|r: &Path| {
+                let files: Vec<(String, usize)> = (0..24).map(|i| (format!("data/f{i}"), 256 << 10)).collect();
+                common::oci::write_files(r, 31, &files);
+            },
+            &|r: &Path| common::oci::write_files(r, 32, &[("big/lone".to_string(), 8 << 20)]),
+        ],
+        &["--config.cmd", "/bin/sh"],
+    );
+    let md5 = |rel: &str| {
+        let out = ok(Command::new("md5sum").arg(area.path(&format!("bundle-indexed/rootfs/{rel}"))));
+        out.split_whitespace().next().unwrap().to_string()
+    };
+    let out = ok(Command::new(tilefs_bin())
+        .args(["index", "--json", "--tls-verify=false", "--store"])
+        .arg(area.path("indexing"))
+        .arg(format!("docker://{indexed}")));
+    let ix: serde_json::Value = serde_json::from_str(&out).unwrap();
+    let index = ix["manifest_digest"].as_str().unwrap().to_string();
+    let raw = common::oci::skopeo_raw(&format!("docker://{indexed}"));
+    let layers: Vec<(String, u64)> = raw["layers"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|l| (l["digest"].as_str().unwrap().to_string(), l["size"].as_u64().unwrap()))
+        .collect();
+    // The layer blob GETs since request `from`: (status, bytes) each.
+    let layer_gets = |from: usize| -> Vec<(String, u16, u64)> {
+        rig.registry().requests()[from..]
+            .iter()
+            .filter(|r| r.method == "GET")
+            .filter_map(|r| {
+                let l = layers.iter().find(|l| r.path.ends_with(&l.0))?;
+                Some((l.0.clone(), r.status, r.bytes))
+            })
+            .collect()
+    };
+    // crictl shows each key of ImageStatus's info at the top.
+    let inspecti = |image: &str| -> (bool, String) {
+        let out = ok(rig.crictl_via_snapshotter().args(["inspecti", "-o", "json", image]));
+        let v: serde_json::Value = serde_json::from_str(&out).unwrap();
+        let said = &v["tilefs"];
+        match (said["lazy"].as_bool(), said["message"].as_str()) {
+            (Some(lazy), Some(m)) => (lazy, m.to_string()),
+            _ => panic!("inspecti says nothing of tilefs: {out}"),
+        }
+    };
+
+    // The pull, through the snapshotter's image service: no layer blob
+    // is fetched; every layer is a lazy snapshot.
+    let from = rig.registry().requests().len();
+    let t = Instant::now();
+    ok(rig.crictl_via_snapshotter().args(["pull", &indexed]));
+    let pulled = t.elapsed();
+    assert_eq!(layer_gets(from), [], "the pull fetched layer blobs");
+    let chain = chain_ids(&indexed);
+    let records = rig.records();
+    for id in &chain {
+        assert!(
+            records
+                .iter()
+                .any(|r| r["labels"]["containerd.io/snapshot.ref"] == id.as_str()
+                    && r["lazy"] == true
+                    && r["indexed"] == true),
+            "{id} was not made lazily: {records:?}\n{}",
+            fs::read_to_string(area.path("snapshotter.log")).unwrap_or_default()
+        );
+    }
+    let (lazy, said) = inspecti(&indexed);
+    eprintln!("crictl inspecti of the indexed image: {said}");
+    assert!(
+        lazy && said.starts_with("lazy: through tilefs index") && said.contains(&index),
+        "{said}"
+    );
+
+    // A pod reads a file of the data layer (the last in its tar stream):
+    // range GETs of that layer's blob, a part of it from the checkpoint
+    // before the file; the big file's layer is not fetched.
+    let from = rig.registry().requests().len();
+    let t = Instant::now();
+    let out = rig.run_pod_and_container(&indexed, "cat /etc/msg; echo; md5sum /data/f9");
+    eprintln!(
+        "indexed image through CRI: pull {:.2} s, pod run to its end {:.2} s",
+        pulled.as_secs_f64(),
+        t.elapsed().as_secs_f64()
+    );
+    assert!(out.starts_with("hello from an ordinary image\n"), "{out}");
+    assert!(out.contains(&md5("data/f9")), "{out}");
+    let gets = layer_gets(from);
+    let (data, data_size) = &layers[1];
+    let of_data: Vec<_> = gets.iter().filter(|g| &g.0 == data).collect();
+    let fetched: u64 = of_data.iter().map(|g| g.2).sum();
+    eprintln!("pod on the indexed image: layer blob GETs {gets:?}; {fetched} of the data layer's {data_size} bytes");
+    assert!(!of_data.is_empty(), "the file came from nowhere: {gets:?}");
+    assert!(
+        of_data.iter().all(|g| g.1 == 206),
+        "whole-blob GETs of the data layer: {gets:?}"
+    );
+    assert!(fetched * 2 < *data_size, "{fetched} bytes of a layer of {data_size}");
+    assert!(
+        gets.iter().all(|g| g.0 != layers[2].0),
+        "the big file's layer was fetched: {gets:?}"
+    );
+
+    // The registry's copy of the big file's layer changes a byte: its read
+    // fails, the other files read.
+    let tampered = rig.registry().tamper_largest_blob();
+    assert_eq!(tampered, layers[2].0, "the largest blob is the big file's layer");
+    let out = rig.run_pod_and_container(
+        &indexed,
+        "md5sum /data/f1; if cat /big/lone > /dev/null; then echo big read; else echo big failed; fi",
+    );
+    assert!(out.contains(&md5("data/f1")), "{out}");
+    assert!(out.contains("big failed") && !out.contains("big read"), "{out}");
+
+    // Without an index: pulled whole (containerd fetches each layer
+    // blob), and the pod runs; crictl is told why.
+    let plain = push_image_with(
+        &area,
+        rig.registry(),
+        "plain",
+        &[&|r: &Path| {
+            busybox_into(r, &["sh", "cat"]);
+            fs::create_dir_all(r.join("etc")).unwrap();
+            fs::write(r.join("etc/msg"), "hello unindexed").unwrap();
+        }],
+        &["--config.cmd", "/bin/sh"],
+    );
+    let plain_layer = common::oci::skopeo_raw(&format!("docker://{plain}"))["layers"][0]["digest"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    let from = rig.registry().requests().len();
+    ok(rig.crictl_via_snapshotter().args(["pull", &plain]));
+    let whole = rig.registry().requests()[from..]
+        .iter()
+        .filter(|r| r.method == "GET" && r.path.ends_with(&plain_layer) && r.status == 200)
+        .count();
+    assert_eq!(whole, 1, "the unindexed image's layer was not fetched whole");
+    let (lazy, said) = inspecti(&plain);
+    eprintln!("crictl inspecti of the unindexed image: {said}");
+    assert!(
+        !lazy && said.starts_with("pulled whole:") && said.contains("has no tilefs index"),
+        "{said}"
+    );
+    let out = rig.run_pod_and_container(&plain, "cat /etc/msg");
+    assert_eq!(out.trim_end(), "hello unindexed");
+    let log = fs::read_to_string(area.path("snapshotter.log")).unwrap();
+    assert!(
+        log.contains("not served lazily") && log.contains("has no tilefs index"),
+        "{log}"
+    );
+
+    // The snapshotter's policy refuses the image now: the pull fails, and
+    // crictl says the policy's reason.
+    write_policy(Some(&format!("{}/tilefs/plain", rig.registry_addr())));
+    let out = run(rig.crictl_via_snapshotter().args(["pull", &plain]));
+    let said = String::from_utf8_lossy(&out.stderr);
+    eprintln!("a pull the policy refuses, crictl says: {}", said.trim());
+    assert!(!out.status.success(), "a pull the policy refuses succeeded");
+    assert!(said.contains("signature policy refuses it"), "{said}");
+}

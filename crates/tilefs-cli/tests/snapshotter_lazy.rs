@@ -566,3 +566,121 @@ fn cri_labels_make_lazy_snapshots_only_when_the_artifact_says_the_same() {
     }
     drop(snap);
 }
+
+/// Issue 44: a layer of an ordinary image with a tilefs index is made
+/// lazily over a layer below that containerd unpacked itself (another
+/// image's, with the same base): the snapshot, named after that parent so
+/// that containerd's walk by parent finds it, shows the whole chain from
+/// the index, both layers' files fetched from their blobs on first read.
+#[test]
+fn an_indexed_layer_is_made_lazily_over_a_layer_containerd_unpacked() {
+    require(not_root("the snapshotter mounts"));
+    require(cannot_fuse());
+    for (p, pkg) in [
+        ("docker-registry", "docker-registry"),
+        ("skopeo", "skopeo"),
+        ("umoci", "umoci"),
+    ] {
+        require(missing_program(p, pkg));
+    }
+    let area = Area::new();
+    let registry = Registry::start(&area);
+    let image = common::oci::push_image_with(
+        &area,
+        &registry,
+        "app",
+        &[
+            &|r: &Path| common::oci::write_files(r, 41, &[("base/a".to_string(), 300_000)]),
+            &|r: &Path| common::oci::write_files(r, 42, &[("top/b".to_string(), 300_000)]),
+        ],
+        &[],
+    );
+    let docker = format!("docker://{image}");
+    ok(Command::new(tilefs_bin())
+        .args(["index", "-q", "--tls-verify=false", "--store"])
+        .arg(area.path("indexing"))
+        .arg(&docker));
+    let raw = common::oci::skopeo_raw(&docker);
+    let manifest = format!(
+        "sha256:{}",
+        sha256_hex(
+            &Command::new("skopeo")
+                .args(["inspect", "--raw", "--tls-verify=false", &docker])
+                .output()
+                .unwrap()
+                .stdout
+        )
+    );
+    let config: serde_json::Value = serde_json::from_str(&ok(Command::new("skopeo").args([
+        "inspect",
+        "--config",
+        "--raw",
+        "--tls-verify=false",
+        &docker,
+    ])))
+    .unwrap();
+    let diff_ids: Vec<String> = config["rootfs"]["diff_ids"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|d| d.as_str().unwrap().to_string())
+        .collect();
+    let chain = chain_ids(&diff_ids);
+    let top_layer = raw["layers"][1]["digest"].as_str().unwrap().to_string();
+
+    let snap = Snap::start(&area.path(""));
+    // The base as containerd unpacks a layer with no labels (empty here:
+    // its files are not what the lazy snapshot shows).
+    let base = format!("k8s.io/2/{}", chain[0]);
+    snap.prepare("k8s.io/1/extract-base", "", HashMap::new()).unwrap();
+    snap.commit(&base, "k8s.io/1/extract-base").unwrap();
+    let labels: HashMap<String, String> = [
+        (TARGET, chain[1].as_str()),
+        (IMAGE_REF, image.as_str()),
+        (MANIFEST, manifest.as_str()),
+        (LAYER, top_layer.as_str()),
+    ]
+    .into_iter()
+    .map(|(k, v)| (k.to_string(), v.to_string()))
+    .collect();
+    let before = registry.requests().len();
+    let got = snap.prepare("k8s.io/3/extract-top", &base, labels);
+    assert_eq!(
+        got.as_ref().map_err(|e| e.0),
+        Err(Code::AlreadyExists),
+        "{got:?}\n{}",
+        snap.log()
+    );
+    let name = snap
+        .walk(&chain[1], &base)
+        .unwrap_or_else(|| panic!("the walk finds nothing\n{}", snap.log()));
+    assert!(name.ends_with(&format!("/{}/on/{base}", chain[1])), "{name}");
+    let blobs = |from: usize| -> usize {
+        registry.requests()[from..]
+            .iter()
+            .filter(|r| r.method == "GET" && r.path.contains("/blobs/") && matches!(r.status, 200 | 206))
+            .filter(|r| {
+                raw["layers"]
+                    .as_array()
+                    .unwrap()
+                    .iter()
+                    .any(|l| r.path.ends_with(l["digest"].as_str().unwrap()))
+            })
+            .count()
+    };
+    assert_eq!(blobs(before), 0, "a layer blob was fetched before any read");
+
+    let view = snap.view("k8s.io/4/view", &name);
+    assert_eq!(view.0, "bind", "{view:?}");
+    let v = area.path("v");
+    fs::create_dir_all(&v).unwrap();
+    ok(Command::new("mount").args(["--bind", "-o", "ro", &view.1]).arg(&v));
+    let v = Mounted(v);
+    let bundle = area.path("bundle-app/rootfs");
+    for f in ["base/a", "top/b"] {
+        assert_eq!(fs::read(v.0.join(f)).unwrap(), fs::read(bundle.join(f)).unwrap(), "{f}");
+    }
+    assert!(blobs(before) >= 2, "the files came from nowhere");
+    drop(v);
+    snap.remove("k8s.io/4/view");
+}

@@ -653,6 +653,22 @@ pub fn find(reg: &Registry, resolved: &Resolved) -> Result<Option<Indexed>, OciE
     }))
 }
 
+/// The index of the image `resolved`, found in the registry of
+/// `reference` (`source`'s); Ok(Err(why)) when there is none to use.
+fn usable(
+    source: &ImageRef,
+    reference: &str,
+    resolved: &Resolved,
+    registry: &crate::transport::RegistryOptions,
+) -> Result<Result<Indexed, String>, OciError> {
+    match Registry::open(reference, registry).and_then(|reg| find(&reg, resolved)) {
+        Ok(Some(i)) => Ok(Ok(i)),
+        Ok(None) => Ok(Err(format!("{source} has no tilefs index (`tilefs index` makes one)"))),
+        Err(OciError::Interrupted) => Err(OciError::Interrupted),
+        Err(e) => Ok(Err(format!("its tilefs index cannot be used: {e}"))),
+    }
+}
+
 /// `pull --lazy` of an ordinary image: its index found, the image tagged
 /// and a lazy record written. Ok(Err(why)) where there is no index to use
 /// (the caller pulls the image whole, saying why).
@@ -668,12 +684,9 @@ pub(crate) fn pull_indexed(
         return Ok(Err("only an image in a registry has an index".into()));
     };
     progress.stage.set("looking for a tilefs index of the image", true);
-    let found = Registry::open(reference, &opts.registry).and_then(|reg| find(&reg, resolved));
-    let indexed = match found {
-        Ok(Some(i)) => i,
-        Ok(None) => return Ok(Err(format!("{source} has no tilefs index (`tilefs index` makes one)"))),
-        Err(OciError::Interrupted) => return Err(OciError::Interrupted),
-        Err(e) => return Ok(Err(format!("its tilefs index cannot be used: {e}"))),
+    let indexed = match usable(source, reference, resolved, &opts.registry)? {
+        Ok(i) => i,
+        Err(why) => return Ok(Err(why)),
     };
     let maps: Vec<&LayerMap> = indexed.maps.iter().map(|m| m.as_ref()).collect();
     let (image, digest) = match opts.keep_all_xattrs {
@@ -715,6 +728,154 @@ pub(crate) fn pull_indexed(
         lazy_index: Some(indexed.manifest_digest.to_string()),
         lazy_fallback: None,
     }))
+}
+
+// ---- lazy starts elsewhere (the snapshotter) -------------------------------
+
+/// What a lazy start of an image (the snapshotter's, for each layer
+/// containerd prepares) can go by, found as `pull --lazy` finds it.
+pub struct LazyPlan {
+    /// The image's (platform) manifest digest, and the digest of the
+    /// manifest or index its reference names (what CRI lists as the
+    /// image's repo digest).
+    pub manifest_digest: Option<Digest>,
+    pub top_digest: Option<String>,
+    pub kind: LazyKind,
+}
+
+pub enum LazyKind {
+    /// A runnable tilefs artifact: its blobs' digests (each its own diff
+    /// ID, as its configuration was checked to say).
+    Artifact(Vec<Digest>),
+    /// An ordinary image with an index to use.
+    Indexed(Box<IndexedImage>),
+    /// Anything else: pulled whole, and why.
+    Whole(String),
+}
+
+/// An ordinary image and its index, as a lazy start needs them.
+pub struct IndexedImage {
+    /// Where it was found (a mirror's reference, or the registry's), and
+    /// how it was reached there: its lazy records fetch from there.
+    pub source: ImageRef,
+    pub opts: PullOptions,
+    /// As the policy accepted it.
+    pub resolved: Resolved,
+    /// Its layers' diff IDs (its configuration's `rootfs.diff_ids`), in
+    /// the manifest's order: the chain IDs containerd names snapshots by.
+    pub diff_ids: Vec<Digest>,
+    pub index: Indexed,
+}
+
+/// The image of the chain of an image's first layers, and the lazy
+/// record that places its files in them.
+pub struct Chain {
+    pub image: Vec<u8>,
+    pub digest: [u8; 32],
+    pub objects: Vec<ObjectRef>,
+    pub record: crate::fetch::LazyRecord,
+}
+
+/// Opens `r` (judged by the signature policy: a refusal is the error),
+/// reads its configuration and, for an ordinary image, looks for its index.
+pub fn plan(r: &ImageRef, opts: &PullOptions) -> Result<LazyPlan, OciError> {
+    let (opened, raw) = crate::pull::open_with_config(r, opts)?;
+    let crate::trust::Opened {
+        source,
+        resolved,
+        registry,
+        ..
+    } = opened;
+    let config = resolved.config.as_ref().expect("checked by open_with_config");
+    let what = format!("configuration {}", config.digest);
+    let blobs: Vec<Digest> = resolved.layers.iter().map(|l| l.digest.clone()).collect();
+    let kind = if resolved.artifact {
+        if config.media_type == artifact::CONFIG_TYPE {
+            LazyKind::Whole(format!(
+                "{source} is a tilefs image that is not runnable (`tilefs push --runnable-from` makes one)"
+            ))
+        } else {
+            artifact::parse_runnable_config(&raw, &blobs).map_err(|e| OciError::manifest(&what, e))?;
+            LazyKind::Artifact(blobs)
+        }
+    } else {
+        let v: Value = serde_json::from_slice(&raw).map_err(|e| OciError::manifest(&what, format!("not JSON: {e}")))?;
+        let diff_ids = v
+            .pointer("/rootfs/diff_ids")
+            .and_then(Value::as_array)
+            .map(|a| {
+                a.iter()
+                    .map(|d| d.as_str().and_then(|s| Digest::parse(s).ok()))
+                    .collect::<Option<Vec<Digest>>>()
+            })
+            .ok_or_else(|| OciError::manifest(&what, "not an image configuration (no rootfs.diff_ids)"))?
+            .ok_or_else(|| OciError::manifest(&what, "a diff ID that is no digest"))?;
+        if diff_ids.len() != blobs.len() {
+            return Err(OciError::manifest(
+                &what,
+                format!("lists {} layers where the manifest has {}", diff_ids.len(), blobs.len()),
+            ));
+        }
+        match &source {
+            ImageRef::Registry { reference } => match usable(&source, reference, &resolved, &registry)? {
+                Ok(index) => LazyKind::Indexed(Box::new(IndexedImage {
+                    opts: PullOptions {
+                        registry: registry.clone(),
+                        ..opts.clone()
+                    },
+                    source: source.clone(),
+                    resolved: resolved.clone(),
+                    diff_ids,
+                    index,
+                })),
+                Err(why) => LazyKind::Whole(why),
+            },
+            _ => LazyKind::Whole("only an image in a registry has an index".into()),
+        }
+    };
+    Ok(LazyPlan {
+        manifest_digest: resolved.manifest_digest.clone(),
+        top_digest: resolved.trust.as_ref().map(|t| t.manifest_digest.clone()),
+        kind,
+    })
+}
+
+impl IndexedImage {
+    /// The chain of the first `n` layers (1 ..= all): its image (the
+    /// index's own for all of them, else made from their maps, as the
+    /// image of that chain's layers pulled whole) and its lazy record.
+    pub fn chain(&self, n: usize) -> Result<Chain, OciError> {
+        let what = || format!("the index {}", self.index.manifest_digest);
+        let maps: Vec<&LayerMap> = self.index.maps.iter().take(n).map(|m| m.as_ref()).collect();
+        if n == 0 || maps.len() != n {
+            return Err(OciError::manifest(what(), format!("has no chain of {n} layers")));
+        }
+        let (image, digest) = if n == self.index.maps.len() {
+            (self.index.image.clone(), self.index.fsverity)
+        } else {
+            let digests: Vec<&Digest> = self.resolved.layers.iter().take(n).map(|l| &l.digest).collect();
+            flatten(&maps, &digests, false)?
+        };
+        let (tree, _) =
+            tilefs_image::erofs::read_image(&image).map_err(|e| OciError::manifest(what(), e.to_string()))?;
+        let objects = artifact::objects_of(&tree);
+        drop(tree);
+        let index = locate(&maps, &objects).map_err(|e| OciError::manifest(what(), e))?;
+        let record = crate::fetch::LazyRecord::for_layers(
+            &self.source,
+            &self.resolved,
+            &self.opts,
+            &maps,
+            index,
+            self.index.trust.clone(),
+        );
+        Ok(Chain {
+            image,
+            digest,
+            objects,
+            record,
+        })
+    }
 }
 
 #[cfg(test)]

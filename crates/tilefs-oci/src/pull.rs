@@ -253,24 +253,9 @@ pub fn image_config(r: &ImageRef, opts: &PullOptions) -> Result<Vec<u8>, OciErro
     Ok(raw)
 }
 
-/// If `r` names a runnable tilefs artifact ([`crate::artifact`]), its
-/// blobs' digests (its layers, each its own diff ID, as its configuration
-/// was checked to say); None for anything else.
-pub fn runnable_layers(r: &ImageRef, opts: &PullOptions) -> Result<Option<Vec<crate::digest::Digest>>, OciError> {
-    let (opened, raw) = open_with_config(r, opts)?;
-    let config = opened.resolved.config.as_ref().expect("checked by open_with_config");
-    if !opened.resolved.artifact || config.media_type == crate::artifact::CONFIG_TYPE {
-        return Ok(None);
-    }
-    let layers: Vec<_> = opened.resolved.layers.iter().map(|l| l.digest.clone()).collect();
-    crate::artifact::parse_runnable_config(&raw, &layers)
-        .map_err(|e| OciError::manifest(format!("configuration {}", config.digest), e))?;
-    Ok(Some(layers))
-}
-
 /// Opens `r` (checked against the signature policy) and reads its
 /// configuration.
-fn open_with_config(r: &ImageRef, opts: &PullOptions) -> Result<(crate::trust::Opened, Vec<u8>), OciError> {
+pub(crate) fn open_with_config(r: &ImageRef, opts: &PullOptions) -> Result<(crate::trust::Opened, Vec<u8>), OciError> {
     let platform = opts.platform.clone().unwrap_or_else(Platform::host);
     let opened = crate::trust::open_checked(r, &registry_options(opts), &opts.trust, &platform)?;
     let what = opened.source.to_string();

@@ -10,6 +10,14 @@
 //! way, use them, and so do the FUSE servers of its snapshots, which are
 //! handed them through a pipe. They are kept in memory only, never
 //! written or logged.
+//!
+//! The proxy also says what the snapshotter makes of each image: a
+//! PullImage is judged by the snapshotter's signature policy before it
+//! goes on (a refusal fails it, with the policy's reason: containerd
+//! would otherwise unpack the image whole), and ImageStatus with
+//! `verbose` (`crictl inspecti`) carries in its `info` under
+//! [`INFO_KEY`] whether the image was served lazily, and how, or why it
+//! was pulled whole.
 
 use k8s_cri::v1::image_service_client::ImageServiceClient;
 use k8s_cri::v1::image_service_server::{ImageService, ImageServiceServer};
@@ -22,15 +30,21 @@ use tilefs_oci::transport::keychain::{self, Secret};
 use tonic::transport::{Channel, Endpoint, Uri};
 use tonic::{Request, Response, Status};
 
-/// The proxy: a client of containerd's image service.
+/// The proxy: a client of containerd's image service, and the snapshotter.
 pub struct Proxy {
     backend: ImageServiceClient<Channel>,
+    snap: crate::Tilefs,
 }
+
+/// The key of ImageStatus's `info` (verbose) that says how the image is
+/// served: a JSON object (crictl shows only those), `{"lazy": BOOL,
+/// "message": "lazy: …" or "pulled whole: …"}`.
+pub const INFO_KEY: &str = "tilefs";
 
 /// The image service to serve, forwarding to the one at `backend` (a unix
 /// socket: containerd's), which is connected to on the first call (and
 /// again after it restarts).
-pub fn server(backend: &Path) -> ImageServiceServer<Proxy> {
+pub fn server(backend: &Path, snap: crate::Tilefs) -> ImageServiceServer<Proxy> {
     let path: PathBuf = backend.to_path_buf();
     // The URI is unused: the connector dials the socket.
     let channel = Endpoint::from_static("http://containerd.invalid").connect_with_connector_lazy(tower::service_fn(
@@ -38,6 +52,7 @@ pub fn server(backend: &Path) -> ImageServiceServer<Proxy> {
     ));
     ImageServiceServer::new(Proxy {
         backend: ImageServiceClient::new(channel),
+        snap,
     })
 }
 
@@ -77,7 +92,21 @@ impl ImageService for Proxy {
     }
 
     async fn image_status(&self, r: Request<ImageStatusRequest>) -> Result<Response<ImageStatusResponse>, Status> {
-        self.backend.clone().image_status(onward(r)).await
+        let verbose = r.get_ref().verbose;
+        let mut answer = self.backend.clone().image_status(onward(r)).await?;
+        // containerd fills `info` only when asked for it (verbose): so does
+        // the proxy.
+        let said = answer
+            .get_ref()
+            .image
+            .as_ref()
+            .filter(|_| verbose)
+            .and_then(|i| self.snap.said_of(&i.repo_digests));
+        if let Some((lazy, message)) = said {
+            let value = serde_json::json!({ "lazy": lazy, "message": message });
+            answer.get_mut().info.insert(INFO_KEY.to_string(), value.to_string());
+        }
+        Ok(answer)
     }
 
     async fn pull_image(&self, r: Request<PullImageRequest>) -> Result<Response<PullImageResponse>, Status> {
@@ -87,6 +116,18 @@ impl ImageService for Proxy {
                 // A name the registry client cannot parse is refused by
                 // containerd too; it says why.
                 let _ = keychain::remember(&image.image, secret);
+            }
+        }
+        if let Some(image) = req.image.as_ref().map(|i| i.image.clone()) {
+            let snap = self.snap.clone();
+            let name = image.clone();
+            let judged = tokio::task::spawn_blocking(move || snap.before_pull(&name))
+                .await
+                .map_err(|e| Status::internal(format!("the snapshotter's worker failed: {e}")))?;
+            if let Err(why) = judged {
+                return Err(Status::permission_denied(format!(
+                    "{image}: the tilefs snapshotter's signature policy refuses it: {why}"
+                )));
             }
         }
         self.backend.clone().pull_image(onward(r)).await

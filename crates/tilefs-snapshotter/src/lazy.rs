@@ -6,6 +6,17 @@
 //! (started by the front end, see [`MountFn`]) that fetches each file on
 //! its first read and checks it before serving a byte.
 //!
+//! An ordinary image with a tilefs index ([`tilefs_oci::lazy_index`]) is
+//! served the same way, but each layer's snapshot has an image of its own:
+//! that of its chain (the layers up to it), made from the index's layer
+//! maps, its files fetched by range from the ordinary layer blobs. The
+//! chain IDs are the image's own (its configuration's diff IDs), which
+//! other images share: the snapshot may be made over any committed
+//! snapshot of the chain below (one containerd unpacked, say), whose
+//! files it does not use. An image without an index (or whose index
+//! cannot be used) is left to containerd's unpack, and why is logged and
+//! kept for CRI's ImageStatus ([`Said`]).
+//!
 //! The labels are not trusted: the snapshot is made only if the chain ID
 //! the artifact's own configuration (fetched by the manifest's digest, under
 //! the signature policy) gives the layer is the one the labels name. Every
@@ -33,7 +44,9 @@
 use std::collections::HashMap;
 use std::path::Path;
 use std::sync::Arc;
+use std::time::{Duration, Instant};
 use tilefs_oci::digest::Digest;
+use tilefs_oci::lazy_index::{LazyKind, LazyPlan};
 use tilefs_oci::pull::PullOptions;
 use tilefs_oci::ImageRef;
 
@@ -67,6 +80,9 @@ pub struct Target {
     /// The image, by its manifest's digest.
     pub reference: ImageRef,
     pub layer: String,
+    /// The image as CRI lists it among its repo digests (`REPO@DIGEST`):
+    /// what is said of it is said under this ([`Said`]).
+    pub repo_digest: String,
 }
 
 impl Target {
@@ -77,15 +93,21 @@ impl Target {
         let manifest = labels.get(LABEL_MANIFEST)?;
         let layer = labels.get(LABEL_LAYER)?;
         Some((|| {
-            Digest::parse(manifest).map_err(|e| format!("label {LABEL_MANIFEST}: {e}"))?;
-            let r = format!("docker://{}@{manifest}", repository(image));
             Ok(Target {
                 name: name.clone(),
-                reference: ImageRef::parse(&r).map_err(|e| format!("label {LABEL_IMAGE_REF}: {e}"))?,
+                reference: by_digest(image, manifest)?,
                 layer: layer.clone(),
+                repo_digest: format!("{}@{manifest}", repository(image)),
             })
         })())
     }
+}
+
+/// `docker://REPO@MANIFEST` of the image CRI names `image` (`REPO[:TAG]`).
+pub fn by_digest(image: &str, manifest: &str) -> Result<ImageRef, String> {
+    Digest::parse(manifest).map_err(|e| format!("label {LABEL_MANIFEST}: {e}"))?;
+    let r = format!("docker://{}@{manifest}", repository(image));
+    ImageRef::parse(&r).map_err(|e| format!("label {LABEL_IMAGE_REF}: {e}"))
 }
 
 /// The name of the lazy snapshot of chain ID `chain` of image
@@ -95,8 +117,33 @@ pub fn snapshot_name(reference: &ImageRef, chain: &str) -> String {
     format!("lazy/{reference}/{chain}")
 }
 
+/// The name of the lazy snapshot of chain ID `chain` of an ordinary image
+/// `reference` over `parent`: [`snapshot_name`] over the image's own lazy
+/// snapshot of the chain below (`below`) or over none,
+/// `lazy/REFERENCE/CHAIN/on/PARENT` over another (a snapshot containerd
+/// unpacked, another image's): containerd's walk looks for it by parent.
+pub fn snapshot_name_on(reference: &ImageRef, chain: &str, parent: &str, below: &str) -> String {
+    match parent.is_empty() || parent == snapshot_name(reference, below) {
+        true => snapshot_name(reference, chain),
+        false => format!("{}/on/{parent}", snapshot_name(reference, chain)),
+    }
+}
+
+/// `image` as CRI names images (and so labels and lists them): a name
+/// without a registry host is Docker Hub's (`docker.io/`, and
+/// `library/` for a name of one component).
+pub fn normalized(image: &str) -> String {
+    let (first, rest) = image.split_once('/').unwrap_or(("", image));
+    let host = first.contains(['.', ':']) || first == "localhost";
+    match (host, first.is_empty()) {
+        (true, _) => image.to_string(),
+        (false, true) => format!("docker.io/library/{rest}"),
+        (false, false) => format!("docker.io/{image}"),
+    }
+}
+
 /// The repository of `HOST/PATH[:TAG][@DIGEST]`.
-fn repository(image_ref: &str) -> &str {
+pub fn repository(image_ref: &str) -> &str {
     let name = image_ref.split('@').next().unwrap_or(image_ref);
     match name.rfind(':') {
         Some(i) if !name[i..].contains('/') => &name[..i],
@@ -119,52 +166,149 @@ pub fn chain_ids(diff_ids: &[Digest]) -> Vec<String> {
     out
 }
 
-/// The blobs of the runnable artifact `r` names (None: it is none),
+/// What a lazy start of each image can go by ([`tilefs_oci::lazy_index::plan`]),
 /// asked of the registry once per manifest: containerd prepares an image's
 /// layers one after another, and a manifest named by its digest never
-/// changes.
+/// changes. That an image is to be pulled whole is remembered a short while
+/// only (an index may be pushed for it since); errors are not remembered.
 #[derive(Default)]
-pub struct Artifacts {
-    known: std::sync::Mutex<HashMap<String, Option<Vec<Digest>>>>,
+pub struct Plans {
+    known: std::sync::Mutex<HashMap<String, (Instant, Arc<LazyPlan>)>>,
 }
 
-impl Artifacts {
-    /// Most manifests remembered.
-    const MAX: usize = 1024;
+impl Plans {
+    /// Most manifests remembered (an index's image and layer maps are
+    /// held: a few MB each for an image of a GB).
+    const MAX: usize = 16;
+    /// How long an image found to be pulled whole is taken to be.
+    const WHOLE_FOR: Duration = Duration::from_secs(30);
 
-    pub fn layers(&self, r: &ImageRef, lazy: &Lazy) -> Result<Option<Vec<Digest>>, String> {
+    pub fn plan(&self, r: &ImageRef, lazy: &Lazy) -> Result<Arc<LazyPlan>, String> {
         let key = r.to_string();
-        if let Some(known) = self.known.lock().unwrap_or_else(|e| e.into_inner()).get(&key) {
-            return Ok(known.clone());
+        if let Some((at, plan)) = self.known.lock().unwrap_or_else(|e| e.into_inner()).get(&key) {
+            if !matches!(plan.kind, LazyKind::Whole(_)) || at.elapsed() < Self::WHOLE_FOR {
+                return Ok(plan.clone());
+            }
         }
-        let layers = tilefs_oci::pull::runnable_layers(r, &lazy.pull).map_err(|e| e.to_string())?;
+        let plan = Arc::new(tilefs_oci::lazy_index::plan(r, &lazy.pull).map_err(|e| e.to_string())?);
+        self.remember(key, plan.clone());
+        Ok(plan)
+    }
+
+    /// Keeps `plan` for the image `key` names (its repository and manifest
+    /// digest, as [`Target::reference`] names it).
+    pub fn remember(&self, key: String, plan: Arc<LazyPlan>) {
         let mut known = self.known.lock().unwrap_or_else(|e| e.into_inner());
         if known.len() >= Self::MAX {
             known.clear();
         }
-        known.insert(key, layers.clone());
-        Ok(layers)
+        known.insert(key, (Instant::now(), plan));
     }
 }
 
-/// Checks `t` against the artifact whose blobs (diff IDs) are `layers`:
-/// the chain IDs of its layers up to `t`'s, the last being `t.name`.
-pub fn check(t: &Target, layers: &[Digest]) -> Result<Vec<String>, String> {
-    let chain = chain_ids(layers);
-    let i = layers
+/// Checks `t` against the image whose layer blobs are `blobs` and diff
+/// IDs `diff_ids` (an artifact's are its blobs): the chain IDs of its
+/// layers up to `t`'s, the last being `t.name`.
+pub fn check(t: &Target, blobs: &[Digest], diff_ids: &[Digest]) -> Result<Vec<String>, String> {
+    let chain = chain_ids(diff_ids);
+    let mut at = blobs
         .iter()
-        .position(|l| l.to_string() == t.layer)
+        .enumerate()
+        .filter(|(_, l)| l.to_string() == t.layer)
+        .map(|(i, _)| i);
+    let first = at
+        .next()
         .ok_or_else(|| format!("label {LABEL_LAYER} names {}, no layer of {}", t.layer, t.reference))?;
-    if chain[i] != t.name {
-        return Err(format!(
-            "label {LABEL_TARGET} names {}, but layer {} of {} has chain ID {}",
-            t.name,
-            i + 1,
-            t.reference,
-            chain[i]
-        ));
-    }
+    // A blob listed twice is two layers of two chains.
+    let i = std::iter::once(first)
+        .chain(at)
+        .find(|&i| chain[i] == t.name)
+        .ok_or_else(|| {
+            format!(
+                "label {LABEL_TARGET} names {}, but layer {} of {} has chain ID {}",
+                t.name,
+                first + 1,
+                t.reference,
+                chain[first]
+            )
+        })?;
     Ok(chain[..=i].to_vec())
+}
+
+/// What became of the images CRI pulled through the snapshotter, by repo
+/// digest (`REPO@DIGEST`): served lazily (how), or pulled whole (why).
+/// CRI's image service proxy ([`crate::cri`]) shows it in ImageStatus, so
+/// that `crictl inspecti` says it; in memory, the latest images only.
+#[derive(Default)]
+pub struct Said {
+    inner: std::sync::Mutex<SaidInner>,
+}
+
+#[derive(Default)]
+struct SaidInner {
+    of: HashMap<String, Outcome>,
+    /// The repo digest of an image by its index's (a multi-platform
+    /// image's tag names an index; its layers' labels its platform's
+    /// manifest).
+    alias: HashMap<String, String>,
+}
+
+#[derive(Default)]
+struct Outcome {
+    lazy: Option<String>,
+    /// Why layers were unpacked whole, each reason once.
+    whole: Vec<String>,
+}
+
+impl Said {
+    const MAX: usize = 1024;
+
+    fn with(&self, f: impl FnOnce(&mut SaidInner)) {
+        let mut s = self.inner.lock().unwrap_or_else(|e| e.into_inner());
+        if s.of.len() >= Self::MAX || s.alias.len() >= Self::MAX {
+            *s = SaidInner::default();
+        }
+        f(&mut s)
+    }
+
+    /// A pull of the image `repo_digest` (and `top`, its index's) begins:
+    /// what an earlier one said goes.
+    pub fn begin(&self, repo_digest: &str, top: Option<&str>) {
+        self.with(|s| {
+            s.of.remove(repo_digest);
+            if let Some(top) = top.filter(|t| *t != repo_digest) {
+                s.alias.insert(top.to_string(), repo_digest.to_string());
+            }
+        })
+    }
+
+    pub fn lazy(&self, repo_digest: &str, how: String) {
+        self.with(|s| s.of.entry(repo_digest.to_string()).or_default().lazy = Some(how))
+    }
+
+    pub fn whole(&self, repo_digest: &str, why: String) {
+        self.with(|s| {
+            let o = s.of.entry(repo_digest.to_string()).or_default();
+            if !o.whole.contains(&why) {
+                o.whole.push(why);
+            }
+        })
+    }
+
+    /// What is said of the image with these repo digests, if anything:
+    /// whether every layer it had prepared was served lazily, and how (or
+    /// why not).
+    pub fn of(&self, repo_digests: &[String]) -> Option<(bool, String)> {
+        let s = self.inner.lock().unwrap_or_else(|e| e.into_inner());
+        let o = repo_digests
+            .iter()
+            .find_map(|d| s.of.get(d).or_else(|| s.of.get(s.alias.get(d)?)))?;
+        Some(match (&o.lazy, o.whole.as_slice()) {
+            (Some(l), []) => (true, l.clone()),
+            (None, w) => (false, format!("pulled whole: {}", w.join("; "))),
+            (Some(l), w) => (false, format!("{l}; but layers unpacked whole: {}", w.join("; "))),
+        })
+    }
 }
 
 #[cfg(test)]
@@ -185,6 +329,35 @@ mod tests {
         assert_eq!(repository("127.0.0.1:5000/app:v1"), "127.0.0.1:5000/app");
         assert_eq!(repository("127.0.0.1:5000/app"), "127.0.0.1:5000/app");
         assert_eq!(repository("docker.io/library/x:1@sha256:ab"), "docker.io/library/x");
+    }
+
+    #[test]
+    fn names_are_normalized_as_cri_lists_them() {
+        assert_eq!(normalized("busybox:1"), "docker.io/library/busybox:1");
+        assert_eq!(normalized("team/app"), "docker.io/team/app");
+        assert_eq!(normalized("127.0.0.1:5000/app:v1"), "127.0.0.1:5000/app:v1");
+        assert_eq!(normalized("localhost/app"), "localhost/app");
+        assert_eq!(normalized("reg.example/a/b@sha256:ab"), "reg.example/a/b@sha256:ab");
+    }
+
+    #[test]
+    fn what_is_said_of_an_image_gathers_its_layers() {
+        let said = Said::default();
+        let (img, top) = ("r/app@sha256:aa", "r/app@sha256:bb");
+        said.begin(img, Some(top));
+        assert_eq!(said.of(&[top.to_string()]), None);
+        said.whole(img, "no index".into());
+        said.whole(img, "no index".into());
+        let of = |d: &str| said.of(&["other".into(), d.to_string()]);
+        assert_eq!(of(top), Some((false, "pulled whole: no index".into())));
+        said.lazy(img, "lazy: x".into());
+        assert_eq!(
+            of(img),
+            Some((false, "lazy: x; but layers unpacked whole: no index".into()))
+        );
+        said.begin(img, None);
+        said.lazy(img, "lazy: x".into());
+        assert_eq!(of(img), Some((true, "lazy: x".into())));
     }
 
     #[test]

@@ -29,9 +29,10 @@
 //!   reads the parents only for directories' metadata) gets the pending
 //!   uppers as lower directories; any other mount waits for the worker,
 //!   which changes the owner and mode of the files it moves.
-//! - CRI's lazy path ([`lazy`]): a layer of a runnable tilefs artifact
-//!   becomes a committed snapshot at once, from the artifact's image and
-//!   index; containers on it read through a FUSE mount of the image that
+//! - CRI's lazy path ([`lazy`]): a layer of a runnable tilefs artifact,
+//!   or of an ordinary image with a tilefs index, becomes a committed
+//!   snapshot at once, from the artifact's image and index (from the
+//!   index's layer maps); containers on it read through a FUSE mount of the image that
 //!   fetches files on first read, below their overlay. A Commit over such
 //!   an image keeps its upper directory as its layer (flattening the chain
 //!   would fetch the whole image), a lower directory of the mounts above.
@@ -60,6 +61,7 @@ use std::sync::{Arc, Mutex};
 use std::time::SystemTime;
 use tilefs_oci::apply::Applier;
 use tilefs_oci::compat;
+use tilefs_oci::lazy_index::LazyKind;
 use tilefs_store::ingest::{Ingest, Method};
 use tilefs_store::owned::{self, Holder};
 use tilefs_store::{tags, Store};
@@ -135,7 +137,9 @@ struct Shared {
     jobs: Mutex<Option<std::sync::mpsc::Sender<Job>>>,
     /// CRI's lazy path, if the front end offers it.
     lazy: Option<lazy::Lazy>,
-    artifacts: lazy::Artifacts,
+    plans: lazy::Plans,
+    /// What became of the images CRI pulled (for its ImageStatus).
+    said: lazy::Said,
     /// The lazy snapshot a Prepare for each (chain ID, parent) was last
     /// answered with: containerd's walk that follows is shown that one
     /// alone (see [`lazy`]).
@@ -294,7 +298,8 @@ impl Tilefs {
                 changed: std::sync::Condvar::new(),
                 jobs: Mutex::new(None),
                 lazy,
-                artifacts: lazy::Artifacts::default(),
+                plans: lazy::Plans::default(),
+                said: lazy::Said::default(),
                 lazy_claims: Mutex::new(HashMap::new()),
                 walked: std::sync::Condvar::new(),
                 mounting: Mutex::new(HashMap::new()),
@@ -330,6 +335,51 @@ impl Tilefs {
 
     pub fn root(&self) -> &Path {
         &self.s.root
+    }
+
+    /// Before CRI's pull of `image` (as CRI names it) goes on to
+    /// containerd, through the image service proxy ([`cri`]): the image is
+    /// judged by the signature policy (Err: the policy's refusal) and what
+    /// its lazy start can go by is found now, for the Prepares that follow;
+    /// what an earlier pull of it said is forgotten. Any other failure is
+    /// left to containerd's pull (and the Prepares) to meet.
+    pub fn before_pull(&self, image: &str) -> Result<(), String> {
+        let Some(lz) = &self.s.lazy else {
+            return Ok(());
+        };
+        let image = lazy::normalized(image);
+        let Ok(r) = tilefs_oci::ImageRef::parse(&format!("docker://{image}")) else {
+            return Ok(());
+        };
+        match tilefs_oci::lazy_index::plan(&r, &lz.pull) {
+            Ok(plan) => {
+                let Some(m) = plan.manifest_digest.as_ref().map(|d| d.to_string()) else {
+                    return Ok(());
+                };
+                let repo = lazy::repository(&image);
+                let top = plan.top_digest.as_ref().map(|d| format!("{repo}@{d}"));
+                self.s.said.begin(&format!("{repo}@{m}"), top.as_deref());
+                if let Ok(key) = lazy::by_digest(&image, &m) {
+                    self.s.plans.remember(key.to_string(), Arc::new(plan));
+                }
+                Ok(())
+            }
+            Err(tilefs_oci::OciError::Refused(why)) => {
+                eprintln!("tilefs snapshotter: {image}: refused: {why}");
+                Err(why)
+            }
+            Err(e) => {
+                eprintln!("tilefs snapshotter: {image}: {e} (containerd's pull goes on)");
+                Ok(())
+            }
+        }
+    }
+
+    /// What became of the image with these repo digests (CRI's), if the
+    /// snapshotter knows: how it is served lazily, or why it was pulled
+    /// whole.
+    pub fn said_of(&self, repo_digests: &[String]) -> Option<(bool, String)> {
+        self.s.said.of(repo_digests)
     }
 }
 
@@ -449,24 +499,33 @@ impl Shared {
         }
         if kind == SnapKind::Active {
             if let (Some(lz), Some(target)) = (&self.lazy, lazy::Target::of(&labels)) {
-                match target
-                    .map_err(NotLazy::Because)
-                    .and_then(|t| self.make_lazy(&t, &parent, &labels, lz))
-                {
-                    Ok(Some(name)) => {
+                let t = match target {
+                    Ok(t) => Some(t),
+                    Err(e) => {
+                        eprintln!("tilefs snapshotter: {key:?}: not served lazily: {e}");
+                        None
+                    }
+                };
+                let whole = |t: &lazy::Target, why: &str| self.said.whole(&t.repo_digest, why.to_string());
+                match t.map(|t| (self.make_lazy(&t, &parent, &labels, lz), t)) {
+                    Some((Ok(name), _)) => {
                         return Err(Error::new(
                             Code::AlreadyExists,
                             format!("target snapshot {name:?} exists (served lazily)"),
                         ))
                     }
-                    Ok(None) => {}
                     // containerd unpacks it then, as any image.
-                    Err(NotLazy::Because(e)) => eprintln!("tilefs snapshotter: {key:?}: not served lazily: {e}"),
+                    Some((Err(NotLazy::Because(e)), t)) => {
+                        eprintln!("tilefs snapshotter: {key:?}: not served lazily: {e}");
+                        whole(&t, &e);
+                    }
                     // An artifact containerd cannot unpack: its error.
-                    Err(NotLazy::Failed(e)) => {
+                    Some((Err(NotLazy::Failed(e)), t)) => {
                         eprintln!("tilefs snapshotter: {key:?}: {e}");
+                        whole(&t, &e);
                         return Err(Error::new(Code::Unavailable, e));
                     }
+                    None => {}
                 }
             }
         }
@@ -516,6 +575,7 @@ impl Shared {
             pending: false,
             lazy: false,
             kept: false,
+            indexed: false,
         };
         if let Err(e) = state::save(&self.root, &r) {
             let _ = std::fs::remove_dir_all(&dir);
@@ -537,28 +597,55 @@ impl Shared {
     }
 
     /// CRI's lazy path: if `t` names a layer of a runnable tilefs artifact
-    /// (checked, see [`lazy::check`]), the committed snapshot of the whole
-    /// image for `t`'s reference ([`lazy::snapshot_name`]), made now (or
-    /// found made), and its name, claimed for containerd's walk.
+    /// or of an ordinary image with a tilefs index (checked, see
+    /// [`lazy::check`]), the committed snapshot of it for `t`'s reference
+    /// ([`lazy::snapshot_name`]), made now (or found made), and its name,
+    /// claimed for containerd's walk.
     fn make_lazy(
         self: &Arc<Self>,
         t: &lazy::Target,
         parent: &str,
         labels: &HashMap<String, String>,
         lz: &lazy::Lazy,
-    ) -> Result<Option<String>, NotLazy> {
-        let name = lazy::snapshot_name(&t.reference, &t.name);
-        let claim = |name: &str| {
-            self.claim_lazy(&t.name, parent, name);
-            Ok(Some(name.to_string()))
+    ) -> Result<String, NotLazy> {
+        let made = [
+            lazy::snapshot_name(&t.reference, &t.name),
+            lazy::snapshot_name_on(&t.reference, &t.name, parent, ""),
+        ];
+        let found = {
+            let inner = self.lock();
+            made.into_iter()
+                .find(|n| inner.by_key.get(n).is_some_and(|r| r.lazy && r.parent == parent))
         };
-        if self.lock().by_key.get(&name).is_some_and(|r| r.lazy) {
-            return claim(&name);
+        if let Some(name) = found {
+            self.said.lazy(&t.repo_digest, format!("lazy: {name} was made before"));
+            self.claim_lazy(&t.name, parent, &name);
+            return Ok(name);
         }
-        let Some(layers) = self.artifacts.layers(&t.reference, lz).map_err(NotLazy::Because)? else {
-            return Ok(None);
+        let plan = self.plans.plan(&t.reference, lz).map_err(NotLazy::Because)?;
+        let (name, how) = match &plan.kind {
+            LazyKind::Artifact(layers) => self.make_lazy_artifact(t, parent, labels, lz, layers)?,
+            LazyKind::Indexed(image) => self.make_lazy_indexed(t, parent, labels, image)?,
+            LazyKind::Whole(why) => return Err(NotLazy::Because(why.clone())),
         };
-        let chain = lazy::check(t, &layers).map_err(NotLazy::Because)?;
+        self.said.lazy(&t.repo_digest, how);
+        self.claim_lazy(&t.name, parent, &name);
+        Ok(name)
+    }
+
+    /// [`Shared::make_lazy`] of a layer of the runnable artifact whose
+    /// blobs are `layers`: every layer shows the whole image, which the
+    /// first pulls. The name, and how it is served.
+    fn make_lazy_artifact(
+        self: &Arc<Self>,
+        t: &lazy::Target,
+        parent: &str,
+        labels: &HashMap<String, String>,
+        lz: &lazy::Lazy,
+        layers: &[tilefs_oci::digest::Digest],
+    ) -> Result<(String, String), NotLazy> {
+        let name = lazy::snapshot_name(&t.reference, &t.name);
+        let chain = lazy::check(t, layers, layers).map_err(NotLazy::Because)?;
         let below = chain
             .len()
             .checked_sub(2)
@@ -583,11 +670,7 @@ impl Shared {
         };
         // From here it is the artifact's layer: a failure is the Prepare's.
         let failed = |e: String| NotLazy::Failed(format!("layer of {}: {e}", t.reference));
-        let id = {
-            let mut inner = self.lock();
-            inner.next_id += 1;
-            inner.next_id - 1
-        };
+        let id = self.new_id();
         let store = Store::open(&self.store).map_err(|e| failed(e.to_string()))?;
         let started = std::time::Instant::now();
         let tag = self.tag(id);
@@ -606,10 +689,116 @@ impl Shared {
                 Some(report.digest)
             }
         };
+        let r = Self::lazy_record(id, &name, parent, labels, image, false);
+        if !self.insert_lazy(r, pulled).map_err(failed)? {
+            let _ = self.remove_tag(id);
+        }
+        eprintln!(
+            "tilefs snapshotter: {name:?}: layer {} of {} made lazily ({:.2} s)",
+            chain.len(),
+            t.reference,
+            started.elapsed().as_secs_f64()
+        );
+        Ok((name, format!("lazy: {} is a runnable tilefs image", t.reference)))
+    }
+
+    /// [`Shared::make_lazy`] of a layer of an ordinary image with a tilefs
+    /// index: the image of its chain made from the index's layer maps
+    /// (nothing of the layers fetched), its files placed in the layer blobs
+    /// for the FUSE server to fetch by range. A failure leaves the layer to
+    /// containerd, which can unpack it.
+    fn make_lazy_indexed(
+        self: &Arc<Self>,
+        t: &lazy::Target,
+        parent: &str,
+        labels: &HashMap<String, String>,
+        img: &tilefs_oci::lazy_index::IndexedImage,
+    ) -> Result<(String, String), NotLazy> {
+        let blobs: Vec<_> = img.resolved.layers.iter().map(|l| l.digest.clone()).collect();
+        let chain = lazy::check(t, &blobs, &img.diff_ids).map_err(NotLazy::Because)?;
+        let n = chain.len();
+        // The parent's files are not used (the chain's image holds them
+        // all): any committed snapshot of the chain below will do, the
+        // image's own lazy one or one containerd unpacked.
+        if (n == 1) != parent.is_empty() {
+            return Err(NotLazy::Because(format!(
+                "layer {n} of {} over parent {parent:?}",
+                t.reference
+            )));
+        }
+        if !parent.is_empty()
+            && self
+                .lock()
+                .by_key
+                .get(parent)
+                .is_none_or(|p| p.kind != SnapKind::Committed)
+        {
+            return Err(NotLazy::Because(format!(
+                "its parent {parent:?} is no committed snapshot"
+            )));
+        }
+        let below = n.checked_sub(2).map(|i| chain[i].as_str()).unwrap_or_default();
+        let name = lazy::snapshot_name_on(&t.reference, &t.name, parent, below);
+        let index = &img.index.manifest_digest;
+        let failed = |e: String| NotLazy::Because(format!("layer {n} of {} through index {index}: {e}", t.reference));
+        let id = self.new_id();
+        let started = std::time::Instant::now();
+        let tag = self.tag(id);
+        let absent = (|| -> Result<usize, String> {
+            let store = Store::open(&self.store).map_err(|e| e.to_string())?;
+            let c = img.chain(n).map_err(|e| e.to_string())?;
+            let absent = tilefs_store::presence::absent(&store, c.objects.iter().map(|o| o.digest)).len();
+            if absent > 0 {
+                c.record.save(&store, &c.digest).map_err(|e| e.to_string())?;
+            }
+            tilefs_oci::trust::save_evidence(&store, &c.digest, &img.resolved).map_err(|e| e.to_string())?;
+            owned::write_root(&store, &self.holder, &tag, &c.image).map_err(|e| e.to_string())?;
+            if absent == 0 {
+                tilefs_store::remote::forget(&store, &c.digest).map_err(|e| e.to_string())?;
+            }
+            let r = Self::lazy_record(id, &name, parent, labels, Some(hex::encode(c.digest)), true);
+            // The top layer's image is the one containers run on.
+            if !self.insert_lazy(r, n == blobs.len())? {
+                let _ = self.remove_tag(id);
+            }
+            Ok(absent)
+        })()
+        .map_err(|e| {
+            let _ = self.remove_tag(id);
+            failed(e)
+        })?;
+        eprintln!(
+            "tilefs snapshotter: {name:?}: layer {n} of {} made lazily through index {index}, {absent} files to \
+             fetch on first read ({:.2} s)",
+            t.reference,
+            started.elapsed().as_secs_f64()
+        );
+        let how = match &img.index.trust {
+            Some(_) => "accepted by the signature policy as the image",
+            None => "not judged by a signature policy",
+        };
+        Ok((name, format!("lazy: through tilefs index {index} ({how})")))
+    }
+
+    fn new_id(&self) -> u64 {
+        let mut inner = self.lock();
+        inner.next_id += 1;
+        inner.next_id - 1
+    }
+
+    /// The record of a committed snapshot made lazily.
+    fn lazy_record(
+        id: u64,
+        name: &str,
+        parent: &str,
+        labels: &HashMap<String, String>,
+        image: Option<String>,
+        indexed: bool,
+    ) -> Record {
         let now = SystemTime::now();
-        let r = Record {
+        Record {
             id,
-            key: name.clone(),
+            key: name.to_string(),
             kind: SnapKind::Committed,
             parent: parent.to_string(),
             labels: labels.clone(),
@@ -621,44 +810,40 @@ impl Shared {
             pending: false,
             lazy: true,
             kept: false,
-        };
-        let mut inner = self.lock();
-        if inner.by_key.contains_key(&name) {
-            // Made meanwhile by another Prepare.
-            drop(inner);
-            let _ = self.remove_tag(id);
-            return claim(&name);
+            indexed,
         }
-        state::save(&self.root, &r).map_err(failed)?;
-        let first = pulled.then(|| r.clone());
-        inner.by_key.insert(name.clone(), r);
+    }
+
+    /// Saves and keeps `r`, unless a snapshot of its name was made
+    /// meanwhile (by another Prepare): whether it was. With `mount`, its
+    /// image's FUSE server starts now, while containerd prepares the
+    /// other layers, not when the container's Mounts comes.
+    fn insert_lazy(self: &Arc<Self>, r: Record, mount: bool) -> Result<bool, String> {
+        let mut inner = self.lock();
+        if inner.by_key.contains_key(&r.key) {
+            return Ok(false);
+        }
+        state::save(&self.root, &r)?;
+        inner.by_key.insert(r.key.clone(), r.clone());
         drop(inner);
-        // The image's FUSE server starts while containerd prepares the
-        // other layers, not when the container's Mounts comes.
-        if let Some(first) = first {
+        if mount {
             let me = self.clone();
             std::thread::spawn(move || {
                 // Locks in the order Mounts takes them; a Remove that came
                 // first leaves nothing to mount, one after waits for this.
                 let inner = me.lock();
-                if inner.by_key.get(&first.key).is_none_or(|r| r.id != first.id) {
+                if inner.by_key.get(&r.key).is_none_or(|x| x.id != r.id) {
                     return;
                 }
-                let lock = me.mount_lock(first.id);
+                let lock = me.mount_lock(r.id);
                 let _one = lock.lock().unwrap_or_else(|e| e.into_inner());
                 drop(inner);
-                if let Err(e) = me.mount_image(&first) {
-                    eprintln!("tilefs snapshotter: {:?}: {}", first.key, e.msg);
+                if let Err(e) = me.mount_image(&r) {
+                    eprintln!("tilefs snapshotter: {:?}: {}", r.key, e.msg);
                 }
             });
         }
-        eprintln!(
-            "tilefs snapshotter: {name:?}: layer {} of {} made lazily ({:.2} s)",
-            chain.len(),
-            t.reference,
-            started.elapsed().as_secs_f64()
-        );
-        claim(&name)
+        Ok(true)
     }
 
     /// Makes `name` the lazy snapshot containerd's walk for chain ID
@@ -902,7 +1087,7 @@ impl Shared {
     /// parent outlives its children).
     fn image_owner<'a>(inner: &'a Inner, r: &'a Record) -> &'a Record {
         let mut at = r;
-        while at.lazy {
+        while at.lazy && !at.indexed {
             match inner.by_key.get(&at.parent) {
                 Some(p) if p.lazy => at = p,
                 _ => break,
@@ -1790,7 +1975,7 @@ pub fn serve(cfg: &Config, lazy: Option<lazy::Lazy>, ready: impl FnOnce(&Path)) 
         let incoming = tokio_stream::wrappers::UnixListenerStream::new(listener);
         let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
         let shared = snap.s.clone();
-        let images = cfg.cri_image_service.as_deref().map(cri::server);
+        let images = cfg.cri_image_service.as_deref().map(|b| cri::server(b, snap.clone()));
         let mut server = tokio::spawn(
             tonic::transport::Server::builder()
                 .add_service(containerd_snapshots::server(Arc::new(snap)))

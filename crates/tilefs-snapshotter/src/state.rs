@@ -59,6 +59,11 @@ pub struct Record {
     /// without fetching every file of the lazy image).
     #[serde(default)]
     pub kept: bool,
+    /// A snapshot made lazily from an ordinary image's tilefs index: its
+    /// image is its own chain's (an artifact's layers above the first show
+    /// the first's).
+    #[serde(default)]
+    pub indexed: bool,
 }
 
 pub const METADATA: &str = "metadata";
