@@ -76,7 +76,10 @@ done
     cargo test -q --release --locked -p tilefs-vhost --test chains the_fuzz_seeds_are_well_formed_queues >/dev/null)
 (cd "$here/.." && TILEFS_WRITE_SEEKABLE_SEEDS="$corpus" \
     cargo test -q --release --locked -p tilefs-seekable --test toc fuzz_seeds_are_valid_inputs >/dev/null)
+# oci_toc_lazy takes seekable_toc's inputs (a table, made into a lazy image).
+mkdir -p "$corpus/oci_toc_lazy"
+cp "$corpus/seekable_toc"/* "$corpus/oci_toc_lazy/"
 for t in parse_dump read_image roundtrip_image oci_layer virtio_request \
-    seekable_index seekable_gzip seekable_zstd seekable_toc seekable_footer; do
+    seekable_index seekable_gzip seekable_zstd seekable_toc seekable_footer oci_toc_lazy; do
     echo "$t: $(ls "$corpus/$t" | wc -l) seeds"
 done

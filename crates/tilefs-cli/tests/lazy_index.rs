@@ -11,53 +11,13 @@
 mod common;
 
 use common::oci::*;
-use common::registry::{Pass, Registry, Relay};
+use common::registry::{curl_put, Pass, Registry, Relay};
 use common::*;
 use std::fs;
-use std::io::Write;
 use std::path::Path;
-use std::process::{Command, Stdio};
+use std::process::Command;
 use std::sync::atomic::{AtomicBool, Ordering::Relaxed};
 use std::sync::{Arc, Mutex};
-
-/// Uploads `data` as a blob of `repo` with curl (a session, then one PUT).
-fn upload_blob(r: &Registry, repo: &str, data: &[u8]) -> (String, usize) {
-    let digest = format!("sha256:{}", sha256_hex(data));
-    let out = Command::new("curl")
-        .args(["-sf", "-D", "-", "-o", "/dev/null", "-X", "POST"])
-        .arg(format!("http://{}/v2/{repo}/blobs/uploads/", r.addr))
-        .output()
-        .unwrap();
-    assert!(out.status.success());
-    let headers = String::from_utf8_lossy(&out.stdout);
-    let location = headers
-        .lines()
-        .find_map(|l| l.strip_prefix("Location: ").or_else(|| l.strip_prefix("location: ")))
-        .unwrap()
-        .trim()
-        .to_string();
-    let sep = if location.contains('?') { '&' } else { '?' };
-    let url = match location.starts_with("http") {
-        true => format!("{location}{sep}digest={digest}"),
-        false => format!("http://{}{location}{sep}digest={digest}", r.addr),
-    };
-    curl_put(&url, "application/octet-stream", data, "PUT");
-    (digest, data.len())
-}
-
-/// PUTs (or POSTs) `data` to `url` with curl, which must succeed.
-fn curl_put(url: &str, content_type: &str, data: &[u8], method: &str) {
-    let mut child = Command::new("curl")
-        .args(["-sf", "-X", method, "-H"])
-        .arg(format!("Content-Type: {content_type}"))
-        .args(["--data-binary", "@-", url])
-        .stdin(Stdio::piped())
-        .stdout(Stdio::null())
-        .spawn()
-        .unwrap();
-    child.stdin.take().unwrap().write_all(data).unwrap();
-    assert!(child.wait().unwrap().success(), "{method} {url}");
-}
 
 fn get(r: &Registry, path: &str, accept: &str) -> Vec<u8> {
     let out = Command::new("curl")
@@ -76,8 +36,8 @@ const OCI_INDEX: &str = "application/vnd.oci.image.index.v1+json";
 /// Another tool's referrer of `subject` in `repo`, listed in the fallback
 /// tag as such a tool lists it.
 fn other_referrer(r: &Registry, repo: &str, subject: &str, subject_size: usize) -> String {
-    let (cd, cs) = upload_blob(r, repo, b"{}");
-    let (ld, ls) = upload_blob(r, repo, b"a signature, say");
+    let (cd, cs) = r.upload_blob(repo, b"{}");
+    let (ld, ls) = r.upload_blob(repo, b"a signature, say");
     let manifest = serde_json::to_vec(&serde_json::json!({
         "schemaVersion": 2, "mediaType": OCI_MANIFEST, "artifactType": "application/x.other",
         "config": {"mediaType": "application/vnd.oci.empty.v1+json", "digest": cd, "size": cs},

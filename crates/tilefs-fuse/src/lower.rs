@@ -414,9 +414,13 @@ impl Lower {
             // Not fetched yet (a lazily pulled image): fetched, checked
             // against its name and stored whole, then opened as any other.
             Err(ObjectError::Open(e)) if e.kind() == std::io::ErrorKind::NotFound && self.fetcher.is_some() => {
+                // (An image pulled from a table of contents names a file
+                // not fetched yet by the SHA-256 of its contents: its
+                // source knows it by that.)
                 let digest = inode
                     .digest
                     .or_else(|| tilefs_store::parse_object_rel(payload))
+                    .or_else(|| tilefs_store::alias::parse_alias_rel(payload))
                     .ok_or(ObjectError::Open(e))?;
                 let fetcher = self.fetcher.as_ref().expect("checked above");
                 tilefs_fuse_proto::may_block();

@@ -612,7 +612,7 @@ const RECORD_VERSION: u32 = 3;
 /// it could send them to another host, or over plain HTTP. It must be the
 /// user's (or root's) and writable by no one else, in a store that is the
 /// user's (or root's).
-fn untrusted(store: &Store, record: &std::fs::File) -> Option<String> {
+pub(crate) fn untrusted(store: &Store, record: &std::fs::File) -> Option<String> {
     let me = rustix::process::geteuid().as_raw();
     let stat = |fd| rustix::fs::fstat(fd).map_err(|e| format!("cannot stat: {e}"));
     let (dir, file) = match (stat(store.dir_fd()), stat(record.as_fd())) {
@@ -802,6 +802,37 @@ impl LazyRecord {
     }
 }
 
+/// The transport of a lazy record's fetches from `source`, once the
+/// signature policy accepts the image (and its index) again: only an image
+/// it accepts is fetched. The record keeps the timeout only: the default
+/// --min-rate.
+pub(crate) fn open_transport(
+    source: &str,
+    tls_verify: bool,
+    timeout: Duration,
+    trust: Option<&crate::trust::TrustRecord>,
+    index_trust: Option<&crate::trust::TrustRecord>,
+) -> Result<Box<dyn Transport>, String> {
+    let r = ImageRef::parse(source).map_err(|e| e.to_string())?;
+    let opts = RegistryOptions {
+        tls_verify,
+        timeout,
+        ..RegistryOptions::default()
+    };
+    if let ImageRef::Registry { .. } = r {
+        let trust = trust.ok_or_else(|| {
+            "the record does not say how the image passed the signature policy: pull it again".to_string()
+        })?;
+        crate::trust::recheck(trust, source, &opts)
+            .map_err(|e| format!("the signature policy refuses the image now: {e}"))?;
+        if let Some(index) = index_trust {
+            crate::trust::recheck(index, source, &opts)
+                .map_err(|e| format!("the signature policy refuses the image's index now: {e}"))?;
+        }
+    }
+    transport::open(&r, &opts).map_err(|e| e.to_string())
+}
+
 /// Fetches the objects of a lazily pulled image as a FUSE mount needs
 /// them. The transport (a registry client and its threads) starts on the
 /// first fetch, so a server that forks into the background starts it in
@@ -885,26 +916,14 @@ impl LazySource {
         if let Some(t) = self.transport.get() {
             return Ok(t.as_ref());
         }
-        let r = ImageRef::parse(&self.record.source).map_err(|e| e.to_string())?;
-        // The default --min-rate: the record keeps the timeout only.
-        let opts = RegistryOptions {
-            tls_verify: self.record.tls_verify,
-            timeout: self.timeout(),
-            ..RegistryOptions::default()
-        };
-        // Only an image the policy accepts is fetched.
-        if let ImageRef::Registry { .. } = r {
-            let trust = self.record.trust.as_ref().ok_or_else(|| {
-                "the record does not say how the image passed the signature policy: pull it again".to_string()
-            })?;
-            crate::trust::recheck(trust, &self.record.source, &opts)
-                .map_err(|e| format!("the signature policy refuses the image now: {e}"))?;
-            if let Some(index) = &self.record.index_trust {
-                crate::trust::recheck(index, &self.record.source, &opts)
-                    .map_err(|e| format!("the signature policy refuses the image's index now: {e}"))?;
-            }
-        }
-        let t = transport::open(&r, &opts).map_err(|e| e.to_string())?;
+        let r = &self.record;
+        let t = open_transport(
+            &r.source,
+            r.tls_verify,
+            self.timeout(),
+            r.trust.as_ref(),
+            r.index_trust.as_ref(),
+        )?;
         Ok(self.transport.get_or_init(|| t).as_ref())
     }
 

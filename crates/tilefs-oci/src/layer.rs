@@ -572,7 +572,7 @@ fn meta_of(header: &tar::Header, pax: &[(Vec<u8>, Vec<u8>)]) -> Result<Meta, Str
 }
 
 /// What an entry's name makes it, whatever its type.
-enum Marker {
+pub(crate) enum Marker {
     /// Neither a whiteout nor an opaque marker.
     No,
     /// Bookkeeping of old tools (other `.wh..wh.` names, aufs hardlink
@@ -585,7 +585,7 @@ enum Marker {
 
 /// Tells whiteouts and opaque markers by their last name, and judges them
 /// by the path they remove or hide.
-fn marker(path: &[Vec<u8>]) -> Result<Marker, String> {
+pub(crate) fn marker(path: &[Vec<u8>]) -> Result<Marker, String> {
     let Some(last) = path.last() else {
         return Ok(Marker::No);
     };

@@ -23,6 +23,8 @@
 //!   they start lazily unconverted; [`referrers`]: how an index is listed
 //!   beside its image (the referrers API, or the fallback tag);
 //!   `layer_fetch`: objects read out of byte ranges of ordinary layers;
+//! - [`toc_lazy`]: eStargz and zstd:chunked images pulled lazily as they
+//!   are, from their layers' tables of contents;
 //! - [`trust`]: the signature policy, registries.d and registries.conf on
 //!   every path that brings an image in, and signing on push.
 
@@ -42,6 +44,7 @@ pub mod pull;
 pub mod push;
 pub mod reference;
 pub mod referrers;
+pub mod toc_lazy;
 pub mod transport;
 pub mod trust;
 

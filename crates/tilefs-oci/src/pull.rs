@@ -118,7 +118,15 @@ pub fn pull(store: &Store, r: &ImageRef, tag: &str, opts: &PullOptions) -> Resul
     if opts.lazy {
         match crate::lazy_index::pull_indexed(store, r, &resolved, tag, opts, &progress)? {
             Ok(report) => return Ok(report),
-            Err(why) => lazy_fallback = Some(why),
+            // Without an index, an eStargz or zstd:chunked image starts
+            // lazily from its tables of contents.
+            Err(why) => match crate::toc_lazy::pull_toc(store, r, &resolved, tag, opts, &progress)? {
+                crate::toc_lazy::TocPull::Pulled(report) => return Ok(*report),
+                crate::toc_lazy::TocPull::NotToc => lazy_fallback = Some(why),
+                crate::toc_lazy::TocPull::Unusable(toc_why) => {
+                    lazy_fallback = Some(format!("{why}, and its tables of contents cannot be used: {toc_why}"))
+                }
+            },
         }
     }
     if let Some(config) = &resolved.config {

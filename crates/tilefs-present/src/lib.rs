@@ -248,9 +248,9 @@ fn lazy_missing(store: &Store, image: &Path) -> Result<Option<tilefs_store::remo
 
 /// The source of a lazily pulled image's objects, for its FUSE server.
 fn fetcher(store: &Path, image: &[u8; 32]) -> Result<Option<tilefs_fuse::Fetcher>, String> {
-    Ok(tilefs_oci::fetch::LazySource::open(store, image)
+    Ok(tilefs_oci::toc_lazy::open_source(store, image)
         .map_err(|e| e.to_string())?
-        .map(|src| tilefs_fuse::Fetcher(std::sync::Arc::new(src))))
+        .map(tilefs_fuse::Fetcher))
 }
 
 fn read_image(image: &Path) -> Result<Option<Vec<u8>>, Error> {

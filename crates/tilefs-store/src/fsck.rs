@@ -33,6 +33,9 @@ pub struct FsckOptions {
 pub struct FsckReport {
     pub objects: u64,
     pub bytes: u64,
+    /// Aliases checked ([`crate::alias`]); a corrupt one is listed in
+    /// `corrupt`, a missing one in `missing` or `not_fetched`.
+    pub aliases: u64,
     /// Tagged images checked.
     pub images: u64,
     /// Images held by tilefs components checked.
@@ -124,6 +127,7 @@ pub fn fsck(store: &Store, opts: &FsckOptions, progress: &(dyn Fn(u64, u64) + Sy
     report.leftovers = leftovers.len() as u64;
     let sized = sizes(objects, &mut strays, &mut report.unreadable);
     let mut present = check_objects(&pool, &sized, progress, &mut report, &mut strays);
+    let mut aliases = check_aliases(store, &pool, &mut report, &mut strays);
 
     let images = tags::scan_images(store)?;
     strays.extend(images.others);
@@ -136,11 +140,41 @@ pub fn fsck(store: &Store, opts: &FsckOptions, progress: &(dyn Fn(u64, u64) + Sy
     report.strays = strays;
     if opts.repair && (!report.corrupt.is_empty() || !report.strays.is_empty()) {
         repair(store, &mut report, &mut present)?;
+        aliases.retain(|d| !report.repaired.contains(&store.join(crate::alias::alias_rel(d))));
     }
     // References, after any repair: the report says what is true now.
     let roots: Vec<TagInfo> = images.tags.into_iter().chain(held.roots().cloned()).collect();
-    check_references(store, &pool, &roots, &present, &mut report);
+    check_references(store, &pool, &roots, &present, &aliases, &mut report);
     Ok(report)
+}
+
+/// Checks every alias's SHA-256 against its name on `pool`; returns those
+/// present (good or corrupt).
+fn check_aliases(
+    store: &Store,
+    pool: &rayon::ThreadPool,
+    report: &mut FsckReport,
+    strays: &mut Vec<PathBuf>,
+) -> HashSet<[u8; 32]> {
+    let (aliases, more) = crate::alias::scan(store);
+    strays.extend(more);
+    let checked: Vec<io::Result<bool>> =
+        pool.install(|| aliases.par_iter().map(|(d, p)| crate::alias::check(p, d)).collect());
+    let mut present = HashSet::with_capacity(aliases.len());
+    for ((d, path), r) in aliases.into_iter().zip(checked) {
+        match r {
+            Ok(good) => {
+                report.aliases += 1;
+                if !good {
+                    report.corrupt.push(path);
+                }
+                present.insert(d);
+            }
+            Err(e) if e.kind() == io::ErrorKind::NotFound => {}
+            Err(e) => report.unreadable.push((path, e.to_string())),
+        }
+    }
+    present
 }
 
 /// The holders gone for good, or whose record cannot be read.
@@ -295,6 +329,7 @@ fn check_references(
     pool: &rayon::ThreadPool,
     images: &[TagInfo],
     present: &HashSet<[u8; 32]>,
+    present_aliases: &HashSet<[u8; 32]>,
     report: &mut FsckReport,
 ) {
     report.held = images.iter().filter(|t| t.owner.is_some()).count() as u64;
@@ -304,6 +339,7 @@ fn check_references(
     // Absent objects, with the tags needing them and whether all of those
     // are lazily pulled images.
     let mut missing: BTreeMap<[u8; 32], (BTreeSet<String>, bool)> = BTreeMap::new();
+    let mut missing_aliases: BTreeMap<[u8; 32], (BTreeSet<String>, bool)> = BTreeMap::new();
     // Corrupt objects still in place (not quarantined), by digest.
     let mut corrupt: BTreeMap<[u8; 32], BTreeSet<String>> = report
         .corrupt
@@ -319,9 +355,15 @@ fn check_references(
             ImageCheck::Bad(reason) => report.bad_images.push((tag.name.clone(), reason)),
             ImageCheck::Read {
                 objects,
+                aliases,
                 bad_refs,
                 lazy,
             } => {
+                for d in aliases.into_iter().filter(|d| !present_aliases.contains(d)) {
+                    let (tags, all_lazy) = missing_aliases.entry(d).or_insert_with(|| (BTreeSet::new(), true));
+                    tags.insert(tag.name.clone());
+                    *all_lazy &= lazy;
+                }
                 for r in bad_refs {
                     report.bad_images.push((tag.name.clone(), r));
                 }
@@ -337,13 +379,18 @@ fn check_references(
             }
         }
     }
-    for (d, (tags, all_lazy)) in missing {
+    let missing = missing.into_iter().map(|(d, m)| (Store::object_rel(&d), m)).chain(
+        missing_aliases
+            .into_iter()
+            .map(|(d, m)| (crate::alias::alias_rel(&d), m)),
+    );
+    for (rel, (tags, all_lazy)) in missing {
         if all_lazy {
             for t in tags {
                 *report.not_fetched.entry(t).or_default() += 1;
             }
         } else {
-            report.missing.push((Store::object_rel(&d), tags.into_iter().collect()));
+            report.missing.push((rel, tags.into_iter().collect()));
         }
     }
     report.corrupt_used_by = corrupt
@@ -396,6 +443,9 @@ enum ImageCheck {
     Bad(String),
     Read {
         objects: BTreeSet<[u8; 32]>,
+        /// Aliases it names (an image pulled lazily from a table of
+        /// contents).
+        aliases: BTreeSet<[u8; 32]>,
         bad_refs: Vec<String>,
         /// Pulled lazily: absent objects are expected.
         lazy: bool,
@@ -419,6 +469,7 @@ fn check_image(store: &Store, tag: &TagInfo, lazy_images: &std::collections::Has
     let lazy = !lazy_images.is_empty() && lazy_images.contains(&verity::digest_bytes(&bytes));
     drop(bytes);
     let mut objects = BTreeSet::new();
+    let mut aliases = BTreeSet::new();
     let mut bad_refs = Vec::new();
     let mut more_bad = 0usize;
     tree.walk(|path, entry, id| {
@@ -446,11 +497,17 @@ fn check_image(store: &Store, tag: &TagInfo, lazy_images: &std::collections::Has
                     _ => None,
                 }
             }
-            None => Some(format!(
-                "{}: redirect {:?} is not an object path (XX/ and 62 lower-case hex digits)",
-                String::from_utf8_lossy(path),
-                String::from_utf8_lossy(payload)
-            )),
+            None => match crate::alias::parse_alias_rel(payload) {
+                Some(d) => {
+                    aliases.insert(d);
+                    None
+                }
+                None => Some(format!(
+                    "{}: redirect {:?} is not an object path (XX/ and 62 lower-case hex digits)",
+                    String::from_utf8_lossy(path),
+                    String::from_utf8_lossy(payload)
+                )),
+            },
         };
         if let Some(p) = problem {
             if bad_refs.len() < MAX_BAD_REFS_PER_IMAGE {
@@ -465,6 +522,7 @@ fn check_image(store: &Store, tag: &TagInfo, lazy_images: &std::collections::Has
     }
     ImageCheck::Read {
         objects,
+        aliases,
         bad_refs,
         lazy,
     }

@@ -46,6 +46,8 @@ pub struct GcReport {
     pub bytes_removed: u64,
     pub leftovers_removed: u64,
     pub leftover_bytes_removed: u64,
+    /// Aliases ([`crate::alias`]) no root names, of objects gone.
+    pub aliases_removed: u64,
     /// Nothing was removed: the counts say what would have been.
     pub dry_run: bool,
 }
@@ -74,7 +76,8 @@ pub fn gc(store: &Store, opts: &GcOptions) -> Result<GcReport, StoreError> {
     let lazy_records = crate::remote::records(store);
     let trust_records = trust_records(store);
     let mut lazy: HashSet<[u8; 32]> = lazy_records.union(&trust_records).copied().collect();
-    let mut referenced = referenced_objects(store, &roots, &mut lazy)?;
+    let mut aliases = HashSet::new();
+    let mut referenced = referenced_objects(store, &roots, &mut lazy, &mut aliases)?;
     report.images = images.tags.len() as u64;
     report.held = roots.len() as u64 - report.images;
     // Live mounts keep what they use; records of gone ones are cleared.
@@ -86,6 +89,7 @@ pub fn gc(store: &Store, opts: &GcOptions) -> Result<GcReport, StoreError> {
             ))
         })?;
         add_references(&tree, &mut referenced);
+        crate::alias::add_references(&tree, &mut aliases);
         if !lazy.is_empty() {
             lazy.remove(&tilefs_image::verity::digest_bytes(&m.image));
         }
@@ -124,9 +128,17 @@ pub fn gc(store: &Store, opts: &GcOptions) -> Result<GcReport, StoreError> {
     };
     // Objects come sorted by digest, so by fan-out directory.
     let mut fanout: Option<(String, OwnedFd)> = None;
+    // The files of the objects kept: their aliases stay too.
+    let mut kept = HashSet::new();
     for (d, path) in objects {
         let size = match std::fs::symlink_metadata(&path) {
-            Ok(m) => m.len(),
+            Ok(m) => {
+                if referenced.contains(&d) {
+                    use std::os::unix::fs::MetadataExt;
+                    kept.insert((m.dev(), m.ino()));
+                }
+                m.len()
+            }
             Err(e) if e.kind() == io::ErrorKind::NotFound => continue,
             Err(e) => return Err(StoreError::io(&path, "cannot stat", e)),
         };
@@ -162,6 +174,10 @@ pub fn gc(store: &Store, opts: &GcOptions) -> Result<GcReport, StoreError> {
     drop(fanout);
 
     remove_leftovers(store, tmp_dir.as_ref(), &leftovers, opts.dry_run, &mut report)?;
+    // A limited collection has not seen every kept object.
+    if opts.only.is_none() {
+        report.aliases_removed = crate::alias::sweep(store, &aliases, &kept, opts.dry_run)?;
+    }
     if !opts.dry_run {
         crate::remote::prune(store, lazy.intersection(&lazy_records).copied());
         prune_trust(store, lazy.intersection(&trust_records));
@@ -182,13 +198,14 @@ pub fn gc(store: &Store, opts: &GcOptions) -> Result<GcReport, StoreError> {
 }
 
 /// Every object any of `roots` references (by redirect, or by digest for a
-/// file whose redirect is not an object path); removes the rooted images
-/// from `lazy` (records of lazily pulled images). Fails if one cannot be
-/// read.
+/// file whose redirect is not an object path), and into `aliases` the
+/// aliases they name; removes the rooted images from `lazy` (records of
+/// lazily pulled images). Fails if one cannot be read.
 fn referenced_objects(
     store: &Store,
     roots: &[&tags::TagInfo],
     lazy: &mut HashSet<[u8; 32]>,
+    aliases: &mut HashSet<[u8; 32]>,
 ) -> Result<HashSet<[u8; 32]>, StoreError> {
     let mut referenced = HashSet::new();
     for tag in roots {
@@ -206,6 +223,7 @@ fn referenced_objects(
         };
         let (tree, _) = tilefs_image::erofs::read_image(&bytes).map_err(|e| refuse(e.to_string()))?;
         add_references(&tree, &mut referenced);
+        crate::alias::add_references(&tree, aliases);
         if !lazy.is_empty() {
             lazy.remove(&tilefs_image::verity::digest_bytes(&bytes));
         }

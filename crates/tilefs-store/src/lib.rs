@@ -9,10 +9,13 @@
 //! - [`mounts`]: live mounts, gc roots while they live;
 //! - [`presence`]: which of many objects a store holds;
 //! - [`remote`]: images pulled lazily, whose objects come on demand;
+//! - [`alias`]: objects by the SHA-256 of their contents, for images
+//!   pulled lazily from eStargz and zstd:chunked tables of contents;
 //! - [`fetch_lock`]: objects being fetched, one fetch each across processes;
 //! - [`gc`]: removing what no tagged or held image or live mount needs;
 //! - [`verity`]: how mounts check objects against their image's digests.
 
+pub mod alias;
 pub mod fetch_lock;
 pub mod file_state;
 pub mod fsck;

@@ -15,7 +15,10 @@
 //! - `.mounts/`: images of live mounts (gc roots while they live: see
 //!   [`crate::mounts`]);
 //! - `.no-verity-noted`: the user was told the store's filesystem has no
-//!   fs-verity (said once per store).
+//!   fs-verity (said once per store);
+//! - `.sha256/XX/YYYY…`: objects again, by the SHA-256 of their contents
+//!   (hardlinks), for images pulled lazily from eStargz and zstd:chunked
+//!   tables of contents (see [`crate::alias`]).
 
 use crate::StoreError;
 use rustix::fd::{AsFd, BorrowedFd, OwnedFd};
@@ -270,6 +273,7 @@ impl Store {
                 || name == LAYER_CACHE
                 || name == TRUST_DIR
                 || name == crate::remote::REMOTE_DIR
+                || name == crate::alias::ALIAS_DIR
                 || name == crate::mounts::MOUNTS_DIR
                 || name == crate::owned::OWNED_DIR
             {

@@ -258,6 +258,48 @@ pub enum Answer {
     Challenge(String),
 }
 
+impl Registry {
+    /// Uploads `data` as a blob of `repo` with curl (a session, then one
+    /// PUT): its digest and size.
+    pub fn upload_blob(&self, repo: &str, data: &[u8]) -> (String, usize) {
+        let digest = format!("sha256:{}", super::sha256_hex(data));
+        let out = Command::new("curl")
+            .args(["-sf", "-D", "-", "-o", "/dev/null", "-X", "POST"])
+            .arg(format!("http://{}/v2/{repo}/blobs/uploads/", self.addr))
+            .output()
+            .unwrap();
+        assert!(out.status.success());
+        let headers = String::from_utf8_lossy(&out.stdout);
+        let location = headers
+            .lines()
+            .find_map(|l| l.strip_prefix("Location: ").or_else(|| l.strip_prefix("location: ")))
+            .unwrap()
+            .trim()
+            .to_string();
+        let sep = if location.contains('?') { '&' } else { '?' };
+        let url = match location.starts_with("http") {
+            true => format!("{location}{sep}digest={digest}"),
+            false => format!("http://{}{location}{sep}digest={digest}", self.addr),
+        };
+        curl_put(&url, "application/octet-stream", data, "PUT");
+        (digest, data.len())
+    }
+}
+
+/// PUTs (or POSTs) `data` to `url` with curl, which must succeed.
+pub fn curl_put(url: &str, content_type: &str, data: &[u8], method: &str) {
+    let mut child = Command::new("curl")
+        .args(["-sf", "-X", method, "-H"])
+        .arg(format!("Content-Type: {content_type}"))
+        .args(["--data-binary", "@-", url])
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    child.stdin.take().unwrap().write_all(data).unwrap();
+    assert!(child.wait().unwrap().success(), "{method} {url}");
+}
+
 /// Forwards 127.0.0.1 connections to `upstream`: requests as they come,
 /// and each chunk of the answers as `pass(chunk, stopping)` says (which
 /// may also rewrite the chunk's bytes, as a corrupting proxy would).

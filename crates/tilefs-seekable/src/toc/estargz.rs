@@ -169,6 +169,13 @@ pub fn parse_json(json: &[u8], toc_offset: u64) -> Result<Toc> {
 /// header named [`TOC_TAR_NAME`], the JSON, and tar's zero padding up to
 /// the end of the decoded bytes.
 pub fn toc_json(fetched: &[u8], at: u64) -> Result<Vec<u8>> {
+    toc_entry(fetched, at).map(|(json, _)| json)
+}
+
+/// [`toc_json`], and the tar header of its entry (512 bytes, checked): an
+/// ordinary pull of the layer reads that entry as a file of the layer, so
+/// a lazy one must make the same file.
+pub fn toc_entry(fetched: &[u8], at: u64) -> Result<(Vec<u8>, Vec<u8>)> {
     let mut inf = Inflater::at_member(fetched, at, 0);
     let limit = 512 + MAX_TOC_JSON as usize + MAX_TAR_TAIL;
     let mut out = Vec::new();
@@ -202,7 +209,7 @@ pub fn toc_json(fetched: &[u8], at: u64) -> Result<Vec<u8>> {
             "the eStargz table of contents has more than tar padding after its JSON",
         ));
     }
-    Ok(json.to_vec())
+    Ok((json.to_vec(), out[..512].to_vec()))
 }
 
 /// Checks the ustar header of the table's tar entry; returns its size.
