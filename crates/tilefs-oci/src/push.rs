@@ -1,6 +1,12 @@
 //! `tilefs push`: a tagged image and its objects to a registry, as the
 //! artifact [`crate::artifact`] describes.
 //!
+//! Packs are written compressed into unnamed temporary files in the store
+//! (several at once), hashed as they are written; what each held is kept
+//! in the layer cache by the list of objects it holds, so a pack another
+//! push made already (this image's, or an earlier version's) is not
+//! compressed again unless the registry lacks it.
+//!
 //! Every blob is first asked for (HEAD): one the repository has is not
 //! sent again; one another repository of the same registry has (a
 //! repository this store pushed to or pulled from before) is mounted
@@ -14,7 +20,7 @@ use crate::transport::registry::Registry;
 use crate::transport::RegistryOptions;
 use crate::{ImageRef, OciError};
 use sha2::{Digest as _, Sha256};
-use std::io::{self, Read};
+use std::io::{self, Read, Seek};
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering::Relaxed};
 use std::sync::{Arc, Mutex};
 use tilefs_store::store::LAYER_CACHE;
@@ -81,8 +87,21 @@ struct Blob {
 
 enum Source {
     Bytes(Arc<Vec<u8>>),
-    /// Objects `range` of the image's object list, concatenated.
-    Pack(std::ops::Range<usize>),
+    /// A pack of objects `objects` of the image's list: written already
+    /// (its temporary file), or to write again if the registry lacks it.
+    Pack {
+        objects: std::ops::Range<usize>,
+        file: Mutex<Option<std::fs::File>>,
+    },
+}
+
+/// A pack made (or known from the cache): its blob, and how each of its
+/// objects is stored, in order.
+#[derive(serde::Serialize, serde::Deserialize)]
+struct Packed {
+    digest: String,
+    size: u64,
+    stored: Vec<artifact::Stored>,
 }
 
 /// Pushes the image tagged `tag` in `store` to `dest`.
@@ -113,18 +132,20 @@ pub fn push(store: &Store, tag: &str, dest: &ImageRef, opts: &PushOptions) -> Re
     drop(tree);
     // Every object must be here, whole, before anything is sent.
     check_objects(store, tag, &objects, &image_digest)?;
-    let (locs, packs) = artifact::plan_packs(&objects);
+    let packs = artifact::plan_packs(&objects);
     let progress = opts.progress.clone().unwrap_or_default();
     let object_bytes: u64 = objects.iter().map(|o| o.size).sum();
     progress.bytes_total.store(object_bytes, Relaxed);
-    progress.stage.set(format!("hashing {} objects", objects.len()), false);
-    let pack_digests = pack_digests(store, &objects, &packs, &fsverity, opts, &progress)?;
+    progress.stage.set(
+        format!("packing {} objects into {} packs", objects.len(), packs.len()),
+        false,
+    );
+    let made = make_packs(store, &objects, &packs, opts, &progress)?;
     let (blobs, manifest) = artifact_blobs(
         image,
         &objects,
-        &locs,
         packs,
-        pack_digests,
+        made,
         &fsverity,
         object_bytes,
         opts.runnable_from.as_deref(),
@@ -206,66 +227,153 @@ fn check_objects(store: &Store, tag: &str, objects: &[ObjectRef], image_digest: 
     Ok(())
 }
 
-/// The SHA-256 of each pack: hashed once per image, then kept in the
-/// layer cache (a pack whose objects changed since would be refused by
-/// the registry's own check).
-fn pack_digests(
+/// The name of the layer cache's record of the pack holding `objects`:
+/// what it holds and how it is written.
+fn pack_key(objects: &[ObjectRef]) -> String {
+    let mut h = Sha256::new();
+    h.update(format!(
+        "tilefs pack v2 zstd {} {}\n",
+        artifact::LEVEL,
+        artifact::WINDOW_LOG
+    ));
+    for o in objects {
+        h.update(o.digest);
+        h.update(o.size.to_le_bytes());
+    }
+    format!("pack-{}", hex::encode(h.finalize()))
+}
+
+/// Each of `packs` (ranges of `objects`): known from the layer cache, or
+/// written now into a temporary file, several at once.
+fn make_packs(
     store: &Store,
     objects: &[ObjectRef],
-    packs: &[artifact::Pack],
-    fsverity: &str,
+    packs: &[std::ops::Range<usize>],
     opts: &PushOptions,
     progress: &PushProgress,
-) -> Result<Vec<Digest>, OciError> {
-    let object_bytes: u64 = objects.iter().map(|o| o.size).sum();
-    let cache_name = format!("packs-{}-{fsverity}", artifact::PACK_TARGET);
-    if let Some(known) = crate::layer_cache::read_record_in(store, LAYER_CACHE, &cache_name)
-        .and_then(|raw| serde_json::from_slice::<Vec<String>>(&raw).ok())
-        .filter(|v| v.len() == packs.len())
-        .and_then(|v| v.iter().map(|d| Digest::parse(d).ok()).collect::<Option<Vec<_>>>())
-    {
-        progress.bytes_done.fetch_add(object_bytes, Relaxed);
-        return Ok(known);
+) -> Result<Vec<(Packed, Option<std::fs::File>)>, OciError> {
+    let threads = std::thread::available_parallelism()
+        .map_or(2, |n| n.get())
+        .min(packs.len().max(1));
+    let next = AtomicUsize::new(0);
+    let out: Vec<Mutex<Option<Result<_, OciError>>>> = packs.iter().map(|_| Mutex::new(None)).collect();
+    let cancelled = || opts.cancel.as_ref().is_some_and(|c| c.load(Relaxed));
+    std::thread::scope(|s| {
+        for _ in 0..threads {
+            s.spawn(|| loop {
+                let i = next.fetch_add(1, Relaxed);
+                let Some(range) = packs.get(i) else { break };
+                if cancelled() {
+                    break;
+                }
+                let these = &objects[range.clone()];
+                let key = pack_key(these);
+                let known = crate::layer_cache::read_record_in(store, LAYER_CACHE, &key)
+                    .and_then(|raw| postcard::from_bytes::<Packed>(&raw).ok())
+                    .filter(|p| p.stored.len() == these.len() && Digest::parse(&p.digest).is_ok());
+                let result = match known {
+                    Some(p) => {
+                        progress
+                            .bytes_done
+                            .fetch_add(these.iter().map(|o| o.size).sum(), Relaxed);
+                        Ok((p, None))
+                    }
+                    None => write_pack(store, these, &progress.bytes_done).map(|(p, f)| {
+                        if let Ok(bytes) = postcard::to_stdvec(&p) {
+                            let _ = crate::layer_cache::write_record_in(store, LAYER_CACHE, &key, &bytes);
+                        }
+                        (p, Some(f))
+                    }),
+                };
+                *out[i].lock().unwrap() = Some(result);
+            });
+        }
+    });
+    if cancelled() {
+        return Err(OciError::Interrupted);
     }
-    let hashed = hash_packs(store, objects, packs, opts, progress)?;
-    let list: Vec<String> = hashed.iter().map(|d| d.to_string()).collect();
-    if let Ok(bytes) = serde_json::to_vec(&list) {
-        let _ = crate::layer_cache::write_record_in(store, LAYER_CACHE, &cache_name, &bytes);
+    out.into_iter()
+        .map(|m| m.into_inner().unwrap().unwrap_or(Err(OciError::Interrupted)))
+        .collect()
+}
+
+/// Writes the pack of `objects` (each read from the store, exactly its
+/// size) into an unnamed temporary file in the store; counts the objects'
+/// bytes in `done`.
+fn write_pack(store: &Store, objects: &[ObjectRef], done: &AtomicU64) -> Result<(Packed, std::fs::File), OciError> {
+    let mut file = tempfile::tempfile_in(store.path())
+        .map_err(|e| OciError::io(store.path(), "cannot make a temporary file for a pack", e))?;
+    let mut stored = Vec::with_capacity(objects.len());
+    let mut at = 0;
+    for o in objects {
+        let rel = Store::object_rel(&o.digest);
+        let open = || tilefs_store::open_regular(store.dir_fd(), std::path::Path::new(&rel), false);
+        let how = artifact::pack_object(open, o.size, &mut file, at)
+            .map_err(|e| OciError::io(&store.object_path(&o.digest), "cannot pack the object", e))?;
+        at += how.bytes(o.size);
+        stored.push(how);
+        done.fetch_add(o.size, Relaxed);
     }
-    Ok(hashed)
+    file.seek(io::SeekFrom::Start(0))
+        .map_err(|e| OciError::io(store.path(), "cannot read a pack back", e))?;
+    let mut h = Sha256::new();
+    io::copy(&mut (&file).take(at), &mut h).map_err(|e| OciError::io(store.path(), "cannot read a pack back", e))?;
+    let digest = Digest::from_sha256(h.finalize().into());
+    Ok((
+        Packed {
+            digest: digest.to_string(),
+            size: at,
+            stored,
+        },
+        file,
+    ))
 }
 
 /// The artifact's blobs (config, image, index, then the packs) and its
 /// manifest; runnable (see [`crate::artifact`]) with a base configuration.
-#[allow(clippy::too_many_arguments)]
 fn artifact_blobs(
     image: Vec<u8>,
     objects: &[ObjectRef],
-    locs: &[artifact::Location],
-    packs: Vec<artifact::Pack>,
-    pack_digests: Vec<Digest>,
+    packs: Vec<std::ops::Range<usize>>,
+    made: Vec<(Packed, Option<std::fs::File>)>,
     fsverity: &str,
     object_bytes: u64,
     runnable_from: Option<&[u8]>,
 ) -> Result<(Vec<Blob>, Vec<u8>), OciError> {
-    let index = Arc::new(artifact::encode_index(objects, locs));
+    let mut locs = Vec::with_capacity(objects.len());
+    for (i, (range, (p, _))) in packs.iter().zip(&made).enumerate() {
+        let mut at = 0;
+        for (o, how) in objects[range.clone()].iter().zip(&p.stored) {
+            locs.push(artifact::Location {
+                pack: i as u32,
+                offset: at,
+                size: o.size,
+                stored: *how,
+            });
+            at += how.bytes(o.size);
+        }
+    }
+    let index = Arc::new(artifact::encode_index(objects, &locs));
     let facts = artifact::Config {
         fsverity: fsverity.to_string(),
         objects: objects.len() as u64,
         object_bytes,
     };
-    let image = Arc::new(image);
+    let image = Arc::new(artifact::pack_image(&image));
     let mem = |b: &Arc<Vec<u8>>| Blob {
         digest: Digest::sha256_of(b),
         size: b.len() as u64,
         source: Source::Bytes(b.clone()),
     };
     let mut blobs = vec![mem(&image), mem(&index)];
-    for (d, pack) in pack_digests.into_iter().zip(packs) {
+    for (range, (p, file)) in packs.into_iter().zip(made) {
         blobs.push(Blob {
-            digest: d,
-            size: pack.size,
-            source: Source::Pack(pack.objects),
+            digest: Digest::parse(&p.digest).expect("checked when made or read"),
+            size: p.size,
+            source: Source::Pack {
+                objects: range,
+                file: Mutex::new(file),
+            },
         });
     }
     let config = match runnable_from {
@@ -385,106 +493,17 @@ fn send_blob(
     }
     match &b.source {
         Source::Bytes(bytes) => registry.upload(&b.digest, b.size, &mut io::Cursor::new(bytes.as_slice()), sent)?,
-        Source::Pack(range) => registry.upload(
-            &b.digest,
-            b.size,
-            &mut PackReader::new(store, objects[range.clone()].to_vec()),
-            sent,
-        )?,
+        Source::Pack { objects: range, file } => {
+            // Known from the cache, not written this time: written again
+            // (the same bytes: the registry checks the digest).
+            let mut f = match file.lock().unwrap().take() {
+                Some(f) => f,
+                None => write_pack(store, &objects[range.clone()], &AtomicU64::new(0))?.1,
+            };
+            f.seek(io::SeekFrom::Start(0))
+                .map_err(|e| OciError::io(store.path(), "cannot read a pack back", e))?;
+            registry.upload(&b.digest, b.size, &mut f, sent)?
+        }
     }
     Ok(Sent::Uploaded)
-}
-
-/// SHA-256 of each pack, several packs at once.
-fn hash_packs(
-    store: &Store,
-    objects: &[ObjectRef],
-    packs: &[artifact::Pack],
-    opts: &PushOptions,
-    progress: &PushProgress,
-) -> Result<Vec<Digest>, OciError> {
-    let threads = std::thread::available_parallelism()
-        .map_or(2, |n| n.get())
-        .min(packs.len().max(1));
-    let next = AtomicUsize::new(0);
-    let out: Vec<Mutex<Option<Result<Digest, OciError>>>> = packs.iter().map(|_| Mutex::new(None)).collect();
-    std::thread::scope(|s| {
-        for _ in 0..threads {
-            s.spawn(|| loop {
-                let i = next.fetch_add(1, Relaxed);
-                let Some(range) = packs.get(i).map(|p| &p.objects) else {
-                    break;
-                };
-                if opts.cancel.as_ref().is_some_and(|c| c.load(Relaxed)) {
-                    break;
-                }
-                let mut r = PackReader::new(store, objects[range.clone()].to_vec());
-                let mut h = Sha256::new();
-                let mut buf = vec![0u8; 1 << 20];
-                let result = loop {
-                    match r.read(&mut buf) {
-                        Ok(0) => break Ok(Digest::from_sha256(h.finalize().into())),
-                        Ok(n) => {
-                            h.update(&buf[..n]);
-                            progress.bytes_done.fetch_add(n as u64, Relaxed);
-                        }
-                        Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
-                        Err(e) => break Err(OciError::io(store.path(), "cannot read an object", e)),
-                    }
-                };
-                *out[i].lock().unwrap() = Some(result);
-            });
-        }
-    });
-    if opts.cancel.as_ref().is_some_and(|c| c.load(Relaxed)) {
-        return Err(OciError::Interrupted);
-    }
-    out.into_iter()
-        .map(|m| m.into_inner().unwrap().unwrap_or(Err(OciError::Interrupted)))
-        .collect()
-}
-
-/// Reads objects from the store one after the other, each exactly its
-/// size (an object that changed size since the check is an error, not a
-/// shifted pack).
-struct PackReader<'s> {
-    store: &'s Store,
-    objects: std::vec::IntoIter<ObjectRef>,
-    current: Option<(io::Take<std::fs::File>, ObjectRef)>,
-}
-
-impl<'s> PackReader<'s> {
-    fn new(store: &'s Store, objects: Vec<ObjectRef>) -> PackReader<'s> {
-        PackReader {
-            store,
-            objects: objects.into_iter(),
-            current: None,
-        }
-    }
-}
-
-impl Read for PackReader<'_> {
-    fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
-        loop {
-            if let Some((f, o)) = &mut self.current {
-                let n = f.read(buf)?;
-                if n > 0 {
-                    return Ok(n);
-                }
-                if f.limit() > 0 {
-                    return Err(io::Error::other(format!(
-                        "object {} is shorter than the image says ({} bytes)",
-                        Store::object_rel(&o.digest),
-                        o.size
-                    )));
-                }
-                self.current = None;
-            }
-            let Some(o) = self.objects.next() else { return Ok(0) };
-            let rel = Store::object_rel(&o.digest);
-            let f = tilefs_store::open_regular(self.store.dir_fd(), std::path::Path::new(&rel), false)
-                .map_err(|e| io::Error::new(e.kind(), format!("object {rel}: {e}")))?;
-            self.current = Some((f.take(o.size), o));
-        }
-    }
 }
