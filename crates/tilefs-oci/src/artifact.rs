@@ -102,7 +102,7 @@ pub fn is_artifact(config_type: &str, first_layer_type: Option<&str>) -> bool {
 /// hold at least [`PACK_MIN`] bytes (uncompressed), on average
 /// [`PACK_SPREAD`] bytes later, at the latest at [`PACK_MAX`].
 pub const PACK_MIN: u64 = 4 << 20;
-pub const PACK_SPREAD: u64 = 8 << 20;
+pub const PACK_SPREAD: u64 = 4 << 20;
 pub const PACK_MAX: u64 = 32 << 20;
 /// zstd level of the objects and the image: on a tar of python3's
 /// library, 9 makes the objects 3% smaller than 3 (1.01x the gzip image

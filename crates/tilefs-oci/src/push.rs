@@ -106,21 +106,7 @@ struct Packed {
 
 /// Pushes the image tagged `tag` in `store` to `dest`.
 pub fn push(store: &Store, tag: &str, dest: &ImageRef, opts: &PushOptions) -> Result<PushReport, OciError> {
-    let reference = match dest {
-        ImageRef::Registry { reference } => reference,
-        // A name with its registry, as podman takes it.
-        ImageRef::Name { name } if !tilefs_trust::DockerRef::is_short_name(name) => name,
-        ImageRef::Name { name } => {
-            return Err(OciError::Reference(format!(
-                "{name:?} names no registry: push to docker://HOST[:PORT]/{name}"
-            )))
-        }
-        _ => {
-            return Err(OciError::Reference(format!(
-                "{dest}: tilefs pushes to registries only (docker://HOST[:PORT]/REPO[:TAG])"
-            )))
-        }
-    };
+    let reference = destination(dest)?;
     // Signing must be able to work before anything is sent.
     let signer = crate::trust::prepare_signing(reference, &opts.sign)?;
     let image = tags::read_tag(store, tag)?;
@@ -191,6 +177,21 @@ pub fn push(store: &Store, tag: &str, dest: &ImageRef, opts: &PushOptions) -> Re
         blobs_uploaded: sent.uploaded,
         bytes_uploaded: sent.bytes_uploaded,
     })
+}
+
+/// The registry reference `dest` names, or why it names none.
+fn destination(dest: &ImageRef) -> Result<&str, OciError> {
+    match dest {
+        ImageRef::Registry { reference } => Ok(reference),
+        // A name with its registry, as podman takes it.
+        ImageRef::Name { name } if !tilefs_trust::DockerRef::is_short_name(name) => Ok(name),
+        ImageRef::Name { name } => Err(OciError::Reference(format!(
+            "{name:?} names no registry: push to docker://HOST[:PORT]/{name}"
+        ))),
+        _ => Err(OciError::Reference(format!(
+            "{dest}: tilefs pushes to registries only (docker://HOST[:PORT]/REPO[:TAG])"
+        ))),
+    }
 }
 
 /// Fails unless every object of the image is in the store, whole.
@@ -506,4 +507,60 @@ fn send_blob(
         }
     }
     Ok(Sent::Uploaded)
+}
+
+/// How to convert.
+#[derive(Debug, Clone, Default)]
+pub struct ConvertOptions {
+    /// How to read the source (registry options, policy, platform, cancel,
+    /// progress of the reading).
+    pub pull: crate::pull::PullOptions,
+    /// How to push the artifact (its `runnable_from` is the source's).
+    pub push: PushOptions,
+    /// Where the scratch store goes (default: the system's temporary
+    /// directory).
+    pub tmpdir: Option<std::path::PathBuf>,
+}
+
+/// What a conversion did.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct ConvertReport {
+    pub source: String,
+    /// The source's manifest digest.
+    pub source_manifest_digest: Option<String>,
+    /// Blob bytes read from the source (its layers, compressed).
+    pub source_bytes: u64,
+    pub entries: usize,
+    #[serde(flatten)]
+    pub push: PushReport,
+}
+
+/// Converts the OCI image `src` into a runnable artifact at `dest` (what
+/// `tilefs pull SRC` then `tilefs push --runnable-from SRC` make, the same
+/// image): the layers are read once, streaming, into a scratch store in a
+/// temporary directory, removed at the end whatever happens.
+pub fn convert(src: &ImageRef, dest: &ImageRef, opts: &ConvertOptions) -> Result<ConvertReport, OciError> {
+    destination(dest)?;
+    let tmpdir = opts.tmpdir.clone().unwrap_or_else(std::env::temp_dir);
+    // The source's configuration first: an artifact (or an image the
+    // policy refuses) fails before a layer is read.
+    let config = crate::pull::image_config(src, &opts.pull)?;
+    let scratch = tempfile::Builder::new()
+        .prefix("tilefs-convert-")
+        .tempdir_in(&tmpdir)
+        .map_err(|e| OciError::io(&tmpdir, "cannot make a scratch directory", e))?;
+    let store = Store::create(&scratch.path().join("store"))?;
+    let pulled = crate::pull::pull(&store, src, "source", &opts.pull)?;
+    let push_opts = PushOptions {
+        runnable_from: Some(config),
+        ..opts.push.clone()
+    };
+    let pushed = push(&store, "source", dest, &push_opts)?;
+    Ok(ConvertReport {
+        source: src.to_string(),
+        source_manifest_digest: pulled.manifest_digest,
+        source_bytes: pulled.blob_bytes,
+        entries: pulled.entries,
+        push: pushed,
+    })
 }
