@@ -36,6 +36,11 @@ pub struct ConvertArgs {
     /// are sent; removed at the end) [default: $TMPDIR, else /tmp]
     #[arg(long, value_name = "DIR")]
     pub tmpdir: Option<std::path::PathBuf>,
+    /// Keep the packs of the tilefs artifact tagged TAG in the destination's repository (the
+    /// previous version) where this image still uses them: only its new files are packed and
+    /// uploaded [default: the artifact the destination's tag names now, if any]
+    #[arg(long, value_name = "TAG")]
+    pub base: Option<String>,
     /// Blobs uploaded at once
     #[arg(short, long, default_value_t = 4, value_name = "N")]
     pub jobs: usize,
@@ -77,6 +82,7 @@ pub fn run(a: ConvertArgs) -> Result<ExitCode> {
             trust: a.registry.trust(None),
             sign: a.sign.options(&a.registry.trust(None)),
             runnable_from: None,
+            base: a.base.clone(),
         },
         tmpdir: a.tmpdir.clone(),
     };

@@ -373,9 +373,7 @@ fn push_format_1(r: &Registry, store: &Path, tag: &str, digest: &str, repo: &str
     )
     .unwrap();
     let index = serde_json::to_vec(&serde_json::json!({"version": 1, "objects": index})).unwrap();
-    let desc = |t: &str, data: &[u8]| {
-        serde_json::json!({"mediaType": t, "digest": upload_blob(r, repo, data), "size": data.len()})
-    };
+    let desc = |t: &str, data: &[u8]| serde_json::json!({"mediaType": t, "digest": upload_blob(r, repo, data), "size": data.len()});
     let mut erofs = desc("application/vnd.tilefs.image.erofs.v1", &image);
     erofs["annotations"] = serde_json::json!({"org.tilefs.fsverity": digest});
     let m = serde_json::json!({
@@ -828,8 +826,22 @@ fn range_requests_that_drip_fail_at_the_least_rate() {
 /// smaller), `n` of `size` bytes in a few directories.
 fn text_tree(root: &Path, seed: u64, n: usize, size: usize) -> Vec<String> {
     const WORDS: [&str; 16] = [
-        "layer ", "image ", "object ", "pack ", "frame ", "registry ", "mount ", "store ", "digest ", "tree ",
-        "file ", "verity ", "zstd ", "range ", "lazy ", "push\n",
+        "layer ",
+        "image ",
+        "object ",
+        "pack ",
+        "frame ",
+        "registry ",
+        "mount ",
+        "store ",
+        "digest ",
+        "tree ",
+        "file ",
+        "verity ",
+        "zstd ",
+        "range ",
+        "lazy ",
+        "push\n",
     ];
     let mut rng = Rng::new(seed);
     (0..n)
@@ -918,6 +930,36 @@ fn compressed_packs_pull_and_mount_and_a_new_version_sends_only_new_packs() {
     let pulled = blob_bytes_since(&registry, n);
     assert!(pulled < blob_bytes / 2, "pulling v2 beside v1 read {pulled} bytes");
 
+    // Pushed over the first version's tag, it keeps every pack of that
+    // one: the new file alone makes a new pack. Pulled, it is the image.
+    let n = registry.requests().len();
+    let over = push(&store, "v2", &remote("v1"));
+    let sent = uploaded_since(&registry, n);
+    eprintln!("over v1: {over}");
+    assert_eq!(over["base"], "v1");
+    assert_eq!(over["packs_kept"], packs(&m).len());
+    let kept_and_new = packs(&skopeo_raw(&remote("v1")));
+    assert_eq!(kept_and_new[..kept_and_new.len() - 1], packs(&m)[..]);
+    assert_eq!(kept_and_new.len(), packs(&m).len() + 1);
+    assert!(sent.contains(kept_and_new.last().unwrap()));
+    // (The image and the configuration are v2's, there already.)
+    assert!(sent.len() <= 4, "image, index, configuration, one pack: {sent:?}");
+    assert!(over["bytes_uploaded"].as_u64().unwrap() < 100 << 10, "{over}");
+    assert_eq!(pull(&area.path("over"), &remote("v1"), &[]), v2);
+    assert!(fsck_text(&area.path("over")).contains("clean"));
+    let out = tilefs_any(&[
+        os("push"),
+        os("--tls-verify=false"),
+        os("--store"),
+        store.as_os_str(),
+        os("--base"),
+        os("nosuch"),
+        os("v2"),
+        os(&remote("v3")),
+    ]);
+    assert_eq!(out.status.code(), Some(1));
+    assert!(stderr(&out).contains("no such tag"), "{}", stderr(&out));
+
     // Lazily: a file's first read fetches about its frame, smaller than
     // the file; every file reads right.
     require(cannot_fuse());
@@ -929,7 +971,10 @@ fn compressed_packs_pull_and_mount_and_a_new_version_sends_only_new_packs() {
     {
         let (_m, _) = mount_tag(&lazy, &tag, &mnt, &log);
         let n = registry.requests().len();
-        assert_eq!(read(&mnt.join(&names[200])).unwrap(), fs::read(src.join(&names[200])).unwrap());
+        assert_eq!(
+            read(&mnt.join(&names[200])).unwrap(),
+            fs::read(src.join(&names[200])).unwrap()
+        );
         let one = blob_bytes_since(&registry, n);
         assert!(one > 0 && one < 128 << 10, "one file of 128 KiB fetched {one} bytes");
         assert_same_contents(&src, &mnt, &scan(&src));
@@ -1007,7 +1052,12 @@ fn convert_gives_what_pull_and_push_runnable_give() {
     assert_eq!(pushed["blobs_present"], pushed["blobs"], "{pushed}");
 
     // Converting an artifact, or into what is not a registry: refused.
-    let out = tilefs_any(&[os("convert"), os("--tls-verify=false"), os(&dest("pushed")), os(&dest("again"))]);
+    let out = tilefs_any(&[
+        os("convert"),
+        os("--tls-verify=false"),
+        os(&dest("pushed")),
+        os(&dest("again")),
+    ]);
     assert_eq!(out.status.code(), Some(1));
     assert!(stderr(&out).contains("tilefs artifact"), "{}", stderr(&out));
     let out = tilefs_any(&[os("convert"), os("--tls-verify=false"), os(&source), os("oci:/nowhere")]);

@@ -14,6 +14,8 @@
 //! store as it is sent. The manifest goes last, so a pushed tag always
 //! names complete blobs.
 
+mod base;
+
 use crate::artifact::{self, ObjectRef};
 use crate::digest::Digest;
 use crate::transport::registry::Registry;
@@ -38,6 +40,9 @@ pub struct PushOptions {
     pub trust: crate::trust::TrustOptions,
     /// Signatures to make of the pushed manifest.
     pub sign: crate::trust::SignOptions,
+    /// The tag (in the destination's repository) of an artifact whose
+    /// packs to keep ([`base`]); default: the destination's tag.
+    pub base: Option<String>,
     /// Push a runnable artifact ([`crate::artifact`]): the image
     /// configuration (bytes) of the image it stands for, whose command,
     /// environment and platform it keeps.
@@ -73,6 +78,11 @@ pub struct PushReport {
     pub blobs_mounted: u64,
     pub blobs_uploaded: u64,
     pub bytes_uploaded: u64,
+    /// The tag of the artifact whose packs were kept, if one was.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub base: Option<String>,
+    /// Its packs this artifact keeps.
+    pub packs_kept: u64,
     /// The signatures written, if asked for.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub signed: Option<crate::trust::Signed>,
@@ -87,6 +97,8 @@ struct Blob {
 
 enum Source {
     Bytes(Arc<Vec<u8>>),
+    /// A pack of the base artifact, in the repository already.
+    Kept,
     /// A pack of objects `objects` of the image's list: written already
     /// (its temporary file), or to write again if the registry lacks it.
     Pack {
@@ -118,28 +130,49 @@ pub fn push(store: &Store, tag: &str, dest: &ImageRef, opts: &PushOptions) -> Re
     drop(tree);
     // Every object must be here, whole, before anything is sent.
     check_objects(store, tag, &objects, &image_digest)?;
-    let packs = artifact::plan_packs(&objects);
     let progress = opts.progress.clone().unwrap_or_default();
+    let mut reach = crate::trust::push_options(reference, &opts.registry, &opts.trust)?;
+    reach.cancel = reach.cancel.or_else(|| opts.cancel.clone());
+    let registry = Registry::open(reference, &reach)?;
+    let base_tag = match &opts.base {
+        Some(t) => Some(t.clone()),
+        None => reference
+            .parse::<oci_client::Reference>()
+            .ok()
+            .and_then(|r| r.tag().map(str::to_string)),
+    };
+    let base = match &base_tag {
+        Some(t) => {
+            progress
+                .stage
+                .set(format!("reading the artifact tagged {t:?} (to keep its packs)"), true);
+            base::read(&registry, t, opts.base.is_some())?
+        }
+        None => None,
+    };
+    let plan = base::plan(&objects, base.as_ref());
     let object_bytes: u64 = objects.iter().map(|o| o.size).sum();
-    progress.bytes_total.store(object_bytes, Relaxed);
+    progress
+        .bytes_total
+        .store(plan.fresh.iter().map(|o| o.size).sum(), Relaxed);
     progress.stage.set(
-        format!("packing {} objects into {} packs", objects.len(), packs.len()),
+        format!(
+            "packing {} objects into {} packs",
+            plan.fresh.len(),
+            plan.fresh_packs.len()
+        ),
         false,
     );
-    let made = make_packs(store, &objects, &packs, opts, &progress)?;
+    let made = make_packs(store, &plan.fresh, &plan.fresh_packs, opts, &progress)?;
     let (blobs, manifest) = artifact_blobs(
         image,
-        &objects,
-        packs,
+        &plan,
         made,
         &fsverity,
         object_bytes,
         opts.runnable_from.as_deref(),
     )?;
 
-    let mut reach = crate::trust::push_options(reference, &opts.registry, &opts.trust)?;
-    reach.cancel = reach.cancel.or_else(|| opts.cancel.clone());
-    let registry = Registry::open(reference, &reach)?;
     let sources = crate::layer_cache::origins(store, registry.registry(), registry.repository());
     // From here the counters are of bytes sent.
     progress.stage.set(
@@ -150,7 +183,7 @@ pub fn push(store: &Store, tag: &str, dest: &ImageRef, opts: &PushOptions) -> Re
     progress
         .bytes_total
         .store(blobs.iter().map(|b| b.size).sum::<u64>(), Relaxed);
-    let sent = send_blobs(store, &registry, &objects, &blobs, &sources, opts, &progress)?;
+    let sent = send_blobs(store, &registry, &plan.fresh, &blobs, &sources, opts, &progress)?;
     progress
         .stage
         .set(format!("writing the manifest to {}", registry.registry()), true);
@@ -176,6 +209,8 @@ pub fn push(store: &Store, tag: &str, dest: &ImageRef, opts: &PushOptions) -> Re
         blobs_mounted: sent.mounted,
         blobs_uploaded: sent.uploaded,
         bytes_uploaded: sent.bytes_uploaded,
+        base: base.as_ref().and(base_tag),
+        packs_kept: plan.kept.len() as u64,
     })
 }
 
@@ -330,23 +365,24 @@ fn write_pack(store: &Store, objects: &[ObjectRef], done: &AtomicU64) -> Result<
     ))
 }
 
-/// The artifact's blobs (config, image, index, then the packs) and its
-/// manifest; runnable (see [`crate::artifact`]) with a base configuration.
+/// The artifact's blobs (config, image, index, then the packs: those kept,
+/// then those made) and its manifest; runnable (see [`crate::artifact`])
+/// with a base configuration.
 fn artifact_blobs(
     image: Vec<u8>,
-    objects: &[ObjectRef],
-    packs: Vec<std::ops::Range<usize>>,
+    plan: &base::Plan,
     made: Vec<(Packed, Option<std::fs::File>)>,
     fsverity: &str,
     object_bytes: u64,
     runnable_from: Option<&[u8]>,
 ) -> Result<(Vec<Blob>, Vec<u8>), OciError> {
-    let mut locs = Vec::with_capacity(objects.len());
-    for (i, (range, (p, _))) in packs.iter().zip(&made).enumerate() {
+    let (mut objects, mut locs): (Vec<ObjectRef>, Vec<artifact::Location>) = plan.kept_objects.iter().copied().unzip();
+    for (i, (range, (p, _))) in plan.fresh_packs.iter().zip(&made).enumerate() {
         let mut at = 0;
-        for (o, how) in objects[range.clone()].iter().zip(&p.stored) {
+        for (o, how) in plan.fresh[range.clone()].iter().zip(&p.stored) {
+            objects.push(*o);
             locs.push(artifact::Location {
-                pack: i as u32,
+                pack: (plan.kept.len() + i) as u32,
                 offset: at,
                 size: o.size,
                 stored: *how,
@@ -354,7 +390,7 @@ fn artifact_blobs(
             at += how.bytes(o.size);
         }
     }
-    let index = Arc::new(artifact::encode_index(objects, &locs));
+    let index = Arc::new(artifact::encode_index(&objects, &locs));
     let facts = artifact::Config {
         fsverity: fsverity.to_string(),
         objects: objects.len() as u64,
@@ -367,7 +403,14 @@ fn artifact_blobs(
         source: Source::Bytes(b.clone()),
     };
     let mut blobs = vec![mem(&image), mem(&index)];
-    for (range, (p, file)) in packs.into_iter().zip(made) {
+    for (digest, size) in &plan.kept {
+        blobs.push(Blob {
+            digest: digest.clone(),
+            size: *size,
+            source: Source::Kept,
+        });
+    }
+    for (range, (p, file)) in plan.fresh_packs.iter().cloned().zip(made) {
         blobs.push(Blob {
             digest: Digest::parse(&p.digest).expect("checked when made or read"),
             size: p.size,
@@ -493,6 +536,15 @@ fn send_blob(
         return Ok(Sent::Mounted);
     }
     match &b.source {
+        Source::Kept => {
+            return Err(OciError::blob(
+                &b.digest.to_string(),
+                format!(
+                    "a pack of the artifact this push keeps packs of, gone from {}",
+                    registry.repository()
+                ),
+            ))
+        }
         Source::Bytes(bytes) => registry.upload(&b.digest, b.size, &mut io::Cursor::new(bytes.as_slice()), sent)?,
         Source::Pack { objects: range, file } => {
             // Known from the cache, not written this time: written again
