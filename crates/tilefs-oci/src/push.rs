@@ -1,18 +1,19 @@
 //! `tilefs push`: a tagged image and its objects to a registry, as the
 //! artifact [`crate::artifact`] describes.
 //!
-//! Packs are written compressed into unnamed temporary files in the store
-//! (several at once), hashed as they are written; what each held is kept
-//! in the layer cache by the list of objects it holds, so a pack another
-//! push made already (this image's, or an earlier version's) is not
-//! compressed again unless the registry lacks it.
+//! The artifact the destination's tag names (or `--base`) is read first:
+//! its packs the image still uses are kept ([`base`]). The other objects
+//! are packed, compressed, into unnamed temporary files in the store
+//! (several packs at once); what each pack holds is kept in the layer
+//! cache by the list of its objects, so a pack another push made already
+//! (this image's, or an earlier version's) is not compressed again unless
+//! the registry lacks it.
 //!
-//! Every blob is first asked for (HEAD): one the repository has is not
+//! Every blob is then asked for (HEAD): one the repository has is not
 //! sent again; one another repository of the same registry has (a
 //! repository this store pushed to or pulled from before) is mounted
-//! across; the rest are uploaded, several at once, each streamed from the
-//! store as it is sent. The manifest goes last, so a pushed tag always
-//! names complete blobs.
+//! across; the rest are uploaded, several at once. The manifest goes
+//! last, so a pushed tag always names complete blobs.
 
 mod base;
 
@@ -267,8 +268,10 @@ fn check_objects(store: &Store, tag: &str, objects: &[ObjectRef], image_digest: 
 /// what it holds and how it is written.
 fn pack_key(objects: &[ObjectRef]) -> String {
     let mut h = Sha256::new();
+    // Another zstd may write other bytes for the same objects.
     h.update(format!(
-        "tilefs pack v2 zstd {} {}\n",
+        "tilefs pack v2 zstd {} level {} window {}\n",
+        zstd::zstd_safe::version_number(),
         artifact::LEVEL,
         artifact::WINDOW_LOG
     ));
