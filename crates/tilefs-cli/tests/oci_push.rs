@@ -752,7 +752,8 @@ fn push_takes_names_as_podman_does_and_waits_no_longer_than_the_timeout() {
         "{err}"
     );
     // On a terminal (script(1) gives it one), the progress display says
-    // what it is doing, and that it is waiting for the server.
+    // what it is doing (first: reading what the tag names now, whose packs
+    // to keep), and that it is waiting for the server.
     let cmd = format!(
         "{} push --store {} --tls-verify=false --timeout 3 app docker://{addr}/team/app:v1",
         tilefs_bin().display(),
@@ -761,7 +762,10 @@ fn push_takes_names_as_podman_does_and_waits_no_longer_than_the_timeout() {
     let out = on_terminal(&cmd);
     assert_eq!(out.status.code(), Some(1));
     let shown = String::from_utf8_lossy(&out.stdout);
-    assert!(shown.contains(&format!("blobs to {addr}: 0 blobs, 0 B / ")), "{shown}");
+    assert!(
+        shown.contains(&format!("reading {addr}/team/app:v1, to keep its packs")),
+        "{shown}"
+    );
     assert!(shown.contains("(waiting for the server, 2 s)"), "{shown}");
     drop(silent);
 }

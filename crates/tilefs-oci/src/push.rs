@@ -144,9 +144,14 @@ pub fn push(store: &Store, tag: &str, dest: &ImageRef, opts: &PushOptions) -> Re
     };
     let base = match &base_tag {
         Some(t) => {
-            progress
-                .stage
-                .set(format!("reading the artifact tagged {t:?} (to keep its packs)"), true);
+            progress.stage.set(
+                format!(
+                    "reading {}/{}:{t}, to keep its packs",
+                    registry.registry(),
+                    registry.repository()
+                ),
+                true,
+            );
             base::read(&registry, t, opts.base.is_some())?
         }
         None => None,
