@@ -100,10 +100,13 @@ pub fn is_artifact(config_type: &str, first_layer_type: Option<&str>) -> bool {
 
 /// Packs are cut where an object's digest says ([`plan_packs`]), once they
 /// hold at least [`PACK_MIN`] bytes (uncompressed), on average
-/// [`PACK_SPREAD`] bytes later, at the latest at [`PACK_MAX`].
-pub const PACK_MIN: u64 = 4 << 20;
-pub const PACK_SPREAD: u64 = 4 << 20;
-pub const PACK_MAX: u64 = 32 << 20;
+/// [`PACK_SPREAD`] bytes later, at the latest at [`PACK_MAX`]: few packs
+/// (each a layer containerd walks, for a runnable artifact), as a new
+/// version keeps the last one's packs ([`crate::push`]) rather than
+/// relying on small ones.
+pub const PACK_MIN: u64 = 16 << 20;
+pub const PACK_SPREAD: u64 = 8 << 20;
+pub const PACK_MAX: u64 = 64 << 20;
 /// zstd level of the objects and the image: on python3's library (98 MB of
 /// files, each compressed alone), 6 makes them 1.5% larger than 9 in half
 /// the time, and 6% smaller than 3.
