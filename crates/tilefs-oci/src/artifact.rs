@@ -435,7 +435,8 @@ impl ObjectIndex {
 /// The bytes of a zstd blob (the image, the index), at most `limit`.
 pub fn unzstd(bytes: &[u8], limit: u64) -> Result<Vec<u8>, String> {
     let mut d = zstd::stream::read::Decoder::new(bytes).map_err(|e| format!("zstd: {e}"))?;
-    d.window_log_max(WINDOW_LOG + 5).map_err(|e| format!("zstd: {e}"))?;
+    // No larger window than tilefs writes with: what decoding costs.
+    d.window_log_max(WINDOW_LOG).map_err(|e| format!("zstd: {e}"))?;
     crate::bounded::read_at_most(&mut d, limit).map_err(|e| format!("zstd: {e}"))
 }
 
