@@ -11,12 +11,16 @@ from its access log. Rows:
   - time to first read: `pull --lazy` + `mount` (FUSE) + reading one
     1 MiB file, against a full pull + kernel mount + the same read, in the
     same loop (goal: lazy under 1 s);
-  - bytes transferred by each.
+  - bytes transferred by each;
+  - the artifact's size against a gzip image of the same tree (`tar | gzip
+    -6`, the layer an ordinary image would have), and what pushing the
+    image with one file of 31 KB more over it uploads (`push --json`).
 composefs-rs cannot push, and pulls only images of layers: tilefs alone.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -91,6 +95,15 @@ def _run(b, work: Path, reg: Registry, mnt: Path) -> None:
     objects = sum(1 for d in store.iterdir() if len(d.name) == 2 for _ in d.iterdir())
     nbytes = sum(f.stat().st_size for d in store.iterdir() if len(d.name) == 2 for f in d.iterdir())
     target = one_mib_file(src)
+    b.progress("registry: the gzip layer of the tree, and the image with one file more ...", final=False)
+    tar = subprocess.Popen(["tar", "cf", "-", "-C", str(src), "."], stdout=subprocess.PIPE)
+    gz = subprocess.run(["gzip", "-6"], stdin=tar.stdout, capture_output=True, check=True).stdout
+    tar.wait()
+    gzip_bytes = len(gz)
+    del gz
+    added = src / "usr" / "share" / "added-31k"
+    added.write_bytes(b"".join(b"%06d a new file of the bench\n" % i for i in range(1000)))
+    subprocess.run([b.tilefs, "build", "-q", "--store", str(store), "--tag", "bench-v2", str(src)], check=True)
     shutil.rmtree(src)
     remote = f"docker://{reg.addr}/bench/usr:v1"
     tls = "--tls-verify=false"
@@ -108,6 +121,20 @@ def _run(b, work: Path, reg: Registry, mnt: Path) -> None:
               push, None, ref_tool="-", ref_missing="tilefs alone", nbytes=nbytes)
     uploads = sum(1 for raw in reg.log.read_bytes().splitlines()[line:] if b'PUT /v2/' in raw and b'/blobs/' in raw)
     b.info("push/again-uploads", "blob uploads by the pushes again", str(uploads))
+    blobs = sum(f.stat().st_size for f in (reg.root / "data").rglob("data") if f.is_file())
+    b.info("push/size", "the artifact against a gzip image of the same tree (goal: at most 1.1x)",
+           f"{blobs / 1e6:.1f} MB against {gzip_bytes / 1e6:.1f} MB ({blobs / gzip_bytes:.2f}x)",
+           {"artifact": blobs, "gzip": gzip_bytes, "ratio": blobs / gzip_bytes})
+    out = subprocess.run([str(a) for a in [b.tilefs, "push", "-q", "--json", tls, "--store", store, "bench-v2", remote]],
+                         capture_output=True, check=True).stdout
+    sent = json.loads(out)
+    b.info("push/new-version", "the image with one file of 31 KB more, pushed over it: bytes uploaded (goal: < 1 MB)",
+           f"{sent['bytes_uploaded'] / 1e6:.2f} MB in {sent['blobs_uploaded']} blobs ({sent['packs_kept']} packs kept)",
+           {"bytes_uploaded": sent["bytes_uploaded"], "blobs_uploaded": sent["blobs_uploaded"],
+            "packs_kept": sent["packs_kept"]})
+    # Back to the first version for the pulls below.
+    reg.start(empty=True)
+    subprocess.run([str(a) for a in push], check=True)
 
     pstore = work / "pstore"
     pull = [b.tilefs, "pull", "-q", tls, "--store", pstore, remote]

@@ -2,6 +2,7 @@
 
 mod build;
 mod commit_cmd;
+mod convert_cmd;
 mod digest;
 mod docs;
 mod fuse_serve;
@@ -55,6 +56,9 @@ enum Command {
     Pull(pull_cmd::PullArgs),
     /// Push a tagged image and its objects to an OCI registry (fetchable by range, lazily)
     Push(push_cmd::PushArgs),
+    /// Convert an OCI image in a registry to a runnable tilefs artifact in a registry (no store of
+    /// yours: its layers are read once into a scratch store)
+    Convert(convert_cmd::ConvertArgs),
     /// Index an ordinary OCI image in a registry so that it is pulled and mounted lazily as it is
     /// (pushes a small artifact that refers to the image)
     Index(index_cmd::IndexArgs),
@@ -140,6 +144,7 @@ fn main() -> ExitCode {
         Command::Digest(a) => digest::run(a),
         Command::Pull(a) => pull_cmd::run(a),
         Command::Push(a) => push_cmd::run(a),
+        Command::Convert(a) => convert_cmd::run(a),
         Command::Index(a) => index_cmd::run(a),
         Command::GenerateSigstoreKey(a) => keys_cmd::run(a),
         Command::Images(a) => store_cmds::images(a),

@@ -30,6 +30,11 @@ pub struct PushArgs {
     /// snapshotter` without downloading its layers (the snapshotter fetches files on first read)
     #[arg(long, value_name = "REF")]
     pub runnable_from: Option<String>,
+    /// Keep the packs of the tilefs artifact tagged TAG in the destination's repository (the
+    /// previous version) where this image still uses them: only its new files are packed and
+    /// uploaded [default: the artifact the destination's tag names now, if any]
+    #[arg(long, value_name = "TAG")]
+    pub base: Option<String>,
     /// Blobs uploaded at once
     #[arg(short, long, default_value_t = 4, value_name = "N")]
     pub jobs: usize,
@@ -67,6 +72,7 @@ pub fn run(a: PushArgs) -> Result<ExitCode> {
     };
     let opts = PushOptions {
         runnable_from,
+        base: a.base.clone(),
         registry: a.registry.options(),
         jobs: a.jobs.max(1),
         cancel: Some(cancel.clone()),

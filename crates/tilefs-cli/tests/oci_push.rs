@@ -60,12 +60,12 @@ fn push_and_pull_give_the_same_image_and_send_nothing_twice() {
     assert_eq!(m["artifactType"], "application/vnd.tilefs.image.v1");
     assert_eq!(m["config"]["mediaType"], "application/vnd.tilefs.image.config.v1+json");
     let layers = m["layers"].as_array().unwrap();
-    assert_eq!(layers[0]["mediaType"], "application/vnd.tilefs.image.erofs.v1");
+    assert_eq!(layers[0]["mediaType"], "application/vnd.tilefs.image.erofs.v2");
     assert_eq!(layers[0]["annotations"]["org.tilefs.fsverity"], digest.as_str());
-    assert_eq!(layers[1]["mediaType"], "application/vnd.tilefs.image.objects.v1+json");
+    assert_eq!(layers[1]["mediaType"], "application/vnd.tilefs.image.objects.v2");
     assert!(layers[2..]
         .iter()
-        .all(|l| l["mediaType"] == "application/vnd.tilefs.image.pack.v1"));
+        .all(|l| l["mediaType"] == "application/vnd.tilefs.image.pack.v2"));
     assert_eq!(
         format!("sha256:{}", sha256_hex(&manifest_bytes(&registry, "team/app", "v1"))),
         first["manifest_digest"].as_str().unwrap()
@@ -349,6 +349,49 @@ fn put_manifest(r: &Registry, repo: &str, tag: &str, manifest: &[u8]) {
     assert!(child.wait().unwrap().success(), "manifest upload");
 }
 
+/// Pushes the image tagged `tag` in `store` (fs-verity digest `digest`)
+/// to `repo:rtag` as tilefs did before packs were compressed (artifact
+/// format 1, as the README describes it): the image as it is, one pack of
+/// the objects as they are, a JSON index.
+fn push_format_1(r: &Registry, store: &Path, tag: &str, digest: &str, repo: &str, rtag: &str) {
+    let image = fs::read(store.join("images").join(tag)).unwrap();
+    let listed = tilefs(&[os("objects"), store.join("images").join(tag).as_os_str()]);
+    let mut pack = Vec::new();
+    let mut index = Vec::new();
+    let mut seen = std::collections::HashSet::new();
+    for rel in String::from_utf8_lossy(&listed.stdout).lines() {
+        if !seen.insert(rel.to_string()) {
+            continue;
+        }
+        let bytes = fs::read(store.join(rel)).unwrap();
+        let hex = rel.replace('/', "");
+        index.push(serde_json::json!([hex, 0, pack.len(), bytes.len()]));
+        pack.extend_from_slice(&bytes);
+    }
+    let config = serde_json::to_vec(
+        &serde_json::json!({"fsverity": digest, "objects": index.len(), "object_bytes": pack.len()}),
+    )
+    .unwrap();
+    let index = serde_json::to_vec(&serde_json::json!({"version": 1, "objects": index})).unwrap();
+    let desc = |t: &str, data: &[u8]| serde_json::json!({"mediaType": t, "digest": upload_blob(r, repo, data), "size": data.len()});
+    let mut erofs = desc("application/vnd.tilefs.image.erofs.v1", &image);
+    erofs["annotations"] = serde_json::json!({"org.tilefs.fsverity": digest});
+    let m = serde_json::json!({
+        "schemaVersion": 2,
+        "mediaType": "application/vnd.oci.image.manifest.v1+json",
+        "artifactType": "application/vnd.tilefs.image.v1",
+        "config": desc("application/vnd.tilefs.image.config.v1+json", &config),
+        "layers": [
+            erofs,
+            desc("application/vnd.tilefs.image.objects.v1+json", &index),
+            desc("application/vnd.tilefs.image.pack.v1", &pack),
+        ],
+    });
+    put_manifest(r, repo, rtag, &serde_json::to_vec(&m).unwrap());
+}
+
+/// An artifact of format 1 (tilefs before packs were compressed) pulls
+/// whole and lazily as it did; its JSON index is checked as it was.
 #[test]
 fn wrong_bytes_and_lying_indexes_store_nothing() {
     let area = Area::new();
@@ -356,9 +399,12 @@ fn wrong_bytes_and_lying_indexes_store_nothing() {
     let src = area.dir("src");
     let files = tree(&src, 7, 20, 100 << 10);
     let store = area.path("store");
-    build_tag(&store, "app", &src);
+    let digest = build_tag(&store, "app", &src);
     let remote = format!("docker://{}/team/app:v1", registry.addr);
-    push(&store, "app", &remote);
+    push_format_1(&registry, &store, "app", &digest, "team/app", "v1");
+    let whole = area.path("whole");
+    assert_eq!(pull(&whole, &remote, &[]), digest);
+    assert!(fsck_text(&whole).contains("clean"));
 
     // An index that says an object lies where another one does: the bytes
     // there are not that object.
@@ -706,7 +752,8 @@ fn push_takes_names_as_podman_does_and_waits_no_longer_than_the_timeout() {
         "{err}"
     );
     // On a terminal (script(1) gives it one), the progress display says
-    // what it is doing, and that it is waiting for the server.
+    // what it is doing (first: reading what the tag names now, whose packs
+    // to keep), and that it is waiting for the server.
     let cmd = format!(
         "{} push --store {} --tls-verify=false --timeout 3 app docker://{addr}/team/app:v1",
         tilefs_bin().display(),
@@ -715,7 +762,10 @@ fn push_takes_names_as_podman_does_and_waits_no_longer_than_the_timeout() {
     let out = on_terminal(&cmd);
     assert_eq!(out.status.code(), Some(1));
     let shown = String::from_utf8_lossy(&out.stdout);
-    assert!(shown.contains(&format!("blobs to {addr}: 0 blobs, 0 B / ")), "{shown}");
+    assert!(
+        shown.contains(&format!("reading {addr}/team/app:v1, to keep its packs")),
+        "{shown}"
+    );
     assert!(shown.contains("(waiting for the server, 2 s)"), "{shown}");
     drop(silent);
 }
@@ -774,4 +824,248 @@ fn range_requests_that_drip_fail_at_the_least_rate() {
     );
     let logged = fs::read_to_string(&log).unwrap();
     assert!(logged.contains("--min-rate"), "{logged}");
+}
+
+/// Files of text (words drawn by `seed`: zstd makes them several times
+/// smaller), `n` of `size` bytes in a few directories.
+fn text_tree(root: &Path, seed: u64, n: usize, size: usize) -> Vec<String> {
+    const WORDS: [&str; 16] = [
+        "layer ",
+        "image ",
+        "object ",
+        "pack ",
+        "frame ",
+        "registry ",
+        "mount ",
+        "store ",
+        "digest ",
+        "tree ",
+        "file ",
+        "verity ",
+        "zstd ",
+        "range ",
+        "lazy ",
+        "push\n",
+    ];
+    let mut rng = Rng::new(seed);
+    (0..n)
+        .map(|i| {
+            let name = format!("t{}/f{i:04}", i % 7);
+            let mut text = format!("{name} {}\n", rng.next_u64()).into_bytes();
+            while text.len() < size {
+                text.extend_from_slice(WORDS[rng.below(16) as usize].as_bytes());
+            }
+            text.truncate(size);
+            let p = root.join(&name);
+            fs::create_dir_all(p.parent().unwrap()).unwrap();
+            fs::write(p, text).unwrap();
+            name
+        })
+        .collect()
+}
+
+/// The digests of the blobs uploaded (the PUT ending each upload) since
+/// `before` requests.
+fn uploaded_since(r: &Registry, before: usize) -> Vec<String> {
+    r.requests()[before..]
+        .iter()
+        .filter(|q| q.method == "PUT" && q.path.contains("/blobs/uploads/"))
+        .filter_map(|q| {
+            let d = q.path.split("digest=").nth(1)?;
+            Some(d.split('&').next()?.replace("%3A", ":").replace("%3a", ":"))
+        })
+        .collect()
+}
+
+/// Compressed packs: the artifact is a fraction of the files, pulls whole
+/// and lazily to the same files (a lazy read fetching about the file's
+/// frame), a new version with one file more uploads only the packs that
+/// changed, and a damaged frame fails its file's read only.
+#[test]
+fn compressed_packs_pull_and_mount_and_a_new_version_sends_only_new_packs() {
+    let area = Area::new();
+    let registry = Registry::start(&area);
+    let src = area.dir("src");
+    let names = text_tree(&src, 11, 400, 128 << 10);
+    let store = area.path("store");
+    let digest = build_tag(&store, "v1", &src);
+    let remote = |t: &str| format!("docker://{}/team/text:{t}", registry.addr);
+    let first = push(&store, "v1", &remote("v1"));
+    let m = skopeo_raw(&remote("v1"));
+    let layers = m["layers"].as_array().unwrap();
+    let blob_bytes: u64 = layers.iter().map(|l| l["size"].as_u64().unwrap()).sum();
+    let object_bytes = first["object_bytes"].as_u64().unwrap();
+    eprintln!(
+        "{} packs, {blob_bytes} bytes of blobs for {object_bytes} bytes of files",
+        layers.len() - 2
+    );
+    assert!(blob_bytes * 3 < object_bytes, "{blob_bytes} of {object_bytes}");
+    assert!((2..=3).contains(&(layers.len() - 2)), "{} packs", layers.len() - 2);
+
+    // Whole: the same image, every object checked by fsck.
+    let whole = area.path("whole");
+    assert_eq!(pull(&whole, &remote("v1"), &[]), digest);
+    assert!(fsck_text(&whole).contains("clean"));
+
+    // A new version, one file of 31 KB more: only the pack that holds it
+    // (and its neighbour, now and then) is new; pulled into the store
+    // holding the first, it costs about that pack.
+    text_tree(&area.dir("more"), 12, 1, 31 << 10);
+    fs::copy(area.path("more").join("t0/f0000"), src.join("t3/added")).unwrap();
+    let v2 = build_tag(&store, "v2", &src);
+    let n = registry.requests().len();
+    let second = push(&store, "v2", &remote("v2"));
+    let sent = uploaded_since(&registry, n);
+    let m2 = skopeo_raw(&remote("v2"));
+    let packs = |m: &serde_json::Value| -> Vec<String> {
+        m["layers"].as_array().unwrap()[2..]
+            .iter()
+            .map(|l| l["digest"].as_str().unwrap().to_string())
+            .collect()
+    };
+    let new_packs: Vec<String> = packs(&m2).into_iter().filter(|p| !packs(&m).contains(p)).collect();
+    eprintln!("second push: {second}\nuploaded {sent:?}, new packs {new_packs:?}");
+    assert!((1..=2).contains(&new_packs.len()), "{new_packs:?}");
+    assert!(new_packs.iter().all(|p| sent.contains(p)));
+    // The image, the index, the configuration and the new packs: no more.
+    assert_eq!(sent.len(), 3 + new_packs.len(), "{sent:?}");
+    let n = registry.requests().len();
+    assert_eq!(pull(&whole, &remote("v2"), &[]), v2);
+    let pulled = blob_bytes_since(&registry, n);
+    assert!(pulled < blob_bytes / 2, "pulling v2 beside v1 read {pulled} bytes");
+
+    // Pushed over the first version's tag, it keeps every pack of that
+    // one: the new file alone makes a new pack. Pulled, it is the image.
+    let n = registry.requests().len();
+    let over = push(&store, "v2", &remote("v1"));
+    let sent = uploaded_since(&registry, n);
+    eprintln!("over v1: {over}");
+    assert_eq!(over["base"], "v1");
+    assert_eq!(over["packs_kept"], packs(&m).len());
+    let kept_and_new = packs(&skopeo_raw(&remote("v1")));
+    assert_eq!(kept_and_new[..kept_and_new.len() - 1], packs(&m)[..]);
+    assert_eq!(kept_and_new.len(), packs(&m).len() + 1);
+    assert!(sent.contains(kept_and_new.last().unwrap()));
+    // (The image and the configuration are v2's, there already.)
+    assert!(sent.len() <= 4, "image, index, configuration, one pack: {sent:?}");
+    assert!(over["bytes_uploaded"].as_u64().unwrap() < 100 << 10, "{over}");
+    assert_eq!(pull(&area.path("over"), &remote("v1"), &[]), v2);
+    assert!(fsck_text(&area.path("over")).contains("clean"));
+    let out = tilefs_any(&[
+        os("push"),
+        os("--tls-verify=false"),
+        os("--store"),
+        store.as_os_str(),
+        os("--base"),
+        os("nosuch"),
+        os("v2"),
+        os(&remote("v3")),
+    ]);
+    assert_eq!(out.status.code(), Some(1));
+    assert!(stderr(&out).contains("no such tag"), "{}", stderr(&out));
+
+    // Lazily: a file's first read fetches about its frame, smaller than
+    // the file; every file reads right.
+    require(cannot_fuse());
+    let lazy = area.path("lazy");
+    assert_eq!(pull(&lazy, &remote("v2"), &["--lazy"]), v2);
+    let mnt = area.dir("mnt");
+    let log = area.path("fuse.log");
+    let tag = format!("{}_team_text:v2", registry.addr);
+    {
+        let (_m, _) = mount_tag(&lazy, &tag, &mnt, &log);
+        let n = registry.requests().len();
+        assert_eq!(
+            read(&mnt.join(&names[200])).unwrap(),
+            fs::read(src.join(&names[200])).unwrap()
+        );
+        let one = blob_bytes_since(&registry, n);
+        assert!(one > 0 && one < 128 << 10, "one file of 128 KiB fetched {one} bytes");
+        assert_same_contents(&src, &mnt, &scan(&src));
+    }
+
+    // A byte of a pack changed where the registry keeps it: that file's
+    // read fails (EIO, the log naming its object), the others read.
+    let pack = registry.tamper_largest_blob();
+    let err = pull_fails(&area.path("damaged"), &remote("v2"), &[]);
+    assert!(err.contains(&pack) && err.contains("object "), "{err}");
+    let fresh = area.path("fresh");
+    pull(&fresh, &remote("v2"), &["--lazy"]);
+    let (_m, _) = mount_tag(&fresh, &tag, &mnt, &log);
+    let mut failed = Vec::new();
+    for name in names.iter().chain([&"t3/added".to_string()]) {
+        match read(&mnt.join(name)) {
+            Ok(got) => assert_eq!(got, fs::read(src.join(name)).unwrap(), "{name}"),
+            Err(e) => {
+                assert_eq!(e.raw_os_error(), Some(libc::EIO), "{name}: {e}");
+                failed.push(name.clone());
+            }
+        }
+    }
+    assert_eq!(failed.len(), 1, "exactly the damaged file fails: {failed:?}");
+    let logged = fs::read_to_string(&log).unwrap();
+    eprintln!("{logged}");
+    assert!(logged.contains(&failed[0]) && logged.contains("object "), "{logged}");
+}
+
+/// `tilefs convert` makes, registry to registry, the artifact `tilefs pull`
+/// then `push --runnable-from` make (the same manifest), leaving nothing
+/// in its scratch directory.
+#[test]
+fn convert_gives_what_pull_and_push_runnable_give() {
+    let area = Area::new();
+    let registry = Registry::start(&area);
+    let fill = |root: &Path| {
+        text_tree(root, 21, 30, 40 << 10);
+        tree(root, 22, 10, 20 << 10);
+    };
+    let plain = push_image_with(&area, &registry, "plain", &[&fill], &["--config.cmd=/bin/true"]);
+    let source = format!("docker://{plain}");
+    let dest = |t: &str| format!("docker://{}/team/conv:{t}", registry.addr);
+
+    let tmp = area.dir("tmp");
+    let out = tilefs(&[
+        os("convert"),
+        os("--json"),
+        os("--tls-verify=false"),
+        os("--tmpdir"),
+        tmp.as_os_str(),
+        os(&source),
+        os(&dest("converted")),
+    ]);
+    let converted: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(fs::read_dir(&tmp).unwrap().count(), 0, "the scratch store is removed");
+    assert!(converted["source_bytes"].as_u64().unwrap() > 0, "{converted}");
+
+    let store = area.path("store");
+    pull(&store, &source, &["--tag", "plain"]);
+    let out = tilefs(&[
+        os("push"),
+        os("--json"),
+        os("--tls-verify=false"),
+        os("--store"),
+        store.as_os_str(),
+        os("--runnable-from"),
+        os(&source),
+        os("plain"),
+        os(&dest("pushed")),
+    ]);
+    let pushed: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(converted["digest"], pushed["digest"]);
+    assert_eq!(converted["manifest_digest"], pushed["manifest_digest"]);
+    assert_eq!(pushed["blobs_present"], pushed["blobs"], "{pushed}");
+
+    // Converting an artifact, or into what is not a registry: refused.
+    let out = tilefs_any(&[
+        os("convert"),
+        os("--tls-verify=false"),
+        os(&dest("pushed")),
+        os(&dest("again")),
+    ]);
+    assert_eq!(out.status.code(), Some(1));
+    assert!(stderr(&out).contains("tilefs artifact"), "{}", stderr(&out));
+    let out = tilefs_any(&[os("convert"), os("--tls-verify=false"), os(&source), os("oci:/nowhere")]);
+    assert_eq!(out.status.code(), Some(1));
+    assert!(stderr(&out).contains("registries only"), "{}", stderr(&out));
+    assert!(tilefs(&[os("convert"), os("--help")]).status.success());
 }

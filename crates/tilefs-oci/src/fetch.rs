@@ -76,7 +76,10 @@ pub fn open(t: &dyn Transport, resolved: &Resolved, what: &str) -> Result<Remote
             "a tilefs artifact has an image and an object index",
         ));
     };
-    let [erofs_type, index_type, pack_type] = artifact::blob_types(runnable);
+    let format = artifact::format_of(&image_ref.media_type)
+        .filter(|&(_, r)| r == runnable)
+        .map_or(artifact::Format::V1, |(f, _)| f);
+    let [erofs_type, index_type, pack_type] = artifact::blob_types(runnable, format);
     for (b, t_) in [(image_ref, erofs_type), (index_ref, index_type)]
         .into_iter()
         .chain(packs.iter().map(|p| (p, pack_type)))
@@ -97,6 +100,11 @@ pub fn open(t: &dyn Transport, resolved: &Resolved, what: &str) -> Result<Remote
         image_ref.size.unwrap_or(artifact::MAX_IMAGE).min(artifact::MAX_IMAGE),
         "image",
     )?;
+    let image = match format {
+        artifact::Format::V1 => image,
+        artifact::Format::V2 => artifact::unzstd(&image, artifact::MAX_IMAGE)
+            .map_err(|e| OciError::blob(&image_ref.digest.to_string(), format!("the image: {e}")))?,
+    };
     let digest = tilefs_image::verity::digest_bytes(&image);
     if hex::encode(digest) != config.fsverity {
         return Err(OciError::blob(
@@ -121,7 +129,10 @@ pub fn open(t: &dyn Transport, resolved: &Resolved, what: &str) -> Result<Remote
         "object index",
     )?;
     let sizes: Vec<u64> = packs.iter().map(|p| p.size.unwrap_or(0)).collect();
-    let index = ObjectIndex::parse(&raw, &sizes, &index_what)?.restrict_to(&objects, &index_what)?;
+    let index = match format {
+        artifact::Format::V1 => ObjectIndex::parse_v1(&raw, &sizes, &index_what)?.restrict_to(&objects, &index_what)?,
+        artifact::Format::V2 => ObjectIndex::parse_v2(&raw, &objects, &sizes, &index_what)?,
+    };
     Ok(RemoteImage {
         image,
         digest,
@@ -180,7 +191,7 @@ pub(crate) fn pull_artifact(
             .collect();
         progress
             .blob_total
-            .store(wanted.iter().map(|w| w.1.size).sum(), Relaxed);
+            .store(wanted.iter().map(|w| w.1.stored_len()).sum(), Relaxed);
         progress.stage.set(format!("fetching {} objects", wanted.len()), remote);
         let jobs = if opts.jobs == 0 { 4 } else { opts.jobs };
         let fetched = fetch_objects(
@@ -248,7 +259,7 @@ fn plan_ranges(wanted: &[Placed]) -> Vec<Range> {
     sorted.sort_by_key(|(_, l)| (l.pack, l.offset));
     let mut out: Vec<Range> = Vec::new();
     for (d, l) in sorted {
-        let end = l.offset + l.size;
+        let end = l.end();
         match out.last_mut() {
             Some(r)
                 if r.pack == l.pack as usize
@@ -295,7 +306,7 @@ fn span(pack: &crate::digest::Digest, loc: Location) -> Span {
         >> 42;
     Span {
         start: slot << 40 | (loc.offset & ((1 << 40) - 1)),
-        len: loc.size.max(1),
+        len: loc.stored_len().max(1),
     }
 }
 
@@ -387,13 +398,13 @@ fn fetch_claimed(f: &Fetching, range: &Range, defer: Option<&Mutex<Vec<Placed>>>
         }
         match runs.last_mut() {
             Some(r) if !cut => {
-                r.end = l.offset + l.size;
+                r.end = l.end();
                 r.objects.push((d, l));
             }
             _ => runs.push(Range {
                 pack: range.pack,
                 start: l.offset,
-                end: l.offset + l.size,
+                end: l.end(),
                 objects: vec![(d, l)],
             }),
         }
@@ -575,21 +586,64 @@ fn read_objects(
                 format!("object {rel}: the range ended early"),
             )));
         }
-        let what = PathBuf::from(format!("object {rel} (bytes {}..{})", l.offset, l.offset + l.size));
-        match ingest.import_expected(&what, l.size, &mut reader.take(l.size), d) {
+        let what = PathBuf::from(format!("object {rel} (bytes {}..{})", l.offset, l.end()));
+        let mut stored = Watched {
+            inner: reader.take(l.stored_len()),
+            failed: false,
+        };
+        let imported = artifact::unpack(&mut stored, l)
+            .map_err(|e| StoreError::source_io(&what, "cannot decode", e))
+            .and_then(|mut object| ingest.import_expected(&what, l.size, &mut object, d));
+        match imported {
             Ok(()) => {}
             Err(e @ StoreError::Mismatch(_)) => return Err(Fetch::Wrong(OciError::blob(&blob, e.to_string()))),
             // The range ended early or could not be read: the transfer.
-            Err(e @ (StoreError::Source { .. } | StoreError::SourceIo { .. })) => {
+            Err(e @ (StoreError::Source { .. } | StoreError::SourceIo { .. }))
+                if stored.failed || l.stored == artifact::Stored::Raw =>
+            {
                 return Err(Fetch::Transfer(OciError::blob(&blob, e.to_string())));
+            }
+            // All of it came, and does not decode to the object.
+            Err(e @ (StoreError::Source { .. } | StoreError::SourceIo { .. })) => {
+                return Err(Fetch::Wrong(OciError::blob(
+                    &blob,
+                    format!("{e} (its zstd frame in the pack is not the object's)"),
+                )));
             }
             Err(StoreError::Interrupted) => return Err(Fetch::Wrong(OciError::Interrupted)),
             Err(e) => return Err(Fetch::Wrong(e.into())),
         }
-        pos = l.offset + l.size;
+        // What the decoder left of the frame (nothing, from tilefs).
+        io::copy(&mut stored, &mut io::sink())
+            .map_err(|e| Fetch::Transfer(OciError::blob(&blob, format!("object {rel}: {e}"))))?;
+        pos = l.end();
         *done += 1;
     }
     Ok(())
+}
+
+/// A reader of an object's stored bytes that notes whether they failed
+/// to come (an error, or their end before all came): then a frame that
+/// does not decode is the transfer's fault, not the pack's.
+struct Watched<R> {
+    inner: io::Take<R>,
+    failed: bool,
+}
+
+impl<R: Read> Read for Watched<R> {
+    fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+        match self.inner.read(buf) {
+            Err(e) if e.kind() != io::ErrorKind::Interrupted => {
+                self.failed = true;
+                Err(e)
+            }
+            Ok(0) if !buf.is_empty() && self.inner.limit() > 0 => {
+                self.failed = true;
+                Ok(0)
+            }
+            r => r,
+        }
+    }
 }
 
 /// Counts bytes as they are read.
@@ -603,9 +657,10 @@ impl<R: Read> Read for Counting<'_, R> {
     }
 }
 
-/// 3: layers of ordinary images ([`LazyRecord::layers`]); records of 2
-/// are still read.
-const RECORD_VERSION: u32 = 3;
+/// 3: layers of ordinary images ([`LazyRecord::layers`]); 4: objects
+/// stored compressed ([`artifact::Stored`]). Records of 2 and 3 are still
+/// read.
+const RECORD_VERSION: u32 = 4;
 
 /// Why a lazy-pull record may not decide where this user's credentials go,
 /// if it may not: its registry and `tls_verify` do, so a user who can write
@@ -665,12 +720,28 @@ pub struct LazyRecord {
 }
 
 /// A record's bytes: of this version, or of version 2 (artifacts only:
-/// this one without its last fields), read as it was written.
+/// this one without its last fields) or 3 (objects as they are in the
+/// packs), read as they were written.
 fn decode_record(raw: &[u8]) -> Result<LazyRecord, postcard::Error> {
-    let head: RecordV2 = postcard::from_bytes(raw)?;
-    if head.version != 2 {
-        return postcard::from_bytes(raw);
-    }
+    let (version, _) = postcard::take_from_bytes::<u32>(raw)?;
+    let (head, layers, index_trust) = match version {
+        2 => (postcard::from_bytes::<RecordV2>(raw)?, Vec::new(), None),
+        3 => {
+            let r: RecordV3 = postcard::from_bytes(raw)?;
+            let head = RecordV2 {
+                version: r.version,
+                source: r.source,
+                manifest_digest: r.manifest_digest,
+                tls_verify: r.tls_verify,
+                timeout_secs: r.timeout_secs,
+                packs: r.packs,
+                index: r.index,
+                trust: r.trust,
+            };
+            (head, r.layers, r.index_trust)
+        }
+        _ => return postcard::from_bytes(raw),
+    };
     Ok(LazyRecord {
         version: RECORD_VERSION,
         source: head.source,
@@ -678,11 +749,24 @@ fn decode_record(raw: &[u8]) -> Result<LazyRecord, postcard::Error> {
         tls_verify: head.tls_verify,
         timeout_secs: head.timeout_secs,
         packs: head.packs,
-        index: head.index,
+        index: ObjectIndex {
+            objects: head
+                .index
+                .objects
+                .into_iter()
+                .map(|(d, (pack, offset, size))| (d, Location::raw(pack, offset, size)))
+                .collect(),
+        },
         trust: head.trust,
-        layers: Vec::new(),
-        index_trust: None,
+        layers,
+        index_trust,
     })
+}
+
+/// An object index of a record of version 2 or 3: (pack, offset, size).
+#[derive(serde::Serialize, serde::Deserialize)]
+struct OldIndex {
+    objects: Vec<([u8; 32], (u32, u64, u64))>,
 }
 
 /// The fields of a version 2 record (all a version 3 record begins with).
@@ -694,8 +778,23 @@ struct RecordV2 {
     tls_verify: bool,
     timeout_secs: u64,
     packs: Vec<(String, u64)>,
-    index: ObjectIndex,
+    index: OldIndex,
     trust: Option<crate::trust::TrustRecord>,
+}
+
+/// A version 3 record.
+#[derive(serde::Serialize, serde::Deserialize)]
+struct RecordV3 {
+    version: u32,
+    source: String,
+    manifest_digest: Option<String>,
+    tls_verify: bool,
+    timeout_secs: u64,
+    packs: Vec<(String, u64)>,
+    index: OldIndex,
+    trust: Option<crate::trust::TrustRecord>,
+    layers: Vec<LayerCoding>,
+    index_trust: Option<crate::trust::TrustRecord>,
 }
 
 /// How an ordinary layer's stream is reached.
@@ -957,7 +1056,7 @@ impl LazySource {
         let mut range = Range {
             pack: loc.pack as usize,
             start: loc.offset,
-            end: loc.offset + loc.size,
+            end: loc.end(),
             objects: vec![(*digest, loc)],
         };
         let mut ahead = Vec::new();
@@ -975,7 +1074,7 @@ impl LazySource {
         // In a compressed layer, neighbours up to the next checkpoint only:
         // past it they would cost another span of the blob.
         let limit = match self.layers.get(loc.pack as usize) {
-            Some((c, _)) => c.free_until(loc.offset + loc.size).unwrap_or(u64::MAX),
+            Some((c, _)) => c.free_until(loc.end()).unwrap_or(u64::MAX),
             None => u64::MAX,
         };
         let at = self
@@ -987,8 +1086,8 @@ impl LazySource {
                 || o == crate::lazy_index::WHOLE_LAYER
                 || o < range.end
                 || o - range.end > GAP
-                || o + l.size - range.start > loc.size + READ_AHEAD
-                || o + l.size > limit
+                || l.end() - range.start > loc.stored_len() + READ_AHEAD
+                || l.end() > limit
                 || range.objects.len() > READ_AHEAD_OBJECTS
             {
                 break;
@@ -1005,7 +1104,7 @@ impl LazySource {
                 break;
             };
             ahead.push(lead);
-            range.end = o + l.size;
+            range.end = l.end();
             range.objects.push((d, l));
         }
         (range, ahead)
@@ -1130,7 +1229,10 @@ mod tests {
     use super::*;
 
     #[test]
-    fn records_of_version_2_are_still_read() {
+    fn records_of_versions_2_and_3_are_still_read() {
+        let old_index = || OldIndex {
+            objects: vec![([7; 32], (1, 10, 20))],
+        };
         let old = RecordV2 {
             version: 2,
             source: "docker://r.example/a:v1".into(),
@@ -1138,15 +1240,35 @@ mod tests {
             tls_verify: true,
             timeout_secs: 60,
             packs: vec![("sha256:00".into(), 5)],
-            index: ObjectIndex::default(),
+            index: old_index(),
             trust: None,
         };
         let r = decode_record(&postcard::to_stdvec(&old).unwrap()).unwrap();
         assert_eq!((r.version, &r.packs, r.layers.len()), (RECORD_VERSION, &old.packs, 0));
+        assert_eq!(r.index.get(&[7; 32]), Some(Location::raw(1, 10, 20)));
+        let v3 = RecordV3 {
+            version: 3,
+            source: old.source.clone(),
+            manifest_digest: None,
+            tls_verify: true,
+            timeout_secs: 60,
+            packs: old.packs.clone(),
+            index: old_index(),
+            trust: None,
+            layers: vec![LayerCoding::Plain],
+            index_trust: None,
+        };
+        let r3 = decode_record(&postcard::to_stdvec(&v3).unwrap()).unwrap();
+        assert_eq!(
+            (r3.layers.len(), r3.index.get(&[7; 32])),
+            (1, Some(Location::raw(1, 10, 20)))
+        );
         let mut now = r.clone();
         now.packs = vec![("sha256:11".into(), 7)];
         now.layers = vec![LayerCoding::Plain];
+        now.index.objects[0].1.stored = artifact::Stored::Zstd(3);
         let again = decode_record(&postcard::to_stdvec(&now).unwrap()).unwrap();
         assert_eq!((again.packs, again.layers.len()), (now.packs, 1));
+        assert_eq!(again.index, now.index);
     }
 }

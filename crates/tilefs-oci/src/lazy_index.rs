@@ -269,11 +269,7 @@ pub fn locate(maps: &[&LayerMap], objects: &[ObjectRef]) -> Result<ObjectIndex, 
                 Placement::WholeLayer => WHOLE_LAYER,
                 Placement::None => continue,
             };
-            let loc = Location {
-                pack: i as u32,
-                offset,
-                size: *size,
-            };
+            let loc = Location::raw(i as u32, offset, *size);
             at.entry(*d)
                 .and_modify(|l| {
                     if l.offset == WHOLE_LAYER {

@@ -1,12 +1,21 @@
 //! `tilefs push`: a tagged image and its objects to a registry, as the
 //! artifact [`crate::artifact`] describes.
 //!
-//! Every blob is first asked for (HEAD): one the repository has is not
+//! The artifact the destination's tag names (or `--base`) is read first:
+//! its packs the image still uses are kept ([`base`]). The other objects
+//! are packed, compressed, into unnamed temporary files in the store
+//! (several packs at once); what each pack holds is kept in the layer
+//! cache by the list of its objects, so a pack another push made already
+//! (this image's, or an earlier version's) is not compressed again unless
+//! the registry lacks it.
+//!
+//! Every blob is then asked for (HEAD): one the repository has is not
 //! sent again; one another repository of the same registry has (a
 //! repository this store pushed to or pulled from before) is mounted
-//! across; the rest are uploaded, several at once, each streamed from the
-//! store as it is sent. The manifest goes last, so a pushed tag always
-//! names complete blobs.
+//! across; the rest are uploaded, several at once. The manifest goes
+//! last, so a pushed tag always names complete blobs.
+
+mod base;
 
 use crate::artifact::{self, ObjectRef};
 use crate::digest::Digest;
@@ -14,7 +23,7 @@ use crate::transport::registry::Registry;
 use crate::transport::RegistryOptions;
 use crate::{ImageRef, OciError};
 use sha2::{Digest as _, Sha256};
-use std::io::{self, Read};
+use std::io::{self, Read, Seek};
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering::Relaxed};
 use std::sync::{Arc, Mutex};
 use tilefs_store::store::LAYER_CACHE;
@@ -32,6 +41,9 @@ pub struct PushOptions {
     pub trust: crate::trust::TrustOptions,
     /// Signatures to make of the pushed manifest.
     pub sign: crate::trust::SignOptions,
+    /// The tag (in the destination's repository) of an artifact whose
+    /// packs to keep ([`base`]); default: the destination's tag.
+    pub base: Option<String>,
     /// Push a runnable artifact ([`crate::artifact`]): the image
     /// configuration (bytes) of the image it stands for, whose command,
     /// environment and platform it keeps.
@@ -67,6 +79,11 @@ pub struct PushReport {
     pub blobs_mounted: u64,
     pub blobs_uploaded: u64,
     pub bytes_uploaded: u64,
+    /// The tag of the artifact whose packs were kept, if one was.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub base: Option<String>,
+    /// Its packs this artifact keeps.
+    pub packs_kept: u64,
     /// The signatures written, if asked for.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub signed: Option<crate::trust::Signed>,
@@ -81,27 +98,28 @@ struct Blob {
 
 enum Source {
     Bytes(Arc<Vec<u8>>),
-    /// Objects `range` of the image's object list, concatenated.
-    Pack(std::ops::Range<usize>),
+    /// A pack of the base artifact, in the repository already.
+    Kept,
+    /// A pack of objects `objects` of the image's list: written already
+    /// (its temporary file), or to write again if the registry lacks it.
+    Pack {
+        objects: std::ops::Range<usize>,
+        file: Mutex<Option<std::fs::File>>,
+    },
+}
+
+/// A pack made (or known from the cache): its blob, and how each of its
+/// objects is stored, in order.
+#[derive(serde::Serialize, serde::Deserialize)]
+struct Packed {
+    digest: String,
+    size: u64,
+    stored: Vec<artifact::Stored>,
 }
 
 /// Pushes the image tagged `tag` in `store` to `dest`.
 pub fn push(store: &Store, tag: &str, dest: &ImageRef, opts: &PushOptions) -> Result<PushReport, OciError> {
-    let reference = match dest {
-        ImageRef::Registry { reference } => reference,
-        // A name with its registry, as podman takes it.
-        ImageRef::Name { name } if !tilefs_trust::DockerRef::is_short_name(name) => name,
-        ImageRef::Name { name } => {
-            return Err(OciError::Reference(format!(
-                "{name:?} names no registry: push to docker://HOST[:PORT]/{name}"
-            )))
-        }
-        _ => {
-            return Err(OciError::Reference(format!(
-                "{dest}: tilefs pushes to registries only (docker://HOST[:PORT]/REPO[:TAG])"
-            )))
-        }
-    };
+    let reference = destination(dest)?;
     // Signing must be able to work before anything is sent.
     let signer = crate::trust::prepare_signing(reference, &opts.sign)?;
     let image = tags::read_tag(store, tag)?;
@@ -113,26 +131,54 @@ pub fn push(store: &Store, tag: &str, dest: &ImageRef, opts: &PushOptions) -> Re
     drop(tree);
     // Every object must be here, whole, before anything is sent.
     check_objects(store, tag, &objects, &image_digest)?;
-    let (locs, packs) = artifact::plan_packs(&objects);
     let progress = opts.progress.clone().unwrap_or_default();
+    let mut reach = crate::trust::push_options(reference, &opts.registry, &opts.trust)?;
+    reach.cancel = reach.cancel.or_else(|| opts.cancel.clone());
+    let registry = Registry::open(reference, &reach)?;
+    let base_tag = match &opts.base {
+        Some(t) => Some(t.clone()),
+        None => reference
+            .parse::<oci_client::Reference>()
+            .ok()
+            .and_then(|r| r.tag().map(str::to_string)),
+    };
+    let base = match &base_tag {
+        Some(t) => {
+            progress.stage.set(
+                format!(
+                    "reading {}/{}:{t}, to keep its packs",
+                    registry.registry(),
+                    registry.repository()
+                ),
+                true,
+            );
+            base::read(&registry, t, opts.base.is_some())?
+        }
+        None => None,
+    };
+    let plan = base::plan(&objects, base.as_ref());
     let object_bytes: u64 = objects.iter().map(|o| o.size).sum();
-    progress.bytes_total.store(object_bytes, Relaxed);
-    progress.stage.set(format!("hashing {} objects", objects.len()), false);
-    let pack_digests = pack_digests(store, &objects, &packs, &fsverity, opts, &progress)?;
+    progress
+        .bytes_total
+        .store(plan.fresh.iter().map(|o| o.size).sum(), Relaxed);
+    progress.stage.set(
+        format!(
+            "packing {} objects into {} packs",
+            plan.fresh.len(),
+            plan.fresh_packs.len()
+        ),
+        false,
+    );
+    let made = make_packs(store, &plan.fresh, &plan.fresh_packs, opts, &progress)?;
     let (blobs, manifest) = artifact_blobs(
         image,
-        &objects,
-        &locs,
-        packs,
-        pack_digests,
+        &plan,
+        made,
         &fsverity,
         object_bytes,
         opts.runnable_from.as_deref(),
     )?;
 
-    let mut reach = crate::trust::push_options(reference, &opts.registry, &opts.trust)?;
-    reach.cancel = reach.cancel.or_else(|| opts.cancel.clone());
-    let registry = Registry::open(reference, &reach)?;
     let sources = crate::layer_cache::origins(store, registry.registry(), registry.repository());
     // From here the counters are of bytes sent.
     progress.stage.set(
@@ -143,7 +189,7 @@ pub fn push(store: &Store, tag: &str, dest: &ImageRef, opts: &PushOptions) -> Re
     progress
         .bytes_total
         .store(blobs.iter().map(|b| b.size).sum::<u64>(), Relaxed);
-    let sent = send_blobs(store, &registry, &objects, &blobs, &sources, opts, &progress)?;
+    let sent = send_blobs(store, &registry, &plan.fresh, &blobs, &sources, opts, &progress)?;
     progress
         .stage
         .set(format!("writing the manifest to {}", registry.registry()), true);
@@ -169,7 +215,24 @@ pub fn push(store: &Store, tag: &str, dest: &ImageRef, opts: &PushOptions) -> Re
         blobs_mounted: sent.mounted,
         blobs_uploaded: sent.uploaded,
         bytes_uploaded: sent.bytes_uploaded,
+        base: base.as_ref().and(base_tag),
+        packs_kept: plan.kept.len() as u64,
     })
+}
+
+/// The registry reference `dest` names, or why it names none.
+fn destination(dest: &ImageRef) -> Result<&str, OciError> {
+    match dest {
+        ImageRef::Registry { reference } => Ok(reference),
+        // A name with its registry, as podman takes it.
+        ImageRef::Name { name } if !tilefs_trust::DockerRef::is_short_name(name) => Ok(name),
+        ImageRef::Name { name } => Err(OciError::Reference(format!(
+            "{name:?} names no registry: push to docker://HOST[:PORT]/{name}"
+        ))),
+        _ => Err(OciError::Reference(format!(
+            "{dest}: tilefs pushes to registries only (docker://HOST[:PORT]/REPO[:TAG])"
+        ))),
+    }
 }
 
 /// Fails unless every object of the image is in the store, whole.
@@ -206,66 +269,163 @@ fn check_objects(store: &Store, tag: &str, objects: &[ObjectRef], image_digest: 
     Ok(())
 }
 
-/// The SHA-256 of each pack: hashed once per image, then kept in the
-/// layer cache (a pack whose objects changed since would be refused by
-/// the registry's own check).
-fn pack_digests(
-    store: &Store,
-    objects: &[ObjectRef],
-    packs: &[artifact::Pack],
-    fsverity: &str,
-    opts: &PushOptions,
-    progress: &PushProgress,
-) -> Result<Vec<Digest>, OciError> {
-    let object_bytes: u64 = objects.iter().map(|o| o.size).sum();
-    let cache_name = format!("packs-{}-{fsverity}", artifact::PACK_TARGET);
-    if let Some(known) = crate::layer_cache::read_record_in(store, LAYER_CACHE, &cache_name)
-        .and_then(|raw| serde_json::from_slice::<Vec<String>>(&raw).ok())
-        .filter(|v| v.len() == packs.len())
-        .and_then(|v| v.iter().map(|d| Digest::parse(d).ok()).collect::<Option<Vec<_>>>())
-    {
-        progress.bytes_done.fetch_add(object_bytes, Relaxed);
-        return Ok(known);
+/// The name of the layer cache's record of the pack holding `objects`:
+/// what it holds and how it is written.
+fn pack_key(objects: &[ObjectRef]) -> String {
+    let mut h = Sha256::new();
+    // Another zstd may write other bytes for the same objects.
+    h.update(format!(
+        "tilefs pack v2 zstd {} level {} window {}\n",
+        zstd::zstd_safe::version_number(),
+        artifact::LEVEL,
+        artifact::WINDOW_LOG
+    ));
+    for o in objects {
+        h.update(o.digest);
+        h.update(o.size.to_le_bytes());
     }
-    let hashed = hash_packs(store, objects, packs, opts, progress)?;
-    let list: Vec<String> = hashed.iter().map(|d| d.to_string()).collect();
-    if let Ok(bytes) = serde_json::to_vec(&list) {
-        let _ = crate::layer_cache::write_record_in(store, LAYER_CACHE, &cache_name, &bytes);
-    }
-    Ok(hashed)
+    format!("pack-{}", hex::encode(h.finalize()))
 }
 
-/// The artifact's blobs (config, image, index, then the packs) and its
-/// manifest; runnable (see [`crate::artifact`]) with a base configuration.
-#[allow(clippy::too_many_arguments)]
+/// Each of `packs` (ranges of `objects`): known from the layer cache, or
+/// written now into a temporary file, several at once.
+fn make_packs(
+    store: &Store,
+    objects: &[ObjectRef],
+    packs: &[std::ops::Range<usize>],
+    opts: &PushOptions,
+    progress: &PushProgress,
+) -> Result<Vec<(Packed, Option<std::fs::File>)>, OciError> {
+    let threads = std::thread::available_parallelism()
+        .map_or(2, |n| n.get())
+        .min(packs.len().max(1));
+    let next = AtomicUsize::new(0);
+    let out: Vec<Mutex<Option<Result<_, OciError>>>> = packs.iter().map(|_| Mutex::new(None)).collect();
+    let cancelled = || opts.cancel.as_ref().is_some_and(|c| c.load(Relaxed));
+    std::thread::scope(|s| {
+        for _ in 0..threads {
+            s.spawn(|| loop {
+                let i = next.fetch_add(1, Relaxed);
+                let Some(range) = packs.get(i) else { break };
+                if cancelled() {
+                    break;
+                }
+                let these = &objects[range.clone()];
+                let key = pack_key(these);
+                let known = crate::layer_cache::read_record_in(store, LAYER_CACHE, &key)
+                    .and_then(|raw| postcard::from_bytes::<Packed>(&raw).ok())
+                    .filter(|p| p.stored.len() == these.len() && Digest::parse(&p.digest).is_ok());
+                let result = match known {
+                    Some(p) => {
+                        progress
+                            .bytes_done
+                            .fetch_add(these.iter().map(|o| o.size).sum(), Relaxed);
+                        Ok((p, None))
+                    }
+                    None => write_pack(store, these, &progress.bytes_done).map(|(p, f)| {
+                        if let Ok(bytes) = postcard::to_stdvec(&p) {
+                            let _ = crate::layer_cache::write_record_in(store, LAYER_CACHE, &key, &bytes);
+                        }
+                        (p, Some(f))
+                    }),
+                };
+                *out[i].lock().unwrap() = Some(result);
+            });
+        }
+    });
+    if cancelled() {
+        return Err(OciError::Interrupted);
+    }
+    out.into_iter()
+        .map(|m| m.into_inner().unwrap().unwrap_or(Err(OciError::Interrupted)))
+        .collect()
+}
+
+/// Writes the pack of `objects` (each read from the store, exactly its
+/// size) into an unnamed temporary file in the store; counts the objects'
+/// bytes in `done`.
+fn write_pack(store: &Store, objects: &[ObjectRef], done: &AtomicU64) -> Result<(Packed, std::fs::File), OciError> {
+    let mut file = tempfile::tempfile_in(store.path())
+        .map_err(|e| OciError::io(store.path(), "cannot make a temporary file for a pack", e))?;
+    let mut stored = Vec::with_capacity(objects.len());
+    let mut at = 0;
+    for o in objects {
+        let rel = Store::object_rel(&o.digest);
+        let open = || tilefs_store::open_regular(store.dir_fd(), std::path::Path::new(&rel), false);
+        let how = artifact::pack_object(open, o.size, &mut file, at)
+            .map_err(|e| OciError::io(&store.object_path(&o.digest), "cannot pack the object", e))?;
+        at += how.bytes(o.size);
+        stored.push(how);
+        done.fetch_add(o.size, Relaxed);
+    }
+    file.seek(io::SeekFrom::Start(0))
+        .map_err(|e| OciError::io(store.path(), "cannot read a pack back", e))?;
+    let mut h = Sha256::new();
+    io::copy(&mut (&file).take(at), &mut h).map_err(|e| OciError::io(store.path(), "cannot read a pack back", e))?;
+    let digest = Digest::from_sha256(h.finalize().into());
+    Ok((
+        Packed {
+            digest: digest.to_string(),
+            size: at,
+            stored,
+        },
+        file,
+    ))
+}
+
+/// The artifact's blobs (config, image, index, then the packs: those kept,
+/// then those made) and its manifest; runnable (see [`crate::artifact`])
+/// with a base configuration.
 fn artifact_blobs(
     image: Vec<u8>,
-    objects: &[ObjectRef],
-    locs: &[artifact::Location],
-    packs: Vec<artifact::Pack>,
-    pack_digests: Vec<Digest>,
+    plan: &base::Plan,
+    made: Vec<(Packed, Option<std::fs::File>)>,
     fsverity: &str,
     object_bytes: u64,
     runnable_from: Option<&[u8]>,
 ) -> Result<(Vec<Blob>, Vec<u8>), OciError> {
-    let index = Arc::new(artifact::encode_index(objects, locs));
+    let (mut objects, mut locs): (Vec<ObjectRef>, Vec<artifact::Location>) = plan.kept_objects.iter().copied().unzip();
+    for (i, (range, (p, _))) in plan.fresh_packs.iter().zip(&made).enumerate() {
+        let mut at = 0;
+        for (o, how) in plan.fresh[range.clone()].iter().zip(&p.stored) {
+            objects.push(*o);
+            locs.push(artifact::Location {
+                pack: (plan.kept.len() + i) as u32,
+                offset: at,
+                size: o.size,
+                stored: *how,
+            });
+            at += how.bytes(o.size);
+        }
+    }
+    let index = Arc::new(artifact::encode_index(&objects, &locs));
     let facts = artifact::Config {
         fsverity: fsverity.to_string(),
         objects: objects.len() as u64,
         object_bytes,
     };
-    let image = Arc::new(image);
+    let image = Arc::new(artifact::pack_image(&image));
     let mem = |b: &Arc<Vec<u8>>| Blob {
         digest: Digest::sha256_of(b),
         size: b.len() as u64,
         source: Source::Bytes(b.clone()),
     };
     let mut blobs = vec![mem(&image), mem(&index)];
-    for (d, pack) in pack_digests.into_iter().zip(packs) {
+    for (digest, size) in &plan.kept {
         blobs.push(Blob {
-            digest: d,
-            size: pack.size,
-            source: Source::Pack(pack.objects),
+            digest: digest.clone(),
+            size: *size,
+            source: Source::Kept,
+        });
+    }
+    for (range, (p, file)) in plan.fresh_packs.iter().cloned().zip(made) {
+        blobs.push(Blob {
+            digest: Digest::parse(&p.digest).expect("checked when made or read"),
+            size: p.size,
+            source: Source::Pack {
+                objects: range,
+                file: Mutex::new(file),
+            },
         });
     }
     let config = match runnable_from {
@@ -384,107 +544,83 @@ fn send_blob(
         return Ok(Sent::Mounted);
     }
     match &b.source {
+        Source::Kept => {
+            return Err(OciError::blob(
+                &b.digest.to_string(),
+                format!(
+                    "a pack of the artifact this push keeps packs of, gone from {}",
+                    registry.repository()
+                ),
+            ))
+        }
         Source::Bytes(bytes) => registry.upload(&b.digest, b.size, &mut io::Cursor::new(bytes.as_slice()), sent)?,
-        Source::Pack(range) => registry.upload(
-            &b.digest,
-            b.size,
-            &mut PackReader::new(store, objects[range.clone()].to_vec()),
-            sent,
-        )?,
+        Source::Pack { objects: range, file } => {
+            // Known from the cache, not written this time: written again
+            // (the same bytes: the registry checks the digest).
+            let mut f = match file.lock().unwrap().take() {
+                Some(f) => f,
+                None => write_pack(store, &objects[range.clone()], &AtomicU64::new(0))?.1,
+            };
+            f.seek(io::SeekFrom::Start(0))
+                .map_err(|e| OciError::io(store.path(), "cannot read a pack back", e))?;
+            registry.upload(&b.digest, b.size, &mut f, sent)?
+        }
     }
     Ok(Sent::Uploaded)
 }
 
-/// SHA-256 of each pack, several packs at once.
-fn hash_packs(
-    store: &Store,
-    objects: &[ObjectRef],
-    packs: &[artifact::Pack],
-    opts: &PushOptions,
-    progress: &PushProgress,
-) -> Result<Vec<Digest>, OciError> {
-    let threads = std::thread::available_parallelism()
-        .map_or(2, |n| n.get())
-        .min(packs.len().max(1));
-    let next = AtomicUsize::new(0);
-    let out: Vec<Mutex<Option<Result<Digest, OciError>>>> = packs.iter().map(|_| Mutex::new(None)).collect();
-    std::thread::scope(|s| {
-        for _ in 0..threads {
-            s.spawn(|| loop {
-                let i = next.fetch_add(1, Relaxed);
-                let Some(range) = packs.get(i).map(|p| &p.objects) else {
-                    break;
-                };
-                if opts.cancel.as_ref().is_some_and(|c| c.load(Relaxed)) {
-                    break;
-                }
-                let mut r = PackReader::new(store, objects[range.clone()].to_vec());
-                let mut h = Sha256::new();
-                let mut buf = vec![0u8; 1 << 20];
-                let result = loop {
-                    match r.read(&mut buf) {
-                        Ok(0) => break Ok(Digest::from_sha256(h.finalize().into())),
-                        Ok(n) => {
-                            h.update(&buf[..n]);
-                            progress.bytes_done.fetch_add(n as u64, Relaxed);
-                        }
-                        Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
-                        Err(e) => break Err(OciError::io(store.path(), "cannot read an object", e)),
-                    }
-                };
-                *out[i].lock().unwrap() = Some(result);
-            });
-        }
-    });
-    if opts.cancel.as_ref().is_some_and(|c| c.load(Relaxed)) {
-        return Err(OciError::Interrupted);
-    }
-    out.into_iter()
-        .map(|m| m.into_inner().unwrap().unwrap_or(Err(OciError::Interrupted)))
-        .collect()
+/// How to convert.
+#[derive(Debug, Clone, Default)]
+pub struct ConvertOptions {
+    /// How to read the source (registry options, policy, platform, cancel,
+    /// progress of the reading).
+    pub pull: crate::pull::PullOptions,
+    /// How to push the artifact (its `runnable_from` is the source's).
+    pub push: PushOptions,
+    /// Where the scratch store goes (default: the system's temporary
+    /// directory).
+    pub tmpdir: Option<std::path::PathBuf>,
 }
 
-/// Reads objects from the store one after the other, each exactly its
-/// size (an object that changed size since the check is an error, not a
-/// shifted pack).
-struct PackReader<'s> {
-    store: &'s Store,
-    objects: std::vec::IntoIter<ObjectRef>,
-    current: Option<(io::Take<std::fs::File>, ObjectRef)>,
+/// What a conversion did.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct ConvertReport {
+    pub source: String,
+    /// The source's manifest digest.
+    pub source_manifest_digest: Option<String>,
+    /// Blob bytes read from the source (its layers, compressed).
+    pub source_bytes: u64,
+    pub entries: usize,
+    #[serde(flatten)]
+    pub push: PushReport,
 }
 
-impl<'s> PackReader<'s> {
-    fn new(store: &'s Store, objects: Vec<ObjectRef>) -> PackReader<'s> {
-        PackReader {
-            store,
-            objects: objects.into_iter(),
-            current: None,
-        }
-    }
-}
-
-impl Read for PackReader<'_> {
-    fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
-        loop {
-            if let Some((f, o)) = &mut self.current {
-                let n = f.read(buf)?;
-                if n > 0 {
-                    return Ok(n);
-                }
-                if f.limit() > 0 {
-                    return Err(io::Error::other(format!(
-                        "object {} is shorter than the image says ({} bytes)",
-                        Store::object_rel(&o.digest),
-                        o.size
-                    )));
-                }
-                self.current = None;
-            }
-            let Some(o) = self.objects.next() else { return Ok(0) };
-            let rel = Store::object_rel(&o.digest);
-            let f = tilefs_store::open_regular(self.store.dir_fd(), std::path::Path::new(&rel), false)
-                .map_err(|e| io::Error::new(e.kind(), format!("object {rel}: {e}")))?;
-            self.current = Some((f.take(o.size), o));
-        }
-    }
+/// Converts the OCI image `src` into a runnable artifact at `dest` (what
+/// `tilefs pull SRC` then `tilefs push --runnable-from SRC` make, the same
+/// image): the layers are read once, streaming, into a scratch store in a
+/// temporary directory, removed at the end whatever happens.
+pub fn convert(src: &ImageRef, dest: &ImageRef, opts: &ConvertOptions) -> Result<ConvertReport, OciError> {
+    destination(dest)?;
+    let tmpdir = opts.tmpdir.clone().unwrap_or_else(std::env::temp_dir);
+    // The source's configuration first: an artifact (or an image the
+    // policy refuses) fails before a layer is read.
+    let config = crate::pull::image_config(src, &opts.pull)?;
+    let scratch = tempfile::Builder::new()
+        .prefix("tilefs-convert-")
+        .tempdir_in(&tmpdir)
+        .map_err(|e| OciError::io(&tmpdir, "cannot make a scratch directory", e))?;
+    let store = Store::create(&scratch.path().join("store"))?;
+    let pulled = crate::pull::pull(&store, src, "source", &opts.pull)?;
+    let push_opts = PushOptions {
+        runnable_from: Some(config),
+        ..opts.push.clone()
+    };
+    let pushed = push(&store, "source", dest, &push_opts)?;
+    Ok(ConvertReport {
+        source: src.to_string(),
+        source_manifest_digest: pulled.manifest_digest,
+        source_bytes: pulled.blob_bytes,
+        entries: pulled.entries,
+        push: pushed,
+    })
 }
