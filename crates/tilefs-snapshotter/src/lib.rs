@@ -614,8 +614,9 @@ impl Shared {
         mounts
     }
 
-    /// CRI's lazy path: if `t` names a layer of a runnable tilefs artifact
-    /// or of an ordinary image with a tilefs index (checked, see
+    /// CRI's lazy path: if `t` names a layer of a runnable tilefs artifact,
+    /// of an ordinary image with a tilefs index or of an eStargz or
+    /// zstd:chunked image (checked, see
     /// [`lazy::check`]), the committed snapshot of it for `t`'s reference
     /// ([`lazy::snapshot_name`]), made now (or found made), and its name,
     /// claimed for containerd's walk.
