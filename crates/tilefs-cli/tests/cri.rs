@@ -1620,3 +1620,103 @@ fn cri_starts_an_ordinary_image_lazily_through_its_index() {
     assert!(!out.status.success(), "a pull the policy refuses succeeded");
     assert!(said.contains("signature policy refuses it"), "{said}");
 }
+
+#[test]
+fn cri_starts_an_estargz_image_lazily_through_its_tables_of_contents() {
+    let area = Area::new();
+    let Some(generator) = common::seekable::generator() else {
+        return;
+    };
+    let policy = area.path("policy.json");
+    fs::write(&policy, r#"{"default": [{"type": "insecureAcceptAnything"}]}"#).unwrap();
+    let config = area.path("snapshotter.toml");
+    fs::write(
+        &config,
+        format!(
+            "signature_policy = \"{}\"\n[cri_keychain]\nenable_keychain = true\nimage_service_path = \"{}\"\n",
+            policy.display(),
+            area.path("c.sock").display()
+        ),
+    )
+    .unwrap();
+    let rig = CriRig::start_with(&area, &["--config", config.to_str().unwrap()]);
+    // Two eStargz layers, no tilefs index: busybox, and 16 files of 256
+    // KiB.
+    let image = common::seekable::push_seekable(
+        &generator,
+        &area,
+        rig.registry(),
+        "estargz",
+        "estargz",
+        &[
+            &|r: &Path| {
+                busybox_into(r, &["sh", "cat", "echo", "md5sum"]);
+                fs::create_dir_all(r.join("etc")).unwrap();
+                fs::write(r.join("etc/msg"), "hello from an eStargz image").unwrap();
+            },
+            &|r: &Path| {
+                let files: Vec<(String, usize)> = (0..16).map(|i| (format!("data/f{i}"), 256 << 10)).collect();
+                common::oci::write_files(r, 41, &files);
+            },
+        ],
+        false,
+    );
+    let raw = common::oci::skopeo_raw(&format!("docker://{image}"));
+    let layers: Vec<(String, u64)> = raw["layers"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|l| (l["digest"].as_str().unwrap().to_string(), l["size"].as_u64().unwrap()))
+        .collect();
+    // The layer blob GETs since request `from`: (blob, status, bytes).
+    let layer_gets = |from: usize| -> Vec<(String, u16, u64)> {
+        rig.registry().requests()[from..]
+            .iter()
+            .filter(|r| r.method == "GET")
+            .filter_map(|r| {
+                let l = layers.iter().find(|l| r.path.ends_with(&l.0))?;
+                Some((l.0.clone(), r.status, r.bytes))
+            })
+            .collect()
+    };
+
+    // The pull reads the tables of contents only (range GETs); every
+    // layer is a lazy snapshot, and crictl says how it is served.
+    let from = rig.registry().requests().len();
+    ok(rig.crictl_via_snapshotter().args(["pull", &image]));
+    let gets = layer_gets(from);
+    assert!(gets.iter().all(|g| g.1 == 206), "whole-blob GETs by the pull: {gets:?}");
+    let records = rig.records();
+    for id in chain_ids(&image) {
+        assert!(
+            records
+                .iter()
+                .any(|r| r["labels"]["containerd.io/snapshot.ref"] == id.as_str() && r["lazy"] == true),
+            "{id} was not made lazily: {records:?}\n{}",
+            fs::read_to_string(area.path("snapshotter.log")).unwrap_or_default()
+        );
+    }
+    let out = ok(rig.crictl_via_snapshotter().args(["inspecti", "-o", "json", &image]));
+    let v: serde_json::Value = serde_json::from_str(&out).unwrap();
+    let said = v["tilefs"]["message"].as_str().unwrap_or_default();
+    assert_eq!(v["tilefs"]["lazy"], true, "{out}");
+    assert!(
+        said.starts_with("lazy: through its eStargz tables of contents"),
+        "{said}"
+    );
+
+    // A pod reads a file of the data layer: range GETs of a part of it.
+    let from = rig.registry().requests().len();
+    let out = rig.run_pod_and_container(&image, "cat /etc/msg; echo; md5sum /data/f9");
+    let md5 = ok(Command::new("md5sum").arg(area.path("estargz-tree1/data/f9")));
+    assert!(out.starts_with("hello from an eStargz image\n"), "{out}");
+    assert!(out.contains(md5.split_whitespace().next().unwrap()), "{out}");
+    let gets = layer_gets(from);
+    let (data, data_size) = &layers[1];
+    let of_data: Vec<_> = gets.iter().filter(|g| &g.0 == data).collect();
+    let fetched: u64 = of_data.iter().map(|g| g.2).sum();
+    eprintln!("pod on the eStargz image: layer blob GETs {gets:?}; {fetched} of the data layer's {data_size} bytes");
+    assert!(!of_data.is_empty(), "the file came from nowhere: {gets:?}");
+    assert!(gets.iter().all(|g| g.1 == 206), "whole-blob GETs: {gets:?}");
+    assert!(fetched * 2 < *data_size, "{fetched} bytes of a layer of {data_size}");
+}

@@ -745,6 +745,9 @@ pub enum LazyKind {
     Artifact(Vec<Digest>),
     /// An ordinary image with an index to use.
     Indexed(Box<IndexedImage>),
+    /// An eStargz or zstd:chunked image without one: its tables of
+    /// contents.
+    Toc(Box<TocImages>),
     /// Anything else: pulled whole, and why.
     Whole(String),
 }
@@ -763,6 +766,16 @@ pub struct IndexedImage {
     pub index: Indexed,
 }
 
+/// An eStargz or zstd:chunked image and its tables of contents, as a
+/// lazy start needs them (found as [`IndexedImage`]'s index is).
+pub struct TocImages {
+    pub source: ImageRef,
+    pub opts: PullOptions,
+    pub resolved: Resolved,
+    pub diff_ids: Vec<Digest>,
+    pub tables: crate::toc_lazy::TocTables,
+}
+
 /// The image of the chain of an image's first layers, and the lazy
 /// record that places its files in them.
 pub struct Chain {
@@ -773,7 +786,8 @@ pub struct Chain {
 }
 
 /// Opens `r` (judged by the signature policy: a refusal is the error),
-/// reads its configuration and, for an ordinary image, looks for its index.
+/// reads its configuration and, for an ordinary image, looks for its index,
+/// then for its layers' tables of contents (eStargz, zstd:chunked).
 pub fn plan(r: &ImageRef, opts: &PullOptions) -> Result<LazyPlan, OciError> {
     let (opened, raw) = crate::pull::open_with_config(r, opts)?;
     let crate::trust::Opened {
@@ -812,19 +826,36 @@ pub fn plan(r: &ImageRef, opts: &PullOptions) -> Result<LazyPlan, OciError> {
                 format!("lists {} layers where the manifest has {}", diff_ids.len(), blobs.len()),
             ));
         }
+        let opts = PullOptions {
+            registry: registry.clone(),
+            ..opts.clone()
+        };
         match &source {
             ImageRef::Registry { reference } => match usable(&source, reference, &resolved, &registry)? {
                 Ok(index) => LazyKind::Indexed(Box::new(IndexedImage {
-                    opts: PullOptions {
-                        registry: registry.clone(),
-                        ..opts.clone()
-                    },
+                    opts,
                     source: source.clone(),
                     resolved: resolved.clone(),
                     diff_ids,
                     index,
                 })),
-                Err(why) => LazyKind::Whole(why),
+                // Without an index, an eStargz or zstd:chunked image goes
+                // by its tables of contents (as `pull --lazy` does).
+                Err(why) => match crate::toc_lazy::tables(&source, &resolved, &opts, &Default::default()) {
+                    Ok(Some(Ok(tables))) => LazyKind::Toc(Box::new(TocImages {
+                        opts,
+                        source: source.clone(),
+                        resolved: resolved.clone(),
+                        diff_ids,
+                        tables,
+                    })),
+                    Ok(None) => LazyKind::Whole(why),
+                    Ok(Some(Err(toc_why))) => {
+                        LazyKind::Whole(format!("{why}, and its tables of contents cannot be used: {toc_why}"))
+                    }
+                    Err(OciError::Interrupted) => return Err(OciError::Interrupted),
+                    Err(e) => LazyKind::Whole(format!("{why}, and its tables of contents cannot be used: {e}")),
+                },
             },
             _ => LazyKind::Whole("only an image in a registry has an index".into()),
         }

@@ -170,21 +170,71 @@ pub struct TocImage {
     pub formats: String,
 }
 
-/// The image of the tables of contents of `resolved`'s layers (the image
-/// `source` names, as the signature policy accepted it), in `store`: Ok(None)
-/// when its layers have none; Ok(Err(why)) when they cannot be used. The
-/// snapshotter's entry point: holding the store's lock shared from this
-/// call until the image is held (the objects it found present are not
-/// referenced before), it writes the record with [`TocRecord::save`]
-/// under [`TocImage::digest`] and serves the image's FUSE mount through
-/// [`open_source`].
+/// The image of the tables of contents of the first `layers` of
+/// `resolved`'s layers (the image `source` names, as the signature policy
+/// accepted it; all of them for `pull --lazy`, a chain's for the
+/// snapshotter), in `store`: Ok(None) when its layers have none;
+/// Ok(Err(why)) when they cannot be used. The caller holds the store's
+/// lock shared from this call until the image is held (the objects it
+/// found present are not referenced before), writes the record with
+/// [`TocRecord::save`] under [`TocImage::digest`] and serves the image's
+/// FUSE mount through [`open_source`].
 pub fn toc_image(
     store: &Store,
     source: &ImageRef,
     resolved: &Resolved,
     opts: &PullOptions,
     progress: &PullProgress,
+    layers: usize,
 ) -> Result<Option<Result<TocImage, String>>, OciError> {
+    Ok(tables(source, resolved, opts, progress)?.map(|t| t?.image(store, layers, opts.keep_all_xattrs)))
+}
+
+/// An image's tables of contents, fetched and checked once: the
+/// snapshotter makes the image of each chain of its layers from them.
+pub struct TocTables {
+    record: TocRecord,
+    tocs: Vec<Toc>,
+}
+
+impl TocTables {
+    /// The image of the first `layers` layers (1 ..= all), as
+    /// [`toc_image`] makes it.
+    pub fn image(&self, store: &Store, layers: usize, keep_all_xattrs: bool) -> Result<TocImage, String> {
+        if layers == 0 || layers > self.tocs.len() {
+            return Err(format!("{} has no chain of {layers} layers", self.record.source));
+        }
+        let mut record = self.record.clone();
+        record.layers.truncate(layers);
+        image_of(store, record, &self.tocs[..layers], keep_all_xattrs)
+    }
+
+    /// "eStargz", "zstd:chunked", or both joined by `+`.
+    pub fn formats(&self) -> String {
+        formats(&self.record.layers)
+    }
+}
+
+/// The formats of these layers' tables: "eStargz", "zstd:chunked", or
+/// both joined by `+`.
+fn formats(layers: &[TocLayer]) -> String {
+    let mut formats: Vec<&str> = Vec::new();
+    for l in layers {
+        if !formats.contains(&l.table.format()) {
+            formats.push(l.table.format());
+        }
+    }
+    formats.join("+")
+}
+
+/// The tables of contents of `resolved`'s layers, as [`toc_image`] reads
+/// them.
+pub fn tables(
+    source: &ImageRef,
+    resolved: &Resolved,
+    opts: &PullOptions,
+    progress: &PullProgress,
+) -> Result<Option<Result<TocTables, String>>, OciError> {
     let ImageRef::Registry { reference } = source else {
         return Ok(None);
     };
@@ -230,7 +280,7 @@ pub fn toc_image(
         layers,
     };
     progress.stage.set("writing the image of the tables of contents", false);
-    Ok(Some(image_of(store, record, &tocs, opts.keep_all_xattrs)))
+    Ok(Some(Ok(TocTables { record, tocs })))
 }
 
 /// Each layer's table of contents as its annotations announce it (None
@@ -329,11 +379,7 @@ fn image_of(store: &Store, record: TocRecord, tocs: &[Toc], keep_all_xattrs: boo
     let mut applier = Applier::new(keep_all_xattrs);
     let mut resolved: HashMap<[u8; 32], Option<[u8; 32]>> = HashMap::new();
     let mut aliased: HashSet<[u8; 32]> = HashSet::new();
-    let mut formats: Vec<&str> = Vec::new();
     for (l, toc) in record.layers.iter().zip(tocs) {
-        if !formats.contains(&l.table.format()) {
-            formats.push(l.table.format());
-        }
         let mut entries = Vec::with_capacity(toc.entries.len() + 1);
         for e in &toc.entries {
             let got = |f: &toc::File| {
@@ -378,9 +424,9 @@ fn image_of(store: &Store, record: TocRecord, tocs: &[Toc], keep_all_xattrs: boo
         entries: tree.inodes.len(),
         format_version: info.version,
         lazy_files: lazy_files.len() as u64,
+        formats: formats(&record.layers),
         record: (!lazy_files.is_empty()).then_some(record),
         image: image.bytes,
-        formats: formats.join("+"),
     })
 }
 
@@ -540,7 +586,7 @@ pub(crate) fn pull_toc(
     // Held shared (as builds hold it) until the tag is written: a gc
     // meanwhile would take the objects found present for unreferenced.
     let _lock = store.lock(tilefs_store::LockMode::Shared, true)?;
-    let made = match toc_image(store, source, resolved, opts, progress) {
+    let made = match toc_image(store, source, resolved, opts, progress, resolved.layers.len()) {
         Ok(Some(Ok(m))) => m,
         Ok(None) => return Ok(TocPull::NotToc),
         Ok(Some(Err(why))) => return Ok(TocPull::Unusable(why)),

@@ -13,9 +13,11 @@
 //! chain IDs are the image's own (its configuration's diff IDs), which
 //! other images share: the snapshot may be made over any committed
 //! snapshot of the chain below (one containerd unpacked, say), whose
-//! files it does not use. An image without an index (or whose index
-//! cannot be used) is left to containerd's unpack, and why is logged and
-//! kept for CRI's ImageStatus ([`Said`]).
+//! files it does not use. An eStargz or zstd:chunked image without an
+//! index is served so too, each chain's image made from its layers'
+//! tables of contents ([`tilefs_oci::toc_lazy`]). Any other image (or one
+//! whose index or tables cannot be used) is left to containerd's unpack,
+//! and why is logged and kept for CRI's ImageStatus ([`Said`]).
 //!
 //! The labels are not trusted: the snapshot is made only if the chain ID
 //! the artifact's own configuration (fetched by the manifest's digest, under
@@ -177,8 +179,9 @@ pub struct Plans {
 }
 
 impl Plans {
-    /// Most manifests remembered (an index's image and layer maps are
-    /// held: a few MB each for an image of a GB).
+    /// Most manifests remembered (an index's image and layer maps, or
+    /// the layers' tables of contents, are held: a few MB each for an
+    /// image of a GB).
     const MAX: usize = 16;
     /// How long an image found to be pulled whole is taken to be.
     const WHOLE_FOR: Duration = Duration::from_secs(30);

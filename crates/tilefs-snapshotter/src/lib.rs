@@ -187,6 +187,24 @@ enum NotLazy {
     Failed(String),
 }
 
+/// The image a lazy chain snapshot is of ([`Shared::make_lazy_chain`]).
+struct Chain<'a> {
+    /// As the policy accepted it.
+    resolved: &'a tilefs_oci::transport::Resolved,
+    /// Its layers' diff IDs, in the manifest's order.
+    diff_ids: &'a [tilefs_oci::digest::Digest],
+    /// What its files are placed by, as the log says it.
+    through: String,
+}
+
+/// How an image served lazily was judged, as `crictl inspecti` says it.
+fn judged<T>(trust: &Option<T>) -> &'static str {
+    match trust {
+        Some(_) => "accepted by the signature policy as the image",
+        None => "not judged by a signature policy",
+    }
+}
+
 /// The worker's jobs, done in order.
 enum Job {
     /// Store a pending snapshot's layer and make its image.
@@ -596,8 +614,9 @@ impl Shared {
         mounts
     }
 
-    /// CRI's lazy path: if `t` names a layer of a runnable tilefs artifact
-    /// or of an ordinary image with a tilefs index (checked, see
+    /// CRI's lazy path: if `t` names a layer of a runnable tilefs artifact,
+    /// of an ordinary image with a tilefs index or of an eStargz or
+    /// zstd:chunked image (checked, see
     /// [`lazy::check`]), the committed snapshot of it for `t`'s reference
     /// ([`lazy::snapshot_name`]), made now (or found made), and its name,
     /// claimed for containerd's walk.
@@ -626,6 +645,7 @@ impl Shared {
         let (name, how) = match &plan.kind {
             LazyKind::Artifact(layers) => self.make_lazy_artifact(t, parent, labels, lz, layers)?,
             LazyKind::Indexed(image) => self.make_lazy_indexed(t, parent, labels, image)?,
+            LazyKind::Toc(image) => self.make_lazy_toc(t, parent, labels, image)?,
             LazyKind::Whole(why) => return Err(NotLazy::Because(why.clone())),
         };
         self.said.lazy(&t.repo_digest, how);
@@ -705,8 +725,7 @@ impl Shared {
     /// [`Shared::make_lazy`] of a layer of an ordinary image with a tilefs
     /// index: the image of its chain made from the index's layer maps
     /// (nothing of the layers fetched), its files placed in the layer blobs
-    /// for the FUSE server to fetch by range. A failure leaves the layer to
-    /// containerd, which can unpack it.
+    /// for the FUSE server to fetch by range.
     fn make_lazy_indexed(
         self: &Arc<Self>,
         t: &lazy::Target,
@@ -714,8 +733,69 @@ impl Shared {
         labels: &HashMap<String, String>,
         img: &tilefs_oci::lazy_index::IndexedImage,
     ) -> Result<(String, String), NotLazy> {
-        let blobs: Vec<_> = img.resolved.layers.iter().map(|l| l.digest.clone()).collect();
-        let chain = lazy::check(t, &blobs, &img.diff_ids).map_err(NotLazy::Because)?;
+        let index = &img.index.manifest_digest;
+        let chain = Chain {
+            resolved: &img.resolved,
+            diff_ids: &img.diff_ids,
+            through: format!("index {index}"),
+        };
+        let how = judged(&img.index.trust);
+        let name = self.make_lazy_chain(t, parent, labels, chain, |store, n| {
+            let c = img.chain(n).map_err(|e| e.to_string())?;
+            let absent = tilefs_store::presence::absent(store, c.objects.iter().map(|o| o.digest)).len();
+            match absent {
+                0 => tilefs_store::remote::forget(store, &c.digest).map_err(|e| e.to_string())?,
+                _ => c.record.save(store, &c.digest).map_err(|e| e.to_string())?,
+            }
+            Ok((c.image, c.digest, absent as u64))
+        })?;
+        Ok((name, format!("lazy: through tilefs index {index} ({how})")))
+    }
+
+    /// [`Shared::make_lazy`] of a layer of an eStargz or zstd:chunked image
+    /// without a tilefs index: the image of its chain made from the layers'
+    /// tables of contents, its files fetched by range and checked against
+    /// them.
+    fn make_lazy_toc(
+        self: &Arc<Self>,
+        t: &lazy::Target,
+        parent: &str,
+        labels: &HashMap<String, String>,
+        img: &tilefs_oci::lazy_index::TocImages,
+    ) -> Result<(String, String), NotLazy> {
+        let formats = img.tables.formats();
+        let chain = Chain {
+            resolved: &img.resolved,
+            diff_ids: &img.diff_ids,
+            through: format!("its {formats} tables of contents"),
+        };
+        let name = self.make_lazy_chain(t, parent, labels, chain, |store, n| {
+            let made = img.tables.image(store, n, img.opts.keep_all_xattrs)?;
+            match &made.record {
+                Some(r) => r.save(store, &made.digest).map_err(|e| e.to_string())?,
+                None => tilefs_store::remote::forget(store, &made.digest).map_err(|e| e.to_string())?,
+            }
+            Ok((made.image, made.digest, made.lazy_files))
+        })?;
+        let how = judged(&img.resolved.trust);
+        Ok((name, format!("lazy: through its {formats} tables of contents ({how})")))
+    }
+
+    /// The lazy snapshot of `t`, a layer of an ordinary image: the image of
+    /// its chain (the layers up to it), which `make` writes the lazy record
+    /// of and returns (its bytes, fs-verity digest and the number of files
+    /// to fetch), made the snapshot's. A failure leaves the layer to
+    /// containerd, which can unpack it.
+    fn make_lazy_chain(
+        self: &Arc<Self>,
+        t: &lazy::Target,
+        parent: &str,
+        labels: &HashMap<String, String>,
+        c: Chain,
+        make: impl FnOnce(&Store, usize) -> Result<(Vec<u8>, [u8; 32], u64), String>,
+    ) -> Result<String, NotLazy> {
+        let blobs: Vec<_> = c.resolved.layers.iter().map(|l| l.digest.clone()).collect();
+        let chain = lazy::check(t, &blobs, c.diff_ids).map_err(NotLazy::Because)?;
         let n = chain.len();
         // The parent's files are not used (the chain's image holds them
         // all): any committed snapshot of the chain below will do, the
@@ -739,24 +819,23 @@ impl Shared {
         }
         let below = n.checked_sub(2).map(|i| chain[i].as_str()).unwrap_or_default();
         let name = lazy::snapshot_name_on(&t.reference, &t.name, parent, below);
-        let index = &img.index.manifest_digest;
-        let failed = |e: String| NotLazy::Because(format!("layer {n} of {} through index {index}: {e}", t.reference));
+        let through = &c.through;
+        let failed = |e: String| NotLazy::Because(format!("layer {n} of {} through {through}: {e}", t.reference));
         let id = self.new_id();
         let started = std::time::Instant::now();
         let tag = self.tag(id);
-        let absent = (|| -> Result<usize, String> {
+        let absent = (|| -> Result<u64, String> {
             let store = Store::open(&self.store).map_err(|e| e.to_string())?;
-            let c = img.chain(n).map_err(|e| e.to_string())?;
-            let absent = tilefs_store::presence::absent(&store, c.objects.iter().map(|o| o.digest)).len();
-            if absent > 0 {
-                c.record.save(&store, &c.digest).map_err(|e| e.to_string())?;
-            }
-            tilefs_oci::trust::save_evidence(&store, &c.digest, &img.resolved).map_err(|e| e.to_string())?;
-            owned::write_root(&store, &self.holder, &tag, &c.image).map_err(|e| e.to_string())?;
-            if absent == 0 {
-                tilefs_store::remote::forget(&store, &c.digest).map_err(|e| e.to_string())?;
-            }
-            let r = Self::lazy_record(id, &name, parent, labels, Some(hex::encode(c.digest)), true);
+            // Held shared until the image is held: a gc meanwhile would
+            // take the objects found present for unreferenced.
+            let lock = store
+                .lock(tilefs_store::LockMode::Shared, true)
+                .map_err(|e| e.to_string())?;
+            let (image, digest, absent) = make(&store, n)?;
+            tilefs_oci::trust::save_evidence(&store, &digest, c.resolved).map_err(|e| e.to_string())?;
+            owned::write_root(&store, &self.holder, &tag, &image).map_err(|e| e.to_string())?;
+            drop(lock);
+            let r = Self::lazy_record(id, &name, parent, labels, Some(hex::encode(digest)), true);
             // The top layer's image is the one containers run on.
             if !self.insert_lazy(r, n == blobs.len())? {
                 let _ = self.remove_tag(id);
@@ -768,16 +847,12 @@ impl Shared {
             failed(e)
         })?;
         eprintln!(
-            "tilefs snapshotter: {name:?}: layer {n} of {} made lazily through index {index}, {absent} files to \
-             fetch on first read ({:.2} s)",
+            "tilefs snapshotter: {name:?}: layer {n} of {} made lazily through {through}, {absent} files to fetch \
+             on first read ({:.2} s)",
             t.reference,
             started.elapsed().as_secs_f64()
         );
-        let how = match &img.index.trust {
-            Some(_) => "accepted by the signature policy as the image",
-            None => "not judged by a signature policy",
-        };
-        Ok((name, format!("lazy: through tilefs index {index} ({how})")))
+        Ok(name)
     }
 
     fn new_id(&self) -> u64 {

@@ -6,6 +6,7 @@
 
 pub mod oci;
 pub mod registry;
+pub mod seekable;
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::ffi::{OsStr, OsString};
