@@ -57,6 +57,9 @@ const RECORD_VERSION: u32 = 1;
 /// The largest chunk decoded (in memory): eStargz cuts files into 4 MiB
 /// chunks, zstd:chunked into smaller ones.
 const MAX_CHUNK: u64 = 256 << 20;
+/// Most compressed bytes a chunk may span: its contents' cap with room for
+/// what a compressor adds and the next entry's headers.
+const MAX_COMPRESSED_CHUNK: u64 = MAX_CHUNK + (MAX_CHUNK >> 2);
 
 /// Where the files of an image pulled from tables of contents are.
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -871,6 +874,14 @@ impl Chunks<'_> {
                 &mut io::sink(),
             )?;
             let len = c.compressed.end - c.compressed.start;
+            // A chunk's compressed range runs to the next one the table
+            // lists: a lying table could make it the whole blob, held here.
+            if len > MAX_COMPRESSED_CHUNK {
+                return Err(bad(format!(
+                    "a chunk of {} compressed bytes at blob byte {}, over {MAX_COMPRESSED_CHUNK}",
+                    len, c.compressed.start
+                )));
+            }
             let mut fetched = Vec::with_capacity(len as usize);
             (&mut self.reader).take(len).read_to_end(&mut fetched)?;
             if fetched.len() as u64 != len {
