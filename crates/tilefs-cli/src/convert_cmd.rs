@@ -1,7 +1,6 @@
 //! `tilefs convert`: an OCI image in a registry to a runnable tilefs
 //! artifact in a registry, without a store of the user's.
 
-use crate::build::Interrupted;
 use crate::progress::{self, Progress};
 use crate::registry_arg::RegistryArgs;
 use anyhow::{Context, Result};
@@ -13,7 +12,7 @@ use std::time::Instant;
 use tilefs_oci::manifest::Platform;
 use tilefs_oci::pull::PullProgress;
 use tilefs_oci::push::{ConvertOptions, PushOptions, PushProgress};
-use tilefs_oci::{ImageRef, OciError, PullOptions};
+use tilefs_oci::{ImageRef, PullOptions};
 
 #[derive(Args)]
 pub struct ConvertArgs {
@@ -112,15 +111,7 @@ pub fn run(a: ConvertArgs) -> Result<ExitCode> {
     });
     let result = tilefs_oci::push::convert(&src, &dest, &opts);
     drop(display);
-    let report = match result {
-        Ok(r) => r,
-        Err(e) => {
-            if matches!(e, OciError::Interrupted) || cancel.load(Relaxed) {
-                return Err(Interrupted.into());
-            }
-            return Err(anyhow::Error::new(e).context(format!("cannot convert {src} to {dest}")));
-        }
-    };
+    let report = crate::registry_arg::outcome(result, &cancel, || format!("cannot convert {src} to {dest}"))?;
     if a.json {
         let mut v = serde_json::to_value(&report)?;
         v["seconds"] = started.elapsed().as_secs_f64().into();

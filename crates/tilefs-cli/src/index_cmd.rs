@@ -1,6 +1,5 @@
 //! `tilefs index`: an ordinary OCI image's lazy index, pushed beside it.
 
-use crate::build::Interrupted;
 use crate::progress::{self, Progress};
 use crate::registry_arg::RegistryArgs;
 use crate::store_arg::StoreArg;
@@ -13,7 +12,7 @@ use std::time::Instant;
 use tilefs_oci::lazy_index::IndexOptions;
 use tilefs_oci::manifest::Platform;
 use tilefs_oci::pull::PullProgress;
-use tilefs_oci::{ImageRef, OciError, PullOptions};
+use tilefs_oci::{ImageRef, PullOptions};
 
 #[derive(Args)]
 pub struct IndexArgs {
@@ -80,15 +79,7 @@ pub fn run(a: IndexArgs) -> Result<ExitCode> {
     });
     let result = tilefs_oci::lazy_index::index(&store, &r, &opts);
     drop(display);
-    let report = match result {
-        Ok(r) => r,
-        Err(e) => {
-            if matches!(e, OciError::Interrupted) || cancel.load(Relaxed) {
-                return Err(Interrupted.into());
-            }
-            return Err(anyhow::Error::new(e).context(format!("cannot index {r}")));
-        }
-    };
+    let report = crate::registry_arg::outcome(result, &cancel, || format!("cannot index {r}"))?;
     if a.json {
         let mut v = serde_json::to_value(&report)?;
         v["seconds"] = started.elapsed().as_secs_f64().into();

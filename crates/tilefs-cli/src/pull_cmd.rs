@@ -1,6 +1,6 @@
 //! `tilefs pull`: an OCI image in, a tagged image in the store out.
 
-use crate::build::{Interrupted, NewStore};
+use crate::build::NewStore;
 use crate::progress::{self, Progress};
 use crate::registry_arg::RegistryArgs;
 use crate::store_arg::StoreArg;
@@ -12,7 +12,7 @@ use std::sync::Arc;
 use std::time::Instant;
 use tilefs_oci::manifest::Platform;
 use tilefs_oci::pull::PullProgress;
-use tilefs_oci::{ImageRef, OciError, PullOptions};
+use tilefs_oci::{ImageRef, PullOptions};
 use tilefs_store::Store;
 
 #[derive(Args)]
@@ -106,15 +106,7 @@ pub fn run(a: PullArgs) -> Result<ExitCode> {
     });
     let result = tilefs_oci::pull(&store, &r, &tag, &opts);
     drop(display);
-    let report = match result {
-        Ok(r) => r,
-        Err(e) => {
-            if matches!(e, OciError::Interrupted) || cancel.load(Relaxed) {
-                return Err(Interrupted.into());
-            }
-            return Err(anyhow::Error::new(e).context(format!("cannot pull {r}")));
-        }
-    };
+    let report = crate::registry_arg::outcome(result, &cancel, || format!("cannot pull {r}"))?;
     new_store.0 = None;
     if !a.quiet {
         for n in &report.notes {

@@ -1,6 +1,5 @@
 //! `tilefs push`: a tagged image and its objects out to a registry.
 
-use crate::build::Interrupted;
 use crate::progress::{self, Progress};
 use crate::registry_arg::RegistryArgs;
 use crate::store_arg::StoreArg;
@@ -11,7 +10,7 @@ use std::sync::atomic::{AtomicBool, Ordering::Relaxed};
 use std::sync::Arc;
 use std::time::Instant;
 use tilefs_oci::push::{PushOptions, PushProgress};
-use tilefs_oci::{ImageRef, OciError};
+use tilefs_oci::ImageRef;
 
 #[derive(Args)]
 pub struct PushArgs {
@@ -93,15 +92,7 @@ pub fn run(a: PushArgs) -> Result<ExitCode> {
     });
     let result = tilefs_oci::push::push(&store, &a.name, &r, &opts);
     drop(display);
-    let report = match result {
-        Ok(r) => r,
-        Err(e) => {
-            if matches!(e, OciError::Interrupted) || cancel.load(Relaxed) {
-                return Err(Interrupted.into());
-            }
-            return Err(anyhow::Error::new(e).context(format!("cannot push {:?} to {r}", a.name)));
-        }
-    };
+    let report = crate::registry_arg::outcome(result, &cancel, || format!("cannot push {:?} to {r}", a.name))?;
     if a.json {
         let mut v = serde_json::to_value(&report)?;
         v["seconds"] = started.elapsed().as_secs_f64().into();

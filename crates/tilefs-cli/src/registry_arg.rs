@@ -90,3 +90,19 @@ impl SignArgs {
         }
     }
 }
+
+/// What a registry command's result becomes: [`crate::build::Interrupted`]
+/// when SIGINT or SIGTERM (`cancel`) ended it, else its error with `what`
+/// (the operation and its references) before the reason.
+pub fn outcome<T>(
+    result: Result<T, tilefs_oci::OciError>,
+    cancel: &std::sync::atomic::AtomicBool,
+    what: impl FnOnce() -> String,
+) -> anyhow::Result<T> {
+    match result {
+        Ok(t) => Ok(t),
+        Err(tilefs_oci::OciError::Interrupted) => Err(crate::build::Interrupted.into()),
+        Err(_) if cancel.load(std::sync::atomic::Ordering::Relaxed) => Err(crate::build::Interrupted.into()),
+        Err(e) => Err(anyhow::Error::new(e).context(what())),
+    }
+}
