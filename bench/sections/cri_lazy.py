@@ -448,7 +448,7 @@ def tilefs_index_bytes(repo: str, plain: str) -> tuple[int | None, str]:
     return artifact_bytes(m, mraw), f"{len(m['layers'])} blobs (the composefs image + a map per layer)"
 
 
-def soci_convert(b, soci: Path, layout: Layout, work: Path) -> tuple[Path, int, str]:
+def soci_convert(soci: Path, layout: Layout, work: Path) -> tuple[Path, int, str]:
     """`soci convert --standalone` of the image "usr": SOCI index manifest
     v2 (a SOCI-enabled image: an image index of the image, its manifest
     annotated with the SOCI index's digest, and the SOCI index). Returns the
@@ -521,7 +521,7 @@ def _run(b, work: Path, registry: Registry, rig: Rig) -> None:
     if soci_dir is not None:
         b.progress("soci convert --standalone ...", final=False)
         try:
-            out, soci_index, soci_what = soci_convert(b, soci_dir / "soci", layout, work)
+            out, soci_index, soci_what = soci_convert(soci_dir / "soci", layout, work)
             sh(["skopeo", "copy", "--all", "-q", "--dest-tls-verify=false", f"oci:{out}", f"docker://{soci_ref}"])
             shutil.rmtree(out)
             images["soci"] = soci_ref
