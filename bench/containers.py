@@ -166,7 +166,10 @@ class Layout:
 
     def layer_from(self, tar_argv: list) -> tuple[dict, str]:
         """The layer `tar_argv` writes to its standard output: (descriptor, diff ID)."""
-        raw = sh(tar_argv).stdout
+        return self.layer_of(sh(tar_argv).stdout)
+
+    def layer_of(self, raw: bytes) -> tuple[dict, str]:
+        """The layer of the tar stream `raw`: (descriptor, diff ID)."""
         diff_id = "sha256:" + hashlib.sha256(raw).hexdigest()
         d, n = self.blob(gzip.compress(raw, compresslevel=1))
         return {"mediaType": "application/vnd.oci.image.layer.v1.tar+gzip", "digest": d, "size": n}, diff_id

@@ -521,11 +521,13 @@ class Bench:
 
 
     def interleave(self, title: str, series: dict, *, cold: bool, runs: int | None = None,
-                   after_drop: Callable[[str], None] | None = None) -> dict:
+                   after_drop: Callable[[str], None] | None = None,
+                   prepare: Callable[[str], None] | None = None) -> dict:
         """Runs each Series of `series` (by key) `runs` times, rotating the
         order every round; warm runs get one untimed warm-up each, cold runs
-        drop the caches first and then call after_drop(key). A series that
-        fails keeps its error and no samples."""
+        drop the caches first and then call after_drop(key). prepare(key)
+        runs untimed before every run of key (warm-up included). A series
+        that fails keeps its error and no samples."""
         runs = runs or (self.cold_runs if cold else self.runs)
         keys = list(series)
 
@@ -533,6 +535,10 @@ class Bench:
             s = series[k]
             if s.error is not None:
                 return
+            if prepare:
+                prepare(k)
+                if s.error is not None:  # prepare may fail the series
+                    return
             if cold:
                 self.drop_caches()
                 if after_drop:

@@ -1,40 +1,50 @@
-"""Section cri_lazy: lazy starts through containerd's CRI plugin, the tilefs
-snapshotter on a runnable tilefs image against stargz-snapshotter on an
-eStargz conversion of the same image.
+"""Section cri_lazy: lazy starts through containerd's CRI plugin, from
+`crictl pull` to a container's first output, in five configurations: the
+tilefs snapshotter on an ordinary gzip image with a `tilefs index`, SOCI
+on the same image with its own index (v2, `soci convert --standalone`),
+stargz-snapshotter on the image's eStargz conversion, the tilefs
+snapshotter on that eStargz image, and containerd's overlayfs snapshotter
+pulling the ordinary image whole.
 
-The image: this machine's /usr/share, /usr/include and /usr/bin (about
-1.2 GB; BENCH_TREE, when set, instead), with /usr/lib/os-release, in three
-gzip'd layers (the trees' top-level entries split in three) plus busybox,
-pushed as an ordinary OCI image to Debian's docker-registry on a free
-127.0.0.1 port (plain HTTP, access log on). From it, untimed:
-  - the runnable tilefs image: `tilefs pull` into a scratch store, then
-    `tilefs push --runnable-from docker://ORIGINAL`;
-  - the eStargz image: every layer through stargz-snapshotter's estargz
-    library (bench/stargz: `stargz-convert`, estargz.Build's defaults, the
-    TOC digest and uncompressed size annotations), copied in by skopeo.
+The image: this machine's /usr/share, /usr/include and /usr/bin (BENCH_TREE,
+when set, instead), with /usr/lib/os-release, in three gzip'd layers (the
+trees' top-level entries split in three), a layer of generated files
+(seeded pseudo-random bytes) bringing the compressed layers to
+BENCH_CRI_IMAGE_MB (1000), and busybox, pushed as an ordinary OCI image to
+Debian's docker-registry on a free 127.0.0.1 port (plain HTTP, access log
+on). From it, untimed: `tilefs index`; `soci convert --standalone` copied
+in by skopeo (tag :soci); the eStargz conversion (bench/stargz:
+`stargz-convert`, estargz.Build's defaults) copied in by skopeo (:esgz).
 Each run starts from nothing: a fresh containerd (Debian's, CRI plugin on,
-the peer's snapshotter as its proxy plugin and CRI's snapshotter, snapshot
-annotations on) with a fresh snapshotter, both on new directories, and the
-pods' sandbox image pulled (untimed). Timed: `crictl pull` of the image,
-`crictl runp` of a host-network pod, `crictl create` + `start` of a
-container running `cat /usr/lib/os-release`, until its output is in the
-container's log file (the file `crictl logs` reads). After each run the pod
-is stopped and removed, containerd and the snapshotter are stopped, their
-mounts taken down and their directories removed. Rows: the time (goal:
-tilefs <= 1 s, and ratio tilefs / stargz <= 1), and the blob bytes the
-registry sent from the pull's start to the first output (access log).
-stargz-snapshotter: bench/stargz/build.sh builds it (see
-bench/stargz/README.md); without it tilefs is measured alone.
+the configuration's snapshotter as its proxy plugin and CRI's snapshotter,
+snapshot annotations on) with a fresh snapshotter, both on new
+directories, and the pods' sandbox image pulled (untimed). Timed: `crictl
+pull` of the image, `crictl runp` of a host-network pod, `crictl create` +
+`start` of a container running `cat /usr/lib/os-release`, until its output
+is in the container's log file (the file `crictl logs` reads). After each
+run the pod is stopped and removed, containerd and the snapshotter are
+stopped, their mounts taken down and their directories removed. Rows: the
+times (goals: tilefs <= 1 s, <= SOCI, <= stargz-snapshotter, and on the
+eStargz image <= stargz-snapshotter), the blob bytes the registry sent
+from the pull's start to the first output (access log; goal tilefs <=
+SOCI), the index sizes (goal: the tilefs index <= 5% of the compressed
+image). The peers: bench/stargz/build.sh and bench/soci/build.sh build them
+(see their README.md); without one the others are measured.
 """
 
 from __future__ import annotations
 
+import hashlib
+import io
 import json
 import os
+import random
+import re
 import shutil
 import statistics
 import subprocess
 import sys
+import tarfile
 import time
 from pathlib import Path
 
@@ -43,7 +53,7 @@ import lib  # noqa: E402
 from containers import Layout, Registry, kill9, remove_cgroup, sh, terminate, unmount_below, wait_for  # noqa: E402
 
 NAME = "cri_lazy"
-TITLE = "lazy starts through CRI: tilefs snapshotter vs stargz-snapshotter"
+TITLE = "lazy starts through CRI: tilefs snapshotter vs SOCI, stargz-snapshotter and overlayfs"
 ORDER = 39
 TREES = ["usr/share", "usr/include", "usr/bin"]
 FIRST_FILE = "usr/lib/os-release"
@@ -51,6 +61,8 @@ GOAL_RATIO = 1.0
 GOAL_S = 1.0
 NS = "k8s.io"
 CGROUP = "tilefs-bench-cri-lazy"
+# The tilefs snapshotter's log line for each layer it makes lazily.
+MADE_LAZILY = re.compile(r"tilefs snapshotter: .* made lazily.* \(([0-9.]+) s\)$")
 # How long the timed script waits for the container's output.
 OUTPUT_WAIT_S = 120
 
@@ -63,13 +75,16 @@ def tail(path: Path, n: int = 15) -> str:
 
 
 class Peer:
-    """One side of the comparison: its snapshotter's command and image."""
+    """One configuration measured: a snapshotter (None: containerd's own
+    overlayfs) and the image it starts."""
 
-    def __init__(self, role: str, name: str, image: str, serve):
-        self.role = role  # "tilefs" or "reference"
-        self.name = name  # the proxy plugin's name, CRI's snapshotter
+    def __init__(self, key: str, label: str, snapshotter: str, image: str, serve=None, exports=None):
+        self.key = key
+        self.label = label
+        self.name = snapshotter  # the proxy plugin's name, CRI's snapshotter
         self.image = image
-        self.serve = serve  # (root, socket) -> argv
+        self.serve = serve  # (root, socket) -> argv; None: a snapshotter built into containerd
+        self.exports = exports or (lambda root: {})  # the proxy plugin's exports
 
 
 class Rig:
@@ -93,6 +108,14 @@ class Rig:
         return ["crictl", "--config", self.path("crictl.yaml"), "--runtime-endpoint", endpoint,
                 "--image-endpoint", endpoint, "--timeout", timeout, *args]
 
+    def proxy_plugin(self) -> str:
+        if self.peer.serve is None:
+            return ""
+        exports = "".join(f'    {k} = "{v}"\n' for k, v in self.peer.exports(self.path("snap")).items())
+        return (f'[proxy_plugins]\n  [proxy_plugins.{self.peer.name}]\n    type = "snapshot"\n'
+                f'    address = "{self.path("s.sock")}"\n'
+                + (f"  [proxy_plugins.{self.peer.name}.exports]\n{exports}" if exports else ""))
+
     def containerd_config(self) -> str:
         cri = 'plugins."io.containerd.grpc.v1.cri"'
         p = self.path
@@ -103,10 +126,7 @@ state = "{p('cstate')}"
   address = "{p('c.sock')}"
 [ttrpc]
   address = "{p('c.sock')}.ttrpc"
-[proxy_plugins]
-  [proxy_plugins.{self.peer.name}]
-    type = "snapshot"
-    address = "{p('s.sock')}"
+{self.proxy_plugin()}
 [{cri}]
   sandbox_image = "{self.pause}"
   # runc would set the sandbox's oom_score_adj to -998, which needs
@@ -132,16 +152,17 @@ state = "{p('cstate')}"
         self.stop()
         self.runs += 1
         self.peer = peer
-        self.dir = self.base / f"run{self.runs}-{peer.name}"
+        self.dir = self.base / f"run{self.runs}-{peer.key}"
         for d in ["cni/bin", "cni/conf", "logs", "snap"]:
             self.path(d).mkdir(parents=True)
         log = open(self.path("daemons.log"), "ab")
-        self.procs["snapshotter"] = subprocess.Popen(
-            [str(a) for a in peer.serve(self.path("snap"), self.path("s.sock"))], stdout=log, stderr=log)
-        wait_for(lambda: self.path("s.sock").exists() or self.procs["snapshotter"].poll() is not None,
-                 f"the {peer.name} snapshotter's socket")
-        if self.procs["snapshotter"].poll() is not None:
-            raise RuntimeError(f"the {peer.name} snapshotter exited: {tail(self.path('daemons.log'))}")
+        if peer.serve is not None:
+            self.procs["snapshotter"] = subprocess.Popen(
+                [str(a) for a in peer.serve(self.path("snap"), self.path("s.sock"))], stdout=log, stderr=log)
+            wait_for(lambda: self.path("s.sock").exists() or self.procs["snapshotter"].poll() is not None,
+                     f"the {peer.name} snapshotter's socket", 60)
+            if self.procs["snapshotter"].poll() is not None:
+                raise RuntimeError(f"the {peer.name} snapshotter exited: {tail(self.path('daemons.log'))}")
         self.path("containerd.toml").write_text(self.containerd_config())
         endpoint = f"unix://{self.path('c.sock')}"
         self.path("crictl.yaml").write_text(
@@ -259,6 +280,12 @@ state = "{p('cstate')}"
         for pid in left:
             kill9(pid)
         unmount_below(self.dir)
+        keep = os.environ.get("BENCH_CRI_LOGS")
+        if keep:
+            Path(keep).mkdir(parents=True, exist_ok=True)
+            for f in ["daemons.log", "phases"]:
+                if self.path(f).exists():
+                    shutil.copy(self.path(f), Path(keep) / f"{self.dir.name}.{f}")
         shutil.rmtree(self.dir, ignore_errors=True)
         self.dir = None
 
@@ -278,15 +305,15 @@ def processes_naming(needle: str) -> list[int]:
     return out
 
 
-def build_stargz(b) -> tuple[Path | None, str]:
-    """bench/stargz/build.sh: the peer's directory and how it was built, or
+def build_peer(b, name: str, var: str) -> tuple[Path | None, str]:
+    """bench/NAME/build.sh: the peer's directory and how it was built, or
     None and why not."""
-    script = lib.BENCH_DIR / "stargz" / "build.sh"
-    b.progress("building the stargz-snapshotter peer (bench/stargz/build.sh) if absent ...", final=False)
+    script = lib.BENCH_DIR / name / "build.sh"
+    b.progress(f"building the {name} peer (bench/{name}/build.sh) if absent ...", final=False)
     r = subprocess.run([str(script)], capture_output=True, text=True, stdin=subprocess.DEVNULL)
     if r.returncode != 0:
         lines = [l for l in (r.stderr + r.stdout).splitlines() if l.strip()]
-        return None, "stargz-snapshotter could not be built (bench/stargz/build.sh): " + " / ".join(lines[-3:])
+        return None, f"{name} could not be built (bench/{name}/build.sh, ${var}): " + " / ".join(lines[-3:])
     d = Path(r.stdout.strip().splitlines()[-1])
     return d, (d / "BUILD").read_text().strip()
 
@@ -314,13 +341,44 @@ def run(b) -> None:
         remove_cgroup(CGROUP)
         unmount_below(work)
         registry.stop()
+        if os.environ.get("BENCH_CRI_LOGS") and registry.log.exists():
+            shutil.copy(registry.log, Path(os.environ["BENCH_CRI_LOGS"]) / "registry-access.log")
         shutil.rmtree(work, ignore_errors=True)
 
 
+def generated_layer(layout: Layout, nbytes: int) -> tuple[dict, str]:
+    """A layer of files of pseudo-random bytes (incompressible, seeded: the
+    same every run), `nbytes` in all, sizes from 16 KiB to 8 MiB
+    (log-uniform), under /opt/gen."""
+    rng = random.Random(44)
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w", format=tarfile.PAX_FORMAT) as tar:
+        for d in ["opt", "opt/gen"]:
+            info = tarfile.TarInfo(d)
+            info.type, info.mode = tarfile.DIRTYPE, 0o755
+            tar.addfile(info)
+        left, i = nbytes, 0
+        while left > 0:
+            n = min(left, int(2 ** rng.uniform(14, 23)))
+            info = tarfile.TarInfo(f"opt/gen/{i // 100:02d}/{i:05d}.bin")
+            if i % 100 == 0:
+                dinfo = tarfile.TarInfo(f"opt/gen/{i // 100:02d}")
+                dinfo.type, dinfo.mode = tarfile.DIRTYPE, 0o755
+                tar.addfile(dinfo)
+            info.size, info.mode = n, 0o644
+            tar.addfile(info, io.BytesIO(rng.randbytes(n)))
+            left -= n
+            i += 1
+    return layout.layer_of(buf.getvalue())
+
+
 def stage(b, work: Path) -> tuple[Layout, str]:
-    """The ordinary image (and the pods' sandbox image) into an OCI layout."""
+    """The ordinary image (and the pods' sandbox image) into an OCI layout:
+    the trees in three gzip layers, then generated files up to
+    BENCH_CRI_IMAGE_MB of compressed layers, then busybox."""
     tree = os.environ.get("BENCH_TREE")
     trees = [Path(tree).resolve().relative_to("/")] if tree else [Path(t) for t in TREES]
+    target = lib.env_int("BENCH_CRI_IMAGE_MB", 1000) * 1_000_000
     entries = []
     for t in trees:
         entries.extend(str(t / p.name) for p in sorted((Path("/") / t).iterdir()))
@@ -331,7 +389,7 @@ def stage(b, work: Path) -> tuple[Layout, str]:
     layout = Layout(work / "layout")
     layers = []
     for i, g in enumerate(groups):
-        b.progress(f"tar + gzip of layer {i + 1}/3 ...", final=False)
+        b.progress(f"tar + gzip of layer {i + 1}/5 ...", final=False)
         extra = ["--no-recursion", *dirs, "--recursion", FIRST_FILE] if i == 0 else []
         layers.append(layout.layer_from(["tar", "-C", "/", "-cf", "-", "--numeric-owner", *extra, *g]))
 
@@ -343,201 +401,334 @@ def stage(b, work: Path) -> tuple[Layout, str]:
         os.chmod(bb / "bin" / "busybox", 0o755)
         for app in ["sh", "cat", "sleep", "ls"]:
             os.symlink("busybox", bb / "bin" / app)
-        layer = layout.layer_from(["tar", "-C", bb, "-cf", "-", "--numeric-owner", "bin"])
+        layer = layout.layer_from(["tar", "-C", bb, "-cf", "-", "--numeric-owner", "--mtime=@0", "bin"])
         shutil.rmtree(bb)
         return layer
 
-    layout.image("usr", [*layers, busybox_layer(b"")], {"Cmd": ["/bin/sh"]})
+    bb = busybox_layer(b"")
+    gen = max(0, target - sum(l[0]["size"] for l in [*layers, bb]))
+    b.progress(f"generated layer of {gen / 1e6:.0f} MB + gzip (layer 4/5) ...", final=False)
+    layers.append(generated_layer(layout, gen))
+    layout.image("usr", [*layers, bb], {"Cmd": ["/bin/sh"]})
     # The sandbox image's busybox is another file (a store that has it
     # would not fetch the image's).
     layout.image("pause", [busybox_layer(b"\0pause")], {"Entrypoint": ["/bin/sleep"], "Cmd": ["inf"]})
     size = sum(int(sh(["du", "-sxB1", "--apparent-size", Path("/") / t]).stdout.split()[0]) for t in trees)
     what = " ".join(f"/{t}" for t in trees)
-    return layout, f"{what} ({size / 1e9:.2f} GB) + /{FIRST_FILE} + busybox, 4 gzip layers"
+    return layout, (f"{what} ({size / 1e9:.2f} GB) + /{FIRST_FILE} in 3 layers, {gen / 1e6:.0f} MB of generated "
+                    f"files (pseudo-random, seeded) in 1, busybox in 1: 5 gzip -1 layers")
+
+
+def manifest_of(ref: str) -> tuple[dict, bytes]:
+    raw = sh(["skopeo", "inspect", "--raw", "--tls-verify=false", f"docker://{ref}"]).stdout
+    return json.loads(raw), raw
+
+
+def artifact_bytes(m: dict, raw: bytes) -> int:
+    """What an artifact's manifest, configuration and layers take."""
+    return len(raw) + m["config"]["size"] + sum(l["size"] for l in m["layers"])
+
+
+def tilefs_index_bytes(repo: str, plain: str) -> tuple[int | None, str]:
+    """The size of the tilefs index of image `plain`, found as the
+    snapshotter finds it here: the OCI fallback tag sha256-HEX of the
+    image's manifest digest (Debian's docker-registry has no referrers
+    API)."""
+    _, raw = manifest_of(plain)
+    tag = "sha256-" + hashlib.sha256(raw).hexdigest()
+    r = subprocess.run(["skopeo", "inspect", "--raw", "--tls-verify=false", f"docker://{repo}:{tag}"],
+                       capture_output=True, text=True)
+    if r.returncode != 0:
+        return None, f"no fallback tag {tag}: {r.stderr.strip()[-200:]}"
+    found = [d for d in json.loads(r.stdout).get("manifests", [])
+             if d.get("artifactType") == "application/vnd.tilefs.index.v1"]
+    if not found:
+        return None, f"the fallback tag {tag} lists no tilefs index"
+    m, mraw = manifest_of(f"{repo}@{found[-1]['digest']}")
+    return artifact_bytes(m, mraw), f"{len(m['layers'])} blobs (the composefs image + a map per layer)"
+
+
+def soci_convert(soci: Path, layout: Layout, work: Path) -> tuple[Path, int, str]:
+    """`soci convert --standalone` of the image "usr": SOCI index manifest
+    v2 (a SOCI-enabled image: an image index of the image, its manifest
+    annotated with the SOCI index's digest, and the SOCI index). Returns the
+    converted layout, the SOCI index's size and what it holds."""
+    src, out = work / "soci-in", work / "soci-out"
+    src.mkdir()
+    shutil.copytree(layout.root / "blobs", src / "blobs", copy_function=os.link)
+    shutil.copy(layout.root / "oci-layout", src / "oci-layout")
+    index = json.loads((layout.root / "index.json").read_text())
+    m = next(d for d in index["manifests"] if d["annotations"]["org.opencontainers.image.ref.name"] == "usr")
+    # soci wants the platform in the layout's descriptor, and one image.
+    m["platform"] = {"architecture": "amd64", "os": "linux"}
+    (src / "index.json").write_text(json.dumps({"schemaVersion": 2, "manifests": [m]}))
+    t0 = time.monotonic()
+    sh([soci, "convert", "--standalone", "--format", "oci-dir", src, out])
+    took = time.monotonic() - t0
+    shutil.rmtree(src)
+    size, ztocs = None, 0
+    for blob in (out / "blobs" / "sha256").iterdir():
+        if blob.stat().st_size > 1 << 20:
+            continue
+        try:
+            doc = json.loads(blob.read_bytes())
+        except ValueError:
+            continue
+        if isinstance(doc, dict) and doc.get("config", {}).get("mediaType") == "application/vnd.amazon.soci.index.v2+json":
+            size, ztocs = artifact_bytes(doc, blob.read_bytes()), len(doc["layers"])
+    if size is None:
+        raise RuntimeError("soci convert made no SOCI index")
+    return out, size, f"{ztocs} zTOCs (layers under 10 MiB get none: fetched whole), made in {took:.0f} s"
 
 
 def _run(b, work: Path, registry: Registry, rig: Rig) -> None:
     tilefs = b.tilefs
-    stargz_dir, stargz_build = build_stargz(b)
-    if stargz_dir is None:
-        b.note(stargz_build)
+    wanted = (os.environ.get("BENCH_CRI_PEERS") or "tilefs soci stargz tilefs-esgz overlayfs").split()
+    stargz_dir, stargz_build = None, "stargz-snapshotter: not asked for (BENCH_CRI_PEERS)"
+    if {"stargz", "tilefs-esgz"} & set(wanted):
+        stargz_dir, stargz_build = build_peer(b, "stargz", "STARGZ_BIN_DIR")
+    soci_dir, soci_build = None, "SOCI: not asked for (BENCH_CRI_PEERS)"
+    if "soci" in wanted:
+        soci_dir, soci_build = build_peer(b, "soci", "SOCI_BIN_DIR")
+    for d, why in [(stargz_dir, stargz_build), (soci_dir, soci_build)]:
+        if d is None:
+            b.note(why)
     layout, what = stage(b, work)
     registry.start()
     tls = "--tls-verify=false"
     reg = registry.addr
-    plain, pause = f"{reg}/bench/usr:v1", f"{reg}/bench/pause:v1"
+    repo = f"{reg}/bench/usr"
+    plain, pause, esgz, soci_ref = f"{repo}:v1", f"{reg}/bench/pause:v1", f"{repo}:esgz", f"{repo}:soci"
     for name, ref in [("usr", plain), ("pause", pause)]:
         sh(["skopeo", "copy", "-q", "--dest-tls-verify=false", f"oci:{layout.root}:{name}", f"docker://{ref}"])
+    images = {}
 
-    # (a) the runnable tilefs image.
-    b.progress("tilefs pull + push --runnable-from ...", final=False)
-    scratch = work / "scratch-store"
-    lazy = f"{reg}/bench/usr:lazy"
-    sh([tilefs, "pull", "-q", tls, "--store", scratch, "--tag", "usr", f"docker://{plain}"])
-    sh([tilefs, "push", "-q", tls, "--store", scratch, "--runnable-from", f"docker://{plain}", "usr",
-        f"docker://{lazy}"])
-    shutil.rmtree(scratch)
-    images = {"tilefs": lazy}
+    # The tilefs index of the ordinary image (made even when only other
+    # configurations are measured: its size is reported).
+    b.progress("tilefs index ...", final=False)
+    t0 = time.monotonic()
+    r = subprocess.run([str(a) for a in [tilefs, "index", "-q", tls, "--store", work / "index-store",
+                                           f"docker://{plain}"]], capture_output=True, text=True)
+    index_s = time.monotonic() - t0
+    shutil.rmtree(work / "index-store", ignore_errors=True)
+    if r.returncode == 0:
+        images["tilefs"] = plain
+    else:
+        b.note(f"tilefs index failed: {r.stderr.strip()[-300:]}")
 
-    # (b) the eStargz conversion.
+    # SOCI's index of the same image.
+    soci_index = None
+    if soci_dir is not None:
+        b.progress("soci convert --standalone ...", final=False)
+        try:
+            out, soci_index, soci_what = soci_convert(soci_dir / "soci", layout, work)
+            sh(["skopeo", "copy", "--all", "-q", "--dest-tls-verify=false", f"oci:{out}", f"docker://{soci_ref}"])
+            shutil.rmtree(out)
+            images["soci"] = soci_ref
+        except (subprocess.CalledProcessError, RuntimeError) as e:
+            err = e.stderr.decode(errors="replace") if isinstance(e, subprocess.CalledProcessError) else str(e)
+            b.note(f"SOCI's index could not be made: {err.strip()[-300:]}")
+            soci_dir = None
+
+    # The eStargz conversion.
     if stargz_dir is not None:
         b.progress("eStargz conversion (stargz-convert) ...", final=False)
-        esgz = f"{reg}/bench/usr:esgz"
         r = subprocess.run([str(stargz_dir / "stargz-convert"), str(layout.root), "usr", str(work / "esgz")],
                            capture_output=True, text=True)
         if r.returncode == 0:
             sh(["skopeo", "copy", "-q", "--dest-tls-verify=false", f"oci:{work / 'esgz'}:usr", f"docker://{esgz}"])
-            images["reference"] = esgz
+            images["stargz"] = images["tilefs-esgz"] = esgz
         else:
             b.note(f"the eStargz conversion failed: {r.stderr.strip()[-500:]}")
             stargz_dir = None
         shutil.rmtree(work / "esgz", ignore_errors=True)
+    images["overlayfs"] = plain
     shutil.rmtree(layout.root)
     sizes, layer_counts = {}, {}
-    for role, ref in [("plain", plain), *images.items()]:
-        raw = json.loads(sh(["skopeo", "inspect", "--raw", tls, f"docker://{ref}"]).stdout)
+    for role, ref in [("plain", plain), ("esgz", esgz if stargz_dir else None)]:
+        if ref is None:
+            continue
+        raw = manifest_of(ref)[0]
         sizes[role] = sum(l["size"] for l in raw["layers"])
         layer_counts[role] = len(raw["layers"])
-        if role == "reference":
+        if role == "esgz":
             missing = [l["digest"] for l in raw["layers"]
                        if "containerd.io/snapshot/stargz/toc.digest" not in l.get("annotations", {})]
             if missing:
                 raise RuntimeError(f"the eStargz image in the registry lost its TOC annotations: {missing}")
+    tilefs_index, tilefs_index_what = tilefs_index_bytes(repo, plain) if "tilefs" in images else (None, "")
 
-    peers = {
-        "tilefs": Peer("tilefs", "tilefs", lazy, lambda root, sock: [
-            tilefs, "snapshotter", "--root", root / "root", "--store", root / "store", "--socket", sock, tls]),
-    }
-    if stargz_dir is not None:
-        peers["reference"] = Peer("reference", "stargz", images["reference"], lambda root, sock: [
-            stargz_dir / "stargz-serve", "-address", sock, "-root", root, "-log-level", "warn"])
+    def tilefs_serve(root: Path, sock: Path) -> list:
+        return [tilefs, "snapshotter", "--root", root / "root", "--store", root / "store", "--socket", sock, tls]
+
+    def soci_serve(root: Path, sock: Path) -> list:
+        # Defaults but for plain HTTP to the loopback registry and this
+        # containerd's socket (SOCI reads image manifests through it).
+        (root / "config.toml").write_text(
+            f'[content_store]\ncontainerd_address = "{root.parent / "c.sock"}"\n'
+            f'[[resolver.host."{reg}".mirrors]]\nhost = "http://{reg}"\ninsecure = true\n')
+        return [soci_dir / "soci-snapshotter-grpc", "--address", sock, "--root", root / "root",
+                "--config", root / "config.toml", "--log-level", os.environ.get("BENCH_SOCI_LOG", "warn")]
+
+    def stargz_serve(root: Path, sock: Path) -> list:
+        return [stargz_dir / "stargz-serve", "-address", sock, "-root", root, "-log-level", "warn"]
+
+    peers = {}
+    for key, label, snap, serve, exports in [
+        ("tilefs", "tilefs (ordinary image + tilefs index)", "tilefs", tilefs_serve, None),
+        ("soci", "SOCI (ordinary image + SOCI index v2)", "soci", soci_serve, lambda root: {"root": root / "root"}),
+        ("stargz", "stargz-snapshotter (eStargz)", "stargz", stargz_serve, None),
+        ("tilefs-esgz", "tilefs (eStargz)", "tilefs", tilefs_serve, None),
+        ("overlayfs", "overlayfs (containerd, full pull)", "overlayfs", None, None),
+    ]:
+        if key in images and key in wanted:
+            peers[key] = Peer(key, label, snap, images[key], serve, exports)
 
     rig.pause = pause
-    bytes_of = {"tilefs": [], "reference": []}
-    mounts_of = {"tilefs": [], "reference": []}
-    phases_of = {"tilefs": [], "reference": []}
-    seen = {}
+    bytes_of = {k: [] for k in peers}
+    mounts_of = {k: [] for k in peers}
+    phases_of = {k: [] for k in peers}
     gets_of = {}
     # The tilefs snapshotter's own time for each layer it made lazily (its log).
-    lazily_of = {"tilefs": [], "reference": []}
+    lazily_of = {k: [] for k in peers}
     failures = {}
     current = {}
+    seen = {}
+    series = {k: lib.Series(p.label, ["sh", str(work / f"timed-{k}.sh")]) for k, p in peers.items()}
 
     def account() -> None:
         """The run just timed: bytes sent until its first output, its FUSE
         mounts, its output checked; then everything of it is removed."""
-        role = current.pop("role", None)
-        if role is not None and rig.dir is not None:
+        key = current.pop("key", None)
+        if key is not None and rig.dir is not None:
             mark = rig.path("mark")
-            seen[role] = seen.get(role, 0) + 1
-            if mark.exists() and seen[role] == 1:
+            seen[key] = seen.get(key, 0) + 1
+            if mark.exists() and seen[key] == 1:
                 pass  # the untimed warm-up
             elif mark.exists():
                 end = int(mark.read_text().split()[0])
                 gets = registry.blob_gets(current["line"], end)
-                bytes_of[role].append(sum(n for _, n in gets))
-                gets_of[role] = gets
-                mounts_of[role].append(rig.fuse_mounts())
+                bytes_of[key].append(sum(n for _, n in gets))
+                gets_of[key] = gets
+                mounts_of[key].append(rig.fuse_mounts())
                 t = [float(x) for x in rig.path("phases").read_text().split()]
-                phases_of[role].append([y - x for x, y in zip(t, t[1:])])
-                made = [float(l.rsplit("(", 1)[1].split()[0]) for l in
-                        rig.path("daemons.log").read_text(errors="replace").splitlines()
-                        if "made lazily (" in l]
+                phases_of[key].append([y - x for x, y in zip(t, t[1:])])
+                made = [float(m.group(1)) for l in rig.path("daemons.log").read_text(errors="replace").splitlines()
+                        if (m := MADE_LAZILY.search(l))]
                 if made:
-                    lazily_of[role].append(made)
+                    lazily_of[key].append(made)
                 out = rig.path("logs/main.log").read_text(errors="replace")
-                if "Debian" not in out and role not in failures:
-                    failures[role] = f"unexpected output: {out[:200]!r}"
-            elif role not in failures:
-                failures[role] = f"no output; daemons: {tail(rig.path('daemons.log'), 5)}"
+                if "Debian" not in out and key not in failures:
+                    failures[key] = f"unexpected output: {out[:200]!r}"
+            elif key not in failures:
+                failures[key] = f"no output; daemons: {tail(rig.path('daemons.log'), 5)}"
         rig.stop()
-
-    def prepare(role: str) -> None:
-        account()
-        rig.start(peers[role])
-        current["role"] = role
-        current["line"] = registry.lines()
 
     # The timed command is the same file every run; prepare writes into it
     # the script of the run's own directory.
-    def argv_for(role: str) -> list:
-        return ["sh", work / f"timed-{role}.sh"]
-
-    def prepare_and_write(role: str) -> None:
-        prepare(role)
+    def prepare(key: str) -> None:
+        account()
+        try:
+            rig.start(peers[key])
+        except (RuntimeError, subprocess.CalledProcessError) as e:
+            err = e.stderr.decode(errors="replace") if isinstance(e, subprocess.CalledProcessError) else str(e)
+            series[key].error = f"could not start: {err.strip()[-300:]}"
+            return
+        current["key"] = key
+        current["line"] = registry.lines()
         argv = rig.timed_argv()
         args = " ".join(f"'{a}'" for a in argv[4:])
-        (work / f"timed-{role}.sh").write_text(f"set -- {args}\n{argv[2]}")
+        (work / f"timed-{key}.sh").write_text(f"set -- {args}\n{argv[2]}")
 
-    ref_argv = argv_for("reference") if "reference" in peers else None
-    b.progress(f"images: {what}", final=True)
-    stargz_note = (f"stargz-snapshotter: {stargz_build}; bench/stargz/serve serves the library's "
-                   "service.NewStargzSnapshotterService (containerd-stargz-grpc's call, default configuration: "
-                   "memory metadata store, background fetch on, no prefetch for an unoptimized image)"
-                   if stargz_dir is not None else stargz_build)
-    row = b.compare(
-        "cri-lazy/first-output",
-        "crictl pull + runp (host network) + create + start to the first output of `cat /usr/lib/os-release`, "
-        f"image of {what}",
-        argv_for("tilefs"),
-        ref_argv,
-        ref_tool="stargz-snapshotter",
-        ref_missing=None if ref_argv else f"{stargz_build}: tilefs alone",
-        prepare=prepare_and_write,
-        goal=GOAL_RATIO,
-        notes=[
-            f"goal: tilefs <= {GOAL_S:g} s and <= {GOAL_RATIO:g} x stargz-snapshotter",
-            "each run: fresh containerd 1.6 (CRI, snapshot annotations on) + fresh snapshotter directories, "
-            "the sandbox image pulled untimed; the output is waited for in the container's log file "
-            "(the file crictl logs reads), polled every 5 ms",
-            f"tilefs: `tilefs push --runnable-from` of the ordinary image ({layer_counts['tilefs']} layers, "
-            f"{sizes['tilefs'] / 1e6:.0f} MB of blobs; the ordinary image {layer_counts['plain']} layers, "
-            f"{sizes['plain'] / 1e6:.0f} MB); snapshotter --tls-verify=false",
-            *([f"stargz: eStargz conversion by estargz.Build (gzip -9, chunk 4 MiB default, no prioritized "
-               f"files), {layer_counts['reference']} layers, {sizes['reference'] / 1e6:.0f} MB of blobs"]
-              if "reference" in sizes else []),
-            stargz_note,
-        ],
-    )
+    b.progress(f"image: {what}", final=True)
+    title = "crictl pull + runp (host network) + create + start to the first output of `cat /usr/lib/os-release`"
+    b.interleave(title, series, cold=False, prepare=prepare)
     account()
-    for role, why in failures.items():
-        row.notes.append(f"{role}: {why}")
-    t = row.tilefs.median() if row.tilefs.ok else None
-    if t is not None:
-        b.info("cri-lazy/goal-1s", f"tilefs's first output under {GOAL_S:g} s",
-               f"{t * 1000:.0f} ms: {'met' if t <= GOAL_S else 'MISSED'}",
-               {"tilefs_s": t, "goal_s": GOAL_S, "goal_met": t <= GOAL_S})
-    parts, value = [], {}
-    for role, label in [("tilefs", "tilefs"), ("reference", "stargz")]:
-        if bytes_of[role]:
-            m = statistics.median(bytes_of[role])
-            parts.append(f"{label} {m / 1e6:.2f} MB")
-            value[label] = {"median_bytes": m, "runs": bytes_of[role],
-                            "fuse_mounts": mounts_of[role][-1] if mounts_of[role] else [],
-                            "last_run_blob_gets": gets_of.get(role, [])}
-    if parts:
+    for key, why in failures.items():
+        series[key].error = series[key].error or why
+        series[key].samples.clear()
+
+    notes = [
+        "each run: fresh containerd 1.6 (CRI, snapshot annotations on) + fresh snapshotter directories, the "
+        "sandbox image pulled untimed; the output is waited for in the container's log file (the file crictl "
+        "logs reads), polled every 5 ms; the five configurations interleaved, the order rotated every round",
+        f"image: {what}; ordinary image {layer_counts['plain']} layers, {sizes['plain'] / 1e6:.0f} MB of blobs"
+        + (f"; eStargz {layer_counts['esgz']} layers, {sizes['esgz'] / 1e6:.0f} MB" if "esgz" in sizes else ""),
+    ]
+
+    def row(id: str, t: str, ref: str, goal: float | None, why: str) -> None:
+        if t not in series or ref not in series:
+            return
+        r = lib.Row(b.section, id, f"{title}: {peers[t].label} vs {peers[ref].label}", tilefs=series[t],
+                    ref=series[ref], ref_tool=peers[ref].label, goal=goal, notes=[why, *notes])
+        b.rows.append(r)
+        b.progress(lib.summary_line(r))
+
+    row("cri-lazy/index-vs-soci", "tilefs", "soci", GOAL_RATIO, "goal: tilefs <= SOCI, each with its own index "
+        "of the same ordinary image; SOCI: " + soci_build)
+    row("cri-lazy/index-vs-stargz", "tilefs", "stargz", GOAL_RATIO, "goal: tilefs on the ordinary image <= "
+        "stargz-snapshotter on its eStargz conversion; stargz: " + stargz_build)
+    row("cri-lazy/esgz", "tilefs-esgz", "stargz", GOAL_RATIO, "goal: tilefs <= stargz-snapshotter, both on the "
+        "eStargz image (tilefs from its tables of contents, no index)")
+    row("cri-lazy/index-vs-overlayfs", "tilefs", "overlayfs", None, "reference: containerd's overlayfs "
+        "snapshotter pulls and unpacks the whole image")
+    ok = {k: s for k, s in series.items() if s.ok}
+    if ok:
+        b.info("cri-lazy/all", "median time to the first output of each configuration",
+               "; ".join(f"{peers[k].label} {s.median() * 1000:.0f} ms ±{s.spread() * 100:.0f}%"
+                         for k, s in ok.items()),
+               {k: {"median_s": s.median(), "runs_s": [x.wall for x in s.samples]} for k, s in ok.items()})
+    for key in ["tilefs", "tilefs-esgz"]:
+        if key in ok:
+            t = ok[key].median()
+            b.info(f"cri-lazy/goal-1s/{key}", f"{peers[key].label}: first output under {GOAL_S:g} s",
+                   f"{t * 1000:.0f} ms: {'met' if t <= GOAL_S else 'MISSED'}",
+                   {"tilefs_s": t, "goal_s": GOAL_S, "goal_met": t <= GOAL_S})
+    med = {k: statistics.median(v) for k, v in bytes_of.items() if v}
+    if med:
+        value = {k: {"median_bytes": m, "runs": bytes_of[k],
+                     "fuse_mounts": mounts_of[k][-1] if mounts_of[k] else [],
+                     "last_run_blob_gets": gets_of.get(k, [])} for k, m in med.items()}
         value["image_bytes"] = sizes
-        value["image_layers"] = layer_counts
+        goal = ""
+        if "tilefs" in med and "soci" in med:
+            met = med["tilefs"] <= med["soci"]
+            value["goal_met"] = met
+            goal = f"; goal tilefs <= SOCI: {'met' if met else 'MISSED'}"
         b.info("cri-lazy/bytes", "blob bytes the registry sent from the pull's start to the first output "
-               "(median of the runs; access log)",
-               "; ".join(parts) + f" (ordinary image {sizes['plain'] / 1e6:.0f} MB)", value)
+               "(median of the runs; access log; indexes and tables of contents included)",
+               "; ".join(f"{peers[k].label} {m / 1e6:.2f} MB" for k, m in med.items()) + goal, value)
+    if tilefs_index is not None or soci_index is not None:
+        img = sizes["plain"]
+        parts, value = [], {"image_bytes": img}
+        if tilefs_index is not None:
+            parts.append(f"tilefs index {tilefs_index / 1e6:.2f} MB ({tilefs_index / img * 100:.2f}%: "
+                         f"{tilefs_index_what}, made in {index_s:.0f} s)")
+            value["tilefs_index_bytes"] = tilefs_index
+            value["goal_met"] = tilefs_index <= 0.05 * img
+        if soci_index is not None:
+            parts.append(f"SOCI index {soci_index / 1e6:.2f} MB ({soci_index / img * 100:.2f}%: {soci_what})")
+            value["soci_index_bytes"] = soci_index
+        goal = f"; goal tilefs <= 5%: {'met' if value.get('goal_met') else 'MISSED'}" if tilefs_index else ""
+        b.info("cri-lazy/index-size", f"index sizes (manifest, configuration and blobs) against the compressed "
+               f"image ({img / 1e6:.0f} MB of layers)", "; ".join(parts) + goal, value)
     steps = ["crictl pull", "runp", "create + start", "output seen"]
-    for role, label in [("tilefs", "tilefs"), ("reference", "stargz")]:
-        if phases_of[role]:
-            med = [statistics.median(p[i] for p in phases_of[role]) for i in range(len(steps))]
-            b.info(f"cri-lazy/steps-{label}", f"{label}: median time of each step of the timed runs",
-                   ", ".join(f"{n} {m * 1000:.0f} ms" for n, m in zip(steps, med)),
-                   {"steps": steps, "median_s": med, "runs_s": phases_of[role]})
-    if lazily_of["tilefs"]:
-        runs = lazily_of["tilefs"]
-        first = statistics.median(r[0] for r in runs)
-        rest = statistics.median(sum(r[1:]) for r in runs)
-        b.info("cri-lazy/tilefs-layers", "tilefs snapshotter: its time making the layers lazily (its log; the "
-               "first pulls the image and index, the others reuse its check and image)",
-               f"{len(runs[-1])} layers: the first {first * 1000:.0f} ms, the other {len(runs[-1]) - 1} "
-               f"{rest * 1000:.0f} ms in all (medians)",
-               {"runs_s": runs})
-    for role, label in [("tilefs", "tilefs"), ("reference", "stargz")]:
-        if mounts_of[role]:
-            b.note(f"{label}: FUSE mounts below its root at the first output: "
-                   f"{len(mounts_of[role][-1])} ({', '.join(sorted(set(mounts_of[role][-1])))})")
+    for key, runs in phases_of.items():
+        if runs:
+            m = [statistics.median(p[i] for p in runs) for i in range(len(steps))]
+            b.info(f"cri-lazy/steps/{key}", f"{peers[key].label}: median time of each step",
+                   ", ".join(f"{n} {x * 1000:.0f} ms" for n, x in zip(steps, m)),
+                   {"steps": steps, "median_s": m, "runs_s": runs})
+    for key in ["tilefs", "tilefs-esgz"]:
+        runs = lazily_of.get(key)
+        if runs:
+            first = statistics.median(r[0] for r in runs)
+            rest = statistics.median(sum(r[1:]) for r in runs)
+            b.info(f"cri-lazy/layers/{key}", f"{peers[key].label}: the snapshotter's time making the layers lazily "
+                   "(its log; the first fetches what the image needs, the others reuse it)",
+                   f"{len(runs[-1])} layers: the first {first * 1000:.0f} ms, the other {len(runs[-1]) - 1} "
+                   f"{rest * 1000:.0f} ms in all (medians)", {"runs_s": runs})
+    for key, m in mounts_of.items():
+        if m:
+            b.note(f"{peers[key].label}: FUSE mounts below its root at the first output: "
+                   f"{len(m[-1])} ({', '.join(sorted(set(m[-1]))) or 'none'})")

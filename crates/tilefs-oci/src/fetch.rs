@@ -918,18 +918,21 @@ pub(crate) fn open_transport(
         timeout,
         ..RegistryOptions::default()
     };
-    if let ImageRef::Registry { .. } = r {
-        let trust = trust.ok_or_else(|| {
-            "the record does not say how the image passed the signature policy: pull it again".to_string()
-        })?;
-        crate::trust::recheck(trust, source, &opts)
-            .map_err(|e| format!("the signature policy refuses the image now: {e}"))?;
-        if let Some(index) = index_trust {
-            crate::trust::recheck(index, source, &opts)
-                .map_err(|e| format!("the signature policy refuses the image's index now: {e}"))?;
-        }
+    let ImageRef::Registry { reference } = &r else {
+        return transport::open(&r, &opts).map_err(|e| e.to_string());
+    };
+    let trust = trust.ok_or_else(|| {
+        "the record does not say how the image passed the signature policy: pull it again".to_string()
+    })?;
+    // One client for the checks and the fetches: each costs a TLS setup
+    // and threads, and the first fetch of a mount waits for all of them.
+    let reg = transport::registry::Registry::open(reference, &opts).map_err(|e| e.to_string())?;
+    crate::trust::recheck(trust, &reg).map_err(|e| format!("the signature policy refuses the image now: {e}"))?;
+    if let Some(index) = index_trust {
+        crate::trust::recheck(index, &reg)
+            .map_err(|e| format!("the signature policy refuses the image's index now: {e}"))?;
     }
-    transport::open(&r, &opts).map_err(|e| e.to_string())
+    Ok(Box::new(reg))
 }
 
 /// Fetches the objects of a lazily pulled image as a FUSE mount needs

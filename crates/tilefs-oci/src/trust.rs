@@ -388,23 +388,22 @@ impl RegistrySignatures<'_> {
 
 /// Checks a lazily pulled image again before its mount fetches anything:
 /// the policy its pull used (as it reads now) must accept the image the
-/// record names, by the manifest digest the pull saw.
-pub fn recheck(record: &TrustRecord, source: &str, registry: &RegistryOptions) -> Result<(), String> {
+/// record names, by the manifest digest the pull saw, fetched through
+/// `reg` (the registry the mount fetches from).
+pub fn recheck(record: &TrustRecord, reg: &Registry) -> Result<(), String> {
     let logical = record
         .logical
         .strip_prefix("docker://")
         .ok_or_else(|| format!("the record names {:?}, not a registry image", record.logical))?;
     let logical = DockerRef::parse_normalized(logical).map_err(|e| e.to_string())?;
-    let physical = source.strip_prefix("docker://").unwrap_or(source);
     let policy = record.paths.load_policy()?;
-    let reg = Registry::open(physical, registry).map_err(|e| e.to_string())?;
     let d = Digest::parse(&record.manifest_digest).map_err(|e| format!("the record's manifest digest: {e}"))?;
     let manifest = reg.manifest_by_digest(&d).map_err(|e| e.to_string())?;
     check_registry_image(
         &policy,
         &record.paths,
         &logical,
-        &reg,
+        reg,
         &manifest,
         &record.manifest_digest,
     )
