@@ -78,6 +78,9 @@ pub(crate) struct Lower {
     pub(crate) fetcher: Option<crate::Fetcher>,
     /// Where listings of directories stopped (see `LowerNode::entries_from`).
     cursors: Mutex<FxHashMap<InodeId, DirPos>>,
+    /// Added to every node id and inode number shown: one filesystem that
+    /// serves many images (the layer store) gives each a range of its own.
+    pub(crate) base: u64,
 }
 
 /// An image inode as the tree holds it (its attributes, payload, inline
@@ -168,7 +171,13 @@ impl Lower {
             log,
             fetcher: None,
             cursors: Mutex::new(FxHashMap::default()),
+            base: 0,
         }
+    }
+
+    /// The node id (and inode number) image inode `id` is shown with.
+    pub(crate) fn nodeid(&self, id: InodeId) -> u64 {
+        u64::from(id) + 1 + self.base
     }
 
     /// Logs an image that contradicts the walk that checked it (never
@@ -179,7 +188,7 @@ impl Lower {
     }
 
     fn id(&self, ino: u64) -> Option<InodeId> {
-        let id = ino.checked_sub(1)?;
+        let id = ino.checked_sub(1 + self.base)?;
         (id < self.view.len() as u64).then_some(id as InodeId)
     }
 
@@ -266,7 +275,7 @@ impl Lower {
         // Negative times travel as two's complement, as the kernel reads them.
         let (sec, nsec) = (i.mtime.sec as u64, i.mtime.nsec.min(999_999_999));
         Ok(abi::Attr {
-            ino: u64::from(id) + 1,
+            ino: self.nodeid(id),
             size,
             blocks: size.div_ceil(4096) * 8,
             atime: sec,
@@ -287,7 +296,7 @@ impl Lower {
 
     pub(crate) fn attr(&self, id: InodeId) -> abi::Attr {
         self.try_attr(id).unwrap_or(abi::Attr {
-            ino: u64::from(id) + 1,
+            ino: self.nodeid(id),
             blksize: 4096,
             ..abi::Attr::default()
         })
@@ -295,7 +304,7 @@ impl Lower {
 
     pub(crate) fn try_entry(&self, id: InodeId) -> Result<Entry, i32> {
         Ok(Entry {
-            nodeid: u64::from(id) + 1,
+            nodeid: self.nodeid(id),
             generation: 0,
             entry_ttl: FOREVER,
             attr_ttl: FOREVER,
@@ -305,7 +314,7 @@ impl Lower {
 
     pub(crate) fn entry(&self, id: InodeId) -> Entry {
         Entry {
-            nodeid: u64::from(id) + 1,
+            nodeid: self.nodeid(id),
             generation: 0,
             entry_ttl: FOREVER,
             attr_ttl: FOREVER,
@@ -400,7 +409,7 @@ impl Lower {
         match found {
             Some(p) if p.is_empty() => "/".to_string(),
             Some(p) => String::from_utf8_lossy(&p).into_owned(),
-            None => format!("inode {}", u64::from(id) + 1),
+            None => format!("inode {}", self.nodeid(id)),
         }
     }
 
