@@ -82,7 +82,8 @@ impl LayerStore {
     /// A layer store over `store`, keeping its records in `state`, reaching
     /// registries as `opts` says (as `tilefs pull` would).
     pub fn open(store: &Path, state: &Path, opts: PullOptions) -> Result<LayerStore, OciError> {
-        let store = Store::open(store)?;
+        // Made if needed, as a pull makes it.
+        let store = Store::create(store)?;
         std::fs::create_dir_all(state.join("layers"))
             .map_err(|e| OciError::io(state, "cannot make the layer store's state directory", e))?;
         let state = std::fs::canonicalize(state).map_err(|e| OciError::io(state, "cannot resolve", e))?;

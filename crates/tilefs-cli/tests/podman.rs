@@ -1,0 +1,264 @@
+//! podman (Debian's 4.3.1) with `tilefs layer-store` as its additional
+//! layer store: private storage.conf, registries.conf, containers.conf and
+//! signature policy per test, graphroot and runroot in the test's area,
+//! docker-registry on loopback. An image with a `tilefs index` is pulled
+//! without its layer blobs (the registry's access log), runs with its
+//! files fetched on first read, and its paths answer across a restart of
+//! the layer store; a file of a tampered blob fails to read; an image
+//! without an index is pulled by podman itself; files two images share are
+//! stored once; `podman rmi` lets go of the layers and `tilefs gc` frees
+//! their files.
+
+mod common;
+
+use common::oci::*;
+use common::registry::Registry;
+use common::*;
+use std::fs;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+
+/// podman on storage of its own (graphroot, runroot, configuration in
+/// `dir`); everything it made is reset when dropped.
+struct Podman {
+    dir: PathBuf,
+}
+
+impl Podman {
+    fn new(dir: &Path, layer_store: &Path, registry: &str) -> Podman {
+        let w = |name: &str, text: String| fs::write(dir.join(name), text).unwrap();
+        w(
+            "storage.conf",
+            format!(
+                "[storage]\ndriver = \"overlay\"\ngraphroot = \"{0}/graph\"\nrunroot = \"{0}/run\"\n\
+                 [storage.options]\nadditionallayerstores = [\"{1}:ref\"]\n",
+                dir.display(),
+                layer_store.display()
+            ),
+        );
+        w(
+            "registries.conf",
+            format!("[[registry]]\nlocation = \"{registry}\"\ninsecure = true\n"),
+        );
+        w(
+            "policy.json",
+            r#"{"default": [{"type": "insecureAcceptAnything"}]}"#.to_string(),
+        );
+        // podman raises a container's open files to the kernel's ceiling by
+        // default, which a root without CAP_SYS_RESOURCE may not.
+        w(
+            "containers.conf",
+            "[containers]\ndefault_ulimits = [\"nofile=1024:1024\", \"nproc=1024:1024\"]\n\
+             [engine]\nevents_logger = \"file\"\n"
+                .to_string(),
+        );
+        Podman { dir: dir.to_path_buf() }
+    }
+
+    fn env(&self, cmd: &mut Command) {
+        cmd.env("CONTAINERS_STORAGE_CONF", self.dir.join("storage.conf"))
+            .env("CONTAINERS_REGISTRIES_CONF", self.dir.join("registries.conf"))
+            .env("CONTAINERS_CONF", self.dir.join("containers.conf"));
+    }
+
+    fn run(&self, args: &[&str]) -> Output {
+        let mut cmd = Command::new("podman");
+        self.env(&mut cmd);
+        cmd.args(args).output().expect("podman (scripts/setup installs it)")
+    }
+
+    fn ok(&self, args: &[&str]) -> Vec<u8> {
+        let out = self.run(args);
+        assert!(out.status.success(), "podman {args:?}: {}", stderr(&out));
+        out.stdout
+    }
+
+    fn pull(&self, image: &str) -> String {
+        let policy = self.dir.join("policy.json");
+        let out = self.run(&["pull", "--signature-policy", policy.to_str().unwrap(), image]);
+        assert!(out.status.success(), "podman pull {image}: {}", stderr(&out));
+        stderr(&out)
+    }
+}
+
+impl Drop for Podman {
+    fn drop(&mut self) {
+        let _ = self.run(&["system", "reset", "--force"]);
+    }
+}
+
+/// The layer store serving `store` at `mnt` (in the background), taken
+/// down when dropped.
+fn layer_store(area: &Area, store: &Path, mnt: &Path, podman: &Podman) -> Mounted {
+    fs::create_dir_all(mnt).unwrap();
+    let out = tilefs_any(&[
+        os("layer-store"),
+        os("--mount"),
+        mnt.as_os_str(),
+        os("--store"),
+        store.as_os_str(),
+        os("--signature-policy"),
+        podman.dir.join("policy.json").as_os_str(),
+        os("--registries-conf"),
+        podman.dir.join("registries.conf").as_os_str(),
+        os("--log"),
+        area.path("layer-store.log").as_os_str(),
+    ]);
+    assert!(out.status.success(), "layer-store: {}", stderr(&out));
+    Mounted(mnt.to_path_buf())
+}
+
+/// The layer digests of `tilefs/NAME:v1`.
+fn layers_of(registry: &Registry, name: &str) -> Vec<String> {
+    let m = skopeo_raw(&format!("docker://{}/tilefs/{name}:v1", registry.addr));
+    m["layers"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|l| l["digest"].as_str().unwrap().to_string())
+        .collect()
+}
+
+/// Blob GETs of any of `digests` logged since `before` requests.
+fn gets_of(registry: &Registry, before: usize, digests: &[String]) -> Vec<String> {
+    registry.requests()[before..]
+        .iter()
+        .filter(|q| q.method == "GET" && digests.iter().any(|d| q.path.ends_with(d.as_str())))
+        .map(|q| q.path.clone())
+        .collect()
+}
+
+fn index(area: &Area, registry: &Registry, name: &str) {
+    let out = tilefs_any(&[
+        os("index"),
+        os("--tls-verify=false"),
+        os("--store"),
+        area.path("indexing").as_os_str(),
+        os(&format!("docker://{}/tilefs/{name}:v1", registry.addr)),
+    ]);
+    assert!(out.status.success(), "index {name}: {}", stderr(&out));
+}
+
+#[test]
+fn podman_pulls_indexed_images_through_the_layer_store() {
+    require(cannot_fuse());
+    require(not_root("podman's storage in a private graphroot"));
+    require(missing_program("podman", "podman"));
+    require(missing_program("umoci", "umoci"));
+    require(missing_program("skopeo", "skopeo"));
+    let area = Area::new();
+    let registry = Registry::start(&area);
+    // A base of busybox, a file of 300 KB and one the top layer removes;
+    // the top layer adds a message.
+    let base = |root: &Path| {
+        busybox_into(root, &["sh", "cat", "ls"]);
+        write_files(root, 7, &[("etc/big".into(), 300_000)]);
+        fs::write(root.join("etc/gone"), "removed above\n").unwrap();
+    };
+    let top = |root: &Path| {
+        fs::remove_file(root.join("etc/gone")).unwrap();
+        fs::write(root.join("etc/msg"), "hello from tilefs\n").unwrap();
+    };
+    let other = |root: &Path| fs::write(root.join("etc/msg"), "the other image\n").unwrap();
+    let secret = |root: &Path| write_files(root, 9, &[("data/x".into(), 2 << 20)]);
+    let cmd = ["--config.cmd", "/bin/sh"];
+    let app = push_image_with(&area, &registry, "app", &[&base, &top], &cmd);
+    let app2 = push_image_with(&area, &registry, "app2", &[&base, &other], &cmd);
+    let bad = push_image_with(&area, &registry, "bad", &[&base, &secret], &cmd);
+    let alone = |root: &Path| {
+        busybox_into(root, &["cat"]);
+        fs::write(root.join("plain"), "pulled by podman\n").unwrap();
+    };
+    let plain = push_image_with(&area, &registry, "plain", &[&alone], &["--config.cmd", "/bin/cat"]);
+    for name in ["app", "app2", "bad"] {
+        index(&area, &registry, name);
+    }
+    let expected_big = {
+        let d = area.dir("expected");
+        write_files(&d, 7, &[("big".into(), 300_000)]);
+        fs::read(d.join("big")).unwrap()
+    };
+
+    let store = area.path("store");
+    let mnt = area.path("mnt");
+    // Declared first, dropped last: after podman's reset.
+    let mut served: Option<Mounted>;
+    let podman = Podman::new(&area.dir("podman"), &mnt, &registry.addr);
+    served = Some(layer_store(&area, &store, &mnt, &podman));
+    let log = || fs::read_to_string(area.path("layer-store.log")).unwrap_or_default();
+
+    // The pull reads manifests, configuration and the index; no layer.
+    let before = registry.requests().len();
+    let said = podman.pull(&app);
+    assert!(!said.contains("Additional Layer Store"), "{said}");
+    let layers = layers_of(&registry, "app");
+    assert_eq!(gets_of(&registry, before, &layers), Vec::<String>::new(), "{}", log());
+    let run = |image: &str, args: &[&str]| {
+        let mut a = vec!["run", "--rm", "--network", "none", image];
+        a.extend_from_slice(args);
+        podman.run(&a)
+    };
+    let out = run(&app, &["cat", "/etc/msg", "/etc/big"]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let mut want = b"hello from tilefs\n".to_vec();
+    want.extend_from_slice(&expected_big);
+    assert!(out.stdout == want, "the container reads the image's bytes");
+    let out = run(&app, &["ls", "/etc/gone"]);
+    assert!(!out.status.success(), "a file the top layer removed is gone");
+    let images = String::from_utf8(podman.ok(&["images", "--format", "{{.Size}}"])).unwrap();
+    assert!(!images.trim().is_empty() && !images.contains("0 B"), "{images}");
+
+    // The same paths answer after a restart of the layer store.
+    served.take().unwrap().unmount();
+    served = Some(layer_store(&area, &store, &mnt, &podman));
+    let out = run(&app, &["cat", "/etc/msg"]);
+    assert_eq!(
+        String::from_utf8_lossy(&out.stdout),
+        "hello from tilefs\n",
+        "{}",
+        stderr(&out)
+    );
+
+    // Another image with the same base files: none fetched or stored again.
+    let objects = objects_in(&store);
+    let before = registry.requests().len();
+    podman.pull(&app2);
+    let out = run(&app2, &["cat", "/etc/msg", "/etc/big"]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    assert!(out.stdout.starts_with(b"the other image\n") && out.stdout.ends_with(&expected_big));
+    let layers2 = layers_of(&registry, "app2");
+    assert_eq!(gets_of(&registry, before, &layers2[..1]), Vec::<String>::new());
+    assert_eq!(objects_in(&store), objects, "busybox and etc/big are stored once");
+
+    // A tampered blob: the file whose bytes it holds does not read.
+    podman.pull(&bad);
+    let tampered = registry.tamper_largest_blob();
+    assert_eq!(tampered, layers_of(&registry, "bad")[1]);
+    let out = run(&bad, &["cat", "/data/x"]);
+    assert!(!out.status.success(), "a tampered file must not read");
+    assert!(log().contains("/data/x"), "{}", log());
+
+    // An image without an index: podman pulls its layers itself.
+    let before = registry.requests().len();
+    podman.pull(&plain);
+    let plain_layers = layers_of(&registry, "plain");
+    assert_eq!(gets_of(&registry, before, &plain_layers).len(), plain_layers.len());
+    let out = run(&plain, &["cat", "/plain"]);
+    assert_eq!(
+        String::from_utf8_lossy(&out.stdout),
+        "pulled by podman\n",
+        "{}",
+        stderr(&out)
+    );
+
+    // Removed from podman, the layers are let go and gc frees their files.
+    assert!(!held_images(&store).is_empty());
+    podman.ok(&["rmi", &app, &app2, &bad, &plain]);
+    podman.ok(&["image", "prune", "--force"]);
+    assert_eq!(held_images(&store), Vec::<PathBuf>::new());
+    let out = tilefs_any(&[os("gc"), os("--store"), store.as_os_str()]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    assert_eq!(objects_in(&store), 0, "{}", stderr(&out));
+    drop(podman);
+    drop(served);
+}
