@@ -30,6 +30,18 @@ const OPAQUE_XATTRS: [&[u8]; 2] = [b"trusted.overlay.opaque", b"user.overlay.opa
 const SELINUX: &[u8] = b"security.selinux";
 pub(crate) const ACL_XATTRS: [&[u8]; 2] = [b"system.posix_acl_access", b"system.posix_acl_default"];
 
+/// Whether this process is in the initial user namespace (its uid_map
+/// maps every id to itself).
+fn in_initial_userns() -> bool {
+    static INITIAL: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *INITIAL.get_or_init(|| {
+        std::fs::read_to_string("/proc/self/uid_map").map_or(true, |m| {
+            let f: Vec<&str> = m.split_whitespace().collect();
+            f == ["0", "0", "4294967295"]
+        })
+    })
+}
+
 /// The `d_type` of a mode, as READDIR gives it.
 pub(crate) fn dirent_type(mode: u32) -> u32 {
     (mode & S_IFMT) >> 12
@@ -350,11 +362,16 @@ impl Lower {
     }
 
     /// trusted.* xattrs are for privileged callers only, as the kernel
-    /// checks CAP_SYS_ADMIN; uid 0 stands in for that capability here.
+    /// checks CAP_SYS_ADMIN; uid 0 stands in for that capability here, in
+    /// the initial user namespace only: a server mounted by the root of
+    /// another (`podman unshare`) sees its root as uid 0, to whom the
+    /// kernel then refuses the trusted.* names listed (ENODATA), which
+    /// fails an overlay's copy-up of the file.
     /// POSIX ACLs exist only in images flagged as having them: the kernel
     /// mounts the others with `noacl`.
     pub(crate) fn visible(&self, uid: u32, key: &[u8]) -> bool {
-        (!key.starts_with(b"trusted.") || uid == 0) && (self.info.has_acl || !ACL_XATTRS.contains(&key))
+        (!key.starts_with(b"trusted.") || (uid == 0 && in_initial_userns()))
+            && (self.info.has_acl || !ACL_XATTRS.contains(&key))
     }
 
     /// Names answered with EOPNOTSUPP rather than ENODATA: ACLs when the
