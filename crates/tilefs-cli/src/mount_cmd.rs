@@ -52,7 +52,7 @@ pub struct MountArgs {
     pub foreground: bool,
     /// FUSE: write the server's log lines to FILE (the default: stderr in the foreground; in the
     /// background the system log, or where there is none ~/.local/state/tilefs/fuse.log, for root
-    /// /var/log/tilefs/fuse.log)
+    /// /var/log/tilefs/fuse.log, for a root that cannot write there (podman unshare) the user's)
     #[arg(long, value_name = "FILE")]
     pub log: Option<PathBuf>,
     /// Print no notices (facts of the machine, such as no kernel mount without privilege, are

@@ -24,34 +24,41 @@ struct Podman {
     dir: PathBuf,
 }
 
+/// podman's configuration in `dir`: storage with `layer_store` as its
+/// additional layer store (graphroot and runroot in `dir`, for root),
+/// `registry` on plain HTTP, any image accepted.
+fn configure(dir: &Path, layer_store: &Path, registry: &str) {
+    let w = |name: &str, text: String| fs::write(dir.join(name), text).unwrap();
+    w(
+        "storage.conf",
+        format!(
+            "[storage]\ndriver = \"overlay\"\ngraphroot = \"{0}/graph\"\nrunroot = \"{0}/run\"\n\
+                 [storage.options]\nadditionallayerstores = [\"{1}:ref\"]\n",
+            dir.display(),
+            layer_store.display()
+        ),
+    );
+    w(
+        "registries.conf",
+        format!("[[registry]]\nlocation = \"{registry}\"\ninsecure = true\n"),
+    );
+    w(
+        "policy.json",
+        r#"{"default": [{"type": "insecureAcceptAnything"}]}"#.to_string(),
+    );
+    // podman raises a container's open files to the kernel's ceiling by
+    // default, which a root without CAP_SYS_RESOURCE may not.
+    w(
+        "containers.conf",
+        "[containers]\ndefault_ulimits = [\"nofile=1024:1024\", \"nproc=1024:1024\"]\n\
+             [engine]\nevents_logger = \"file\"\n"
+            .to_string(),
+    );
+}
+
 impl Podman {
     fn new(dir: &Path, layer_store: &Path, registry: &str) -> Podman {
-        let w = |name: &str, text: String| fs::write(dir.join(name), text).unwrap();
-        w(
-            "storage.conf",
-            format!(
-                "[storage]\ndriver = \"overlay\"\ngraphroot = \"{0}/graph\"\nrunroot = \"{0}/run\"\n\
-                 [storage.options]\nadditionallayerstores = [\"{1}:ref\"]\n",
-                dir.display(),
-                layer_store.display()
-            ),
-        );
-        w(
-            "registries.conf",
-            format!("[[registry]]\nlocation = \"{registry}\"\ninsecure = true\n"),
-        );
-        w(
-            "policy.json",
-            r#"{"default": [{"type": "insecureAcceptAnything"}]}"#.to_string(),
-        );
-        // podman raises a container's open files to the kernel's ceiling by
-        // default, which a root without CAP_SYS_RESOURCE may not.
-        w(
-            "containers.conf",
-            "[containers]\ndefault_ulimits = [\"nofile=1024:1024\", \"nproc=1024:1024\"]\n\
-             [engine]\nevents_logger = \"file\"\n"
-                .to_string(),
-        );
+        configure(dir, layer_store, registry);
         Podman { dir: dir.to_path_buf() }
     }
 
@@ -261,4 +268,183 @@ fn podman_pulls_indexed_images_through_the_layer_store() {
     assert_eq!(objects_in(&store), 0, "{}", stderr(&out));
     drop(podman);
     drop(served);
+}
+
+/// A user made for a test (with subordinate ids, as podman's rootless mode
+/// needs), removed with its home and processes when dropped.
+struct TestUser {
+    name: String,
+    home: PathBuf,
+    runtime: PathBuf,
+}
+
+impl TestUser {
+    fn new() -> TestUser {
+        let name = format!("tfpod{}", std::process::id());
+        checked(Command::new("useradd").args(["-m", "-s", "/bin/sh"]).arg(&name));
+        let has_ids = |f: &str| {
+            fs::read_to_string(f)
+                .unwrap_or_default()
+                .lines()
+                .any(|l| l.starts_with(&format!("{name}:")))
+        };
+        if !has_ids("/etc/subuid") || !has_ids("/etc/subgid") {
+            checked(
+                Command::new("usermod")
+                    .args(["--add-subuids", "400000-465535", "--add-subgids", "400000-465535"])
+                    .arg(&name),
+            );
+        }
+        let home = PathBuf::from(format!("/home/{name}"));
+        let runtime = PathBuf::from(format!("/tmp/{name}-runtime"));
+        let u = TestUser { name, home, runtime };
+        fs::create_dir_all(&u.runtime).unwrap();
+        u.chown(&u.runtime);
+        u
+    }
+
+    fn chown(&self, path: &Path) {
+        checked(
+            Command::new("chown")
+                .arg("-R")
+                .arg(format!("{0}:{0}", self.name))
+                .arg(path),
+        );
+    }
+
+    /// `args` run as the user, in its environment.
+    fn cmd(&self, args: &[&std::ffi::OsStr]) -> Command {
+        let mut c = Command::new("runuser");
+        c.args(["-u", &self.name, "--", "env"])
+            .arg(format!("HOME={}", self.home.display()))
+            .arg(format!("XDG_RUNTIME_DIR={}", self.runtime.display()))
+            .current_dir(&self.home)
+            .args(args);
+        c
+    }
+
+    /// The ids of the user's processes.
+    fn processes(&self) -> Vec<u32> {
+        let out = Command::new("pgrep").args(["-u", &self.name]).output().unwrap();
+        String::from_utf8_lossy(&out.stdout)
+            .lines()
+            .filter_map(|l| l.trim().parse().ok())
+            .collect()
+    }
+}
+
+impl Drop for TestUser {
+    fn drop(&mut self) {
+        let mnt = self.home.join("mnt");
+        let _ = self
+            .cmd(&[os("podman"), os("unshare"), os("umount"), mnt.as_os_str()])
+            .output();
+        let _ = self
+            .cmd(&[os("podman"), os("system"), os("reset"), os("--force")])
+            .output();
+        // What is left of the user's processes (all this test's): ended by id.
+        for _ in 0..50 {
+            let left = self.processes();
+            if left.is_empty() {
+                break;
+            }
+            for pid in left {
+                let _ = Command::new("kill").arg("-KILL").arg(pid.to_string()).status();
+            }
+            std::thread::sleep(std::time::Duration::from_millis(100));
+        }
+        let _ = Command::new("userdel").arg("-r").arg(&self.name).output();
+        let _ = fs::remove_dir_all(&self.runtime);
+    }
+}
+
+#[test]
+fn a_rootless_user_runs_the_layer_store_in_podman_unshare() {
+    require(cannot_fuse());
+    require(not_root("making a user for the rootless case"));
+    require(missing_program("podman", "podman"));
+    require(missing_program("newuidmap", "uidmap"));
+    require(missing_program("umoci", "umoci"));
+    require(missing_program("skopeo", "skopeo"));
+    let area = Area::new();
+    let registry = Registry::start(&area);
+    let fill = |root: &Path| {
+        busybox_into(root, &["cat"]);
+        fs::write(root.join("msg"), "rootless and lazy\n").unwrap();
+    };
+    let app = push_image_with(&area, &registry, "app", &[&fill], &["--config.entrypoint", "/bin/cat"]);
+    index(&area, &registry, "app");
+
+    let user = TestUser::new();
+    let conf = user.home.join(".config/containers");
+    fs::create_dir_all(&conf).unwrap();
+    let mnt = user.home.join("mnt");
+    fs::create_dir_all(&mnt).unwrap();
+    // podman's own configuration of the user; the layer store reads the
+    // same registries.conf by default.
+    configure(&conf, &mnt, &registry.addr);
+    let storage = format!(
+        "[storage]\ndriver = \"overlay\"\n[storage.options]\nadditionallayerstores = [\"{}:ref\"]\n",
+        mnt.display()
+    );
+    fs::write(conf.join("storage.conf"), storage).unwrap();
+    let tilefs = user.home.join("tilefs");
+    fs::copy(tilefs_bin(), &tilefs).unwrap();
+    user.chown(&user.home);
+
+    let policy = conf.join("policy.json");
+    let out = user
+        .cmd(&[
+            os("podman"),
+            os("unshare"),
+            tilefs.as_os_str(),
+            os("layer-store"),
+            os("--mount"),
+            mnt.as_os_str(),
+            os("--store"),
+            user.home.join("store").as_os_str(),
+            os("--signature-policy"),
+            policy.as_os_str(),
+        ])
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "layer-store in podman unshare: {}", stderr(&out));
+
+    let before = registry.requests().len();
+    let out = user
+        .cmd(&[
+            os("podman"),
+            os("pull"),
+            os("--signature-policy"),
+            policy.as_os_str(),
+            os(&app),
+        ])
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "rootless pull: {}", stderr(&out));
+    let layers = layers_of(&registry, "app");
+    let log = user.home.join(".local/state/tilefs/layer-store.log");
+    let said = || fs::read_to_string(&log).unwrap_or_else(|e| format!("{}: {e}", log.display()));
+    assert_eq!(gets_of(&registry, before, &layers), Vec::<String>::new(), "{}", said());
+    let out = user
+        .cmd(&[
+            os("podman"),
+            os("run"),
+            os("--rm"),
+            os("--network"),
+            os("none"),
+            os(&app),
+            os("/msg"),
+        ])
+        .output()
+        .unwrap();
+    assert_eq!(
+        String::from_utf8_lossy(&out.stdout),
+        "rootless and lazy\n",
+        "{}",
+        stderr(&out)
+    );
+    // Its messages went where the user may write (there is no system log
+    // here, or they went there).
+    assert!(log.exists() || Path::new("/dev/log").exists(), "{}", said());
 }
