@@ -27,6 +27,7 @@ use crate::{ImageRef, OciError};
 use serde::{Deserialize, Serialize};
 use std::collections::HashMap;
 use std::io::Read;
+use std::os::unix::fs::DirBuilderExt;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, Instant};
@@ -84,19 +85,44 @@ impl LayerStore {
     pub fn open(store: &Path, state: &Path, opts: PullOptions) -> Result<LayerStore, OciError> {
         // Made if needed, as a pull makes it.
         let store = Store::create(store)?;
-        std::fs::create_dir_all(state.join("layers"))
+        // Its records say where the user's credentials go: the user's alone.
+        std::fs::DirBuilder::new()
+            .recursive(true)
+            .mode(0o700)
+            .create(state.join("layers"))
             .map_err(|e| OciError::io(state, "cannot make the layer store's state directory", e))?;
         let state = std::fs::canonicalize(state).map_err(|e| OciError::io(state, "cannot resolve", e))?;
         let holder = Holder::LayerStore { state: state.clone() };
         owned::register(&store, &holder)?;
-        Ok(LayerStore {
+        let ls = LayerStore {
             store,
             state,
             holder,
             opts,
             plans: Mutex::new(HashMap::new()),
             kept: Mutex::new(()),
-        })
+        };
+        ls.sweep()?;
+        Ok(ls)
+    }
+
+    /// Lets go of the layers looked up but never used before this start
+    /// (a lookup by anyone who may read the mount, a pull abandoned): no
+    /// image of podman's links to them.
+    fn sweep(&self) -> Result<(), OciError> {
+        let dir = self.state.join("layers");
+        let entries = std::fs::read_dir(&dir).map_err(|e| OciError::io(&dir, "cannot list", e))?;
+        for e in entries.flatten() {
+            let name = e.file_name().to_string_lossy().into_owned();
+            let Some(key) = name.strip_suffix(".json") else {
+                continue;
+            };
+            if self.read_kept(key).is_some_and(|k| k.uses == 0) {
+                owned::remove_root(&self.store, &self.holder, key)?;
+                let _ = std::fs::remove_file(e.path());
+            }
+        }
+        Ok(())
     }
 
     /// The name of a layer's kept record and held image.
