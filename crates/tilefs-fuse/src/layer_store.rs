@@ -82,6 +82,9 @@ pub trait LayerSource: Send + Sync {
     fn released(&self, reference: &str, digest: &str) -> Result<bool, String>;
 }
 
+/// A layer by (reference, digest).
+type Key = (String, String);
+
 #[derive(Clone, PartialEq, Eq, Hash)]
 enum Node {
     Root,
@@ -129,11 +132,11 @@ pub struct LayerStoreFs {
     nodes: Mutex<Nodes>,
     layers: RwLock<Vec<Arc<Layer>>>,
     /// Layers by (reference, digest): their number.
-    by_key: Mutex<FxHashMap<(String, String), usize>>,
+    by_key: Mutex<FxHashMap<Key, usize>>,
     /// Layers found unservable lately, and when.
-    refused: Mutex<FxHashMap<(String, String), Instant>>,
+    refused: Mutex<FxHashMap<Key, Instant>>,
     /// One lookup of a layer at a time (others wait for its answer).
-    resolving: Mutex<FxHashMap<(String, String), Arc<Mutex<()>>>>,
+    resolving: Mutex<FxHashMap<Key, Arc<Mutex<()>>>>,
     owner: (u32, u32),
     started: u64,
 }

@@ -68,13 +68,16 @@ pub struct Served {
     pub blob: Arc<BlobSource>,
 }
 
+/// An image's plan, or why there is none, and when it was found.
+type Planned = (Instant, Arc<Result<LazyPlan, String>>);
+
 /// The layer store's side of the registry.
 pub struct LayerStore {
     store: Store,
     state: PathBuf,
     holder: Holder,
     opts: PullOptions,
-    plans: Mutex<HashMap<String, (Instant, Arc<Result<LazyPlan, String>>)>>,
+    plans: Mutex<HashMap<String, Planned>>,
     /// Writes of kept records, one at a time.
     kept: Mutex<()>,
 }
