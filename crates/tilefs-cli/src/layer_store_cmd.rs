@@ -13,7 +13,7 @@ use tilefs_fuse::layer_store::{BlobReader, LayerFiles, LayerSource, LayerStoreFs
 use tilefs_fuse::LogTo;
 
 pub const LONG_ABOUT: &str = "Serve an additional layer store for podman (containers/storage) at DIR, over a tilefs \
-store: a layer of an image tilefs can start lazily (one with a `tilefs index`) appears there when podman \
+store: a layer of an image tilefs can start lazily (one with a `tilefs index`, eStargz, zstd:chunked) appears there when podman \
 looks it up, so `podman pull` downloads none of its layers and each file is fetched on its first read, checked \
 before a byte is served, into the store shared with every other image. Other images are left to podman. \
 In storage.conf: [storage.options] additionallayerstores = [\"DIR:ref\"]. Runs in the background once DIR \

@@ -7,7 +7,8 @@
 //! the layer store; a file of a tampered blob fails to read; an image
 //! without an index is pulled by podman itself; files two images share are
 //! stored once; `podman rmi` lets go of the layers and `tilefs gc` frees
-//! their files.
+//! their files. An eStargz image is served from its tables of contents. A
+//! user the test makes runs the layer store in `podman unshare`.
 
 mod common;
 
@@ -447,4 +448,58 @@ fn a_rootless_user_runs_the_layer_store_in_podman_unshare() {
     // Its messages went where the user may write (there is no system log
     // here, or they went there).
     assert!(log.exists() || Path::new("/dev/log").exists(), "{}", said());
+}
+
+#[test]
+fn an_estargz_image_is_served_from_its_table_of_contents() {
+    require(cannot_fuse());
+    require(not_root("podman's storage in a private graphroot"));
+    require(missing_program("podman", "podman"));
+    let Some(generator) = common::seekable::generator() else {
+        return;
+    };
+    let area = Area::new();
+    let registry = Registry::start(&area);
+    let base = |root: &Path| {
+        busybox_into(root, &["cat"]);
+        write_files(root, 5, &[("data/big".into(), 3 << 20)]);
+    };
+    let top = |root: &Path| fs::write(root.join("msg"), "from a table of contents\n").unwrap();
+    let app = common::seekable::push_seekable(&generator, &area, &registry, "sgz", "estargz", &[&base, &top], false);
+    let store = area.path("store");
+    let mnt = area.path("mnt");
+    // Declared first, dropped last: after podman's reset.
+    let served: Option<Mounted>;
+    let podman = Podman::new(&area.dir("podman"), &mnt, &registry.addr);
+    served = Some(layer_store(&area, &store, &mnt, &podman));
+    let log = || fs::read_to_string(area.path("layer-store.log")).unwrap_or_default();
+    let before = registry.requests().len();
+    podman.pull(&app);
+    // Only the tables of contents are read (a range at each layer's end).
+    let layers = layers_of(&registry, "sgz");
+    let sizes: u64 = skopeo_raw(&format!("docker://{app}"))["layers"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|l| l["size"].as_u64().unwrap())
+        .sum();
+    let fetched = blob_bytes_since(&registry, before);
+    assert!(
+        fetched * 10 < sizes,
+        "{fetched} bytes of {sizes} fetched by the pull; {}",
+        log()
+    );
+    assert!(!gets_of(&registry, before, &layers).is_empty(), "its tables were read");
+    let out = podman.run(&["run", "--rm", "--network", "none", &app, "cat", "/msg"]);
+    assert_eq!(
+        String::from_utf8_lossy(&out.stdout),
+        "from a table of contents\n",
+        "{} {}",
+        stderr(&out),
+        log()
+    );
+    let fetched = blob_bytes_since(&registry, before);
+    assert!(fetched * 2 < sizes, "cat of one file fetched {fetched} of {sizes}");
+    drop(podman);
+    drop(served);
 }

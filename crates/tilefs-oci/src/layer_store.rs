@@ -5,7 +5,9 @@
 //!
 //! A layer is served lazily when [`crate::lazy_index::plan`] finds a
 //! `tilefs index` for the image (the layer's map places its files in its
-//! blob); anything else is left to podman, which pulls it as usual.
+//! blob) or tables of contents (eStargz, zstd:chunked); anything else is
+//! left to podman, which pulls it as usual. Each layer's image is its diff
+//! alone ([`crate::apply::Applier::apply_diff`]): podman stacks them.
 //!
 //! What each layer served needs across restarts is kept: its image, as an
 //! image the store's [`Holder::LayerStore`] holds (a gc root), its lazy
@@ -169,20 +171,93 @@ impl LayerStore {
             Ok(p) => p,
             Err(e) => return Err(OciError::Reference(e.clone())),
         };
-        let img = match &plan.kind {
-            LazyKind::Indexed(img) => img,
-            LazyKind::Artifact(_) => return Ok(None),
-            LazyKind::Toc(_) => return Ok(None),
-            LazyKind::Whole(_) => return Ok(None),
+        let (resolved, diff_ids) = match &plan.kind {
+            LazyKind::Indexed(img) => (&img.resolved, &img.diff_ids),
+            LazyKind::Toc(t) => (&t.resolved, &t.diff_ids),
+            LazyKind::Artifact(_) | LazyKind::Whole(_) => return Ok(None),
         };
-        let Some(i) = img.resolved.layers.iter().position(|l| l.digest.to_string() == digest) else {
+        let Some(i) = resolved.layers.iter().position(|l| l.digest.to_string() == digest) else {
             return Ok(None);
         };
+        let layer = &resolved.layers[i];
+        let mut one = resolved.clone();
+        one.layers = vec![layer.clone()];
+        // Held shared until the image is held: a gc meanwhile would take
+        // the objects found present for unreferenced.
+        let lock = self.store.lock(tilefs_store::LockMode::Shared, true)?;
+        let (image, diff_size, src) = match &plan.kind {
+            LazyKind::Indexed(img) => {
+                let (image, src) = self.indexed_diff(img, i, &one)?;
+                let image = (image.bytes, image.digest);
+                let size = img.index.maps[i].seek.as_ref().map(|s| s.uncompressed_size());
+                (image, size, src)
+            }
+            LazyKind::Toc(t) => {
+                let made = t
+                    .tables
+                    .diff_image(&self.store, i)
+                    .map_err(|e| OciError::manifest(format!("{reference} layer {digest}"), e))?;
+                match &made.record {
+                    Some(r) => r.save(&self.store, &made.digest)?,
+                    None => tilefs_store::remote::forget(&self.store, &made.digest)?,
+                }
+                let src = (
+                    t.source.to_string(),
+                    t.opts.registry.tls_verify,
+                    t.opts.registry.timeout.as_secs(),
+                );
+                let image = (made.image, made.digest);
+                // (The table of contents does not say the tar stream's
+                // length: podman shows the blob's.)
+                (image, None, src)
+            }
+            LazyKind::Artifact(_) | LazyKind::Whole(_) => unreachable!("returned above"),
+        };
+        let (bytes, image) = image;
+        crate::trust::save_evidence(&self.store, &image, &one)?;
+        let path = owned::write_root(&self.store, &self.holder, &key, &bytes)?;
+        drop(lock);
+        let size = layer.size.unwrap_or(0);
+        let info = serde_json::json!({
+            "id": "",
+            "compressed-diff-digest": layer.digest.to_string(),
+            "compressed-size": size,
+            "diff-digest": diff_ids[i].to_string(),
+            "diff-size": diff_size.unwrap_or(size),
+            "compression": compression(&layer.media_type),
+        });
+        let _w = self.kept.lock().unwrap();
+        let kept = Kept {
+            reference: reference.to_string(),
+            digest: digest.to_string(),
+            image: hex::encode(image),
+            info: info.to_string(),
+            blob_size: size,
+            media_type: layer.media_type.clone(),
+            source: src.0,
+            tls_verify: src.1,
+            timeout_secs: src.2,
+            trust: resolved.trust.clone(),
+            uses: self.read_kept(&key).map_or(0, |k| k.uses),
+        };
+        self.write_kept(&key, &kept)?;
+        Ok(Some(self.served(path, image, &kept)?))
+    }
+
+    /// The image of layer `i`'s diff of an indexed image (its lazy record
+    /// written, `one` being the image resolved to that layer alone), and
+    /// where its blob is fetched from (reference, TLS, timeout).
+    fn indexed_diff(
+        &self,
+        img: &crate::lazy_index::IndexedImage,
+        i: usize,
+        one: &crate::transport::Resolved,
+    ) -> Result<(tilefs_image::erofs::Image, (String, bool, u64)), OciError> {
         let map = &img.index.maps[i];
-        let layer = &img.resolved.layers[i];
-        let what = || format!("{reference} layer {digest}");
+        let digest = one.layers[0].digest.to_string();
+        let what = || format!("{} layer {digest}", img.source);
         let mut applier = crate::apply::Applier::new(true);
-        applier.apply_diff(digest, map.entries.clone())?;
+        applier.apply_diff(&digest, map.entries.clone())?;
         let tree = applier.finish();
         let image = tilefs_image::erofs::write_image(
             &tree,
@@ -194,57 +269,20 @@ impl LayerStore {
         .map_err(|e| OciError::manifest(what(), format!("cannot write its image: {e}")))?;
         let objects = crate::artifact::objects_of(&tree);
         let index = crate::lazy_index::locate(&[map.as_ref()], &objects).map_err(|e| OciError::manifest(what(), e))?;
-        let mut one = img.resolved.clone();
-        one.layers = vec![layer.clone()];
         let record = LazyRecord::for_layers(
             &img.source,
-            &one,
+            one,
             &img.opts,
             &[map.as_ref()],
             index,
             img.index.trust.clone(),
         );
-        let diff_size = map
-            .seek
-            .as_ref()
-            .map_or(layer.size.unwrap_or(0), |s| s.uncompressed_size());
-        let info = serde_json::json!({
-            "id": "",
-            "compressed-diff-digest": layer.digest.to_string(),
-            "compressed-size": layer.size.unwrap_or(0),
-            "diff-digest": img.diff_ids[i].to_string(),
-            "diff-size": diff_size,
-            "compression": compression(&layer.media_type),
-        });
-        let kept = Kept {
-            reference: reference.to_string(),
-            digest: digest.to_string(),
-            image: hex::encode(image.digest),
-            info: info.to_string(),
-            blob_size: layer.size.unwrap_or(0),
-            media_type: layer.media_type.clone(),
-            source: record.source.clone(),
-            tls_verify: record.tls_verify,
-            timeout_secs: record.timeout_secs,
-            trust: record.trust.clone(),
-            uses: 0,
-        };
-        let lock = self.store.lock(tilefs_store::LockMode::Shared, true)?;
-        let absent = tilefs_store::presence::absent(&self.store, objects.iter().map(|o| o.digest)).len();
-        match absent {
+        match tilefs_store::presence::absent(&self.store, objects.iter().map(|o| o.digest)).len() {
             0 => tilefs_store::remote::forget(&self.store, &image.digest)?,
             _ => record.save(&self.store, &image.digest)?,
         }
-        crate::trust::save_evidence(&self.store, &image.digest, &one)?;
-        let path = owned::write_root(&self.store, &self.holder, &key, &image.bytes)?;
-        drop(lock);
-        let _w = self.kept.lock().unwrap();
-        let kept = Kept {
-            uses: self.read_kept(&key).map_or(0, |k| k.uses),
-            ..kept
-        };
-        self.write_kept(&key, &kept)?;
-        Ok(Some(self.served(path, image.digest, &kept)?))
+        let src = (record.source.clone(), record.tls_verify, record.timeout_secs);
+        Ok((image, src))
     }
 
     fn served(&self, path: PathBuf, image: [u8; 32], k: &Kept) -> Result<Served, OciError> {
