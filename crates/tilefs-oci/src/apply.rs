@@ -461,6 +461,49 @@ mod tests {
         assert!(t.lookup_path(b"/x").is_none());
     }
 
+    /// A diff (podman's layer store) keeps a layer's whiteouts as devices
+    /// 0/0 and marks its opaque directories, its own files winning over a
+    /// whiteout of the same name; the root's marker marks nothing.
+    #[test]
+    fn a_diff_keeps_whiteouts_and_opaque_markers() {
+        let mut a = Applier::new(true);
+        a.apply_diff(
+            "l2",
+            vec![
+                file("d/c", "3"),
+                e("d", Kind::Opaque),
+                e("gone", Kind::Whiteout),
+                e("e/deep", Kind::Whiteout),
+                e("back", Kind::Whiteout),
+                file("back", "again"),
+                e("", Kind::Opaque),
+            ],
+        )
+        .unwrap();
+        let t = a.finish();
+        assert_eq!(names(&t, "/"), ["back", "d", "e", "gone"]);
+        let at = |path: &str| t.inode(t.lookup_path(path.as_bytes()).unwrap());
+        for w in ["/gone", "/e/deep"] {
+            assert!(at(w).is_whiteout(), "{w}");
+        }
+        assert!(at("/back").is_reg());
+        let keys = |path: &str| -> Vec<(Vec<u8>, Vec<u8>)> {
+            at(path)
+                .xattrs
+                .iter()
+                .map(|x| (x.key.clone(), x.value.clone()))
+                .collect()
+        };
+        assert_eq!(
+            keys("/d"),
+            [
+                (b"trusted.overlay.opaque".to_vec(), b"y".to_vec()),
+                (b"user.overlay.opaque".to_vec(), b"y".to_vec())
+            ]
+        );
+        assert!(keys("/").is_empty() && keys("/e").is_empty());
+    }
+
     /// Issue 43: the root's opaque marker hides nothing, as overlayfs
     /// ignores an opaque layer root (what containers see).
     #[test]
