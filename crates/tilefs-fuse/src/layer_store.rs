@@ -534,7 +534,7 @@ mod tests {
         let enc = base64::engine::general_purpose::STANDARD.encode(r);
         assert_eq!(LayerStoreFs::reference(&enc).as_deref(), Some(r));
         // An encoding with '/' in it, as a path of directories.
-        let r = "localhost:5000/a/b?>>>:v1";
+        let r = "???.example:5000/app:v1";
         let enc = base64::engine::general_purpose::STANDARD.encode(r);
         assert!(enc.contains('/'), "{enc}");
         assert_eq!(LayerStoreFs::reference(&enc).as_deref(), Some(r));
