@@ -238,6 +238,28 @@ fn podman_pulls_indexed_images_through_the_layer_store() {
     assert_eq!(gets_of(&registry, before, &layers2[..1]), Vec::<String>::new());
     assert_eq!(objects_in(&store), objects, "busybox and etc/big are stored once");
 
+    // `podman save` reads the layers' blobs through the store.
+    let saved = area.path("saved.tar");
+    podman.ok(&[
+        "save",
+        "--format",
+        "docker-archive",
+        "-o",
+        saved.to_str().unwrap(),
+        &app,
+    ]);
+    let blob_sizes: u64 = skopeo_raw(&format!("docker://{app}"))["layers"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|l| l["size"].as_u64().unwrap())
+        .sum();
+    let saved_len = fs::metadata(&saved).unwrap().len();
+    assert!(
+        saved_len >= blob_sizes,
+        "{saved_len} bytes saved, {blob_sizes} of blobs"
+    );
+
     // A tampered blob: the file whose bytes it holds does not read.
     podman.pull(&bad);
     let tampered = registry.tamper_largest_blob();
