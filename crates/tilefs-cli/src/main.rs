@@ -9,6 +9,7 @@ mod fuse_serve;
 mod index_cmd;
 mod inspect;
 mod keys_cmd;
+mod layer_store_cmd;
 mod mount_cmd;
 mod mount_helper;
 mod mountd_cmd;
@@ -97,6 +98,9 @@ enum Command {
     Mountd(mountd_cmd::MountdArgs),
     /// Serve containerd's snapshots API (a proxy plugin): layers in the shared store, containers on kernel mounts
     Snapshotter(snapshotter_cmd::SnapshotterArgs),
+    /// Serve an additional layer store for podman: images with a tilefs index pulled without their layers
+    #[command(long_about = layer_store_cmd::LONG_ABOUT)]
+    LayerStore(layer_store_cmd::LayerStoreArgs),
     /// Print a shell completion script (bash, zsh, fish, elvish, powershell)
     Completions(docs::CompletionsArgs),
     /// Write man pages (tilefs(1), tilefs-COMMAND(1), mount.tilefs(8)) into a directory
@@ -161,6 +165,7 @@ fn main() -> ExitCode {
         Command::Commit(a) => commit_cmd::run(a),
         Command::Mountd(a) => mountd_cmd::run(a),
         Command::Snapshotter(a) => snapshotter_cmd::run(a),
+        Command::LayerStore(a) => layer_store_cmd::run(a),
         Command::Completions(a) => docs::completions::<Cli>(a),
         Command::Man(a) => docs::man::<Cli>(a),
     };

@@ -52,7 +52,7 @@ pub struct MountArgs {
     pub foreground: bool,
     /// FUSE: write the server's log lines to FILE (the default: stderr in the foreground; in the
     /// background the system log, or where there is none ~/.local/state/tilefs/fuse.log, for root
-    /// /var/log/tilefs/fuse.log)
+    /// /var/log/tilefs/fuse.log, for a root that cannot write there (podman unshare) the user's)
     #[arg(long, value_name = "FILE")]
     pub log: Option<PathBuf>,
     /// Print no notices (facts of the machine, such as no kernel mount without privilege, are
@@ -205,7 +205,7 @@ pub fn run(mut req: Request, serving: &Serving) -> Result<()> {
         (None, true) => None,
         (None, false) if has_syslog() => None,
         (None, false) => {
-            let f = default_log_file();
+            let f = default_log_file("fuse.log");
             if let Some(p) = &f {
                 said.push(format!(
                     "a FUSE server's messages go to {} (there is no system log here)",
@@ -245,29 +245,37 @@ fn erofs_backing() -> Result<ErofsBacking> {
 }
 
 /// Whether a system log listens (/dev/log is a socket).
-fn has_syslog() -> bool {
+pub(crate) fn has_syslog() -> bool {
     use std::os::unix::fs::FileTypeExt;
     std::fs::metadata("/dev/log").is_ok_and(|m| m.file_type().is_socket())
 }
 
-/// Where a background server logs when there is no system log: a file of
-/// the user's state directory (root: /var/log/tilefs), made if needed.
-fn default_log_file() -> Option<PathBuf> {
-    let dir = if rustix::process::geteuid().is_root() {
-        PathBuf::from("/var/log/tilefs")
-    } else {
-        let abs = |v: Option<std::ffi::OsString>| v.map(PathBuf::from).filter(|p| p.is_absolute());
-        abs(std::env::var_os("XDG_STATE_HOME"))
-            .or_else(|| abs(std::env::var_os("HOME")).map(|h| h.join(".local/state")))?
-            .join("tilefs")
-    };
+/// Where a background server logs when there is no system log: `name` in
+/// the user's state directory (root: /var/log/tilefs), made if needed. A
+/// root that cannot write there (root of a user namespace, `podman
+/// unshare`) logs in its user's state directory instead.
+pub(crate) fn default_log_file(name: &str) -> Option<PathBuf> {
     use std::os::unix::fs::DirBuilderExt;
-    std::fs::DirBuilder::new()
-        .recursive(true)
-        .mode(0o700)
-        .create(&dir)
-        .ok()?;
-    Some(dir.join("fuse.log"))
+    let make = |dir: PathBuf| {
+        std::fs::DirBuilder::new()
+            .recursive(true)
+            .mode(0o700)
+            .create(&dir)
+            .ok()?;
+        // Made, or there already: writable by us?
+        rustix::fs::access(&dir, rustix::fs::Access::WRITE_OK).ok()?;
+        Some(dir.join(name))
+    };
+    if rustix::process::geteuid().is_root() {
+        if let Some(p) = make(PathBuf::from("/var/log/tilefs")) {
+            return Some(p);
+        }
+    }
+    let abs = |v: Option<std::ffi::OsString>| v.map(PathBuf::from).filter(|p| p.is_absolute());
+    let dir = abs(std::env::var_os("XDG_STATE_HOME"))
+        .or_else(|| abs(std::env::var_os("HOME")).map(|h| h.join(".local/state")))?
+        .join("tilefs");
+    make(dir)
 }
 
 /// A library error, with the command-line flag that helps where one does.

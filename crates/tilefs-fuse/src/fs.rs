@@ -381,7 +381,7 @@ impl TileFs {
             if plus {
                 buf.add_plus(&e, off, dirent_type(e.attr.mode), name)
             } else {
-                buf.add(u64::from(id) + 1, off, dirent_type(e.attr.mode), name)
+                buf.add(self.lower.nodeid(id), off, dirent_type(e.attr.mode), name)
             }
         });
         reply.data(buf.as_bytes())

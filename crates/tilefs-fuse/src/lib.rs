@@ -13,6 +13,7 @@
 //! from outside, also one whose server died.
 
 mod fs;
+pub mod layer_store;
 mod log;
 mod lower;
 mod mountpoint;
@@ -270,6 +271,8 @@ pub const LAZY_THREADS: usize = 16;
 pub enum TileFilesystem {
     ReadOnly(fs::TileFs),
     Writable(overlay::OverlayFs),
+    /// Many images, each a layer of podman's (see [`layer_store`]).
+    LayerStore(layer_store::LayerStoreFs),
 }
 
 pub use fs::TileFs;
@@ -284,6 +287,7 @@ impl tilefs_fuse_proto::Filesystem for TileFilesystem {
         match self {
             TileFilesystem::ReadOnly(f) => f.init(kernel, conn),
             TileFilesystem::Writable(f) => f.init(kernel, conn),
+            TileFilesystem::LayerStore(f) => f.init(kernel, conn),
         }
     }
 
@@ -297,6 +301,7 @@ impl tilefs_fuse_proto::Filesystem for TileFilesystem {
         match self {
             TileFilesystem::ReadOnly(f) => f.handle(req, op, reply),
             TileFilesystem::Writable(f) => f.handle(req, op, reply),
+            TileFilesystem::LayerStore(f) => f.handle(req, op, reply),
         }
     }
 
@@ -304,6 +309,7 @@ impl tilefs_fuse_proto::Filesystem for TileFilesystem {
         match self {
             TileFilesystem::ReadOnly(f) => f.forget(nodeid, nlookup),
             TileFilesystem::Writable(f) => f.forget(nodeid, nlookup),
+            TileFilesystem::LayerStore(f) => f.forget(nodeid, nlookup),
         }
     }
 
@@ -311,6 +317,7 @@ impl tilefs_fuse_proto::Filesystem for TileFilesystem {
         match self {
             TileFilesystem::ReadOnly(f) => f.destroy(),
             TileFilesystem::Writable(f) => f.destroy(),
+            TileFilesystem::LayerStore(f) => f.destroy(),
         }
     }
 }
@@ -365,6 +372,20 @@ impl Server {
         !no_uring && !self.fetches
     }
 
+    /// A layer store's server (see [`layer_store`]): it fetches, so it
+    /// serves on [`LAZY_THREADS`] threads or more.
+    pub fn layer_store(fs: layer_store::LayerStoreFs) -> Server {
+        let logger = fs.logger();
+        Server {
+            fs: TileFilesystem::LayerStore(fs),
+            logger,
+            image: PathBuf::from("tilefs-layer-store"),
+            fetches: true,
+            splice: false,
+            default_permissions: true,
+        }
+    }
+
     /// How to serve it through /dev/fuse: `threads` workers (0: the
     /// default; at least [`LAZY_THREADS`] for a server that fetches),
     /// io_uring as [`Server::wants_uring`] says, idle CPUs polling as
@@ -407,6 +428,7 @@ impl Server {
         match &self.fs {
             TileFilesystem::ReadOnly(f) => f.image_bytes(),
             TileFilesystem::Writable(f) => f.lower().view.bytes(),
+            TileFilesystem::LayerStore(_) => &[],
         }
     }
 }
@@ -535,7 +557,9 @@ pub fn mount(server: Server, m: &DevMount) -> Result<Mounted, FuseError> {
     if !mnt.is_dir() {
         return Err(fail(format!("{}: not a directory", mnt.display())));
     }
-    let writable = matches!(server.fs, TileFilesystem::Writable(_));
+    // A layer store takes podman's notices (a `use` file made, a layer's
+    // directory removed): the mount itself must let them through.
+    let writable = matches!(server.fs, TileFilesystem::Writable(_) | TileFilesystem::LayerStore(_));
     let fuse_fd = mountpoint::mount_fuse(
         &mnt,
         &server.image,

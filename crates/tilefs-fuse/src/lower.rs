@@ -30,6 +30,18 @@ const OPAQUE_XATTRS: [&[u8]; 2] = [b"trusted.overlay.opaque", b"user.overlay.opa
 const SELINUX: &[u8] = b"security.selinux";
 pub(crate) const ACL_XATTRS: [&[u8]; 2] = [b"system.posix_acl_access", b"system.posix_acl_default"];
 
+/// Whether this process is in the initial user namespace (its uid_map
+/// maps every id to itself).
+fn in_initial_userns() -> bool {
+    static INITIAL: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *INITIAL.get_or_init(|| {
+        std::fs::read_to_string("/proc/self/uid_map").map_or(true, |m| {
+            let f: Vec<&str> = m.split_whitespace().collect();
+            f == ["0", "0", "4294967295"]
+        })
+    })
+}
+
 /// The `d_type` of a mode, as READDIR gives it.
 pub(crate) fn dirent_type(mode: u32) -> u32 {
     (mode & S_IFMT) >> 12
@@ -78,6 +90,9 @@ pub(crate) struct Lower {
     pub(crate) fetcher: Option<crate::Fetcher>,
     /// Where listings of directories stopped (see `LowerNode::entries_from`).
     cursors: Mutex<FxHashMap<InodeId, DirPos>>,
+    /// Added to every node id and inode number shown: one filesystem that
+    /// serves many images (the layer store) gives each a range of its own.
+    pub(crate) base: u64,
 }
 
 /// An image inode as the tree holds it (its attributes, payload, inline
@@ -168,7 +183,13 @@ impl Lower {
             log,
             fetcher: None,
             cursors: Mutex::new(FxHashMap::default()),
+            base: 0,
         }
+    }
+
+    /// The node id (and inode number) image inode `id` is shown with.
+    pub(crate) fn nodeid(&self, id: InodeId) -> u64 {
+        u64::from(id) + 1 + self.base
     }
 
     /// Logs an image that contradicts the walk that checked it (never
@@ -179,7 +200,7 @@ impl Lower {
     }
 
     fn id(&self, ino: u64) -> Option<InodeId> {
-        let id = ino.checked_sub(1)?;
+        let id = ino.checked_sub(1 + self.base)?;
         (id < self.view.len() as u64).then_some(id as InodeId)
     }
 
@@ -266,7 +287,7 @@ impl Lower {
         // Negative times travel as two's complement, as the kernel reads them.
         let (sec, nsec) = (i.mtime.sec as u64, i.mtime.nsec.min(999_999_999));
         Ok(abi::Attr {
-            ino: u64::from(id) + 1,
+            ino: self.nodeid(id),
             size,
             blocks: size.div_ceil(4096) * 8,
             atime: sec,
@@ -287,7 +308,7 @@ impl Lower {
 
     pub(crate) fn attr(&self, id: InodeId) -> abi::Attr {
         self.try_attr(id).unwrap_or(abi::Attr {
-            ino: u64::from(id) + 1,
+            ino: self.nodeid(id),
             blksize: 4096,
             ..abi::Attr::default()
         })
@@ -295,7 +316,7 @@ impl Lower {
 
     pub(crate) fn try_entry(&self, id: InodeId) -> Result<Entry, i32> {
         Ok(Entry {
-            nodeid: u64::from(id) + 1,
+            nodeid: self.nodeid(id),
             generation: 0,
             entry_ttl: FOREVER,
             attr_ttl: FOREVER,
@@ -305,7 +326,7 @@ impl Lower {
 
     pub(crate) fn entry(&self, id: InodeId) -> Entry {
         Entry {
-            nodeid: u64::from(id) + 1,
+            nodeid: self.nodeid(id),
             generation: 0,
             entry_ttl: FOREVER,
             attr_ttl: FOREVER,
@@ -341,11 +362,16 @@ impl Lower {
     }
 
     /// trusted.* xattrs are for privileged callers only, as the kernel
-    /// checks CAP_SYS_ADMIN; uid 0 stands in for that capability here.
+    /// checks CAP_SYS_ADMIN; uid 0 stands in for that capability here, in
+    /// the initial user namespace only: a server mounted by the root of
+    /// another (`podman unshare`) sees its root as uid 0, to whom the
+    /// kernel then refuses the trusted.* names listed (ENODATA), which
+    /// fails an overlay's copy-up of the file.
     /// POSIX ACLs exist only in images flagged as having them: the kernel
     /// mounts the others with `noacl`.
     pub(crate) fn visible(&self, uid: u32, key: &[u8]) -> bool {
-        (!key.starts_with(b"trusted.") || uid == 0) && (self.info.has_acl || !ACL_XATTRS.contains(&key))
+        (!key.starts_with(b"trusted.") || (uid == 0 && in_initial_userns()))
+            && (self.info.has_acl || !ACL_XATTRS.contains(&key))
     }
 
     /// Names answered with EOPNOTSUPP rather than ENODATA: ACLs when the
@@ -400,7 +426,7 @@ impl Lower {
         match found {
             Some(p) if p.is_empty() => "/".to_string(),
             Some(p) => String::from_utf8_lossy(&p).into_owned(),
-            None => format!("inode {}", u64::from(id) + 1),
+            None => format!("inode {}", self.nodeid(id)),
         }
     }
 

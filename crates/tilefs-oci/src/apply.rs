@@ -89,6 +89,66 @@ impl Applier {
         Ok(())
     }
 
+    /// Makes the tree one layer's diff, as overlayfs takes it for a lower
+    /// layer of its own (podman's additional layer stores): its entries,
+    /// each whiteout a character device 0/0 and each opaque directory
+    /// marked `overlay.opaque` = `y` (`trusted.` for root's overlay mounts,
+    /// `user.` for a rootless user's). An entry of the layer itself wins
+    /// over its whiteout of the same name, which applies only below.
+    pub fn apply_diff(&mut self, blob: &str, entries: Vec<LayerEntry>) -> Result<(), OciError> {
+        let (removals, others): (Vec<_>, Vec<_>) = entries
+            .into_iter()
+            .partition(|e| matches!(e.kind, Kind::Whiteout | Kind::Opaque));
+        let (links, mut others): (Vec<_>, Vec<_>) =
+            others.into_iter().partition(|e| matches!(e.kind, Kind::Hardlink(_)));
+        others.sort_by(|a, b| a.path.cmp(&b.path));
+        for mut e in others.into_iter().chain(links) {
+            self.add(&mut e)
+                .map_err(|r| OciError::layer(blob, Some(&e.display_path()), r))?;
+        }
+        for e in &removals {
+            self.mark(e)
+                .map_err(|r| OciError::layer(blob, Some(&whiteout_name(e)), r))?;
+        }
+        Ok(())
+    }
+
+    /// A whiteout or opaque marker kept in a diff (see [`Applier::apply_diff`]).
+    fn mark(&mut self, e: &LayerEntry) -> Result<(), String> {
+        match e.kind {
+            // The root's marker hides nothing (see the module's doc).
+            Kind::Opaque if e.path.is_empty() => Ok(()),
+            Kind::Opaque => {
+                let dir = self.dir_at(&e.path)?;
+                let inode = self.tree.inode_mut(dir);
+                let mut xattrs: Vec<(Vec<u8>, Vec<u8>)> = inode
+                    .xattrs
+                    .iter()
+                    .filter(|x| !x.key.ends_with(b".overlay.opaque"))
+                    .map(|x| (x.key.clone(), x.value.clone()))
+                    .collect();
+                xattrs.push((b"trusted.overlay.opaque".to_vec(), b"y".to_vec()));
+                xattrs.push((b"user.overlay.opaque".to_vec(), b"y".to_vec()));
+                inode
+                    .set_xattrs(xattrs.iter().map(|(k, v)| (k, v)), IMAGE_XATTR_BUDGET)
+                    .map_err(tree_error)
+            }
+            _ => {
+                let (name, parent_path) = e.path.split_last().expect("a whiteout names an entry");
+                let parent = self.dir_at(parent_path)?;
+                if self.tree.inode(parent).entry(name).is_some() {
+                    return Ok(());
+                }
+                let mut w = Inode::new(tilefs_image::tree::S_IFCHR);
+                w.uid = e.meta.uid;
+                w.gid = e.meta.gid;
+                w.mtime = e.meta.mtime;
+                self.tree.add_child(parent, name, w).map_err(tree_error)?;
+                Ok(())
+            }
+        }
+    }
+
     fn remove(&mut self, e: &LayerEntry) -> Result<(), String> {
         match e.kind {
             // The root's marker: see the module's doc.
@@ -399,6 +459,49 @@ mod tests {
         let t = a.finish();
         assert_eq!(names(&t, "/d"), ["c"]);
         assert!(t.lookup_path(b"/x").is_none());
+    }
+
+    /// A diff (podman's layer store) keeps a layer's whiteouts as devices
+    /// 0/0 and marks its opaque directories, its own files winning over a
+    /// whiteout of the same name; the root's marker marks nothing.
+    #[test]
+    fn a_diff_keeps_whiteouts_and_opaque_markers() {
+        let mut a = Applier::new(true);
+        a.apply_diff(
+            "l2",
+            vec![
+                file("d/c", "3"),
+                e("d", Kind::Opaque),
+                e("gone", Kind::Whiteout),
+                e("e/deep", Kind::Whiteout),
+                e("back", Kind::Whiteout),
+                file("back", "again"),
+                e("", Kind::Opaque),
+            ],
+        )
+        .unwrap();
+        let t = a.finish();
+        assert_eq!(names(&t, "/"), ["back", "d", "e", "gone"]);
+        let at = |path: &str| t.inode(t.lookup_path(path.as_bytes()).unwrap());
+        for w in ["/gone", "/e/deep"] {
+            assert!(at(w).is_whiteout(), "{w}");
+        }
+        assert!(at("/back").is_reg());
+        let keys = |path: &str| -> Vec<(Vec<u8>, Vec<u8>)> {
+            at(path)
+                .xattrs
+                .iter()
+                .map(|x| (x.key.clone(), x.value.clone()))
+                .collect()
+        };
+        assert_eq!(
+            keys("/d"),
+            [
+                (b"trusted.overlay.opaque".to_vec(), b"y".to_vec()),
+                (b"user.overlay.opaque".to_vec(), b"y".to_vec())
+            ]
+        );
+        assert!(keys("/").is_empty() && keys("/e").is_empty());
     }
 
     /// Issue 43: the root's opaque marker hides nothing, as overlayfs

@@ -38,6 +38,7 @@ mod flights;
 pub mod layer;
 pub mod layer_cache;
 mod layer_fetch;
+pub mod layer_store;
 pub mod lazy_index;
 pub mod manifest;
 pub mod pull;

@@ -209,7 +209,19 @@ impl TocTables {
         }
         let mut record = self.record.clone();
         record.layers.truncate(layers);
-        image_of(store, record, &self.tocs[..layers], keep_all_xattrs)
+        image_of(store, record, &self.tocs[..layers], keep_all_xattrs, false)
+    }
+
+    /// The image of layer `n`'s diff alone (its whiteouts and opaque
+    /// directories kept, as [`crate::apply::Applier::apply_diff`] keeps
+    /// them), for podman's layer store; its record names that layer only.
+    pub fn diff_image(&self, store: &Store, n: usize) -> Result<TocImage, String> {
+        let (Some(layer), Some(toc)) = (self.record.layers.get(n), self.tocs.get(n)) else {
+            return Err(format!("{} has no layer {n}", self.record.source));
+        };
+        let mut record = self.record.clone();
+        record.layers = vec![layer.clone()];
+        image_of(store, record, std::slice::from_ref(toc), true, true)
     }
 
     /// "eStargz", "zstd:chunked", or both joined by `+`.
@@ -378,7 +390,14 @@ enum Got {
 
 /// The image of `record`'s tables (`tocs`, parsed): files present
 /// resolved to their objects, the others named by alias.
-fn image_of(store: &Store, record: TocRecord, tocs: &[Toc], keep_all_xattrs: bool) -> Result<TocImage, String> {
+/// (`diff`: the one layer's diff, not the layers applied.)
+fn image_of(
+    store: &Store,
+    record: TocRecord,
+    tocs: &[Toc],
+    keep_all_xattrs: bool,
+    diff: bool,
+) -> Result<TocImage, String> {
     let mut applier = Applier::new(keep_all_xattrs);
     let mut resolved: HashMap<[u8; 32], Option<[u8; 32]>> = HashMap::new();
     let mut aliased: HashSet<[u8; 32]> = HashSet::new();
@@ -398,9 +417,15 @@ fn image_of(store: &Store, record: TocRecord, tocs: &[Toc], keep_all_xattrs: boo
         if let Table::Estargz { json, header, .. } = &l.table {
             entries.push(toc_file(store, json, header).map_err(|e| format!("layer {}: {e}", l.digest))?);
         }
-        applier.apply_layer(&l.digest, entries).map_err(|e| e.to_string())?;
+        if diff {
+            applier.apply_diff(&l.digest, entries).map_err(|e| e.to_string())?;
+        } else {
+            applier.apply_layer(&l.digest, entries).map_err(|e| e.to_string())?;
+        }
     }
-    compat::normalize(applier.tree_mut());
+    if !diff {
+        compat::normalize(applier.tree_mut());
+    }
     let mut tree = applier.finish();
     // Files not here yet: named by alias, with no fs-verity digest to
     // check (their bytes are checked against the table when fetched).

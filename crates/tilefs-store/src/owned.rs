@@ -38,6 +38,9 @@ pub enum Holder {
     /// `tilefs snapshotter --root ROOT`: the images of its committed
     /// snapshots' chains, one per snapshot.
     ContainerdSnapshotter { root: PathBuf },
+    /// `tilefs layer-store`: the image of each layer podman uses, while it
+    /// uses it (`state` is the layer store's state directory).
+    LayerStore { state: PathBuf },
 }
 
 impl Holder {
@@ -48,6 +51,10 @@ impl Holder {
             Holder::ContainerdSnapshotter { root } => {
                 let d = <sha2::Sha256 as sha2::Digest>::digest(root.as_os_str().as_bytes());
                 format!("snapshotter-{}", &hex::encode(d)[..12])
+            }
+            Holder::LayerStore { state } => {
+                let d = <sha2::Sha256 as sha2::Digest>::digest(state.as_os_str().as_bytes());
+                format!("layer-store-{}", &hex::encode(d)[..12])
             }
         }
     }
@@ -61,6 +68,10 @@ impl Holder {
                     root.display().to_string().escape_debug()
                 )
             }
+            Holder::LayerStore { state } => format!(
+                "the podman layer store with state {}",
+                state.display().to_string().escape_debug()
+            ),
         }
     }
 
@@ -68,6 +79,7 @@ impl Holder {
     pub fn released_when(&self) -> &'static str {
         match self {
             Holder::ContainerdSnapshotter { .. } => "it goes when containerd removes the snapshot that uses it",
+            Holder::LayerStore { .. } => "it goes when podman removes the last of its images that uses the layer",
         }
     }
 
@@ -88,6 +100,7 @@ impl Holder {
                     Err(_) => None,
                 }
             }
+            Holder::LayerStore { state } => (!state.exists()).then(|| format!("{} does not exist", state.display())),
         }
     }
 
@@ -98,7 +111,7 @@ impl Holder {
         }
         let h: Holder = serde_json::from_slice(bytes).map_err(|e| e.to_string())?;
         match &h {
-            Holder::ContainerdSnapshotter { root } if !root.is_absolute() => {
+            Holder::ContainerdSnapshotter { root } | Holder::LayerStore { state: root } if !root.is_absolute() => {
                 Err(format!("the root {} is not absolute", root.display()))
             }
             _ => Ok(h),

@@ -1,0 +1,527 @@
+//! podman (Debian's 4.3.1) with `tilefs layer-store` as its additional
+//! layer store: private storage.conf, registries.conf, containers.conf and
+//! signature policy per test, graphroot and runroot in the test's area,
+//! docker-registry on loopback. An image with a `tilefs index` is pulled
+//! without its layer blobs (the registry's access log), runs with its
+//! files fetched on first read, and its paths answer across a restart of
+//! the layer store; a file of a tampered blob fails to read; an image
+//! without an index is pulled by podman itself; files two images share are
+//! stored once; `podman rmi` lets go of the layers and `tilefs gc` frees
+//! their files. An eStargz image is served from its tables of contents. A
+//! user the test makes runs the layer store in `podman unshare`.
+
+mod common;
+
+use common::oci::*;
+use common::registry::Registry;
+use common::*;
+use std::fs;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+
+/// podman on storage of its own (graphroot, runroot, configuration in
+/// `dir`); everything it made is reset when dropped.
+struct Podman {
+    dir: PathBuf,
+}
+
+/// podman's configuration in `dir`: storage with `layer_store` as its
+/// additional layer store (graphroot and runroot in `dir`, for root),
+/// `registry` on plain HTTP, any image accepted.
+fn configure(dir: &Path, layer_store: &Path, registry: &str) {
+    let w = |name: &str, text: String| fs::write(dir.join(name), text).unwrap();
+    w(
+        "storage.conf",
+        format!(
+            "[storage]\ndriver = \"overlay\"\ngraphroot = \"{0}/graph\"\nrunroot = \"{0}/run\"\n\
+                 [storage.options]\nadditionallayerstores = [\"{1}:ref\"]\n",
+            dir.display(),
+            layer_store.display()
+        ),
+    );
+    w(
+        "registries.conf",
+        format!("[[registry]]\nlocation = \"{registry}\"\ninsecure = true\n"),
+    );
+    w(
+        "policy.json",
+        r#"{"default": [{"type": "insecureAcceptAnything"}]}"#.to_string(),
+    );
+    // podman raises a container's open files to the kernel's ceiling by
+    // default, which a root without CAP_SYS_RESOURCE may not.
+    w(
+        "containers.conf",
+        "[containers]\ndefault_ulimits = [\"nofile=1024:1024\", \"nproc=1024:1024\"]\n\
+             [engine]\nevents_logger = \"file\"\n"
+            .to_string(),
+    );
+}
+
+impl Podman {
+    fn new(dir: &Path, layer_store: &Path, registry: &str) -> Podman {
+        configure(dir, layer_store, registry);
+        Podman { dir: dir.to_path_buf() }
+    }
+
+    fn env(&self, cmd: &mut Command) {
+        cmd.env("CONTAINERS_STORAGE_CONF", self.dir.join("storage.conf"))
+            .env("CONTAINERS_REGISTRIES_CONF", self.dir.join("registries.conf"))
+            .env("CONTAINERS_CONF", self.dir.join("containers.conf"));
+    }
+
+    fn run(&self, args: &[&str]) -> Output {
+        let mut cmd = Command::new("podman");
+        self.env(&mut cmd);
+        cmd.args(args).output().expect("podman (scripts/setup installs it)")
+    }
+
+    fn ok(&self, args: &[&str]) -> Vec<u8> {
+        let out = self.run(args);
+        assert!(out.status.success(), "podman {args:?}: {}", stderr(&out));
+        out.stdout
+    }
+
+    fn pull(&self, image: &str) -> String {
+        let policy = self.dir.join("policy.json");
+        let out = self.run(&["pull", "--signature-policy", policy.to_str().unwrap(), image]);
+        assert!(out.status.success(), "podman pull {image}: {}", stderr(&out));
+        stderr(&out)
+    }
+}
+
+impl Drop for Podman {
+    fn drop(&mut self) {
+        let _ = self.run(&["system", "reset", "--force"]);
+    }
+}
+
+/// The layer store serving `store` at `mnt` (in the background), taken
+/// down when dropped.
+fn layer_store(area: &Area, store: &Path, mnt: &Path, podman: &Podman) -> Mounted {
+    fs::create_dir_all(mnt).unwrap();
+    let out = tilefs_any(&[
+        os("layer-store"),
+        os("--mount"),
+        mnt.as_os_str(),
+        os("--store"),
+        store.as_os_str(),
+        os("--signature-policy"),
+        podman.dir.join("policy.json").as_os_str(),
+        os("--registries-conf"),
+        podman.dir.join("registries.conf").as_os_str(),
+        os("--log"),
+        area.path("layer-store.log").as_os_str(),
+    ]);
+    assert!(out.status.success(), "layer-store: {}", stderr(&out));
+    Mounted(mnt.to_path_buf())
+}
+
+/// The layer digests of `tilefs/NAME:v1`.
+fn layers_of(registry: &Registry, name: &str) -> Vec<String> {
+    let m = skopeo_raw(&format!("docker://{}/tilefs/{name}:v1", registry.addr));
+    m["layers"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|l| l["digest"].as_str().unwrap().to_string())
+        .collect()
+}
+
+/// Blob GETs of any of `digests` logged since `before` requests.
+fn gets_of(registry: &Registry, before: usize, digests: &[String]) -> Vec<String> {
+    registry.requests()[before..]
+        .iter()
+        .filter(|q| q.method == "GET" && digests.iter().any(|d| q.path.ends_with(d.as_str())))
+        .map(|q| q.path.clone())
+        .collect()
+}
+
+fn index(area: &Area, registry: &Registry, name: &str) {
+    let out = tilefs_any(&[
+        os("index"),
+        os("--tls-verify=false"),
+        os("--store"),
+        area.path("indexing").as_os_str(),
+        os(&format!("docker://{}/tilefs/{name}:v1", registry.addr)),
+    ]);
+    assert!(out.status.success(), "index {name}: {}", stderr(&out));
+}
+
+#[test]
+fn podman_pulls_indexed_images_through_the_layer_store() {
+    require(cannot_fuse());
+    require(not_root("podman's storage in a private graphroot"));
+    require(missing_program("podman", "podman"));
+    require(missing_program("umoci", "umoci"));
+    require(missing_program("skopeo", "skopeo"));
+    let area = Area::new();
+    let registry = Registry::start(&area);
+    // A base of busybox, a file of 300 KB and one the top layer removes;
+    // the top layer adds a message.
+    let base = |root: &Path| {
+        busybox_into(root, &["sh", "cat", "ls"]);
+        write_files(root, 7, &[("etc/big".into(), 300_000)]);
+        fs::write(root.join("etc/gone"), "removed above\n").unwrap();
+    };
+    let top = |root: &Path| {
+        fs::remove_file(root.join("etc/gone")).unwrap();
+        fs::write(root.join("etc/msg"), "hello from tilefs\n").unwrap();
+    };
+    let other = |root: &Path| fs::write(root.join("etc/msg"), "the other image\n").unwrap();
+    let secret = |root: &Path| write_files(root, 9, &[("data/x".into(), 2 << 20)]);
+    let cmd = ["--config.cmd", "/bin/sh"];
+    let app = push_image_with(&area, &registry, "app", &[&base, &top], &cmd);
+    let app2 = push_image_with(&area, &registry, "app2", &[&base, &other], &cmd);
+    let bad = push_image_with(&area, &registry, "bad", &[&base, &secret], &cmd);
+    let alone = |root: &Path| {
+        busybox_into(root, &["cat"]);
+        fs::write(root.join("plain"), "pulled by podman\n").unwrap();
+    };
+    let plain = push_image_with(&area, &registry, "plain", &[&alone], &["--config.cmd", "/bin/cat"]);
+    for name in ["app", "app2", "bad"] {
+        index(&area, &registry, name);
+    }
+    let expected_big = {
+        let d = area.dir("expected");
+        write_files(&d, 7, &[("big".into(), 300_000)]);
+        fs::read(d.join("big")).unwrap()
+    };
+
+    let store = area.path("store");
+    let mnt = area.path("mnt");
+    // Declared first, dropped last: after podman's reset.
+    let mut served: Option<Mounted>;
+    let podman = Podman::new(&area.dir("podman"), &mnt, &registry.addr);
+    served = Some(layer_store(&area, &store, &mnt, &podman));
+    let log = || fs::read_to_string(area.path("layer-store.log")).unwrap_or_default();
+
+    // The pull reads manifests, configuration and the index; no layer.
+    let before = registry.requests().len();
+    let said = podman.pull(&app);
+    assert!(!said.contains("Additional Layer Store"), "{said}");
+    let layers = layers_of(&registry, "app");
+    assert_eq!(gets_of(&registry, before, &layers), Vec::<String>::new(), "{}", log());
+    let run = |image: &str, args: &[&str]| {
+        let mut a = vec!["run", "--rm", "--network", "none", image];
+        a.extend_from_slice(args);
+        podman.run(&a)
+    };
+    let out = run(&app, &["cat", "/etc/msg", "/etc/big"]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let mut want = b"hello from tilefs\n".to_vec();
+    want.extend_from_slice(&expected_big);
+    assert!(out.stdout == want, "the container reads the image's bytes");
+    let out = run(&app, &["ls", "/etc/gone"]);
+    assert!(!out.status.success(), "a file the top layer removed is gone");
+    let images = String::from_utf8(podman.ok(&["images", "--format", "{{.Size}}"])).unwrap();
+    assert!(!images.trim().is_empty() && !images.contains("0 B"), "{images}");
+
+    // The same paths answer after a restart of the layer store.
+    served.take().unwrap().unmount();
+    served = Some(layer_store(&area, &store, &mnt, &podman));
+    let out = run(&app, &["cat", "/etc/msg"]);
+    assert_eq!(
+        String::from_utf8_lossy(&out.stdout),
+        "hello from tilefs\n",
+        "{}",
+        stderr(&out)
+    );
+
+    // Another image with the same base files: none fetched or stored again.
+    let objects = objects_in(&store);
+    let before = registry.requests().len();
+    podman.pull(&app2);
+    let out = run(&app2, &["cat", "/etc/msg", "/etc/big"]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    assert!(out.stdout.starts_with(b"the other image\n") && out.stdout.ends_with(&expected_big));
+    let layers2 = layers_of(&registry, "app2");
+    assert_eq!(gets_of(&registry, before, &layers2[..1]), Vec::<String>::new());
+    assert_eq!(objects_in(&store), objects, "busybox and etc/big are stored once");
+
+    // `podman save` reads the layers' blobs through the store.
+    let saved = area.path("saved.tar");
+    podman.ok(&[
+        "save",
+        "--format",
+        "docker-archive",
+        "-o",
+        saved.to_str().unwrap(),
+        &app,
+    ]);
+    let blob_sizes: u64 = skopeo_raw(&format!("docker://{app}"))["layers"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|l| l["size"].as_u64().unwrap())
+        .sum();
+    let saved_len = fs::metadata(&saved).unwrap().len();
+    assert!(
+        saved_len >= blob_sizes,
+        "{saved_len} bytes saved, {blob_sizes} of blobs"
+    );
+
+    // A tampered blob: the file whose bytes it holds does not read.
+    podman.pull(&bad);
+    let tampered = registry.tamper_largest_blob();
+    assert_eq!(tampered, layers_of(&registry, "bad")[1]);
+    let out = run(&bad, &["cat", "/data/x"]);
+    assert!(!out.status.success(), "a tampered file must not read");
+    assert!(log().contains("/data/x"), "{}", log());
+
+    // An image without an index: podman pulls its layers itself.
+    let before = registry.requests().len();
+    podman.pull(&plain);
+    let plain_layers = layers_of(&registry, "plain");
+    assert_eq!(gets_of(&registry, before, &plain_layers).len(), plain_layers.len());
+    let out = run(&plain, &["cat", "/plain"]);
+    assert_eq!(
+        String::from_utf8_lossy(&out.stdout),
+        "pulled by podman\n",
+        "{}",
+        stderr(&out)
+    );
+
+    // Removed from podman, the layers are let go and gc frees their files.
+    assert!(!held_images(&store).is_empty());
+    podman.ok(&["rmi", &app, &app2, &bad, &plain]);
+    podman.ok(&["image", "prune", "--force"]);
+    assert_eq!(held_images(&store), Vec::<PathBuf>::new());
+    let out = tilefs_any(&[os("gc"), os("--store"), store.as_os_str()]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    assert_eq!(objects_in(&store), 0, "{}", stderr(&out));
+    drop(podman);
+    drop(served);
+}
+
+/// A user made for a test (with subordinate ids, as podman's rootless mode
+/// needs), removed with its home and processes when dropped.
+struct TestUser {
+    name: String,
+    home: PathBuf,
+    runtime: PathBuf,
+}
+
+impl TestUser {
+    fn new() -> TestUser {
+        let name = format!("tfpod{}", std::process::id());
+        checked(Command::new("useradd").args(["-m", "-s", "/bin/sh"]).arg(&name));
+        let has_ids = |f: &str| {
+            fs::read_to_string(f)
+                .unwrap_or_default()
+                .lines()
+                .any(|l| l.starts_with(&format!("{name}:")))
+        };
+        if !has_ids("/etc/subuid") || !has_ids("/etc/subgid") {
+            checked(
+                Command::new("usermod")
+                    .args(["--add-subuids", "400000-465535", "--add-subgids", "400000-465535"])
+                    .arg(&name),
+            );
+        }
+        let home = PathBuf::from(format!("/home/{name}"));
+        let runtime = PathBuf::from(format!("/tmp/{name}-runtime"));
+        let u = TestUser { name, home, runtime };
+        fs::create_dir_all(&u.runtime).unwrap();
+        u.chown(&u.runtime);
+        u
+    }
+
+    fn chown(&self, path: &Path) {
+        checked(
+            Command::new("chown")
+                .arg("-R")
+                .arg(format!("{0}:{0}", self.name))
+                .arg(path),
+        );
+    }
+
+    /// `args` run as the user, in its environment.
+    fn cmd(&self, args: &[&std::ffi::OsStr]) -> Command {
+        let mut c = Command::new("runuser");
+        c.args(["-u", &self.name, "--", "env"])
+            .arg(format!("HOME={}", self.home.display()))
+            .arg(format!("XDG_RUNTIME_DIR={}", self.runtime.display()))
+            .current_dir(&self.home)
+            .args(args);
+        c
+    }
+
+    /// The ids of the user's processes.
+    fn processes(&self) -> Vec<u32> {
+        let out = Command::new("pgrep").args(["-u", &self.name]).output().unwrap();
+        String::from_utf8_lossy(&out.stdout)
+            .lines()
+            .filter_map(|l| l.trim().parse().ok())
+            .collect()
+    }
+}
+
+impl Drop for TestUser {
+    fn drop(&mut self) {
+        let mnt = self.home.join("mnt");
+        let _ = self
+            .cmd(&[os("podman"), os("unshare"), os("umount"), mnt.as_os_str()])
+            .output();
+        let _ = self
+            .cmd(&[os("podman"), os("system"), os("reset"), os("--force")])
+            .output();
+        // What is left of the user's processes (all this test's): ended by id.
+        for _ in 0..50 {
+            let left = self.processes();
+            if left.is_empty() {
+                break;
+            }
+            for pid in left {
+                let _ = Command::new("kill").arg("-KILL").arg(pid.to_string()).status();
+            }
+            std::thread::sleep(std::time::Duration::from_millis(100));
+        }
+        let _ = Command::new("userdel").arg("-r").arg(&self.name).output();
+        let _ = fs::remove_dir_all(&self.runtime);
+    }
+}
+
+#[test]
+fn a_rootless_user_runs_the_layer_store_in_podman_unshare() {
+    require(cannot_fuse());
+    require(not_root("making a user for the rootless case"));
+    require(missing_program("podman", "podman"));
+    require(missing_program("newuidmap", "uidmap"));
+    require(missing_program("umoci", "umoci"));
+    require(missing_program("skopeo", "skopeo"));
+    let area = Area::new();
+    let registry = Registry::start(&area);
+    let fill = |root: &Path| {
+        busybox_into(root, &["cat"]);
+        fs::write(root.join("msg"), "rootless and lazy\n").unwrap();
+    };
+    let app = push_image_with(&area, &registry, "app", &[&fill], &["--config.entrypoint", "/bin/cat"]);
+    index(&area, &registry, "app");
+
+    let user = TestUser::new();
+    let conf = user.home.join(".config/containers");
+    fs::create_dir_all(&conf).unwrap();
+    let mnt = user.home.join("mnt");
+    fs::create_dir_all(&mnt).unwrap();
+    // podman's own configuration of the user; the layer store reads the
+    // same registries.conf by default.
+    configure(&conf, &mnt, &registry.addr);
+    let storage = format!(
+        "[storage]\ndriver = \"overlay\"\n[storage.options]\nadditionallayerstores = [\"{}:ref\"]\n",
+        mnt.display()
+    );
+    fs::write(conf.join("storage.conf"), storage).unwrap();
+    let tilefs = user.home.join("tilefs");
+    fs::copy(tilefs_bin(), &tilefs).unwrap();
+    user.chown(&user.home);
+
+    let policy = conf.join("policy.json");
+    let out = user
+        .cmd(&[
+            os("podman"),
+            os("unshare"),
+            tilefs.as_os_str(),
+            os("layer-store"),
+            os("--mount"),
+            mnt.as_os_str(),
+            os("--store"),
+            user.home.join("store").as_os_str(),
+            os("--signature-policy"),
+            policy.as_os_str(),
+        ])
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "layer-store in podman unshare: {}", stderr(&out));
+
+    let before = registry.requests().len();
+    let out = user
+        .cmd(&[
+            os("podman"),
+            os("pull"),
+            os("--signature-policy"),
+            policy.as_os_str(),
+            os(&app),
+        ])
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "rootless pull: {}", stderr(&out));
+    let layers = layers_of(&registry, "app");
+    let log = user.home.join(".local/state/tilefs/layer-store.log");
+    let said = || fs::read_to_string(&log).unwrap_or_else(|e| format!("{}: {e}", log.display()));
+    assert_eq!(gets_of(&registry, before, &layers), Vec::<String>::new(), "{}", said());
+    let out = user
+        .cmd(&[
+            os("podman"),
+            os("run"),
+            os("--rm"),
+            os("--network"),
+            os("none"),
+            os(&app),
+            os("/msg"),
+        ])
+        .output()
+        .unwrap();
+    assert_eq!(
+        String::from_utf8_lossy(&out.stdout),
+        "rootless and lazy\n",
+        "{}",
+        stderr(&out)
+    );
+    // Its messages went where the user may write (there is no system log
+    // here, or they went there).
+    assert!(log.exists() || Path::new("/dev/log").exists(), "{}", said());
+}
+
+#[test]
+fn an_estargz_image_is_served_from_its_table_of_contents() {
+    require(cannot_fuse());
+    require(not_root("podman's storage in a private graphroot"));
+    require(missing_program("podman", "podman"));
+    let Some(generator) = common::seekable::generator() else {
+        return;
+    };
+    let area = Area::new();
+    let registry = Registry::start(&area);
+    let base = |root: &Path| {
+        busybox_into(root, &["cat"]);
+        write_files(root, 5, &[("data/big".into(), 3 << 20)]);
+    };
+    let top = |root: &Path| fs::write(root.join("msg"), "from a table of contents\n").unwrap();
+    let app = common::seekable::push_seekable(&generator, &area, &registry, "sgz", "estargz", &[&base, &top], false);
+    let store = area.path("store");
+    let mnt = area.path("mnt");
+    // Declared first, dropped last: after podman's reset.
+    let served: Option<Mounted>;
+    let podman = Podman::new(&area.dir("podman"), &mnt, &registry.addr);
+    served = Some(layer_store(&area, &store, &mnt, &podman));
+    let log = || fs::read_to_string(area.path("layer-store.log")).unwrap_or_default();
+    let before = registry.requests().len();
+    podman.pull(&app);
+    // Only the tables of contents are read (a range at each layer's end).
+    let layers = layers_of(&registry, "sgz");
+    let sizes: u64 = skopeo_raw(&format!("docker://{app}"))["layers"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|l| l["size"].as_u64().unwrap())
+        .sum();
+    let fetched = blob_bytes_since(&registry, before);
+    assert!(
+        fetched * 10 < sizes,
+        "{fetched} bytes of {sizes} fetched by the pull; {}",
+        log()
+    );
+    assert!(!gets_of(&registry, before, &layers).is_empty(), "its tables were read");
+    let out = podman.run(&["run", "--rm", "--network", "none", &app, "cat", "/msg"]);
+    assert_eq!(
+        String::from_utf8_lossy(&out.stdout),
+        "from a table of contents\n",
+        "{} {}",
+        stderr(&out),
+        log()
+    );
+    let fetched = blob_bytes_since(&registry, before);
+    assert!(fetched * 2 < sizes, "cat of one file fetched {fetched} of {sizes}");
+    drop(podman);
+    drop(served);
+}
