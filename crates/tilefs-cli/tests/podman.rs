@@ -12,10 +12,12 @@
 
 mod common;
 
+use base64::Engine;
 use common::oci::*;
 use common::registry::Registry;
 use common::*;
 use std::fs;
+use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 
@@ -226,6 +228,28 @@ fn podman_pulls_indexed_images_through_the_layer_store() {
         "{}",
         stderr(&out)
     );
+
+    // Another local user reaches the mount (it is allow_other) but cannot
+    // make root's store resolve a reference: no registry request, ENOENT.
+    let traversable = fs::metadata(area.tmp.path()).unwrap().permissions();
+    fs::set_permissions(area.tmp.path(), fs::Permissions::from_mode(0o711)).unwrap();
+    let encoded = base64::engine::general_purpose::STANDARD.encode(&app2);
+    let probe = mnt.join(&encoded).join(&layers_of(&registry, "app2")[1]).join("info");
+    let before = registry.requests().len();
+    let out = Command::new("runuser")
+        .args(["-u", "nobody", "--", "stat"])
+        .arg(&probe)
+        .output()
+        .unwrap();
+    fs::set_permissions(area.tmp.path(), traversable).unwrap();
+    assert!(!out.status.success(), "another user made the store resolve {app2}");
+    assert!(stderr(&out).contains("No such file"), "{}", stderr(&out));
+    assert_eq!(
+        registry.requests().len(),
+        before,
+        "another user's lookup reached the registry"
+    );
+    assert!(probe.exists(), "the same path resolves for the store's owner");
 
     // Another image with the same base files: none fetched or stored again.
     let objects = objects_in(&store);

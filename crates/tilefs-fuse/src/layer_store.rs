@@ -268,15 +268,23 @@ impl LayerStoreFs {
         match found {
             Ok(Some(k)) => Some(k),
             Ok(None) => {
-                self.refused.lock().unwrap().insert(key, Instant::now());
+                self.refuse(key);
                 None
             }
             Err(e) => {
                 self.log.log(&format!("{reference} layer {digest}: {e}"));
-                self.refused.lock().unwrap().insert(key, Instant::now());
+                self.refuse(key);
                 None
             }
         }
+    }
+
+    /// Remembers a refusal for [NEGATIVE_FOR]; those past it are dropped
+    /// so the map holds only what is still remembered.
+    fn refuse(&self, key: Key) {
+        let mut refused = self.refused.lock().unwrap();
+        refused.retain(|_, t| t.elapsed() < NEGATIVE_FOR);
+        refused.insert(key, Instant::now());
     }
 
     /// Starts serving a layer: its image read and checked.
@@ -304,9 +312,20 @@ impl LayerStoreFs {
         Ok(k)
     }
 
-    fn lookup(&self, parent: &Node, name: &str, reply: Reply<'_>) {
+    /// Whether `req` comes from the store's owner (containers/storage runs
+    /// as it). Only the owner may make the store resolve references or
+    /// take notices: with `allow_other` any local user can look names up,
+    /// and must not make root's store reach registries or grow its tables.
+    fn from_owner(&self, req: &Request) -> bool {
+        req.uid == self.owner.0
+    }
+
+    fn lookup(&self, req: &Request, parent: &Node, name: &str, reply: Reply<'_>) {
         match parent {
             Node::Root | Node::Encoded(_) => {
+                if !self.from_owner(req) {
+                    return reply.error(libc::ENOENT);
+                }
                 let prefix = match parent {
                     Node::Encoded(p) => p.as_str(),
                     _ => "",
@@ -450,7 +469,7 @@ impl Filesystem for LayerStoreFs {
         };
         let name_of = |s: &std::ffi::OsStr| s.to_str().unwrap_or("").to_string();
         match op {
-            Op::Lookup { name } => self.lookup(&n, &name_of(name), reply),
+            Op::Lookup { name } => self.lookup(req, &n, &name_of(name), reply),
             Op::Getattr { .. } => reply.attr(SHORT, &self.attr(ino, &n)),
             Op::Opendir { .. } if self.tuning.no_opendir => reply.error(libc::ENOSYS),
             Op::Open { .. } if self.tuning.no_open && self.tuning.keep_cache => reply.error(libc::ENOSYS),
@@ -466,6 +485,9 @@ impl Filesystem for LayerStoreFs {
             Op::Read(a) => self.read(&n, a.offset, a.size, reply),
             // containers/storage's notices: heard, and answered ENOENT as
             // it expects of a store that takes them.
+            Op::Create { .. } | Op::Mknod { .. } | Op::Unlink { .. } | Op::Rmdir { .. } if !self.from_owner(req) => {
+                reply.error(libc::EACCES)
+            }
             Op::Create { name, .. } | Op::Mknod { name, .. } if name_of(name) == "use" => {
                 if let Some(l) = self.layer_of(&n).filter(|_| matches!(n, Node::Layer(_))) {
                     if let Err(e) = self.source.used(&l.reference, &l.digest) {
