@@ -316,14 +316,14 @@ impl LayerStoreFs {
     /// as it). Only the owner may make the store resolve references or
     /// take notices: with `allow_other` any local user can look names up,
     /// and must not make root's store reach registries or grow its tables.
-    fn from_owner(&self, req: &Request) -> bool {
+    fn is_owner(&self, req: &Request) -> bool {
         req.uid == self.owner.0
     }
 
     fn lookup(&self, req: &Request, parent: &Node, name: &str, reply: Reply<'_>) {
         match parent {
             Node::Root | Node::Encoded(_) => {
-                if !self.from_owner(req) {
+                if !self.is_owner(req) {
                     return reply.error(libc::ENOENT);
                 }
                 let prefix = match parent {
@@ -485,7 +485,7 @@ impl Filesystem for LayerStoreFs {
             Op::Read(a) => self.read(&n, a.offset, a.size, reply),
             // containers/storage's notices: heard, and answered ENOENT as
             // it expects of a store that takes them.
-            Op::Create { .. } | Op::Mknod { .. } | Op::Unlink { .. } | Op::Rmdir { .. } if !self.from_owner(req) => {
+            Op::Create { .. } | Op::Mknod { .. } | Op::Unlink { .. } | Op::Rmdir { .. } if !self.is_owner(req) => {
                 reply.error(libc::EACCES)
             }
             Op::Create { name, .. } | Op::Mknod { name, .. } if name_of(name) == "use" => {
