@@ -9,6 +9,7 @@ mod fuse_serve;
 mod index_cmd;
 mod inspect;
 mod keys_cmd;
+mod lazy_serve;
 mod mount_cmd;
 mod mount_helper;
 mod mountd_cmd;

@@ -227,8 +227,17 @@ pub fn run(mut req: Request, serving: &Serving) -> Result<()> {
             eprintln!("{}: notice: {n}", prog());
         }
     }
-    if let Presented::Fuse { mounted, config, .. } = presented {
-        crate::fuse_serve::serve(mounted, config, serving.foreground, log_file.as_deref())?;
+    match presented {
+        Presented::Fuse { mounted, config, .. } => {
+            crate::fuse_serve::serve(mounted, config, serving.foreground, log_file.as_deref())?
+        }
+        Presented::KernelLazy {
+            armed,
+            mountpoint,
+            mount_id,
+            ..
+        } => crate::lazy_serve::serve(armed, &mountpoint, mount_id, serving.foreground, log_file.as_deref())?,
+        Presented::Kernel { .. } => {}
     }
     Ok(())
 }

@@ -150,6 +150,18 @@ pub fn settle(store: &Store, digest: &[u8; 32], filled: &OwnedFd) -> Result<(), 
     Ok(())
 }
 
+/// Opens the placeholder of `digest` for filling, through its index link
+/// (the caller checks it is the inode it means).
+pub fn open_for_fill(store: &Store, digest: &[u8; 32]) -> io::Result<OwnedFd> {
+    let index = store.open_existing_subdir(PLACEHOLDER_DIR)?;
+    Ok(rfs::openat(
+        &index,
+        hex::encode(digest),
+        OFlags::RDWR | OFlags::NOFOLLOW | OFlags::CLOEXEC,
+        Mode::empty(),
+    )?)
+}
+
 /// Copies `object` (present and checked) into the placeholder `target`
 /// (a descriptor of its inode open for writing) and makes it durable; it
 /// stays a placeholder until [`seal`]. The caller has made sure no reader

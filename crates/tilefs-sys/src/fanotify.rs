@@ -19,6 +19,7 @@ const UNLIMITED_QUEUE: u32 = 0x10;
 const UNLIMITED_MARKS: u32 = 0x20;
 const MARK_ADD: u32 = 0x01;
 const MARK_REMOVE: u32 = 0x02;
+const MARK_DONT_FOLLOW: u32 = 0x04;
 const MARK_FILESYSTEM: u32 = 0x100;
 const ALLOW: u32 = 0x01;
 const DENY: u32 = 0x02;
@@ -99,6 +100,27 @@ impl Group {
     /// Asks this group before `file`'s inode is opened or read (`mask`).
     pub fn mark_inode(&self, file: BorrowedFd<'_>, mask: u64) -> io::Result<()> {
         self.mark(MARK_ADD, mask, file)
+    }
+
+    /// Asks this group before the inode at `path` under `dir` (not
+    /// following a final symlink) is opened or read: marked without being
+    /// opened, so marking raises no event in another group.
+    pub fn mark_at(&self, dir: BorrowedFd<'_>, path: &std::ffi::CStr, mask: u64) -> io::Result<()> {
+        // SAFETY: `path` is a NUL-terminated string alive for the call;
+        // both descriptors are valid for it.
+        let r = unsafe {
+            libc::fanotify_mark(
+                self.0.as_raw_fd(),
+                MARK_ADD | MARK_DONT_FOLLOW,
+                mask,
+                dir.as_raw_fd(),
+                path.as_ptr(),
+            )
+        };
+        if r < 0 {
+            return Err(io::Error::last_os_error());
+        }
+        Ok(())
     }
 
     /// Stops asking about `file`'s inode.
