@@ -29,7 +29,10 @@ pub fn serve(armed: Armed, mountpoint: &Path, mount_id: u64, foreground: bool, l
         Err(e) => {
             // Nothing may read the mount unserved: it goes.
             let _ = tilefs_mount::umount(mountpoint, true);
-            bail!("{}: cannot start the filler of the lazy mount: {e}", mountpoint.display())
+            bail!(
+                "{}: cannot start the filler of the lazy mount: {e}",
+                mountpoint.display()
+            )
         }
     }
 }
@@ -53,7 +56,10 @@ fn hold(armed: &Armed, mountpoint: &Path, mount_id: u64, log: Log) {
     while mounted() {
         let pid = match fork() {
             Ok(Forked::Child) => {
-                let code = match kernel_lazy::limit_fds().map_err(|e| e.to_string()).and_then(|()| armed.fill(&mounted, log.clone())) {
+                let code = match kernel_lazy::limit_fds()
+                    .map_err(|e| e.to_string())
+                    .and_then(|()| armed.fill(&mounted, log.clone()))
+                {
                     Ok(()) => 0,
                     Err(e) => {
                         log(&format!("{}: the filler stopped: {e}", mountpoint.display()));

@@ -17,7 +17,9 @@ use std::time::{Duration, Instant};
 
 /// The machine lacks what a kernel lazy mount needs: why.
 fn cannot_fill() -> Option<String> {
-    not_root("fanotify pre-content events").or_else(|| cannot_mount("erofs")).or_else(|| cannot_mount("overlay"))
+    not_root("fanotify pre-content events")
+        .or_else(|| cannot_mount("erofs"))
+        .or_else(|| cannot_mount("overlay"))
 }
 
 /// A source tree (40 files of 256 KiB, a 5 MiB one, an executable) built,
@@ -62,7 +64,13 @@ fn image() -> Image {
 /// logging to `log`): the mount and what the command said.
 fn mount(store: &Path, tag: &str, mnt: &Path, log: &Path, extra: &[&str]) -> (Mounted, String) {
     fs::create_dir_all(mnt).unwrap();
-    let mut args = vec![os("mount"), os("--store"), store.as_os_str(), os("--log"), log.as_os_str()];
+    let mut args = vec![
+        os("mount"),
+        os("--store"),
+        store.as_os_str(),
+        os("--log"),
+        log.as_os_str(),
+    ];
     args.extend(extra.iter().map(|a| os(a)));
     args.extend([os(tag), mnt.as_os_str()]);
     let out = tilefs_any(&args);
@@ -98,7 +106,10 @@ fn servers_of(store: &Path) -> Vec<(u32, u32)> {
             continue;
         }
         let stat = fs::read_to_string(e.path().join("stat")).unwrap_or_default();
-        let ppid = stat.rsplit(')').next().and_then(|r| r.split_whitespace().nth(1)?.parse().ok());
+        let ppid = stat
+            .rsplit(')')
+            .next()
+            .and_then(|r| r.split_whitespace().nth(1)?.parse().ok());
         if let Some(ppid) = ppid {
             out.push((pid, ppid));
         }
@@ -177,7 +188,9 @@ fn a_lazy_image_is_a_kernel_mount_whose_objects_arrive_on_first_read() {
     assert!(st.success());
 
     // Another user reads.
-    let out = as_nobody(Command::new("cat").arg(mnt.join("d1/f001"))).output().unwrap();
+    let out = as_nobody(Command::new("cat").arg(mnt.join("d1/f001")))
+        .output()
+        .unwrap();
     assert!(out.status.success(), "{}", stderr(&out));
     assert_eq!(out.stdout, fs::read(src.join("d1/f001")).unwrap());
 
@@ -195,10 +208,14 @@ fn a_lazy_image_is_a_kernel_mount_whose_objects_arrive_on_first_read() {
     // The whole tree, byte for byte.
     assert_same_contents(src, &mnt, &scan(src));
     let f = fsck_json(lazy);
-    assert_eq!((f["placeholders"].clone(), f["clean"].clone()), (0.into(), true.into()), "{f}");
+    assert_eq!(
+        (f["placeholders"].clone(), f["clean"].clone()),
+        (0.into(), true.into()),
+        "{f}"
+    );
 
     // umount ends the holder and the filler.
-    assert_eq!(servers_of(lazy).len(), 2, "a holder and a filler");
+    wait_until("a holder and a filler run", || servers_of(lazy).len() == 2);
     drop(m);
     wait_until("the filler is gone", || servers_of(lazy).is_empty());
     assert!(fs::read_dir(lazy.join(".placeholders")).unwrap().next().is_none());
@@ -249,7 +266,10 @@ fn fsck_and_gc_know_placeholders() {
     let (area, lazy, src) = (&img.area, &img.lazy, &img.src);
     let mnt = area.path("mnt");
     let (m, _) = mount(lazy, &img.tag, &mnt, &area.path("filler.log"), &[]);
-    assert_eq!(fs::read(mnt.join("d0/f000")).unwrap(), fs::read(src.join("d0/f000")).unwrap());
+    assert_eq!(
+        fs::read(mnt.join("d0/f000")).unwrap(),
+        fs::read(src.join("d0/f000")).unwrap()
+    );
     drop(m);
     let text = fsck_text(lazy);
     assert!(text.contains("41 placeholders") && text.contains("clean"), "{text}");
@@ -258,7 +278,11 @@ fn fsck_and_gc_know_placeholders() {
     tilefs(&[os("untag"), os("--store"), lazy.as_os_str(), os(&img.tag)]);
     let out = tilefs(&[os("gc"), os("--json"), os("--store"), lazy.as_os_str()]);
     let r: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
-    assert_eq!((r["placeholders_removed"].clone(), r["objects_removed"].clone()), (41.into(), 1.into()), "{r}");
+    assert_eq!(
+        (r["placeholders_removed"].clone(), r["objects_removed"].clone()),
+        (41.into(), 1.into()),
+        "{r}"
+    );
     assert_eq!(objects_in(lazy), 0);
     assert!(fs::read_dir(lazy.join(".placeholders")).unwrap().next().is_none());
     // Pulled whole again into a store with placeholders: they are replaced.
@@ -267,7 +291,11 @@ fn fsck_and_gc_know_placeholders() {
     drop(m);
     pull(lazy, &img.remote, &[]);
     let f = fsck_json(lazy);
-    assert_eq!((f["placeholders"].clone(), f["clean"].clone()), (0.into(), true.into()), "{f}");
+    assert_eq!(
+        (f["placeholders"].clone(), f["clean"].clone()),
+        (0.into(), true.into()),
+        "{f}"
+    );
     assert_eq!(f["objects"], 42, "{f}");
 }
 
@@ -277,7 +305,11 @@ fn a_store_on_tmpfs_falls_back_to_fuse_saying_why() {
     let img = image();
     let area = &img.area;
     let on_tmpfs = area.dir("tmpfs");
-    let st = Command::new("mount").args(["-t", "tmpfs", "tmpfs"]).arg(&on_tmpfs).status().unwrap();
+    let st = Command::new("mount")
+        .args(["-t", "tmpfs", "tmpfs"])
+        .arg(&on_tmpfs)
+        .status()
+        .unwrap();
     assert!(st.success());
     let _tmpfs = Mounted(on_tmpfs.clone());
     let store = on_tmpfs.join("store");
@@ -286,7 +318,10 @@ fn a_store_on_tmpfs_falls_back_to_fuse_saying_why() {
     let (m, said) = mount(&store, &img.tag, &mnt, &area.path("fuse.log"), &[]);
     assert!(said.contains("FUSE") && said.contains("pre-content"), "{said}");
     assert_eq!(fstype(&mnt), "fuse.tilefs");
-    assert_eq!(fs::read(mnt.join("d0/f000")).unwrap(), fs::read(img.src.join("d0/f000")).unwrap());
+    assert_eq!(
+        fs::read(mnt.join("d0/f000")).unwrap(),
+        fs::read(img.src.join("d0/f000")).unwrap()
+    );
     drop(m);
     // --kernel is refused, saying why.
     let out = tilefs_any(&[
@@ -326,8 +361,13 @@ fn kill_9_of_the_filler_fails_closed_and_another_takes_over() {
     let mnt = area.path("mnt");
     let log = area.path("filler.log");
     let (_m, _) = mount(&lazy, &tag, &mnt, &log, &[]);
+    wait_until("the filler runs", || servers_of(&lazy).len() == 2);
     let servers = servers_of(&lazy);
-    let holder = servers.iter().find(|(_, ppid)| !servers.iter().any(|(p, _)| p == ppid)).unwrap().0;
+    let holder = servers
+        .iter()
+        .find(|(_, ppid)| !servers.iter().any(|(p, _)| p == ppid))
+        .unwrap()
+        .0;
     let filler = servers.iter().find(|(_, ppid)| *ppid == holder).unwrap().0;
 
     let files: Vec<PathBuf> = (0..24).map(|i| PathBuf::from(format!("d{}/f{i:03}", i % 5))).collect();
@@ -371,7 +411,9 @@ fn kill_9_of_the_filler_fails_closed_and_another_takes_over() {
     assert!(eio > 0, "the kill came after every read ({right} read)");
     // Another filler took over: everything reads now.
     wait_until("a new filler runs", || {
-        servers_of(&lazy).iter().any(|(p, ppid)| *ppid == holder && *p != filler)
+        servers_of(&lazy)
+            .iter()
+            .any(|(p, ppid)| *ppid == holder && *p != filler)
     });
     assert_same_contents(&src, &mnt, &scan(&src));
     let said = fs::read_to_string(&log).unwrap();

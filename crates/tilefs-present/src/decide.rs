@@ -92,7 +92,9 @@ pub fn decide(backend: Option<Backend>, verity: Verity, m: &Machine) -> Result<D
     };
     Ok(match (backend, m.lazy) {
         (Some(Backend::Delegated), Some(_)) => {
-            return Err(lazy_refused("the mount service does not mount lazily pulled images".into()))
+            return Err(lazy_refused(
+                "the mount service does not mount lazily pulled images".into(),
+            ))
         }
         (Some(Backend::Kernel), Some(_)) => match no_lazy_kernel {
             None => decision(Plan::KernelLazy, Vec::new(), None),
@@ -103,11 +105,7 @@ pub fn decide(backend: Option<Backend>, verity: Verity, m: &Machine) -> Result<D
         (Some(Backend::Fuse), _) => decision(Plan::Fuse, Vec::new(), None),
         (None, Some((absent, total))) => match no_lazy_kernel {
             None => decision(Plan::KernelLazy, Vec::new(), None),
-            Some(why) => decision(
-                Plan::Fuse,
-                vec![Notice::FuseFetches { absent, total, why }],
-                None,
-            ),
+            Some(why) => decision(Plan::Fuse, vec![Notice::FuseFetches { absent, total, why }], None),
         },
         (None, None) => match &m.kernel {
             KernelAccess::NotPermitted(why) => decision(

@@ -79,9 +79,9 @@ pub enum Presented {
 impl Presented {
     pub fn notices(&self) -> &[Notice] {
         match self {
-            Presented::Kernel { notices }
-            | Presented::Fuse { notices, .. }
-            | Presented::KernelLazy { notices, .. } => notices,
+            Presented::Kernel { notices } | Presented::Fuse { notices, .. } | Presented::KernelLazy { notices, .. } => {
+                notices
+            }
         }
     }
 }
@@ -361,13 +361,17 @@ fn kernel(
 /// objects on first access (None: it can).
 fn lazy_kernel_why_not(req: &Request, store: &Path, image: &Path) -> Result<Option<String>, Error> {
     if req.options.upper.is_some() {
-        return Ok(Some("a writable mount of a lazily pulled image is served by FUSE".into()));
+        return Ok(Some(
+            "a writable mount of a lazily pulled image is served by FUSE".into(),
+        ));
     }
     if req.stores.len() > 1 {
         return Ok(Some("a lazily pulled image is served from one store".into()));
     }
     if !rustix::process::geteuid().is_root() {
-        return Ok(Some("filling objects on first read (fanotify pre-content events) needs root".into()));
+        return Ok(Some(
+            "filling objects on first read (fanotify pre-content events) needs root".into(),
+        ));
     }
     let Some(bytes) = read_image(image)? else {
         return Ok(Some(format!("{}: not a regular file", image.display())));
@@ -389,9 +393,10 @@ fn kernel_lazy_mount(
     verity: Verity,
     notices: &mut Vec<Notice>,
 ) -> Result<Presented, Error> {
-    let bytes = read_image(image)?.ok_or_else(|| Error::Unsupported(format!("{}: not a regular file", image.display())))?;
-    let (tree, _) = tilefs_image::erofs::read_image(&bytes)
-        .map_err(|e| Error::Unsupported(format!("{}: {e}", image.display())))?;
+    let bytes =
+        read_image(image)?.ok_or_else(|| Error::Unsupported(format!("{}: not a regular file", image.display())))?;
+    let (tree, _) =
+        tilefs_image::erofs::read_image(&bytes).map_err(|e| Error::Unsupported(format!("{}: {e}", image.display())))?;
     let armed = kernel_lazy::Armed::arm(store, digest, &tree)
         .map_err(|e| Error::Unsupported(format!("{}: {e}", image.display())))?;
     kernel(req, store, image, verity, true, notices)?;

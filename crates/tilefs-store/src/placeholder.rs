@@ -103,7 +103,8 @@ fn listed(store: &Store) -> Vec<[u8; 32]> {
 
 /// Whether the object path of `digest` holds a placeholder.
 pub fn is_at(store: &Store, digest: &[u8; 32]) -> bool {
-    rfs::statat(store.dir_fd(), Store::object_rel(digest), AtFlags::SYMLINK_NOFOLLOW).is_ok_and(|st| is_placeholder(&st))
+    rfs::statat(store.dir_fd(), Store::object_rel(digest), AtFlags::SYMLINK_NOFOLLOW)
+        .is_ok_and(|st| is_placeholder(&st))
 }
 
 /// Drops the index entries whose object path holds no placeholder now
@@ -171,13 +172,7 @@ pub fn copy_into(target: &OwnedFd, object: &std::fs::File) -> io::Result<u64> {
     let (mut src_off, mut dst_off) = (0u64, 0u64);
     while dst_off < size {
         let want = (size - dst_off).min(1 << 30) as usize;
-        let n = rfs::copy_file_range(
-            object.as_fd(),
-            Some(&mut src_off),
-            target,
-            Some(&mut dst_off),
-            want,
-        )?;
+        let n = rfs::copy_file_range(object.as_fd(), Some(&mut src_off), target, Some(&mut dst_off), want)?;
         if n == 0 {
             return Err(io::Error::new(
                 io::ErrorKind::UnexpectedEof,
@@ -190,12 +185,12 @@ pub fn copy_into(target: &OwnedFd, object: &std::fs::File) -> io::Result<u64> {
     Ok(size)
 }
 
-/// Makes a filled placeholder an ordinary object (mode 0644), durably:
-/// the marker goes only once its bytes are on disk, so a fill cut short
-/// leaves a placeholder, never an object with holes.
+/// Makes a filled placeholder an ordinary object (mode 0644). The marker
+/// goes only once its bytes are on disk ([`copy_into`] synced them), so a
+/// fill cut short leaves a placeholder, never an object with holes; a
+/// mode change lost in a crash leaves one too (filled again, harmlessly).
 pub fn seal(target: &OwnedFd) -> io::Result<()> {
-    rfs::fchmod(target, Mode::from_raw_mode(0o644))?;
-    Ok(rfs::fsync(target)?)
+    Ok(rfs::fchmod(target, Mode::from_raw_mode(0o644))?)
 }
 
 #[cfg(test)]

@@ -82,15 +82,7 @@ impl Group {
     fn mark(&self, flags: u32, mask: u64, file: BorrowedFd<'_>) -> io::Result<()> {
         // SAFETY: a null path makes the kernel mark the object `file`
         // refers to; both descriptors are valid for the call.
-        let r = unsafe {
-            libc::fanotify_mark(
-                self.0.as_raw_fd(),
-                flags,
-                mask,
-                file.as_raw_fd(),
-                std::ptr::null(),
-            )
-        };
+        let r = unsafe { libc::fanotify_mark(self.0.as_raw_fd(), flags, mask, file.as_raw_fd(), std::ptr::null()) };
         if r < 0 {
             return Err(io::Error::last_os_error());
         }
