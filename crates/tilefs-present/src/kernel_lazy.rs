@@ -47,10 +47,47 @@ fn objects(tree: &Tree) -> Result<HashMap<[u8; 32], u64>, String> {
     Ok(out)
 }
 
+/// One filler per store: two groups marking one placeholder would each
+/// take the other's writes for a reader's and wait for each other. Held
+/// (an exclusive `flock`, shared by the holder and its fillers, which
+/// inherit it) for as long as a kernel lazy mount of the store lives.
+const FILLING: &str = ".filling";
+
+fn filling_lock(store: &Store) -> Result<OwnedFd, String> {
+    let dir = store
+        .open_subdir(placeholder::PLACEHOLDER_DIR)
+        .map_err(|e| e.to_string())?;
+    let fd = rfs::openat(
+        &dir,
+        FILLING,
+        rfs::OFlags::RDWR | rfs::OFlags::CREATE | rfs::OFlags::NOFOLLOW | rfs::OFlags::CLOEXEC,
+        rfs::Mode::from_raw_mode(0o600),
+    )
+    .map_err(|e| {
+        format!(
+            "{}: {e}",
+            store.join(placeholder::PLACEHOLDER_DIR).join(FILLING).display()
+        )
+    })?;
+    match rfs::flock(&fd, rfs::FlockOperation::NonBlockingLockExclusive) {
+        Ok(()) => Ok(fd),
+        Err(rustix::io::Errno::WOULDBLOCK) => {
+            Err("another kernel mount of a lazily pulled image from this store is being filled (one per store)".into())
+        }
+        Err(e) => Err(format!("cannot lock {FILLING}: {e}")),
+    }
+}
+
 /// Why `tree`, a lazily pulled image, cannot be mounted by the kernel
 /// from the store at `store` (None: it can).
 pub fn why_not(store: &Path, tree: &Tree) -> Option<String> {
     if let Err(why) = objects(tree) {
+        return Some(why);
+    }
+    if let Err(why) = Store::open(store)
+        .map_err(|e| e.to_string())
+        .and_then(|s| filling_lock(&s))
+    {
         return Some(why);
     }
     let probe = fanotify::supports_pre_content(store).err()?;
@@ -69,6 +106,8 @@ pub fn why_not(store: &Path, tree: &Tree) -> Option<String> {
 /// from here on (even before a filler reads them).
 pub struct Armed {
     group: Group,
+    /// See [`FILLING`].
+    _filling: OwnedFd,
     store: PathBuf,
     image: [u8; 32],
     /// Each marked placeholder's (device, inode): its object and size.
@@ -79,6 +118,7 @@ impl Armed {
     /// Makes a placeholder of every object of `tree` the store lacks and
     /// marks it, before any mount of the image exists.
     pub fn arm(store: &Store, image: [u8; 32], tree: &Tree) -> Result<Armed, String> {
+        let filling = filling_lock(store)?;
         let group = Group::new().map_err(|e| format!("cannot make a fanotify group: {e}"))?;
         let mut marked = HashMap::new();
         for (d, size) in objects(tree)? {
@@ -103,6 +143,7 @@ impl Armed {
         }
         Ok(Armed {
             group,
+            _filling: filling,
             store: store.path().to_path_buf(),
             image,
             marked,
@@ -132,7 +173,11 @@ impl Armed {
     /// Fills placeholders as they are first opened or read, until
     /// `mounted` says the mount is gone. `log` gets a line per failure.
     pub fn fill(&self, mounted: &dyn Fn() -> bool, log: Arc<dyn Fn(&str) + Send + Sync>) -> Result<(), String> {
-        let source = tilefs_oci::toc_lazy::open_source(&self.store, &self.image).map_err(|e| e.to_string())?;
+        // Without a source, every fill fails (EIO) saying why.
+        let source = tilefs_oci::toc_lazy::open_source(&self.store, &self.image).unwrap_or_else(|e| {
+            log(&format!("{}: {e}: objects cannot be fetched", self.store.display()));
+            None
+        });
         let store = Store::open(&self.store).map_err(|e| e.to_string())?;
         let me = rustix::process::getpid().as_raw_nonzero().get();
         let waiting: Mutex<HashMap<(u64, u64), Vec<Event>>> = Mutex::new(HashMap::new());
