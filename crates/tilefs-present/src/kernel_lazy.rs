@@ -8,8 +8,11 @@
 //!
 //! Fails closed: the group outlives the filler (the process that forks
 //! fillers holds it too), so a dead filler's unanswered events are denied
-//! with EIO (`deny_orphans`), queued ones wait for the next filler, and no
-//! read of a placeholder is ever let through unfilled.
+//! with EIO (`deny_orphans`) and queued ones wait for the next filler: no
+//! read of a placeholder is let through unfilled while that holder lives.
+//! (The kernel lets reads through once every descriptor of the group is
+//! closed: the holder and the filler both killed, or the mount gone with
+//! files still open in it.)
 
 use rustix::fd::{AsFd, BorrowedFd, OwnedFd};
 use rustix::fs::{self as rfs, AtFlags};
@@ -84,6 +87,7 @@ pub fn why_not(store: &Path, tree: &Tree) -> Option<String> {
     if let Err(why) = objects(tree) {
         return Some(why);
     }
+    // Taken to see that no other filler holds it, and let go.
     if let Err(why) = Store::open(store)
         .map_err(|e| e.to_string())
         .and_then(|s| filling_lock(&s))
@@ -158,11 +162,6 @@ impl Armed {
         if let Ok(store) = Store::open(&self.store) {
             placeholder::sweep(&store, false);
         }
-    }
-
-    /// Placeholders marked.
-    pub fn placeholders(&self) -> usize {
-        self.marked.len()
     }
 
     /// The group (the holder keeps it open while fillers come and go).
