@@ -57,7 +57,7 @@ pub fn serve(mounted: Mounted, config: ServeConfig, foreground: bool, log_file: 
 
 /// A new session, no terminal, stdio on /dev/null (stderr on `log_file`),
 /// none of the caller's other descriptors.
-fn detach_from_terminal(log_file: Option<&Path>) {
+pub(crate) fn detach_from_terminal(log_file: Option<&Path>) {
     tilefs_sys::process::close_inherited_fds();
     let _ = rustix::process::setsid();
     let _ = rustix::process::chdir("/");

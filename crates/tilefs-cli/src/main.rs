@@ -10,6 +10,7 @@ mod index_cmd;
 mod inspect;
 mod keys_cmd;
 mod layer_store_cmd;
+mod lazy_serve;
 mod mount_cmd;
 mod mount_helper;
 mod mountd_cmd;

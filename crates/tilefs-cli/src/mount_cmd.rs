@@ -47,10 +47,11 @@ pub struct MountArgs {
     /// namespace; a user's mount of root's image defaults to 0:UID:1, `none` keeps ids as stored); anything unknown to tilefs is passed to overlayfs
     #[arg(short = 'o', long = "options", value_name = "OPTS")]
     pub options: Vec<String>,
-    /// FUSE: stay in the foreground until unmounted
+    /// FUSE, and a kernel mount of a lazily pulled image (its filler): stay in the foreground
+    /// until unmounted
     #[arg(short, long)]
     pub foreground: bool,
-    /// FUSE: write the server's log lines to FILE (the default: stderr in the foreground; in the
+    /// FUSE, and a kernel lazy mount's filler: write the server's log lines to FILE (the default: stderr in the foreground; in the
     /// background the system log, or where there is none ~/.local/state/tilefs/fuse.log, for root
     /// /var/log/tilefs/fuse.log, for a root that cannot write there (podman unshare) the user's)
     #[arg(long, value_name = "FILE")]
@@ -227,8 +228,17 @@ pub fn run(mut req: Request, serving: &Serving) -> Result<()> {
             eprintln!("{}: notice: {n}", prog());
         }
     }
-    if let Presented::Fuse { mounted, config, .. } = presented {
-        crate::fuse_serve::serve(mounted, config, serving.foreground, log_file.as_deref())?;
+    match presented {
+        Presented::Fuse { mounted, config, .. } => {
+            crate::fuse_serve::serve(mounted, config, serving.foreground, log_file.as_deref())?
+        }
+        Presented::KernelLazy {
+            armed,
+            mountpoint,
+            mount_id,
+            ..
+        } => crate::lazy_serve::serve(armed, &mountpoint, mount_id, serving.foreground, log_file.as_deref())?,
+        Presented::Kernel { .. } => {}
     }
     Ok(())
 }

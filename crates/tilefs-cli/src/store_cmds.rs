@@ -318,6 +318,7 @@ fn fsck_json(store: &Store, r: &FsckReport) -> serde_json::Value {
         "held": r.held,
         "orphaned": r.orphaned,
         "leftovers": r.leftovers,
+        "placeholders": r.placeholders,
         "corrupt": r.corrupt,
         "corrupt_used_by": r.corrupt_used_by.iter().map(|(o, t)| json!({"object": o, "tags": t})).collect::<Vec<_>>(),
         "unreadable": r.unreadable.iter().map(|(p, why)| json!({"path": p, "reason": why})).collect::<Vec<_>>(),
@@ -396,12 +397,19 @@ fn print_fsck(out: &mut impl Write, store: &Store, r: &FsckReport, repair: bool,
     for (tag, n) in &r.not_fetched {
         writeln!(
             out,
-            "{tag}: {} not fetched yet (pulled with --lazy: read through a FUSE mount, or `tilefs pull` again to complete it)",
+            "{tag}: {} not fetched yet (pulled with --lazy: read through a lazy mount, or `tilefs pull` again to complete it)",
             plural(*n, "object")
         )?;
     }
     if let Some(why) = &r.exposed {
         writeln!(out, "warning: {why}")?;
+    }
+    if r.placeholders > 0 {
+        writeln!(
+            out,
+            "{} (objects of lazily pulled images not fetched yet, filled when a kernel mount first reads them)",
+            plural(r.placeholders, "placeholder")
+        )?;
     }
     if r.leftovers > 0 {
         writeln!(
@@ -570,6 +578,13 @@ pub fn gc(a: GcArgs) -> Result<ExitCode> {
             plural(r.leftovers_removed, "leftover temporary file"),
             HumanBytes(r.leftover_bytes_removed)
         )?;
+        if r.placeholders_removed > 0 {
+            writeln!(
+                out,
+                "{verb} {} (objects never fetched)",
+                plural(r.placeholders_removed, "placeholder")
+            )?;
+        }
         let mut by = vec![plural(r.images, "tagged image")];
         if r.held > 0 {
             by.push(format!("{} held by tilefs", plural(r.held, "image")));

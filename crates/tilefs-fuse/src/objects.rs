@@ -88,6 +88,10 @@ pub(crate) fn open_object(store: impl AsFd, rel: &[u8]) -> Result<File, ObjectEr
     if st.st_mode & libc::S_IFMT != libc::S_IFREG {
         return Err(ObjectError::NotRegular);
     }
+    // A placeholder (not fetched yet) is no object: a lazy mount fetches it.
+    if tilefs_store::placeholder::is_placeholder(&st) {
+        return Err(ObjectError::Open(std::io::ErrorKind::NotFound.into()));
+    }
     // Back to blocking reads, as for any regular file.
     rustix::fs::fcntl_setfl(&fd, OFlags::empty()).map_err(|e| ObjectError::Open(e.into()))?;
     Ok(File::from(fd))

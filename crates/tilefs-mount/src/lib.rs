@@ -110,6 +110,10 @@ pub struct MountOptions {
     /// More overlayfs options (key, value), passed as they are.
     pub overlay_options: Vec<(String, Option<String>)>,
     pub erofs_backing: ErofsBacking,
+    /// The objects a lazily pulled image lacks are placeholders that a
+    /// filler (tilefs-present's `kernel_lazy`) fills on first access: the
+    /// mount may go on without them.
+    pub placeholders_filled: bool,
 }
 
 /// A mount that succeeded.
@@ -354,6 +358,7 @@ pub fn build_detached(o: &MountOptions, image_file: File) -> Result<Detached, Mo
     if let Some(missing) = o
         .stores
         .first()
+        .filter(|_| !o.placeholders_filled)
         .and_then(|s| tilefs_store::Store::open(s).ok())
         .and_then(|s| tilefs_store::remote::incomplete(&s, &bytes))
     {

@@ -27,6 +27,9 @@ pub struct Machine {
     /// The image was pulled lazily and the store still lacks objects:
     /// `(absent, total)`.
     pub lazy: Option<(usize, usize)>,
+    /// For a lazy image: why the kernel cannot serve it, filling objects
+    /// as they are first read (None: it can; see `kernel_lazy`).
+    pub no_lazy_kernel: Option<String>,
     pub kernel: KernelAccess,
     /// Why the kernel cannot verify objects, if it cannot (no fs-verity).
     pub kernel_cannot_verify: Option<String>,
@@ -36,6 +39,9 @@ pub struct Machine {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Plan {
     Kernel,
+    /// A kernel mount of a lazily pulled image whose objects not fetched
+    /// yet are placeholders that a filler fills on first access.
+    KernelLazy,
     Delegated,
     Fuse,
     /// The mount service; if it will not, FUSE (saying why the kernel was
@@ -57,8 +63,8 @@ pub struct Decision {
 /// Why no way can present the image as asked.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum Refusal {
-    #[error("the image was pulled lazily and {absent} of its {total} objects are not fetched yet: only a FUSE mount fetches them, the kernel cannot")]
-    LazyNeedsFuse { absent: usize, total: usize },
+    #[error("the image was pulled lazily and {absent} of its {total} objects are not fetched yet: only a FUSE mount fetches them here ({why})")]
+    LazyNeedsFuse { absent: usize, total: usize, why: String },
 }
 
 /// Decides how to present an image: as `backend` says when it says
@@ -73,14 +79,34 @@ pub fn decide(backend: Option<Backend>, verity: Verity, m: &Machine) -> Result<D
     if !m.store_readable && matches!(backend, None | Some(Backend::Delegated)) {
         return Ok(decision(Plan::Delegated, Vec::new(), None));
     }
-    if let (Some(Backend::Kernel | Backend::Delegated), Some((absent, total))) = (backend, m.lazy) {
-        return Err(Refusal::LazyNeedsFuse { absent, total });
-    }
+    // A lazy image: the kernel where it can fill placeholders, else FUSE.
+    let lazy_refused = |why: String| {
+        let (absent, total) = m.lazy.unwrap_or_default();
+        Refusal::LazyNeedsFuse { absent, total, why }
+    };
+    let no_lazy_kernel = match (&m.kernel, &m.no_lazy_kernel, &m.kernel_cannot_verify, verity) {
+        (KernelAccess::NotPermitted(why) | KernelAccess::Unavailable(why), ..) => Some(why.clone()),
+        (_, Some(why), ..) => Some(why.clone()),
+        (_, None, Some(why), Verity::Require) => Some(why.clone()),
+        _ => None,
+    };
     Ok(match (backend, m.lazy) {
+        (Some(Backend::Delegated), Some(_)) => {
+            return Err(lazy_refused(
+                "the mount service does not mount lazily pulled images".into(),
+            ))
+        }
+        (Some(Backend::Kernel), Some(_)) => match no_lazy_kernel {
+            None => decision(Plan::KernelLazy, Vec::new(), None),
+            Some(why) => return Err(lazy_refused(why)),
+        },
         (Some(Backend::Kernel), _) => decision(Plan::Kernel, Vec::new(), None),
         (Some(Backend::Delegated), _) => decision(Plan::Delegated, Vec::new(), None),
         (Some(Backend::Fuse), _) => decision(Plan::Fuse, Vec::new(), None),
-        (None, Some((absent, total))) => decision(Plan::Fuse, vec![Notice::FuseFetches { absent, total }], None),
+        (None, Some((absent, total))) => match no_lazy_kernel {
+            None => decision(Plan::KernelLazy, Vec::new(), None),
+            Some(why) => decision(Plan::Fuse, vec![Notice::FuseFetches { absent, total, why }], None),
+        },
         (None, None) => match &m.kernel {
             KernelAccess::NotPermitted(why) => decision(
                 Plan::DelegatedElseFuse { no_kernel: why.clone() },
@@ -106,6 +132,7 @@ mod tests {
         Machine {
             store_readable: true,
             lazy: None,
+            no_lazy_kernel: None,
             kernel: KernelAccess::Yes,
             kernel_cannot_verify: None,
         }
@@ -149,15 +176,41 @@ mod tests {
         };
         let d = decide(None, Verity::Auto, &none).unwrap();
         assert_eq!((d.plan, d.no_kernel.as_deref()), (Plan::Fuse, Some("no erofs")));
-        // A lazy image: FUSE only.
+        // A lazy image: the kernel filling placeholders where it can...
         let lazy = Machine {
             lazy: Some((3, 10)),
             ..machine()
         };
-        assert_eq!(plan(None, Verity::Auto, &lazy), Ok(Plan::Fuse));
-        assert!(plan(Some(Kernel), Verity::Auto, &lazy).is_err());
+        assert_eq!(plan(None, Verity::Auto, &lazy), Ok(Plan::KernelLazy));
+        assert_eq!(plan(Some(Kernel), Verity::Auto, &lazy), Ok(Plan::KernelLazy));
         assert!(plan(Some(Delegated), Verity::Auto, &lazy).is_err());
         assert_eq!(plan(Some(Fuse), Verity::Auto, &lazy), Ok(Plan::Fuse));
+        // ... else FUSE, saying why once.
+        let tmpfs = Machine {
+            no_lazy_kernel: Some("no marks on tmpfs".into()),
+            ..lazy.clone()
+        };
+        let d = decide(None, Verity::Auto, &tmpfs).unwrap();
+        assert_eq!(d.plan, Plan::Fuse);
+        assert_eq!(
+            d.notices,
+            vec![Notice::FuseFetches {
+                absent: 3,
+                total: 10,
+                why: "no marks on tmpfs".into()
+            }]
+        );
+        assert!(plan(Some(Kernel), Verity::Auto, &tmpfs).is_err());
+        let user_lazy = Machine {
+            kernel: KernelAccess::NotPermitted("no privilege".into()),
+            ..lazy.clone()
+        };
+        assert_eq!(plan(None, Verity::Auto, &user_lazy), Ok(Plan::Fuse));
+        let lazy_noverity = Machine {
+            kernel_cannot_verify: Some("no fs-verity".into()),
+            ..lazy.clone()
+        };
+        assert_eq!(plan(None, Verity::Require, &lazy_noverity), Ok(Plan::Fuse));
         // A store we cannot read: the service.
         let unreadable = Machine {
             store_readable: false,

@@ -14,6 +14,7 @@
 //! of the caller, or in a process it forks, is the front end's choice.
 
 pub mod decide;
+pub mod kernel_lazy;
 mod notice;
 
 pub use decide::{decide, Decision, KernelAccess, Machine, Plan, Refusal};
@@ -57,6 +58,16 @@ pub struct FuseSettings {
 pub enum Presented {
     /// A kernel mount (made here or by the mount service): nothing to serve.
     Kernel { notices: Vec<Notice> },
+    /// A kernel mount of a lazily pulled image: the caller keeps `armed`
+    /// (its fanotify group) alive and fills placeholders with it (see
+    /// [`kernel_lazy`]) for as long as the mount `mount_id` is at
+    /// `mountpoint`. Dropping it unserved lets readers of placeholders in.
+    KernelLazy {
+        armed: kernel_lazy::Armed,
+        mountpoint: PathBuf,
+        mount_id: u64,
+        notices: Vec<Notice>,
+    },
     /// A FUSE server mounted: the caller serves it, with `config`.
     Fuse {
         mounted: tilefs_fuse::Mounted,
@@ -68,7 +79,9 @@ pub enum Presented {
 impl Presented {
     pub fn notices(&self) -> &[Notice] {
         match self {
-            Presented::Kernel { notices } | Presented::Fuse { notices, .. } => notices,
+            Presented::Kernel { notices } | Presented::Fuse { notices, .. } | Presented::KernelLazy { notices, .. } => {
+                notices
+            }
         }
     }
 }
@@ -159,11 +172,12 @@ pub fn mount(req: &Request) -> Result<Presented, Error> {
     let mut machine = Machine {
         store_readable: store.is_some(),
         lazy: lazy.as_ref().map(|m| (m.absent, m.total)),
+        no_lazy_kernel: None,
         kernel: KernelAccess::Yes,
         kernel_cannot_verify: None,
     };
     // What the kernel offers is asked only when the choice is ours.
-    if req.backend.is_none() && machine.lazy.is_none() && machine.store_readable {
+    if req.backend.is_none() && machine.store_readable {
         machine.kernel = match tilefs_mount::kernel_available() {
             Ok(()) => KernelAccess::Yes,
             Err(MountError::NotPermitted(e)) => KernelAccess::NotPermitted(e),
@@ -172,6 +186,9 @@ pub fn mount(req: &Request) -> Result<Presented, Error> {
         if machine.kernel == KernelAccess::Yes && verity == Verity::Require {
             machine.kernel_cannot_verify = tilefs_mount::verity_unavailable(&req.stores);
         }
+    }
+    if let (Some(_), None | Some(Backend::Kernel), KernelAccess::Yes) = (&lazy, req.backend, &machine.kernel) {
+        machine.no_lazy_kernel = lazy_kernel_why_not(req, first, &image)?;
     }
     let Decision {
         plan,
@@ -186,7 +203,12 @@ pub fn mount(req: &Request) -> Result<Presented, Error> {
     let presented = match plan {
         Plan::Kernel => {
             let store = store.ok_or_else(|| Error::Unsupported("the store cannot be read".into()))?;
-            kernel(req, &store, &image, verity, &mut notices)?
+            kernel(req, &store, &image, verity, false, &mut notices)?
+        }
+        Plan::KernelLazy => {
+            let store = store.ok_or_else(|| Error::Unsupported("the store cannot be read".into()))?;
+            let digest = lazy_digest.expect("a lazy plan for a lazy image");
+            kernel_lazy_mount(req, &store, &image, digest, verity, &mut notices)?
         }
         Plan::Delegated => match delegated(req, &mut notices) {
             Ok(()) => Presented::Kernel { notices: Vec::new() },
@@ -218,6 +240,20 @@ pub fn mount(req: &Request) -> Result<Presented, Error> {
         Presented::Kernel { notices: more } => {
             notices.extend(more);
             Presented::Kernel { notices }
+        }
+        Presented::KernelLazy {
+            armed,
+            mountpoint,
+            mount_id,
+            notices: more,
+        } => {
+            notices.extend(more);
+            Presented::KernelLazy {
+                armed,
+                mountpoint,
+                mount_id,
+                notices,
+            }
         }
         Presented::Fuse {
             mounted,
@@ -282,12 +318,14 @@ fn fake_root(writable: bool, image: &Path) -> Result<Option<(u32, u32)>, Error> 
     })
 }
 
-/// A kernel mount, recorded in its store as a gc root.
+/// A kernel mount, recorded in its store as a gc root (`placeholders_filled`:
+/// a lazily pulled image's, see [`kernel_lazy_mount`]).
 fn kernel(
     req: &Request,
     store: &Store,
     image: &Path,
     verity: Verity,
+    placeholders_filled: bool,
     notices: &mut Vec<Notice>,
 ) -> Result<Presented, Error> {
     let o = &req.options;
@@ -305,6 +343,7 @@ fn kernel(
         attrs: o.attrs,
         overlay_options: o.overlay.clone(),
         erofs_backing: req.erofs_backing,
+        placeholders_filled,
     })?;
     notices.extend(mounted.notices.iter().cloned().map(Notice::Mount));
     let recorded = lock.and_then(|_lock| {
@@ -316,6 +355,59 @@ fn kernel(
         notices.push(Notice::NotRecorded(e.to_string()));
     }
     Ok(Presented::Kernel { notices: Vec::new() })
+}
+
+/// Why the kernel cannot mount this lazily pulled image, filling its
+/// objects on first access (None: it can).
+fn lazy_kernel_why_not(req: &Request, store: &Path, image: &Path) -> Result<Option<String>, Error> {
+    if req.options.upper.is_some() {
+        return Ok(Some(
+            "a writable mount of a lazily pulled image is served by FUSE".into(),
+        ));
+    }
+    if req.stores.len() > 1 {
+        return Ok(Some("a lazily pulled image is served from one store".into()));
+    }
+    if !rustix::process::geteuid().is_root() {
+        return Ok(Some(
+            "filling objects on first read (fanotify pre-content events) needs root".into(),
+        ));
+    }
+    let Some(bytes) = read_image(image)? else {
+        return Ok(Some(format!("{}: not a regular file", image.display())));
+    };
+    Ok(match tilefs_image::erofs::read_image(&bytes) {
+        Ok((tree, _)) => kernel_lazy::why_not(store, &tree),
+        Err(e) => Some(format!("{}: {e}", image.display())),
+    })
+}
+
+/// A kernel mount of a lazily pulled image: its absent objects made
+/// placeholders and marked first, so that no read of one can come before
+/// its filler is asked.
+fn kernel_lazy_mount(
+    req: &Request,
+    store: &Store,
+    image: &Path,
+    digest: [u8; 32],
+    verity: Verity,
+    notices: &mut Vec<Notice>,
+) -> Result<Presented, Error> {
+    let bytes =
+        read_image(image)?.ok_or_else(|| Error::Unsupported(format!("{}: not a regular file", image.display())))?;
+    let (tree, _) =
+        tilefs_image::erofs::read_image(&bytes).map_err(|e| Error::Unsupported(format!("{}: {e}", image.display())))?;
+    let armed = kernel_lazy::Armed::arm(store, digest, &tree)
+        .map_err(|e| Error::Unsupported(format!("{}: {e}", image.display())))?;
+    kernel(req, store, image, verity, true, notices)?;
+    let mount_id = tilefs_store::mounts::mount_id_of(&req.mountpoint)
+        .ok_or_else(|| Error::Unsupported(format!("{}: no mount there", req.mountpoint.display())))?;
+    Ok(Presented::KernelLazy {
+        armed,
+        mountpoint: req.mountpoint.clone(),
+        mount_id,
+        notices: Vec::new(),
+    })
 }
 
 /// Has the mount service make the mount: a tagged image only (the service

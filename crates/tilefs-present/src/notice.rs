@@ -6,7 +6,7 @@ use std::fmt;
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Notice {
     /// A lazily pulled image is served by FUSE, which fetches.
-    FuseFetches { absent: usize, total: usize },
+    FuseFetches { absent: usize, total: usize, why: String },
     /// Verification is required and only FUSE can do it here.
     FuseVerifies(String),
     /// No kernel mount here: served by FUSE.
@@ -45,10 +45,10 @@ impl Notice {
 impl fmt::Display for Notice {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
-            Notice::FuseFetches { absent, total } => write!(
+            Notice::FuseFetches { absent, total, why } => write!(
                 f,
                 "using the FUSE mount: {absent} of the image's {total} objects are still to be fetched \
-                 (pulled lazily), and only it fetches them"
+                 (pulled lazily), and the kernel cannot fill them here: {why}"
             ),
             Notice::FuseVerifies(why) => write!(f, "using the FUSE mount, which verifies objects itself: {why}"),
             Notice::NoKernel(why) => write!(f, "using the FUSE mount: no kernel mount here ({why})"),

@@ -61,6 +61,10 @@ pub struct FsckReport {
     /// Tagged images that cannot be read, or that reference something that
     /// cannot be an object: (tag, reason).
     pub bad_images: Vec<(String, String)>,
+    /// Placeholders: objects of lazily pulled images not fetched yet, of
+    /// their size, that a kernel mount's filler fills on first access
+    /// (not damage; their images count them in `not_fetched`).
+    pub placeholders: u64,
     /// Temporary files of interrupted imports (not a problem; gc removes them).
     pub leftovers: u64,
     /// Paths moved to `.quarantine/` by --repair.
@@ -125,7 +129,7 @@ pub fn fsck(store: &Store, opts: &FsckOptions, progress: &(dyn Fn(u64, u64) + Sy
     };
     check_own_dirs(store, &mut strays, &mut leftovers);
     report.leftovers = leftovers.len() as u64;
-    let sized = sizes(objects, &mut strays, &mut report.unreadable);
+    let sized = sizes(objects, &mut strays, &mut report.unreadable, &mut report.placeholders);
     let mut present = check_objects(&pool, &sized, progress, &mut report, &mut strays);
     let mut aliases = check_aliases(store, &pool, &mut report, &mut strays);
 
@@ -219,10 +223,14 @@ fn sizes(
     objects: Vec<([u8; 32], PathBuf)>,
     strays: &mut Vec<PathBuf>,
     unreadable: &mut Vec<(PathBuf, String)>,
+    placeholders: &mut u64,
 ) -> Vec<ToCheck> {
+    use std::os::unix::fs::MetadataExt;
     let mut sized: Vec<ToCheck> = Vec::with_capacity(objects.len());
     for (d, path) in objects {
         match std::fs::symlink_metadata(&path) {
+            // Never opened: a kernel mount's filler would fetch it.
+            Ok(m) if m.file_type().is_file() && m.mode() & 0o7777 == crate::placeholder::MODE => *placeholders += 1,
             Ok(m) if m.file_type().is_file() => sized.push((d, path, m.len())),
             Ok(_) => strays.push(path),
             Err(e) if e.kind() == io::ErrorKind::NotFound => {}
@@ -276,6 +284,7 @@ fn check_objects(
                 present.insert(*d);
             }
             Checked::Gone => {}
+            Checked::Placeholder => report.placeholders += 1,
             Checked::NotAFile => strays.push(path.clone()),
             Checked::Unreadable(why) => {
                 report.unreadable.push((path.clone(), why));
@@ -405,6 +414,8 @@ enum Checked {
     Corrupt,
     /// Removed since the scan.
     Gone,
+    /// Not fetched yet ([`crate::placeholder`]): not read.
+    Placeholder,
     /// Replaced by something else than a regular file since the scan.
     NotAFile,
     Unreadable(String),
@@ -423,6 +434,7 @@ fn check_object(path: &Path, want: &[u8; 32], advance: &dyn Fn(u64)) -> Checked 
         Err(e) => return Checked::Unreadable(io::Error::from(e).to_string()),
     };
     match rfs::fstat(&fd) {
+        Ok(st) if crate::placeholder::is_placeholder(&st) => return Checked::Placeholder,
         Ok(st) if rfs::FileType::from_raw_mode(st.st_mode) == rfs::FileType::RegularFile => {}
         Ok(_) => return Checked::NotAFile,
         Err(e) => return Checked::Unreadable(io::Error::from(e).to_string()),

@@ -48,6 +48,8 @@ pub struct GcReport {
     pub leftover_bytes_removed: u64,
     /// Aliases ([`crate::alias`]) no root names, of objects gone.
     pub aliases_removed: u64,
+    /// Placeholders (objects never fetched) no root names.
+    pub placeholders_removed: u64,
     /// Nothing was removed: the counts say what would have been.
     pub dry_run: bool,
 }
@@ -131,10 +133,12 @@ pub fn gc(store: &Store, opts: &GcOptions) -> Result<GcReport, StoreError> {
     // The files of the objects kept: their aliases stay too.
     let mut kept = HashSet::new();
     for (d, path) in objects {
+        let placeholder;
         let size = match std::fs::symlink_metadata(&path) {
             Ok(m) => {
+                use std::os::unix::fs::MetadataExt;
+                placeholder = m.is_file() && m.mode() & 0o7777 == crate::placeholder::MODE;
                 if referenced.contains(&d) {
-                    use std::os::unix::fs::MetadataExt;
                     kept.insert((m.dev(), m.ino()));
                 }
                 m.len()
@@ -168,10 +172,15 @@ pub fn gc(store: &Store, opts: &GcOptions) -> Result<GcReport, StoreError> {
                 Err(e) => return Err(StoreError::io(&path, "cannot remove object", e.into())),
             }
         }
-        report.objects_removed += 1;
-        report.bytes_removed += size;
+        if placeholder {
+            report.placeholders_removed += 1;
+        } else {
+            report.objects_removed += 1;
+            report.bytes_removed += size;
+        }
     }
     drop(fanout);
+    crate::placeholder::sweep(store, opts.dry_run);
 
     remove_leftovers(store, tmp_dir.as_ref(), &leftovers, opts.dry_run, &mut report)?;
     // A limited collection has not seen every kept object.

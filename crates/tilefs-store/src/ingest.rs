@@ -744,7 +744,11 @@ impl<'s> Ingest<'s> {
         match rfs::renameat_with(&self.tmp, tmp_name, fan, name, rfs::RenameFlags::NOREPLACE) {
             Err(rustix::io::Errno::EXIST) => {
                 let st = rfs::statat(fan, name, AtFlags::SYMLINK_NOFOLLOW)?;
-                if rfs::FileType::from_raw_mode(st.st_mode).is_file() && st.st_size as u64 == size {
+                // (A placeholder, not fetched yet, is replaced.)
+                if rfs::FileType::from_raw_mode(st.st_mode).is_file()
+                    && st.st_size as u64 == size
+                    && !crate::placeholder::is_placeholder(&st)
+                {
                     let _ = rfs::unlinkat(&self.tmp, tmp_name, AtFlags::empty());
                     return Ok(());
                 }

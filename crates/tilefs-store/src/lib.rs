@@ -8,6 +8,8 @@
 //! - [`fsck`]: proving a store is whole;
 //! - [`mounts`]: live mounts, gc roots while they live;
 //! - [`presence`]: which of many objects a store holds;
+//! - [`placeholder`]: objects not fetched yet, of their size, that a
+//!   kernel mount's filler fills on first access;
 //! - [`remote`]: images pulled lazily, whose objects come on demand;
 //! - [`alias`]: objects by the SHA-256 of their contents, for images
 //!   pulled lazily from eStargz and zstd:chunked tables of contents;
@@ -23,6 +25,7 @@ pub mod gc;
 pub mod ingest;
 pub mod mounts;
 pub mod owned;
+pub mod placeholder;
 pub mod presence;
 pub mod remote;
 pub mod store;

@@ -13,6 +13,8 @@ use std::sync::{Arc, Mutex};
 #[derive(Default)]
 pub struct Presence {
     listed: Mutex<HashMap<u8, Arc<HashSet<[u8; 31]>>>>,
+    /// Placeholders (listed under their object names, but not fetched).
+    placeholders: std::sync::OnceLock<HashSet<[u8; 32]>>,
 }
 
 impl Presence {
@@ -58,6 +60,10 @@ impl Presence {
     /// Whether every one of `objects` (sorted by first byte, for one
     /// listing per fan-out) is present.
     pub fn all_present(&self, store: &Store, objects: &[&[u8; 32]]) -> bool {
+        let placeholders = self.placeholders.get_or_init(|| crate::placeholder::list(store));
+        if objects.iter().any(|o| placeholders.contains(*o)) {
+            return false;
+        }
         let mut current: Option<(u8, Arc<HashSet<[u8; 31]>>)> = None;
         objects.iter().all(|o| {
             let set = match &current {

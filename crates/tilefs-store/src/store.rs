@@ -180,6 +180,8 @@ impl Store {
         rfs::statat(&self.dir, Store::object_rel(digest), rfs::AtFlags::SYMLINK_NOFOLLOW)
             .ok()
             .filter(|st| rfs::FileType::from_raw_mode(st.st_mode) == rfs::FileType::RegularFile)
+            // A placeholder is no object (not fetched yet).
+            .filter(|st| !crate::placeholder::is_placeholder(st))
     }
 
     /// Creates (if needed) a store subdirectory and opens it, refusing
@@ -276,6 +278,7 @@ impl Store {
                 || name == crate::alias::ALIAS_DIR
                 || name == crate::mounts::MOUNTS_DIR
                 || name == crate::owned::OWNED_DIR
+                || name == crate::placeholder::PLACEHOLDER_DIR
             {
                 continue;
             }

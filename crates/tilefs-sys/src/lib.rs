@@ -8,6 +8,7 @@
 #![allow(unsafe_code)]
 
 pub mod creds;
+pub mod fanotify;
 pub mod fd;
 pub mod fs;
 pub mod fuse_dev;

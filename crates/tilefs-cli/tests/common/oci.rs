@@ -132,13 +132,15 @@ pub fn blob_bytes_since(r: &Registry, before: usize) -> u64 {
         .sum()
 }
 
-/// Mounts the tag `tag` of `store` (FUSE, a lazy image's objects fetched
-/// when read, logging to `log`) at `mnt`: the mount, taken down when
-/// dropped, and what the command said.
+/// Mounts the tag `tag` of `store` with FUSE (a lazy image's objects
+/// fetched when read, logging to `log`) at `mnt`: the mount, taken down
+/// when dropped, and what the command said. (tests/kernel_lazy.rs mounts
+/// lazy images with the kernel.)
 pub fn mount_tag(store: &Path, tag: &str, mnt: &Path, log: &Path) -> (Mounted, String) {
     fs::create_dir_all(mnt).unwrap();
     let out = tilefs_any(&[
         os("mount"),
+        os("--fuse"),
         os("--store"),
         store.as_os_str(),
         os("--log"),

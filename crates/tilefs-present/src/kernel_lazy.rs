@@ -1,0 +1,346 @@
+//! Lazily pulled images served by the kernel: every object not fetched
+//! yet is a placeholder in the store (`tilefs_store::placeholder`), marked
+//! in a fanotify pre-content group before the kernel mount exists; a
+//! filler answers each first open or read of a placeholder by fetching
+//! the object through the image's lazy source, checking it, writing it
+//! into the placeholder and sealing it, and only then lets the reader in.
+//! A filled object's mark is removed: it is read at kernel speed after.
+//!
+//! Fails closed: the group outlives the filler (the process that forks
+//! fillers holds it too), so a dead filler's unanswered events are denied
+//! with EIO (`deny_orphans`) and queued ones wait for the next filler: no
+//! read of a placeholder is let through unfilled while that holder lives.
+//! (The kernel lets reads through once every descriptor of the group is
+//! closed: the holder and the filler both killed, or the mount gone with
+//! files still open in it.)
+
+use rustix::fd::{AsFd, BorrowedFd, OwnedFd};
+use rustix::fs::{self as rfs, AtFlags};
+use std::collections::HashMap;
+use std::ffi::CString;
+use std::path::{Path, PathBuf};
+use std::sync::{mpsc, Arc, Mutex};
+use std::time::Duration;
+use tilefs_image::tree::Tree;
+use tilefs_store::placeholder;
+use tilefs_store::remote::ObjectSource;
+use tilefs_store::Store;
+use tilefs_sys::fanotify::{self, Answer, Event, Group};
+
+/// The highest descriptor number a filler may hold (its limit is set to
+/// this), so that the events of a dead one can all be answered.
+pub const FD_LIMIT: u64 = 8192;
+/// Opens (any: read, mmap, exec) and reads of a placeholder.
+const MASK: u64 = fanotify::OPEN_PERM | fanotify::PRE_ACCESS;
+/// Fills at once (each may wait for a registry).
+const FILLERS: usize = 16;
+
+/// The objects of `tree` (object path digest, size), once each.
+fn objects(tree: &Tree) -> Result<HashMap<[u8; 32], u64>, String> {
+    let mut out = HashMap::new();
+    for i in tree.inodes.iter().filter(|i| i.is_external()) {
+        let Some(p) = i.payload.as_deref().filter(|p| !p.is_empty()) else {
+            continue;
+        };
+        let d = tilefs_store::parse_object_rel(p).ok_or_else(|| {
+            "its files are named by SHA-256 until fetched (pulled from tables of contents)".to_string()
+        })?;
+        out.insert(d, i.size);
+    }
+    Ok(out)
+}
+
+/// One filler per store: two groups marking one placeholder would each
+/// take the other's writes for a reader's and wait for each other. Held
+/// (an exclusive `flock`, shared by the holder and its fillers, which
+/// inherit it) for as long as a kernel lazy mount of the store lives.
+const FILLING: &str = ".filling";
+
+fn filling_lock(store: &Store) -> Result<OwnedFd, String> {
+    let dir = store
+        .open_subdir(placeholder::PLACEHOLDER_DIR)
+        .map_err(|e| e.to_string())?;
+    let fd = rfs::openat(
+        &dir,
+        FILLING,
+        rfs::OFlags::RDWR | rfs::OFlags::CREATE | rfs::OFlags::NOFOLLOW | rfs::OFlags::CLOEXEC,
+        rfs::Mode::from_raw_mode(0o600),
+    )
+    .map_err(|e| {
+        format!(
+            "{}: {e}",
+            store.join(placeholder::PLACEHOLDER_DIR).join(FILLING).display()
+        )
+    })?;
+    match rfs::flock(&fd, rfs::FlockOperation::NonBlockingLockExclusive) {
+        Ok(()) => Ok(fd),
+        Err(rustix::io::Errno::WOULDBLOCK) => {
+            Err("another kernel mount of a lazily pulled image from this store is being filled (one per store)".into())
+        }
+        Err(e) => Err(format!("cannot lock {FILLING}: {e}")),
+    }
+}
+
+/// Why `tree`, a lazily pulled image, cannot be mounted by the kernel
+/// from the store at `store` (None: it can).
+pub fn why_not(store: &Path, tree: &Tree) -> Option<String> {
+    if let Err(why) = objects(tree) {
+        return Some(why);
+    }
+    // Taken to see that no other filler holds it, and let go.
+    if let Err(why) = Store::open(store)
+        .map_err(|e| e.to_string())
+        .and_then(|s| filling_lock(&s))
+    {
+        return Some(why);
+    }
+    let probe = fanotify::supports_pre_content(store).err()?;
+    Some(match probe.raw_os_error() {
+        Some(libc::EOPNOTSUPP) | Some(libc::ENODEV) | Some(libc::EXDEV) => format!(
+            "the store's filesystem ({}) takes no fanotify pre-content marks",
+            store.display()
+        ),
+        Some(libc::EINVAL) => "the kernel has no fanotify pre-content events (Linux 6.14 or later has)".into(),
+        Some(libc::EPERM) => "fanotify pre-content events need privilege".into(),
+        _ => format!("no fanotify pre-content events on {}: {probe}", store.display()),
+    })
+}
+
+/// An image's placeholders, made and marked: events queue in the group
+/// from here on (even before a filler reads them).
+pub struct Armed {
+    group: Group,
+    /// See [`FILLING`].
+    _filling: OwnedFd,
+    store: PathBuf,
+    image: [u8; 32],
+    /// Each marked placeholder's (device, inode): its object and size.
+    marked: HashMap<(u64, u64), ([u8; 32], u64)>,
+}
+
+impl Armed {
+    /// Makes a placeholder of every object of `tree` the store lacks and
+    /// marks it, before any mount of the image exists.
+    pub fn arm(store: &Store, image: [u8; 32], tree: &Tree) -> Result<Armed, String> {
+        let filling = filling_lock(store)?;
+        let group = Group::new().map_err(|e| format!("cannot make a fanotify group: {e}"))?;
+        let mut marked = HashMap::new();
+        for (d, size) in objects(tree)? {
+            if store.has_object(&d) {
+                continue;
+            }
+            placeholder::create(store, &d, size).map_err(|e| e.to_string())?;
+            let rel = Store::object_rel(&d);
+            let stat = || rfs::statat(store.dir_fd(), &rel, AtFlags::SYMLINK_NOFOLLOW).ok();
+            let Some(st) = stat().filter(placeholder::is_placeholder) else {
+                continue; // fetched meanwhile
+            };
+            let path = CString::new(rel.as_str()).expect("no NUL in an object path");
+            group
+                .mark_at(store.dir_fd(), &path, MASK)
+                .map_err(|e| format!("{}: cannot mark: {e}", store.join(&rel).display()))?;
+            // The inode marked is the one stat saw, unless it was replaced
+            // between (by a fetched object: then nothing is to fill).
+            if stat().is_some_and(|again| (again.st_dev, again.st_ino) == (st.st_dev, st.st_ino)) {
+                marked.insert((st.st_dev, st.st_ino), (d, size));
+            }
+        }
+        Ok(Armed {
+            group,
+            _filling: filling,
+            store: store.path().to_path_buf(),
+            image,
+            marked,
+        })
+    }
+
+    /// Once the mount is gone: refuses what the last filler left waiting,
+    /// and drops the index entries of placeholders fetched meanwhile by
+    /// other means (read-ahead: a neighbour's fetch stored them).
+    pub fn finish(&self) {
+        deny_orphans(&self.group);
+        if let Ok(store) = Store::open(&self.store) {
+            placeholder::sweep(&store, false);
+        }
+    }
+
+    /// The group (the holder keeps it open while fillers come and go).
+    pub fn group(&self) -> &Group {
+        &self.group
+    }
+
+    /// Fills placeholders as they are first opened or read, until
+    /// `mounted` says the mount is gone. `log` gets a line per failure.
+    pub fn fill(&self, mounted: &dyn Fn() -> bool, log: Arc<dyn Fn(&str) + Send + Sync>) -> Result<(), String> {
+        // Without a source, every fill fails (EIO) saying why.
+        let source = tilefs_oci::toc_lazy::open_source(&self.store, &self.image).unwrap_or_else(|e| {
+            log(&format!("{}: {e}: objects cannot be fetched", self.store.display()));
+            None
+        });
+        let store = Store::open(&self.store).map_err(|e| e.to_string())?;
+        let me = rustix::process::getpid().as_raw_nonzero().get();
+        let waiting: Mutex<HashMap<(u64, u64), Vec<Event>>> = Mutex::new(HashMap::new());
+        let (tx, rx) = mpsc::channel::<(u64, u64)>();
+        let rx = Mutex::new(rx);
+        std::thread::scope(|s| {
+            for _ in 0..FILLERS {
+                s.spawn(|| loop {
+                    let Ok(key) = rx.lock().unwrap().recv() else {
+                        return;
+                    };
+                    let (digest, size) = self.marked[&key];
+                    // Any waiting event's descriptor reaches the inode.
+                    let event = waiting.lock().unwrap()[&key][0].fd.try_clone();
+                    let filled = event
+                        .map_err(|e| e.to_string())
+                        .and_then(|fd| fill_one(&store, source.as_deref(), fd.as_fd(), &digest, size));
+                    let events = waiting.lock().unwrap().remove(&key).unwrap_or_default();
+                    let answer = match &filled {
+                        Ok(()) => {
+                            let _ = self.group.unmark_inode(events[0].fd.as_fd(), MASK);
+                            Answer::Allow
+                        }
+                        Err(why) => {
+                            log(&format!(
+                                "{}: {why}; {} read(s) answered EIO, the placeholder stays",
+                                store.object_path(&digest).display(),
+                                events.len()
+                            ));
+                            Answer::Deny(libc::EIO)
+                        }
+                    };
+                    for e in events {
+                        let _ = self.group.answer(e, answer);
+                    }
+                });
+            }
+            let served = self.serve_events(me, mounted, &waiting, &tx);
+            drop(tx);
+            served
+        })
+    }
+
+    /// Reads events until the mount is gone: the filler's own (its writes
+    /// and checks) are let through at once, those of a placeholder wait
+    /// for its fill (one per placeholder however many wait).
+    fn serve_events(
+        &self,
+        me: i32,
+        mounted: &dyn Fn() -> bool,
+        waiting: &Mutex<HashMap<(u64, u64), Vec<Event>>>,
+        fills: &mpsc::Sender<(u64, u64)>,
+    ) -> Result<(), String> {
+        let fail = |e: std::io::Error| format!("fanotify: {e}");
+        while mounted() {
+            let mut fds = [rustix::event::PollFd::new(&self.group, rustix::event::PollFlags::IN)];
+            let timeout = rustix::event::Timespec {
+                tv_sec: 0,
+                tv_nsec: 300_000_000,
+            };
+            match rustix::event::poll(&mut fds, Some(&timeout)) {
+                Ok(0) | Err(rustix::io::Errno::INTR) => continue,
+                Ok(_) => {}
+                Err(e) => return Err(fail(e.into())),
+            }
+            for e in self.group.read_events().map_err(fail)? {
+                let st = rfs::fstat(&e.fd).map_err(|err| fail(err.into()))?;
+                let key = (st.st_dev, st.st_ino);
+                if e.pid == me || !self.marked.contains_key(&key) {
+                    self.group.answer(e, Answer::Allow).map_err(fail)?;
+                    continue;
+                }
+                if !placeholder::is_placeholder(&st) {
+                    // Filled already (by another mount's filler, or here).
+                    let _ = self.group.unmark_inode(e.fd.as_fd(), MASK);
+                    self.group.answer(e, Answer::Allow).map_err(fail)?;
+                    continue;
+                }
+                let mut w = waiting.lock().unwrap();
+                let list = w.entry(key).or_default();
+                list.push(e);
+                if list.len() == 1 {
+                    let _ = fills.send(key);
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Answers EIO to every event a dead filler read and left unanswered
+/// (the kernel knows them by the descriptor numbers that filler had, all
+/// below [`FD_LIMIT`]; numbers of no event are refused, harmlessly).
+pub fn deny_orphans(group: &Group) -> usize {
+    (0..FD_LIMIT as i32)
+        .filter(|&fd| group.answer_raw(fd, Answer::Deny(libc::EIO)).is_ok())
+        .count()
+}
+
+/// Limits this process's descriptors to [`FD_LIMIT`] (a filler's).
+pub fn limit_fds() -> std::io::Result<()> {
+    rustix::process::setrlimit(
+        rustix::process::Resource::Nofile,
+        rustix::process::Rlimit {
+            current: Some(FD_LIMIT),
+            maximum: Some(FD_LIMIT),
+        },
+    )
+    .map_err(Into::into)
+}
+
+/// Fills the placeholder reached by the event descriptor `event` with the
+/// object `digest`: fetched unless the store has it, copied in, checked
+/// against its digest, sealed, named again.
+fn fill_one(
+    store: &Store,
+    source: Option<&dyn ObjectSource>,
+    event: BorrowedFd<'_>,
+    digest: &[u8; 32],
+    size: u64,
+) -> Result<(), String> {
+    // Event descriptors are read-only, and reach the inode through the
+    // overlay's private, read-only copy of the store's mount: the inode is
+    // opened again for writing through its index link in the store (an
+    // open of ours, let through by the event loop).
+    let want = rfs::fstat(event).map_err(|e| e.to_string())?;
+    let target = placeholder::open_for_fill(store, digest).map_err(|e| format!("cannot open the placeholder: {e}"))?;
+    let st = rfs::fstat(&target).map_err(|e| e.to_string())?;
+    if (st.st_dev, st.st_ino) != (want.st_dev, want.st_ino) {
+        return Err("its index link in the store names another file".into());
+    }
+    if !placeholder::is_placeholder(&st) {
+        return Ok(());
+    }
+    if !store.has_object(digest) {
+        let source = source.ok_or("the image's lazy-pull record is gone, so nothing can fetch it")?;
+        source.fetch(digest, size)?;
+    }
+    let rel = Store::object_rel(digest);
+    let object = tilefs_store::open_regular(store.dir_fd(), Path::new(&rel), false)
+        .map_err(|e| format!("the fetched object: {e}"))?;
+    placeholder::copy_into(&target, &object).map_err(|e| format!("cannot fill it: {e}"))?;
+    check(&target, digest)?;
+    placeholder::seal(&target).map_err(|e| format!("cannot seal it: {e}"))?;
+    placeholder::settle(store, digest, &target).map_err(|e| e.to_string())
+}
+
+/// Whether the placeholder now holds the object `digest` (read back: the
+/// reader gets exactly these bytes).
+fn check(target: &OwnedFd, digest: &[u8; 32]) -> Result<(), String> {
+    let f = std::fs::File::from(target.try_clone().map_err(|e| e.to_string())?);
+    match tilefs_image::verity::digest_file(&f, |_| {}) {
+        Ok(d) if d == *digest => Ok(()),
+        Ok(_) => Err("its bytes, as written, do not match its fs-verity digest".into()),
+        Err(e) => Err(format!("cannot read it back: {e}")),
+    }
+}
+
+/// Whether the mount whose id is `id` is still at `mountpoint`.
+pub fn still_mounted(mountpoint: &Path, id: u64) -> bool {
+    tilefs_store::mounts::mount_id_of(mountpoint) == Some(id)
+}
+
+/// Waits a little between restarts of a filler that keeps dying.
+pub fn backoff(restarts: u32) -> Duration {
+    Duration::from_millis(100u64 << restarts.min(5))
+}

@@ -1,0 +1,245 @@
+//! Placeholders: objects not fetched yet, present at their object path
+//! with their size, so that a kernel (composefs) mount of a lazily pulled
+//! image resolves every redirect; a filler holding a fanotify group fills
+//! each on its first open or read (tilefs-present's `kernel_lazy`).
+//!
+//! A placeholder is a sparse regular file of mode 01000: no permission
+//! bits (only root, whose tools check the mode, can open it at all) and
+//! the sticky bit, which no object ever has (ingest makes objects 0644).
+//! The mode is the marker because every object lookup stats the file
+//! anyway (so checking costs nothing), because it is metadata the
+//! filesystem keeps across a crash, and because a fill changes it in one
+//! call after the bytes are durable: a fill cut short leaves a
+//! placeholder, never an object with holes. Listings that look at names
+//! only (`presence`) learn the placeholders from an index,
+//! `STORE/.placeholders/<digest>`, written before the placeholder appears
+//! and swept once it is filled or gone; the mode decides where the two
+//! disagree (a crash between them).
+
+use crate::store::{temp_name, TMP_DIR};
+use crate::{Store, StoreError};
+use rustix::fd::{AsFd, OwnedFd};
+use rustix::fs::{self as rfs, AtFlags, Mode, OFlags};
+use std::collections::HashSet;
+use std::io;
+
+/// The index of placeholders, under the store.
+pub const PLACEHOLDER_DIR: &str = ".placeholders";
+/// A placeholder's mode (and no object's).
+pub const MODE: u32 = 0o1000;
+
+/// Whether a stat is a placeholder's.
+pub fn is_placeholder(st: &rfs::Stat) -> bool {
+    rfs::FileType::from_raw_mode(st.st_mode) == rfs::FileType::RegularFile && st.st_mode & 0o7777 == MODE
+}
+
+/// Makes a placeholder of `size` bytes for the object `digest`, unless
+/// the store has it (or a placeholder of it) already. Returns whether one
+/// was made. Its index entry is a second link to it, so that once filled
+/// it can be renamed back over its object path (see [`settle`]).
+pub fn create(store: &Store, digest: &[u8; 32], size: u64) -> Result<bool, StoreError> {
+    let rel = Store::object_rel(digest);
+    let path = store.join(&rel);
+    let fan = store.open_fanout(digest)?;
+    if rfs::statat(&fan, &rel[3..], AtFlags::SYMLINK_NOFOLLOW).is_ok() {
+        return Ok(false);
+    }
+    let index = store.open_subdir(PLACEHOLDER_DIR)?;
+    let tmp = store.open_subdir(TMP_DIR)?;
+    let name = temp_name("placeholder-");
+    let failed = |e: rustix::io::Errno| StoreError::io(&path, "cannot create a placeholder", e.into());
+    let fd = rfs::openat(
+        &tmp,
+        name.as_str(),
+        OFlags::WRONLY | OFlags::CREATE | OFlags::EXCL | OFlags::CLOEXEC,
+        Mode::empty(),
+    )
+    .map_err(failed)?;
+    // Listed first (a placeholder is never there unlisted; a stale entry
+    // of an earlier one is replaced), then given its object name.
+    let made = rfs::ftruncate(&fd, size)
+        .and_then(|()| rfs::fchmod(&fd, Mode::from_raw_mode(MODE)))
+        .and_then(|()| rfs::linkat(&tmp, name.as_str(), &tmp, format!("{name}.i"), AtFlags::empty()))
+        .and_then(|()| rfs::renameat(&tmp, format!("{name}.i"), &index, hex::encode(digest)))
+        .and_then(|()| rfs::linkat(&tmp, name.as_str(), &fan, &rel[3..], AtFlags::empty()));
+    let _ = rfs::unlinkat(&tmp, name.as_str(), AtFlags::empty());
+    match made {
+        Ok(()) => Ok(true),
+        // Stored meanwhile (an object, or another's placeholder).
+        Err(rustix::io::Errno::EXIST) => {
+            sweep_one(store, &index, digest);
+            Ok(false)
+        }
+        Err(e) => {
+            sweep_one(store, &index, digest);
+            Err(failed(e))
+        }
+    }
+}
+
+/// The placeholders of the store: those its index lists whose object path
+/// holds a placeholder still (usually none; one directory listing then).
+pub fn list(store: &Store) -> HashSet<[u8; 32]> {
+    listed(store).into_iter().filter(|d| is_at(store, d)).collect()
+}
+
+/// What the index lists, whatever the object paths hold now.
+fn listed(store: &Store) -> Vec<[u8; 32]> {
+    let Ok(dir) = store.open_existing_subdir(PLACEHOLDER_DIR) else {
+        return Vec::new();
+    };
+    let Ok(mut entries) = rfs::Dir::read_from(&dir) else {
+        return Vec::new();
+    };
+    let mut out = Vec::new();
+    while let Some(Ok(e)) = entries.next() {
+        let mut d = [0u8; 32];
+        if hex::decode_to_slice(e.file_name().to_bytes(), &mut d).is_ok() {
+            out.push(d);
+        }
+    }
+    out
+}
+
+/// Whether the object path of `digest` holds a placeholder.
+pub fn is_at(store: &Store, digest: &[u8; 32]) -> bool {
+    rfs::statat(store.dir_fd(), Store::object_rel(digest), AtFlags::SYMLINK_NOFOLLOW)
+        .is_ok_and(|st| is_placeholder(&st))
+}
+
+/// Drops the index entries whose object path holds no placeholder now
+/// (filled, fetched by other means, or removed by gc). Returns how many.
+pub fn sweep(store: &Store, dry_run: bool) -> usize {
+    let Ok(dir) = store.open_existing_subdir(PLACEHOLDER_DIR) else {
+        return 0;
+    };
+    let stale: Vec<_> = listed(store).into_iter().filter(|d| !is_at(store, d)).collect();
+    if !dry_run {
+        for d in &stale {
+            sweep_one(store, &dir, d);
+        }
+    }
+    stale.len()
+}
+
+fn sweep_one(store: &Store, index: &OwnedFd, digest: &[u8; 32]) {
+    if !is_at(store, digest) {
+        let _ = rfs::unlinkat(index, hex::encode(digest), AtFlags::empty());
+    }
+}
+
+/// After a fill of `filled` (the placeholder's inode, no longer one):
+/// gives it back its object name, replacing the copy a fetch stored
+/// there meanwhile (so the object is on disk once, in the inode mounts
+/// already hold), and drops its index entry.
+pub fn settle(store: &Store, digest: &[u8; 32], filled: &OwnedFd) -> Result<(), StoreError> {
+    let index = store.open_subdir(PLACEHOLDER_DIR)?;
+    let name = hex::encode(digest);
+    let (st, entry) = (
+        rfs::fstat(filled).map_err(|e| StoreError::io(&store.object_path(digest), "cannot stat", e.into()))?,
+        rfs::statat(&index, name.as_str(), AtFlags::SYMLINK_NOFOLLOW),
+    );
+    let ours = entry.is_ok_and(|e| (e.st_dev, e.st_ino) == (st.st_dev, st.st_ino));
+    if ours && !is_placeholder(&st) {
+        let rel = Store::object_rel(digest);
+        let fan = store.open_fanout(digest)?;
+        rfs::renameat(&index, name.as_str(), &fan, &rel[3..])
+            .map_err(|e| StoreError::io(&store.join(&rel), "cannot rename into place", e.into()))?;
+    }
+    // (Renamed onto another link of itself, the entry stays: dropped.)
+    sweep_one(store, &index, digest);
+    Ok(())
+}
+
+/// Opens the placeholder of `digest` for filling, through its index link
+/// (the caller checks it is the inode it means).
+pub fn open_for_fill(store: &Store, digest: &[u8; 32]) -> io::Result<OwnedFd> {
+    let index = store.open_existing_subdir(PLACEHOLDER_DIR)?;
+    Ok(rfs::openat(
+        &index,
+        hex::encode(digest),
+        OFlags::RDWR | OFlags::NOFOLLOW | OFlags::CLOEXEC,
+        Mode::empty(),
+    )?)
+}
+
+/// Copies `object` (present and checked) into the placeholder `target`
+/// (a descriptor of its inode open for writing) and makes it durable; it
+/// stays a placeholder until [`seal`]. The caller has made sure no reader
+/// gets a byte before then (it holds their events).
+pub fn copy_into(target: &OwnedFd, object: &std::fs::File) -> io::Result<u64> {
+    let size = object.metadata()?.len();
+    let (mut src_off, mut dst_off) = (0u64, 0u64);
+    while dst_off < size {
+        let want = (size - dst_off).min(1 << 30) as usize;
+        let n = rfs::copy_file_range(object.as_fd(), Some(&mut src_off), target, Some(&mut dst_off), want)?;
+        if n == 0 {
+            return Err(io::Error::new(
+                io::ErrorKind::UnexpectedEof,
+                format!("the object ended after {dst_off} of {size} bytes"),
+            ));
+        }
+    }
+    rfs::ftruncate(target, size)?;
+    rfs::fsync(target)?;
+    Ok(size)
+}
+
+/// Makes a filled placeholder an ordinary object (mode 0644). The marker
+/// goes only once its bytes are on disk ([`copy_into`] synced them), so a
+/// fill cut short leaves a placeholder, never an object with holes; a
+/// mode change lost in a crash leaves one too (filled again, harmlessly).
+pub fn seal(target: &OwnedFd) -> io::Result<()> {
+    Ok(rfs::fchmod(target, Mode::from_raw_mode(0o644))?)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_placeholder_is_no_object_until_filled() {
+        let tmp = tempfile::tempdir().unwrap();
+        let store = Store::create(&tmp.path().join("store")).unwrap();
+        let bytes = b"hello, placeholder".repeat(1000);
+        let d = tilefs_image::verity::digest_bytes(&bytes);
+        assert!(create(&store, &d, bytes.len() as u64).unwrap());
+        assert!(!create(&store, &d, bytes.len() as u64).unwrap(), "made once");
+        // Its size, its marker; no object to any lookup.
+        let st = rfs::stat(store.object_path(&d)).unwrap();
+        assert_eq!((st.st_size as usize, st.st_mode & 0o7777), (bytes.len(), MODE));
+        assert!(!store.has_object(&d));
+        assert_eq!(crate::presence::absent(&store, [d]), vec![d]);
+        assert_eq!(list(&store), HashSet::from([d]));
+        // Filled: an object like any other, the index swept.
+        let src = tmp.path().join("src");
+        std::fs::write(&src, &bytes).unwrap();
+        let target = rfs::open(store.object_path(&d), OFlags::WRONLY, Mode::empty()).unwrap();
+        copy_into(&target, &std::fs::File::open(&src).unwrap()).unwrap();
+        assert!(!store.has_object(&d), "a placeholder until sealed");
+        seal(&target).unwrap();
+        settle(&store, &d, &target).unwrap();
+        assert_eq!(std::fs::read(store.object_path(&d)).unwrap(), bytes);
+        assert!(store.has_object(&d));
+        assert!(crate::presence::absent(&store, [d]).is_empty());
+        assert!(list(&store).is_empty());
+        assert_eq!(std::fs::read_dir(store.join(PLACEHOLDER_DIR)).unwrap().count(), 0);
+        // Replaced by a fetch meanwhile: the filled inode goes back in.
+        let d2 = tilefs_image::verity::digest_bytes(b"two");
+        assert!(create(&store, &d2, 3).unwrap());
+        let target = rfs::open(store.object_path(&d2), OFlags::WRONLY, Mode::empty()).unwrap();
+        let fetched = tmp.path().join("fetched");
+        std::fs::write(&fetched, b"two").unwrap();
+        std::fs::rename(&fetched, store.object_path(&d2)).unwrap();
+        copy_into(&target, &std::fs::File::open(store.object_path(&d2)).unwrap()).unwrap();
+        seal(&target).unwrap();
+        settle(&store, &d2, &target).unwrap();
+        let (a, b) = (rfs::fstat(&target).unwrap(), rfs::stat(store.object_path(&d2)).unwrap());
+        assert_eq!((a.st_ino, a.st_nlink), (b.st_ino, 1));
+        // Gone unfilled (gc): the entry is swept.
+        let d3 = tilefs_image::verity::digest_bytes(b"three");
+        assert!(create(&store, &d3, 5).unwrap());
+        std::fs::remove_file(store.object_path(&d3)).unwrap();
+        assert_eq!(sweep(&store, false), 1);
+    }
+}
