@@ -790,6 +790,12 @@ pub struct Chain {
 /// then for its layers' tables of contents (eStargz, zstd:chunked).
 pub fn plan(r: &ImageRef, opts: &PullOptions) -> Result<LazyPlan, OciError> {
     let (opened, raw) = crate::pull::open_with_config(r, opts)?;
+    plan_opened(&opened, &raw, opts)
+}
+
+/// [`plan`] of an image opened already ([`crate::pull::open_with_config`]:
+/// accepted by the policy), `raw` its configuration.
+pub fn plan_opened(opened: &crate::trust::Opened, raw: &[u8], opts: &PullOptions) -> Result<LazyPlan, OciError> {
     let crate::trust::Opened {
         source,
         resolved,
@@ -805,11 +811,11 @@ pub fn plan(r: &ImageRef, opts: &PullOptions) -> Result<LazyPlan, OciError> {
                 "{source} is a tilefs image that is not runnable (`tilefs push --runnable-from` makes one)"
             ))
         } else {
-            artifact::parse_runnable_config(&raw, &blobs).map_err(|e| OciError::manifest(&what, e))?;
+            artifact::parse_runnable_config(raw, &blobs).map_err(|e| OciError::manifest(&what, e))?;
             LazyKind::Artifact(blobs)
         }
     } else {
-        let v: Value = serde_json::from_slice(&raw).map_err(|e| OciError::manifest(&what, format!("not JSON: {e}")))?;
+        let v: Value = serde_json::from_slice(raw).map_err(|e| OciError::manifest(&what, format!("not JSON: {e}")))?;
         let diff_ids = v
             .pointer("/rootfs/diff_ids")
             .and_then(Value::as_array)
@@ -831,7 +837,7 @@ pub fn plan(r: &ImageRef, opts: &PullOptions) -> Result<LazyPlan, OciError> {
             ..opts.clone()
         };
         match &source {
-            ImageRef::Registry { reference } => match usable(&source, reference, &resolved, &registry)? {
+            ImageRef::Registry { reference } => match usable(source, reference, resolved, registry)? {
                 Ok(index) => LazyKind::Indexed(Box::new(IndexedImage {
                     opts,
                     source: source.clone(),
@@ -841,7 +847,7 @@ pub fn plan(r: &ImageRef, opts: &PullOptions) -> Result<LazyPlan, OciError> {
                 })),
                 // Without an index, an eStargz or zstd:chunked image goes
                 // by its tables of contents (as `pull --lazy` does).
-                Err(why) => match crate::toc_lazy::tables(&source, &resolved, &opts, &Default::default()) {
+                Err(why) => match crate::toc_lazy::tables(source, resolved, &opts, &Default::default()) {
                     Ok(Some(Ok(tables))) => LazyKind::Toc(Box::new(TocImages {
                         opts,
                         source: source.clone(),
