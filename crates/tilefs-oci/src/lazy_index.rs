@@ -474,7 +474,7 @@ pub fn index(store: &Store, r: &ImageRef, opts: &IndexOptions) -> Result<IndexRe
         &reg,
         &subject,
         manifest,
-        ARTIFACT_TYPE,
+        &[ARTIFACT_TYPE, CONFIG_TYPE],
         json!({"org.tilefs.fsverity": hex::encode(fsverity)}),
     )?;
     let signed = match &signer {
@@ -538,7 +538,7 @@ pub fn find(reg: &Registry, resolved: &Resolved) -> Result<Option<Indexed>, OciE
     let Some(subject) = &resolved.manifest_digest else {
         return Ok(None);
     };
-    let found = referrers::find(reg, subject, ARTIFACT_TYPE)?;
+    let found = referrers::find(reg, subject, &[ARTIFACT_TYPE, CONFIG_TYPE])?;
     let Some(newest) = found.last() else {
         return Ok(None);
     };
