@@ -372,3 +372,50 @@ fn an_index_is_listed_and_found_through_the_referrers_api() {
     assert_eq!(referrers, [200, 200], "the referrers API was not asked by both");
     assert_eq!(tagged.len(), 0, "the fallback tag was used: {tagged:?}");
 }
+
+/// A file longer than a piece (8 MiB of the tar stream, each decoded from
+/// its own checkpoint) is read in pieces that end at checkpoints, so the
+/// compressed bytes of one piece's last span are not fetched again for
+/// the next: reading it fetches no more than the layer blob holds.
+#[test]
+fn a_long_file_is_read_without_fetching_a_byte_twice() {
+    require(cannot_fuse());
+    require(missing_program("umoci", "umoci"));
+    require(missing_program("skopeo", "skopeo"));
+    let area = Area::new();
+    let registry = Registry::start(&area);
+    let data = |root: &Path| write_files(root, 31, &[("etc/msg".into(), 100), ("big/long".into(), 20 << 20)]);
+    let remote = push_image_with(&area, &registry, "long", &[&data], &[]);
+    let docker = format!("docker://{remote}");
+    checked(
+        Command::new(tilefs_bin())
+            .args(["index", "-q", "--tls-verify=false", "--store"])
+            .arg(area.path("indexing"))
+            .arg(&docker),
+    );
+    let store = area.path("store");
+    let out = run_pull(&store, &docker, &["--lazy", "--tag", "long"]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let layer = skopeo_raw(&docker)["layers"][0].clone();
+    let (blob, size) = (
+        layer["digest"].as_str().unwrap().to_string(),
+        layer["size"].as_u64().unwrap(),
+    );
+    let mnt = area.dir("mnt");
+    let (_m, _) = mount_tag(&store, "long", &mnt, &area.path("mount.log"));
+    let n = registry.requests().len();
+    let read_back = read(&mnt.join("big/long")).unwrap();
+    assert!(
+        read_back == read(&area.path("bundle-long/rootfs/big/long")).unwrap(),
+        "big/long reads wrong"
+    );
+    let gets: Vec<(u16, u64)> = registry.requests()[n..]
+        .iter()
+        .filter(|r| r.method == "GET" && r.path.ends_with(&blob))
+        .map(|r| (r.status, r.bytes))
+        .collect();
+    let fetched: u64 = gets.iter().map(|g| g.1).sum();
+    eprintln!("reading a 20 MiB file: GETs of its layer {gets:?}, {fetched} bytes of a {size}-byte blob");
+    assert!(gets.iter().all(|g| g.0 == 206), "not range GETs: {gets:?}");
+    assert!(fetched <= size, "{fetched} bytes fetched of a {size}-byte blob");
+}
