@@ -793,6 +793,30 @@ pub fn plan(r: &ImageRef, opts: &PullOptions) -> Result<LazyPlan, OciError> {
     plan_opened(&opened, &raw, opts)
 }
 
+/// The diff IDs an image configuration `raw` (`what`, for errors) gives
+/// its layers (`rootfs.diff_ids`), which must be `layers`, the manifest's
+/// count.
+pub fn diff_ids(raw: &[u8], layers: usize, what: &str) -> Result<Vec<Digest>, OciError> {
+    let v: Value = serde_json::from_slice(raw).map_err(|e| OciError::manifest(what, format!("not JSON: {e}")))?;
+    let diff_ids = v
+        .pointer("/rootfs/diff_ids")
+        .and_then(Value::as_array)
+        .map(|a| {
+            a.iter()
+                .map(|d| d.as_str().and_then(|s| Digest::parse(s).ok()))
+                .collect::<Option<Vec<Digest>>>()
+        })
+        .ok_or_else(|| OciError::manifest(what, "not an image configuration (no rootfs.diff_ids)"))?
+        .ok_or_else(|| OciError::manifest(what, "a diff ID that is no digest"))?;
+    if diff_ids.len() != layers {
+        return Err(OciError::manifest(
+            what,
+            format!("lists {} layers where the manifest has {layers}", diff_ids.len()),
+        ));
+    }
+    Ok(diff_ids)
+}
+
 /// [`plan`] of an image opened already ([`crate::pull::open_with_config`]:
 /// accepted by the policy), `raw` its configuration.
 pub fn plan_opened(opened: &crate::trust::Opened, raw: &[u8], opts: &PullOptions) -> Result<LazyPlan, OciError> {
@@ -815,23 +839,7 @@ pub fn plan_opened(opened: &crate::trust::Opened, raw: &[u8], opts: &PullOptions
             LazyKind::Artifact(blobs)
         }
     } else {
-        let v: Value = serde_json::from_slice(raw).map_err(|e| OciError::manifest(&what, format!("not JSON: {e}")))?;
-        let diff_ids = v
-            .pointer("/rootfs/diff_ids")
-            .and_then(Value::as_array)
-            .map(|a| {
-                a.iter()
-                    .map(|d| d.as_str().and_then(|s| Digest::parse(s).ok()))
-                    .collect::<Option<Vec<Digest>>>()
-            })
-            .ok_or_else(|| OciError::manifest(&what, "not an image configuration (no rootfs.diff_ids)"))?
-            .ok_or_else(|| OciError::manifest(&what, "a diff ID that is no digest"))?;
-        if diff_ids.len() != blobs.len() {
-            return Err(OciError::manifest(
-                &what,
-                format!("lists {} layers where the manifest has {}", diff_ids.len(), blobs.len()),
-            ));
-        }
+        let diff_ids = diff_ids(raw, blobs.len(), &what)?;
         let opts = PullOptions {
             registry: registry.clone(),
             ..opts.clone()

@@ -147,7 +147,11 @@ pub fn pull(r: &ImageRef, o: &Options) -> Result<Report> {
         .ok_or_else(|| OciError::manifest(&what, "has no manifest digest"))?;
     let top_digest = Digest::sha256_of(&resolved.top_manifest);
     let config_ref = resolved.config.clone().expect("checked by open_with_config");
-    let diff_ids = diff_ids(&raw_config, resolved.layers.len(), &config_ref.digest)?;
+    let diff_ids = tilefs_oci::lazy_index::diff_ids(
+        &raw_config,
+        resolved.layers.len(),
+        &format!("configuration {}", config_ref.digest),
+    )?;
     let chain = lazy::chain_ids(&diff_ids);
     stage(format!("looking for a lazy path for {r}"), true);
     let lazy_how = match tilefs_oci::lazy_index::plan_opened(&opened, &raw_config, &o.pull) {
@@ -272,28 +276,6 @@ pub fn pull(r: &ImageRef, o: &Options) -> Result<Report> {
     result
 }
 
-/// The configuration's diff IDs (one per layer of the manifest's).
-fn diff_ids(raw: &[u8], layers: usize, config: &Digest) -> Result<Vec<Digest>> {
-    let what = format!("configuration {config}");
-    let v: Value = serde_json::from_slice(raw).map_err(|e| OciError::manifest(&what, format!("not JSON: {e}")))?;
-    let ids = v
-        .pointer("/rootfs/diff_ids")
-        .and_then(Value::as_array)
-        .ok_or_else(|| OciError::manifest(&what, "has no rootfs.diff_ids"))?
-        .iter()
-        .map(|d| d.as_str().and_then(|s| Digest::parse(s).ok()))
-        .collect::<Option<Vec<Digest>>>()
-        .ok_or_else(|| OciError::manifest(&what, "a diff ID that is no digest"))?;
-    if ids.len() != layers {
-        return Err(OciError::manifest(
-            &what,
-            format!("lists {} layers where the manifest has {layers}", ids.len()),
-        )
-        .into());
-    }
-    Ok(ids)
-}
-
 /// A manifest's or index's media type: its own `mediaType`, else what its
 /// fields make it (OCI allows leaving it out).
 fn media_type_of(doc: &[u8]) -> String {
@@ -317,28 +299,6 @@ fn unique() -> String {
         .duration_since(SystemTime::UNIX_EPOCH)
         .unwrap_or_default();
     format!("{}-{}", std::process::id(), t.as_nanos())
-}
-
-fn rfc3339(t: SystemTime) -> String {
-    // Days to a civil date (the proleptic Gregorian calendar), for the
-    // lease's expiry label: no time crate for one timestamp.
-    let secs = t.duration_since(SystemTime::UNIX_EPOCH).unwrap_or_default().as_secs();
-    let (days, rem) = ((secs / 86400) as i64, secs % 86400);
-    let z = days + 719_468;
-    let era = z.div_euclid(146_097);
-    let doe = z - era * 146_097;
-    let yoe = (doe - doe / 1460 + doe / 36524 - doe / 146_096) / 365;
-    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
-    let mp = (5 * doy + 2) / 153;
-    let d = doy - (153 * mp + 2) / 5 + 1;
-    let m = if mp < 10 { mp + 3 } else { mp - 9 };
-    let y = yoe + era * 400 + i64::from(m <= 2);
-    format!(
-        "{y:04}-{m:02}-{d:02}T{:02}:{:02}:{:02}Z",
-        rem / 3600,
-        rem / 60 % 60,
-        rem % 60
-    )
 }
 
 /// containerd's gRPC API in one namespace (and lease, once made).
@@ -454,7 +414,8 @@ impl Ctr {
     /// process end before it ends it.
     async fn lease(&self) -> Result<String> {
         let id = format!("tilefs-pull-{}", unique());
-        let expire = rfc3339(SystemTime::now() + Duration::from_secs(3600));
+        let expire =
+            (chrono::Utc::now() + chrono::Duration::hours(1)).to_rfc3339_opts(chrono::SecondsFormat::Secs, true);
         LeasesClient::new(self.channel.clone())
             .create(self.req(CreateRequest {
                 id: id.clone(),
@@ -772,16 +733,6 @@ fn source_of(e: &(dyn std::error::Error + 'static)) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn expiry_is_rfc3339() {
-        let t = SystemTime::UNIX_EPOCH + Duration::from_secs(1_764_312_345);
-        assert_eq!(rfc3339(t), "2025-11-28T06:45:45Z");
-        assert_eq!(
-            rfc3339(SystemTime::UNIX_EPOCH + Duration::from_secs(951_782_400)),
-            "2000-02-29T00:00:00Z"
-        );
-    }
 
     #[test]
     fn namespaces_follow_containerds_rule() {
