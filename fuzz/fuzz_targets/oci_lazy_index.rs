@@ -30,13 +30,13 @@ fuzz_target!(|data: &[u8]| {
             assert_eq!((again.entries, again.placements, again.seek), (map.entries, map.placements, map.seek));
         }
         1 => {
-            let Ok(list) = referrers::parse_list(rest, "application/x.t") else { return };
+            let Ok(list) = referrers::parse_list(rest, &["application/x.t"]) else { return };
             let entry = serde_json::json!({
                 "mediaType": "application/vnd.oci.image.manifest.v1+json",
                 "digest": format!("sha256:{}", "0".repeat(64)), "size": 1, "artifactType": "application/x.t",
             });
             if let Ok(added) = referrers::add_to_list(Some(rest), entry) {
-                let now = referrers::parse_list(&added, "application/x.t").unwrap();
+                let now = referrers::parse_list(&added, &["application/x.t"]).unwrap();
                 assert!(list.iter().filter(|r| r.digest.hex() != "0".repeat(64)).all(|r| now.contains(r)));
                 assert_eq!(now.last().unwrap().digest.hex(), "0".repeat(64));
             }

@@ -50,6 +50,20 @@ pub struct PullArgs {
     /// (`tilefs pull` without --lazy completes the store)
     #[arg(long)]
     pub lazy: bool,
+    /// Make the image in containerd, whose socket this is (e.g. /run/containerd/containerd.sock),
+    /// not in a store: its layers the tilefs snapshotter's lazy snapshots where it can serve them
+    /// so (a runnable tilefs image, a `tilefs index`, eStargz or zstd:chunked tables of
+    /// contents), else fetched into containerd's content store and unpacked by it. `ctr run
+    /// --snapshotter tilefs` and nerdctl then run it
+    #[arg(long, value_name = "ADDRESS", conflicts_with_all = ["tag", "lazy", "all_xattrs", "jobs"])]
+    pub containerd: Option<std::path::PathBuf>,
+    /// containerd's namespace for --containerd (ctr's is "default", nerdctl's too, CRI's
+    /// "k8s.io")
+    #[arg(long, value_name = "NS", default_value = "default", requires = "containerd")]
+    pub namespace: String,
+    /// The tilefs snapshotter's name in containerd (its proxy plugin's) for --containerd
+    #[arg(long, value_name = "NAME", default_value = tilefs_snapshotter::DEFAULT_PLUGIN_NAME, requires = "containerd")]
+    pub snapshotter: String,
     /// No progress display
     #[arg(short, long)]
     pub quiet: bool,
@@ -59,6 +73,9 @@ pub struct PullArgs {
 }
 
 pub fn run(a: PullArgs) -> Result<ExitCode> {
+    if a.containerd.is_some() {
+        return run_containerd(a);
+    }
     let started = Instant::now();
     let r = ImageRef::parse(&a.reference)?;
     let tag = a.tag.clone().unwrap_or_else(|| r.default_tag());
@@ -148,6 +165,74 @@ pub fn run(a: PullArgs) -> Result<ExitCode> {
                 },
                 report.entries,
                 report.objects.new_objects
+            );
+        }
+        println!("{}", report.digest);
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+/// `tilefs pull --containerd`: the image made in containerd
+/// ([`tilefs_snapshotter::into_containerd`]).
+fn run_containerd(a: PullArgs) -> Result<ExitCode> {
+    use tilefs_snapshotter::into_containerd::{self, Error};
+    let started = Instant::now();
+    let r = ImageRef::parse(&a.reference)?;
+    let platform = a.platform.as_deref().map(Platform::parse).transpose()?;
+    let cancel = Arc::new(AtomicBool::new(false));
+    for sig in [signal_hook::consts::SIGINT, signal_hook::consts::SIGTERM] {
+        signal_hook::flag::register(sig, cancel.clone()).context("cannot handle signals")?;
+    }
+    let counters = Arc::new(PullProgress::default());
+    let opts = into_containerd::Options {
+        address: a.containerd.clone().expect("--containerd"),
+        namespace: a.namespace.clone(),
+        snapshotter: a.snapshotter.clone(),
+        pull: PullOptions {
+            platform,
+            registry: a.registry.options(),
+            cancel: Some(cancel.clone()),
+            progress: Some(counters.clone()),
+            trust: a.registry.trust(a.signature_policy.clone()),
+            ..Default::default()
+        },
+    };
+    let display = progress::enabled(a.quiet || a.json).then(|| {
+        let (c, s) = (counters.clone(), counters.clone());
+        Progress::staged(
+            "pulling",
+            "layers",
+            move || (c.layers_done.load(Relaxed), c.blob_bytes.load(Relaxed)),
+            counters.blob_total.clone(),
+            move || s.stage.get(),
+        )
+    });
+    let result = into_containerd::pull(&r, &opts);
+    drop(display);
+    let what = || format!("cannot pull {r} into containerd");
+    let result = match result {
+        Err(Error::Containerd(e)) => return Err(anyhow::anyhow!(e).context(what())),
+        Err(Error::Oci(e)) => Err(e),
+        Ok(report) => Ok(report),
+    };
+    let report = crate::registry_arg::outcome(result, &cancel, what)?;
+    if a.json {
+        let mut v = serde_json::to_value(&report)?;
+        v["reference"] = r.to_string().into();
+        v["seconds"] = started.elapsed().as_secs_f64().into();
+        println!("{}", serde_json::to_string_pretty(&v)?);
+    } else {
+        if !a.quiet {
+            eprintln!(
+                "tilefs: pulled {r} into containerd (namespace {}) as {}: {} of {} layers lazily, {} unpacked ({} bytes fetched), {} there already; {}",
+                report.namespace,
+                report.name,
+                report.lazy_layers,
+                report.layers,
+                report.unpacked_layers,
+                report.blob_bytes,
+                report.present_layers,
+                report.lazy
             );
         }
         println!("{}", report.digest);

@@ -129,8 +129,10 @@ impl Rig {
             &self.root,
             &self.store,
             &self.snap_sock,
-            // Removed snapshots' objects collected a second after.
-            &["--gc-delay", "1"],
+            // Removed snapshots' objects collected a second after; the
+            // lazy path (`tilefs pull --containerd`) reaches the registry
+            // over plain HTTP.
+            &["--gc-delay", "1", "--tls-verify=false"],
             &self.area.join("snapshotter.log"),
         ));
         // containerd's gRPC client reconnects to a restarted plugin after
@@ -1354,4 +1356,236 @@ fn an_opaque_root_means_the_same_to_pull_the_snapshotter_and_containerd() {
     names.sort();
     assert_eq!(names, want, "tilefs pull");
     drop(rig);
+}
+
+/// `tilefs pull --containerd ADDRESS --namespace NS ARGS... REF` (plain
+/// HTTP), with the signature policy `policy`.
+fn pull_into(rig: &Rig, policy: &Path, args: &[&str], reference: &str) -> Output {
+    run(Command::new(tilefs_bin())
+        .args(["pull", "--json", "--tls-verify=false", "--containerd"])
+        .arg(&rig.sock)
+        .args(["--namespace", &rig.ns, "--signature-policy"])
+        .arg(policy)
+        .args(args)
+        .arg(format!("docker://{reference}")))
+}
+
+/// `ctr` users start an ordinary image with a tilefs index lazily through
+/// `tilefs pull --containerd`; an image without one is unpacked whole and
+/// runs too; the pull is judged by tilefs's policy; removing the images
+/// lets containerd's gc remove their snapshots; mistakes are named.
+#[test]
+fn tilefs_pull_into_containerd_starts_ctr_containers_lazily() {
+    require_tools();
+    let area = Area::new();
+    let rig = Rig::start(&area);
+    let policy = area.path("policy.json");
+    fs::write(&policy, r#"{"default": [{"type": "insecureAcceptAnything"}]}"#).unwrap();
+    // busybox, 24 files of 256 KiB (a gzip checkpoint about every 4 MiB),
+    // and an 8 MiB file alone.
+    let indexed = push_image(
+        &area,
+        rig.registry(),
+        "indexed",
+        &[
+            &|r: &Path| {
+                common::oci::busybox_into(r, &["sh", "cat", "echo", "md5sum"]);
+                fs::create_dir_all(r.join("etc")).unwrap();
+                fs::write(r.join("etc/msg"), "hello through ctr").unwrap();
+            },
+            &|r: &Path| {
+                let files: Vec<(String, usize)> = (0..24).map(|i| (format!("data/f{i}"), 256 << 10)).collect();
+                common::oci::write_files(r, 41, &files);
+            },
+            &|r: &Path| common::oci::write_files(r, 42, &[("big/lone".to_string(), 8 << 20)]),
+        ],
+    );
+    ok(Command::new(tilefs_bin())
+        .args(["index", "-q", "--tls-verify=false", "--store"])
+        .arg(area.path("indexing"))
+        .arg(format!("docker://{indexed}")));
+    let raw = common::oci::skopeo_raw(&format!("docker://{indexed}"));
+    let layers: Vec<(String, u64)> = raw["layers"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|l| (l["digest"].as_str().unwrap().to_string(), l["size"].as_u64().unwrap()))
+        .collect();
+    let layer_gets = |from: usize| -> Vec<(String, u16, u64)> {
+        rig.registry().requests()[from..]
+            .iter()
+            .filter(|r| r.method == "GET")
+            .filter_map(|r| {
+                let l = layers.iter().find(|l| r.path.ends_with(&l.0))?;
+                Some((l.0.clone(), r.status, r.bytes))
+            })
+            .collect()
+    };
+
+    // The pull: every layer a lazy snapshot, no layer blob fetched.
+    let from = rig.registry().requests().len();
+    let t = Instant::now();
+    let out = pull_into(&rig, &policy, &[], &indexed);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let pulled = t.elapsed();
+    let report: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    eprintln!(
+        "tilefs pull --containerd of the indexed image ({:.2} s): {report}",
+        pulled.as_secs_f64()
+    );
+    assert_eq!(report["name"], indexed.as_str());
+    assert_eq!(report["layers"], 3);
+    assert_eq!(report["lazy_layers"], 3, "{report}");
+    assert_eq!(report["blob_bytes"], 0);
+    assert!(
+        report["lazy"]
+            .as_str()
+            .unwrap()
+            .starts_with("lazy: through tilefs index"),
+        "{report}"
+    );
+    assert_eq!(layer_gets(from), [], "the pull fetched layer blobs");
+    let listed = ok(rig.ctr().args(["images", "ls", "-q"]));
+    assert!(listed.lines().any(|l| l == indexed), "ctr images ls: {listed}");
+    // Its lease ended: the image holds what it needs.
+    assert_eq!(ok(rig.ctr().args(["leases", "ls", "-q"])), "", "a lease was left");
+
+    // ctr runs it: a file of the data layer is fetched by range, from the
+    // checkpoint before it; the big file's layer is not fetched.
+    let from = rig.registry().requests().len();
+    let t = Instant::now();
+    let out = rig.run_in(&indexed, "lazy-indexed", "cat /etc/msg; echo; md5sum /data/f9");
+    eprintln!("ctr run of the lazily pulled image: {:.2} s", t.elapsed().as_secs_f64());
+    let md5 = ok(Command::new("md5sum").arg(area.path("bundle-indexed/rootfs/data/f9")));
+    assert!(out.starts_with("hello through ctr\n"), "{out}");
+    assert!(out.contains(md5.split_whitespace().next().unwrap()), "{out}");
+    let gets = layer_gets(from);
+    let (data, data_size) = &layers[1];
+    let fetched: u64 = gets.iter().filter(|g| &g.0 == data).map(|g| g.2).sum();
+    eprintln!("ctr run: layer blob GETs {gets:?}; {fetched} of the data layer's {data_size} bytes");
+    assert!(
+        fetched > 0 && fetched * 2 < *data_size,
+        "{fetched} bytes of a layer of {data_size}"
+    );
+    // (busybox's layer, shorter than a checkpoint's span, is fetched whole
+    // on first use.)
+    assert!(
+        gets.iter().filter(|g| &g.0 == data).all(|g| g.1 == 206),
+        "whole-blob GETs of the data layer: {gets:?}"
+    );
+    assert!(
+        gets.iter().all(|g| g.0 != layers[2].0),
+        "the big file's layer was fetched: {gets:?}"
+    );
+
+    // Without an index: the layers are fetched into containerd's content
+    // store and unpacked by containerd, and the image runs.
+    let plain = push_image(
+        &area,
+        rig.registry(),
+        "plain",
+        &[&|r: &Path| {
+            common::oci::busybox_into(r, &["sh", "cat"]);
+            fs::create_dir_all(r.join("etc")).unwrap();
+            fs::write(r.join("etc/msg"), "hello unindexed").unwrap();
+        }],
+    );
+    let out = pull_into(&rig, &policy, &[], &plain);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let report: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    eprintln!("tilefs pull --containerd of an unindexed image: {report}");
+    assert_eq!(
+        (report["lazy_layers"].as_u64(), report["unpacked_layers"].as_u64()),
+        (Some(0), Some(1))
+    );
+    assert!(report["blob_bytes"].as_u64().unwrap() > 0);
+    let said = report["lazy"].as_str().unwrap();
+    assert!(
+        said.starts_with("pulled whole:") && said.contains("has no tilefs index"),
+        "{said}"
+    );
+    assert_eq!(rig.run_in(&plain, "whole-plain", "cat /etc/msg"), "hello unindexed");
+    // Again: containerd has every layer, nothing is fetched.
+    let out = pull_into(&rig, &policy, &[], &plain);
+    let report: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(
+        (report["present_layers"].as_u64(), report["blob_bytes"].as_u64()),
+        (Some(1), Some(0)),
+        "{report}"
+    );
+
+    // tilefs's policy judges the pull: refused, nothing is made.
+    let refusing = area.path("refusing.json");
+    fs::write(&refusing, r#"{"default": [{"type": "reject"}]}"#).unwrap();
+    let other = push_image(
+        &area,
+        rig.registry(),
+        "refused",
+        &[&|r: &Path| common::oci::busybox_into(r, &["sh"])],
+    );
+    let out = pull_into(&rig, &refusing, &[], &other);
+    eprintln!("a pull the policy refuses: {}", stderr(&out).trim());
+    assert!(
+        !out.status.success() && stderr(&out).contains("reject"),
+        "{}",
+        stderr(&out)
+    );
+    assert!(!ok(rig.ctr().args(["images", "ls", "-q"])).contains("refused"));
+
+    // Mistakes are named, with the fix.
+    let out = pull_into(&rig, &policy, &["--snapshotter", "nosuch"], &plain);
+    eprintln!("no such snapshotter: {}", stderr(&out).trim());
+    assert!(
+        !out.status.success()
+            && stderr(&out).contains("no snapshotter \"nosuch\"")
+            && stderr(&out).contains("proxy_plugins"),
+        "{}",
+        stderr(&out)
+    );
+    let out = run(Command::new(tilefs_bin())
+        .args(["pull", "--containerd"])
+        .arg(area.path("nothing.sock"))
+        .arg(format!("docker://{plain}")));
+    eprintln!("no containerd: {}", stderr(&out).trim());
+    assert!(
+        !out.status.success() && stderr(&out).contains("cannot reach containerd at"),
+        "{}",
+        stderr(&out)
+    );
+
+    // Removing the images lets containerd's gc remove every snapshot (the
+    // lazy ones' FUSE servers end).
+    ok(rig.ctr().args(["images", "rm", "--sync", &indexed, &plain]));
+    let t = Instant::now();
+    loop {
+        let left = ok(rig.snapshots().arg("ls"));
+        if left.lines().count() <= 1 {
+            break;
+        }
+        assert!(
+            t.elapsed() < Duration::from_secs(30),
+            "snapshots left after ctr images rm: {left}"
+        );
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    let mounted: Vec<String> = mountinfo_lines()
+        .into_iter()
+        .filter(|l| l.contains(&rig.root.display().to_string()))
+        .collect();
+    assert_eq!(
+        mounted,
+        Vec::<String>::new(),
+        "mounts left under the snapshotter's root"
+    );
+
+    // The snapshotter is down: said so, with the fix.
+    let mut rig = rig;
+    rig.stop_snapshotter("-TERM");
+    let out = pull_into(&rig, &policy, &[], &plain);
+    eprintln!("the snapshotter down: {}", stderr(&out).trim());
+    assert!(
+        !out.status.success() && stderr(&out).contains("containerd cannot reach its snapshotter \"tilefs\""),
+        "{}",
+        stderr(&out)
+    );
 }

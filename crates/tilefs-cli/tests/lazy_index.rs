@@ -7,12 +7,14 @@
 //! shows it too), and a proxy that flips a byte of range answers fails
 //! only the file they belong to. Without an index, `pull --lazy` pulls
 //! whole and says so. A zstd image (skopeo's recompression) is indexed and
-//! pulled lazily too.
+//! pulled lazily too. Against a registry that has the referrers API
+//! (go-containerregistry's), the index is listed and found through it, with
+//! no fallback tag.
 
 mod common;
 
 use common::oci::*;
-use common::registry::{curl_put, Pass, Registry, Relay};
+use common::registry::{curl_put, Pass, ReferrersRegistry, Registry, Relay};
 use common::*;
 use std::fs;
 use std::path::Path;
@@ -338,4 +340,105 @@ fn an_indexed_zstd_image_pulls_lazily_to_the_image_a_full_pull_makes() {
     let mut want = Rng::new(21);
     assert_eq!(read(&mnt.join("etc/config")).unwrap(), want.bytes(3000));
     assert_eq!(read(&mnt.join("data/blob")).unwrap(), want.bytes(3 << 20));
+}
+
+#[test]
+fn an_index_is_listed_and_found_through_the_referrers_api() {
+    require(cannot_fuse());
+    require(missing_program("umoci", "umoci"));
+    require(missing_program("skopeo", "skopeo"));
+    let area = Area::new();
+    let Some(registry) = ReferrersRegistry::start(&area) else {
+        return;
+    };
+    let data = |root: &Path| write_files(root, 21, &[("etc/msg".into(), 3000), ("big/lone".into(), 2 << 20)]);
+    let remote = push_image_to(&area, &registry.addr, "app", &[&data], &[], &[]);
+    let docker = format!("docker://{remote}");
+    let indexing = area.path("indexing");
+    let index = checked(
+        Command::new(tilefs_bin())
+            .args(["index", "--json", "--tls-verify=false", "--store"])
+            .arg(&indexing)
+            .arg(&docker),
+    );
+    let index: serde_json::Value = serde_json::from_str(&index).unwrap();
+    eprintln!("tilefs index against a registry with the referrers API: {index}");
+    assert_eq!(index["referrers_api"], true, "{index}");
+    assert_eq!(index["fallback_tag"], serde_json::Value::Null, "{index}");
+    let subject = index["subject"].as_str().unwrap().to_string();
+    let fallback = subject.replace(':', "-");
+
+    let store = area.path("store");
+    let out = run_pull(&store, &docker, &["--json", "--lazy", "--tag", "app"]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let report: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(report["lazy_index"], index["manifest_digest"], "{report}");
+    assert!(report["lazy_objects"].as_u64().unwrap() > 0, "{report}");
+    // A lazy mount reads the file from the ordinary layer (one shorter
+    // than a checkpoint's span: fetched whole on first use).
+    let mnt = area.dir("mnt");
+    let (m, _) = mount_tag(&store, "app", &mnt, &area.path("mount.log"));
+    assert_eq!(
+        read(&mnt.join("etc/msg")).unwrap(),
+        read(&area.path("bundle-app/rootfs/etc/msg")).unwrap()
+    );
+    drop(m);
+
+    let requests = registry.requests();
+    let referrers: Vec<_> = requests
+        .iter()
+        .filter(|r| r.method == "GET" && r.path.starts_with(&format!("/v2/tilefs/app/referrers/{subject}")))
+        .map(|r| r.status)
+        .collect();
+    let tagged: Vec<_> = requests.iter().filter(|r| r.path.contains(&fallback)).collect();
+    eprintln!("referrers API GETs (index, pull): {referrers:?}; fallback tag requests: {tagged:?}");
+    assert_eq!(referrers, [200, 200], "the referrers API was not asked by both");
+    assert_eq!(tagged.len(), 0, "the fallback tag was used: {tagged:?}");
+}
+
+/// A file longer than a piece (8 MiB of the tar stream, each decoded from
+/// its own checkpoint) is read in pieces that end at checkpoints, so the
+/// compressed bytes of one piece's last span are not fetched again for
+/// the next: reading it fetches no more than the layer blob holds.
+#[test]
+fn a_long_file_is_read_without_fetching_a_byte_twice() {
+    require(cannot_fuse());
+    require(missing_program("umoci", "umoci"));
+    require(missing_program("skopeo", "skopeo"));
+    let area = Area::new();
+    let registry = Registry::start(&area);
+    let data = |root: &Path| write_files(root, 31, &[("etc/msg".into(), 100), ("big/long".into(), 20 << 20)]);
+    let remote = push_image_with(&area, &registry, "long", &[&data], &[]);
+    let docker = format!("docker://{remote}");
+    checked(
+        Command::new(tilefs_bin())
+            .args(["index", "-q", "--tls-verify=false", "--store"])
+            .arg(area.path("indexing"))
+            .arg(&docker),
+    );
+    let store = area.path("store");
+    let out = run_pull(&store, &docker, &["--lazy", "--tag", "long"]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let layer = skopeo_raw(&docker)["layers"][0].clone();
+    let (blob, size) = (
+        layer["digest"].as_str().unwrap().to_string(),
+        layer["size"].as_u64().unwrap(),
+    );
+    let mnt = area.dir("mnt");
+    let (_m, _) = mount_tag(&store, "long", &mnt, &area.path("mount.log"));
+    let n = registry.requests().len();
+    let read_back = read(&mnt.join("big/long")).unwrap();
+    assert!(
+        read_back == read(&area.path("bundle-long/rootfs/big/long")).unwrap(),
+        "big/long reads wrong"
+    );
+    let gets: Vec<(u16, u64)> = registry.requests()[n..]
+        .iter()
+        .filter(|r| r.method == "GET" && r.path.ends_with(&blob))
+        .map(|r| (r.status, r.bytes))
+        .collect();
+    let fetched: u64 = gets.iter().map(|g| g.1).sum();
+    eprintln!("reading a 20 MiB file: GETs of its layer {gets:?}, {fetched} bytes of a {size}-byte blob");
+    assert!(gets.iter().all(|g| g.0 == 206), "not range GETs: {gets:?}");
+    assert!(fetched <= size, "{fetched} bytes fetched of a {size}-byte blob");
 }

@@ -17,9 +17,9 @@ use std::sync::atomic::{AtomicBool, Ordering::Relaxed};
 use tilefs_seekable::SeekIndex;
 use tilefs_store::ingest::Ingest;
 
-/// Uncompressed bytes decoded per range request at most: a long file is
-/// read in pieces, each from its own checkpoint, so memory stays bounded
-/// (about this plus its compressed bytes).
+/// Uncompressed bytes decoded per range request, about (at most twice
+/// this): a long file is read in pieces, each from its own checkpoint, so
+/// memory stays bounded (about this plus its compressed bytes).
 const PIECE: u64 = 8 << 20;
 
 /// Most compressed bytes one piece may need: past it, the layer is read
@@ -105,8 +105,32 @@ struct Pieces<'a> {
 }
 
 impl Pieces<'_> {
+    /// Where the piece from `pos` ends: at the checkpoint nearest
+    /// [`PIECE`] on (the last before it or the first after it, within
+    /// twice that), so that the next piece's fetch starts where this one's
+    /// ended and no compressed byte is fetched twice; else after `PIECE`.
+    fn piece_end(&self) -> u64 {
+        let limit = self.pos + PIECE;
+        if limit >= self.end {
+            return self.end;
+        }
+        let points = self.seek.checkpoints();
+        let after = points.partition_point(|c| c.uncompressed <= limit);
+        let within = points[..after].last().map(|c| c.uncompressed).filter(|&u| u > self.pos);
+        let near = points
+            .get(after)
+            .map(|c| c.uncompressed)
+            .filter(|&u| u - self.pos <= 2 * PIECE);
+        [within, near]
+            .into_iter()
+            .flatten()
+            .min_by_key(|u| u.abs_diff(limit))
+            .unwrap_or(limit)
+            .min(self.end)
+    }
+
     fn next_piece(&mut self) -> io::Result<()> {
-        let to = self.end.min(self.pos + PIECE);
+        let to = self.piece_end();
         let want = self.pos..to;
         let bad = |e: tilefs_seekable::Error| {
             self.corrupt.store(true, Relaxed);

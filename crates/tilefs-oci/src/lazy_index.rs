@@ -474,7 +474,7 @@ pub fn index(store: &Store, r: &ImageRef, opts: &IndexOptions) -> Result<IndexRe
         &reg,
         &subject,
         manifest,
-        ARTIFACT_TYPE,
+        &[ARTIFACT_TYPE, CONFIG_TYPE],
         json!({"org.tilefs.fsverity": hex::encode(fsverity)}),
     )?;
     let signed = match &signer {
@@ -538,7 +538,7 @@ pub fn find(reg: &Registry, resolved: &Resolved) -> Result<Option<Indexed>, OciE
     let Some(subject) = &resolved.manifest_digest else {
         return Ok(None);
     };
-    let found = referrers::find(reg, subject, ARTIFACT_TYPE)?;
+    let found = referrers::find(reg, subject, &[ARTIFACT_TYPE, CONFIG_TYPE])?;
     let Some(newest) = found.last() else {
         return Ok(None);
     };
@@ -790,6 +790,36 @@ pub struct Chain {
 /// then for its layers' tables of contents (eStargz, zstd:chunked).
 pub fn plan(r: &ImageRef, opts: &PullOptions) -> Result<LazyPlan, OciError> {
     let (opened, raw) = crate::pull::open_with_config(r, opts)?;
+    plan_opened(&opened, &raw, opts)
+}
+
+/// The diff IDs an image configuration `raw` (`what`, for errors) gives
+/// its layers (`rootfs.diff_ids`), which must be `layers`, the manifest's
+/// count.
+pub fn diff_ids(raw: &[u8], layers: usize, what: &str) -> Result<Vec<Digest>, OciError> {
+    let v: Value = serde_json::from_slice(raw).map_err(|e| OciError::manifest(what, format!("not JSON: {e}")))?;
+    let diff_ids = v
+        .pointer("/rootfs/diff_ids")
+        .and_then(Value::as_array)
+        .map(|a| {
+            a.iter()
+                .map(|d| d.as_str().and_then(|s| Digest::parse(s).ok()))
+                .collect::<Option<Vec<Digest>>>()
+        })
+        .ok_or_else(|| OciError::manifest(what, "not an image configuration (no rootfs.diff_ids)"))?
+        .ok_or_else(|| OciError::manifest(what, "a diff ID that is no digest"))?;
+    if diff_ids.len() != layers {
+        return Err(OciError::manifest(
+            what,
+            format!("lists {} layers where the manifest has {layers}", diff_ids.len()),
+        ));
+    }
+    Ok(diff_ids)
+}
+
+/// [`plan`] of an image opened already ([`crate::pull::open_with_config`]:
+/// accepted by the policy), `raw` its configuration.
+pub fn plan_opened(opened: &crate::trust::Opened, raw: &[u8], opts: &PullOptions) -> Result<LazyPlan, OciError> {
     let crate::trust::Opened {
         source,
         resolved,
@@ -805,33 +835,17 @@ pub fn plan(r: &ImageRef, opts: &PullOptions) -> Result<LazyPlan, OciError> {
                 "{source} is a tilefs image that is not runnable (`tilefs push --runnable-from` makes one)"
             ))
         } else {
-            artifact::parse_runnable_config(&raw, &blobs).map_err(|e| OciError::manifest(&what, e))?;
+            artifact::parse_runnable_config(raw, &blobs).map_err(|e| OciError::manifest(&what, e))?;
             LazyKind::Artifact(blobs)
         }
     } else {
-        let v: Value = serde_json::from_slice(&raw).map_err(|e| OciError::manifest(&what, format!("not JSON: {e}")))?;
-        let diff_ids = v
-            .pointer("/rootfs/diff_ids")
-            .and_then(Value::as_array)
-            .map(|a| {
-                a.iter()
-                    .map(|d| d.as_str().and_then(|s| Digest::parse(s).ok()))
-                    .collect::<Option<Vec<Digest>>>()
-            })
-            .ok_or_else(|| OciError::manifest(&what, "not an image configuration (no rootfs.diff_ids)"))?
-            .ok_or_else(|| OciError::manifest(&what, "a diff ID that is no digest"))?;
-        if diff_ids.len() != blobs.len() {
-            return Err(OciError::manifest(
-                &what,
-                format!("lists {} layers where the manifest has {}", diff_ids.len(), blobs.len()),
-            ));
-        }
+        let diff_ids = diff_ids(raw, blobs.len(), &what)?;
         let opts = PullOptions {
             registry: registry.clone(),
             ..opts.clone()
         };
         match &source {
-            ImageRef::Registry { reference } => match usable(&source, reference, &resolved, &registry)? {
+            ImageRef::Registry { reference } => match usable(source, reference, resolved, registry)? {
                 Ok(index) => LazyKind::Indexed(Box::new(IndexedImage {
                     opts,
                     source: source.clone(),
@@ -841,7 +855,7 @@ pub fn plan(r: &ImageRef, opts: &PullOptions) -> Result<LazyPlan, OciError> {
                 })),
                 // Without an index, an eStargz or zstd:chunked image goes
                 // by its tables of contents (as `pull --lazy` does).
-                Err(why) => match crate::toc_lazy::tables(&source, &resolved, &opts, &Default::default()) {
+                Err(why) => match crate::toc_lazy::tables(source, resolved, &opts, &Default::default()) {
                     Ok(Some(Ok(tables))) => LazyKind::Toc(Box::new(TocImages {
                         opts,
                         source: source.clone(),

@@ -255,7 +255,7 @@ pub fn image_config(r: &ImageRef, opts: &PullOptions) -> Result<Vec<u8>, OciErro
 
 /// Opens `r` (checked against the signature policy) and reads its
 /// configuration.
-pub(crate) fn open_with_config(r: &ImageRef, opts: &PullOptions) -> Result<(crate::trust::Opened, Vec<u8>), OciError> {
+pub fn open_with_config(r: &ImageRef, opts: &PullOptions) -> Result<(crate::trust::Opened, Vec<u8>), OciError> {
     let platform = opts.platform.clone().unwrap_or_else(Platform::host);
     let opened = crate::trust::open_checked(r, &registry_options(opts), &opts.trust, &platform)?;
     let what = opened.source.to_string();

@@ -28,18 +28,27 @@ pub fn fallback_tag(subject: &Digest) -> String {
     format!("{}-{}", subject.algorithm(), subject.hex())
 }
 
-/// The referrers an index (from the API or a fallback tag) lists with
-/// `artifact_type`, in its order (the last one pushed last). Entries of
-/// other types, or that are not manifests, are skipped; an index that is
-/// not one is an error.
-pub fn parse_list(bytes: &[u8], artifact_type: &str) -> Result<Vec<Referrer>, String> {
+/// The referrers an index (from the API or a fallback tag) lists with an
+/// artifact type of `types`, in its order (the last one pushed last).
+/// Entries of other types, or that are not manifests, are skipped; an
+/// index that is not one is an error. `types` is the manifest's
+/// `artifactType` and its configuration's media type: registries that
+/// followed the spec's release candidates (go-containerregistry's) list a
+/// referrer under the latter even when the manifest names the former. The
+/// caller checks the manifest it then fetches.
+pub fn parse_list(bytes: &[u8], types: &[&str]) -> Result<Vec<Referrer>, String> {
     let v: Value = serde_json::from_slice(bytes).map_err(|e| format!("not JSON: {e}"))?;
     let manifests = manifests_of(&v)?;
     let mut out = Vec::new();
     for m in manifests {
-        if m.get("artifactType").and_then(Value::as_str) != Some(artifact_type)
-            || m.get("mediaType").and_then(Value::as_str) != Some(OCI_MANIFEST)
-        {
+        let Some(artifact_type) = m
+            .get("artifactType")
+            .and_then(Value::as_str)
+            .filter(|t| types.contains(t))
+        else {
+            continue;
+        };
+        if m.get("mediaType").and_then(Value::as_str) != Some(OCI_MANIFEST) {
             continue;
         }
         let digest = m
@@ -110,8 +119,9 @@ pub struct Listed {
     pub fallback_tag: Option<String>,
 }
 
-/// Pushes `manifest` (an OCI image manifest of `artifact_type` whose
-/// `subject` is `subject`) by digest and makes sure it is listed: by the
+/// Pushes `manifest` (an OCI image manifest of artifact type `types[0]`,
+/// configuration type `types[1]`, whose `subject` is `subject`) by digest
+/// and makes sure it is listed: by the
 /// registry's referrers API, else in the fallback tag. The API is asked
 /// rather than the PUT's `OCI-Subject` header read (which the client
 /// library does not hand back): a registry that lists the new manifest has
@@ -120,14 +130,15 @@ pub fn push(
     reg: &Registry,
     subject: &Digest,
     manifest: Vec<u8>,
-    artifact_type: &str,
+    types: &[&str],
     annotations: Value,
 ) -> Result<Listed, OciError> {
+    let artifact_type = types[0];
     let digest = Digest::sha256_of(&manifest);
     let size = manifest.len() as u64;
     reg.put_manifest_by_digest(&digest, manifest, OCI_MANIFEST)?;
     if let Ok(Some(list)) = reg.referrers(subject, artifact_type) {
-        if parse_list(&list, artifact_type).is_ok_and(|l| l.iter().any(|r| r.digest == digest)) {
+        if parse_list(&list, types).is_ok_and(|l| l.iter().any(|r| r.digest == digest)) {
             return Ok(Listed {
                 referrers_api: true,
                 fallback_tag: None,
@@ -150,7 +161,7 @@ pub fn push(
         let list = add_to_list(existing.as_deref(), entry.clone()).map_err(|e| OciError::manifest(&what, e))?;
         reg.put_manifest_at(&tag, list, OCI_INDEX)?;
         let now = reg.manifest_at(&tag)?.unwrap_or_default();
-        if parse_list(&now, artifact_type).is_ok_and(|l| l.iter().any(|r| r.digest == digest)) {
+        if parse_list(&now, types).is_ok_and(|l| l.iter().any(|r| r.digest == digest)) {
             return Ok(Listed {
                 referrers_api: false,
                 fallback_tag: Some(tag),
@@ -163,12 +174,13 @@ pub fn push(
     ))
 }
 
-/// The referrers of `subject` with `artifact_type`: from the referrers
-/// API, or where the registry has none (404, or an answer that is not a
-/// list), from the fallback tag; empty when neither lists any.
-pub fn find(reg: &Registry, subject: &Digest, artifact_type: &str) -> Result<Vec<Referrer>, OciError> {
-    if let Ok(Some(list)) = reg.referrers(subject, artifact_type) {
-        if let Ok(found) = parse_list(&list, artifact_type) {
+/// The referrers of `subject` with an artifact type of `types` (see
+/// [`parse_list`]; the first is asked for): from the referrers API, or
+/// where the registry has none (404, or an answer that is not a list),
+/// from the fallback tag; empty when neither lists any.
+pub fn find(reg: &Registry, subject: &Digest, types: &[&str]) -> Result<Vec<Referrer>, OciError> {
+    if let Ok(Some(list)) = reg.referrers(subject, types[0]) {
+        if let Ok(found) = parse_list(&list, types) {
             return Ok(found);
         }
     }
@@ -176,7 +188,7 @@ pub fn find(reg: &Registry, subject: &Digest, artifact_type: &str) -> Result<Vec
     match reg.manifest_at(&tag)? {
         None => Ok(Vec::new()),
         Some(bytes) => {
-            parse_list(&bytes, artifact_type).map_err(|e| OciError::manifest(format!("the referrers list {tag}"), e))
+            parse_list(&bytes, types).map_err(|e| OciError::manifest(format!("the referrers list {tag}"), e))
         }
     }
 }
@@ -196,9 +208,13 @@ mod tests {
         assert_eq!(two, again);
         let v: Value = serde_json::from_slice(&again).unwrap();
         assert_eq!(v["manifests"][0], other);
-        assert_eq!(parse_list(&again, "x/ours").unwrap().len(), 1);
-        assert_eq!(parse_list(&again, "x/other").unwrap()[0].size, 3);
+        assert_eq!(parse_list(&again, &["x/ours"]).unwrap().len(), 1);
+        assert_eq!(parse_list(&again, &["x/other"]).unwrap()[0].size, 3);
+        assert_eq!(
+            parse_list(&again, &["x/none", "x/other"]).unwrap()[0].artifact_type,
+            "x/other"
+        );
         assert!(add_to_list(Some(b"{}"), json!({})).is_err());
-        assert!(parse_list(br#"{"schemaVersion":2,"mediaType":"x","manifests":[]}"#, "x").is_err());
+        assert!(parse_list(br#"{"schemaVersion":2,"mediaType":"x","manifests":[]}"#, &["x"]).is_err());
     }
 }

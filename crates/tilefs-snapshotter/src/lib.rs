@@ -48,6 +48,7 @@ pub mod claim;
 pub mod collect;
 pub mod cri;
 pub mod filter;
+pub mod into_containerd;
 pub mod layer;
 pub mod lazy;
 pub mod state;

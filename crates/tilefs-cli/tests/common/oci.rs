@@ -193,6 +193,18 @@ pub fn push_image_as(
     config: &[&str],
     copy_flags: &[&str],
 ) -> String {
+    push_image_to(area, &registry.addr, name, layers, config, copy_flags)
+}
+
+/// [`push_image_as`] to the registry at `addr` (`127.0.0.1:PORT`).
+pub fn push_image_to(
+    area: &Area,
+    addr: &str,
+    name: &str,
+    layers: &[&dyn Fn(&Path)],
+    config: &[&str],
+    copy_flags: &[&str],
+) -> String {
     let layout = area.path(&format!("layout-{name}"));
     let bundle = area.path(&format!("bundle-{name}"));
     let lay = format!("{}:{name}", layout.display());
@@ -205,7 +217,7 @@ pub fn push_image_as(
         checked(Command::new("umoci").args(["repack", "--image", &lay]).arg(&bundle));
     }
     checked(Command::new("umoci").args(["config", "--image", &lay]).args(config));
-    let remote = format!("{}/tilefs/{name}:v1", registry.addr);
+    let remote = format!("{addr}/tilefs/{name}:v1");
     checked(
         Command::new("skopeo")
             .args(["copy", "-q", "--dest-tls-verify=false"])

@@ -528,3 +528,78 @@ impl Gate {
         }
     }
 }
+
+/// A registry with the OCI referrers API (Debian's docker-registry lacks
+/// it): go-containerregistry's, in memory, built by
+/// `tests/referrers-registry/build.sh` (scripts/setup runs it). Its access
+/// log is "METHOD PATH STATUS BYTES" lines. Stopped when dropped.
+pub struct ReferrersRegistry {
+    child: Child,
+    pub addr: String,
+    log: PathBuf,
+}
+
+impl ReferrersRegistry {
+    /// None only when Go is not installed (said on stderr).
+    pub fn start(area: &Area) -> Option<ReferrersRegistry> {
+        let script = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/referrers-registry/build.sh");
+        let out = Command::new("bash").arg(&script).output().unwrap();
+        let dir = match out.status.code() {
+            Some(0) => PathBuf::from(String::from_utf8(out.stdout).unwrap().trim()),
+            Some(3) => {
+                eprintln!("skipping: Go is not installed, so referrers-registry cannot be built");
+                return None;
+            }
+            _ => panic!(
+                "building referrers-registry failed: {}",
+                String::from_utf8_lossy(&out.stderr)
+            ),
+        };
+        let port = TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+        let addr = format!("127.0.0.1:{port}");
+        let log = area.path("referrers-registry.log");
+        let child = Command::new(dir.join("referrers-registry"))
+            .args(["-addr", &addr, "-log"])
+            .arg(&log)
+            .spawn()
+            .unwrap();
+        let r = ReferrersRegistry { child, addr, log };
+        let t = Instant::now();
+        while TcpStream::connect(&r.addr).is_err() {
+            assert!(
+                t.elapsed() < Duration::from_secs(10),
+                "referrers-registry did not start"
+            );
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        Some(r)
+    }
+
+    /// Every request so far (each is logged before its handler returns).
+    pub fn requests(&self) -> Vec<Request> {
+        fs::read_to_string(&self.log)
+            .unwrap_or_default()
+            .lines()
+            .filter_map(|l| {
+                let f: Vec<&str> = l.split(' ').collect();
+                let [method, path, status, bytes] = f.as_slice() else {
+                    return None;
+                };
+                Some(Request {
+                    method: method.to_string(),
+                    path: path.to_string(),
+                    status: status.parse().ok()?,
+                    bytes: bytes.parse().ok()?,
+                    agent: String::new(),
+                })
+            })
+            .collect()
+    }
+}
+
+impl Drop for ReferrersRegistry {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}

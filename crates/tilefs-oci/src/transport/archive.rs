@@ -110,6 +110,7 @@ impl Transport for DockerArchive {
             layers,
             artifact: false,
             top_manifest: Vec::new(),
+            manifest: Vec::new(),
             trust: None,
             evidence: None,
         })

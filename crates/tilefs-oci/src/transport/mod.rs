@@ -30,6 +30,9 @@ pub struct Resolved {
     /// The manifest or index the reference names, as its bytes came (what
     /// signatures sign; empty for a Docker archive, which has none).
     pub top_manifest: Vec<u8>,
+    /// The image manifest's bytes, checked against its digest (the top
+    /// manifest's, unless that is an index; empty for a Docker archive).
+    pub manifest: Vec<u8>,
     /// How the image passed the signature policy ([`crate::trust`]), once
     /// it has.
     pub trust: Option<crate::trust::TrustRecord>,
@@ -144,6 +147,7 @@ pub(crate) fn resolve_manifest(
                     layers: manifest::layers(&m, &what, artifact)?,
                     artifact,
                     top_manifest,
+                    manifest: bytes,
                     trust: None,
                     evidence: None,
                 });
