@@ -628,7 +628,7 @@ fn an_indexed_layer_is_made_lazily_over_a_layer_containerd_unpacked() {
     let chain = chain_ids(&diff_ids);
     let top_layer = raw["layers"][1]["digest"].as_str().unwrap().to_string();
 
-    let snap = Snap::start(&area.path(""));
+    let mut snap = Snap::start(&area.path(""));
     // The base as containerd unpacks a layer with no labels (empty here:
     // its files are not what the lazy snapshot shows).
     let base = format!("k8s.io/2/{}", chain[0]);
@@ -683,4 +683,40 @@ fn an_indexed_layer_is_made_lazily_over_a_layer_containerd_unpacked() {
     assert!(blobs(before) >= 2, "the files came from nowhere");
     drop(v);
     snap.remove("k8s.io/4/view");
+
+    // The base made lazily too: a layer below the top has its image made
+    // at its first mount, which may come after a restart.
+    let labels: HashMap<String, String> = [
+        (TARGET, chain[0].as_str()),
+        (IMAGE_REF, image.as_str()),
+        (MANIFEST, manifest.as_str()),
+        (LAYER, raw["layers"][0]["digest"].as_str().unwrap()),
+    ]
+    .into_iter()
+    .map(|(k, v)| (k.to_string(), v.to_string()))
+    .collect();
+    let got = snap.prepare("k8s.io/5/extract-base", "", labels);
+    assert_eq!(got.map_err(|e| e.0), Err(Code::AlreadyExists), "{}", snap.log());
+    let lower = snap
+        .walk(&chain[0], "")
+        .unwrap_or_else(|| panic!("the walk finds no lazy base\n{}", snap.log()));
+    assert!(
+        snap.log().contains("its image made at its first mount"),
+        "{}",
+        snap.log()
+    );
+    snap.stop();
+    snap.run();
+    let view = snap.view("k8s.io/6/view", &lower);
+    assert_eq!(view.0, "bind", "{view:?}");
+    let v = area.path("v");
+    ok(Command::new("mount").args(["--bind", "-o", "ro", &view.1]).arg(&v));
+    let v = Mounted(v);
+    assert_eq!(
+        fs::read(v.0.join("base/a")).unwrap(),
+        fs::read(bundle.join("base/a")).unwrap()
+    );
+    assert!(!v.0.join("top").exists(), "the base shows the top layer's files");
+    drop(v);
+    snap.remove("k8s.io/6/view");
 }

@@ -595,6 +595,7 @@ impl Shared {
             lazy: false,
             kept: false,
             indexed: false,
+            deferred: false,
         };
         if let Err(e) = state::save(&self.root, &r) {
             let _ = std::fs::remove_dir_all(&dir);
@@ -645,8 +646,8 @@ impl Shared {
         let plan = self.plans.plan(&t.reference, lz).map_err(NotLazy::Because)?;
         let (name, how) = match &plan.kind {
             LazyKind::Artifact(layers) => self.make_lazy_artifact(t, parent, labels, lz, layers)?,
-            LazyKind::Indexed(image) => self.make_lazy_indexed(t, parent, labels, image)?,
-            LazyKind::Toc(image) => self.make_lazy_toc(t, parent, labels, image)?,
+            LazyKind::Indexed(image) => self.make_lazy_indexed(t, parent, labels, image, &plan.kind)?,
+            LazyKind::Toc(image) => self.make_lazy_toc(t, parent, labels, image, &plan.kind)?,
             LazyKind::Whole(why) => return Err(NotLazy::Because(why.clone())),
         };
         self.said.lazy(&t.repo_digest, how);
@@ -733,6 +734,7 @@ impl Shared {
         parent: &str,
         labels: &HashMap<String, String>,
         img: &tilefs_oci::lazy_index::IndexedImage,
+        kind: &LazyKind,
     ) -> Result<(String, String), NotLazy> {
         let index = &img.index.manifest_digest;
         let chain = Chain {
@@ -741,15 +743,7 @@ impl Shared {
             through: format!("index {index}"),
         };
         let how = judged(&img.index.trust);
-        let name = self.make_lazy_chain(t, parent, labels, chain, |store, n| {
-            let c = img.chain(n).map_err(|e| e.to_string())?;
-            let absent = tilefs_store::presence::absent(store, c.objects.iter().map(|o| o.digest)).len();
-            match absent {
-                0 => tilefs_store::remote::forget(store, &c.digest).map_err(|e| e.to_string())?,
-                _ => c.record.save(store, &c.digest).map_err(|e| e.to_string())?,
-            }
-            Ok((c.image, c.digest, absent as u64))
-        })?;
+        let name = self.make_lazy_chain(t, parent, labels, chain, kind)?;
         Ok((name, format!("lazy: through tilefs index {index} ({how})")))
     }
 
@@ -763,6 +757,7 @@ impl Shared {
         parent: &str,
         labels: &HashMap<String, String>,
         img: &tilefs_oci::lazy_index::TocImages,
+        kind: &LazyKind,
     ) -> Result<(String, String), NotLazy> {
         let formats = img.tables.formats();
         let chain = Chain {
@@ -770,30 +765,23 @@ impl Shared {
             diff_ids: &img.diff_ids,
             through: format!("its {formats} tables of contents"),
         };
-        let name = self.make_lazy_chain(t, parent, labels, chain, |store, n| {
-            let made = img.tables.image(store, n, img.opts.keep_all_xattrs)?;
-            match &made.record {
-                Some(r) => r.save(store, &made.digest).map_err(|e| e.to_string())?,
-                None => tilefs_store::remote::forget(store, &made.digest).map_err(|e| e.to_string())?,
-            }
-            Ok((made.image, made.digest, made.lazy_files))
-        })?;
+        let name = self.make_lazy_chain(t, parent, labels, chain, kind)?;
         let how = judged(&img.resolved.trust);
         Ok((name, format!("lazy: through its {formats} tables of contents ({how})")))
     }
 
-    /// The lazy snapshot of `t`, a layer of an ordinary image: the image of
-    /// its chain (the layers up to it), which `make` writes the lazy record
-    /// of and returns (its bytes, fs-verity digest and the number of files
-    /// to fetch), made the snapshot's. A failure leaves the layer to
-    /// containerd, which can unpack it.
+    /// The lazy snapshot of `t`, a layer of an ordinary image planned as
+    /// `kind`: the image of its chain (the layers up to it, see
+    /// [`Shared::write_chain`]) made the snapshot's, for the top layer now,
+    /// for one below it at its first mount ([`Record::deferred`]). A
+    /// failure leaves the layer to containerd, which can unpack it.
     fn make_lazy_chain(
         self: &Arc<Self>,
         t: &lazy::Target,
         parent: &str,
         labels: &HashMap<String, String>,
         c: Chain,
-        make: impl FnOnce(&Store, usize) -> Result<(Vec<u8>, [u8; 32], u64), String>,
+        kind: &LazyKind,
     ) -> Result<String, NotLazy> {
         let blobs: Vec<_> = c.resolved.layers.iter().map(|l| l.digest.clone()).collect();
         let chain = lazy::check(t, &blobs, c.diff_ids).map_err(NotLazy::Because)?;
@@ -824,21 +812,23 @@ impl Shared {
         let failed = |e: String| NotLazy::Because(format!("layer {n} of {} through {through}: {e}", t.reference));
         let id = self.new_id();
         let started = std::time::Instant::now();
-        let tag = self.tag(id);
+        if n < blobs.len() {
+            let mut r = Self::lazy_record(id, &name, parent, labels, None, true);
+            r.deferred = true;
+            self.insert_lazy(r, false).map_err(failed)?;
+            eprintln!(
+                "tilefs snapshotter: {name:?}: layer {n} of {} made lazily through {through}, its image made at \
+                 its first mount ({:.2} s)",
+                t.reference,
+                started.elapsed().as_secs_f64()
+            );
+            return Ok(name);
+        }
         let absent = (|| -> Result<u64, String> {
-            let store = Store::open(&self.store).map_err(|e| e.to_string())?;
-            // Held shared until the image is held: a gc meanwhile would
-            // take the objects found present for unreferenced.
-            let lock = store
-                .lock(tilefs_store::LockMode::Shared, true)
-                .map_err(|e| e.to_string())?;
-            let (image, digest, absent) = make(&store, n)?;
-            tilefs_oci::trust::save_evidence(&store, &digest, c.resolved).map_err(|e| e.to_string())?;
-            owned::write_root(&store, &self.holder, &tag, &image).map_err(|e| e.to_string())?;
-            drop(lock);
-            let r = Self::lazy_record(id, &name, parent, labels, Some(hex::encode(digest)), true);
+            let (digest, absent) = self.write_chain(id, kind, n)?;
+            let r = Self::lazy_record(id, &name, parent, labels, Some(digest), true);
             // The top layer's image is the one containers run on.
-            if !self.insert_lazy(r, n == blobs.len())? {
+            if !self.insert_lazy(r, true)? {
                 let _ = self.remove_tag(id);
             }
             Ok(absent)
@@ -854,6 +844,92 @@ impl Shared {
             started.elapsed().as_secs_f64()
         );
         Ok(name)
+    }
+
+    /// Makes the image of the chain of the first `n` layers of the image
+    /// planned as `kind` (from its index's layer maps or its tables of
+    /// contents), writes its lazy record and holds it as snapshot `id`'s:
+    /// its fs-verity digest (hex) and the number of files to fetch.
+    fn write_chain(&self, id: u64, kind: &LazyKind, n: usize) -> Result<(String, u64), String> {
+        let store = Store::open(&self.store).map_err(|e| e.to_string())?;
+        // Held shared until the image is held: a gc meanwhile would take
+        // the objects found present for unreferenced.
+        let lock = store
+            .lock(tilefs_store::LockMode::Shared, true)
+            .map_err(|e| e.to_string())?;
+        let (image, digest, absent, resolved) = match kind {
+            LazyKind::Indexed(img) => {
+                let c = img.chain(n).map_err(|e| e.to_string())?;
+                let absent = tilefs_store::presence::absent(&store, c.objects.iter().map(|o| o.digest)).len();
+                match absent {
+                    0 => tilefs_store::remote::forget(&store, &c.digest).map_err(|e| e.to_string())?,
+                    _ => c.record.save(&store, &c.digest).map_err(|e| e.to_string())?,
+                }
+                (c.image, c.digest, absent as u64, &img.resolved)
+            }
+            LazyKind::Toc(img) => {
+                let made = img.tables.image(&store, n, img.opts.keep_all_xattrs)?;
+                match &made.record {
+                    Some(r) => r.save(&store, &made.digest).map_err(|e| e.to_string())?,
+                    None => tilefs_store::remote::forget(&store, &made.digest).map_err(|e| e.to_string())?,
+                }
+                (made.image, made.digest, made.lazy_files, &img.resolved)
+            }
+            LazyKind::Artifact(_) | LazyKind::Whole(_) => {
+                return Err("its image is planned to be pulled, not made from its layers".into())
+            }
+        };
+        tilefs_oci::trust::save_evidence(&store, &digest, resolved).map_err(|e| e.to_string())?;
+        owned::write_root(&store, &self.holder, &self.tag(id), &image).map_err(|e| e.to_string())?;
+        drop(lock);
+        Ok((hex::encode(digest), absent))
+    }
+
+    /// Makes deferred snapshot `r`'s chain image ([`Record::deferred`]),
+    /// its mount lock held and `inner` locked (no Remove meanwhile): the
+    /// record, no longer deferred.
+    fn build_deferred(&self, inner: &mut Inner, r: &Record) -> Result<Record, Error> {
+        let started = std::time::Instant::now();
+        let fail = |e: String| internal(format!("snapshot {:?}: cannot make its image: {e}", r.key));
+        let lz = self
+            .lazy
+            .as_ref()
+            .ok_or_else(|| fail("this snapshotter serves no lazy images".into()))?;
+        let t = lazy::Target::of(&r.labels)
+            .ok_or_else(|| fail("its labels name no image layer".into()))?
+            .map_err(fail)?;
+        let plan = self.plans.plan(&t.reference, lz).map_err(fail)?;
+        let (blobs, diff_ids) = match &plan.kind {
+            LazyKind::Indexed(img) => (&img.resolved.layers, &img.diff_ids),
+            LazyKind::Toc(img) => (&img.resolved.layers, &img.diff_ids),
+            _ => {
+                return Err(fail(format!(
+                    "{} is no longer served through an index or tables of contents",
+                    t.reference
+                )))
+            }
+        };
+        let blobs: Vec<_> = blobs.iter().map(|l| l.digest.clone()).collect();
+        let n = lazy::check(&t, &blobs, diff_ids).map_err(fail)?.len();
+        let (digest, absent) = self.write_chain(r.id, &plan.kind, n).map_err(|e| {
+            let _ = self.remove_tag(r.id);
+            fail(e)
+        })?;
+        let mut built = r.clone();
+        built.image = Some(digest);
+        built.deferred = false;
+        if let Err(e) = state::save(&self.root, &built) {
+            let _ = self.remove_tag(r.id);
+            return Err(internal(e));
+        }
+        inner.by_key.insert(built.key.clone(), built.clone());
+        eprintln!(
+            "tilefs snapshotter: {:?}: image of layer {n} of {} made, {absent} files to fetch on first read ({:.2} s)",
+            r.key,
+            t.reference,
+            started.elapsed().as_secs_f64()
+        );
+        Ok(built)
     }
 
     fn new_id(&self) -> u64 {
@@ -887,6 +963,7 @@ impl Shared {
             lazy: true,
             kept: false,
             indexed,
+            deferred: false,
         }
     }
 
@@ -1063,8 +1140,8 @@ impl Shared {
             } else {
                 // Its image holds all below it.
                 let owner = Self::image_owner(inner, p).clone();
-                lowers.push(self.ensure_mounted(&owner)?);
                 data_only = !p.lazy;
+                lowers.push(self.ensure_mounted(inner, &owner)?);
                 break;
             }
         }
@@ -1103,10 +1180,14 @@ impl Shared {
     }
 
     /// The committed snapshot's chain image, mounted (EROFS, read-only)
-    /// under `ROOT/mnt/ID`.
-    fn ensure_mounted(&self, r: &Record) -> Result<PathBuf, Error> {
+    /// under `ROOT/mnt/ID`; made first if it was deferred.
+    fn ensure_mounted(&self, inner: &mut Inner, r: &Record) -> Result<PathBuf, Error> {
         let lock = self.mount_lock(r.id);
         let _one = lock.lock().unwrap_or_else(|e| e.into_inner());
+        if r.deferred {
+            let built = self.build_deferred(inner, r)?;
+            return self.mount_image(&built);
+        }
         self.mount_image(r)
     }
 

@@ -64,6 +64,13 @@ pub struct Record {
     /// the first's).
     #[serde(default)]
     pub indexed: bool,
+    /// An indexed snapshot below its image's top layer whose chain's image
+    /// is not made yet (it has no tag): made at its first mount, from the
+    /// image's plan ([`crate::lazy::Plans`]). containerd mounts an image's
+    /// top layer; the chains below are rarely mounted, and making each
+    /// is most of a lazy pull.
+    #[serde(default)]
+    pub deferred: bool,
 }
 
 pub const METADATA: &str = "metadata";
