@@ -77,7 +77,17 @@ fn relative_stores_serve_lazy_mounts_and_umount_waits_for_the_server() {
     ok(&tilefs_in(
         top,
         &[],
-        &["mount", "--store", "s2", "--log", log.to_str().unwrap(), &tag, "lz"],
+        // The FUSE server (the kernel path's filler has its own tests).
+        &[
+            "mount",
+            "--fuse",
+            "--store",
+            "s2",
+            "--log",
+            log.to_str().unwrap(),
+            &tag,
+            "lz",
+        ],
     ));
     for (name, _) in &files {
         let want = fs::read(src.join(name)).unwrap();
