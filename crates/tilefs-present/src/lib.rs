@@ -397,6 +397,10 @@ fn kernel_lazy_mount(
         read_image(image)?.ok_or_else(|| Error::Unsupported(format!("{}: not a regular file", image.display())))?;
     let (tree, _) =
         tilefs_image::erofs::read_image(&bytes).map_err(|e| Error::Unsupported(format!("{}: {e}", image.display())))?;
+    // Its lazy-pull record is judged now, as the FUSE server's is: one
+    // that is not the caller's (or root's) refuses the mount, rather than
+    // failing every read after it.
+    fetcher(store.path(), &digest).map_err(|e| Error::Unsupported(format!("{}: {e}", image.display())))?;
     let armed = kernel_lazy::Armed::arm(store, digest, &tree)
         .map_err(|e| Error::Unsupported(format!("{}: {e}", image.display())))?;
     kernel(req, store, image, verity, true, notices)?;
