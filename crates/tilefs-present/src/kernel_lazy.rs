@@ -289,8 +289,10 @@ pub fn limit_fds() -> std::io::Result<()> {
 }
 
 /// Fills the placeholder reached by the event descriptor `event` with the
-/// object `digest`: fetched unless the store has it, copied in, checked
-/// against its digest, sealed, named again.
+/// object `digest`. The fetch writes it straight into the placeholder,
+/// checked as it is written (`Ingest::import_expected`); an object the
+/// fetch stored beside it instead (a layer read whole, a fetch of another
+/// process) is copied in, read back and checked. Then sealed and named.
 fn fill_one(
     store: &Store,
     source: Option<&dyn ObjectSource>,
@@ -298,6 +300,17 @@ fn fill_one(
     digest: &[u8; 32],
     size: u64,
 ) -> Result<(), String> {
+    let unfilled = || rfs::fstat(event).map(|st| placeholder::is_placeholder(&st)).map_err(|e| e.to_string());
+    if !unfilled()? {
+        return Ok(());
+    }
+    if !store.has_object(digest) {
+        let source = source.ok_or("the image's lazy-pull record is gone, so nothing can fetch it")?;
+        source.fetch(digest, size)?;
+    }
+    if !unfilled()? {
+        return Ok(());
+    }
     // Event descriptors are read-only, and reach the inode through the
     // overlay's private, read-only copy of the store's mount: the inode is
     // opened again for writing through its index link in the store (an
@@ -307,13 +320,6 @@ fn fill_one(
     let st = rfs::fstat(&target).map_err(|e| e.to_string())?;
     if (st.st_dev, st.st_ino) != (want.st_dev, want.st_ino) {
         return Err("its index link in the store names another file".into());
-    }
-    if !placeholder::is_placeholder(&st) {
-        return Ok(());
-    }
-    if !store.has_object(digest) {
-        let source = source.ok_or("the image's lazy-pull record is gone, so nothing can fetch it")?;
-        source.fetch(digest, size)?;
     }
     let rel = Store::object_rel(digest);
     let object = tilefs_store::open_regular(store.dir_fd(), Path::new(&rel), false)

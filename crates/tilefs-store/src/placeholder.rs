@@ -163,6 +163,76 @@ pub fn open_for_fill(store: &Store, digest: &[u8; 32]) -> io::Result<OwnedFd> {
     )?)
 }
 
+/// A placeholder this process fills in place (a fetch writes straight
+/// into it, so the object is written once): its inode through its index
+/// link, locked so one fill of any process writes it at a time, emptied
+/// to holes of its size (bytes an earlier fill cut short are gone; a
+/// hole is a zero the fill's hash counted).
+pub struct InPlace {
+    /// Read-only and holding the lock: fs-verity is enabled through it
+    /// once the writer is closed.
+    lock: OwnedFd,
+    /// Where the bytes go.
+    pub file: std::fs::File,
+    size: u64,
+}
+
+/// Opens the placeholder of `digest` to fill in place, if the store has
+/// one of `size` bytes and no other fill holds it (None: store the object
+/// the ordinary way; a filler finds it there and copies it in).
+///
+/// The open is an open of the placeholder: a kernel lazy mount's filler
+/// holds it until it has filled it (and the caller then finds no
+/// placeholder), unless the caller is that filler.
+pub fn fill_in_place(store: &Store, digest: &[u8; 32], size: u64) -> Option<InPlace> {
+    let index = store.open_existing_subdir(PLACEHOLDER_DIR).ok()?;
+    let name = hex::encode(digest);
+    let open = |flags| rfs::openat(&index, name.as_str(), flags | OFlags::NOFOLLOW | OFlags::CLOEXEC, Mode::empty());
+    let lock = open(OFlags::RDONLY).ok()?;
+    rfs::flock(&lock, rfs::FlockOperation::NonBlockingLockExclusive).ok()?;
+    let st = rfs::fstat(&lock).ok()?;
+    if !is_placeholder(&st) || st.st_size as u64 != size {
+        return None;
+    }
+    // Filled, made fs-verity and cut short before its marker went: its
+    // bytes are the object's (verity is enabled only on durable, checked
+    // bytes), and it can no longer be written.
+    if tilefs_sys::verity::measure(lock.as_fd()) == Ok(Some(*digest)) {
+        let _ = seal(&lock).and_then(|()| settle(store, digest, &lock).map_err(io::Error::other));
+        return None;
+    }
+    let file = open(OFlags::RDWR).ok()?;
+    let again = rfs::fstat(&file).ok()?;
+    if (again.st_dev, again.st_ino) != (st.st_dev, st.st_ino) {
+        return None;
+    }
+    rfs::ftruncate(&file, 0).and_then(|()| rfs::ftruncate(&file, size)).ok()?;
+    Some(InPlace {
+        lock,
+        file: std::fs::File::from(file),
+        size,
+    })
+}
+
+impl InPlace {
+    /// Makes the checked bytes written the object `digest`: durable first,
+    /// then fs-verity enabled where `verity` can (given the read-only
+    /// descriptor, after the writer is closed), then no longer a
+    /// placeholder ([`seal`]), then named as the object ([`settle`]).
+    pub fn finish(self, store: &Store, digest: &[u8; 32], verity: impl FnOnce(rustix::fd::BorrowedFd<'_>)) -> io::Result<()> {
+        rfs::fsync(&self.file)?;
+        drop(self.file);
+        verity(self.lock.as_fd());
+        seal(&self.lock)?;
+        settle(store, digest, &self.lock).map_err(io::Error::other)
+    }
+
+    /// Leaves it a placeholder, emptied again.
+    pub fn abandon(self) {
+        let _ = rfs::ftruncate(&self.file, 0).and_then(|()| rfs::ftruncate(&self.file, self.size));
+    }
+}
+
 /// Copies `object` (present and checked) into the placeholder `target`
 /// (a descriptor of its inode open for writing) and makes it durable; it
 /// stays a placeholder until [`seal`]. The caller has made sure no reader
