@@ -374,7 +374,7 @@ impl<'s> Ingest<'s> {
         src: &mut dyn Read,
         expected: &[u8; 32],
     ) -> Result<(), StoreError> {
-        if let Some(fill) = crate::placeholder::fill_in_place(self.store, expected, size) {
+        if let Some(fill) = crate::placeholder::fill_in_place(self.store, expected, size, false) {
             return self.fill_placeholder(fill, what, size, src, expected);
         }
         let (tmp_name, hashed) = self.read_stream(what, size, src)?;
