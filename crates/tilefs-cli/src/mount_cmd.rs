@@ -136,7 +136,11 @@ fn parse_rate(s: &str) -> Result<u64, String> {
         'G' => 30,
         _ => return Err(format!("{s}: a number of bytes a second, with K, M or G")),
     };
-    match num.parse::<u64>().ok().and_then(|n| n.checked_shl(shift).filter(|v| v >> shift == n)) {
+    match num
+        .parse::<u64>()
+        .ok()
+        .and_then(|n| n.checked_shl(shift).filter(|v| v >> shift == n))
+    {
         Some(v) if v > 0 => Ok(v),
         _ => Err(format!("{s}: a number of bytes a second above 0, with K, M or G")),
     }

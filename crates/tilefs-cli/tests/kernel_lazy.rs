@@ -277,7 +277,11 @@ fn two_lazy_images_mounted_at_once_share_their_placeholders() {
     assert_same_contents(src, &mnt1, &scan(src));
     assert_same_contents(&src2, &mnt2, &scan(&src2));
     let f = fsck_json(lazy);
-    assert_eq!((f["placeholders"].clone(), f["clean"].clone()), (0.into(), true.into()), "{f}");
+    assert_eq!(
+        (f["placeholders"].clone(), f["clean"].clone()),
+        (0.into(), true.into()),
+        "{f}"
+    );
     // Unmounted, nothing of theirs is left: the store can go at once.
     drop((m1, m2));
     assert_eq!(servers_of(lazy), vec![], "left running after umount");
@@ -297,16 +301,23 @@ fn the_rest_arrives_in_the_background_and_a_pull_fills_placeholders() {
     // A reader gets its file without waiting for the rest.
     assert!(fs::read(mnt.join("d2/f012")).unwrap() == fs::read(src.join("d2/f012")).unwrap());
     let left = fsck_json(lazy)["placeholders"].as_u64().unwrap();
-    assert!(left > 10, "the rest still coming after the first read: {left} placeholders");
-    wait_until("every placeholder is filled", || {
-        fsck_json(lazy)["placeholders"] == 0
-    });
+    assert!(
+        left > 10,
+        "the rest still coming after the first read: {left} placeholders"
+    );
+    wait_until("every placeholder is filled", || fsck_json(lazy)["placeholders"] == 0);
     // At 8 MiB/s, ~20 MiB take a while: the rate is kept (the last object
     // starts once all before it would have taken at that rate).
     let took = started.elapsed();
-    assert!(took >= Duration::from_millis(1500), "{total} bytes in {took:?} at 8 MiB/s");
+    assert!(
+        took >= Duration::from_millis(1500),
+        "{total} bytes in {took:?} at 8 MiB/s"
+    );
     let said = fs::read_to_string(&log).unwrap();
-    assert!(said.contains("the rest of the image fetched in the background"), "{said}");
+    assert!(
+        said.contains("the rest of the image fetched in the background"),
+        "{said}"
+    );
     let n = registry.requests().len();
     assert_same_contents(src, &mnt, &scan(src));
     assert_eq!(blob_gets_since(registry, n), 0, "all there before anyone read it");

@@ -44,7 +44,9 @@ pub fn wait_for_server(uid: u32, dev: &str, timeout: std::time::Duration) -> boo
 /// which `tilefs umount` waits for as for a FUSE server. False if it could
 /// not be taken (umount then does not wait).
 pub fn hold_server_lock(dev: &str) -> bool {
-    server_lock::ServerLock::take(dev).map(server_lock::ServerLock::keep_until_exit).is_some()
+    server_lock::ServerLock::take(dev)
+        .map(server_lock::ServerLock::keep_until_exit)
+        .is_some()
 }
 
 pub use tilefs_store::Verity;

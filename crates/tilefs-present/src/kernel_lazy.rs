@@ -20,13 +20,13 @@
 //! closed: the holder and the filler both killed, or the mount gone with
 //! files still open in it.)
 
-use rustix::fd::{AsFd, AsRawFd, BorrowedFd, OwnedFd};
+use rustix::fd::{AsFd, AsRawFd, BorrowedFd};
 use rustix::fs::{self as rfs, AtFlags};
 use std::collections::HashMap;
 use std::ffi::CString;
 use std::path::{Path, PathBuf};
-use std::sync::{mpsc, Arc, Mutex};
 use std::sync::atomic::{AtomicBool, Ordering::Relaxed};
+use std::sync::{mpsc, Arc, Mutex};
 use std::time::{Duration, Instant};
 use tilefs_image::tree::Tree;
 use tilefs_store::placeholder;
@@ -187,6 +187,10 @@ impl Armed {
                     }
                 });
             }
+            // The registry client started now, not at the first reader's.
+            if let Some(source) = source.as_deref() {
+                s.spawn(move || source.warm());
+            }
             if let (Some(rate), Some(source)) = (rest, source.as_deref()) {
                 let (store, stop, log) = (&store, &stop, log.clone());
                 s.spawn(move || self.fetch_rest(store, source, rate, stop, &*log));
@@ -224,12 +228,20 @@ impl Armed {
             }
             if let Err(why) = source.fetch(&digest, size) {
                 failed += 1;
-                log(&format!("{}: {why} (fetching the rest; a read will try again)", store.object_path(&digest).display()));
+                log(&format!(
+                    "{}: {why} (fetching the rest; a read will try again)",
+                    store.object_path(&digest).display()
+                ));
                 continue;
             }
             sent += size;
             // Opened through its object path: our own event, let through.
-            if let Ok(fd) = rfs::openat(store.dir_fd(), Store::object_rel(&digest), rfs::OFlags::RDONLY | rfs::OFlags::CLOEXEC, rfs::Mode::empty()) {
+            if let Ok(fd) = rfs::openat(
+                store.dir_fd(),
+                Store::object_rel(&digest),
+                rfs::OFlags::RDONLY | rfs::OFlags::CLOEXEC,
+                rfs::Mode::empty(),
+            ) {
                 let _ = self.group.unmark_inode(fd.as_fd(), MASK);
             }
         }
@@ -335,7 +347,11 @@ fn fill_one(
     digest: &[u8; 32],
     size: u64,
 ) -> Result<(), String> {
-    let unfilled = || rfs::fstat(event).map(|st| placeholder::is_placeholder(&st)).map_err(|e| e.to_string());
+    let unfilled = || {
+        rfs::fstat(event)
+            .map(|st| placeholder::is_placeholder(&st))
+            .map_err(|e| e.to_string())
+    };
     if !unfilled()? {
         return Ok(());
     }

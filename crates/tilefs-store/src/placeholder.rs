@@ -174,7 +174,14 @@ pub struct InPlace {
 pub fn fill_in_place(store: &Store, digest: &[u8; 32], size: u64, wait: bool) -> Option<InPlace> {
     let index = store.open_existing_subdir(PLACEHOLDER_DIR).ok()?;
     let name = hex::encode(digest);
-    let open = |flags| rfs::openat(&index, name.as_str(), flags | OFlags::NOFOLLOW | OFlags::CLOEXEC, Mode::empty());
+    let open = |flags| {
+        rfs::openat(
+            &index,
+            name.as_str(),
+            flags | OFlags::NOFOLLOW | OFlags::CLOEXEC,
+            Mode::empty(),
+        )
+    };
     let lock = open(OFlags::RDONLY).ok()?;
     let how = match wait {
         true => rfs::FlockOperation::LockExclusive,
@@ -197,7 +204,9 @@ pub fn fill_in_place(store: &Store, digest: &[u8; 32], size: u64, wait: bool) ->
     if (again.st_dev, again.st_ino) != (st.st_dev, st.st_ino) {
         return None;
     }
-    rfs::ftruncate(&file, 0).and_then(|()| rfs::ftruncate(&file, size)).ok()?;
+    rfs::ftruncate(&file, 0)
+        .and_then(|()| rfs::ftruncate(&file, size))
+        .ok()?;
     Some(InPlace {
         lock,
         file: std::fs::File::from(file),
@@ -215,7 +224,12 @@ impl InPlace {
     /// then fs-verity enabled where `verity` can (given the read-only
     /// descriptor, after the writer is closed), then no longer a
     /// placeholder ([`seal`]), then named as the object ([`settle`]).
-    pub fn finish(self, store: &Store, digest: &[u8; 32], verity: impl FnOnce(rustix::fd::BorrowedFd<'_>)) -> io::Result<()> {
+    pub fn finish(
+        self,
+        store: &Store,
+        digest: &[u8; 32],
+        verity: impl FnOnce(rustix::fd::BorrowedFd<'_>),
+    ) -> io::Result<()> {
         rfs::fsync(&self.file)?;
         drop(self.file);
         verity(self.lock.as_fd());
@@ -323,7 +337,9 @@ mod tests {
         drop(cut);
         assert!(is_at(&store, &d4) && !store.has_object(&d4));
         assert_eq!(std::fs::read(store.object_path(&d4)).unwrap()[..5000], bytes[..5000]);
-        ingest.import_expected(what, bytes.len() as u64, &mut &bytes[..], &d4).unwrap();
+        ingest
+            .import_expected(what, bytes.len() as u64, &mut &bytes[..], &d4)
+            .unwrap();
         let st = rfs::stat(store.object_path(&d4)).unwrap();
         assert_eq!((st.st_ino, st.st_mode & 0o7777, st.st_nlink), (inode, 0o644, 1));
         assert_eq!(std::fs::read(store.object_path(&d4)).unwrap(), bytes);
