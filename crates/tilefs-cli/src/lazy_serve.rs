@@ -14,16 +14,32 @@ use tilefs_sys::process::{fork, Forked};
 
 /// Starts the holder (in the background, or here in the foreground) for
 /// the mount `mount_id` at `mountpoint`.
-pub fn serve(armed: Armed, mountpoint: &Path, mount_id: u64, foreground: bool, log_file: Option<&Path>) -> Result<()> {
+/// `rest`: the bytes a second at which the filler fetches the objects no
+/// reader asked for (None: only those asked for).
+pub fn serve(
+    armed: Armed,
+    mountpoint: &Path,
+    mount_id: u64,
+    rest: Option<u64>,
+    foreground: bool,
+    log_file: Option<&Path>,
+) -> Result<()> {
+    // Taken before the fork, so `tilefs umount` run right after this
+    // command finds it, and kept by the holder and every filler it forks:
+    // the unmount returns once they are all gone.
+    if let Ok(st) = rustix::fs::stat(mountpoint) {
+        let dev = format!("{}:{}", rustix::fs::major(st.st_dev), rustix::fs::minor(st.st_dev));
+        tilefs_fuse::hold_server_lock(&dev);
+    }
     if foreground {
-        hold(&armed, mountpoint, mount_id, log(None));
+        hold(&armed, mountpoint, mount_id, rest, log(None));
         return Ok(());
     }
     match fork() {
         Ok(Forked::Parent(_)) => Ok(()),
         Ok(Forked::Child) => {
             crate::fuse_serve::detach_from_terminal(log_file);
-            hold(&armed, mountpoint, mount_id, log(log_file));
+            hold(&armed, mountpoint, mount_id, rest, log(log_file));
             std::process::exit(0)
         }
         Err(e) => {
@@ -50,7 +66,7 @@ fn log(log_file: Option<&Path>) -> Log {
 }
 
 /// Runs fillers one after another while the mount lives.
-fn hold(armed: &Armed, mountpoint: &Path, mount_id: u64, log: Log) {
+fn hold(armed: &Armed, mountpoint: &Path, mount_id: u64, rest: Option<u64>, log: Log) {
     let mounted = || kernel_lazy::still_mounted(mountpoint, mount_id);
     let mut restarts = 0;
     while mounted() {
@@ -58,7 +74,7 @@ fn hold(armed: &Armed, mountpoint: &Path, mount_id: u64, log: Log) {
             Ok(Forked::Child) => {
                 let code = match kernel_lazy::limit_fds()
                     .map_err(|e| e.to_string())
-                    .and_then(|()| armed.fill(&mounted, log.clone()))
+                    .and_then(|()| armed.fill(&mounted, rest, log.clone()))
                 {
                     Ok(()) => 0,
                     Err(e) => {

@@ -60,6 +60,11 @@ pub struct MountArgs {
     /// said once per boot anyway)
     #[arg(short, long)]
     pub quiet: bool,
+    /// A kernel mount of a lazily pulled image: also fetch the objects no reader asked for, in
+    /// the background, at most RATE bytes a second on average (suffix K, M or G: 1024-based);
+    /// readers never wait for it. Once all are fetched the image is complete
+    #[arg(long, value_name = "RATE", value_parser = parse_rate)]
+    pub fetch_rest: Option<u64>,
     /// FUSE: serve every read from the server, even as root where the kernel could read objects
     /// itself (passthrough): opening a file then never leaves the kernel, large reads cost more.
     /// (Writable mounts do without passthrough unless --passthrough is given)
@@ -114,6 +119,31 @@ pub struct Serving {
     pub log: Option<PathBuf>,
     /// Print no notices.
     pub quiet: bool,
+    /// A kernel lazy mount: fetch the rest at this many bytes a second.
+    pub fetch_rest: Option<u64>,
+}
+
+/// `--fetch-rest`: bytes a second, with an optional K, M or G.
+fn parse_rate(s: &str) -> Result<u64, String> {
+    let (num, unit) = match s.char_indices().last() {
+        Some((i, c)) if c.is_ascii_alphabetic() => (&s[..i], c.to_ascii_uppercase()),
+        _ => (s, 'B'),
+    };
+    let shift = match unit {
+        'B' => 0,
+        'K' => 10,
+        'M' => 20,
+        'G' => 30,
+        _ => return Err(format!("{s}: a number of bytes a second, with K, M or G")),
+    };
+    match num
+        .parse::<u64>()
+        .ok()
+        .and_then(|n| n.checked_shl(shift).filter(|v| v >> shift == n))
+    {
+        Some(v) if v > 0 => Ok(v),
+        _ => Err(format!("{s}: a number of bytes a second above 0, with K, M or G")),
+    }
 }
 
 pub fn mount(a: MountArgs) -> Result<ExitCode> {
@@ -189,6 +219,7 @@ pub fn mount(a: MountArgs) -> Result<ExitCode> {
             foreground: a.foreground,
             log: a.log.clone(),
             quiet: a.quiet,
+            fetch_rest: a.fetch_rest,
         },
     )?;
     Ok(ExitCode::SUCCESS)
@@ -222,6 +253,12 @@ pub fn run(mut req: Request, serving: &Serving) -> Result<()> {
         (None, false) => LogTo::Syslog,
     };
     let presented = tilefs_present::mount(&req).map_err(with_flags)?;
+    if serving.fetch_rest.is_some() && !matches!(presented, Presented::KernelLazy { .. }) {
+        eprintln!(
+            "{}: notice: --fetch-rest: only a kernel mount of a lazily pulled image fetches in the background",
+            prog()
+        );
+    }
     let notices = presented.notices().iter().map(|n| (n.to_string(), n.is_machine_fact()));
     for (n, once) in notices.chain(said.into_iter().map(|s| (s, true))) {
         if !serving.quiet && (!once || crate::once::first_time(&n)) {
@@ -237,7 +274,14 @@ pub fn run(mut req: Request, serving: &Serving) -> Result<()> {
             mountpoint,
             mount_id,
             ..
-        } => crate::lazy_serve::serve(armed, &mountpoint, mount_id, serving.foreground, log_file.as_deref())?,
+        } => crate::lazy_serve::serve(
+            armed,
+            &mountpoint,
+            mount_id,
+            serving.fetch_rest,
+            serving.foreground,
+            log_file.as_deref(),
+        )?,
         Presented::Kernel { .. } => {}
     }
     Ok(())
@@ -345,10 +389,19 @@ pub fn umount(a: UmountArgs) -> Result<ExitCode> {
         Some(m) if m.is_tilefs() && !rustix::process::geteuid().is_root() => {
             tilefs_mount::mountd::client::umount(&tilefs_mount::mountd::server::socket_path(), &abs, a.lazy)?
         }
-        _ => tilefs_mount::umount(&a.mountpoint, a.lazy).map_err(|e| match e {
-            tilefs_mount::MountError::UmountBusy(_) => anyhow!("{e} (--lazy)"),
-            e => e.into(),
-        })?,
+        found => {
+            tilefs_mount::umount(&a.mountpoint, a.lazy).map_err(|e| match e {
+                tilefs_mount::MountError::UmountBusy(_) => anyhow!("{e} (--lazy)"),
+                e => e.into(),
+            })?;
+            // A lazily pulled image's kernel mount is done when its filler
+            // is gone (no other kernel mount has one: nothing to wait for).
+            if let Some(m) = found.filter(|m| m.is_tilefs() && !a.lazy) {
+                if !tilefs_fuse::wait_for_server(0, &m.dev, std::time::Duration::from_secs(30)) {
+                    bail!("{}: unmounted, but its filler has not exited after 30 s", abs.display());
+                }
+            }
+        }
     }
     Ok(ExitCode::SUCCESS)
 }

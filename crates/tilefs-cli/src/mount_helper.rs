@@ -132,6 +132,7 @@ fn run() -> Result<(), (u8, String)> {
         foreground: false,
         log: None,
         quiet: false,
+        fetch_rest: None,
     };
     mount_cmd::run(req, &serving).map_err(|e| (EX_FAIL, format!("{e:#}")))?;
     if verbose {

@@ -157,19 +157,6 @@ fn a_lazy_image_is_a_kernel_mount_whose_objects_arrive_on_first_read() {
     let f = fsck_json(lazy);
     assert_eq!(f["placeholders"], 43, "{f}");
     assert_eq!(f["clean"], true, "{f}");
-    // One filler per store: a second mount meanwhile is FUSE's, saying why;
-    // what it fetches replaces the placeholder, and the kernel mount reads it.
-    let mnt2 = area.path("mnt2");
-    let (m2, said) = mount(lazy, &img.tag, &mnt2, &area.path("fuse.log"), &[]);
-    assert!(said.contains("one per store"), "{said}");
-    assert_eq!(fstype(&mnt2), "fuse.tilefs");
-    assert!(fs::read(mnt2.join("d4/f004")).unwrap() == fs::read(src.join("d4/f004")).unwrap());
-    let t = Instant::now();
-    let got = fs::read(mnt2.join("big/five-mib-2")).unwrap();
-    eprintln!("first read of 5 MiB through the FUSE lazy mount: {:?}", t.elapsed());
-    assert!(got == fs::read(src.join("big/five-mib-2")).unwrap());
-    drop(m2);
-
     let big = src.join("big/five-mib");
     let want = fs::read(&big).unwrap();
 
@@ -240,11 +227,119 @@ fn a_lazy_image_is_a_kernel_mount_whose_objects_arrive_on_first_read() {
         "{f}"
     );
 
-    // umount ends the holder and the filler.
+    // umount returns once the holder and the filler are gone.
     wait_until("a holder and a filler run", || servers_of(lazy).len() == 2);
     drop(m);
-    wait_until("the filler is gone", || servers_of(lazy).is_empty());
+    assert_eq!(servers_of(lazy), vec![], "left running after umount");
     assert_eq!(index_entries(lazy), 0);
+}
+
+#[test]
+fn two_lazy_images_mounted_at_once_share_their_placeholders() {
+    require(cannot_fill());
+    let img = image();
+    let (area, registry, src, lazy) = (&img.area, &img.registry, &img.src, &img.lazy);
+    // A second image: the first's 40 small files (the same bytes) and one
+    // of its own, pulled lazily into the same store.
+    let src2 = area.dir("src2");
+    tree(&src2, 5, 40, 256 << 10);
+    write_files(&src2, 9, &[("own".into(), 300 << 10)]);
+    let store = area.path("store");
+    build_tag(&store, "app2", &src2);
+    push(&store, "app2", &format!("docker://{}/team/app2:v1", registry.addr));
+    pull(lazy, &format!("docker://{}/team/app2:v1", registry.addr), &["--lazy"]);
+    let (mnt1, mnt2) = (area.path("mnt1"), area.path("mnt2"));
+    let (m1, said1) = mount(lazy, &img.tag, &mnt1, &area.path("filler1.log"), &[]);
+    let tag2 = format!("{}_team_app2:v1", registry.addr);
+    let (m2, said2) = mount(lazy, &tag2, &mnt2, &area.path("filler2.log"), &[]);
+    for (mnt, said) in [(&mnt1, &said1), (&mnt2, &said2)] {
+        assert_eq!(fstype(mnt), "overlay", "a kernel mount ({said})");
+    }
+    assert_eq!(fsck_json(lazy)["placeholders"], 44);
+    // One shared file read through both mounts at once: one fetch.
+    let n = registry.requests().len();
+    let want = fs::read(src.join("d1/f001")).unwrap();
+    std::thread::scope(|s| {
+        let readers: Vec<_> = [&mnt1, &mnt2, &mnt1, &mnt2, &mnt1, &mnt2]
+            .into_iter()
+            .map(|m| s.spawn(move || fs::read(m.join("d1/f001")).unwrap()))
+            .collect();
+        for r in readers {
+            assert!(r.join().unwrap() == want, "wrong bytes");
+        }
+    });
+    assert_eq!(blob_gets_since(registry, n), 1, "six readers on two mounts, one fetch");
+    // Filled through one mount, read through the other without a fetch.
+    let n = registry.requests().len();
+    assert!(fs::read(mnt2.join("d3/f008")).unwrap() == fs::read(src2.join("d3/f008")).unwrap());
+    assert!(fs::read(mnt1.join("d3/f008")).unwrap() == fs::read(src.join("d3/f008")).unwrap());
+    assert_eq!(blob_gets_since(registry, n), 1);
+    assert_same_contents(src, &mnt1, &scan(src));
+    assert_same_contents(&src2, &mnt2, &scan(&src2));
+    let f = fsck_json(lazy);
+    assert_eq!(
+        (f["placeholders"].clone(), f["clean"].clone()),
+        (0.into(), true.into()),
+        "{f}"
+    );
+    // Unmounted, nothing of theirs is left: the store can go at once.
+    drop((m1, m2));
+    assert_eq!(servers_of(lazy), vec![], "left running after umount");
+    fs::remove_dir_all(lazy).unwrap();
+}
+
+#[test]
+fn the_rest_arrives_in_the_background_and_a_pull_fills_placeholders() {
+    require(cannot_fill());
+    let img = image();
+    let (area, registry, src, lazy) = (&img.area, &img.registry, &img.src, &img.lazy);
+    let total: u64 = 40 * (256 << 10) + 2 * (5 << 20);
+    let mnt = area.path("mnt");
+    let log = area.path("filler.log");
+    let started = Instant::now();
+    let (m, _) = mount(lazy, &img.tag, &mnt, &log, &["--fetch-rest", "8M"]);
+    // A reader gets its file without waiting for the rest.
+    assert!(fs::read(mnt.join("d2/f012")).unwrap() == fs::read(src.join("d2/f012")).unwrap());
+    let left = fsck_json(lazy)["placeholders"].as_u64().unwrap();
+    assert!(
+        left > 10,
+        "the rest still coming after the first read: {left} placeholders"
+    );
+    wait_until("every placeholder is filled", || fsck_json(lazy)["placeholders"] == 0);
+    // At 8 MiB/s, ~20 MiB take a while: the rate is kept (the last object
+    // starts once all before it would have taken at that rate).
+    let took = started.elapsed();
+    assert!(
+        took >= Duration::from_millis(1500),
+        "{total} bytes in {took:?} at 8 MiB/s"
+    );
+    let said = fs::read_to_string(&log).unwrap();
+    assert!(
+        said.contains("the rest of the image fetched in the background"),
+        "{said}"
+    );
+    let n = registry.requests().len();
+    assert_same_contents(src, &mnt, &scan(src));
+    assert_eq!(blob_gets_since(registry, n), 0, "all there before anyone read it");
+    drop(m);
+
+    // `tilefs pull` of the image fills the placeholders of a mount that
+    // is being served.
+    let lazy2 = area.path("lazy2");
+    pull(&lazy2, &img.remote, &["--lazy"]);
+    let (m, _) = mount(&lazy2, &img.tag, &mnt, &area.path("filler2.log"), &[]);
+    assert!(fs::read(mnt.join("d0/f000")).unwrap() == fs::read(src.join("d0/f000")).unwrap());
+    pull(&lazy2, &img.remote, &[]);
+    let f = fsck_json(&lazy2);
+    assert_eq!(
+        (f["placeholders"].clone(), f["objects"].clone(), f["clean"].clone()),
+        (0.into(), 43.into(), true.into()),
+        "{f}"
+    );
+    let n = registry.requests().len();
+    assert_same_contents(src, &mnt, &scan(src));
+    assert_eq!(blob_gets_since(registry, n), 0);
+    drop(m);
 }
 
 #[test]

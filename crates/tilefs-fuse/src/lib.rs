@@ -38,6 +38,17 @@ pub fn wait_for_server(uid: u32, dev: &str, timeout: std::time::Duration) -> boo
     server_lock::wait_for_exit(uid, dev, timeout)
 }
 
+/// Takes the lock [`wait_for_server`] waits on for the mount of device
+/// `dev` and keeps it until this process and every process it forks after
+/// (they share it) have exited: a kernel lazy mount's holder and fillers,
+/// which `tilefs umount` waits for as for a FUSE server. False if it could
+/// not be taken (umount then does not wait).
+pub fn hold_server_lock(dev: &str) -> bool {
+    server_lock::ServerLock::take(dev)
+        .map(server_lock::ServerLock::keep_until_exit)
+        .is_some()
+}
+
 pub use tilefs_store::Verity;
 
 /// What the kernel is asked to cache and how requests are answered. Every

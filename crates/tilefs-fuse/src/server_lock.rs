@@ -1,4 +1,5 @@
-//! How `tilefs umount` knows that a FUSE server has exited: the server
+//! How `tilefs umount` knows that a FUSE server (or a kernel lazy
+//! mount's filler, see `hold_server_lock`) has exited: the server
 //! holds an exclusive lock on `<runtime dir>/fuse/<major>:<minor>.lock`
 //! (the mount's device) until its process ends; the kernel drops the lock
 //! then, however it ends. The files stay (one per device number, empty,

@@ -1202,6 +1202,10 @@ impl LazySource {
 }
 
 impl ObjectSource for LazySource {
+    fn warm(&self) {
+        let _ = self.transport();
+    }
+
     fn fetch(&self, digest: &[u8; 32], size: u64) -> Result<(), String> {
         let rel = Store::object_rel(digest);
         let loc = self

@@ -828,6 +828,10 @@ impl TocSource {
 }
 
 impl ObjectSource for TocSource {
+    fn warm(&self) {
+        let _ = self.transport();
+    }
+
     fn fetch(&self, sha: &[u8; 32], size: u64) -> Result<(), String> {
         let rel = alias::alias_rel(sha);
         if alias::size(&self.store, sha) == Some(size) {

@@ -88,6 +88,15 @@ pub fn decide(backend: Option<Backend>, verity: Verity, m: &Machine) -> Result<D
         (KernelAccess::NotPermitted(why) | KernelAccess::Unavailable(why), ..) => Some(why.clone()),
         (_, Some(why), ..) => Some(why.clone()),
         (_, None, Some(why), Verity::Require) => Some(why.clone()),
+        // overlayfs checks a file's fs-verity when it is opened, before the
+        // open reaches the store (and so the filler): every placeholder
+        // would fail. Filled objects get fs-verity; once the image is
+        // complete the kernel mounts it requiring it.
+        (_, None, None, Verity::Require) => Some(
+            "verity=require: overlayfs checks fs-verity before a first open reaches the filler, \
+             and no placeholder has it"
+                .into(),
+        ),
         _ => None,
     };
     Ok(match (backend, m.lazy) {
@@ -185,6 +194,9 @@ mod tests {
         assert_eq!(plan(Some(Kernel), Verity::Auto, &lazy), Ok(Plan::KernelLazy));
         assert!(plan(Some(Delegated), Verity::Auto, &lazy).is_err());
         assert_eq!(plan(Some(Fuse), Verity::Auto, &lazy), Ok(Plan::Fuse));
+        // verity=require of an incomplete image: FUSE verifies what arrives.
+        assert_eq!(plan(None, Verity::Require, &lazy), Ok(Plan::Fuse));
+        assert!(plan(Some(Kernel), Verity::Require, &lazy).is_err());
         // ... else FUSE, saying why once.
         let tmpfs = Machine {
             no_lazy_kernel: Some("no marks on tmpfs".into()),

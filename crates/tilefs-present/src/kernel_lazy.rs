@@ -6,6 +6,12 @@
 //! into the placeholder and sealing it, and only then lets the reader in.
 //! A filled object's mark is removed: it is read at kernel speed after.
 //!
+//! Several lazy mounts of one store each have their group and filler;
+//! the placeholders their images share are marked in each group, every
+//! group lets fills through (`is_fill`), and the fills of one placeholder
+//! take turns on its lock, so one fetches and writes it and the others
+//! find it filled.
+//!
 //! Fails closed: the group outlives the filler (the process that forks
 //! fillers holds it too), so a dead filler's unanswered events are denied
 //! with EIO (`deny_orphans`) and queued ones wait for the next filler: no
@@ -14,13 +20,14 @@
 //! closed: the holder and the filler both killed, or the mount gone with
 //! files still open in it.)
 
-use rustix::fd::{AsFd, BorrowedFd, OwnedFd};
+use rustix::fd::{AsFd, AsRawFd, BorrowedFd};
 use rustix::fs::{self as rfs, AtFlags};
 use std::collections::HashMap;
 use std::ffi::CString;
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering::Relaxed};
 use std::sync::{mpsc, Arc, Mutex};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 use tilefs_image::tree::Tree;
 use tilefs_store::placeholder;
 use tilefs_store::remote::ObjectSource;
@@ -50,48 +57,10 @@ fn objects(tree: &Tree) -> Result<HashMap<[u8; 32], u64>, String> {
     Ok(out)
 }
 
-/// One filler per store: two groups marking one placeholder would each
-/// take the other's writes for a reader's and wait for each other. Held
-/// (an exclusive `flock`, shared by the holder and its fillers, which
-/// inherit it) for as long as a kernel lazy mount of the store lives.
-const FILLING: &str = ".filling";
-
-fn filling_lock(store: &Store) -> Result<OwnedFd, String> {
-    let dir = store
-        .open_subdir(placeholder::PLACEHOLDER_DIR)
-        .map_err(|e| e.to_string())?;
-    let fd = rfs::openat(
-        &dir,
-        FILLING,
-        rfs::OFlags::RDWR | rfs::OFlags::CREATE | rfs::OFlags::NOFOLLOW | rfs::OFlags::CLOEXEC,
-        rfs::Mode::from_raw_mode(0o600),
-    )
-    .map_err(|e| {
-        format!(
-            "{}: {e}",
-            store.join(placeholder::PLACEHOLDER_DIR).join(FILLING).display()
-        )
-    })?;
-    match rfs::flock(&fd, rfs::FlockOperation::NonBlockingLockExclusive) {
-        Ok(()) => Ok(fd),
-        Err(rustix::io::Errno::WOULDBLOCK) => {
-            Err("another kernel mount of a lazily pulled image from this store is being filled (one per store)".into())
-        }
-        Err(e) => Err(format!("cannot lock {FILLING}: {e}")),
-    }
-}
-
 /// Why `tree`, a lazily pulled image, cannot be mounted by the kernel
 /// from the store at `store` (None: it can).
 pub fn why_not(store: &Path, tree: &Tree) -> Option<String> {
     if let Err(why) = objects(tree) {
-        return Some(why);
-    }
-    // Taken to see that no other filler holds it, and let go.
-    if let Err(why) = Store::open(store)
-        .map_err(|e| e.to_string())
-        .and_then(|s| filling_lock(&s))
-    {
         return Some(why);
     }
     let probe = fanotify::supports_pre_content(store).err()?;
@@ -110,8 +79,6 @@ pub fn why_not(store: &Path, tree: &Tree) -> Option<String> {
 /// from here on (even before a filler reads them).
 pub struct Armed {
     group: Group,
-    /// See [`FILLING`].
-    _filling: OwnedFd,
     store: PathBuf,
     image: [u8; 32],
     /// Each marked placeholder's (device, inode): its object and size.
@@ -122,7 +89,6 @@ impl Armed {
     /// Makes a placeholder of every object of `tree` the store lacks and
     /// marks it, before any mount of the image exists.
     pub fn arm(store: &Store, image: [u8; 32], tree: &Tree) -> Result<Armed, String> {
-        let filling = filling_lock(store)?;
         let group = Group::new().map_err(|e| format!("cannot make a fanotify group: {e}"))?;
         let mut marked = HashMap::new();
         for (d, size) in objects(tree)? {
@@ -147,7 +113,6 @@ impl Armed {
         }
         Ok(Armed {
             group,
-            _filling: filling,
             store: store.path().to_path_buf(),
             image,
             marked,
@@ -170,8 +135,15 @@ impl Armed {
     }
 
     /// Fills placeholders as they are first opened or read, until
-    /// `mounted` says the mount is gone. `log` gets a line per failure.
-    pub fn fill(&self, mounted: &dyn Fn() -> bool, log: Arc<dyn Fn(&str) + Send + Sync>) -> Result<(), String> {
+    /// `mounted` says the mount is gone; with `rest` (bytes a second), also
+    /// the others in the background ([`Armed::fetch_rest`]). `log` gets a
+    /// line per failure.
+    pub fn fill(
+        &self,
+        mounted: &dyn Fn() -> bool,
+        rest: Option<u64>,
+        log: Arc<dyn Fn(&str) + Send + Sync>,
+    ) -> Result<(), String> {
         // Without a source, every fill fails (EIO) saying why.
         let source = tilefs_oci::toc_lazy::open_source(&self.store, &self.image).unwrap_or_else(|e| {
             log(&format!("{}: {e}: objects cannot be fetched", self.store.display()));
@@ -182,6 +154,7 @@ impl Armed {
         let waiting: Mutex<HashMap<(u64, u64), Vec<Event>>> = Mutex::new(HashMap::new());
         let (tx, rx) = mpsc::channel::<(u64, u64)>();
         let rx = Mutex::new(rx);
+        let stop = AtomicBool::new(false);
         std::thread::scope(|s| {
             for _ in 0..FILLERS {
                 s.spawn(|| loop {
@@ -214,10 +187,69 @@ impl Armed {
                     }
                 });
             }
+            // The registry client started now, not at the first reader's.
+            if let Some(source) = source.as_deref() {
+                s.spawn(move || source.warm());
+            }
+            if let (Some(rate), Some(source)) = (rest, source.as_deref()) {
+                let (store, stop, log) = (&store, &stop, log.clone());
+                s.spawn(move || self.fetch_rest(store, source, rate, stop, &*log));
+            }
             let served = self.serve_events(me, mounted, &waiting, &tx);
+            stop.store(true, Relaxed);
             drop(tx);
             served
         })
+    }
+
+    /// Fetches every placeholder no reader asked for yet, one object after
+    /// another at no more than `rate` bytes a second on average, until all
+    /// are filled or `stop`. Each is fetched as a reader's would be, so a
+    /// reader of it meanwhile waits for that fetch, not a second one; the
+    /// readers of other objects never wait for these (their fills run on
+    /// other threads), and a filled object's mark goes.
+    fn fetch_rest(&self, store: &Store, source: &dyn ObjectSource, rate: u64, stop: &AtomicBool, log: &dyn Fn(&str)) {
+        let mut todo: Vec<([u8; 32], u64)> = self.marked.values().copied().collect();
+        todo.sort_unstable();
+        let (start, mut sent, mut failed) = (Instant::now(), 0u64, 0usize);
+        for (digest, size) in todo {
+            let due = Duration::from_secs_f64(sent as f64 / rate.max(1) as f64);
+            while start.elapsed() < due {
+                if stop.load(Relaxed) {
+                    return;
+                }
+                std::thread::sleep((due - start.elapsed()).min(Duration::from_millis(100)));
+            }
+            if stop.load(Relaxed) {
+                return;
+            }
+            if !placeholder::is_at(store, &digest) {
+                continue;
+            }
+            if let Err(why) = source.fetch(&digest, size) {
+                failed += 1;
+                log(&format!(
+                    "{}: {why} (fetching the rest; a read will try again)",
+                    store.object_path(&digest).display()
+                ));
+                continue;
+            }
+            sent += size;
+            // Opened through its object path: our own event, let through.
+            if let Ok(fd) = rfs::openat(
+                store.dir_fd(),
+                Store::object_rel(&digest),
+                rfs::OFlags::RDONLY | rfs::OFlags::CLOEXEC,
+                rfs::Mode::empty(),
+            ) {
+                let _ = self.group.unmark_inode(fd.as_fd(), MASK);
+            }
+        }
+        log(&format!(
+            "{}: the rest of the image fetched in the background ({sent} bytes in {:.1} s; {failed} failed)",
+            self.store.display(),
+            start.elapsed().as_secs_f64()
+        ));
     }
 
     /// Reads events until the mount is gone: the filler's own (its writes
@@ -245,7 +277,7 @@ impl Armed {
             for e in self.group.read_events().map_err(fail)? {
                 let st = rfs::fstat(&e.fd).map_err(|err| fail(err.into()))?;
                 let key = (st.st_dev, st.st_ino);
-                if e.pid == me || !self.marked.contains_key(&key) {
+                if e.pid == me || !self.marked.contains_key(&key) || is_fill(&e) {
                     self.group.answer(e, Answer::Allow).map_err(fail)?;
                     continue;
                 }
@@ -265,6 +297,21 @@ impl Armed {
         }
         Ok(())
     }
+}
+
+/// Whether an event is a fill's open, read or write of a placeholder: an
+/// access through its index link (`STORE/.placeholders/<digest>`), never
+/// through its object path as readers of a mount reach it. Let through by
+/// every group, so that the fillers of several mounts of one store (each
+/// with its own group marking shared placeholders) never wait for each
+/// other's; fills of one placeholder take turns on its lock instead
+/// (`placeholder::fill_in_place`, `placeholder::open_for_fill`).
+fn is_fill(e: &Event) -> bool {
+    let link = rfs::readlinkat(rfs::CWD, format!("/proc/self/fd/{}", e.fd.as_raw_fd()), Vec::new());
+    link.is_ok_and(|l| {
+        let name = l.to_bytes().rsplit(|&b| b == b'/').next().unwrap_or_default();
+        name.len() == 64 && name.iter().all(u8::is_ascii_hexdigit)
+    })
 }
 
 /// Answers EIO to every event a dead filler read and left unanswered
@@ -289,8 +336,10 @@ pub fn limit_fds() -> std::io::Result<()> {
 }
 
 /// Fills the placeholder reached by the event descriptor `event` with the
-/// object `digest`: fetched unless the store has it, copied in, checked
-/// against its digest, sealed, named again.
+/// object `digest`. The fetch writes it straight into the placeholder,
+/// checked as it is written (`Ingest::import_expected`); an object the
+/// fetch stored beside it instead (a layer read whole, a fetch of another
+/// process) is copied in, read back and checked. Then sealed and named.
 fn fill_one(
     store: &Store,
     source: Option<&dyn ObjectSource>,
@@ -298,36 +347,54 @@ fn fill_one(
     digest: &[u8; 32],
     size: u64,
 ) -> Result<(), String> {
-    // Event descriptors are read-only, and reach the inode through the
-    // overlay's private, read-only copy of the store's mount: the inode is
-    // opened again for writing through its index link in the store (an
-    // open of ours, let through by the event loop).
-    let want = rfs::fstat(event).map_err(|e| e.to_string())?;
-    let target = placeholder::open_for_fill(store, digest).map_err(|e| format!("cannot open the placeholder: {e}"))?;
-    let st = rfs::fstat(&target).map_err(|e| e.to_string())?;
-    if (st.st_dev, st.st_ino) != (want.st_dev, want.st_ino) {
-        return Err("its index link in the store names another file".into());
-    }
-    if !placeholder::is_placeholder(&st) {
+    let unfilled = || {
+        rfs::fstat(event)
+            .map(|st| placeholder::is_placeholder(&st))
+            .map_err(|e| e.to_string())
+    };
+    if !unfilled()? {
         return Ok(());
     }
     if !store.has_object(digest) {
         let source = source.ok_or("the image's lazy-pull record is gone, so nothing can fetch it")?;
         source.fetch(digest, size)?;
     }
+    if !unfilled()? {
+        return Ok(());
+    }
+    // Stored beside it instead: copied in, once a fill in place by another
+    // mount's filler (which made this fetch store it beside) is done.
+    let want = rfs::fstat(event).map_err(|e| e.to_string())?;
+    let Some(fill) = placeholder::fill_in_place(store, digest, size, true) else {
+        return match unfilled()? {
+            false => Ok(()),
+            true => Err("cannot open its placeholder through its index link".into()),
+        };
+    };
+    let st = fill.stat().map_err(|e| e.to_string())?;
+    if (st.st_dev, st.st_ino) != (want.st_dev, want.st_ino) {
+        return Err("its index link in the store names another file".into());
+    }
     let rel = Store::object_rel(digest);
     let object = tilefs_store::open_regular(store.dir_fd(), Path::new(&rel), false)
         .map_err(|e| format!("the fetched object: {e}"))?;
-    placeholder::copy_into(&target, &object).map_err(|e| format!("cannot fill it: {e}"))?;
-    check(&target, digest)?;
-    placeholder::seal(&target).map_err(|e| format!("cannot seal it: {e}"))?;
-    placeholder::settle(store, digest, &target).map_err(|e| e.to_string())
+    let filled = placeholder::copy_into(&fill.file, &object)
+        .map_err(|e| format!("cannot fill it: {e}"))
+        .and_then(|_| check(&fill.file, digest));
+    if let Err(why) = filled {
+        fill.abandon();
+        return Err(why);
+    }
+    fill.finish(store, digest, |fd| {
+        let _ = tilefs_sys::verity::enable(fd);
+    })
+    .map_err(|e| format!("cannot seal it: {e}"))
 }
 
 /// Whether the placeholder now holds the object `digest` (read back: the
 /// reader gets exactly these bytes).
-fn check(target: &OwnedFd, digest: &[u8; 32]) -> Result<(), String> {
-    let f = std::fs::File::from(target.try_clone().map_err(|e| e.to_string())?);
+fn check(target: &std::fs::File, digest: &[u8; 32]) -> Result<(), String> {
+    let f = target.try_clone().map_err(|e| e.to_string())?;
     match tilefs_image::verity::digest_file(&f, |_| {}) {
         Ok(d) if d == *digest => Ok(()),
         Ok(_) => Err("its bytes, as written, do not match its fs-verity digest".into()),

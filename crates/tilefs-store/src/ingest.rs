@@ -374,6 +374,9 @@ impl<'s> Ingest<'s> {
         src: &mut dyn Read,
         expected: &[u8; 32],
     ) -> Result<(), StoreError> {
+        if let Some(fill) = crate::placeholder::fill_in_place(self.store, expected, size, false) {
+            return self.fill_placeholder(fill, what, size, src, expected);
+        }
         let (tmp_name, hashed) = self.read_stream(what, size, src)?;
         if hashed.1 != *expected {
             if hashed.2.is_none() {
@@ -382,6 +385,44 @@ impl<'s> Ingest<'s> {
             return Err(StoreError::Mismatch(what.to_path_buf()));
         }
         self.place(tmp_name, size, hashed).map(drop)
+    }
+
+    /// [`Ingest::import_expected`] straight into the object's placeholder
+    /// (a lazy kernel mount's reader waits for it): the bytes written are
+    /// hashed as they go, and only once they are the object and durable
+    /// is the placeholder one no longer. Bytes that are not leave it a
+    /// placeholder, emptied.
+    fn fill_placeholder(
+        &self,
+        mut fill: crate::placeholder::InPlace,
+        what: &Path,
+        size: u64,
+        src: &mut dyn Read,
+        expected: &[u8; 32],
+    ) -> Result<(), StoreError> {
+        if self.cancel.as_ref().is_some_and(|c| c.load(Relaxed)) {
+            fill.abandon();
+            return Err(StoreError::Interrupted);
+        }
+        self.stats.files.fetch_add(1, Relaxed);
+        self.stats.bytes.fetch_add(size, Relaxed);
+        let wrong = match hash_copy(&mut src.take(size + 1), Some(&mut fill.file)) {
+            Ok((n, _)) if n < size => Some(StoreError::source(what, "contents end early")),
+            Ok((n, _)) if n > size => Some(StoreError::source(what, "contents longer than stated")),
+            Ok((_, d)) if d != *expected => Some(StoreError::Mismatch(what.to_path_buf())),
+            Ok(_) => None,
+            Err(e) => Some(self.copy_error(what, e)),
+        };
+        if let Some(e) = wrong {
+            fill.abandon();
+            return Err(e);
+        }
+        fill.finish(self.store, expected, |fd| self.enable_verity(fd))
+            .map_err(|e| StoreError::io(&self.store.object_path(expected), "cannot fill its placeholder", e))?;
+        self.seen.lock().unwrap().insert(*expected);
+        self.stats.new_objects.fetch_add(1, Relaxed);
+        self.stats.new_bytes.fetch_add(size, Relaxed);
+        Ok(())
     }
 
     /// Reads and hashes exactly `size` bytes of `src`: small ones into
@@ -678,10 +719,18 @@ impl<'s> Ingest<'s> {
         if self.verity.load(Relaxed) == VERITY_NO {
             return;
         }
-        let Ok(fd) = rfs::openat(&self.tmp, tmp_name, OFlags::RDONLY | OFlags::CLOEXEC, Mode::empty()) else {
+        if let Ok(fd) = rfs::openat(&self.tmp, tmp_name, OFlags::RDONLY | OFlags::CLOEXEC, Mode::empty()) {
+            self.enable_verity(fd.as_fd());
+        }
+    }
+
+    /// Enables fs-verity on a new object open read-only (no writer left),
+    /// learning whether the store's filesystem can.
+    fn enable_verity(&self, fd: BorrowedFd<'_>) {
+        if self.verity.load(Relaxed) == VERITY_NO {
             return;
-        };
-        match tilefs_sys::verity::enable(fd.as_fd()) {
+        }
+        match tilefs_sys::verity::enable(fd) {
             Ok(()) => self.verity.store(VERITY_YES, Relaxed),
             Err(e) => {
                 // Said once per store: a marker file remembers it was.

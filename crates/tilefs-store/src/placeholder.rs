@@ -151,23 +151,104 @@ pub fn settle(store: &Store, digest: &[u8; 32], filled: &OwnedFd) -> Result<(), 
     Ok(())
 }
 
-/// Opens the placeholder of `digest` for filling, through its index link
-/// (the caller checks it is the inode it means).
-pub fn open_for_fill(store: &Store, digest: &[u8; 32]) -> io::Result<OwnedFd> {
-    let index = store.open_existing_subdir(PLACEHOLDER_DIR)?;
-    Ok(rfs::openat(
-        &index,
-        hex::encode(digest),
-        OFlags::RDWR | OFlags::NOFOLLOW | OFlags::CLOEXEC,
-        Mode::empty(),
-    )?)
+/// A placeholder this process fills in place (a fetch writes straight
+/// into it, so the object is written once): its inode through its index
+/// link, locked so one fill of any process writes it at a time, emptied
+/// to holes of its size (bytes an earlier fill cut short are gone; a
+/// hole is a zero the fill's hash counted).
+pub struct InPlace {
+    /// Read-only and holding the lock: fs-verity is enabled through it
+    /// once the writer is closed.
+    lock: OwnedFd,
+    /// Where the bytes go.
+    pub file: std::fs::File,
+    size: u64,
 }
 
-/// Copies `object` (present and checked) into the placeholder `target`
-/// (a descriptor of its inode open for writing) and makes it durable; it
-/// stays a placeholder until [`seal`]. The caller has made sure no reader
-/// gets a byte before then (it holds their events).
-pub fn copy_into(target: &OwnedFd, object: &std::fs::File) -> io::Result<u64> {
+/// Opens the placeholder of `digest` to fill in place, if the store has
+/// one of `size` bytes and no other fill holds it, or with `wait`, once
+/// that other fill is done (None: no placeholder, or filled meanwhile, or
+/// held by another fill: store the object the ordinary way; a filler
+/// finds it there and copies it in). It is opened through its index link:
+/// fanotify groups of kernel lazy mounts let such opens through.
+pub fn fill_in_place(store: &Store, digest: &[u8; 32], size: u64, wait: bool) -> Option<InPlace> {
+    let index = store.open_existing_subdir(PLACEHOLDER_DIR).ok()?;
+    let name = hex::encode(digest);
+    let open = |flags| {
+        rfs::openat(
+            &index,
+            name.as_str(),
+            flags | OFlags::NOFOLLOW | OFlags::CLOEXEC,
+            Mode::empty(),
+        )
+    };
+    let lock = open(OFlags::RDONLY).ok()?;
+    let how = match wait {
+        true => rfs::FlockOperation::LockExclusive,
+        false => rfs::FlockOperation::NonBlockingLockExclusive,
+    };
+    rfs::flock(&lock, how).ok()?;
+    let st = rfs::fstat(&lock).ok()?;
+    if !is_placeholder(&st) || st.st_size as u64 != size {
+        return None;
+    }
+    // Filled, made fs-verity and cut short before its marker went: its
+    // bytes are the object's (verity is enabled only on durable, checked
+    // bytes), and it can no longer be written.
+    if tilefs_sys::verity::measure(lock.as_fd()) == Ok(Some(*digest)) {
+        let _ = seal(&lock).and_then(|()| settle(store, digest, &lock).map_err(io::Error::other));
+        return None;
+    }
+    let file = open(OFlags::RDWR).ok()?;
+    let again = rfs::fstat(&file).ok()?;
+    if (again.st_dev, again.st_ino) != (st.st_dev, st.st_ino) {
+        return None;
+    }
+    rfs::ftruncate(&file, 0)
+        .and_then(|()| rfs::ftruncate(&file, size))
+        .ok()?;
+    Some(InPlace {
+        lock,
+        file: std::fs::File::from(file),
+        size,
+    })
+}
+
+impl InPlace {
+    /// The placeholder's stat.
+    pub fn stat(&self) -> io::Result<rfs::Stat> {
+        Ok(rfs::fstat(&self.lock)?)
+    }
+
+    /// Makes the checked bytes written the object `digest`: durable first,
+    /// then fs-verity enabled where `verity` can (given the read-only
+    /// descriptor, after the writer is closed), then no longer a
+    /// placeholder ([`seal`]), then named as the object ([`settle`]).
+    pub fn finish(
+        self,
+        store: &Store,
+        digest: &[u8; 32],
+        verity: impl FnOnce(rustix::fd::BorrowedFd<'_>),
+    ) -> io::Result<()> {
+        rfs::fsync(&self.file)?;
+        drop(self.file);
+        verity(self.lock.as_fd());
+        seal(&self.lock)?;
+        settle(store, digest, &self.lock).map_err(io::Error::other)
+    }
+
+    /// Leaves it a placeholder, emptied again.
+    pub fn abandon(self) {
+        let _ = rfs::ftruncate(&self.file, 0).and_then(|()| rfs::ftruncate(&self.file, self.size));
+    }
+}
+
+/// Copies `object` into the placeholder `target` (a descriptor of its
+/// inode open for writing); it stays a placeholder until [`seal`]. The
+/// caller has made sure no reader gets a byte before then (it holds their
+/// events).
+pub fn copy_into(target: impl AsFd, object: &std::fs::File) -> io::Result<u64> {
+    let target = target.as_fd();
     let size = object.metadata()?.len();
     let (mut src_off, mut dst_off) = (0u64, 0u64);
     while dst_off < size {
@@ -181,12 +262,11 @@ pub fn copy_into(target: &OwnedFd, object: &std::fs::File) -> io::Result<u64> {
         }
     }
     rfs::ftruncate(target, size)?;
-    rfs::fsync(target)?;
     Ok(size)
 }
 
 /// Makes a filled placeholder an ordinary object (mode 0644). The marker
-/// goes only once its bytes are on disk ([`copy_into`] synced them), so a
+/// goes only once its bytes are on disk ([`InPlace::finish`]), so a
 /// fill cut short leaves a placeholder, never an object with holes; a
 /// mode change lost in a crash leaves one too (filled again, harmlessly).
 pub fn seal(target: &OwnedFd) -> io::Result<()> {
@@ -216,6 +296,7 @@ mod tests {
         std::fs::write(&src, &bytes).unwrap();
         let target = rfs::open(store.object_path(&d), OFlags::WRONLY, Mode::empty()).unwrap();
         copy_into(&target, &std::fs::File::open(&src).unwrap()).unwrap();
+        rfs::fsync(&target).unwrap();
         assert!(!store.has_object(&d), "a placeholder until sealed");
         seal(&target).unwrap();
         settle(&store, &d, &target).unwrap();
@@ -236,6 +317,35 @@ mod tests {
         settle(&store, &d2, &target).unwrap();
         let (a, b) = (rfs::fstat(&target).unwrap(), rfs::stat(store.object_path(&d2)).unwrap());
         assert_eq!((a.st_ino, a.st_nlink), (b.st_ino, 1));
+        // A fetch fills a placeholder in place: wrong bytes leave it one
+        // (emptied), a fill cut short too; the right bytes make it the
+        // object, in the same inode.
+        let d4 = tilefs_image::verity::digest_bytes(&bytes);
+        std::fs::remove_file(store.object_path(&d)).unwrap();
+        assert!(create(&store, &d4, bytes.len() as u64).unwrap());
+        let inode = rfs::stat(store.object_path(&d4)).unwrap().st_ino;
+        let ingest = crate::ingest::Ingest::for_fetched(&store).unwrap();
+        let what = std::path::Path::new("fetched");
+        let mut wrong = bytes.clone();
+        wrong[7] ^= 1;
+        let r = ingest.import_expected(what, wrong.len() as u64, &mut &wrong[..], &d4);
+        assert!(matches!(r, Err(StoreError::Mismatch(_))), "{r:?}");
+        let r = ingest.import_expected(what, bytes.len() as u64, &mut &bytes[..100], &d4);
+        assert!(r.is_err(), "ended early");
+        let mut cut = fill_in_place(&store, &d4, bytes.len() as u64, false).unwrap();
+        io::Write::write_all(&mut cut.file, &bytes[..5000]).unwrap();
+        drop(cut);
+        assert!(is_at(&store, &d4) && !store.has_object(&d4));
+        assert_eq!(std::fs::read(store.object_path(&d4)).unwrap()[..5000], bytes[..5000]);
+        ingest
+            .import_expected(what, bytes.len() as u64, &mut &bytes[..], &d4)
+            .unwrap();
+        let st = rfs::stat(store.object_path(&d4)).unwrap();
+        assert_eq!((st.st_ino, st.st_mode & 0o7777, st.st_nlink), (inode, 0o644, 1));
+        assert_eq!(std::fs::read(store.object_path(&d4)).unwrap(), bytes);
+        assert!(store.has_object(&d4) && list(&store).is_empty());
+        drop(ingest);
+
         // Gone unfilled (gc): the entry is swept.
         let d3 = tilefs_image::verity::digest_bytes(b"three");
         assert!(create(&store, &d3, 5).unwrap());

@@ -22,6 +22,11 @@ pub trait ObjectSource: Send + Sync {
     /// present in the store, or says why it cannot (the message names the
     /// object and where it was fetched from).
     fn fetch(&self, digest: &[u8; 32], size: u64) -> Result<(), String>;
+
+    /// Starts what a first fetch needs (a registry client: its
+    /// certificates, credentials, signature policy), so that the first
+    /// reader does not wait for it. Failures are the first fetch's to say.
+    fn warm(&self) {}
 }
 
 /// The record of the image whose fs-verity digest is `image`.
