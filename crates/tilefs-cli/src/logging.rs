@@ -10,7 +10,6 @@
 use std::fmt::Write as _;
 use std::fs::File;
 use std::io::Write as _;
-use std::path::Path;
 use std::sync::Mutex;
 use tracing::field::{Field, Visit};
 use tracing::{Event, Level, Subscriber};
@@ -69,24 +68,33 @@ pub fn init(name: &'static str) {
 
 /// Names the lines from now on (a command that runs as a daemon of its
 /// own name).
-#[allow(dead_code)] // used by the daemons' commands
 pub fn set_name(name: &'static str) {
     out().name = name;
 }
 
-/// Sends the lines from now on to the end of the file at `path`.
-#[allow(dead_code)] // used by the daemons' commands
-pub fn to_file(path: &Path) -> std::io::Result<()> {
-    let f = File::options().create(true).append(true).open(path)?;
-    out().sink = Sink::File(f);
+/// Sends a FUSE or vhost-user server's lines where `to` says, named
+/// `tilefs-fuse` as the server's own.
+pub fn to_server_log(to: &tilefs_fuse::LogTo) -> anyhow::Result<()> {
+    let sink = match to {
+        tilefs_fuse::LogTo::Stderr => Sink::Stderr {
+            stamped: stderr_is_file(),
+        },
+        tilefs_fuse::LogTo::File(p) => Sink::File(
+            File::options()
+                .create(true)
+                .append(true)
+                .open(p)
+                .map_err(|e| anyhow::anyhow!("{}: {e}", p.display()))?,
+        ),
+        tilefs_fuse::LogTo::Syslog => {
+            tilefs_sys::syslog::open(c"tilefs-fuse");
+            Sink::Syslog
+        }
+    };
+    let mut out = out();
+    out.name = "tilefs-fuse";
+    out.sink = sink;
     Ok(())
-}
-
-/// Sends the lines from now on to the system log, as `ident`.
-#[allow(dead_code)] // used by the daemons' commands
-pub fn to_syslog(ident: &'static std::ffi::CStr) {
-    tilefs_sys::syslog::open(ident);
-    out().sink = Sink::Syslog;
 }
 
 /// Whether stderr is a regular file: then its lines are a log's.

@@ -221,6 +221,7 @@ pub fn run(mut req: Request, serving: &Serving) -> Result<()> {
         (None, true) => LogTo::Stderr,
         (None, false) => LogTo::Syslog,
     };
+    crate::logging::to_server_log(&req.fuse.log)?;
     let presented = tilefs_present::mount(&req).map_err(with_flags)?;
     let notices = presented.notices().iter().map(|n| (n.to_string(), n.is_machine_fact()));
     for (n, once) in notices.chain(said.into_iter().map(|s| (s, true))) {

@@ -114,7 +114,6 @@ impl Default for ServeConfig {
 pub struct Connection {
     fd: Option<Arc<OwnedFd>>,
     notify: Mutex<Option<mpsc::Sender<Notice>>>,
-    log: Arc<dyn Fn(&str) + Send + Sync>,
 }
 
 enum Notice {
@@ -144,21 +143,19 @@ impl Drop for BackingId {
 
 impl Connection {
     /// The connection of a /dev/fuse descriptor.
-    pub fn of_device(fd: Arc<OwnedFd>, log: Arc<dyn Fn(&str) + Send + Sync>) -> Arc<Connection> {
+    pub fn of_device(fd: Arc<OwnedFd>) -> Arc<Connection> {
         Arc::new(Connection {
             fd: Some(fd),
             notify: Mutex::new(None),
-            log,
         })
     }
 
     /// A connection without a /dev/fuse descriptor (requests carried some
     /// other way): no passthrough, no notifications.
-    pub fn without_device(log: Arc<dyn Fn(&str) + Send + Sync>) -> Arc<Connection> {
+    pub fn without_device() -> Arc<Connection> {
         Arc::new(Connection {
             fd: None,
             notify: Mutex::new(None),
-            log,
         })
     }
 
@@ -180,13 +177,12 @@ impl Connection {
             // kernel may need locks that a request being answered holds.
             let (tx, rx) = mpsc::channel::<Notice>();
             let fd = dev.clone();
-            let log = self.log.clone();
             let spawned = std::thread::Builder::new().name("fuse-notify".into()).spawn(move || {
                 for n in rx {
                     if let Err(e) = send_notice(fd.as_fd(), &n) {
                         // ENOENT: nothing cached to invalidate.
                         if e.raw_os_error() != Some(libc::ENOENT) {
-                            log(&format!("notifying the kernel failed: {e}"));
+                            tracing::warn!("notifying the kernel failed: {e}");
                         }
                     }
                 }
@@ -254,7 +250,6 @@ pub struct Session<F: Filesystem> {
     dev: Arc<OwnedFd>,
     conn: Arc<Connection>,
     agreed: Agreed,
-    pub(crate) log: Arc<dyn Fn(&str) + Send + Sync>,
 }
 
 /// Oldest protocol spoken: 7.31 (Linux 5.9), for FUSE_MAX_PAGES,
@@ -400,11 +395,10 @@ impl<F: Filesystem> Handler<F> {
 
 impl<F: Filesystem> Session<F> {
     /// Answers the kernel's INIT on `fd` (a fresh connection): `fs` chooses
-    /// the settings, `uring` says whether to ask for io_uring. Messages
-    /// about the connection go to `log`.
-    pub fn new(fd: OwnedFd, fs: F, uring: bool, log: Arc<dyn Fn(&str) + Send + Sync>) -> io::Result<Session<F>> {
+    /// the settings, `uring` says whether to ask for io_uring.
+    pub fn new(fd: OwnedFd, fs: F, uring: bool) -> io::Result<Session<F>> {
         let dev = Arc::new(fd);
-        let conn = Connection::of_device(dev.clone(), log.clone());
+        let conn = Connection::of_device(dev.clone());
         let fs = Arc::new(fs);
         let mut buf = vec![0u8; 64 * 1024];
         loop {
@@ -427,13 +421,7 @@ impl<F: Filesystem> Session<F> {
                 }
                 Init::Agreed { out, agreed } => {
                     dev::write_message(dev.as_fd(), h.unique, 0, &[&out])?;
-                    return Ok(Session {
-                        fs,
-                        dev,
-                        conn,
-                        agreed,
-                        log,
-                    });
+                    return Ok(Session { fs, dev, conn, agreed });
                 }
             }
         }
@@ -461,9 +449,7 @@ impl<F: Filesystem> Session<F> {
         let stop = Arc::new(AtomicBool::new(false));
         let _idle_poll = match cfg.idle_poll.then(crate::poll::Guard::start) {
             Some(Err(e)) => {
-                (self.log)(&format!(
-                    "idle CPUs will halt between requests: /dev/cpu_dma_latency: {e}"
-                ));
+                tracing::warn!("idle CPUs will halt between requests: /dev/cpu_dma_latency: {e}");
                 None
             }
             g => g.and_then(Result::ok),
@@ -477,12 +463,9 @@ impl<F: Filesystem> Session<F> {
                 self.agreed.max_write + 4096,
                 cfg.uring_depth,
                 stop.clone(),
-                self.log.clone(),
             ) {
                 Ok(q) => queues = Some(q),
-                Err(e) => (self.log)(&format!(
-                    "FUSE over io_uring is unavailable ({e}); reading /dev/fuse instead"
-                )),
+                Err(e) => tracing::warn!("FUSE over io_uring is unavailable ({e}); reading /dev/fuse instead"),
             }
         }
         let transport = if let Some(q) = &queues {
@@ -546,7 +529,7 @@ impl<F: Filesystem> Session<F> {
             q.join();
         }
         self.fs.destroy();
-        stats::report(&*self.log);
+        stats::report();
         result.map(|()| transport)
     }
 }
@@ -713,7 +696,7 @@ mod stats {
         }
     }
 
-    pub(crate) fn report(log: &dyn Fn(&str)) {
+    pub(crate) fn report() {
         if !on() {
             return;
         }
@@ -725,6 +708,6 @@ mod stats {
                 line.push_str(&format!(" {i}: {c} {ms};"));
             }
         }
-        log(&line);
+        tracing::info!("{line}");
     }
 }

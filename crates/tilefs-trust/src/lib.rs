@@ -23,6 +23,9 @@
 //! [`policy::SignatureSource`] for its registry (tilefs-oci's
 //! `trust::check_registry_image` does all of it for a registry image).
 
+// A library logs through `tracing`; the program chooses where lines go.
+#![deny(clippy::print_stdout, clippy::print_stderr)]
+
 pub mod dockerref;
 pub mod evidence;
 pub mod gpg;
