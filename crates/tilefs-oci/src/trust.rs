@@ -596,9 +596,8 @@ impl Signer {
             };
             let dir = path.parent().expect("a signature has a directory");
             std::fs::create_dir_all(dir).map_err(|e| fail(format!("{}: {e}", dir.display())))?;
-            let tmp = dir.join(format!(".tmp-signature-{}", std::process::id()));
-            std::fs::write(&tmp, &sig).map_err(|e| fail(format!("{}: {e}", tmp.display())))?;
-            std::fs::rename(&tmp, &path).map_err(|e| fail(format!("{}: {e}", path.display())))?;
+            tilefs_sys::fs::replace(&path, 0o644, |mut f| std::io::Write::write_all(&mut f, &sig))
+                .map_err(|e| fail(e.to_string()))?;
             out.signatures.push(path.display().to_string());
         }
         if let Some(key) = &self.sigstore_key {

@@ -600,19 +600,12 @@ pub fn check_regions(mem: &GuestMemoryMmap<()>) -> Result<(), String> {
 
 /// The socket VMMs connect to: created for the server's owner alone
 /// (0600), or with `group` for that group too (0660), whatever the umask;
-/// a stale socket there is replaced. It is made so before it listens, so
+/// a stale socket there is replaced, a live one refused. It is made so before it listens, so
 /// no one connects through a wider mode meanwhile.
 fn listen(path: &std::path::Path, group: Option<u32>) -> io::Result<Listener> {
     use rustix::fs::{AtFlags, Mode, OFlags};
-    use rustix::net::{AddressFamily, SocketAddrUnix, SocketFlags, SocketType};
     let err = |what: &str, e: rustix::io::Errno| io::Error::other(format!("{}: {what}: {e}", path.display()));
-    if std::fs::symlink_metadata(path).is_ok_and(|m| std::os::unix::fs::FileTypeExt::is_socket(&m.file_type())) {
-        let _ = std::fs::remove_file(path);
-    }
-    let fd = rustix::net::socket_with(AddressFamily::UNIX, SocketType::STREAM, SocketFlags::CLOEXEC, None)
-        .map_err(|e| err("socket", e))?;
-    let addr = SocketAddrUnix::new(path).map_err(|e| err("socket address", e))?;
-    rustix::net::bind(&fd, &addr).map_err(|e| err("cannot listen", e))?;
+    let fd = tilefs_sys::socket::bind_fresh(path, rustix::net::SocketType::STREAM)?;
     // By descriptor, never following a symlink: whoever may write the
     // directory cannot have the mode and group given to another file.
     let node = rustix::fs::open(path, OFlags::PATH | OFlags::NOFOLLOW | OFlags::CLOEXEC, Mode::empty())

@@ -37,7 +37,7 @@ use rustix::fd::{AsFd, AsRawFd, BorrowedFd, OwnedFd};
 use rustix::fs::{AtFlags, Mode, OFlags, StatxFlags};
 use rustix::io::Errno;
 use rustix::mount::MoveMountFlags;
-use rustix::net::{AddressFamily, SocketAddrUnix, SocketFlags, SocketType};
+use rustix::net::{SocketFlags, SocketType};
 use std::collections::{BTreeSet, HashMap, HashSet};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -920,14 +920,8 @@ fn bind(path: &Path) -> Result<OwnedFd, String> {
     if let Some(dir) = path.parent() {
         std::fs::create_dir_all(dir).map_err(|e| format!("{}: {e}", dir.display()))?;
     }
-    // A socket left by an earlier run (never anything else).
-    if std::fs::symlink_metadata(path).is_ok_and(|m| std::os::unix::fs::FileTypeExt::is_socket(&m.file_type())) {
-        let _ = std::fs::remove_file(path);
-    }
-    let fd = rustix::net::socket_with(AddressFamily::UNIX, SocketType::SEQPACKET, SocketFlags::CLOEXEC, None)
-        .map_err(|e| err("socket", e))?;
-    let addr = SocketAddrUnix::new(path).map_err(|e| err("socket address", e))?;
-    rustix::net::bind(&fd, &addr).map_err(|e| err("bind", e))?;
+    // A socket left by an earlier run is replaced; a running service's is not.
+    let fd = tilefs_sys::socket::bind_fresh(path, SocketType::SEQPACKET).map_err(|e| e.to_string())?;
     rustix::fs::chmod(path, Mode::from_raw_mode(0o666)).map_err(|e| err("chmod", e))?;
     rustix::net::listen(&fd, 128).map_err(|e| err("listen", e))?;
     Ok(fd)
