@@ -10,8 +10,8 @@
 //! wake-up, which is what a /dev/fuse round trip pays.
 
 use crate::abi;
+use crate::handler::{Filesystem, Handler};
 use crate::reply::{read_full, Sink};
-use crate::session::{Filesystem, Handler};
 use io_uring::{cqueue, squeue, types, IoUring};
 use std::io;
 use std::os::fd::{AsRawFd, BorrowedFd, OwnedFd};

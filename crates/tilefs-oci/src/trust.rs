@@ -32,17 +32,7 @@ pub struct TrustOptions {
     pub tls_verify_explicit: bool,
 }
 
-/// What a lazily pulled image keeps of its check, so that its mount's
-/// fetches check it again: the reference it was pulled as and the
-/// configuration files used.
-#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
-pub struct TrustRecord {
-    /// The image as the policy judged it (`docker://HOST/REPO:TAG`).
-    pub logical: String,
-    /// The top-level manifest's digest.
-    pub manifest_digest: String,
-    pub paths: Paths,
-}
+pub use tilefs_trust::TrustRecord;
 
 /// Most signatures read for one image, from the lookaside and from the
 /// attachments each (each at most [`MAX_SIGNATURE`] bytes).

@@ -1,6 +1,8 @@
 //! tilefs-store: the content-addressed object store.
 //!
-//! - [`store`]: the store directory, its layout, locks and object names;
+//! - [`layout`]: everything under a store's directory, named and
+//!   documented in one place (a format description);
+//! - [`store`]: the store directory, its lock and object names;
 //! - [`ingest`]: putting source files into the store (clone or copy,
 //!   digest while writing, durable before visible), with a digest cache;
 //! - [`tags`]: named images kept in the store (gc roots);
@@ -26,6 +28,7 @@ pub mod file_state;
 pub mod fsck;
 pub mod gc;
 pub mod ingest;
+pub mod layout;
 pub mod mounts;
 pub mod owned;
 pub mod placeholder;

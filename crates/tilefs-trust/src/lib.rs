@@ -82,6 +82,18 @@ pub fn digest_matches(digest: &str, bytes: &[u8]) -> bool {
     }
 }
 
+/// What a lazily pulled image keeps of its check, so that its mount's
+/// fetches check it again: the reference it was pulled as and the
+/// configuration files used.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct TrustRecord {
+    /// The image as the policy judged it (`docker://HOST/REPO:TAG`).
+    pub logical: String,
+    /// The top-level manifest's digest.
+    pub manifest_digest: String,
+    pub paths: Paths,
+}
+
 /// Where the configuration is read from. Unset fields take the defaults
 /// podman and skopeo use.
 #[derive(Debug, Clone, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
