@@ -600,8 +600,8 @@ pub fn check_regions(mem: &GuestMemoryMmap<()>) -> Result<(), String> {
 
 /// The socket VMMs connect to: created for the server's owner alone
 /// (0600), or with `group` for that group too (0660), whatever the umask;
-/// a stale socket there is replaced, a live one refused. It is made so before it listens, so
-/// no one connects through a wider mode meanwhile.
+/// a stale socket there is replaced, a live one refused. It is made so
+/// before it listens, so no one connects through a wider mode meanwhile.
 fn listen(path: &std::path::Path, group: Option<u32>) -> io::Result<Listener> {
     use rustix::fs::{AtFlags, Mode, OFlags};
     let err = |what: &str, e: rustix::io::Errno| io::Error::other(format!("{}: {what}: {e}", path.display()));
