@@ -159,6 +159,7 @@ pub fn run(mut a: LayerStoreArgs) -> Result<ExitCode> {
         (None, true) => LogTo::Stderr,
         (None, false) => LogTo::Syslog,
     };
+    crate::logging::to_server_log(&log)?;
     tilefs_fuse::raise_nofile();
     let layers = tilefs_oci::layer_store::LayerStore::open(&store, &state, pull).map_err(|e| anyhow!(e))?;
     let fs = LayerStoreFs::new(store.clone(), Arc::new(Source(layers, store)), log).map_err(|e| anyhow!(e))?;

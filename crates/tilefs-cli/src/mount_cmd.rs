@@ -252,6 +252,7 @@ pub fn run(mut req: Request, serving: &Serving) -> Result<()> {
         (None, true) => LogTo::Stderr,
         (None, false) => LogTo::Syslog,
     };
+    crate::logging::to_server_log(&req.fuse.log)?;
     let presented = tilefs_present::mount(&req).map_err(with_flags)?;
     if serving.fetch_rest.is_some() && !matches!(presented, Presented::KernelLazy { .. }) {
         eprintln!(

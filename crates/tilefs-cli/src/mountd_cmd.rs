@@ -69,6 +69,7 @@ pub fn helper() -> ExitCode {
 }
 
 pub fn run(a: MountdArgs) -> Result<ExitCode> {
+    crate::logging::set_name("tilefs-mountd");
     let config = server::Config {
         socket: a.socket,
         policy: a.policy,

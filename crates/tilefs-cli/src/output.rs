@@ -4,7 +4,6 @@
 use anyhow::{bail, Context, Result};
 use std::fs;
 use std::io::{IsTerminal, Write};
-use std::os::unix::fs::PermissionsExt;
 use std::path::Path;
 
 /// Checks, before any work, that `path` (or stdout for `-`) can take an
@@ -44,8 +43,8 @@ pub fn quoted(p: &Path) -> String {
     }
 }
 
-/// Writes `data` to `path` (or stdout for `-`): into a temporary file in the
-/// same directory, synced, then renamed over `path`.
+/// Writes `data` to `path` (or stdout for `-`), replacing it atomically
+/// (see [`tilefs_sys::fs::replace`]).
 pub fn write_atomic(path: &Path, data: &[u8]) -> Result<()> {
     if path.as_os_str() == "-" {
         let mut out = std::io::stdout().lock();
@@ -64,23 +63,5 @@ pub fn write_atomic(path: &Path, data: &[u8]) -> Result<()> {
 /// Like [`write_atomic`] (not for stdout), `write` filling the temporary
 /// file; nothing is left behind if it fails.
 pub fn write_atomic_with(path: &Path, write: impl FnOnce(&fs::File) -> Result<()>) -> Result<()> {
-    let dir = match path.parent() {
-        Some(p) if !p.as_os_str().is_empty() => p,
-        _ => Path::new("."),
-    };
-    let tmp = tempfile::Builder::new()
-        .prefix(".tilefs-")
-        .tempfile_in(dir)
-        .with_context(|| format!("creating a temporary file in {}", dir.display()))?;
-    write(tmp.as_file())?;
-    tmp.as_file()
-        .sync_all()
-        .with_context(|| format!("writing {}", path.display()))?;
-    tmp.as_file()
-        .set_permissions(fs::Permissions::from_mode(0o644))
-        .with_context(|| format!("setting permissions of {}", path.display()))?;
-    tmp.persist(path)
-        .map_err(|e| e.error)
-        .with_context(|| format!("renaming the new image to {}", path.display()))?;
-    Ok(())
+    tilefs_sys::fs::replace(path, 0o644, write)
 }

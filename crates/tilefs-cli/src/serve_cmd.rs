@@ -86,6 +86,7 @@ pub fn run(a: ServeArgs) -> Result<ExitCode> {
         Some(p) => LogTo::File(p.clone()),
         None => LogTo::Stderr,
     };
+    crate::logging::to_server_log(&log)?;
     let store = a.store.path()?;
     let spec = tilefs_present::serve_spec(&store, &a.image, upper, verity, digest, log)?;
     let server = tilefs_fuse::Server::build(&spec)?;
@@ -95,17 +96,16 @@ pub fn run(a: ServeArgs) -> Result<ExitCode> {
         .ok();
     // The same worker count as a FUSE mount of the image would have.
     let threads = server.serve_config(a.threads, true, Some(false)).threads;
-    let log = server.log_fn();
     let fs = Arc::new(server.filesystem());
     let socket = std::path::absolute(&a.vhost_user).context("--vhost-user")?;
     // A signal ends the server: every write of the guest is in the upper
     // directory already (each is written before it is answered).
     let mut signals = signal_hook::iterator::Signals::new(SIGNALS).context("cannot handle signals")?;
     {
-        let (socket, log) = (socket.clone(), log.clone());
+        let socket = socket.clone();
         std::thread::spawn(move || {
             if let Some(sig) = signals.forever().next() {
-                log(&format!("signal {sig}: exiting"));
+                tracing::info!("signal {sig}: exiting");
                 let _ = std::fs::remove_file(&socket);
                 std::process::exit(0);
             }
@@ -119,7 +119,7 @@ pub fn run(a: ServeArgs) -> Result<ExitCode> {
         once: a.once,
         socket_group,
     };
-    let r = tilefs_vhost::serve(fs, log, &opts);
+    let r = tilefs_vhost::serve(fs, &opts);
     let _ = std::fs::remove_file(&socket);
     r?;
     Ok(ExitCode::SUCCESS)

@@ -7,18 +7,14 @@ mod common;
 use common::*;
 use std::fs;
 use std::io::Write;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::{Command, Stdio};
-
-fn assets() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("../../../shared/composefs-assets")
-}
 
 #[test]
 fn should_fail_dumps_are_refused_naming_the_line() {
     let tmp = tempfile::tempdir().unwrap();
     let mut n = 0;
-    for e in fs::read_dir(assets()).unwrap().flatten() {
+    for e in fs::read_dir(assets_dir()).unwrap().flatten() {
         let name = e.file_name().into_string().unwrap();
         if !name.starts_with("should-fail-") {
             continue;
@@ -57,7 +53,7 @@ fn dump_then_build_reproduces_every_vector_image() {
         tilefs(&[
             os("build"),
             os("--from-dump"),
-            assets().join(name).as_os_str(),
+            assets_dir().join(name).as_os_str(),
             img.as_os_str(),
         ]);
         let dump = tilefs(&[os("dump"), img.as_os_str()]).stdout;
@@ -79,7 +75,7 @@ fn dump_then_build_reproduces_every_vector_image() {
 fn print_digest_is_the_image_fs_verity_digest() {
     let tmp = tempfile::tempdir().unwrap();
     let img = tmp.path().join("a.img");
-    let src = assets().join("special.dump");
+    let src = assets_dir().join("special.dump");
     let out = tilefs(&[
         os("build"),
         os("--print-digest"),

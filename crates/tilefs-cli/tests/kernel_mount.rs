@@ -40,15 +40,6 @@ fn ref_bin(name: &str) -> PathBuf {
     bin
 }
 
-/// The composefs vectors (checked out beside the repository).
-fn assets_dir() -> PathBuf {
-    let dir = std::env::var_os("TILEFS_ASSETS")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| Path::new(env!("CARGO_MANIFEST_DIR")).join("../../../shared/composefs-assets"));
-    require((!dir.is_dir()).then(|| format!("no composefs vectors at {} (set TILEFS_ASSETS)", dir.display())));
-    dir
-}
-
 /// `tilefs mount --kernel --store STORE [extra] IMAGE MNT`, which must succeed.
 fn kmount(store: &Path, image: &Path, mnt: &Path, extra: &[&str]) -> Mounted {
     let mut args: Vec<&OsStr> = vec![os("mount"), os("--kernel"), os("--store"), store.as_os_str()];

@@ -10,8 +10,13 @@
 //! use the same pieces: [`negotiate`] answers INIT, a [`Handler`] answers
 //! each request given its bytes and a [`Sink`] for the reply.
 
+// A library logs through `tracing`; the program chooses where lines go.
+#![deny(clippy::print_stdout, clippy::print_stderr)]
+
 pub mod abi;
+mod connection;
 mod dev;
+mod handler;
 mod poll;
 mod readers;
 mod reply;
@@ -22,14 +27,13 @@ mod session;
 #[allow(unsafe_code)]
 mod uring;
 
+pub use connection::{BackingId, Connection};
+pub use handler::{Agreed, Filesystem, Handler, InitConfig, KernelInit};
 pub use poll::{worth_it as idle_poll_worth_it, WINDOW as IDLE_POLL_WINDOW};
 pub use readers::may_block;
 pub use reply::{DirBuf, Entry, Open, Reply, Sink, Ttl};
 pub use request::{Layout, Malformed, Op, Request};
-pub use session::{
-    negotiate, Agreed, BackingId, Connection, Filesystem, Handler, Init, InitConfig, KernelInit, ServeConfig, Session,
-    Transport,
-};
+pub use session::{negotiate, Init, ServeConfig, Session, Transport};
 
 /// Whether this kernel lets FUSE servers use io_uring now: the fuse
 /// module's `enable_uring` parameter (root may change it).

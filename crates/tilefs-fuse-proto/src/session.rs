@@ -3,81 +3,17 @@
 //! io_uring queues, until the filesystem is unmounted.
 
 use crate::abi::{self, opcode};
+use crate::connection::Connection;
 use crate::dev::{self, DevSink};
+use crate::handler::{split_header, stats, Agreed, Filesystem, Handler, KernelInit};
 use crate::readers::Readers;
-use crate::reply::{Reply, Sink};
-use crate::request::{self, Layout, Op, Request};
+use crate::request::Layout;
 use std::io;
 use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{mpsc, Arc, Mutex};
+use std::sync::Arc;
 use std::time::Duration;
 use zerocopy::{FromBytes, IntoBytes};
-
-/// What the kernel offered in its INIT.
-#[derive(Debug, Clone, Copy)]
-pub struct KernelInit {
-    pub minor: u32,
-    /// `abi::init` flags, `flags2` shifted up by 32.
-    pub flags: u64,
-    pub max_readahead: u32,
-}
-
-impl KernelInit {
-    pub fn offers(&self, flag: u64) -> bool {
-        self.flags & flag == flag
-    }
-}
-
-/// What the filesystem wants, answered to INIT. Flags the kernel did not
-/// offer are dropped.
-#[derive(Debug, Clone, Copy)]
-pub struct InitConfig {
-    pub want: u64,
-    pub max_write: u32,
-    pub max_readahead: u32,
-    pub max_background: u16,
-    pub congestion_threshold: u16,
-    /// Nanoseconds: the granularity of the times we keep.
-    pub time_gran: u32,
-    /// Passthrough backing files may be on filesystems this deep.
-    pub max_stack_depth: u32,
-}
-
-impl Default for InitConfig {
-    fn default() -> InitConfig {
-        InitConfig {
-            want: abi::init::ASYNC_READ | abi::init::BIG_WRITES,
-            max_write: 128 * 1024,
-            max_readahead: u32::MAX,
-            max_background: 16,
-            congestion_threshold: 12,
-            time_gran: 1,
-            max_stack_depth: 0,
-        }
-    }
-}
-
-/// A filesystem served over FUSE. Requests may arrive on several threads
-/// at once.
-pub trait Filesystem: Send + Sync + 'static {
-    /// Chooses the connection's settings from what the kernel offers.
-    /// `conn` stays valid for the whole session (keep it for passthrough
-    /// and notifications).
-    fn init(&self, kernel: &KernelInit, conn: &Arc<Connection>) -> InitConfig;
-
-    /// Answers one request (every opcode but INIT, FORGET, BATCH_FORGET,
-    /// INTERRUPT and DESTROY).
-    fn handle(&self, req: &Request, op: Op<'_>, reply: Reply<'_>);
-
-    /// The kernel dropped `nlookup` references to `nodeid`.
-    fn forget(&self, nodeid: u64, nlookup: u64) {
-        let _ = (nodeid, nlookup);
-    }
-
-    /// The connection is gone.
-    fn destroy(&self) {}
-}
 
 /// How requests are read.
 #[derive(Debug, Clone, Copy)]
@@ -107,169 +43,17 @@ impl Default for ServeConfig {
     }
 }
 
-/// The connection, as the filesystem sees it: passthrough backing files
-/// and notifications to the kernel. A transport other than /dev/fuse (a
-/// virtqueue) has neither: backing files are refused and notifications
-/// dropped there.
-pub struct Connection {
-    fd: Option<Arc<OwnedFd>>,
-    notify: Mutex<Option<mpsc::Sender<Notice>>>,
-    log: Arc<dyn Fn(&str) + Send + Sync>,
-}
-
-enum Notice {
-    InvalEntry(u64, Vec<u8>),
-    InvalInode(u64, i64, i64),
-    Delete(u64, u64, Vec<u8>),
-}
-
-/// A file the kernel reads and writes itself for opens answered with
-/// FOPEN_PASSTHROUGH; unregistered when dropped.
-pub struct BackingId {
-    id: i32,
-    fd: Arc<OwnedFd>,
-}
-
-impl BackingId {
-    pub fn id(&self) -> i32 {
-        self.id
-    }
-}
-
-impl Drop for BackingId {
-    fn drop(&mut self) {
-        tilefs_sys::fuse_dev::backing_close(self.fd.as_fd(), self.id);
-    }
-}
-
-impl Connection {
-    /// The connection of a /dev/fuse descriptor.
-    pub fn of_device(fd: Arc<OwnedFd>, log: Arc<dyn Fn(&str) + Send + Sync>) -> Arc<Connection> {
-        Arc::new(Connection {
-            fd: Some(fd),
-            notify: Mutex::new(None),
-            log,
-        })
-    }
-
-    /// A connection without a /dev/fuse descriptor (requests carried some
-    /// other way): no passthrough, no notifications.
-    pub fn without_device(log: Arc<dyn Fn(&str) + Send + Sync>) -> Arc<Connection> {
-        Arc::new(Connection {
-            fd: None,
-            notify: Mutex::new(None),
-            log,
-        })
-    }
-
-    /// Registers `file` as a backing file (needs CAP_SYS_ADMIN and
-    /// FUSE_PASSTHROUGH).
-    pub fn open_backing(&self, file: BorrowedFd<'_>) -> io::Result<BackingId> {
-        let Some(dev) = &self.fd else {
-            return Err(io::Error::from(io::ErrorKind::Unsupported));
-        };
-        let r = tilefs_sys::fuse_dev::backing_open(dev.as_fd(), file)?;
-        Ok(BackingId { id: r, fd: dev.clone() })
-    }
-
-    fn queue(&self, n: Notice) {
-        let Some(dev) = &self.fd else { return };
-        let mut guard = self.notify.lock().unwrap();
-        if guard.is_none() {
-            // Notifications are written by a thread of their own: the
-            // kernel may need locks that a request being answered holds.
-            let (tx, rx) = mpsc::channel::<Notice>();
-            let fd = dev.clone();
-            let log = self.log.clone();
-            let spawned = std::thread::Builder::new().name("fuse-notify".into()).spawn(move || {
-                for n in rx {
-                    if let Err(e) = send_notice(fd.as_fd(), &n) {
-                        // ENOENT: nothing cached to invalidate.
-                        if e.raw_os_error() != Some(libc::ENOENT) {
-                            log(&format!("notifying the kernel failed: {e}"));
-                        }
-                    }
-                }
-            });
-            if spawned.is_err() {
-                return;
-            }
-            *guard = Some(tx);
-        }
-        if let Some(tx) = guard.as_ref() {
-            let _ = tx.send(n);
-        }
-    }
-
-    /// Drops the kernel's cached entry `name` of directory `parent`.
-    pub fn inval_entry(&self, parent: u64, name: &[u8]) {
-        self.queue(Notice::InvalEntry(parent, name.to_vec()))
-    }
-
-    /// Drops the kernel's cached attributes of `ino`, and its cached data
-    /// from `off` for `len` bytes (`len` 0: to the end; `off` -1: none).
-    pub fn inval_inode(&self, ino: u64, off: i64, len: i64) {
-        self.queue(Notice::InvalInode(ino, off, len))
-    }
-
-    /// Tells the kernel `child`, named `name` in `parent`, was deleted.
-    pub fn delete(&self, parent: u64, child: u64, name: &[u8]) {
-        self.queue(Notice::Delete(parent, child, name.to_vec()))
-    }
-}
-
-fn send_notice(fd: BorrowedFd<'_>, n: &Notice) -> io::Result<()> {
-    match n {
-        Notice::InvalEntry(parent, name) => {
-            let out = abi::NotifyInvalEntryOut {
-                parent: *parent,
-                namelen: name.len() as u32,
-                flags: 0,
-            };
-            dev::write_message(fd, 0, abi::notify::INVAL_ENTRY, &[out.as_bytes(), name, &[0]])
-        }
-        Notice::InvalInode(ino, off, len) => {
-            let out = abi::NotifyInvalInodeOut {
-                ino: *ino,
-                off: *off,
-                len: *len,
-            };
-            dev::write_message(fd, 0, abi::notify::INVAL_INODE, &[out.as_bytes()])
-        }
-        Notice::Delete(parent, child, name) => {
-            let out = abi::NotifyDeleteOut {
-                parent: *parent,
-                child: *child,
-                namelen: name.len() as u32,
-                padding: 0,
-            };
-            dev::write_message(fd, 0, abi::notify::DELETE, &[out.as_bytes(), name, &[0]])
-        }
-    }
-}
-
 /// An initialized connection, ready to serve.
 pub struct Session<F: Filesystem> {
     fs: Arc<F>,
     dev: Arc<OwnedFd>,
     conn: Arc<Connection>,
     agreed: Agreed,
-    pub(crate) log: Arc<dyn Fn(&str) + Send + Sync>,
 }
 
 /// Oldest protocol spoken: 7.31 (Linux 5.9), for FUSE_MAX_PAGES,
 /// FUSE_CACHE_SYMLINKS and the modern structure sizes.
 const MIN_MINOR: u32 = 31;
-
-/// What the INIT exchange settled, whatever carried it.
-#[derive(Debug, Clone, Copy)]
-pub struct Agreed {
-    pub layout: Layout,
-    /// The kernel agreed to FUSE over io_uring.
-    pub uring: bool,
-    /// Largest request payload (written data): sizes the buffers.
-    pub max_write: usize,
-}
 
 /// The answer to one INIT request.
 #[derive(Debug)]
@@ -354,57 +138,12 @@ pub fn negotiate<F: Filesystem>(fs: &F, conn: &Arc<Connection>, body: &[u8], uri
     }
 }
 
-/// Answers requests of a negotiated connection, one message at a time,
-/// whatever carries them: /dev/fuse, io_uring or a virtqueue.
-pub struct Handler<F: Filesystem> {
-    fs: Arc<F>,
-    layout: Layout,
-}
-
-impl<F: Filesystem> Handler<F> {
-    pub fn new(fs: Arc<F>, agreed: &Agreed) -> Handler<F> {
-        Handler {
-            fs,
-            layout: agreed.layout,
-        }
-    }
-
-    /// Answers the request `msg` (header and body, as the kernel sent it)
-    /// into `sink`. Returns false for a request that takes no reply (and
-    /// for a malformed message, which is dropped).
-    pub fn handle(&self, msg: &[u8], sink: &mut dyn Sink) -> bool {
-        let Some((h, body)) = split_header(msg) else {
-            return false;
-        };
-        let split = request::op_header_size(h.opcode, self.layout).min(body.len());
-        let (head, rest) = body.split_at(split);
-        self.handle_parts(&h, head, rest, sink)
-    }
-
-    /// [`Handler::handle`] for a transport that carries a request in
-    /// parts: its header, the opcode's fixed structure (`head`, of
-    /// [`Handler::head_size`] bytes) and what follows it (`rest`).
-    pub fn handle_parts(&self, h: &abi::InHeader, head: &[u8], rest: &[u8], sink: &mut dyn Sink) -> bool {
-        dispatch(&*self.fs, self.layout, h, head, rest, sink)
-    }
-
-    /// The size of `opcode`'s fixed structure on this connection.
-    pub fn head_size(&self, opcode: u32) -> usize {
-        request::op_header_size(opcode, self.layout)
-    }
-
-    pub fn filesystem(&self) -> &Arc<F> {
-        &self.fs
-    }
-}
-
 impl<F: Filesystem> Session<F> {
     /// Answers the kernel's INIT on `fd` (a fresh connection): `fs` chooses
-    /// the settings, `uring` says whether to ask for io_uring. Messages
-    /// about the connection go to `log`.
-    pub fn new(fd: OwnedFd, fs: F, uring: bool, log: Arc<dyn Fn(&str) + Send + Sync>) -> io::Result<Session<F>> {
+    /// the settings, `uring` says whether to ask for io_uring.
+    pub fn new(fd: OwnedFd, fs: F, uring: bool) -> io::Result<Session<F>> {
         let dev = Arc::new(fd);
-        let conn = Connection::of_device(dev.clone(), log.clone());
+        let conn = Connection::of_device(dev.clone());
         let fs = Arc::new(fs);
         let mut buf = vec![0u8; 64 * 1024];
         loop {
@@ -427,13 +166,7 @@ impl<F: Filesystem> Session<F> {
                 }
                 Init::Agreed { out, agreed } => {
                     dev::write_message(dev.as_fd(), h.unique, 0, &[&out])?;
-                    return Ok(Session {
-                        fs,
-                        dev,
-                        conn,
-                        agreed,
-                        log,
-                    });
+                    return Ok(Session { fs, dev, conn, agreed });
                 }
             }
         }
@@ -461,9 +194,7 @@ impl<F: Filesystem> Session<F> {
         let stop = Arc::new(AtomicBool::new(false));
         let _idle_poll = match cfg.idle_poll.then(crate::poll::Guard::start) {
             Some(Err(e)) => {
-                (self.log)(&format!(
-                    "idle CPUs will halt between requests: /dev/cpu_dma_latency: {e}"
-                ));
+                tracing::warn!("idle CPUs will halt between requests: /dev/cpu_dma_latency: {e}");
                 None
             }
             g => g.and_then(Result::ok),
@@ -477,12 +208,9 @@ impl<F: Filesystem> Session<F> {
                 self.agreed.max_write + 4096,
                 cfg.uring_depth,
                 stop.clone(),
-                self.log.clone(),
             ) {
                 Ok(q) => queues = Some(q),
-                Err(e) => (self.log)(&format!(
-                    "FUSE over io_uring is unavailable ({e}); reading /dev/fuse instead"
-                )),
+                Err(e) => tracing::warn!("FUSE over io_uring is unavailable ({e}); reading /dev/fuse instead"),
             }
         }
         let transport = if let Some(q) = &queues {
@@ -546,7 +274,7 @@ impl<F: Filesystem> Session<F> {
             q.join();
         }
         self.fs.destroy();
-        stats::report(&*self.log);
+        stats::report();
         result.map(|()| transport)
     }
 }
@@ -556,69 +284,6 @@ impl<F: Filesystem> Session<F> {
 pub enum Transport {
     Dev { threads: usize },
     Uring { queues: usize },
-}
-
-/// Splits a message read from the device into its header and body (the
-/// extensions at its end left out). None if it is malformed.
-pub(crate) fn split_header(msg: &[u8]) -> Option<(abi::InHeader, &[u8])> {
-    let (h, _) = abi::InHeader::read_from_prefix(msg).ok()?;
-    let len = (h.len as usize).min(msg.len());
-    let body = msg.get(core::mem::size_of::<abi::InHeader>()..len)?;
-    let ext = usize::from(h.total_extlen) * 8;
-    Some((h, &body[..body.len().saturating_sub(ext)]))
-}
-
-/// Handles one request: `head` holds the opcode's fixed structure, `rest`
-/// what follows. Returns false for requests that get no reply.
-pub(crate) fn dispatch<F: Filesystem>(
-    fs: &F,
-    layout: Layout,
-    h: &abi::InHeader,
-    head: &[u8],
-    rest: &[u8],
-    sink: &mut dyn Sink,
-) -> bool {
-    let _timer = stats::Timer::start(h.opcode);
-    crate::poll::request();
-    match h.opcode {
-        opcode::FORGET => {
-            if let Ok(n) = request::forget(head) {
-                fs.forget(h.nodeid, n);
-            }
-            false
-        }
-        opcode::BATCH_FORGET => {
-            if let Ok(v) = request::batch_forget(head, rest) {
-                for f in v {
-                    fs.forget(f.nodeid, f.nlookup);
-                }
-            }
-            false
-        }
-        // Requests finish quickly or not at all; nothing to interrupt.
-        opcode::INTERRUPT | opcode::NOTIFY_REPLY => false,
-        opcode::INIT => {
-            let _ = sink.send(h.unique, -libc::EIO, &[]);
-            true
-        }
-        opcode::DESTROY => {
-            let _ = sink.send(h.unique, 0, &[]);
-            true
-        }
-        op => {
-            let req = Request::from_header(h);
-            match request::parse(op, head, rest, layout) {
-                Ok(Op::Other(_)) => {
-                    let _ = sink.send(h.unique, -libc::ENOSYS, &[]);
-                }
-                Ok(parsed) => fs.handle(&req, parsed, Reply::new(h.unique, sink)),
-                Err(_) => {
-                    let _ = sink.send(h.unique, -libc::EINVAL, &[]);
-                }
-            }
-            true
-        }
-    }
 }
 
 /// How long the /dev/fuse reader waits after a FORGET when io_uring carries
@@ -676,55 +341,4 @@ fn serve_dev<F: Filesystem>(
         }
     }
     Ok(())
-}
-
-/// Requests counted per opcode, with the time spent answering them, when
-/// `TILEFS_FUSE_STATS` is set in the server's environment (for profiling):
-/// written to the server's log when the session ends.
-mod stats {
-    use std::sync::atomic::{AtomicU64, Ordering};
-    use std::sync::OnceLock;
-    use std::time::Instant;
-
-    const N: usize = 64;
-    static COUNT: [AtomicU64; N] = [const { AtomicU64::new(0) }; N];
-    static NANOS: [AtomicU64; N] = [const { AtomicU64::new(0) }; N];
-
-    fn on() -> bool {
-        static ON: OnceLock<bool> = OnceLock::new();
-        *ON.get_or_init(|| std::env::var_os("TILEFS_FUSE_STATS").is_some())
-    }
-
-    pub(crate) struct Timer(Option<(usize, Instant)>);
-
-    impl Timer {
-        pub(crate) fn start(opcode: u32) -> Timer {
-            let i = (opcode as usize).min(N - 1);
-            Timer(on().then(|| (i, Instant::now())))
-        }
-    }
-
-    impl Drop for Timer {
-        fn drop(&mut self) {
-            if let Some((i, t)) = self.0 {
-                COUNT[i].fetch_add(1, Ordering::Relaxed);
-                NANOS[i].fetch_add(t.elapsed().as_nanos() as u64, Ordering::Relaxed);
-            }
-        }
-    }
-
-    pub(crate) fn report(log: &dyn Fn(&str)) {
-        if !on() {
-            return;
-        }
-        let mut line = String::from("requests (opcode: count, ms):");
-        for i in 0..N {
-            let c = COUNT[i].load(Ordering::Relaxed);
-            if c > 0 {
-                let ms = NANOS[i].load(Ordering::Relaxed) / 1_000_000;
-                line.push_str(&format!(" {i}: {c} {ms};"));
-            }
-        }
-        log(&line);
-    }
 }

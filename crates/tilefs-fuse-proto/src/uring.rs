@@ -10,8 +10,8 @@
 //! wake-up, which is what a /dev/fuse round trip pays.
 
 use crate::abi;
+use crate::handler::{Filesystem, Handler};
 use crate::reply::{read_full, Sink};
-use crate::session::{Filesystem, Handler};
 use io_uring::{cqueue, squeue, types, IoUring};
 use std::io;
 use std::os::fd::{AsRawFd, BorrowedFd, OwnedFd};
@@ -62,13 +62,12 @@ pub(crate) fn start<F: Filesystem>(
     payload: usize,
     depth: u16,
     stop: Arc<AtomicBool>,
-    log: Arc<dyn Fn(&str) + Send + Sync>,
 ) -> io::Result<Queues> {
     let n = possible_cpus();
     let (tx, rx) = mpsc::channel::<io::Result<()>>();
     let mut threads = Vec::new();
     for qid in 0..n {
-        let (handler, fd, stop, tx, log) = (handler.clone(), fd.clone(), stop.clone(), tx.clone(), log.clone());
+        let (handler, fd, stop, tx) = (handler.clone(), fd.clone(), stop.clone(), tx.clone());
         threads.push(
             std::thread::Builder::new()
                 .name(format!("fuse-q{qid}"))
@@ -83,7 +82,7 @@ pub(crate) fn start<F: Filesystem>(
                     let _ = tx.send(Ok(()));
                     drop(tx);
                     if let Err(e) = q.serve(&handler, &stop) {
-                        log(&format!("io_uring queue {qid} stopped: {e}"));
+                        tracing::warn!("io_uring queue {qid} stopped: {e}");
                     }
                 })?,
         );

@@ -12,6 +12,9 @@
 //! requests with `tilefs_fuse_proto`'s `Handler`. [`unmount`] ends a mount
 //! from outside, also one whose server died.
 
+// A library logs through `tracing`; the program chooses where lines go.
+#![deny(clippy::print_stdout, clippy::print_stderr)]
+
 mod fs;
 pub mod layer_store;
 mod log;
@@ -210,7 +213,8 @@ pub struct ServeSpec {
     /// (`STORED:SHOWN:LEN[:...]`, as fuse-overlayfs's uidmapping).
     pub uid_map: Option<String>,
     pub gid_map: Option<String>,
-    /// Where the server's messages go.
+    /// Where the server's messages are to go: the server logs through
+    /// `tracing`, and the command's subscriber sends them here.
     pub log: LogTo,
 }
 
@@ -225,7 +229,8 @@ impl ServeSpec {
     }
 }
 
-/// Where a server's messages go.
+/// Where a server's messages go (the command routes its `tracing`
+/// events there).
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub enum LogTo {
     #[default]
@@ -423,17 +428,6 @@ impl Server {
         self.fs
     }
 
-    /// Writes one line to the server's log.
-    pub fn log(&self, msg: &str) {
-        self.logger.log(msg)
-    }
-
-    /// The server's log, for a transport of the caller's.
-    pub fn log_fn(&self) -> Arc<dyn Fn(&str) + Send + Sync> {
-        let l = self.logger.clone();
-        Arc::new(move |msg: &str| l.log(msg))
-    }
-
     /// The bytes of the image served (for a gc record of the mount).
     pub fn image_bytes(&self) -> &[u8] {
         match &self.fs {
@@ -444,13 +438,9 @@ impl Server {
     }
 }
 
-/// Where `spec` says the server's messages go.
-fn logger_of(spec: &ServeSpec) -> Result<Arc<Logger>, FuseError> {
-    Ok(Arc::new(match &spec.log {
-        LogTo::File(p) => Logger::file(p).map_err(|e| fail(format!("{}: {e}", p.display())))?,
-        LogTo::Stderr => Logger::Stderr,
-        LogTo::Syslog => Logger::syslog(),
-    }))
+/// The server's log (`spec.log` is the command's to route).
+fn logger_of(_spec: &ServeSpec) -> Result<Arc<Logger>, FuseError> {
+    Ok(Arc::new(Logger))
 }
 
 impl TileFs {
@@ -579,8 +569,7 @@ pub fn mount(server: Server, m: &DevMount) -> Result<Mounted, FuseError> {
         m.flags,
         writable,
     )?;
-    let log = server.logger.clone();
-    let session = match Session::new(fuse_fd, server.fs, m.uring, Arc::new(move |msg: &str| log.log(msg))) {
+    let session = match Session::new(fuse_fd, server.fs, m.uring) {
         Ok(s) => s,
         Err(e) => {
             mountpoint::take_down(&mnt);
@@ -680,11 +669,6 @@ impl Running {
             self.logger
                 .log(&format!("{why}: unmounting {} failed: {e}", mnt.display()));
         }
-    }
-
-    /// Writes one line to the server's log.
-    pub fn log(&self, msg: &str) {
-        self.logger.log(msg)
     }
 
     /// Waits until serving ends. A server that failed leaves no dead mount

@@ -13,6 +13,9 @@
 //! `datadir+=` each store, `verity=` as asked), and EROFS gets `noacl` when
 //! the image has no ACLs, so `ls -l` does not pay for missing ACL xattrs.
 
+// A library logs through `tracing`; the program chooses where lines go.
+#![deny(clippy::print_stdout, clippy::print_stderr)]
+
 pub mod mountd;
 pub mod mountinfo;
 pub mod options;

@@ -25,12 +25,20 @@
 //! its primary entry.
 
 use crate::layer::{display_components, Content, Kind, LayerEntry, Meta};
-use crate::{compat, OciError};
+use crate::OciError;
 use rustc_hash::FxHashMap;
 use tilefs_image::tree::{
     digest_object_path, Inode, InodeId, Tree, TreeError, IMAGE_XATTR_BUDGET, ROOT, S_IFDIR, S_IFIFO, S_IFLNK, S_IFMT,
     S_IFREG,
 };
+
+/// The one xattr composefs-rs keeps from layers (see [`crate::compat`]).
+pub const KEPT_XATTR: &[u8] = b"security.capability";
+
+/// Whether the image keeps a layer's xattr `key`.
+pub fn keeps_xattr(key: &[u8], keep_all_xattrs: bool) -> bool {
+    keep_all_xattrs || key == KEPT_XATTR
+}
 
 /// Mode of directories a layer implies but does not list.
 const IMPLIED_DIR_MODE: u32 = S_IFDIR | 0o755;
@@ -44,7 +52,7 @@ pub struct Applier {
 impl Applier {
     /// An empty root directory (`0755`, root-owned, time zero); the
     /// composefs-rs rules later give it `/usr`'s metadata. Entries get the
-    /// xattrs [`compat::keeps_xattr`] keeps: those dropped are never
+    /// xattrs [`keeps_xattr`] keeps: those dropped are never
     /// checked against the limits, as composefs-rs never checks them.
     pub fn new(keep_all_xattrs: bool) -> Applier {
         Applier {
@@ -62,24 +70,12 @@ impl Applier {
 
     /// Applies one layer's entries. `blob` names the layer in messages.
     pub fn apply_layer(&mut self, blob: &str, entries: Vec<LayerEntry>) -> Result<(), OciError> {
-        let (removals, others): (Vec<_>, Vec<_>) = entries
-            .into_iter()
-            .partition(|e| matches!(e.kind, Kind::Whiteout | Kind::Opaque));
+        let (removals, others) = split_layer(entries);
         for e in &removals {
             self.remove(e)
                 .map_err(|r| OciError::layer(blob, Some(&whiteout_name(e)), r))?;
         }
-        // In path order (stable: a later entry of one path still wins), so
-        // each directory's entries arrive sorted and are appended, not
-        // inserted; hardlinks after every file they may name, in their own
-        // order.
-        let (links, mut others): (Vec<_>, Vec<_>) =
-            others.into_iter().partition(|e| matches!(e.kind, Kind::Hardlink(_)));
-        others.sort_by(|a, b| a.path.cmp(&b.path));
-        for mut e in others.into_iter().chain(links) {
-            self.add(&mut e)
-                .map_err(|r| OciError::layer(blob, Some(&e.display_path()), r))?;
-        }
+        self.add_all(blob, others)?;
         // An opaque directory exists in its layer even if the layer forgot
         // its entry.
         for e in removals.iter().filter(|e| e.kind == Kind::Opaque) {
@@ -96,19 +92,20 @@ impl Applier {
     /// `user.` for a rootless user's). An entry of the layer itself wins
     /// over its whiteout of the same name, which applies only below.
     pub fn apply_diff(&mut self, blob: &str, entries: Vec<LayerEntry>) -> Result<(), OciError> {
-        let (removals, others): (Vec<_>, Vec<_>) = entries
-            .into_iter()
-            .partition(|e| matches!(e.kind, Kind::Whiteout | Kind::Opaque));
-        let (links, mut others): (Vec<_>, Vec<_>) =
-            others.into_iter().partition(|e| matches!(e.kind, Kind::Hardlink(_)));
-        others.sort_by(|a, b| a.path.cmp(&b.path));
-        for mut e in others.into_iter().chain(links) {
-            self.add(&mut e)
-                .map_err(|r| OciError::layer(blob, Some(&e.display_path()), r))?;
-        }
+        let (removals, others) = split_layer(entries);
+        self.add_all(blob, others)?;
         for e in &removals {
             self.mark(e)
                 .map_err(|r| OciError::layer(blob, Some(&whiteout_name(e)), r))?;
+        }
+        Ok(())
+    }
+
+    /// Adds `entries` (of layer `blob`), in the order [`split_layer`] gives.
+    fn add_all(&mut self, blob: &str, entries: Vec<LayerEntry>) -> Result<(), OciError> {
+        for mut e in entries {
+            self.add(&mut e)
+                .map_err(|r| OciError::layer(blob, Some(&e.display_path()), r))?;
         }
         Ok(())
     }
@@ -352,6 +349,21 @@ impl Applier {
     }
 }
 
+/// A layer's whiteouts and opaque markers, apart from its other entries
+/// in the order they are added: by path (stable: a later entry of one path
+/// still wins), so each directory's entries arrive sorted and are
+/// appended, not inserted; hardlinks after every file they may name, in
+/// their own order.
+fn split_layer(entries: Vec<LayerEntry>) -> (Vec<LayerEntry>, Vec<LayerEntry>) {
+    let (removals, others): (Vec<_>, Vec<_>) = entries
+        .into_iter()
+        .partition(|e| matches!(e.kind, Kind::Whiteout | Kind::Opaque));
+    let (links, mut others): (Vec<_>, Vec<_>) = others.into_iter().partition(|e| matches!(e.kind, Kind::Hardlink(_)));
+    others.sort_by(|a, b| a.path.cmp(&b.path));
+    others.extend(links);
+    (removals, others)
+}
+
 fn set_meta(inode: &mut Inode, mode: u32, meta: &Meta, keep_all_xattrs: bool) -> Result<(), String> {
     inode.mode = mode;
     inode.uid = meta.uid;
@@ -363,7 +375,7 @@ fn set_meta(inode: &mut Inode, mode: u32, meta: &Meta, keep_all_xattrs: bool) ->
     let kept = meta
         .xattrs
         .iter()
-        .filter(|(k, _)| compat::keeps_xattr(k, keep_all_xattrs))
+        .filter(|(k, _)| keeps_xattr(k, keep_all_xattrs))
         .map(|(k, v)| (k, v));
     inode.set_xattrs(kept, IMAGE_XATTR_BUDGET).map_err(tree_error)
 }

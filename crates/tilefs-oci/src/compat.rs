@@ -14,8 +14,8 @@
 
 use tilefs_image::tree::{Tree, ROOT};
 
-/// The one xattr composefs-rs keeps from layers.
-pub const KEPT_XATTR: &[u8] = b"security.capability";
+// Applied as each layer is, so defined where layers are applied.
+pub use crate::apply::{keeps_xattr, KEPT_XATTR};
 
 /// The image format version composefs-rs writes for OCI images.
 pub const FORMAT_VERSION: u32 = 1;
@@ -38,11 +38,6 @@ pub fn write_image(
         },
     )?;
     Ok((tree, image))
-}
-
-/// Whether the image keeps a layer's xattr `key`.
-pub fn keeps_xattr(key: &[u8], keep_all_xattrs: bool) -> bool {
-    keep_all_xattrs || key == KEPT_XATTR
 }
 
 /// Applies the other rules to the working tree of an

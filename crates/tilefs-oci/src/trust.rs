@@ -32,17 +32,7 @@ pub struct TrustOptions {
     pub tls_verify_explicit: bool,
 }
 
-/// What a lazily pulled image keeps of its check, so that its mount's
-/// fetches check it again: the reference it was pulled as and the
-/// configuration files used.
-#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
-pub struct TrustRecord {
-    /// The image as the policy judged it (`docker://HOST/REPO:TAG`).
-    pub logical: String,
-    /// The top-level manifest's digest.
-    pub manifest_digest: String,
-    pub paths: Paths,
-}
+pub use tilefs_trust::TrustRecord;
 
 /// Most signatures read for one image, from the lookaside and from the
 /// attachments each (each at most [`MAX_SIGNATURE`] bytes).
@@ -596,9 +586,8 @@ impl Signer {
             };
             let dir = path.parent().expect("a signature has a directory");
             std::fs::create_dir_all(dir).map_err(|e| fail(format!("{}: {e}", dir.display())))?;
-            let tmp = dir.join(format!(".tmp-signature-{}", std::process::id()));
-            std::fs::write(&tmp, &sig).map_err(|e| fail(format!("{}: {e}", tmp.display())))?;
-            std::fs::rename(&tmp, &path).map_err(|e| fail(format!("{}: {e}", path.display())))?;
+            tilefs_sys::fs::replace(&path, 0o644, |mut f| std::io::Write::write_all(&mut f, &sig))
+                .map_err(|e| fail(e.to_string()))?;
             out.signatures.push(path.display().to_string());
         }
         if let Some(key) = &self.sigstore_key {

@@ -13,6 +13,9 @@
 //! A FUSE mount comes back mounted but not yet served: serving on threads
 //! of the caller, or in a process it forks, is the front end's choice.
 
+// A library logs through `tracing`; the program chooses where lines go.
+#![deny(clippy::print_stdout, clippy::print_stderr)]
+
 pub mod decide;
 pub mod kernel_lazy;
 mod notice;

@@ -30,7 +30,7 @@ use std::os::fd::OwnedFd;
 use std::path::PathBuf;
 
 /// Where the aliases live, under the store.
-pub const ALIAS_DIR: &str = ".sha256";
+pub use crate::layout::ALIAS_DIR;
 
 /// The store-relative path of the alias of contents whose SHA-256 is
 /// `sha256`: what a lazy image's redirect holds.

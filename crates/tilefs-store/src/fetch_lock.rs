@@ -19,7 +19,7 @@ use std::time::{Duration, Instant};
 use tilefs_sys::fs::{ofd_lock, RangeLock};
 
 /// The lock file, at the store's top.
-pub const FETCH_LOCK: &str = ".fetch-lock";
+pub use crate::layout::FETCH_LOCK;
 
 /// Bytes `start..start + len` of the lock file (`len` at least 1: a zero
 /// length would lock to the end of the file).

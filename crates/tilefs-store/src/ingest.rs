@@ -17,7 +17,7 @@
 //! no file contents at all. ctime cannot be set by users, so a changed
 //! file always misses the cache.
 
-use crate::store::{DIGEST_CACHE, NO_VERITY_NOTED, TMP_DIR};
+use crate::layout::{temp_name, DIGEST_CACHE, NO_VERITY_NOTED, TMP_DIR};
 use crate::{FileState, LockMode, Store, StoreError, StoreLock};
 use rustix::fd::{AsFd, BorrowedFd, OwnedFd};
 use rustix::fs::{self as rfs, AtFlags, Mode, OFlags};
@@ -517,7 +517,7 @@ impl<'s> Ingest<'s> {
     /// running at once in one process (a lazy mount's fetches) must not
     /// pick the same one.
     fn temp_name(&self) -> String {
-        crate::store::temp_name("obj-")
+        temp_name("obj-")
     }
 
     fn copy_error(&self, source: &Path, e: CopyError) -> StoreError {
@@ -1162,7 +1162,7 @@ impl DigestCache {
         }
         let sum = sha2::Sha256::digest(&out);
         out.extend_from_slice(&sum);
-        let tmp_name = crate::store::temp_name("cache-");
+        let tmp_name = temp_name("cache-");
         let write = || -> io::Result<()> {
             let fd = rfs::openat(
                 tmp_dir,

@@ -1,6 +1,8 @@
 //! tilefs-store: the content-addressed object store.
 //!
-//! - [`store`]: the store directory, its layout, locks and object names;
+//! - [`layout`]: everything under a store's directory, named and
+//!   documented in one place (a format description);
+//! - [`store`]: the store directory, its lock and object names;
 //! - [`ingest`]: putting source files into the store (clone or copy,
 //!   digest while writing, durable before visible), with a digest cache;
 //! - [`tags`]: named images kept in the store (gc roots);
@@ -17,12 +19,16 @@
 //! - [`gc`]: removing what no tagged or held image or live mount needs;
 //! - [`verity`]: how mounts check objects against their image's digests.
 
+// A library logs through `tracing`; the program chooses where lines go.
+#![deny(clippy::print_stdout, clippy::print_stderr)]
+
 pub mod alias;
 pub mod fetch_lock;
 pub mod file_state;
 pub mod fsck;
 pub mod gc;
 pub mod ingest;
+pub mod layout;
 pub mod mounts;
 pub mod owned;
 pub mod placeholder;

@@ -36,7 +36,7 @@
 //! place under the store's shared lock, so gc (exclusive) sees either none
 //! or a whole one. They are not synced: no mount outlives a crash.
 
-use crate::store::{temp_name, TMP_DIR};
+use crate::layout::{temp_name, TMP_DIR};
 use crate::{LockMode, Store, StoreError};
 use rustix::fd::OwnedFd;
 use rustix::fs::{self as rfs, AtFlags, FlockOperation, Mode, OFlags};
@@ -44,7 +44,7 @@ use std::io::{self, Read, Write};
 use std::os::unix::ffi::OsStrExt;
 use std::path::{Path, PathBuf};
 
-pub const MOUNTS_DIR: &str = ".mounts";
+pub use crate::layout::MOUNTS_DIR;
 const MAGIC: &str = "tilefs-mount-record 1";
 /// How long a kernel mount handed over detached counts as alive before it
 /// is found attached (a client attaches it as soon as it has it; its

@@ -15,7 +15,7 @@
 //! and `tilefs untag --orphaned` lets them go; nothing is collected
 //! silently.
 
-use crate::store::{temp_name, TMP_DIR};
+use crate::layout::{temp_name, TMP_DIR};
 use crate::tags::{self, TagInfo};
 use crate::{Store, StoreError};
 use rustix::fd::OwnedFd;
@@ -24,10 +24,7 @@ use std::io::{self, Read, Write};
 use std::os::unix::ffi::OsStrExt;
 use std::path::{Path, PathBuf};
 
-pub const OWNED_DIR: &str = ".owned";
-/// A holder's record, in its directory (no image is named so: names of
-/// images never start with '.').
-pub const OWNER_FILE: &str = ".owner";
+pub use crate::layout::{OWNED_DIR, OWNER_FILE};
 /// The largest holder record read.
 pub const MAX_OWNER_RECORD: u64 = 16 << 10;
 

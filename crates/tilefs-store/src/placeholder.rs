@@ -16,7 +16,7 @@
 //! and swept once it is filled or gone; the mode decides where the two
 //! disagree (a crash between them).
 
-use crate::store::{temp_name, TMP_DIR};
+use crate::layout::{temp_name, TMP_DIR};
 use crate::{Store, StoreError};
 use rustix::fd::{AsFd, OwnedFd};
 use rustix::fs::{self as rfs, AtFlags, Mode, OFlags};
@@ -24,7 +24,7 @@ use std::collections::HashSet;
 use std::io;
 
 /// The index of placeholders, under the store.
-pub const PLACEHOLDER_DIR: &str = ".placeholders";
+pub use crate::layout::PLACEHOLDER_DIR;
 /// A placeholder's mode (and no object's).
 pub const MODE: u32 = 0o1000;
 

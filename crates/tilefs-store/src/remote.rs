@@ -13,7 +13,7 @@ use std::collections::HashSet;
 use std::path::PathBuf;
 
 /// Where the records live, under the store.
-pub const REMOTE_DIR: &str = ".remote";
+pub use crate::layout::REMOTE_DIR;
 
 /// Fetches objects the store lacks, each checked against its digest and
 /// stored under its final name only when complete.

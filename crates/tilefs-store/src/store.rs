@@ -1,42 +1,14 @@
-//! The store on disk: objects at `XX/YYYY…` (the fs-verity SHA-256 digest of
-//! their contents in hex, split after two digits), exactly as a composefs
-//! digest store lays them out, plus tilefs's own bookkeeping:
-//!
-//! - `images/NAME`: tagged images (gc roots);
-//! - `.owned/OWNER/NAME`: images a tilefs component holds (gc roots the
-//!   user does not remove; `.owned/OWNER/.owner` names the holder, see
-//!   [`crate::owned`]);
-//! - `.tmp/`: objects and images being written (leftovers of an interrupted
-//!   import live here until `gc`);
-//! - `.lock`: builds hold it shared, `gc` exclusive;
-//! - `.fetch-lock`: fetches lock ranges of it for the objects they bring;
-//! - `.quarantine/`: objects `fsck --repair` moved aside;
-//! - `.digest-cache`: digests of source files already imported;
-//! - `.mounts/`: images of live mounts (gc roots while they live: see
-//!   [`crate::mounts`]);
-//! - `.no-verity-noted`: the user was told the store's filesystem has no
-//!   fs-verity (said once per store);
-//! - `.sha256/XX/YYYY…`: objects again, by the SHA-256 of their contents
-//!   (hardlinks), for images pulled lazily from eStargz and zstd:chunked
-//!   tables of contents (see [`crate::alias`]).
+//! The store directory: opening it, its lock, object names and the scan of
+//! its objects. What lies where under it is [`crate::layout`].
 
 use crate::StoreError;
 use rustix::fd::{AsFd, BorrowedFd, OwnedFd};
 use rustix::fs::{self as rfs, FlockOperation, Mode, OFlags};
 use std::path::{Path, PathBuf};
 
-pub const IMAGES_DIR: &str = "images";
-pub const TMP_DIR: &str = ".tmp";
-pub const LOCK_FILE: &str = ".lock";
-pub const QUARANTINE_DIR: &str = ".quarantine";
-pub const DIGEST_CACHE: &str = ".digest-cache";
-pub const NO_VERITY_NOTED: &str = ".no-verity-noted";
-/// What pulls learnt of each layer they read (so a layer read once is not
-/// read again while its objects are present).
-pub const LAYER_CACHE: &str = ".layers";
-/// Records of the signature policy checks images passed when they were
-/// pulled (tilefs-trust's `evidence`), named by the image's fs-verity digest.
-pub const TRUST_DIR: &str = ".trust";
+pub use crate::layout::{
+    temp_name, DIGEST_CACHE, IMAGES_DIR, LAYER_CACHE, LOCK_FILE, NO_VERITY_NOTED, QUARANTINE_DIR, TMP_DIR, TRUST_DIR,
+};
 
 /// An open object store.
 #[derive(Debug)]
@@ -265,21 +237,7 @@ impl Store {
                 scan.strays.push(entry.path());
                 continue;
             };
-            if name == IMAGES_DIR
-                || name == TMP_DIR
-                || name == QUARANTINE_DIR
-                || name == LOCK_FILE
-                || name == crate::fetch_lock::FETCH_LOCK
-                || name == DIGEST_CACHE
-                || name == NO_VERITY_NOTED
-                || name == LAYER_CACHE
-                || name == TRUST_DIR
-                || name == crate::remote::REMOTE_DIR
-                || name == crate::alias::ALIAS_DIR
-                || name == crate::mounts::MOUNTS_DIR
-                || name == crate::owned::OWNED_DIR
-                || name == crate::placeholder::PLACEHOLDER_DIR
-            {
+            if crate::layout::BOOKKEEPING.contains(&name) {
                 continue;
             }
             if name.starts_with(".tmp") {
@@ -396,18 +354,6 @@ mod tests {
         drop(_b);
         let _c = s.lock(LockMode::Exclusive, false).unwrap();
     }
-}
-
-/// A name for a temporary file, unique in this process and (with the pid
-/// and the time) across processes, even one whose pid a crashed one had.
-pub fn temp_name(prefix: &str) -> String {
-    static COUNTER: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
-    let n = COUNTER.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-    let nanos = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map(|d| d.subsec_nanos())
-        .unwrap_or(0);
-    format!("{prefix}{}-{nanos:09}-{n}", std::process::id())
 }
 
 /// Opens `path` (relative to `dir`) for reading, without blocking whatever

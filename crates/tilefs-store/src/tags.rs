@@ -9,7 +9,7 @@
 //! The images tilefs components hold (see [`crate::owned`]) are written,
 //! listed and read by the same code, in their own directories.
 
-use crate::store::{temp_name, IMAGES_DIR, TMP_DIR};
+use crate::layout::{temp_name, IMAGES_DIR, TMP_DIR};
 use crate::{Store, StoreError};
 use rustix::fd::OwnedFd;
 use rustix::fs::{self as rfs, AtFlags, Mode, OFlags};

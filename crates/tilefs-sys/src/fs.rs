@@ -1,4 +1,5 @@
-//! File system calls rustix does not wrap.
+//! File system calls rustix does not wrap, and the atomic replacement of
+//! a file every writer of tilefs uses.
 
 use rustix::fd::{AsRawFd, BorrowedFd};
 use rustix::io::Errno;
@@ -106,5 +107,108 @@ pub fn lease_release(fd: BorrowedFd<'_>) -> Result<(), Errno> {
         Ok(())
     } else {
         Err(last_errno())
+    }
+}
+
+/// Replaces `path` whole, atomically: `write` fills a new file beside it
+/// (created with exactly `mode`, never following a symlink, readable back
+/// through the descriptor), which is synced, renamed over `path`, and the
+/// directory synced, so that after a crash `path` is either the old file or
+/// the new one, complete. Nothing is left behind when a step fails; the
+/// error names `path` and the step.
+pub fn replace<E: From<std::io::Error>>(
+    path: &std::path::Path,
+    mode: u32,
+    write: impl FnOnce(&std::fs::File) -> Result<(), E>,
+) -> Result<(), E> {
+    use rustix::fs::{Mode, OFlags};
+    use std::sync::atomic::{AtomicU64, Ordering};
+    // Unique within the process, and the pid across processes: writers of
+    // the same file (threads, two commands) never share a temporary file.
+    static SEQ: AtomicU64 = AtomicU64::new(0);
+    let fail =
+        |what: &str, e: std::io::Error| std::io::Error::new(e.kind(), format!("{}: {what}: {e}", path.display()));
+    let dir = match path.parent() {
+        Some(p) if !p.as_os_str().is_empty() => p,
+        _ => std::path::Path::new("."),
+    };
+    let name = path.file_name().map(|n| n.to_string_lossy()).unwrap_or_default();
+    let tmp = dir.join(format!(
+        ".tmp-{name}-{}-{}",
+        std::process::id(),
+        SEQ.fetch_add(1, Ordering::Relaxed)
+    ));
+    let fd = rustix::fs::open(
+        &tmp,
+        OFlags::RDWR | OFlags::CREATE | OFlags::EXCL | OFlags::NOFOLLOW | OFlags::CLOEXEC,
+        Mode::from_raw_mode(mode),
+    )
+    .map_err(|e| fail("cannot create a temporary file beside it", e.into()))?;
+    let file = std::fs::File::from(fd);
+    let done = (|| {
+        write(&file)?;
+        // The umask does not narrow what the caller asked for.
+        rustix::fs::fchmod(&file, Mode::from_raw_mode(mode)).map_err(|e| fail("cannot set its mode", e.into()))?;
+        file.sync_all().map_err(|e| fail("cannot sync", e))?;
+        std::fs::rename(&tmp, path).map_err(|e| fail("cannot rename into place", e))?;
+        Ok::<(), E>(())
+    })();
+    if let Err(e) = done {
+        let _ = std::fs::remove_file(&tmp);
+        return Err(e);
+    }
+    sync_dir(dir).map_err(|e| fail("cannot sync its directory", e))?;
+    Ok(())
+}
+
+/// Syncs directory `dir`: the names made or removed in it are on disk.
+pub fn sync_dir(dir: &std::path::Path) -> std::io::Result<()> {
+    std::fs::File::open(dir)?.sync_all()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::io::Write;
+    use std::os::unix::fs::PermissionsExt;
+
+    fn listing(dir: &std::path::Path) -> Vec<String> {
+        let mut v: Vec<String> = std::fs::read_dir(dir)
+            .unwrap()
+            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+            .collect();
+        v.sort();
+        v
+    }
+
+    #[test]
+    fn replace_swaps_the_whole_file_or_leaves_the_old_one() {
+        let dir = std::env::temp_dir().join(format!("tilefs-sys-replace-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir(&dir).unwrap();
+        let p = dir.join("record");
+        std::fs::write(&p, b"old").unwrap();
+        replace(&p, 0o640, |mut f| f.write_all(b"new")).unwrap();
+        assert_eq!(std::fs::read(&p).unwrap(), b"new");
+        assert_eq!(std::fs::metadata(&p).unwrap().permissions().mode() & 0o777, 0o640);
+        // A writer that fails leaves the old file and no temporary one.
+        let r = replace(&p, 0o644, |mut f| {
+            f.write_all(b"half")?;
+            Err(std::io::Error::other("stopped"))
+        });
+        assert_eq!(r.unwrap_err().to_string(), "stopped");
+        assert_eq!(std::fs::read(&p).unwrap(), b"new");
+        assert_eq!(listing(&dir), ["record"]);
+        // A directory in the way: the error names the file and the step.
+        let d = dir.join("sub");
+        std::fs::create_dir(&d).unwrap();
+        let e = replace(&d, 0o644, |mut f| f.write_all(b"x")).unwrap_err();
+        assert!(
+            e.to_string()
+                .starts_with(&format!("{}: cannot rename into place", d.display())),
+            "{e}"
+        );
+        assert_eq!(listing(&dir), ["record", "sub"]);
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 }

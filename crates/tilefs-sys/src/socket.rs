@@ -86,3 +86,82 @@ pub fn systemd_listen_fd() -> Option<OwnedFd> {
     // above makes this the only owner.
     Some(unsafe { OwnedFd::from_raw_fd(3) })
 }
+
+/// A unix socket of type `kind` bound at `path`, not listening yet (its
+/// mode is the caller's to set first). A socket there that a server
+/// answers on is refused; one no server answers on (left by a server that
+/// died) is replaced; any other file is refused.
+pub fn bind_fresh(path: &std::path::Path, kind: rustix::net::SocketType) -> io::Result<OwnedFd> {
+    use rustix::io::Errno;
+    use rustix::net::{AddressFamily, SocketAddrUnix, SocketFlags};
+    let fail = |what: &str, e: io::Error| io::Error::new(e.kind(), format!("{}: {what}: {e}", path.display()));
+    let addr = SocketAddrUnix::new(path).map_err(|e| fail("socket address", e.into()))?;
+    match std::fs::symlink_metadata(path) {
+        Err(e) if e.kind() == io::ErrorKind::NotFound => {}
+        Err(e) => return Err(fail("cannot look", e)),
+        Ok(m) if !std::os::unix::fs::FileTypeExt::is_socket(&m.file_type()) => {
+            return Err(io::Error::new(
+                io::ErrorKind::AlreadyExists,
+                format!("{}: exists and is no socket", path.display()),
+            ))
+        }
+        Ok(_) => {
+            // Without blocking: a server whose backlog is full is live too.
+            let probe = rustix::net::socket_with(
+                AddressFamily::UNIX,
+                kind,
+                SocketFlags::CLOEXEC | SocketFlags::NONBLOCK,
+                None,
+            )
+            .map_err(|e| fail("socket", e.into()))?;
+            match rustix::net::connect(&probe, &addr) {
+                Err(Errno::CONNREFUSED) => {
+                    std::fs::remove_file(path).map_err(|e| fail("cannot remove the stale socket", e))?
+                }
+                // Answered, busy, or bound by a server of another socket type.
+                Ok(()) | Err(Errno::AGAIN | Errno::INPROGRESS | Errno::PROTOTYPE) => {
+                    return Err(io::Error::new(
+                        io::ErrorKind::AddrInUse,
+                        format!("{}: another server listens there", path.display()),
+                    ))
+                }
+                Err(e) => return Err(fail("cannot tell whether a server listens there", e.into())),
+            }
+        }
+    }
+    let fd = rustix::net::socket_with(AddressFamily::UNIX, kind, SocketFlags::CLOEXEC, None)
+        .map_err(|e| fail("socket", e.into()))?;
+    rustix::net::bind(&fd, &addr).map_err(|e| fail("cannot bind", e.into()))?;
+    Ok(fd)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use rustix::net::SocketType;
+
+    #[test]
+    fn bind_fresh_replaces_a_dead_socket_and_refuses_a_live_one() {
+        let dir = std::env::temp_dir().join(format!("tilefs-sys-bind-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir(&dir).unwrap();
+        let p = dir.join("s.sock");
+        for kind in [SocketType::STREAM, SocketType::SEQPACKET] {
+            let live = bind_fresh(&p, kind).unwrap();
+            rustix::net::listen(&live, 1).unwrap();
+            let e = bind_fresh(&p, kind).unwrap_err();
+            assert_eq!(e.to_string(), format!("{}: another server listens there", p.display()));
+            // Its server gone, the socket file stays: it is replaced.
+            drop(live);
+            assert!(p.exists());
+            let again = bind_fresh(&p, kind).unwrap();
+            drop(again);
+            std::fs::remove_file(&p).unwrap();
+        }
+        std::fs::write(&p, b"not a socket").unwrap();
+        let e = bind_fresh(&p, SocketType::STREAM).unwrap_err();
+        assert_eq!(e.to_string(), format!("{}: exists and is no socket", p.display()));
+        assert_eq!(std::fs::read(&p).unwrap(), b"not a socket");
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+}

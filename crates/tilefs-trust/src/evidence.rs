@@ -244,8 +244,8 @@ fn check_records(checks: &[Evidence], store: &Path, image: &[u8; 32], policy: &P
 }
 
 /// Adds the record `e` of `image` to `store`, replacing an earlier check
-/// under the same name (the file is complete before it has its name:
-/// written aside, synced, renamed). Unreadable earlier records are dropped.
+/// under the same name (replaced atomically: the file is complete before it
+/// has its name). Unreadable earlier records are dropped.
 pub fn save(store: &Path, image: &[u8; 32], e: &Evidence) -> std::io::Result<()> {
     use std::io::Write;
     let mut checks = load(store, image).unwrap_or_default();
@@ -255,14 +255,8 @@ pub fn save(store: &Path, image: &[u8; 32], e: &Evidence) -> std::io::Result<()>
     let p = path(store, image);
     let dir = p.parent().expect("a record has a directory");
     std::fs::create_dir_all(dir)?;
-    let tmp = dir.join(format!(".tmp-{}-{:?}", std::process::id(), std::thread::current().id()));
-    let mut f = std::fs::File::create(&tmp)?;
-    f.write_all(&serde_json::to_vec_pretty(&checks).expect("JSON"))?;
-    f.sync_all()?;
-    drop(f);
-    std::fs::rename(&tmp, &p).inspect_err(|_| {
-        let _ = std::fs::remove_file(&tmp);
-    })
+    let json = serde_json::to_vec_pretty(&checks).expect("JSON");
+    tilefs_sys::fs::replace(&p, 0o644, |mut f| f.write_all(&json))
 }
 
 #[cfg(test)]

@@ -23,6 +23,9 @@
 //! [`policy::SignatureSource`] for its registry (tilefs-oci's
 //! `trust::check_registry_image` does all of it for a registry image).
 
+// A library logs through `tracing`; the program chooses where lines go.
+#![deny(clippy::print_stdout, clippy::print_stderr)]
+
 pub mod dockerref;
 pub mod evidence;
 pub mod gpg;
@@ -77,6 +80,18 @@ pub fn digest_matches(digest: &str, bytes: &[u8]) -> bool {
         Some(("sha512", hex)) => hex::encode(sha2::Sha512::digest(bytes)) == hex,
         _ => false,
     }
+}
+
+/// What a lazily pulled image keeps of its check, so that its mount's
+/// fetches check it again: the reference it was pulled as and the
+/// configuration files used.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct TrustRecord {
+    /// The image as the policy judged it (`docker://HOST/REPO:TAG`).
+    pub logical: String,
+    /// The top-level manifest's digest.
+    pub manifest_digest: String,
+    pub paths: Paths,
 }
 
 /// Where the configuration is read from. Unset fields take the defaults

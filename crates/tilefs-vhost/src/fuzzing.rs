@@ -45,7 +45,7 @@ const USED: u64 = 0x2000;
 
 /// A device of [`Echo`] whose INIT was answered.
 pub fn device() -> Device<Echo> {
-    let d = Device::new(Arc::new(Echo), Arc::new(|_: &str| {}), Some("fuzz"), 1).unwrap();
+    let d = Device::new(Arc::new(Echo), Some("fuzz"), 1).unwrap();
     let init = abi::InitIn {
         major: abi::KERNEL_VERSION,
         minor: 38,

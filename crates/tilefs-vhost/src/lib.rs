@@ -14,6 +14,9 @@
 //! through (backing files need a /dev/fuse): reads are copied into guest
 //! memory.
 
+// A library logs through `tracing`; the program chooses where lines go.
+#![deny(clippy::print_stdout, clippy::print_stderr)]
+
 pub mod chain;
 #[doc(hidden)]
 pub mod fuzzing;
@@ -41,7 +44,6 @@ type Mem = GuestMemoryAtomic<GuestMemoryMmap<()>>;
 /// Guest memory as the device reads and writes it: only a table whose
 /// every region was found within its file (see [`check_regions`]).
 type Checked = Arc<GuestMemoryMmap<()>>;
-type Log = Arc<dyn Fn(&str) + Send + Sync>;
 
 /// Longest virtqueue offered.
 const MAX_QUEUE_SIZE: usize = 1024;
@@ -83,14 +85,13 @@ pub struct Device<F: Filesystem> {
     mem: RwLock<Option<Checked>>,
     tag: Option<[u8; TAG_LEN]>,
     queues: usize,
-    log: Log,
     /// Chains refused, and replies that did not fit: counted, logged
     /// the first times only (a hostile guest must not flood the log).
     faults: AtomicU64,
 }
 
 impl<F: Filesystem> Device<F> {
-    pub fn new(fs: Arc<F>, log: Log, tag: Option<&str>, request_queues: usize) -> io::Result<Device<F>> {
+    pub fn new(fs: Arc<F>, tag: Option<&str>, request_queues: usize) -> io::Result<Device<F>> {
         let tag = match tag {
             None => None,
             Some(t) if t.is_empty() || t.len() > TAG_LEN => {
@@ -107,13 +108,12 @@ impl<F: Filesystem> Device<F> {
         };
         Ok(Device {
             fs,
-            conn: Connection::without_device(log.clone()),
+            conn: Connection::without_device(),
             handler: RwLock::new(None),
             mem: RwLock::new(None),
             tag,
             // One bit per queue in queues_per_thread's masks.
             queues: 1 + request_queues.clamp(1, 63),
-            log,
             faults: AtomicU64::new(0),
         })
     }
@@ -121,9 +121,9 @@ impl<F: Filesystem> Device<F> {
     fn fault(&self, what: &str) {
         let n = self.faults.fetch_add(1, Ordering::Relaxed);
         if n < 10 {
-            (self.log)(&format!("virtio-fs: {what}"));
+            tracing::warn!("virtio-fs: {what}");
         } else if n == 10 {
-            (self.log)("virtio-fs: more bad requests; not logging them any more");
+            tracing::warn!("virtio-fs: more bad requests; not logging them any more");
         }
     }
 
@@ -186,7 +186,7 @@ impl<F: Filesystem> Device<F> {
                 let _ = sink.send(h.unique, 0, &[&out]);
             }
             Init::Refused { errno, why } => {
-                (self.log)(&format!("virtio-fs: INIT refused: {why}"));
+                tracing::warn!("virtio-fs: INIT refused: {why}");
                 let _ = sink.send(h.unique, -errno, &[]);
             }
             Init::Agreed { out, agreed } => {
@@ -500,7 +500,7 @@ impl<F: Filesystem> VhostUserBackend for Backend<F> {
                 // No request is served until a VMM sends a table that
                 // passes (the connection ends on this error).
                 *self.dev.mem.write().unwrap() = None;
-                (self.dev.log)(&format!("virtio-fs: memory table refused: {why}; disconnecting"));
+                tracing::warn!("virtio-fs: memory table refused: {why}; disconnecting");
                 Err(io::Error::new(io::ErrorKind::InvalidInput, why))
             }
         }
@@ -529,10 +529,10 @@ impl<F: Filesystem> VhostUserBackend for Backend<F> {
         if let Some(p) = self.pools.get(queue_index as usize) {
             let left = p.quiesce();
             if left > 0 {
-                (self.dev.log)(&format!(
+                tracing::warn!(
                     "queue {queue_index} stopped with {left} requests unanswered after {}s; their replies are dropped",
                     STOP_WAIT.as_secs()
-                ));
+                );
             }
         }
         Ok(())
@@ -600,19 +600,12 @@ pub fn check_regions(mem: &GuestMemoryMmap<()>) -> Result<(), String> {
 
 /// The socket VMMs connect to: created for the server's owner alone
 /// (0600), or with `group` for that group too (0660), whatever the umask;
-/// a stale socket there is replaced. It is made so before it listens, so
-/// no one connects through a wider mode meanwhile.
+/// a stale socket there is replaced, a live one refused. It is made so
+/// before it listens, so no one connects through a wider mode meanwhile.
 fn listen(path: &std::path::Path, group: Option<u32>) -> io::Result<Listener> {
     use rustix::fs::{AtFlags, Mode, OFlags};
-    use rustix::net::{AddressFamily, SocketAddrUnix, SocketFlags, SocketType};
     let err = |what: &str, e: rustix::io::Errno| io::Error::other(format!("{}: {what}: {e}", path.display()));
-    if std::fs::symlink_metadata(path).is_ok_and(|m| std::os::unix::fs::FileTypeExt::is_socket(&m.file_type())) {
-        let _ = std::fs::remove_file(path);
-    }
-    let fd = rustix::net::socket_with(AddressFamily::UNIX, SocketType::STREAM, SocketFlags::CLOEXEC, None)
-        .map_err(|e| err("socket", e))?;
-    let addr = SocketAddrUnix::new(path).map_err(|e| err("socket address", e))?;
-    rustix::net::bind(&fd, &addr).map_err(|e| err("cannot listen", e))?;
+    let fd = tilefs_sys::socket::bind_fresh(path, rustix::net::SocketType::STREAM)?;
     // By descriptor, never following a symlink: whoever may write the
     // directory cannot have the mode and group given to another file.
     let node = rustix::fs::open(path, OFlags::PATH | OFlags::NOFOLLOW | OFlags::CLOEXEC, Mode::empty())
@@ -656,11 +649,11 @@ impl Drop for SocketFile<'_> {
 /// Serves `fs` to VMMs connecting on `opts.socket`, one at a time: a
 /// guest that disconnects (or a VMM that dies) ends its connection, and
 /// the next VMM may connect (unless `opts.once`).
-pub fn serve<F: Filesystem>(fs: Arc<F>, log: Log, opts: &Options) -> io::Result<()> {
+pub fn serve<F: Filesystem>(fs: Arc<F>, opts: &Options) -> io::Result<()> {
     let mut listener = listen(&opts.socket, opts.socket_group)?;
     let _file = SocketFile(&opts.socket);
     loop {
-        let device = Device::new(fs.clone(), log.clone(), opts.tag.as_deref(), opts.request_queues)?;
+        let device = Device::new(fs.clone(), opts.tag.as_deref(), opts.request_queues)?;
         let backend = Arc::new(Backend::new(device, opts.threads));
         let mem = GuestMemoryAtomic::new(GuestMemoryMmap::<()>::new());
         let mut daemon = VhostUserDaemon::new("tilefs-vhost".into(), backend.clone(), mem)
@@ -668,13 +661,13 @@ pub fn serve<F: Filesystem>(fs: Arc<F>, log: Log, opts: &Options) -> io::Result<
         daemon
             .start(&mut listener)
             .map_err(|e| io::Error::other(format!("vhost-user: {e}")))?;
-        log("virtio-fs: a VMM connected");
+        tracing::info!("virtio-fs: a VMM connected");
         match daemon.wait() {
             Ok(())
             | Err(vhost_user_backend::Error::HandleRequest(
                 vhost::vhost_user::Error::Disconnected | vhost::vhost_user::Error::PartialMessage,
-            )) => log("virtio-fs: the VMM disconnected"),
-            Err(e) => log(&format!("virtio-fs: the connection ended: {e}")),
+            )) => tracing::info!("virtio-fs: the VMM disconnected"),
+            Err(e) => tracing::info!("virtio-fs: the connection ended: {e}"),
         }
         // Dropping the daemon ends and joins its queue threads (no more
         // kicks); then the workers finish what they were answering (a

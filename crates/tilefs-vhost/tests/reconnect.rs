@@ -57,8 +57,7 @@ fn the_next_vmm_is_served_after_one_goes_away() {
         once: false,
         socket_group: None,
     };
-    let log: Arc<dyn Fn(&str) + Send + Sync> = Arc::new(|m: &str| eprintln!("{m}"));
-    std::thread::spawn(move || serve(Arc::new(Echo), log, &opts));
+    std::thread::spawn(move || serve(Arc::new(Echo), &opts));
     wait_for(&sock);
     for round in 0..3 {
         let (_, cfg) = negotiate(&sock);
@@ -97,8 +96,7 @@ fn once_returns_when_the_vmm_goes_away() {
         once: true,
         socket_group: None,
     };
-    let log: Arc<dyn Fn(&str) + Send + Sync> = Arc::new(|m: &str| eprintln!("{m}"));
-    let t = std::thread::spawn(move || serve(Arc::new(Echo), log, &opts));
+    let t = std::thread::spawn(move || serve(Arc::new(Echo), &opts));
     wait_for(&sock);
     negotiate(&sock);
     let end = Instant::now() + Duration::from_secs(10);

@@ -210,6 +210,17 @@ pub fn require(why: Option<String>) {
     }
 }
 
+/// The composefs vectors: `$TILEFS_ASSETS`, by default
+/// ../shared/composefs-assets beside the checkout. Absent, the test fails.
+pub fn assets_dir() -> PathBuf {
+    let dir = std::env::var_os("TILEFS_ASSETS").map_or_else(
+        || Path::new(env!("CARGO_MANIFEST_DIR")).join("../../../shared/composefs-assets"),
+        PathBuf::from,
+    );
+    require((!dir.is_dir()).then(|| format!("no composefs vectors at {} (set TILEFS_ASSETS)", dir.display())));
+    dir
+}
+
 /// Runs the tests of one binary that take it one at a time: `unshare -m`
 /// in one test copies every mount of the others into its new namespace,
 /// and a mount that propagates to such a copy while it is being made can

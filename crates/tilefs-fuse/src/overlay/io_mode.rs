@@ -64,16 +64,9 @@ impl IoModes {
     }
 
     /// Chooses the mode of open `fh` of node `id`; `upper`: the open upper
-    /// file (None for a file of the image). `log` hears why passthrough
-    /// stops, if the kernel refuses a backing file.
-    pub(crate) fn open(
-        &self,
-        conn: Option<&Connection>,
-        id: NodeId,
-        fh: u64,
-        upper: Option<BorrowedFd<'_>>,
-        log: &dyn Fn(&str),
-    ) -> IoMode {
+    /// file (None for a file of the image). Why passthrough stops, if the
+    /// kernel refuses a backing file, goes to the server's log.
+    pub(crate) fn open(&self, conn: Option<&Connection>, id: NodeId, fh: u64, upper: Option<BorrowedFd<'_>>) -> IoMode {
         let mut st = self.state.lock().unwrap_or_else(|e| e.into_inner());
         let n = st.nodes.entry(id).or_default();
         let mut mode = IoMode::Cached;
@@ -85,7 +78,7 @@ impl IoModes {
                         // An upper directory on a stacked filesystem, say:
                         // from now on every open goes through the cache.
                         self.passthrough.store(false, Ordering::Relaxed);
-                        log(&format!("passthrough of upper files refused by the kernel ({e}); writing through the server instead"));
+                        tracing::warn!("passthrough of upper files refused by the kernel ({e}); writing through the server instead");
                     }
                 }
             }

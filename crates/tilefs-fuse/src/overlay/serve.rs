@@ -100,8 +100,7 @@ impl OverlayFs {
             Handle::Upper(f) => Some(f.as_fd()),
             _ => None,
         };
-        let log = |m: &str| self.log().log(m);
-        let (flags, backing_id) = match self.io.open(self.conn.get().map(|c| &**c), id, fh, upper, &log) {
+        let (flags, backing_id) = match self.io.open(self.conn.get().map(|c| &**c), id, fh, upper) {
             IoMode::Passthrough(b) => (fopen::PASSTHROUGH, b),
             // Pages of an upper file cached before it was written through
             // passthrough would be stale: only image files keep theirs.

@@ -37,7 +37,7 @@ use rustix::fd::{AsFd, AsRawFd, BorrowedFd, OwnedFd};
 use rustix::fs::{AtFlags, Mode, OFlags, StatxFlags};
 use rustix::io::Errno;
 use rustix::mount::MoveMountFlags;
-use rustix::net::{AddressFamily, SocketAddrUnix, SocketFlags, SocketType};
+use rustix::net::{SocketFlags, SocketType};
 use std::collections::{BTreeSet, HashMap, HashSet};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -61,22 +61,6 @@ const CLIENT_TIMEOUT: Duration = Duration::from_secs(5);
 pub const DEFAULT_REQUEST_TIMEOUT: Duration = Duration::from_secs(30);
 /// What a request's thread says when its client no longer waits.
 const GONE: &str = "its client no longer waits for it";
-
-/// A line of the service's log: every control character escaped, so that
-/// nothing a client sent (a path with a newline, say) can forge a line.
-fn log(msg: &str) {
-    let escaped: String = msg
-        .chars()
-        .flat_map(|c| -> Box<dyn Iterator<Item = char>> {
-            if c.is_control() {
-                Box::new(c.escape_default())
-            } else {
-                Box::new(std::iter::once(c))
-            }
-        })
-        .collect();
-    eprintln!("tilefs-mountd: {escaped}");
-}
 
 /// What the service is started with.
 #[derive(Debug, Clone)]
@@ -288,9 +272,7 @@ impl Counts {
     fn log_if_due(&mut self) {
         if self.last.is_none_or(|t| t.elapsed() >= TALLY_EVERY) {
             if let Some(line) = self.take() {
-                log(&format!(
-                    "connections turned away (counted, a line a minute at most): {line}"
-                ));
+                tracing::warn!("connections turned away (counted, a line a minute at most): {line}");
             }
         }
     }
@@ -340,12 +322,12 @@ impl Service {
             Some(fd) => (fd, None),
             None => (bind(&config.socket)?, Some(config.socket.clone())),
         };
-        log(&format!(
+        tracing::info!(
             "serving {} with policy {} ({} stores)",
             config.socket.display(),
             config.policy.display(),
             policy.stores.len()
-        ));
+        );
         Ok(Service {
             listener,
             bound,
@@ -378,7 +360,7 @@ impl Service {
                 Err(Errno::INTR) | Err(Errno::CONNABORTED) | Err(Errno::AGAIN) => continue,
                 Err(e @ (Errno::MFILE | Errno::NFILE | Errno::NOBUFS | Errno::NOMEM | Errno::PERM)) => {
                     if last_complaint.is_none_or(|t| t.elapsed() > Duration::from_secs(10)) {
-                        log(&format!("accept: {e}; waiting for resources"));
+                        tracing::warn!("accept: {e}; waiting for resources");
                         last_complaint = Some(Instant::now());
                     }
                     std::thread::sleep(Duration::from_millis(100));
@@ -391,7 +373,7 @@ impl Service {
                 .name("mountd-client".into())
                 .spawn(move || svc.client(conn));
             if let Err(e) = spawned {
-                log(&format!("cannot start a thread: {e}"));
+                tracing::warn!("cannot start a thread: {e}");
                 std::thread::sleep(Duration::from_millis(100));
             }
         }
@@ -411,10 +393,8 @@ impl Service {
             let _ = std::fs::remove_file(p);
         }
         match self.turned_away.rest() {
-            Some(rest) => log(&format!(
-                "shutting down ({why}); connections turned away since the last count: {rest}"
-            )),
-            None => log(&format!("shutting down ({why})")),
+            Some(rest) => tracing::warn!("shutting down ({why}); connections turned away since the last count: {rest}"),
+            None => tracing::info!("shutting down ({why})"),
         }
     }
 
@@ -464,9 +444,7 @@ impl Service {
             Ok((bytes, fds)) => Request::parse(&bytes).map(|req| (req, fds)),
             Err(Errno::AGAIN) => return self.turned_away.note(TurnedAway::Idle),
             Err(Errno::MFILE) => {
-                log(&format!(
-                    "{who}: refused: no descriptors left for the ones the request carried"
-                ));
+                tracing::warn!("{who}: refused: no descriptors left for the ones the request carried");
                 let _ = send_reply(
                     &conn,
                     &Reply::busy("the mount service is busy (out of descriptors); try again"),
@@ -475,16 +453,14 @@ impl Service {
                 return;
             }
             Err(Errno::MSGSIZE) => Err(format!("the request is larger than {} bytes", proto::MAX_MESSAGE)),
-            Err(e) => return log(&format!("{who}: cannot read the request: {e}")),
+            Err(e) => return tracing::warn!("{who}: cannot read the request: {e}"),
         };
         let conn = Arc::new(conn);
         let result = match got {
             Ok((req, fds)) => match self.carry_out(&conn, caller, req, fds, slot, &who) {
                 Some(r) => r,
                 None => {
-                    return log(&format!(
-                        "{who}: the client hung up before its request was done: not carried out"
-                    ))
+                    return tracing::warn!("{who}: the client hung up before its request was done: not carried out")
                 }
             },
             Err(e) => Err(e),
@@ -494,7 +470,7 @@ impl Service {
             // Whatever failed, it may have failed for want of descriptors:
             // then the request is not refused, the service is busy.
             Err(e) if out_of_descriptors() => {
-                log(&format!("{who}: busy: {e}"));
+                tracing::warn!("{who}: busy: {e}");
                 let _ = send_reply(
                     &*conn,
                     &Reply::busy(format!("the mount service is busy ({e}); try again")),
@@ -503,12 +479,12 @@ impl Service {
                 return;
             }
             Err(e) => {
-                log(&format!("{who}: refused: {e}"));
+                tracing::warn!("{who}: refused: {e}");
                 (Err(e), None)
             }
         };
         if let Err(e) = reply(&*conn, result, back.as_ref()) {
-            log(&format!("{who}: cannot send the reply: {e}"));
+            tracing::warn!("{who}: cannot send the reply: {e}");
         }
     }
 
@@ -534,19 +510,19 @@ impl Service {
                 svc.handle(&caller, &conn2, req, fds, &job2)
             }))
             .unwrap_or_else(|_| {
-                log(&format!("{who2}: internal error serving the request"));
+                tracing::warn!("{who2}: internal error serving the request");
                 Err("internal error in the mount service".into())
             });
             if job2.abandoned() {
                 let how = r.as_ref().err().map_or("done", String::as_str);
-                log(&format!(
+                tracing::warn!(
                     "{who2}: a request ended after its client was answered or had hung up; nothing was done for it ({how})"
-                ));
+                );
             }
             let _ = tx.send(r);
         });
         if let Err(e) = spawned {
-            log(&format!("{who}: cannot start a thread: {e}"));
+            tracing::warn!("{who}: cannot start a thread: {e}");
             return Some(Err("the mount service is busy (no thread); try again".into()));
         }
         let deadline = Instant::now() + self.request_timeout;
@@ -708,19 +684,16 @@ impl Service {
                     if !job.commit() {
                         return Err(GONE.into());
                     }
-                    log(&format!(
+                    tracing::info!(
                         "{who}: made a {kind} mount of {image} of {} for its own namespace",
                         store.display()
-                    ));
+                    );
                     built.notices.extend(recorded(None).err());
                     return Ok((built.notices, Some(mount)));
                 };
                 let id = self.attach(caller, &mount, target.as_fd(), job)?;
                 built.notices.extend(recorded(Some(target.as_fd())).err());
-                log(&format!(
-                    "{who}: mounted {image} of {} {kind} (mount {id})",
-                    store.display()
-                ));
+                tracing::info!("{who}: mounted {image} of {} {kind} (mount {id})", store.display());
                 Ok((built.notices, None))
             }
             Request::Umount { lazy } => {
@@ -744,7 +717,7 @@ impl Service {
                 }
                 detach(&target).map_err(|e| format!("unmount: {e}"))?;
                 let _ = std::fs::remove_file(Record::path(id));
-                log(&format!("{who}: unmounted mount {id}"));
+                tracing::info!("{who}: unmounted mount {id}");
                 Ok((Vec::new(), None))
             }
         }
@@ -947,14 +920,8 @@ fn bind(path: &Path) -> Result<OwnedFd, String> {
     if let Some(dir) = path.parent() {
         std::fs::create_dir_all(dir).map_err(|e| format!("{}: {e}", dir.display()))?;
     }
-    // A socket left by an earlier run (never anything else).
-    if std::fs::symlink_metadata(path).is_ok_and(|m| std::os::unix::fs::FileTypeExt::is_socket(&m.file_type())) {
-        let _ = std::fs::remove_file(path);
-    }
-    let fd = rustix::net::socket_with(AddressFamily::UNIX, SocketType::SEQPACKET, SocketFlags::CLOEXEC, None)
-        .map_err(|e| err("socket", e))?;
-    let addr = SocketAddrUnix::new(path).map_err(|e| err("socket address", e))?;
-    rustix::net::bind(&fd, &addr).map_err(|e| err("bind", e))?;
+    // A socket left by an earlier run is replaced; a running service's is not.
+    let fd = tilefs_sys::socket::bind_fresh(path, SocketType::SEQPACKET).map_err(|e| e.to_string())?;
     rustix::fs::chmod(path, Mode::from_raw_mode(0o666)).map_err(|e| err("chmod", e))?;
     rustix::net::listen(&fd, 128).map_err(|e| err("listen", e))?;
     Ok(fd)

@@ -35,7 +35,7 @@ pub struct Resolved {
     pub manifest: Vec<u8>,
     /// How the image passed the signature policy ([`crate::trust`]), once
     /// it has.
-    pub trust: Option<crate::trust::TrustRecord>,
+    pub trust: Option<tilefs_trust::TrustRecord>,
     /// What the check read, kept in the store with the image.
     pub evidence: Option<tilefs_trust::evidence::Evidence>,
 }
