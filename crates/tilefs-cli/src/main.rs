@@ -11,6 +11,7 @@ mod inspect;
 mod keys_cmd;
 mod layer_store_cmd;
 mod lazy_serve;
+mod logging;
 mod mount_cmd;
 mod mount_helper;
 mod mountd_cmd;
@@ -132,8 +133,10 @@ fn main() -> ExitCode {
     {
         // A FUSE server forked from here closes them (see fuse_serve).
         tilefs_sys::process::note_inherited_fds();
+        logging::init("mount.tilefs");
         return mount_helper::main();
     }
+    logging::init("tilefs");
     // The mount service starts its helper as `tilefs mountd --helper`: an
     // internal entry point, kept out of clap so that neither --help nor a
     // shell completion offers it.
