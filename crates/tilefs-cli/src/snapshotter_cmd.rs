@@ -1,5 +1,6 @@
 //! `tilefs snapshotter`: tilefs as a containerd snapshotter (proxy plugin),
-//! see tilefs_snapshotter.
+//! see tilefs_snapshotter: its options, and its life on the socket until
+//! SIGINT or SIGTERM.
 
 use crate::registry_arg::RegistryArgs;
 use crate::store_arg::StoreArg;
@@ -9,7 +10,7 @@ use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 use std::time::Duration;
 use tilefs_snapshotter::{
-    Config, DEFAULT_CONTAINERD_ROOT, DEFAULT_GC_DELAY, DEFAULT_PLUGIN_NAME, DEFAULT_ROOT, DEFAULT_SOCKET,
+    Config, Tilefs, DEFAULT_CONTAINERD_ROOT, DEFAULT_GC_DELAY, DEFAULT_PLUGIN_NAME, DEFAULT_ROOT, DEFAULT_SOCKET,
 };
 
 #[derive(Args)]
@@ -91,6 +92,9 @@ struct RegistryHosts {
 /// containerd's CRI socket, unless `image_service_path` says.
 const DEFAULT_IMAGE_SERVICE: &str = "/run/containerd/containerd.sock";
 
+/// How long a stop waits for clients to close their connections.
+const STOP_GRACE: Duration = Duration::from_secs(5);
+
 pub fn run(mut a: SnapshotterArgs) -> Result<ExitCode> {
     let file: FileConfig = match &a.config {
         Some(p) => {
@@ -150,18 +154,104 @@ pub fn run(mut a: SnapshotterArgs) -> Result<ExitCode> {
         },
         mount: std::sync::Arc::new(mount_lazy),
     };
-    let proxied = cfg.cri_image_service.clone();
-    tilefs_snapshotter::serve(&cfg, Some(lazy), |sock| {
-        eprintln!("tilefs snapshotter: serving on {}", sock.display());
-        if let Some(p) = proxied {
-            eprintln!(
-                "tilefs snapshotter: serving CRI's image service there too, in front of {}",
-                p.display()
-            );
+    crate::logging::set_name("tilefs snapshotter");
+    let snap = Tilefs::open(&cfg, Some(lazy)).map_err(|e| anyhow!(e))?;
+    if let Some(link) = &cfg.cri_imagefs {
+        match tilefs_snapshotter::link_imagefs(link, snap.store()) {
+            Ok(()) => tracing::info!("{} (CRI's image filesystem) leads to the store", link.display()),
+            Err(e) => tracing::warn!("{e}"),
         }
-    })
-    .map_err(|e| anyhow!(e))?;
+    }
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .max_blocking_threads(16)
+        .enable_all()
+        .build()
+        .context("cannot start the runtime")?;
+    let served = rt.block_on(serve(&cfg, snap.clone()));
+    // Stopped: what Commits left unsynced is synced now, not checked at
+    // the next start.
+    snap.stop();
+    served?;
     Ok(ExitCode::SUCCESS)
+}
+
+/// Serves `snap` on `cfg.socket` until SIGINT or SIGTERM (or a failure),
+/// the socket removed after.
+async fn serve(cfg: &Config, snap: Tilefs) -> Result<()> {
+    let sock = &cfg.socket;
+    let listener = bind(sock)?;
+    tracing::info!("serving on {}", sock.display());
+    if let Some(p) = &cfg.cri_image_service {
+        tracing::info!("serving CRI's image service there too, in front of {}", p.display());
+    }
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let images = cfg.cri_image_service.clone();
+    let mut server = tokio::spawn(async move {
+        let shutdown = async {
+            let _ = stopped.await;
+        };
+        tilefs_snapshotter::grpc::serve(snap, images.as_deref(), listener, shutdown).await
+    });
+    let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()).ok();
+    let signalled = async {
+        tokio::select! {
+            _ = tokio::signal::ctrl_c() => {}
+            _ = async { match term.as_mut() { Some(t) => { t.recv().await; } None => std::future::pending().await } } => {}
+        }
+    };
+    let done = tokio::select! {
+        r = &mut server => Some(r),
+        _ = signalled => None,
+    };
+    let done = match done {
+        Some(r) => r,
+        None => {
+            // Requests under way finish; a client that keeps its
+            // connection open (idle) does not hold the stop up for long.
+            let _ = stop.send(());
+            match tokio::time::timeout(STOP_GRACE, &mut server).await {
+                Ok(r) => r,
+                Err(_) => {
+                    tracing::warn!(
+                        "clients still connected {} s after the signal: stopping",
+                        STOP_GRACE.as_secs()
+                    );
+                    server.abort();
+                    Ok(Ok(()))
+                }
+            }
+        }
+    };
+    let _ = std::fs::remove_file(sock);
+    match done {
+        Ok(r) => r.with_context(|| format!("{}: serving failed", sock.display())),
+        Err(e) => Err(anyhow!("{}: the server stopped: {e}", sock.display())),
+    }
+}
+
+/// Listens on the unix socket `sock` (its directory made), refusing one a
+/// live server listens on and replacing a stale one; only root may
+/// connect.
+fn bind(sock: &Path) -> Result<tokio::net::UnixListener> {
+    if let Some(dir) = sock.parent() {
+        std::fs::create_dir_all(dir).with_context(|| format!("{}: cannot create", dir.display()))?;
+    }
+    if std::os::unix::net::UnixStream::connect(sock).is_ok() {
+        return Err(anyhow!("{}: another server listens there", sock.display()));
+    }
+    match std::fs::symlink_metadata(sock) {
+        Ok(m) if std::os::unix::fs::FileTypeExt::is_socket(&m.file_type()) => {
+            let _ = std::fs::remove_file(sock);
+        }
+        Ok(_) => return Err(anyhow!("{}: exists and is no socket", sock.display())),
+        Err(_) => {}
+    }
+    let listener =
+        tokio::net::UnixListener::bind(sock).with_context(|| format!("{}: cannot listen", sock.display()))?;
+    rustix::fs::chmod(sock, rustix::fs::Mode::from_raw_mode(0o600))
+        .with_context(|| format!("{}: cannot set its mode", sock.display()))?;
+    Ok(listener)
 }
 
 /// Serves a lazily pulled image for the snapshotter: `tilefs mount`, whose
@@ -174,10 +264,11 @@ fn mount_lazy(
     tag: &str,
     mountpoint: &std::path::Path,
     reference: Option<&tilefs_oci::ImageRef>,
-) -> Result<(), String> {
+) -> tilefs_snapshotter::Result<()> {
     use std::io::Write;
     use tilefs_oci::transport::{hosts, keychain};
-    let exe = std::env::current_exe().map_err(|e| format!("cannot find the tilefs program: {e}"))?;
+    use tilefs_snapshotter::Error;
+    let exe = std::env::current_exe().map_err(|e| Error::Broken(format!("cannot find the tilefs program: {e}")))?;
     let creds = reference.and_then(|r| keychain::export(&r.to_string()));
     let mut cmd = std::process::Command::new(exe);
     cmd.arg("mount");
@@ -202,18 +293,18 @@ fn mount_lazy(
         .stdout(std::process::Stdio::piped())
         .stderr(std::process::Stdio::piped())
         .spawn()
-        .map_err(|e| format!("cannot run tilefs mount: {e}"))?;
+        .map_err(|e| Error::Broken(format!("cannot run tilefs mount: {e}")))?;
     let mut child = child;
     if let (Some(c), Some(mut stdin)) = (creds, child.stdin.take()) {
-        let json = serde_json::to_vec(&c).map_err(|e| format!("cannot hand on the credentials: {e}"))?;
+        let json = serde_json::to_vec(&c).map_err(|e| Error::Broken(format!("cannot hand on the credentials: {e}")))?;
         // A mount that failed before reading says why below.
         let _ = stdin.write_all(&json);
     }
     let out = child
         .wait_with_output()
-        .map_err(|e| format!("cannot run tilefs mount: {e}"))?;
+        .map_err(|e| Error::Broken(format!("cannot run tilefs mount: {e}")))?;
     if !out.status.success() {
-        return Err(String::from_utf8_lossy(&out.stderr).trim().to_string());
+        return Err(Error::Broken(String::from_utf8_lossy(&out.stderr).trim().to_string()));
     }
     Ok(())
 }

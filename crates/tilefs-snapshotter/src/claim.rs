@@ -47,12 +47,12 @@ pub struct Claim {
 /// outside `upper`, that the claim makes and removes) for the overlay's
 /// empty lower and work directories. Err: the kernel refused for another
 /// reason (the caller takes it as in use: safe, and said).
-pub fn claim(upper: &Path, scratch: &Path) -> Result<Upper, String> {
+pub fn claim(upper: &Path, scratch: &Path) -> crate::Result<Upper> {
     let before = overlay_xattrs(upper);
     let _ = std::fs::remove_dir_all(scratch);
     let (lower, work) = (scratch.join("lower"), scratch.join("work"));
     for d in [&lower, &work] {
-        std::fs::create_dir_all(d).map_err(|e| format!("{}: cannot create: {e}", d.display()))?;
+        std::fs::create_dir_all(d).map_err(|e| crate::Error::io(d, "cannot create", e))?;
     }
     let mut made = make(upper, &lower, &work);
     if matches!(made, Err(Errno::STALE)) {
@@ -66,9 +66,10 @@ pub fn claim(upper: &Path, scratch: &Path) -> Result<Upper, String> {
             let _ = std::fs::remove_dir_all(scratch);
             return match e {
                 Errno::BUSY => Ok(Upper::InUse),
-                e => Err(format!(
-                    "{}: cannot tell whether an overlay uses it: {e}",
-                    upper.display()
+                e => Err(crate::Error::io(
+                    upper,
+                    "cannot tell whether an overlay uses it",
+                    e.into(),
                 )),
             };
         }
@@ -91,7 +92,7 @@ pub fn in_use(upper: &Path, scratch: &Path) -> bool {
         Ok(Upper::Free(_)) => false,
         Ok(Upper::InUse) => true,
         Err(e) => {
-            eprintln!("tilefs snapshotter: {e}: kept as if it were in use");
+            tracing::warn!("{e}: kept as if it were in use");
             true
         }
     }

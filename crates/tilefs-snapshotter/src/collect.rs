@@ -55,7 +55,7 @@ impl Collector {
     /// A collector for `store`, its candidates kept under `root`; with a
     /// delay, its thread started (and the candidates a stop left
     /// scheduled).
-    pub fn start(store: &Path, root: &Path, delay: Option<Duration>) -> Result<Arc<Collector>, String> {
+    pub fn start(store: &Path, root: &Path, delay: Option<Duration>) -> crate::Result<Arc<Collector>> {
         let file = root.join(UNCOLLECTED);
         let candidates = load(&file);
         let due = (!candidates.is_empty())
@@ -78,7 +78,7 @@ impl Collector {
             std::thread::Builder::new()
                 .name("tilefs-collect".into())
                 .spawn(move || me.run())
-                .map_err(|e| format!("cannot start the snapshotter's collector: {e}"))?;
+                .map_err(|e| crate::Error::Broken(format!("cannot start the snapshotter's collector: {e}")))?;
         }
         Ok(c)
     }
@@ -103,7 +103,7 @@ impl Collector {
                 .open(&self.file)
                 .and_then(|mut f| f.write_all(&new.concat()));
             if let Err(e) = appended {
-                eprintln!("tilefs snapshotter: {}: {e}", self.file.display());
+                tracing::warn!("{}: {e}", self.file.display());
             }
         }
         if let Some(d) = self.delay {
@@ -143,13 +143,13 @@ impl Collector {
             let saved = if rest.is_empty() {
                 std::fs::remove_file(&self.file).or_else(|e| match e.kind() {
                     std::io::ErrorKind::NotFound => Ok(()),
-                    _ => Err(e.to_string()),
+                    _ => Err(crate::Error::io(&self.file, "cannot remove", e)),
                 })
             } else {
                 crate::state::write_atomic(&self.file, &rest)
             };
             if let Err(e) = saved {
-                eprintln!("tilefs snapshotter: {}: {e}", self.file.display());
+                tracing::warn!("{}: {e}", self.file.display());
             }
         }
     }
@@ -167,15 +167,15 @@ impl Collector {
             Ok(r) => r,
             Err(StoreError::Busy(_)) => return Some(RETRY),
             Err(e) => {
-                eprintln!(
-                    "tilefs snapshotter: collecting the objects of removed snapshots failed (tried again in {} s): {e}",
+                tracing::warn!(
+                    "collecting the objects of removed snapshots failed (tried again in {} s): {e}",
                     AFTER_FAILURE.as_secs()
                 );
                 return Some(AFTER_FAILURE);
             }
         };
-        eprintln!(
-            "tilefs snapshotter: collected {} objects ({} bytes) of {count} that removed snapshots used, in {:.2} s",
+        tracing::info!(
+            "collected {} objects ({} bytes) of {count} that removed snapshots used, in {:.2} s",
             r.objects_removed,
             r.bytes_removed,
             started.elapsed().as_secs_f64()

@@ -22,6 +22,29 @@ struct Selector {
     op: Op,
 }
 
+/// A filter that does not parse, and why.
+#[derive(Debug, thiserror::Error)]
+#[error("filter {filter:?}: {why}")]
+pub struct FilterError {
+    pub filter: String,
+    pub why: Why,
+}
+
+/// What is wrong with a filter.
+#[derive(Debug, thiserror::Error)]
+pub enum Why {
+    #[error("not UTF-8")]
+    NotUtf8,
+    #[error("an unterminated quote")]
+    Unterminated,
+    #[error("a field name expected at byte {0}")]
+    FieldExpected(usize),
+    #[error("bad regular expression {0:?}: {1}")]
+    BadRegex(String, regex::Error),
+    #[error("unexpected {0:?} at byte {1}")]
+    Unexpected(char, usize),
+}
+
 /// Parsed filters: matches if any of its alternatives does.
 #[derive(Debug, Default)]
 pub struct Filter(Vec<Vec<Selector>>);
@@ -35,10 +58,10 @@ pub struct Fields<'a> {
 }
 
 impl Filter {
-    pub fn parse(filters: &[String]) -> Result<Filter, String> {
+    pub fn parse(filters: &[String]) -> Result<Filter, FilterError> {
         let mut alts = Vec::new();
         for f in filters.iter().filter(|f| !f.trim().is_empty()) {
-            alts.push(parse_one(f).map_err(|e| format!("filter {f:?}: {e}"))?);
+            alts.push(parse_one(f).map_err(|why| FilterError { filter: f.clone(), why })?);
         }
         Ok(Filter(alts))
     }
@@ -88,14 +111,14 @@ impl Lexer<'_> {
             false
         }
     }
-    fn quoted(&mut self) -> Result<String, String> {
+    fn quoted(&mut self) -> Result<String, Why> {
         let q = self.s[self.i];
         self.i += 1;
         let mut out = Vec::new();
         while let Some(c) = self.peek() {
             self.i += 1;
             if c == q {
-                return String::from_utf8(out).map_err(|_| "not UTF-8".to_string());
+                return String::from_utf8(out).map_err(|_| Why::NotUtf8);
             }
             if c == b'\\' {
                 if let Some(n) = self.peek() {
@@ -106,9 +129,9 @@ impl Lexer<'_> {
             }
             out.push(c);
         }
-        Err("an unterminated quote".into())
+        Err(Why::Unterminated)
     }
-    fn field(&mut self) -> Result<String, String> {
+    fn field(&mut self) -> Result<String, Why> {
         self.skip_ws();
         match self.peek() {
             Some(b'"') => self.quoted(),
@@ -121,13 +144,13 @@ impl Lexer<'_> {
                     self.i += 1;
                 }
                 if start == self.i {
-                    return Err(format!("a field name expected at byte {}", self.i));
+                    return Err(Why::FieldExpected(self.i));
                 }
                 Ok(String::from_utf8_lossy(&self.s[start..self.i]).into_owned())
             }
         }
     }
-    fn value(&mut self) -> Result<String, String> {
+    fn value(&mut self) -> Result<String, Why> {
         self.skip_ws();
         match self.peek() {
             Some(b'"') | Some(b'\'') | Some(b'/') => self.quoted(),
@@ -142,7 +165,7 @@ impl Lexer<'_> {
     }
 }
 
-fn parse_one(f: &str) -> Result<Vec<Selector>, String> {
+fn parse_one(f: &str) -> Result<Vec<Selector>, Why> {
     let mut l = Lexer { s: f.as_bytes(), i: 0 };
     let mut out = Vec::new();
     loop {
@@ -157,7 +180,7 @@ fn parse_one(f: &str) -> Result<Vec<Selector>, String> {
             Op::Ne(l.value()?)
         } else if l.eat("~=") {
             let v = l.value()?;
-            Op::Re(regex::Regex::new(&v).map_err(|e| format!("bad regular expression {v:?}: {e}"))?)
+            Op::Re(regex::Regex::new(&v).map_err(|e| Why::BadRegex(v.clone(), e))?)
         } else {
             Op::Present
         };
@@ -166,7 +189,7 @@ fn parse_one(f: &str) -> Result<Vec<Selector>, String> {
         match l.peek() {
             None => return Ok(out),
             Some(b',') => l.i += 1,
-            Some(c) => return Err(format!("unexpected {:?} at byte {}", c as char, l.i)),
+            Some(c) => return Err(Why::Unexpected(c as char, l.i)),
         }
     }
 }

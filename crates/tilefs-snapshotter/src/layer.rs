@@ -102,9 +102,9 @@ pub fn read_upper(
     upper: &Path,
     ingest: &Ingest<'_>,
     below: &Tree,
-    journal: impl FnOnce(&[Undo]) -> Result<(), String>,
-) -> Result<(Vec<LayerEntry>, LayerUsage), String> {
-    let root = Dir::open_root(upper).map_err(|e| e.to_string())?;
+    journal: impl FnOnce(&[Undo]) -> crate::Result<()>,
+) -> crate::Result<(Vec<LayerEntry>, LayerUsage)> {
+    let root = Dir::open_root(upper).map_err(broken)?;
     let mut out = Vec::new();
     let mut usage = LayerUsage::default();
     let mut links: HashMap<(u64, u64), Vec<Vec<u8>>> = HashMap::new();
@@ -118,7 +118,7 @@ pub fn read_upper(
     // implies it). Its overlayfs markers are not the layer's: an opaque
     // root (containerd's differ marks it for a layer's root `.wh..wh..opq`)
     // hides nothing, as the kernel ignores it (see `tilefs_oci::apply`).
-    let st = rustix::fs::fstat(&root.fd).map_err(|e| format!("{}: cannot stat: {e}", upper.display()))?;
+    let st = rustix::fs::fstat(&root.fd).map_err(|e| crate::Error::io(upper, "cannot stat", e.into()))?;
     out.push(LayerEntry {
         path: Vec::new(),
         kind: Kind::Dir,
@@ -132,7 +132,7 @@ pub fn read_upper(
             },
             xattrs: root
                 .xattrs(None)
-                .map_err(|e| e.to_string())?
+                .map_err(broken)?
                 .into_iter()
                 .filter(|(k, _)| !k.starts_with(OVERLAY_PREFIX))
                 .collect(),
@@ -153,16 +153,16 @@ pub fn read_upper(
     }) = stack.pop()
     {
         let mut subdirs = Vec::new();
-        let names = dir.names().map_err(|e| e.to_string())?;
+        let names = dir.names().map_err(broken)?;
         for name in &names {
             let name = name.clone();
             let mut path = rel.clone();
             path.push(name.to_bytes().to_vec());
-            let Some(st) = dir.stat(&name).map_err(|e| e.to_string())? else {
+            let Some(st) = dir.stat(&name).map_err(broken)? else {
                 continue;
             };
             let shown = dir.join(name.to_bytes());
-            let raw = dir.xattrs(Some(&name)).map_err(|e| e.to_string())?;
+            let raw = dir.xattrs(Some(&name)).map_err(broken)?;
             let marker = |k: &str| {
                 raw.iter()
                     .find(|(key, _)| key.strip_prefix(OVERLAY_PREFIX) == Some(k.as_bytes()))
@@ -226,14 +226,19 @@ pub fn read_upper(
                         name.to_bytes(),
                         marker("redirect").as_deref(),
                     )
-                    .ok_or_else(|| format!("{}: a metacopy file whose data is not below it", shown.display()))?;
+                    .ok_or_else(|| {
+                        crate::Error::Broken(format!(
+                            "{}: a metacopy file whose data is not below it",
+                            shown.display()
+                        ))
+                    })?;
                     let size = size.unwrap_or(st.st_size as u64);
                     if size != st.st_size as u64 {
-                        return Err(format!(
+                        return Err(crate::Error::Broken(format!(
                             "{}: a metacopy file of {} bytes over data of {size} bytes",
                             shown.display(),
                             st.st_size
-                        ));
+                        )));
                     }
                     Kind::File { size, content }
                 }
@@ -267,15 +272,18 @@ pub fn read_upper(
                     } else {
                         let data = dir
                             .read_file(&name, RECOMMENDED_INLINE_MAX as usize + 1)
-                            .map_err(|e| e.to_string())?;
+                            .map_err(broken)?;
                         if data.len() as u64 != size {
-                            return Err(format!("{}: changed size while being read", shown.display()));
+                            return Err(crate::Error::Broken(format!(
+                                "{}: changed size while being read",
+                                shown.display()
+                            )));
                         }
                         Content::Inline(data)
                     };
                     Kind::File { size, content }
                 }
-                S_IFLNK => Kind::Symlink(dir.readlink(&name).map_err(|e| e.to_string())?),
+                S_IFLNK => Kind::Symlink(dir.readlink(&name).map_err(broken)?),
                 S_IFCHR | S_IFBLK => Kind::Device {
                     mode_type: typ,
                     // The kernel's 32-bit encoding is the low half of the 64-bit one.
@@ -450,7 +458,7 @@ fn parent_of<'a>(root: &OwnedFd, name: &'a [Vec<u8>]) -> Result<(OwnedFd, &'a [u
 /// snapshot's file is its own again), each gets its owner, mode, times
 /// and file capability back. Idempotent: a name that no longer holds the
 /// journaled inode is left alone.
-pub fn restore(upper: &Path, undo: &[Undo]) -> Result<(), String> {
+pub fn restore(upper: &Path, undo: &[Undo]) -> crate::Result<()> {
     use rustix::fs::{AtFlags, Timestamps};
     let root = open_upper(upper)?;
     for u in undo {
@@ -468,7 +476,7 @@ pub fn restore(upper: &Path, undo: &[Undo]) -> Result<(), String> {
             continue;
         };
         let path = shown(first_name);
-        let fail = |what: &str, e: rustix::io::Errno| format!("{}: {what}: {e}", path.display());
+        let fail = |what: &'static str, e: rustix::io::Errno| crate::Error::io(&path, what, e.into());
         let old = rustix::fs::openat(
             first_dir,
             *first,
@@ -491,7 +499,7 @@ pub fn restore(upper: &Path, undo: &[Undo]) -> Result<(), String> {
             .map_err(|e| fail("cannot create its copy", e))?;
             let mut from = std::fs::File::from(old);
             let mut to = std::fs::File::from(new);
-            std::io::copy(&mut from, &mut to).map_err(|e| format!("{}: cannot copy: {e}", path.display()))?;
+            std::io::copy(&mut from, &mut to).map_err(|e| crate::Error::io(&path, "cannot copy", e))?;
             for (k, v) in xattrs_of(&from) {
                 if k.as_slice() != CAPABILITY {
                     let k = CString::new(k).expect("xattr names have no NUL");
@@ -499,7 +507,7 @@ pub fn restore(upper: &Path, undo: &[Undo]) -> Result<(), String> {
                 }
             }
             to.sync_all()
-                .map_err(|e| format!("{}: cannot sync its copy: {e}", path.display()))?;
+                .map_err(|e| crate::Error::io(&path, "cannot sync its copy", e))?;
             for (i, (dir, last, _)) in olds.iter().enumerate() {
                 if i == 0 {
                     rustix::fs::renameat(first_dir, &tmp, dir, *last)
@@ -577,7 +585,7 @@ struct Pending {
 }
 
 /// The upper directory, opened without following a link on its way.
-fn open_upper(upper: &Path) -> Result<OwnedFd, String> {
+fn open_upper(upper: &Path) -> crate::Result<OwnedFd> {
     rustix::fs::openat2(
         rustix::fs::CWD,
         upper,
@@ -585,17 +593,17 @@ fn open_upper(upper: &Path) -> Result<OwnedFd, String> {
         Mode::empty(),
         ResolveFlags::NO_SYMLINKS | ResolveFlags::NO_MAGICLINKS,
     )
-    .map_err(|e| format!("{}: cannot open: {e}", upper.display()))
+    .map_err(|e| crate::Error::io(upper, "cannot open", e.into()))
 }
 
 /// Moves the pending files into the store, on several threads (hashing a
 /// cold file waits on the disk), and puts their digests in their entries.
-fn import_all(upper: &Path, ingest: &Ingest<'_>, pending: &[Pending], out: &mut [LayerEntry]) -> Result<(), String> {
+fn import_all(upper: &Path, ingest: &Ingest<'_>, pending: &[Pending], out: &mut [LayerEntry]) -> crate::Result<()> {
     if pending.is_empty() {
         return Ok(());
     }
     let root = open_upper(upper)?;
-    let one = |p: &Pending| -> Result<[u8; 32], String> {
+    let one = |p: &Pending| -> crate::Result<[u8; 32]> {
         // Its directory again from the upper root, never through a link.
         let dir = if p.dir.as_os_str().is_empty() {
             rustix::fs::openat(
@@ -613,7 +621,7 @@ fn import_all(upper: &Path, ingest: &Ingest<'_>, pending: &[Pending], out: &mut 
                 BENEATH,
             )
         }
-        .map_err(|e| format!("{}: cannot open its directory: {e}", p.path.display()))?;
+        .map_err(|e| crate::Error::io(&p.path, "cannot open its directory", e.into()))?;
         ingest
             .import_named(
                 &SourceFile {
@@ -624,14 +632,14 @@ fn import_all(upper: &Path, ingest: &Ingest<'_>, pending: &[Pending], out: &mut 
                 },
                 p.names,
             )
-            .map_err(|e| e.to_string())
+            .map_err(broken)
     };
     let pool = rayon::ThreadPoolBuilder::new()
         .num_threads(tilefs_image::source::worker_threads(0).min(pending.len()))
         .thread_name(|i| format!("tilefs-layer-{i}"))
         .build()
-        .map_err(|e| format!("cannot start worker threads: {e}"))?;
-    let digests: Vec<Result<[u8; 32], String>> = pool.install(|| pending.par_iter().map(one).collect());
+        .map_err(|e| crate::Error::Broken(format!("cannot start worker threads: {e}")))?;
+    let digests: Vec<crate::Result<[u8; 32]>> = pool.install(|| pending.par_iter().map(one).collect());
     for (p, d) in pending.iter().zip(digests) {
         if let Kind::File { content, .. } = &mut out[p.entry].kind {
             *content = Content::Object(d?);
@@ -640,8 +648,12 @@ fn import_all(upper: &Path, ingest: &Ingest<'_>, pending: &[Pending], out: &mut 
     Ok(())
 }
 
-fn open_sub(dir: &Dir, name: &CStr) -> Result<Dir, String> {
-    dir.open_dir(name).map_err(|e| e.to_string())
+fn broken(e: impl std::fmt::Display) -> crate::Error {
+    crate::Error::Broken(e.to_string())
+}
+
+fn open_sub(dir: &Dir, name: &CStr) -> crate::Result<Dir> {
+    dir.open_dir(name).map_err(broken)
 }
 
 /// The data a metacopy file `name` shows, in a directory whose place below

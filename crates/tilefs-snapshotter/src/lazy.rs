@@ -63,7 +63,12 @@ pub const LABEL_LAYER: &str = "containerd.io/snapshot/cri.layer-digest";
 /// for the container), in the background until it is unmounted; returns
 /// once it is mounted. The last argument is the image's reference (its
 /// credentials are the keychain's for it).
-pub type MountFn = dyn Fn(&Path, &str, &Path, Option<&ImageRef>) -> Result<(), String> + Send + Sync;
+pub type MountFn = dyn Fn(&Path, &str, &Path, Option<&ImageRef>) -> crate::Result<()> + Send + Sync;
+
+/// Why a layer is not served lazily: its labels, its image or its plan.
+#[derive(Debug, thiserror::Error)]
+#[error("{0}")]
+pub struct NotServed(pub String);
 
 /// What the lazy path needs from its front end.
 #[derive(Clone)]
@@ -89,7 +94,7 @@ pub struct Target {
 
 impl Target {
     /// None unless every one of CRI's labels is there.
-    pub fn of(labels: &HashMap<String, String>) -> Option<Result<Target, String>> {
+    pub fn of(labels: &HashMap<String, String>) -> Option<Result<Target, NotServed>> {
         let name = labels.get(LABEL_TARGET)?;
         let image = labels.get(LABEL_IMAGE_REF)?;
         let manifest = labels.get(LABEL_MANIFEST)?;
@@ -106,10 +111,10 @@ impl Target {
 }
 
 /// `docker://REPO@MANIFEST` of the image CRI names `image` (`REPO[:TAG]`).
-pub fn by_digest(image: &str, manifest: &str) -> Result<ImageRef, String> {
-    Digest::parse(manifest).map_err(|e| format!("label {LABEL_MANIFEST}: {e}"))?;
+pub fn by_digest(image: &str, manifest: &str) -> Result<ImageRef, NotServed> {
+    Digest::parse(manifest).map_err(|e| NotServed(format!("label {LABEL_MANIFEST}: {e}")))?;
     let r = format!("docker://{}@{manifest}", repository(image));
-    ImageRef::parse(&r).map_err(|e| format!("label {LABEL_IMAGE_REF}: {e}"))
+    ImageRef::parse(&r).map_err(|e| NotServed(format!("label {LABEL_IMAGE_REF}: {e}")))
 }
 
 /// The name of the lazy snapshot of chain ID `chain` of image
@@ -186,14 +191,14 @@ impl Plans {
     /// How long an image found to be pulled whole is taken to be.
     const WHOLE_FOR: Duration = Duration::from_secs(30);
 
-    pub fn plan(&self, r: &ImageRef, lazy: &Lazy) -> Result<Arc<LazyPlan>, String> {
+    pub fn plan(&self, r: &ImageRef, lazy: &Lazy) -> Result<Arc<LazyPlan>, NotServed> {
         let key = r.to_string();
         if let Some((at, plan)) = self.known.lock().unwrap_or_else(|e| e.into_inner()).get(&key) {
             if !matches!(plan.kind, LazyKind::Whole(_)) || at.elapsed() < Self::WHOLE_FOR {
                 return Ok(plan.clone());
             }
         }
-        let plan = Arc::new(tilefs_oci::lazy_index::plan(r, &lazy.pull).map_err(|e| e.to_string())?);
+        let plan = Arc::new(tilefs_oci::lazy_index::plan(r, &lazy.pull).map_err(|e| NotServed(e.to_string()))?);
         self.remember(key, plan.clone());
         Ok(plan)
     }
@@ -212,28 +217,31 @@ impl Plans {
 /// Checks `t` against the image whose layer blobs are `blobs` and diff
 /// IDs `diff_ids` (an artifact's are its blobs): the chain IDs of its
 /// layers up to `t`'s, the last being `t.name`.
-pub fn check(t: &Target, blobs: &[Digest], diff_ids: &[Digest]) -> Result<Vec<String>, String> {
+pub fn check(t: &Target, blobs: &[Digest], diff_ids: &[Digest]) -> Result<Vec<String>, NotServed> {
     let chain = chain_ids(diff_ids);
     let mut at = blobs
         .iter()
         .enumerate()
         .filter(|(_, l)| l.to_string() == t.layer)
         .map(|(i, _)| i);
-    let first = at
-        .next()
-        .ok_or_else(|| format!("label {LABEL_LAYER} names {}, no layer of {}", t.layer, t.reference))?;
+    let first = at.next().ok_or_else(|| {
+        NotServed(format!(
+            "label {LABEL_LAYER} names {}, no layer of {}",
+            t.layer, t.reference
+        ))
+    })?;
     // A blob listed twice is two layers of two chains.
     let i = std::iter::once(first)
         .chain(at)
         .find(|&i| chain[i] == t.name)
         .ok_or_else(|| {
-            format!(
+            NotServed(format!(
                 "label {LABEL_TARGET} names {}, but layer {} of {} has chain ID {}",
                 t.name,
                 first + 1,
                 t.reference,
                 chain[first]
-            )
+            ))
         })?;
     Ok(chain[..=i].to_vec())
 }

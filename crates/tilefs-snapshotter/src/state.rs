@@ -7,6 +7,7 @@
 //! keeps `fs`); containerd's keys, which hold `/` and anything else, only
 //! ever appear inside records.
 
+use crate::error::{Error, Result};
 use crate::layer::LayerUsage;
 use rustix::fs::{Mode, OFlags};
 use std::collections::HashMap;
@@ -88,23 +89,27 @@ pub const EMPTY: &str = "empty";
 
 /// Loads every record; a record that does not parse is an error (it names
 /// the file), never silently dropped.
-pub fn load(root: &Path) -> Result<Vec<Record>, String> {
+pub fn load(root: &Path) -> Result<Vec<Record>> {
     let dir = root.join(METADATA);
     let mut out = Vec::new();
-    let rd = std::fs::read_dir(&dir).map_err(|e| format!("{}: cannot list: {e}", dir.display()))?;
+    let rd = std::fs::read_dir(&dir).map_err(|e| Error::io(&dir, "cannot list", e))?;
     for ent in rd {
-        let ent = ent.map_err(|e| format!("{}: cannot list: {e}", dir.display()))?;
+        let ent = ent.map_err(|e| Error::io(&dir, "cannot list", e))?;
         let name = ent.file_name();
         let Some(name) = name.to_str() else { continue };
         if name.starts_with('.') || name.parse::<u64>().is_err() {
             continue;
         }
         let p = ent.path();
-        let bytes = std::fs::read(&p).map_err(|e| format!("{}: cannot read: {e}", p.display()))?;
-        let r: Record =
-            serde_json::from_slice(&bytes).map_err(|e| format!("{}: not a snapshot record: {e}", p.display()))?;
+        let bytes = std::fs::read(&p).map_err(|e| Error::io(&p, "cannot read", e))?;
+        let r: Record = serde_json::from_slice(&bytes)
+            .map_err(|e| Error::Broken(format!("{}: not a snapshot record: {e}", p.display())))?;
         if r.id.to_string() != name {
-            return Err(format!("{}: holds the record of snapshot {}", p.display(), r.id));
+            return Err(Error::Broken(format!(
+                "{}: holds the record of snapshot {}",
+                p.display(),
+                r.id
+            )));
         }
         out.push(r);
     }
@@ -124,32 +129,33 @@ pub fn mount_dir(root: &Path, id: u64) -> PathBuf {
 }
 
 /// Writes `r` atomically and durably.
-pub fn save(root: &Path, r: &Record) -> Result<(), String> {
-    let bytes = serde_json::to_vec(r).map_err(|e| format!("cannot encode the record of {}: {e}", r.key))?;
+pub fn save(root: &Path, r: &Record) -> Result<()> {
+    let bytes =
+        serde_json::to_vec(r).map_err(|e| Error::Broken(format!("cannot encode the record of {}: {e}", r.key)))?;
     write_atomic(&record_path(root, r.id), &bytes)
 }
 
 /// Removes `id`'s record durably.
-pub fn delete(root: &Path, id: u64) -> Result<(), String> {
+pub fn delete(root: &Path, id: u64) -> Result<()> {
     let p = record_path(root, id);
     match std::fs::remove_file(&p) {
         Ok(()) => {}
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
-        Err(e) => return Err(format!("{}: cannot remove: {e}", p.display())),
+        Err(e) => return Err(Error::io(&p, "cannot remove", e)),
     }
     sync_dir(p.parent().expect("a record has a directory"))
 }
 
 /// Writes `path` whole: a temporary file beside it, synced, renamed over
 /// it, the directory synced.
-pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<(), String> {
+pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
     let dir = path.parent().expect("a file has a directory");
     let tmp = dir.join(format!(
         ".tmp-{}-{}",
         path.file_name().and_then(|n| n.to_str()).unwrap_or("x"),
         std::process::id()
     ));
-    let fail = |what: &str, e: std::io::Error| format!("{}: {what}: {e}", path.display());
+    let fail = |what: &'static str, e: std::io::Error| Error::io(path, what, e);
     let fd = rustix::fs::open(
         &tmp,
         OFlags::WRONLY | OFlags::CREATE | OFlags::TRUNC | OFlags::NOFOLLOW | OFlags::CLOEXEC,
@@ -164,19 +170,19 @@ pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<(), String> {
     sync_dir(dir)
 }
 
-pub fn sync_dir(dir: &Path) -> Result<(), String> {
-    let d = std::fs::File::open(dir).map_err(|e| format!("{}: cannot open: {e}", dir.display()))?;
-    d.sync_all().map_err(|e| format!("{}: cannot sync: {e}", dir.display()))
+pub fn sync_dir(dir: &Path) -> Result<()> {
+    let d = std::fs::File::open(dir).map_err(|e| Error::io(dir, "cannot open", e))?;
+    d.sync_all().map_err(|e| Error::io(dir, "cannot sync", e))
 }
 
 /// A committed layer's entries, kept for the chains built on it.
-pub fn save_layer(root: &Path, id: u64, entries: &[tilefs_oci::layer::LayerEntry]) -> Result<(), String> {
-    let bytes = postcard::to_stdvec(entries).map_err(|e| format!("cannot encode layer {id}: {e}"))?;
+pub fn save_layer(root: &Path, id: u64, entries: &[tilefs_oci::layer::LayerEntry]) -> Result<()> {
+    let bytes = postcard::to_stdvec(entries).map_err(|e| Error::Broken(format!("cannot encode layer {id}: {e}")))?;
     write_atomic(&snapshot_dir(root, id).join("layer"), &bytes)
 }
 
-pub fn load_layer(root: &Path, id: u64) -> Result<Vec<tilefs_oci::layer::LayerEntry>, String> {
+pub fn load_layer(root: &Path, id: u64) -> Result<Vec<tilefs_oci::layer::LayerEntry>> {
     let p = snapshot_dir(root, id).join("layer");
-    let bytes = std::fs::read(&p).map_err(|e| format!("{}: cannot read: {e}", p.display()))?;
-    postcard::from_bytes(&bytes).map_err(|e| format!("{}: not a layer record: {e}", p.display()))
+    let bytes = std::fs::read(&p).map_err(|e| Error::io(&p, "cannot read", e))?;
+    postcard::from_bytes(&bytes).map_err(|e| Error::Broken(format!("{}: not a layer record: {e}", p.display())))
 }

@@ -7,6 +7,7 @@
 pub mod oci;
 pub mod registry;
 pub mod seekable;
+pub mod snapshotter;
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::ffi::{OsStr, OsString};
