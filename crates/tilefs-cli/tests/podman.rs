@@ -6,9 +6,12 @@
 //! files fetched on first read, and its paths answer across a restart of
 //! the layer store; a file of a tampered blob fails to read; an image
 //! without an index is pulled by podman itself; files two images share are
-//! stored once; `podman rmi` lets go of the layers and `tilefs gc` frees
-//! their files. An eStargz image is served from its tables of contents. A
-//! user the test makes runs the layer store in `podman unshare`.
+//! stored once; `podman push` reads the blobs through the store; `podman
+//! rmi` lets go of the layers and `tilefs gc` frees their files. An
+//! eStargz image is served from its tables of contents. A user the test
+//! makes logs in and runs the layer store in `podman unshare`. The store
+//! finds podman's credentials (`podman login`, `$REGISTRY_AUTH_FILE`; those
+//! it lacks leave the pull to podman) and reaches a mirror as podman does.
 
 mod common;
 
@@ -115,9 +118,8 @@ impl Drop for Podman {
     }
 }
 
-/// The layer store serving `store` at `mnt` (in the background), taken
-/// down when dropped.
-/// It runs in `podman`'s environment (the user's).
+/// The layer store serving `store` at `mnt` (in the background), in
+/// `podman`'s environment (the user's), taken down when dropped.
 fn layer_store(area: &Area, store: &Path, mnt: &Path, podman: &Podman) -> Mounted {
     fs::create_dir_all(mnt).unwrap();
     let mut cmd = Command::new(tilefs_bin());
