@@ -1,10 +1,12 @@
-"""Section podman: podman through an additional layer store, root. From
-`podman pull` to a container's first output, in four configurations: the
-tilefs layer store (`tilefs layer-store`) on an ordinary gzip image with a
-`tilefs index`, the tilefs layer store on the image's eStargz conversion,
-stargz-store (stargz-snapshotter's additional layer store) on that eStargz
-image, and podman's own pull of the ordinary image into its overlay
-storage. Then the disk two images sharing 90% of their files take, every
+"""Section podman: podman through an additional layer store. From
+`podman pull` to a container's first output, in six configurations: as
+root, the tilefs layer store (`tilefs layer-store`) on an ordinary gzip
+image with a `tilefs index`, the tilefs layer store on the image's eStargz
+conversion, stargz-store (stargz-snapshotter's additional layer store) on
+that eStargz image, and podman's own pull of the ordinary image into its
+overlay storage; rootless (a user the section makes, with subordinate ids,
+removed at the end), the tilefs layer store in `podman unshare` and
+podman's own pull. Then the disk two images sharing 90% of their files take, every
 file read once, with the tilefs layer store and with podman's overlay
 storage.
 
@@ -28,9 +30,9 @@ one layer each, BENCH_PODMAN_SHARED_MB (200) of generated files of which
 90% (by count and bytes) are the same files in both, and busybox; both
 pulled, every file read (`cat` in a container), then `du -sxB1` of
 everything the configuration keeps (tilefs: its store, its state and
-podman's graphroot; podman: its graphroot). Root only: rootless podman
-through a layer store in `podman unshare` is tested (tests/podman.rs) but
-not measured here yet.
+podman's graphroot; podman: its graphroot), as root.
+BENCH_PODMAN_PEERS (space-separated keys: tilefs tilefs-esgz stargz podman
+tilefs-rootless podman-rootless) measures only some.
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ import shutil
 import subprocess
 import sys
 import tarfile
+import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -71,34 +74,82 @@ def _load_cri_lazy():
 cri = _load_cri_lazy()
 
 
+class User:
+    """A user made for the rootless runs (with subordinate ids, as rootless
+    podman needs); removed with its home and processes by remove()."""
+
+    def __init__(self):
+        self.name = f"tfbench{os.getpid()}"
+        sh(["useradd", "-m", "-s", "/bin/sh", self.name])
+        ids = lambda f: any(l.startswith(self.name + ":") for l in Path(f).read_text().splitlines())
+        if not ids("/etc/subuid") or not ids("/etc/subgid"):
+            sh(["usermod", "--add-subuids", "500000-565535", "--add-subgids", "500000-565535", self.name])
+        self.home = Path(f"/home/{self.name}")
+        self.runtime = self.home / "runtime"
+        self.runtime.mkdir(mode=0o700)
+        self.own(self.runtime)
+
+    def own(self, path: Path) -> None:
+        sh(["chown", "-R", f"{self.name}:{self.name}", path])
+
+    def argv(self, env: dict, argv: list) -> list:
+        """`argv` run as the user, with its HOME and XDG_RUNTIME_DIR and `env`."""
+        return ["runuser", "-u", self.name, "--", "env", f"HOME={self.home}", f"XDG_RUNTIME_DIR={self.runtime}",
+                *(f"{k}={v}" for k, v in env.items()), *map(str, argv)]
+
+    def kill_all(self) -> None:
+        for _ in range(50):
+            r = subprocess.run(["pgrep", "-u", self.name], capture_output=True, text=True)
+            pids = [int(p) for p in r.stdout.split()]
+            if not pids:
+                return
+            for pid in pids:
+                kill9(pid)
+            time.sleep(0.1)
+
+    def remove(self) -> None:
+        self.kill_all()
+        subprocess.run(["userdel", "-r", self.name], capture_output=True)
+
+
 class Run:
-    """One configuration's podman and layer store, in a directory of their own."""
+    """One configuration's podman and layer store, in a directory of their
+    own (root's, or a user's for a rootless run)."""
 
     def __init__(self, work: Path, tilefs: str, stargz: Path | None, registry: str):
         self.work, self.tilefs, self.stargz, self.registry = work, tilefs, stargz, registry
         self.dir: Path | None = None
         self.store_proc: subprocess.Popen | None = None
+        self.user: User | None = None
+        self.rootless = False
         self.n = 0
 
     def path(self, rel: str) -> Path:
         return self.dir / rel
 
-    def env(self) -> dict:
-        e = dict(os.environ)
-        for k, f in [("CONTAINERS_STORAGE_CONF", "storage.conf"), ("CONTAINERS_REGISTRIES_CONF", "registries.conf"),
-                     ("CONTAINERS_CONF", "containers.conf")]:
-            e[k] = str(self.path(f))
-        return e
+    def containers_env(self) -> dict:
+        return {k: str(self.path(f)) for k, f in [("CONTAINERS_STORAGE_CONF", "storage.conf"),
+                                                   ("CONTAINERS_REGISTRIES_CONF", "registries.conf"),
+                                                   ("CONTAINERS_CONF", "containers.conf")]}
+
+    def argv(self, argv: list) -> list:
+        """`argv` run by this run's podman user, in its environment."""
+        if self.rootless:
+            return self.user.argv(self.containers_env(), argv)
+        return ["env", *(f"{k}={v}" for k, v in self.containers_env().items()), *map(str, argv)]
 
     def podman(self, *args, check: bool = True) -> subprocess.CompletedProcess:
-        return subprocess.run(["podman", *map(str, args)], env=self.env(), capture_output=True, check=check,
-                              timeout=600)
+        return subprocess.run(self.argv(["podman", *args]), capture_output=True, check=check, timeout=600)
 
-    def start(self, kind: str) -> None:
-        """A fresh podman (and layer store: kind "tilefs", "stargz" or "none")."""
+    def start(self, kind: str, rootless: bool = False) -> None:
+        """A fresh podman (and layer store: kind "tilefs", "stargz" or
+        "none"), root's or, `rootless`, the bench user's."""
         self.stop()
         self.n += 1
-        self.dir = self.work / f"run-{self.n}"
+        if rootless and self.user is None:
+            self.user = User()
+        self.rootless = rootless
+        self.dir = (self.user.home if rootless else self.work) / f"run-{self.n}"
         self.dir.mkdir()
         mnt = self.path("mnt")
         als = f'additionallayerstores = ["{mnt}:ref"]\n' if kind != "none" else ""
@@ -111,11 +162,18 @@ class Run:
         self.path("containers.conf").write_text(
             '[containers]\ndefault_ulimits = ["nofile=1024:1024", "nproc=1024:1024"]\n'
             '[engine]\nevents_logger = "file"\n')
-        if kind == "tilefs":
+        if rootless:
+            # The user's own copy (root's checkout may be closed to it).
+            shutil.copy(self.tilefs, self.path("tilefs"))
             mnt.mkdir()
-            sh([self.tilefs, "layer-store", "--mount", mnt, "--store", self.path("store"), "--state",
-                self.path("state"), "--registries-conf", self.path("registries.conf"), "--signature-policy",
-                self.path("policy.json"), "--log", self.path("layer-store.log")])
+            self.user.own(self.dir)
+        if kind == "tilefs":
+            mnt.mkdir(exist_ok=True)
+            # Rootless: in podman's user namespace, where podman sees it.
+            unshare = ["podman", "unshare", self.path("tilefs")] if rootless else [self.tilefs]
+            sh(self.argv([*unshare, "layer-store", "--mount", mnt, "--store", self.path("store"), "--state",
+                          self.path("state"), "--registries-conf", self.path("registries.conf"),
+                          "--signature-policy", self.path("policy.json"), "--log", self.path("layer-store.log")]))
         elif kind == "stargz":
             mnt.mkdir()
             log = open(self.path("stargz-store.log"), "ab")
@@ -123,10 +181,11 @@ class Run:
                                                 "--log-level", "warn", str(mnt)], stdout=log, stderr=log)
             wait_for(lambda: lib.is_mountpoint(mnt), "stargz-store's mount", 30)
 
-    def timed(self, image: str) -> Path:
-        """The timed script: pull, run until the first line of output."""
+    def timed(self, image: str) -> str:
+        """The timed script (run by root): pull, run until the first line
+        of output (as the user, rootless)."""
         script = self.path("timed.sh")
-        env = " ".join(f"{k}='{v}'" for k, v in self.env().items() if k.startswith("CONTAINERS_"))
+        env = " ".join(f"{k}='{v}'" for k, v in self.containers_env().items())
         fifo, out, rc = self.path("fifo"), self.path("out"), self.path("rc")
         script.write_text(
             f"set -e\nexport {env}\n"
@@ -136,7 +195,10 @@ class Run:
             f"2> '{self.path('run.err')}'; echo $? > '{rc}') < /dev/null > /dev/null 2>&1 &\n"
             f"head -n 1 '{fifo}' > '{out}'\n"
             f"test -s '{out}'\n")
-        return script
+        if not self.rootless:
+            return script.read_text()
+        self.user.own(script)
+        return "exec " + " ".join(f"'{a}'" for a in self.user.argv({}, ["sh", script])) + "\n"
 
     def wait_run(self) -> None:
         """The container of the timed run has gone (its removal done)."""
@@ -155,6 +217,10 @@ class Run:
         if self.store_proc is not None:
             terminate(self.store_proc)
             self.store_proc = None
+        elif self.rootless:
+            # The layer store's mount is in podman's namespace, which the
+            # reset ended; what is left of the user's processes goes too.
+            self.user.kill_all()
         elif lib.is_mountpoint(mnt):
             subprocess.run([self.tilefs, "umount", str(mnt)], capture_output=True)
         for pid in cri.processes_naming(str(self.dir)):
@@ -162,6 +228,12 @@ class Run:
         unmount_below(self.dir)
         shutil.rmtree(self.dir, ignore_errors=True)
         self.dir = None
+
+    def close(self) -> None:
+        self.stop()
+        if self.user is not None:
+            self.user.remove()
+            self.user = None
 
 
 def du(*paths: Path) -> int:
@@ -237,7 +309,7 @@ def run(b) -> None:
         _run(b, work, registry, rig, convert_dir, store_build)
     finally:
         if rig is not None:
-            rig.stop()
+            rig.close()
         for pid in cri.processes_naming(str(work)):
             if registry.proc is None or pid != registry.proc.pid:
                 kill9(pid)
@@ -281,8 +353,13 @@ def _run(b, work: Path, registry: Registry, rig: Run, convert_dir: Path | None, 
         "tilefs-esgz": ("tilefs layer store (eStargz)", "tilefs"),
         "stargz": ("stargz-store (eStargz)", "stargz"),
         "podman": ("podman's own pull (overlay)", "none"),
+        "tilefs-rootless": ("rootless: tilefs layer store in podman unshare (ordinary image + tilefs index)",
+                            "tilefs"),
+        "podman-rootless": ("rootless: podman's own pull (overlay)", "none"),
     }
-    keys = [k for k in labels if k in images]
+    images["tilefs-rootless"], images["podman-rootless"] = images.get("tilefs"), plain
+    wanted = (os.environ.get("BENCH_PODMAN_PEERS") or " ".join(labels)).split()
+    keys = [k for k in labels if images.get(k) and k in wanted]
     series = {k: lib.Series(labels[k][0], ["sh", str(work / f"timed-{k}.sh")]) for k in keys}
     bytes_of = {k: [] for k in keys}
     current = {}
@@ -303,18 +380,17 @@ def _run(b, work: Path, registry: Registry, rig: Run, convert_dir: Path | None, 
     def prepare(key: str) -> None:
         account()
         try:
-            rig.start(labels[key][1])
+            rig.start(labels[key][1], rootless=key.endswith("-rootless"))
         except (RuntimeError, subprocess.CalledProcessError) as e:
             err = e.stderr.decode(errors="replace") if isinstance(e, subprocess.CalledProcessError) else str(e)
             series[key].error = f"could not start: {err.strip()[-300:]}"
             return
         current["key"] = key
         current["line"] = registry.lines()
-        script = rig.timed(images[key])
-        shutil.copy(script, work / f"timed-{key}.sh")
+        (work / f"timed-{key}.sh").write_text(rig.timed(images[key]))
 
     b.progress(f"image: {what}", final=True)
-    title = f"podman pull + podman run to the first output of `cat /{FIRST_FILE}` (root)"
+    title = f"podman pull + podman run to the first output of `cat /{FIRST_FILE}` (root unless rootless)"
     b.interleave(title, series, cold=False, prepare=prepare)
     account()
     notes = [
@@ -340,6 +416,9 @@ def _run(b, work: Path, registry: Registry, rig: Run, convert_dir: Path | None, 
         + stargz_build)
     row("podman/esgz-vs-stargz", "tilefs-esgz", "stargz", GOAL_VS_STARGZ,
         "goal: tilefs <= stargz-store, both on the eStargz image (tilefs from its tables of contents)")
+    row("podman/rootless-vs-podman", "tilefs-rootless", "podman-rootless", GOAL_VS_PODMAN,
+        f"goal: rootless, tilefs layer store <= {GOAL_VS_PODMAN} x podman's own pull; a user made for the "
+        "section (subordinate ids), the layer store in `podman unshare`, the timed script run by `runuser`")
     med = {k: sorted(v)[len(v) // 2] for k, v in bytes_of.items() if v}
     if med:
         b.info("podman/bytes", "blob bytes the registry sent from the pull's start to the first output (median)",
