@@ -191,7 +191,7 @@ class Run:
             f"set -e\nexport {env}\n"
             f"podman pull -q --signature-policy '{self.path('policy.json')}' '{image}' > /dev/null\n"
             f"mkfifo '{fifo}'\n"
-            f"(podman run --rm --network none '{image}' cat /{FIRST_FILE} > '{fifo}' "
+            f"(set +e; podman run --rm --network none '{image}' /bin/cat /{FIRST_FILE} > '{fifo}' "
             f"2> '{self.path('run.err')}'; echo $? > '{rc}') < /dev/null > /dev/null 2>&1 &\n"
             f"head -n 1 '{fifo}' > '{out}'\n"
             f"test -s '{out}'\n")
@@ -447,7 +447,7 @@ def _disk(b, work: Path, registry: Registry, rig: Run) -> None:
             rig.start(kind)
             for ref in refs:
                 rig.podman("pull", "-q", "--signature-policy", rig.path("policy.json"), ref)
-                out = rig.podman("run", "--rm", "--network", "none", ref, "sh", "-c",
+                out = rig.podman("run", "--rm", "--network", "none", ref, "/bin/sh", "-c",
                                  "find /data -type f -exec cat {} + | wc -c")
                 if int(out.stdout.split()[0]) != nbytes:
                     raise RuntimeError(f"read {out.stdout.strip()} bytes of {nbytes} in {ref}")
