@@ -52,12 +52,16 @@ fn configure(dir: &Path, layer_store: &Path, registries: &[&str]) {
         r#"{"default": [{"type": "insecureAcceptAnything"}]}"#.to_string(),
     );
     // podman raises a container's open files to the kernel's ceiling by
-    // default, which a root without CAP_SYS_RESOURCE may not.
+    // default, which a root without CAP_SYS_RESOURCE may not. Its engine's
+    // temporary directory is its own: root's default (/run/libpod) is one
+    // for every podman, and a reset of one removes it under the others.
     w(
         "containers.conf",
-        "[containers]\ndefault_ulimits = [\"nofile=1024:1024\", \"nproc=1024:1024\"]\n\
-             [engine]\nevents_logger = \"file\"\n"
-            .to_string(),
+        format!(
+            "[containers]\ndefault_ulimits = [\"nofile=1024:1024\", \"nproc=1024:1024\"]\n\
+             [engine]\nevents_logger = \"file\"\ntmp_dir = \"{}/tmp\"\n",
+            dir.display()
+        ),
     );
 }
 
@@ -726,16 +730,16 @@ fn the_layer_store_reaches_registries_with_podmans_credentials_and_mirrors() {
     assert_eq!(gets_of(&registry, before, &layers), Vec::<String>::new(), "{}", log());
     cat(&podman, &app);
 
-    // A short name resolved to a registry that has a mirror: podman pulls
-    // from the mirror, and hands the layer store the name it resolved
-    // (mirrored.invalid/...), which the store reaches through the same
-    // mirror. Nothing of it is left in podman's storage to reuse.
+    // A registry that has a mirror: podman pulls from the mirror and hands
+    // the layer store the image's name (mirrored.invalid/...), which the
+    // store reaches through the same mirror. Nothing of it is left in
+    // podman's storage to reuse. (Not by a short name: podman would record
+    // its alias in root's /var/cache/containers.)
     podman.ok(&["rmi", &app2]);
     fs::write(
         podman.dir.join("registries.conf"),
         format!(
-            "unqualified-search-registries = [\"mirrored.invalid\"]\n{}\
-             [[registry]]\nlocation = \"mirrored.invalid\"\n\
+            "{}[[registry]]\nlocation = \"mirrored.invalid\"\n\
              [[registry.mirror]]\nlocation = \"{}\"\ninsecure = true\n",
             insecure(&[&registry.addr]),
             registry.addr
@@ -743,7 +747,7 @@ fn the_layer_store_reaches_registries_with_podmans_credentials_and_mirrors() {
     )
     .unwrap();
     let before = registry.requests().len();
-    podman.pull("tilefs/app2:v1");
+    podman.pull("mirrored.invalid/tilefs/app2:v1");
     assert_eq!(gets_of(&registry, before, &layers2), Vec::<String>::new(), "{}", log());
     cat(&podman, "mirrored.invalid/tilefs/app2:v1");
     drop(podman);
