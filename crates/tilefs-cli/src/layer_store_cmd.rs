@@ -16,6 +16,9 @@ pub const LONG_ABOUT: &str = "Serve an additional layer store for podman (contai
 store: a layer of an image tilefs can start lazily (one with a `tilefs index`, eStargz, zstd:chunked) appears there when podman \
 looks it up, so `podman pull` downloads none of its layers and each file is fetched on its first read, checked \
 before a byte is served, into the store shared with every other image. Other images are left to podman. \
+Registries are reached as podman reaches them: the credentials of the user running it (`podman login`'s \
+auth.json, or $REGISTRY_AUTH_FILE), registries.conf (mirrors, insecure) and the signature policy; credentials \
+given to one podman command (--authfile, --creds) do not reach it, and podman then pulls the image itself. \
 In storage.conf: [storage.options] additionallayerstores = [\"DIR:ref\"]. Runs in the background once DIR \
 answers, or with --foreground until DIR is unmounted (SIGTERM, SIGINT unmount it).";
 

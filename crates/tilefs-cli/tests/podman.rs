@@ -6,9 +6,12 @@
 //! files fetched on first read, and its paths answer across a restart of
 //! the layer store; a file of a tampered blob fails to read; an image
 //! without an index is pulled by podman itself; files two images share are
-//! stored once; `podman rmi` lets go of the layers and `tilefs gc` frees
-//! their files. An eStargz image is served from its tables of contents. A
-//! user the test makes runs the layer store in `podman unshare`.
+//! stored once; `podman push` reads the blobs through the store; `podman
+//! rmi` lets go of the layers and `tilefs gc` frees their files. An
+//! eStargz image is served from its tables of contents. A user the test
+//! makes logs in and runs the layer store in `podman unshare`. The store
+//! finds podman's credentials (`podman login`, `$REGISTRY_AUTH_FILE`; those
+//! it lacks leave the pull to podman) and reaches a mirror as podman does.
 
 mod common;
 
@@ -25,12 +28,14 @@ use std::process::{Command, Output};
 /// `dir`); everything it made is reset when dropped.
 struct Podman {
     dir: PathBuf,
+    /// The user's environment, podman's and the layer store's.
+    env: Vec<(&'static str, PathBuf)>,
 }
 
 /// podman's configuration in `dir`: storage with `layer_store` as its
 /// additional layer store (graphroot and runroot in `dir`, for root),
-/// `registry` on plain HTTP, any image accepted.
-fn configure(dir: &Path, layer_store: &Path, registry: &str) {
+/// `registries` on plain HTTP, any image accepted.
+fn configure(dir: &Path, layer_store: &Path, registries: &[&str]) {
     let w = |name: &str, text: String| fs::write(dir.join(name), text).unwrap();
     w(
         "storage.conf",
@@ -41,31 +46,44 @@ fn configure(dir: &Path, layer_store: &Path, registry: &str) {
             layer_store.display()
         ),
     );
-    w(
-        "registries.conf",
-        format!("[[registry]]\nlocation = \"{registry}\"\ninsecure = true\n"),
-    );
+    w("registries.conf", insecure(registries));
     w(
         "policy.json",
         r#"{"default": [{"type": "insecureAcceptAnything"}]}"#.to_string(),
     );
     // podman raises a container's open files to the kernel's ceiling by
-    // default, which a root without CAP_SYS_RESOURCE may not.
+    // default, which a root without CAP_SYS_RESOURCE may not. Its engine's
+    // temporary directory is its own: root's default (/run/libpod) is one
+    // for every podman, and a reset of one removes it under the others.
     w(
         "containers.conf",
-        "[containers]\ndefault_ulimits = [\"nofile=1024:1024\", \"nproc=1024:1024\"]\n\
-             [engine]\nevents_logger = \"file\"\n"
-            .to_string(),
+        format!(
+            "[containers]\ndefault_ulimits = [\"nofile=1024:1024\", \"nproc=1024:1024\"]\n\
+             [engine]\nevents_logger = \"file\"\ntmp_dir = \"{}/tmp\"\n",
+            dir.display()
+        ),
     );
 }
 
+/// registries.conf's entries for `registries` on plain HTTP.
+fn insecure(registries: &[&str]) -> String {
+    registries
+        .iter()
+        .map(|r| format!("[[registry]]\nlocation = \"{r}\"\ninsecure = true\n"))
+        .collect()
+}
+
 impl Podman {
-    fn new(dir: &Path, layer_store: &Path, registry: &str) -> Podman {
-        configure(dir, layer_store, registry);
-        Podman { dir: dir.to_path_buf() }
+    fn new(dir: &Path, layer_store: &Path, registries: &[&str]) -> Podman {
+        configure(dir, layer_store, registries);
+        Podman {
+            dir: dir.to_path_buf(),
+            env: Vec::new(),
+        }
     }
 
     fn env(&self, cmd: &mut Command) {
+        cmd.envs(self.env.iter().map(|(k, v)| (k, v)));
         cmd.env("CONTAINERS_STORAGE_CONF", self.dir.join("storage.conf"))
             .env("CONTAINERS_REGISTRIES_CONF", self.dir.join("registries.conf"))
             .env("CONTAINERS_CONF", self.dir.join("containers.conf"));
@@ -84,8 +102,15 @@ impl Podman {
     }
 
     fn pull(&self, image: &str) -> String {
+        self.pull_with(&[], image)
+    }
+
+    fn pull_with(&self, flags: &[&str], image: &str) -> String {
         let policy = self.dir.join("policy.json");
-        let out = self.run(&["pull", "--signature-policy", policy.to_str().unwrap(), image]);
+        let mut args = vec!["pull", "--signature-policy", policy.to_str().unwrap()];
+        args.extend_from_slice(flags);
+        args.push(image);
+        let out = self.run(&args);
         assert!(out.status.success(), "podman pull {image}: {}", stderr(&out));
         stderr(&out)
     }
@@ -97,30 +122,52 @@ impl Drop for Podman {
     }
 }
 
-/// The layer store serving `store` at `mnt` (in the background), taken
-/// down when dropped.
+/// The layer store serving `store` at `mnt` (in the background), in
+/// `podman`'s environment (the user's), taken down when dropped.
 fn layer_store(area: &Area, store: &Path, mnt: &Path, podman: &Podman) -> Mounted {
     fs::create_dir_all(mnt).unwrap();
-    let out = tilefs_any(&[
-        os("layer-store"),
-        os("--mount"),
-        mnt.as_os_str(),
-        os("--store"),
-        store.as_os_str(),
-        os("--signature-policy"),
-        podman.dir.join("policy.json").as_os_str(),
-        os("--registries-conf"),
-        podman.dir.join("registries.conf").as_os_str(),
-        os("--log"),
-        area.path("layer-store.log").as_os_str(),
-    ]);
+    let mut cmd = Command::new(tilefs_bin());
+    podman.env(&mut cmd);
+    let out = cmd
+        .args([
+            os("layer-store"),
+            os("--mount"),
+            mnt.as_os_str(),
+            os("--store"),
+            store.as_os_str(),
+            os("--signature-policy"),
+            podman.dir.join("policy.json").as_os_str(),
+            os("--registries-conf"),
+            podman.dir.join("registries.conf").as_os_str(),
+            os("--log"),
+            area.path("layer-store.log").as_os_str(),
+        ])
+        .output()
+        .unwrap();
     assert!(out.status.success(), "layer-store: {}", stderr(&out));
     Mounted(mnt.to_path_buf())
 }
 
 /// The layer digests of `tilefs/NAME:v1`.
 fn layers_of(registry: &Registry, name: &str) -> Vec<String> {
-    let m = skopeo_raw(&format!("docker://{}/tilefs/{name}:v1", registry.addr));
+    digests(&skopeo_raw(&format!("docker://{}/tilefs/{name}:v1", registry.addr)))
+}
+
+/// The layer digests of `reference` in a registry that asks for the
+/// credentials in `auth`.
+fn private_layers_of(reference: &str, auth: &Path) -> Vec<String> {
+    let out = Command::new("skopeo")
+        .args(["inspect", "--raw", "--tls-verify=false", "--authfile"])
+        .arg(auth)
+        .arg(format!("docker://{reference}"))
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "skopeo inspect: {}", stderr(&out));
+    digests(&serde_json::from_slice(&out.stdout).unwrap())
+}
+
+/// The layer digests of manifest `m`.
+fn digests(m: &serde_json::Value) -> Vec<String> {
     m["layers"]
         .as_array()
         .unwrap()
@@ -138,14 +185,22 @@ fn gets_of(registry: &Registry, before: usize, digests: &[String]) -> Vec<String
         .collect()
 }
 
-fn index(area: &Area, registry: &Registry, name: &str) {
-    let out = tilefs_any(&[
-        os("index"),
-        os("--tls-verify=false"),
-        os("--store"),
-        area.path("indexing").as_os_str(),
-        os(&format!("docker://{}/tilefs/{name}:v1", registry.addr)),
-    ]);
+/// `tilefs index` of `tilefs/NAME:v1`, with the credentials in `auth`.
+fn index(area: &Area, registry: &Registry, name: &str, auth: Option<&Path>) {
+    let mut cmd = Command::new(tilefs_bin());
+    if let Some(a) = auth {
+        cmd.env("REGISTRY_AUTH_FILE", a);
+    }
+    let out = cmd
+        .args([
+            os("index"),
+            os("--tls-verify=false"),
+            os("--store"),
+            area.path("indexing").as_os_str(),
+            os(&format!("docker://{}/tilefs/{name}:v1", registry.addr)),
+        ])
+        .output()
+        .unwrap();
     assert!(out.status.success(), "index {name}: {}", stderr(&out));
 }
 
@@ -181,7 +236,7 @@ fn podman_pulls_indexed_images_through_the_layer_store() {
     };
     let plain = push_image_with(&area, &registry, "plain", &[&alone], &["--config.cmd", "/bin/cat"]);
     for name in ["app", "app2", "bad"] {
-        index(&area, &registry, name);
+        index(&area, &registry, name, None);
     }
     let expected_big = {
         let d = area.dir("expected");
@@ -193,7 +248,8 @@ fn podman_pulls_indexed_images_through_the_layer_store() {
     let mnt = area.path("mnt");
     // Declared first, dropped last: after podman's reset.
     let mut served: Option<Mounted>;
-    let podman = Podman::new(&area.dir("podman"), &mnt, &registry.addr);
+    let second = Registry::start_named(&area, "second", "");
+    let podman = Podman::new(&area.dir("podman"), &mnt, &[&registry.addr, &second.addr]);
     served = Some(layer_store(&area, &store, &mnt, &podman));
     let log = || fs::read_to_string(area.path("layer-store.log")).unwrap_or_default();
 
@@ -283,6 +339,24 @@ fn podman_pulls_indexed_images_through_the_layer_store() {
         saved_len >= blob_sizes,
         "{saved_len} bytes saved, {blob_sizes} of blobs"
     );
+
+    // `podman push` to another registry reads the blobs through `blob`
+    // (by range from the first registry); pulled back by podman itself
+    // into storage of its own, the copy runs with the same bytes.
+    let copy = format!("{}/tilefs/copy:v1", second.addr);
+    let before = registry.requests().len();
+    podman.ok(&["push", &app, &format!("docker://{copy}")]);
+    let read = gets_of(&registry, before, &layers);
+    assert!(!read.is_empty(), "the push read no blob: {}", log());
+    let back = Podman::new(&area.dir("podman-back"), &mnt, &[&second.addr]);
+    let before = second.requests().len();
+    back.pull(&copy);
+    let copied = digests(&skopeo_raw(&format!("docker://{copy}")));
+    assert_eq!(gets_of(&second, before, &copied).len(), copied.len());
+    let out = back.run(&["run", "--rm", "--network", "none", &copy, "cat", "/etc/msg", "/etc/big"]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    assert!(out.stdout == want, "the pushed copy holds the image's bytes");
+    drop(back);
 
     // A tampered blob: the file whose bytes it holds does not read.
     podman.pull(&bad);
@@ -413,14 +487,26 @@ fn a_rootless_user_runs_the_layer_store_in_podman_unshare() {
     require(missing_program("newuidmap", "uidmap"));
     require(missing_program("umoci", "umoci"));
     require(missing_program("skopeo", "skopeo"));
+    require(missing_program("htpasswd", "apache2-utils"));
     let area = Area::new();
-    let registry = Registry::start(&area);
+    // The registry asks for a password: the user's `podman login` gives it
+    // to podman and the layer store alike.
+    let given = area.path("given.json");
+    let registry = Registry::start_with_password(&area, "alice", "s3cret", &given);
     let fill = |root: &Path| {
         busybox_into(root, &["cat"]);
         fs::write(root.join("msg"), "rootless and lazy\n").unwrap();
     };
-    let app = push_image_with(&area, &registry, "app", &[&fill], &["--config.entrypoint", "/bin/cat"]);
-    index(&area, &registry, "app");
+    let entry = ["--config.entrypoint", "/bin/cat"];
+    let app = push_image_as(
+        &area,
+        &registry,
+        "app",
+        &[&fill],
+        &entry,
+        &["--dest-creds", "alice:s3cret"],
+    );
+    index(&area, &registry, "app", Some(&given));
 
     let user = TestUser::new();
     let conf = user.home.join(".config/containers");
@@ -429,7 +515,7 @@ fn a_rootless_user_runs_the_layer_store_in_podman_unshare() {
     fs::create_dir_all(&mnt).unwrap();
     // podman's own configuration of the user; the layer store reads the
     // same registries.conf by default.
-    configure(&conf, &mnt, &registry.addr);
+    configure(&conf, &mnt, &[&registry.addr]);
     let storage = format!(
         "[storage]\ndriver = \"overlay\"\n[storage.options]\nadditionallayerstores = [\"{}:ref\"]\n",
         mnt.display()
@@ -438,6 +524,20 @@ fn a_rootless_user_runs_the_layer_store_in_podman_unshare() {
     let tilefs = user.home.join("tilefs");
     fs::copy(tilefs_bin(), &tilefs).unwrap();
     user.chown(&user.home);
+
+    let login = user
+        .cmd(&[
+            os("podman"),
+            os("login"),
+            os("--tls-verify=false"),
+            os("-u"),
+            os("alice"),
+        ])
+        .args(["-p", "s3cret", &registry.addr])
+        .output()
+        .unwrap();
+    assert!(login.status.success(), "podman login: {}", stderr(&login));
+    assert!(user.runtime.join("containers/auth.json").is_file());
 
     let policy = conf.join("policy.json");
     let out = user
@@ -469,7 +569,7 @@ fn a_rootless_user_runs_the_layer_store_in_podman_unshare() {
         .output()
         .unwrap();
     assert!(out.status.success(), "rootless pull: {}", stderr(&out));
-    let layers = layers_of(&registry, "app");
+    let layers = private_layers_of(&app, &given);
     let log = user.home.join(".local/state/tilefs/layer-store.log");
     let said = || fs::read_to_string(&log).unwrap_or_else(|e| format!("{}: {e}", log.display()));
     assert_eq!(gets_of(&registry, before, &layers), Vec::<String>::new(), "{}", said());
@@ -516,7 +616,7 @@ fn an_estargz_image_is_served_from_its_table_of_contents() {
     let mnt = area.path("mnt");
     // Declared first, dropped last: after podman's reset.
     let served: Option<Mounted>;
-    let podman = Podman::new(&area.dir("podman"), &mnt, &registry.addr);
+    let podman = Podman::new(&area.dir("podman"), &mnt, &[&registry.addr]);
     served = Some(layer_store(&area, &store, &mnt, &podman));
     let log = || fs::read_to_string(area.path("layer-store.log")).unwrap_or_default();
     let before = registry.requests().len();
@@ -546,6 +646,110 @@ fn an_estargz_image_is_served_from_its_table_of_contents() {
     );
     let fetched = blob_bytes_since(&registry, before);
     assert!(fetched * 2 < sizes, "cat of one file fetched {fetched} of {sizes}");
+    drop(podman);
+    drop(served);
+}
+
+#[test]
+fn the_layer_store_reaches_registries_with_podmans_credentials_and_mirrors() {
+    require(cannot_fuse());
+    require(not_root("podman's storage in a private graphroot"));
+    require(missing_program("podman", "podman"));
+    require(missing_program("umoci", "umoci"));
+    require(missing_program("skopeo", "skopeo"));
+    require(missing_program("htpasswd", "apache2-utils"));
+    let area = Area::new();
+    let given = area.path("given.json");
+    let registry = Registry::start_with_password(&area, "alice", "s3cret", &given);
+    let fill = |root: &Path| {
+        busybox_into(root, &["cat"]);
+        fs::write(root.join("msg"), "behind a password\n").unwrap();
+    };
+    let (entry, creds) = (["--config.entrypoint", "/bin/cat"], ["--dest-creds", "alice:s3cret"]);
+    let app = push_image_as(&area, &registry, "app", &[&fill], &entry, &creds);
+    let app2 = push_image_as(&area, &registry, "app2", &[&fill], &entry, &creds);
+    for name in ["app", "app2"] {
+        index(&area, &registry, name, Some(&given));
+    }
+    let store = area.path("store");
+    let mnt = area.path("mnt");
+    // Declared first, dropped last: after podman's reset.
+    let mut served: Option<Mounted>;
+    let mut podman = Podman::new(&area.dir("podman"), &mnt, &[&registry.addr]);
+    // The user's environment, podman's and the layer store's: no auth.json
+    // of this machine's.
+    let run_dir = area.dir("run");
+    podman.env = vec![("HOME", area.dir("home")), ("XDG_RUNTIME_DIR", run_dir.clone())];
+    served = Some(layer_store(&area, &store, &mnt, &podman));
+    let log = || fs::read_to_string(area.path("layer-store.log")).unwrap_or_default();
+    let cat = |podman: &Podman, image: &str| {
+        let out = podman.run(&["run", "--rm", "--network", "none", image, "/msg"]);
+        assert_eq!(
+            String::from_utf8_lossy(&out.stdout),
+            "behind a password\n",
+            "{} {}",
+            stderr(&out),
+            log()
+        );
+    };
+    let layers = private_layers_of(&app, &given);
+
+    // Credentials podman has and the layer store has not (podman's
+    // --authfile): podman pulls the layers itself, without a warning.
+    let before = registry.requests().len();
+    let said = podman.pull_with(&["--authfile", given.to_str().unwrap()], &app);
+    assert!(!said.contains("Additional Layer Store"), "{said}");
+    assert_eq!(gets_of(&registry, before, &layers).len(), layers.len(), "{}", log());
+    assert!(log().contains("no credentials for"), "{}", log());
+
+    // `podman login`: its auth.json (in $XDG_RUNTIME_DIR) is the store's.
+    podman.ok(&[
+        "login",
+        "--tls-verify=false",
+        "-u",
+        "alice",
+        "-p",
+        "s3cret",
+        &registry.addr,
+    ]);
+    assert!(run_dir.join("containers/auth.json").is_file());
+    let before = registry.requests().len();
+    podman.pull(&app2);
+    let layers2 = private_layers_of(&app2, &given);
+    assert_eq!(gets_of(&registry, before, &layers2), Vec::<String>::new(), "{}", log());
+    cat(&podman, &app2);
+
+    // $REGISTRY_AUTH_FILE, podman logged out: the file is the store's.
+    podman.ok(&["logout", &registry.addr]);
+    podman.ok(&["rmi", &app]);
+    served.take().unwrap().unmount();
+    podman.env.push(("REGISTRY_AUTH_FILE", given.clone()));
+    served = Some(layer_store(&area, &store, &mnt, &podman));
+    let before = registry.requests().len();
+    podman.pull(&app);
+    assert_eq!(gets_of(&registry, before, &layers), Vec::<String>::new(), "{}", log());
+    cat(&podman, &app);
+
+    // A registry that has a mirror: podman pulls from the mirror and hands
+    // the layer store the image's name (mirrored.invalid/...), which the
+    // store reaches through the same mirror. Nothing of it is left in
+    // podman's storage to reuse. (Not by a short name: podman would record
+    // its alias in root's /var/cache/containers.)
+    podman.ok(&["rmi", &app2]);
+    fs::write(
+        podman.dir.join("registries.conf"),
+        format!(
+            "{}[[registry]]\nlocation = \"mirrored.invalid\"\n\
+             [[registry.mirror]]\nlocation = \"{}\"\ninsecure = true\n",
+            insecure(&[&registry.addr]),
+            registry.addr
+        ),
+    )
+    .unwrap();
+    let before = registry.requests().len();
+    podman.pull("mirrored.invalid/tilefs/app2:v1");
+    assert_eq!(gets_of(&registry, before, &layers2), Vec::<String>::new(), "{}", log());
+    cat(&podman, "mirrored.invalid/tilefs/app2:v1");
     drop(podman);
     drop(served);
 }

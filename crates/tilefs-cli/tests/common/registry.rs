@@ -43,6 +43,30 @@ impl Registry {
         Registry::start_named(area, "registry", extra)
     }
 
+    /// One that asks for `user`'s `password` (htpasswd, bcrypt), and an
+    /// auth.json at `auth` holding them for it (as `podman login` writes).
+    pub fn start_with_password(area: &Area, user: &str, password: &str, auth: &std::path::Path) -> Registry {
+        let htpasswd = area.path("htpasswd");
+        let out = Command::new("htpasswd")
+            .args(["-Bbn", user, password])
+            .output()
+            .expect("htpasswd (apache2-utils; scripts/setup installs it)");
+        assert!(out.status.success());
+        fs::write(&htpasswd, &out.stdout).unwrap();
+        let r = Registry::start_with(
+            area,
+            &format!(
+                "auth:\n  htpasswd:\n    realm: tilefs-test\n    path: {}\n",
+                htpasswd.display()
+            ),
+        );
+        use base64::Engine;
+        let b64 = base64::engine::general_purpose::STANDARD.encode(format!("{user}:{password}"));
+        let json = serde_json::json!({"auths": {r.addr.clone(): {"auth": b64}}});
+        fs::write(auth, json.to_string()).unwrap();
+        r
+    }
+
     /// One of several in `area`, in its directory `name`.
     pub fn start_named(area: &Area, name: &str, extra: &str) -> Registry {
         let root = area.dir(name);

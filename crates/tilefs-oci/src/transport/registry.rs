@@ -127,7 +127,7 @@ impl Registry {
         let given = super::keychain::lookup(&registry, parsed.repository());
         let creds = match given {
             Some(_) => None,
-            None => super::auth::credentials(&registry)?,
+            None => super::auth::credentials(&registry, parsed.repository())?,
         };
         let auth_source = match (&given, &creds) {
             (Some(_), _) => format!(
