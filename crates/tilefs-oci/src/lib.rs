@@ -30,6 +30,7 @@
 
 pub mod apply;
 pub mod artifact;
+pub mod artifact_tree;
 pub mod bounded;
 pub mod compat;
 pub mod digest;
