@@ -14,7 +14,9 @@ from its access log. Rows:
   - bytes transferred by each;
   - the artifact's size against a gzip image of the same tree (`tar | gzip
     -6`, the layer an ordinary image would have), and what pushing the
-    image with one file of 31 KB more over it uploads (`push --json`).
+    image with one file of 31 KB more over it uploads (`push --json`:
+    artifact format 3 sends the chunks of the image's tree around the new
+    file, format 2 sent the whole image).
 composefs-rs cannot push, and pulls only images of layers: tilefs alone.
 """
 
@@ -129,9 +131,10 @@ def _run(b, work: Path, reg: Registry, mnt: Path) -> None:
                          capture_output=True, check=True).stdout
     sent = json.loads(out)
     b.info("push/new-version", "the image with one file of 31 KB more, pushed over it: bytes uploaded (goal: < 1 MB)",
-           f"{sent['bytes_uploaded'] / 1e6:.2f} MB in {sent['blobs_uploaded']} blobs ({sent['packs_kept']} packs kept)",
+           f"{sent['bytes_uploaded'] / 1e6:.3f} MB in {sent['blobs_uploaded']} blobs ({sent['packs_kept']} packs kept, "
+           f"artifact format {sent.get('format', 2)})",
            {"bytes_uploaded": sent["bytes_uploaded"], "blobs_uploaded": sent["blobs_uploaded"],
-            "packs_kept": sent["packs_kept"]})
+            "packs_kept": sent["packs_kept"], "format": sent.get("format", 2)})
     # Back to the first version for the pulls below.
     reg.start(empty=True)
     subprocess.run([str(a) for a in push], check=True)

@@ -40,6 +40,10 @@ pub struct ConvertArgs {
     /// uploaded [default: the artifact the destination's tag names now, if any]
     #[arg(long, value_name = "TAG")]
     pub base: Option<String>,
+    /// Artifact format to write: 3, the image's tree in chunks (a new version uploads only the
+    /// chunks around what changed), or 2, the image whole (what tilefs before format 3 pulls)
+    #[arg(long, default_value_t = 3, value_name = "N", value_parser = clap::value_parser!(u32).range(2..=3))]
+    pub artifact_format: u32,
     /// Blobs uploaded at once
     #[arg(short, long, default_value_t = 4, value_name = "N")]
     pub jobs: usize,
@@ -82,6 +86,7 @@ pub fn run(a: ConvertArgs) -> Result<ExitCode> {
             sign: a.sign.options(&a.registry.trust(None)),
             runnable_from: None,
             base: a.base.clone(),
+            format_2: a.artifact_format == 2,
         },
         tmpdir: a.tmpdir.clone(),
     };

@@ -60,12 +60,16 @@ fn push_and_pull_give_the_same_image_and_send_nothing_twice() {
     assert_eq!(m["artifactType"], "application/vnd.tilefs.image.v1");
     assert_eq!(m["config"]["mediaType"], "application/vnd.tilefs.image.config.v1+json");
     let layers = m["layers"].as_array().unwrap();
-    assert_eq!(layers[0]["mediaType"], "application/vnd.tilefs.image.erofs.v2");
+    assert_eq!(layers[0]["mediaType"], "application/vnd.tilefs.image.tree.v3");
     assert_eq!(layers[0]["annotations"]["org.tilefs.fsverity"], digest.as_str());
-    assert_eq!(layers[1]["mediaType"], "application/vnd.tilefs.image.objects.v2");
-    assert!(layers[2..]
-        .iter()
-        .all(|l| l["mediaType"] == "application/vnd.tilefs.image.pack.v2"));
+    assert_eq!(
+        layers_of(&m, "tree").len() + layers_of(&m, "pack").len(),
+        layers.len(),
+        "tree chunks, then packs"
+    );
+    assert!(layers
+        .last()
+        .is_some_and(|l| l["mediaType"] == "application/vnd.tilefs.image.pack.v2"));
     assert_eq!(
         format!("sha256:{}", sha256_hex(&manifest_bytes(&registry, "team/app", "v1"))),
         first["manifest_digest"].as_str().unwrap()
@@ -878,12 +882,10 @@ fn compressed_packs_pull_and_mount_and_a_new_version_sends_only_new_packs() {
     let layers = m["layers"].as_array().unwrap();
     let blob_bytes: u64 = layers.iter().map(|l| l["size"].as_u64().unwrap()).sum();
     let object_bytes = first["object_bytes"].as_u64().unwrap();
-    eprintln!(
-        "{} packs, {blob_bytes} bytes of blobs for {object_bytes} bytes of files",
-        layers.len() - 2
-    );
+    let n_packs = layers_of(&m, "pack").len();
+    eprintln!("{n_packs} packs, {blob_bytes} bytes of blobs for {object_bytes} bytes of files");
     assert!(blob_bytes * 3 < object_bytes, "{blob_bytes} of {object_bytes}");
-    assert!((2..=3).contains(&(layers.len() - 2)), "{} packs", layers.len() - 2);
+    assert!((2..=3).contains(&n_packs), "{n_packs} packs");
 
     // Whole: the same image, every object checked by fsck.
     let whole = area.path("whole");
@@ -900,18 +902,14 @@ fn compressed_packs_pull_and_mount_and_a_new_version_sends_only_new_packs() {
     let second = push(&store, "v2", &remote("v2"));
     let sent = uploaded_since(&registry, n);
     let m2 = skopeo_raw(&remote("v2"));
-    let packs = |m: &serde_json::Value| -> Vec<String> {
-        m["layers"].as_array().unwrap()[2..]
-            .iter()
-            .map(|l| l["digest"].as_str().unwrap().to_string())
-            .collect()
-    };
+    let packs = |m: &serde_json::Value| -> Vec<String> { layers_of(m, "pack").into_iter().map(|p| p.0).collect() };
     let new_packs: Vec<String> = packs(&m2).into_iter().filter(|p| !packs(&m).contains(p)).collect();
     eprintln!("second push: {second}\nuploaded {sent:?}, new packs {new_packs:?}");
     assert!((1..=2).contains(&new_packs.len()), "{new_packs:?}");
     assert!(new_packs.iter().all(|p| sent.contains(p)));
-    // The image, the index, the configuration and the new packs: no more.
-    assert_eq!(sent.len(), 3 + new_packs.len(), "{sent:?}");
+    // The image's tree (one chunk, of 400 files), the configuration and
+    // the new packs: no more.
+    assert_eq!(sent.len(), 2 + new_packs.len(), "{sent:?}");
     let n = registry.requests().len();
     assert_eq!(pull(&whole, &remote("v2"), &[]), v2);
     let pulled = blob_bytes_since(&registry, n);
@@ -929,8 +927,8 @@ fn compressed_packs_pull_and_mount_and_a_new_version_sends_only_new_packs() {
     assert_eq!(kept_and_new[..kept_and_new.len() - 1], packs(&m)[..]);
     assert_eq!(kept_and_new.len(), packs(&m).len() + 1);
     assert!(sent.contains(kept_and_new.last().unwrap()));
-    // (The image and the configuration are v2's, there already.)
-    assert!(sent.len() <= 4, "image, index, configuration, one pack: {sent:?}");
+    // (The tree chunk and the configuration are v2's, there already.)
+    assert!(sent.len() <= 3, "tree chunk, configuration, one pack: {sent:?}");
     assert!(over["bytes_uploaded"].as_u64().unwrap() < 100 << 10, "{over}");
     assert_eq!(pull(&area.path("over"), &remote("v1"), &[]), v2);
     assert!(fsck_text(&area.path("over")).contains("clean"));
@@ -1051,4 +1049,141 @@ fn convert_gives_what_pull_and_push_runnable_give() {
     assert_eq!(out.status.code(), Some(1));
     assert!(stderr(&out).contains("registries only"), "{}", stderr(&out));
     assert!(tilefs(&[os("convert"), os("--help")]).status.success());
+}
+
+/// The layers of an artifact's manifest whose media type has `kind`
+/// ("tree", "pack"): digest and size.
+fn layers_of(m: &serde_json::Value, kind: &str) -> Vec<(String, u64)> {
+    m["layers"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|l| l["mediaType"].as_str().unwrap().contains(kind))
+        .map(|l| (l["digest"].as_str().unwrap().to_string(), l["size"].as_u64().unwrap()))
+        .collect()
+}
+
+/// Artifact format 3, the image's tree in chunks: a new version of a tree
+/// of 7,000 files with one file of 31 KB more, pushed over the first,
+/// uploads its configuration, the chunk or two around the new file and
+/// the pack of its object, not the image; a pull rebuilds the image byte
+/// for byte. A chunk of another tree (in a manifest that agrees with it)
+/// is refused, naming the artifact; a chunk damaged in the registry fails
+/// the pull naming the chunk. Format 2 (`--artifact-format 2`, the image
+/// whole) is still written on request and pulled, whole and lazily.
+#[test]
+fn a_new_version_uploads_only_the_tree_chunks_around_its_change() {
+    let area = Area::new();
+    let registry = Registry::start(&area);
+    let src = area.dir("src");
+    let files: Vec<(String, usize)> = (0..7_000)
+        .map(|i| (format!("d{:02}/file-{i:05}", i % 40), 100 + i % 200))
+        .collect();
+    write_files(&src, 21, &files);
+    let store = area.path("store");
+    build_tag(&store, "v1", &src);
+    let remote = |t: &str| format!("docker://{}/team/tree:{t}", registry.addr);
+    let first = push(&store, "v1", &remote("v1"));
+    assert_eq!(first["format"], 3, "{first}");
+    let m = skopeo_raw(&remote("v1"));
+    let layers = m["layers"].as_array().unwrap();
+    assert_eq!(layers[0]["mediaType"], "application/vnd.tilefs.image.tree.v3");
+    assert_eq!(layers[0]["annotations"]["org.tilefs.fsverity"], first["digest"]);
+    let chunks = layers_of(&m, "tree");
+    let packs = layers_of(&m, "pack");
+    assert_eq!(chunks.len() + packs.len(), layers.len());
+    let chunk_bytes: u64 = chunks.iter().map(|c| c.1).sum();
+    eprintln!("{} chunks ({chunk_bytes} bytes), {} packs", chunks.len(), packs.len());
+    assert!(chunks.len() >= 3, "{chunks:?}");
+
+    // One file of 31 KB more, pushed over the first version.
+    write_files(&src, 22, &[("d07/added-31k".into(), 31 << 10)]);
+    let v2 = build_tag(&store, "v2", &src);
+    let n = registry.requests().len();
+    let second = push(&store, "v2", &remote("v1"));
+    let sent = uploaded_since(&registry, n);
+    let m2 = skopeo_raw(&remote("v1"));
+    let new_chunks: Vec<String> = layers_of(&m2, "tree")
+        .into_iter()
+        .filter(|c| !chunks.contains(c))
+        .map(|c| c.0)
+        .collect();
+    eprintln!("second push: {second}\nuploaded {sent:?}, new chunks {new_chunks:?}");
+    assert!((1..=2).contains(&new_chunks.len()), "{new_chunks:?}");
+    assert!(new_chunks.iter().all(|c| sent.contains(c)));
+    // The configuration, the new chunks and the new file's pack: no more.
+    assert_eq!(sent.len(), new_chunks.len() + 2, "{sent:?}");
+    let uploaded = second["bytes_uploaded"].as_u64().unwrap();
+    assert!(
+        uploaded * 2 < chunk_bytes,
+        "{uploaded} bytes uploaded, the tree is {chunk_bytes}"
+    );
+    let whole = area.path("whole");
+    assert_eq!(pull(&whole, &remote("v1"), &[]), v2);
+    let tag = format!("{}_team_tree:v1", registry.addr);
+    assert_eq!(
+        fs::read(whole.join("images").join(&tag)).unwrap(),
+        fs::read(store.join("images/v2")).unwrap()
+    );
+    assert!(fsck_text(&whole).contains("clean"));
+
+    // Format 2 on request: the image whole, pulled as before.
+    let out = tilefs(&[
+        os("push"),
+        os("--json"),
+        os("--artifact-format"),
+        os("2"),
+        os("--tls-verify=false"),
+        os("--store"),
+        store.as_os_str(),
+        os("v2"),
+        os(&remote("two")),
+    ]);
+    let two: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(two["format"], 2, "{two}");
+    let m_two = skopeo_raw(&remote("two"));
+    assert_eq!(m_two["layers"][0]["mediaType"], "application/vnd.tilefs.image.erofs.v2");
+    assert_eq!(pull(&area.path("two"), &remote("two"), &["--lazy"]), v2);
+
+    // A chunk of another tree, in a manifest made to agree with it: the
+    // image it rebuilds is not the one the artifact records.
+    let (victim, _) = layers_of(&m2, "tree")[1].clone();
+    let mut chunk =
+        tilefs_oci::artifact_tree::decode(&fs::read(registry.blob_file(&victim)).unwrap(), &victim).unwrap();
+    chunk.dump = chunk.dump.replacen(" 100644 ", " 100600 ", 1);
+    let lying = tilefs_oci::artifact_tree::encode_chunk(&chunk);
+    let lying_digest = upload_blob(&registry, "team/tree", &lying);
+    let mut liar = m2.clone();
+    for l in liar["layers"].as_array_mut().unwrap() {
+        if l["digest"] == victim.as_str() {
+            l["digest"] = lying_digest.clone().into();
+            l["size"] = lying.len().into();
+        }
+    }
+    put_manifest(&registry, "team/tree", "liar", &serde_json::to_vec(&liar).unwrap());
+    for extra in [&[][..], &["--lazy"]] {
+        let s = area.path(&format!("liar{}", extra.len()));
+        let err = pull_fails(&s, &remote("liar"), extra);
+        assert!(
+            err.contains("team/tree:liar") && err.contains("rebuilt") && err.contains("refused"),
+            "{err}"
+        );
+        assert!(tags_in(&s).is_empty());
+    }
+
+    // A chunk's bytes changed where the registry keeps them: the pull
+    // names that chunk and tags nothing.
+    let data = registry.blob_file(&new_chunks[0]);
+    let mut bytes = fs::read(&data).unwrap();
+    bytes[10] ^= 0xff;
+    fs::write(&data, &bytes).unwrap();
+    for extra in [&[][..], &["--lazy"]] {
+        let s = area.path(&format!("damaged{}", extra.len()));
+        let err = pull_fails(&s, &remote("v1"), extra);
+        assert!(
+            err.contains(&new_chunks[0]) && err.contains("does not match its digest"),
+            "{err}"
+        );
+        assert!(tags_in(&s).is_empty());
+    }
 }

@@ -12,8 +12,18 @@
 //!   would not make them smaller), so that one object (or a run of them)
 //!   is one HTTP range request and one frame to decode.
 //!
+//! Format 3 ([`Format::V3`], what `tilefs push` writes unless the image
+//! cannot be rebuilt from its tree) has, in place of the image and the
+//! index, the image's tree in chunks ([`TREE_TYPE_V3`], see
+//! [`crate::artifact_tree`]), which also place the objects in the packs;
+//! then the packs, as format 2's. A pull rebuilds the image from the
+//! chunks and refuses it unless its fs-verity digest is the
+//! configuration's. A new version of an image shares most chunks with the
+//! last one, where a new image blob shares nothing.
+//!
 //! Format 1 ([`Format::V1`], tilefs before packs were compressed) had the
-//! image and the packs uncompressed and a JSON index: still read.
+//! image and the packs uncompressed and a JSON index: still read, as
+//! format 2 is.
 //!
 //! A *runnable* artifact (`tilefs push --runnable-from`) holds the same
 //! blobs under layer media types ([`RUNNABLE_EROFS_TYPE_V2`] and its
@@ -48,6 +58,9 @@ pub const PACK_TYPE_V2: &str = "application/vnd.tilefs.image.pack.v2";
 pub const RUNNABLE_EROFS_TYPE_V2: &str = "application/vnd.oci.image.layer.tilefs.erofs.v2";
 pub const RUNNABLE_INDEX_TYPE_V2: &str = "application/vnd.oci.image.layer.tilefs.objects.v2";
 pub const RUNNABLE_PACK_TYPE_V2: &str = "application/vnd.oci.image.layer.tilefs.pack.v2";
+/// Format 3's chunks of the image's tree (its packs are format 2's).
+pub const TREE_TYPE_V3: &str = "application/vnd.tilefs.image.tree.v3";
+pub const RUNNABLE_TREE_TYPE_V3: &str = "application/vnd.oci.image.layer.tilefs.tree.v3";
 /// Format 1's types: uncompressed image and packs, JSON index.
 pub const EROFS_TYPE: &str = "application/vnd.tilefs.image.erofs.v1";
 pub const INDEX_TYPE: &str = "application/vnd.tilefs.image.objects.v1+json";
@@ -68,15 +81,26 @@ pub enum Format {
     V1,
     /// zstd image, packs of zstd frames (or raw objects), binary index.
     V2,
+    /// The image's tree in chunks that place the objects, format 2's packs.
+    V3,
 }
 
-/// The media types of an artifact's image, index and packs.
+/// The media types of an artifact's image, index and packs (formats 1
+/// and 2; format 3 has no image nor index: [`tree_types`]).
 pub fn blob_types(runnable: bool, format: Format) -> [&'static str; 3] {
     match (runnable, format) {
-        (true, Format::V2) => [RUNNABLE_EROFS_TYPE_V2, RUNNABLE_INDEX_TYPE_V2, RUNNABLE_PACK_TYPE_V2],
-        (false, Format::V2) => [EROFS_TYPE_V2, INDEX_TYPE_V2, PACK_TYPE_V2],
+        (true, Format::V2 | Format::V3) => [RUNNABLE_EROFS_TYPE_V2, RUNNABLE_INDEX_TYPE_V2, RUNNABLE_PACK_TYPE_V2],
+        (false, Format::V2 | Format::V3) => [EROFS_TYPE_V2, INDEX_TYPE_V2, PACK_TYPE_V2],
         (true, Format::V1) => [RUNNABLE_EROFS_TYPE, RUNNABLE_INDEX_TYPE, RUNNABLE_PACK_TYPE],
         (false, Format::V1) => [EROFS_TYPE, INDEX_TYPE, PACK_TYPE],
+    }
+}
+
+/// The media types of a format 3 artifact's tree chunks and packs.
+pub fn tree_types(runnable: bool) -> (&'static str, &'static str) {
+    match runnable {
+        true => (RUNNABLE_TREE_TYPE_V3, RUNNABLE_PACK_TYPE_V2),
+        false => (TREE_TYPE_V3, PACK_TYPE_V2),
     }
 }
 
@@ -84,6 +108,8 @@ pub fn blob_types(runnable: bool, format: Format) -> [&'static str; 3] {
 /// this media type is of.
 pub fn format_of(first_layer_type: &str) -> Option<(Format, bool)> {
     match first_layer_type {
+        TREE_TYPE_V3 => Some((Format::V3, false)),
+        RUNNABLE_TREE_TYPE_V3 => Some((Format::V3, true)),
         EROFS_TYPE_V2 => Some((Format::V2, false)),
         RUNNABLE_EROFS_TYPE_V2 => Some((Format::V2, true)),
         EROFS_TYPE => Some((Format::V1, false)),
@@ -496,29 +522,19 @@ pub fn pack_object<R: Read>(
     Ok(Stored::Raw)
 }
 
-/// The manifest of an artifact, as bytes (what is pushed and hashed).
-/// `runnable`: the configuration is an OCI image configuration and the
-/// blobs have layer media types.
-pub fn manifest(
-    config: (&Digest, u64),
-    image: (&Digest, u64),
-    index: (&Digest, u64),
-    packs: &[(Digest, u64)],
-    fsverity: &str,
-    runnable: bool,
-) -> Vec<u8> {
+/// The manifest of an artifact, as bytes (what is pushed and hashed):
+/// its configuration, then its `layers` (media type, digest, size): the
+/// image and index (format 2) or the tree chunks (format 3), then the
+/// packs. The first layer carries the image's fs-verity digest. `runnable`:
+/// the configuration is an OCI image configuration (and the layers' types
+/// are layer media types).
+pub fn manifest(config: (&Digest, u64), layers: &[(&str, &Digest, u64)], fsverity: &str, runnable: bool) -> Vec<u8> {
     let desc =
         |t: &str, d: &Digest, size: u64| serde_json::json!({"mediaType": t, "digest": d.to_string(), "size": size});
-    let [erofs_type, index_type, pack_type] = blob_types(runnable, Format::V2);
-    let mut layers = vec![
-        {
-            let mut d = desc(erofs_type, image.0, image.1);
-            d["annotations"] = serde_json::json!({"org.tilefs.fsverity": fsverity});
-            d
-        },
-        desc(index_type, index.0, index.1),
-    ];
-    layers.extend(packs.iter().map(|(d, s)| desc(pack_type, d, *s)));
+    let mut layers: Vec<serde_json::Value> = layers.iter().map(|(t, d, s)| desc(t, d, *s)).collect();
+    if let Some(first) = layers.first_mut() {
+        first["annotations"] = serde_json::json!({"org.tilefs.fsverity": fsverity});
+    }
     let config_type = if runnable { OCI_CONFIG_TYPE } else { CONFIG_TYPE };
     let m = serde_json::json!({
         "schemaVersion": 2,

@@ -79,6 +79,9 @@ pub fn open(t: &dyn Transport, resolved: &Resolved, what: &str) -> Result<Remote
     let format = artifact::format_of(&image_ref.media_type)
         .filter(|&(_, r)| r == runnable)
         .map_or(artifact::Format::V1, |(f, _)| f);
+    if format == artifact::Format::V3 {
+        return crate::artifact_tree::open(t, &resolved.layers, runnable, Some(&config), what);
+    }
     let [erofs_type, index_type, pack_type] = artifact::blob_types(runnable, format);
     for (b, t_) in [(image_ref, erofs_type), (index_ref, index_type)]
         .into_iter()
@@ -102,7 +105,7 @@ pub fn open(t: &dyn Transport, resolved: &Resolved, what: &str) -> Result<Remote
     )?;
     let image = match format {
         artifact::Format::V1 => image,
-        artifact::Format::V2 => artifact::unzstd(&image, artifact::MAX_IMAGE)
+        artifact::Format::V2 | artifact::Format::V3 => artifact::unzstd(&image, artifact::MAX_IMAGE)
             .map_err(|e| OciError::blob(&image_ref.digest.to_string(), format!("the image: {e}")))?,
     };
     let digest = tilefs_image::verity::digest_bytes(&image);
@@ -131,7 +134,7 @@ pub fn open(t: &dyn Transport, resolved: &Resolved, what: &str) -> Result<Remote
     let sizes: Vec<u64> = packs.iter().map(|p| p.size.unwrap_or(0)).collect();
     let index = match format {
         artifact::Format::V1 => ObjectIndex::parse_v1(&raw, &sizes, &index_what)?.restrict_to(&objects, &index_what)?,
-        artifact::Format::V2 => ObjectIndex::parse_v2(&raw, &objects, &sizes, &index_what)?,
+        artifact::Format::V2 | artifact::Format::V3 => ObjectIndex::parse_v2(&raw, &objects, &sizes, &index_what)?,
     };
     Ok(RemoteImage {
         image,

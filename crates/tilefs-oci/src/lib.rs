@@ -33,6 +33,7 @@
 
 pub mod apply;
 pub mod artifact;
+pub mod artifact_tree;
 pub mod bounded;
 pub mod compat;
 pub mod digest;

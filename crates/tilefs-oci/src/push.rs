@@ -48,6 +48,10 @@ pub struct PushOptions {
     /// configuration (bytes) of the image it stands for, whose command,
     /// environment and platform it keeps.
     pub runnable_from: Option<Vec<u8>>,
+    /// Write format 2 (the image whole, which tilefs before format 3
+    /// reads) rather than format 3 (the image's tree in chunks): see
+    /// [`crate::artifact`].
+    pub format_2: bool,
 }
 
 /// Counters of a push, readable while it runs.
@@ -84,6 +88,9 @@ pub struct PushReport {
     pub base: Option<String>,
     /// Its packs this artifact keeps.
     pub packs_kept: u64,
+    /// The artifact's format ([`crate::artifact`]): 3, the image's tree in
+    /// chunks, or 2, the image whole (an image its tree does not rebuild).
+    pub format: u32,
     /// The signatures written, if asked for.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub signed: Option<crate::trust::Signed>,
@@ -128,7 +135,6 @@ pub fn push(store: &Store, tag: &str, dest: &ImageRef, opts: &PushOptions) -> Re
     let image_digest = tilefs_image::verity::digest_bytes(&image);
     let fsverity = hex::encode(image_digest);
     let objects = artifact::objects_of(&tree);
-    drop(tree);
     // Every object must be here, whole, before anything is sent.
     check_objects(store, tag, &objects, &image_digest)?;
     let progress = opts.progress.clone().unwrap_or_default();
@@ -170,14 +176,8 @@ pub fn push(store: &Store, tag: &str, dest: &ImageRef, opts: &PushOptions) -> Re
         false,
     );
     let made = make_packs(store, &plan.fresh, &plan.fresh_packs, opts, &progress)?;
-    let (blobs, manifest) = artifact_blobs(
-        image,
-        &plan,
-        made,
-        &fsverity,
-        object_bytes,
-        opts.runnable_from.as_deref(),
-    )?;
+    let (blobs, manifest, format) = artifact_blobs((&image, &tree), &plan, made, &fsverity, object_bytes, opts)?;
+    drop((tree, image));
 
     let sources = crate::layer_cache::origins(store, registry.registry(), registry.repository());
     // From here the counters are of bytes sent.
@@ -217,6 +217,11 @@ pub fn push(store: &Store, tag: &str, dest: &ImageRef, opts: &PushOptions) -> Re
         bytes_uploaded: sent.bytes_uploaded,
         base: base.as_ref().and(base_tag),
         packs_kept: plan.kept.len() as u64,
+        format: match format {
+            artifact::Format::V1 => 1,
+            artifact::Format::V2 => 2,
+            artifact::Format::V3 => 3,
+        },
     })
 }
 
@@ -373,17 +378,77 @@ fn write_pack(store: &Store, objects: &[ObjectRef], done: &AtomicU64) -> Result<
     ))
 }
 
-/// The artifact's blobs (config, image, index, then the packs: those kept,
-/// then those made) and its manifest; runnable (see [`crate::artifact`])
-/// with a base configuration.
+/// The image as the artifact carries it: its tree in chunks (format 3),
+/// or its bytes and the object index (format 2).
+struct Metadata {
+    blobs: Vec<Arc<Vec<u8>>>,
+    types: Vec<&'static str>,
+    format: artifact::Format,
+}
+
+/// The image's metadata blobs: format 3's chunks of `tree` (whose image
+/// is `image`) where they rebuild the image, byte for byte (and format 2
+/// is not asked for); else format 2's image and index. `packs`: the artifact's packs, which `objects`
+/// lie in at `locs`.
+fn metadata(
+    image: &[u8],
+    tree: &tilefs_image::Tree,
+    fsverity: &str,
+    packs: &[Digest],
+    (objects, locs): (&[ObjectRef], &[artifact::Location]),
+    runnable: bool,
+    format_2: bool,
+) -> Metadata {
+    let version = tilefs_image::erofs::image_version(image).unwrap_or(0);
+    let at: std::collections::HashMap<&[u8; 32], &artifact::Location> =
+        objects.iter().map(|o| &o.digest).zip(locs).collect();
+    let chunks = match format_2 {
+        true => None,
+        false => crate::artifact_tree::encode(tree, version, packs, |d| at.get(d).copied().copied()),
+    };
+    // What a pull will do: decode, rebuild, compare.
+    let rebuilds = chunks.as_ref().is_some_and(|chunks| {
+        let decoded: Result<Vec<_>, _> = chunks
+            .iter()
+            .map(|c| crate::artifact_tree::decode(c, "tree chunk"))
+            .collect();
+        let names = vec![String::new(); chunks.len()];
+        decoded
+            .and_then(|d| crate::artifact_tree::rebuild(&d, &names, packs, "this image", Some(fsverity)))
+            .is_ok_and(|r| r.image == image)
+    });
+    match chunks {
+        Some(chunks) if rebuilds => Metadata {
+            types: vec![artifact::tree_types(runnable).0; chunks.len()],
+            blobs: chunks.into_iter().map(Arc::new).collect(),
+            format: artifact::Format::V3,
+        },
+        _ => {
+            let [erofs_type, index_type, _] = artifact::blob_types(runnable, artifact::Format::V2);
+            Metadata {
+                blobs: vec![
+                    Arc::new(artifact::pack_image(image)),
+                    Arc::new(artifact::encode_index(objects, locs)),
+                ],
+                types: vec![erofs_type, index_type],
+                format: artifact::Format::V2,
+            }
+        }
+    }
+}
+
+/// The artifact's blobs (config, the image's metadata, then the packs:
+/// those kept, then those made), its manifest and its format; runnable
+/// (see [`crate::artifact`]) with a base configuration.
 fn artifact_blobs(
-    image: Vec<u8>,
+    (image, tree): (&[u8], &tilefs_image::Tree),
     plan: &base::Plan,
     made: Vec<(Packed, Option<std::fs::File>)>,
     fsverity: &str,
     object_bytes: u64,
-    runnable_from: Option<&[u8]>,
-) -> Result<(Vec<Blob>, Vec<u8>), OciError> {
+    opts: &PushOptions,
+) -> Result<(Vec<Blob>, Vec<u8>, artifact::Format), OciError> {
+    let runnable_from = opts.runnable_from.as_deref();
     let (mut objects, mut locs): (Vec<ObjectRef>, Vec<artifact::Location>) = plan.kept_objects.iter().copied().unzip();
     for (i, (range, (p, _))) in plan.fresh_packs.iter().zip(&made).enumerate() {
         let mut at = 0;
@@ -398,28 +463,23 @@ fn artifact_blobs(
             at += how.bytes(o.size);
         }
     }
-    let index = Arc::new(artifact::encode_index(&objects, &locs));
     let facts = artifact::Config {
         fsverity: fsverity.to_string(),
         objects: objects.len() as u64,
         object_bytes,
     };
-    let image = Arc::new(artifact::pack_image(&image));
-    let mem = |b: &Arc<Vec<u8>>| Blob {
-        digest: Digest::sha256_of(b),
-        size: b.len() as u64,
-        source: Source::Bytes(b.clone()),
-    };
-    let mut blobs = vec![mem(&image), mem(&index)];
+    let runnable = runnable_from.is_some();
+    let pack_type = artifact::blob_types(runnable, artifact::Format::V2)[2];
+    let mut packs = Vec::new();
     for (digest, size) in &plan.kept {
-        blobs.push(Blob {
+        packs.push(Blob {
             digest: digest.clone(),
             size: *size,
             source: Source::Kept,
         });
     }
     for (range, (p, file)) in plan.fresh_packs.iter().cloned().zip(made) {
-        blobs.push(Blob {
+        packs.push(Blob {
             digest: Digest::parse(&p.digest).expect("checked when made or read"),
             size: p.size,
             source: Source::Pack {
@@ -428,6 +488,25 @@ fn artifact_blobs(
             },
         });
     }
+    let pack_digests: Vec<Digest> = packs.iter().map(|b| b.digest.clone()).collect();
+    let meta = metadata(
+        image,
+        tree,
+        fsverity,
+        &pack_digests,
+        (&objects, &locs),
+        runnable,
+        opts.format_2,
+    );
+    let mem = |b: &Arc<Vec<u8>>| Blob {
+        digest: Digest::sha256_of(b),
+        size: b.len() as u64,
+        source: Source::Bytes(b.clone()),
+    };
+    let mut blobs: Vec<Blob> = meta.blobs.iter().map(mem).collect();
+    let mut types = meta.types;
+    types.extend(std::iter::repeat_n(pack_type, packs.len()));
+    blobs.extend(packs);
     let config = match runnable_from {
         Some(base) => {
             let ids: Vec<Digest> = blobs.iter().map(|b| b.digest.clone()).collect();
@@ -436,19 +515,11 @@ fn artifact_blobs(
         }
         None => serde_json::to_vec(&facts).expect("a config serializes"),
     };
-    blobs.insert(0, mem(&Arc::new(config)));
-    let manifest = artifact::manifest(
-        (&blobs[0].digest, blobs[0].size),
-        (&blobs[1].digest, blobs[1].size),
-        (&blobs[2].digest, blobs[2].size),
-        &blobs[3..]
-            .iter()
-            .map(|b| (b.digest.clone(), b.size))
-            .collect::<Vec<_>>(),
-        fsverity,
-        runnable_from.is_some(),
-    );
-    Ok((blobs, manifest))
+    let config = mem(&Arc::new(config));
+    let layers: Vec<(&str, &Digest, u64)> = types.iter().zip(&blobs).map(|(t, b)| (*t, &b.digest, b.size)).collect();
+    let manifest = artifact::manifest((&config.digest, config.size), &layers, fsverity, runnable);
+    blobs.insert(0, config);
+    Ok((blobs, manifest, meta.format))
 }
 
 /// How the blobs got to the repository.

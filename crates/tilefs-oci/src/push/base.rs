@@ -1,5 +1,5 @@
 //! The packs a push keeps: those of the artifact it replaces (the one the
-//! destination's tag names, or another tag given), where the new image
+//! destination's tag names, or another tag given; of format 2 or 3), where the new image
 //! still uses most of their bytes. Only the objects left go into new packs
 //! ([`artifact::plan_packs`]), so a new version with a few files changed
 //! uploads about those files, compressed.
@@ -76,6 +76,17 @@ pub fn read(registry: &Registry, tag: &str, named: bool) -> Result<Option<Base>,
                     return none("its blobs are not those of a tilefs artifact");
                 }
                 (i, x, p)
+            }
+            Some((Format::V3, runnable)) => {
+                let opened = crate::artifact_tree::open(registry, &layers, runnable, None, &what)?;
+                return Ok(Some(Base {
+                    packs: opened
+                        .packs
+                        .iter()
+                        .map(|p| (p.digest.clone(), p.size.unwrap_or(0)))
+                        .collect(),
+                    index: opened.index,
+                }));
             }
             Some((Format::V1, _)) => return none("an artifact of format 1 (uncompressed packs)"),
             None => return none("not a tilefs artifact"),
