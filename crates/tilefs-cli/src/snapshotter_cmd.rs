@@ -237,20 +237,17 @@ fn bind(sock: &Path) -> Result<tokio::net::UnixListener> {
     if let Some(dir) = sock.parent() {
         std::fs::create_dir_all(dir).with_context(|| format!("{}: cannot create", dir.display()))?;
     }
-    if std::os::unix::net::UnixStream::connect(sock).is_ok() {
-        return Err(anyhow!("{}: another server listens there", sock.display()));
-    }
-    match std::fs::symlink_metadata(sock) {
-        Ok(m) if std::os::unix::fs::FileTypeExt::is_socket(&m.file_type()) => {
-            let _ = std::fs::remove_file(sock);
-        }
-        Ok(_) => return Err(anyhow!("{}: exists and is no socket", sock.display())),
-        Err(_) => {}
-    }
-    let listener =
-        tokio::net::UnixListener::bind(sock).with_context(|| format!("{}: cannot listen", sock.display()))?;
+    let fd = tilefs_sys::socket::bind_fresh(sock, rustix::net::SocketType::STREAM)?;
+    // Root's only, before anyone can connect.
     rustix::fs::chmod(sock, rustix::fs::Mode::from_raw_mode(0o600))
         .with_context(|| format!("{}: cannot set its mode", sock.display()))?;
+    rustix::net::listen(&fd, 128).with_context(|| format!("{}: cannot listen", sock.display()))?;
+    let std_listener = std::os::unix::net::UnixListener::from(fd);
+    std_listener
+        .set_nonblocking(true)
+        .with_context(|| format!("{}: cannot listen", sock.display()))?;
+    let listener = tokio::net::UnixListener::from_std(std_listener)
+        .with_context(|| format!("{}: cannot listen", sock.display()))?;
     Ok(listener)
 }
 

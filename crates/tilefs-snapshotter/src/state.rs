@@ -9,7 +9,6 @@
 
 use crate::error::{Error, Result};
 use crate::layer::LayerUsage;
-use rustix::fs::{Mode, OFlags};
 use std::collections::HashMap;
 use std::io::Write;
 use std::path::{Path, PathBuf};
@@ -149,25 +148,8 @@ pub fn delete(root: &Path, id: u64) -> Result<()> {
 /// Writes `path` whole: a temporary file beside it, synced, renamed over
 /// it, the directory synced.
 pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
-    let dir = path.parent().expect("a file has a directory");
-    let tmp = dir.join(format!(
-        ".tmp-{}-{}",
-        path.file_name().and_then(|n| n.to_str()).unwrap_or("x"),
-        std::process::id()
-    ));
-    let fail = |what: &'static str, e: std::io::Error| Error::io(path, what, e);
-    let fd = rustix::fs::open(
-        &tmp,
-        OFlags::WRONLY | OFlags::CREATE | OFlags::TRUNC | OFlags::NOFOLLOW | OFlags::CLOEXEC,
-        Mode::from_raw_mode(0o600),
-    )
-    .map_err(|e| fail("cannot create a temporary file", e.into()))?;
-    let mut f = std::fs::File::from(fd);
-    f.write_all(bytes).map_err(|e| fail("cannot write", e))?;
-    f.sync_all().map_err(|e| fail("cannot sync", e))?;
-    drop(f);
-    std::fs::rename(&tmp, path).map_err(|e| fail("cannot rename into place", e))?;
-    sync_dir(dir)
+    // The error names the path and the step that failed.
+    tilefs_sys::fs::replace(path, 0o600, |mut f| f.write_all(bytes)).map_err(|e| Error::Broken(e.to_string()))
 }
 
 pub fn sync_dir(dir: &Path) -> Result<()> {
