@@ -117,23 +117,13 @@ impl Snap {
     /// The options of the mount Prepare returned (a bind mount, for a
     /// snapshot without parent, gives none).
     pub fn prepare(&self, key: &str, parent: &str, labels: HashMap<String, String>) -> Result<Vec<String>, Failed> {
-        let mut c = self.client();
-        self.rt
-            .block_on(c.prepare(PrepareSnapshotRequest {
-                snapshotter: "tilefs".into(),
-                key: key.into(),
-                parent: parent.into(),
-                labels,
-            }))
-            .map_err(failed)
-            .map(|r| {
-                let m = r.into_inner().mounts;
-                if parent.is_empty() {
-                    Vec::new()
-                } else {
-                    overlay_options(&m)
-                }
-            })
+        self.prepare_mounts(key, parent, labels).map(|m| {
+            if parent.is_empty() {
+                Vec::new()
+            } else {
+                overlay_options(&m)
+            }
+        })
     }
 
     /// The one mount of a view: (type, source, options).
