@@ -109,6 +109,10 @@ impl LayerSource for Source {
     }
 }
 
+
+    fn epoch(&self) -> u64 {
+        tilefs_oci::layer_store::credentials_epoch()
+    }
 pub fn run(mut a: LayerStoreArgs) -> Result<ExitCode> {
     let file: FileConfig = match &a.config {
         Some(p) => {

@@ -37,7 +37,8 @@ use tilefs_store::owned::{self, Holder};
 use tilefs_store::Store;
 
 /// How long an image's plan is used for its other layers (podman looks its
-/// layers up one after the other).
+/// layers up one after the other), while the credential files stay as
+/// they were: a `podman login` makes the next lookup plan again.
 const PLAN_FOR: Duration = Duration::from_secs(60);
 
 /// What is kept of a layer served, in `STATE/layers/KEY.json`.
@@ -70,8 +71,9 @@ pub struct Served {
     pub blob: Arc<BlobSource>,
 }
 
-/// An image's plan, or why there is none, and when it was found.
-type Planned = (Instant, Arc<Result<LazyPlan, String>>);
+/// An image's plan, or why there is none, when it was found and the state
+/// of the credential files then ([`credentials_epoch`]).
+type Planned = (Instant, u64, Arc<Result<LazyPlan, String>>);
 
 /// The layer store's side of the registry.
 pub struct LayerStore {
@@ -305,10 +307,12 @@ impl LayerStore {
         })
     }
 
-    /// `reference`'s plan, found once a minute at most.
+    /// `reference`'s plan, found once a minute at most, or again when a
+    /// credential file changed.
     fn plan(&self, reference: &str) -> Result<Arc<Result<LazyPlan, String>>, OciError> {
-        if let Some((t, p)) = self.plans.lock().unwrap().get(reference) {
-            if t.elapsed() < PLAN_FOR {
+        let creds = credentials_epoch();
+        if let Some((t, c, p)) = self.plans.lock().unwrap().get(reference) {
+            if t.elapsed() < PLAN_FOR && *c == creds {
                 return Ok(p.clone());
             }
         }
@@ -319,7 +323,7 @@ impl LayerStore {
         self.plans
             .lock()
             .unwrap()
-            .insert(reference.to_string(), (Instant::now(), p.clone()));
+            .insert(reference.to_string(), (Instant::now(), creds, p.clone()));
         Ok(p)
     }
 
@@ -353,6 +357,15 @@ fn compression(media_type: &str) -> u32 {
         0
     }
 }
+/// A number that changes when a credential file does (a `podman login`,
+/// a `logout`): what the layer store's refusals are remembered with.
+pub fn credentials_epoch() -> u64 {
+    use std::hash::{Hash, Hasher};
+    let mut h = std::collections::hash_map::DefaultHasher::new();
+    crate::transport::auth::files_state().hash(&mut h);
+    h.finish()
+}
+
 
 /// A layer blob, read by range from its registry (under the signature
 /// policy, checked again before the first read).

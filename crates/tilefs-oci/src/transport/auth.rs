@@ -39,6 +39,24 @@ fn files_for(var: impl Fn(&str) -> Option<OsString>, uid: u32) -> Vec<PathBuf> {
     let set = |k: &str| var(k).filter(|v| !v.is_empty()).map(PathBuf::from);
     if let Some(p) = set("REGISTRY_AUTH_FILE") {
         return vec![p];
+/// What tells a credential file's versions apart: its path, and its
+/// inode, size and modification time (None while it does not exist).
+pub type FileState = (PathBuf, Option<(u64, u64, i64, i64)>);
+
+/// The state of each file of [`auth_files`], to see that one changed (a
+/// `podman login` wrote it) without reading them.
+pub fn files_state() -> Vec<FileState> {
+    use std::os::unix::fs::MetadataExt;
+    auth_files()
+        .into_iter()
+        .map(|p| {
+            let m = std::fs::metadata(&p).ok();
+            let s = m.map(|m| (m.ino(), m.size(), m.mtime(), m.mtime_nsec()));
+            (p, s)
+        })
+        .collect()
+}
+
     }
     let mut v = vec![match set("XDG_RUNTIME_DIR") {
         Some(d) => d.join("containers/auth.json"),
