@@ -201,6 +201,19 @@ impl Registry {
             .collect()
     }
 
+    /// The digest of each blob uploaded (the PUT that ends an upload)
+    /// since `before` requests, in the log's order.
+    pub fn uploaded_since(&self, before: usize) -> Vec<String> {
+        self.requests()[before..]
+            .iter()
+            .filter(|q| q.method == "PUT" && q.path.contains("/blobs/uploads/"))
+            .filter_map(|q| {
+                let d = q.path.split("digest=").nth(1)?;
+                Some(d.split('&').next()?.replace("%3A", ":").replace("%3a", ":"))
+            })
+            .collect()
+    }
+
     /// Where the registry keeps blob `digest` ("sha256:HEX").
     pub fn blob_file(&self, digest: &str) -> PathBuf {
         let hex = digest.strip_prefix("sha256:").unwrap();
