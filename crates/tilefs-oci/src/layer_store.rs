@@ -69,6 +69,10 @@ pub struct Served {
     pub info: Vec<u8>,
     pub blob_size: u64,
     pub blob: Arc<BlobSource>,
+    /// Where its files are fetched from, when it was made now from tables
+    /// parsed already; None: [`crate::toc_lazy::open_source`] finds it
+    /// from the lazy record in the store.
+    pub source: Option<Arc<dyn tilefs_store::remote::ObjectSource>>,
 }
 
 /// An image's plan, or why there is none, when it was found and the state
@@ -187,6 +191,7 @@ impl LayerStore {
         // Held shared until the image is held: a gc meanwhile would take
         // the objects found present for unreferenced.
         let lock = self.store.lock(tilefs_store::LockMode::Shared, true)?;
+        let mut source = None;
         let (image, diff_size, src) = match &plan.kind {
             LazyKind::Indexed(img) => {
                 let (image, src) = self.indexed_diff(img, i, &one)?;
@@ -199,8 +204,11 @@ impl LayerStore {
                     .tables
                     .diff_image(&self.store, i)
                     .map_err(|e| OciError::manifest(format!("{reference} layer {digest}"), e))?;
-                match &made.record {
-                    Some(r) => r.save(&self.store, &made.digest)?,
+                match made.record {
+                    Some(r) => {
+                        r.save(&self.store, &made.digest)?;
+                        source = Some(t.tables.diff_source(&self.store, i, r)?);
+                    }
                     None => tilefs_store::remote::forget(&self.store, &made.digest)?,
                 }
                 let src = (
@@ -243,7 +251,9 @@ impl LayerStore {
             uses: self.read_kept(&key).map_or(0, |k| k.uses),
         };
         self.write_kept(&key, &kept)?;
-        Ok(Some(self.served(path, image, &kept)?))
+        let mut served = self.served(path, image, &kept)?;
+        served.source = source;
+        Ok(Some(served))
     }
 
     /// The image of layer `i`'s diff of an indexed image (its lazy record
@@ -304,6 +314,7 @@ impl LayerStore {
                 kept: k.clone(),
                 transport: OnceLock::new(),
             }),
+            source: None,
         })
     }
 
@@ -346,6 +357,15 @@ impl LayerStore {
     }
 }
 
+/// A number that changes when a credential file does (a `podman login`,
+/// a `logout`): what the layer store's refusals are remembered with.
+pub fn credentials_epoch() -> u64 {
+    use std::hash::{Hash, Hasher};
+    let mut h = std::collections::hash_map::DefaultHasher::new();
+    crate::transport::auth::files_state().hash(&mut h);
+    h.finish()
+}
+
 /// containers/storage's compression of a layer media type (its
 /// `archive.Compression`: 0 none, 2 gzip, 4 zstd).
 fn compression(media_type: &str) -> u32 {
@@ -357,15 +377,6 @@ fn compression(media_type: &str) -> u32 {
         0
     }
 }
-/// A number that changes when a credential file does (a `podman login`,
-/// a `logout`): what the layer store's refusals are remembered with.
-pub fn credentials_epoch() -> u64 {
-    use std::hash::{Hash, Hasher};
-    let mut h = std::collections::hash_map::DefaultHasher::new();
-    crate::transport::auth::files_state().hash(&mut h);
-    h.finish()
-}
-
 
 /// A layer blob, read by range from its registry (under the signature
 /// policy, checked again before the first read).
