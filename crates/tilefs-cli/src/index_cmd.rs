@@ -32,6 +32,11 @@ pub struct IndexArgs {
     pub platform: Option<String>,
     #[command(flatten)]
     pub sign: crate::registry_arg::SignArgs,
+    /// Index format to write: 2, the image's tree in chunks (the index of a new version uploads
+    /// only the chunks around what changed), or 1, the image whole (what tilefs before format 2
+    /// reads)
+    #[arg(long, default_value_t = 2, value_name = "N", value_parser = clap::value_parser!(u32).range(1..=2))]
+    pub index_format: u32,
     /// Layers read at once [default: one per core, at least 2]
     #[arg(short, long, default_value_t = 0, value_name = "N", hide_default_value = true)]
     pub jobs: usize,
@@ -65,6 +70,7 @@ pub fn run(a: IndexArgs) -> Result<ExitCode> {
             ..Default::default()
         },
         sign: a.sign.options(&trust),
+        format_1: a.index_format == 1,
     };
     let display = progress::enabled(a.quiet || a.json).then(|| {
         let c = counters.clone();

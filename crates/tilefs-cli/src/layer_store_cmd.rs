@@ -85,9 +85,11 @@ impl LayerSource for Source {
         let Some(s) = self.0.layer(reference, digest).map_err(|e| e.to_string())? else {
             return Ok(None);
         };
-        let fetcher = tilefs_oci::toc_lazy::open_source(&self.1, &s.image)
-            .map_err(|e| e.to_string())?
-            .map(tilefs_fuse::Fetcher);
+        let fetcher = match s.source {
+            Some(source) => Some(source),
+            None => tilefs_oci::toc_lazy::open_source(&self.1, &s.image).map_err(|e| e.to_string())?,
+        }
+        .map(tilefs_fuse::Fetcher);
         Ok(Some(LayerFiles {
             image: s.image_path,
             fetcher,
@@ -106,6 +108,10 @@ impl LayerSource for Source {
 
     fn released(&self, reference: &str, digest: &str) -> Result<bool, String> {
         self.0.note_use(reference, digest, false).map_err(|e| e.to_string())
+    }
+
+    fn epoch(&self) -> u64 {
+        tilefs_oci::layer_store::credentials_epoch()
     }
 }
 

@@ -278,6 +278,90 @@ fn an_indexed_ordinary_image_mounts_lazily_and_checks_every_byte() {
     );
 }
 
+/// `tilefs index` of the image, with `flags`: its JSON report.
+fn index_json(area: &Area, docker: &str, flags: &[&str]) -> serde_json::Value {
+    let store = area.path("indexing");
+    let mut args = vec![os("index"), os("--json"), os("--tls-verify=false"), os("--store")];
+    args.push(store.as_os_str());
+    args.extend(flags.iter().map(|f| os(f)));
+    args.push(os(docker));
+    serde_json::from_slice(&tilefs(&args).stdout).unwrap()
+}
+
+/// `pull --lazy` of `docker` into a new store `name`: its JSON report.
+fn lazy_pull(area: &Area, name: &str, docker: &str) -> serde_json::Value {
+    let store = area.path(name);
+    let out = tilefs(&[
+        os("pull"),
+        os("--json"),
+        os("--lazy"),
+        os("--tls-verify=false"),
+        os("--store"),
+        store.as_os_str(),
+        os(docker),
+    ]);
+    serde_json::from_slice(&out.stdout).unwrap()
+}
+
+/// The index carries its image as tree chunks (format 2): the index of a
+/// new version of the image (a layer more, with a 31 KB file) uploads its
+/// configuration, the chunks around the change and the new layer's map,
+/// no more; an index of format 1 (the image whole, `--index-format 1`)
+/// still pulls, to the same image.
+#[test]
+fn a_new_version_reindexed_uploads_only_the_tree_chunks_around_its_change() {
+    require(missing_program("umoci", "umoci"));
+    require(missing_program("skopeo", "skopeo"));
+    let area = Area::new();
+    let registry = Registry::start(&area);
+    let files: Vec<(String, usize)> = (0..5_000)
+        .map(|i| (format!("d{:02}/file-{i:05}", i % 40), 100 + i % 200))
+        .collect();
+    let base = |root: &Path| write_files(root, 31, &files);
+    let v1 = format!("docker://{}", push_image_with(&area, &registry, "app", &[&base], &[]));
+
+    // Format 1 still pulls (the newest index is the one used).
+    let old = index_json(&area, &v1, &["--index-format", "1"]);
+    assert_eq!(
+        (old["format"].as_u64(), old["image_blobs"].as_u64()),
+        (Some(1), Some(1)),
+        "{old}"
+    );
+    let pulled = lazy_pull(&area, "old", &v1);
+    assert_eq!(pulled["lazy_index"], old["manifest_digest"], "{pulled}");
+    assert_eq!(pulled["digest"], old["digest"]);
+
+    let ix1 = index_json(&area, &v1, &[]);
+    assert_eq!(ix1["format"], 2, "{ix1}");
+    assert_eq!(ix1["digest"], old["digest"], "the same image, in chunks");
+    let chunks = ix1["image_blobs"].as_u64().unwrap();
+    assert!(chunks >= 2, "{ix1}");
+    let pulled = lazy_pull(&area, "new", &v1);
+    assert_eq!(pulled["lazy_index"], ix1["manifest_digest"], "{pulled}");
+    assert_eq!(pulled["digest"], ix1["digest"]);
+    assert!(pulled["lazy_objects"].as_u64().unwrap() > 100, "{pulled}");
+
+    // The next version: one file of 31 KB more, in a layer of its own.
+    let v2 = push_next_version(&area, &registry.addr, "app", "v2", &|root| {
+        write_files(root, 32, &[("d07/added-31k".into(), 31 << 10)])
+    });
+    let v2 = format!("docker://{v2}");
+    let n = registry.requests().len();
+    let ix2 = index_json(&area, &v2, &[]);
+    let sent = registry.uploaded_since(n);
+    eprintln!("second index: {ix2}\nuploaded {sent:?}");
+    assert_eq!(ix2["format"], 2, "{ix2}");
+    // Its configuration, the new layer's map, and 1 or 2 chunks.
+    assert!((3..=4).contains(&sent.len()), "{sent:?}");
+    assert!(
+        ix2["blobs_uploaded"].as_u64() == Some(sent.len() as u64),
+        "{ix2} {sent:?}"
+    );
+    let pulled = lazy_pull(&area, "v2", &v2);
+    assert_eq!(pulled["lazy_index"], ix2["manifest_digest"], "{pulled}");
+    assert_eq!(pulled["digest"], ix2["digest"]);
+}
+
 #[test]
 fn an_indexed_zstd_image_pulls_lazily_to_the_image_a_full_pull_makes() {
     require(cannot_fuse());

@@ -5,7 +5,7 @@
 mod common;
 
 use common::oci::{watch, Watched};
-use common::registry::{Answer, Registry, Relay};
+use common::registry::{Answer, Registry, Relay, TokenServer};
 use common::*;
 use std::collections::BTreeMap;
 use std::fs;
@@ -947,6 +947,121 @@ fn registry_credentials_come_from_the_auth_files() {
     assert!(ok.status.success(), "{}", stderr(&ok));
     assert_eq!(String::from_utf8_lossy(&ok.stdout).trim(), want);
     assert_fsck_clean(&store);
+}
+
+/// An auth.json entry with an `identitytoken` (an OAuth2 refresh token,
+/// as `docker login` keeps for registries that hand one out) is exchanged
+/// at the registry's token server by the refresh-token grant, a POST, for
+/// the pull's and the push's scopes; a token the server refuses fails
+/// saying so and naming the file. Against docker-registry with token
+/// authentication and a token server of the test's.
+#[test]
+fn an_identity_token_is_exchanged_at_the_token_server() {
+    require(missing_program("openssl", "openssl"));
+    let area = Area::new();
+    let layout = area.path("layout");
+    write_compat(&layout, "gz", Comp::Gzip);
+    let tokens = TokenServer::start(&area, "alice", "s3cret", "refresh-of-alice");
+    let registry = Registry::start_with(&area, &tokens.auth());
+    let remote = format!("docker://{}/private/app:v1", registry.addr);
+    skopeo(&[
+        "copy",
+        "-q",
+        "--dest-tls-verify=false",
+        "--dest-creds",
+        "alice:s3cret",
+        &format!("oci:{}:gz", layout.display()),
+        &remote,
+    ]);
+    let want = pull(&area.path("ref"), &format!("oci:{}:gz", layout.display()), &[]);
+    let store = area.path("store");
+    let auth_file = |token: &str| {
+        let p = area.path(&format!("auth-{token}.json"));
+        // `auth` holds docker's placeholder user, no password.
+        let entry = serde_json::json!({"auth": "PHRva2VuPjo=", "identitytoken": token});
+        fs::write(
+            &p,
+            serde_json::json!({"auths": {registry.addr.clone(): entry}}).to_string(),
+        )
+        .unwrap();
+        p
+    };
+    let run = |file: &Path, args: &[&std::ffi::OsStr]| {
+        let mut c = Command::new(tilefs_bin());
+        c.args(args);
+        c.env("HOME", area.path("home"))
+            .env_remove("XDG_RUNTIME_DIR")
+            .env("REGISTRY_AUTH_FILE", file);
+        c.output().unwrap()
+    };
+    let pull_args = [
+        os("pull"),
+        os("-q"),
+        os("--tls-verify=false"),
+        os("--tag"),
+        os("app"),
+        os("--store"),
+        store.as_os_str(),
+        os(&remote),
+    ];
+    let wrong = auth_file("not-the-token");
+    let refused = run(&wrong, &pull_args);
+    assert_eq!(refused.status.code(), Some(1));
+    let said = stderr(&refused);
+    assert!(
+        said.contains(&format!("the token server http://{}/token: HTTP 401", tokens.addr))
+            && said.contains(&wrong.display().to_string()),
+        "{said}"
+    );
+    let right = auth_file("refresh-of-alice");
+    let ok = run(&right, &pull_args);
+    assert!(ok.status.success(), "{}", stderr(&ok));
+    assert_eq!(String::from_utf8_lossy(&ok.stdout).trim(), want);
+    assert_fsck_clean(&store);
+    // A push with it too (a token for pull and push).
+    let copy = format!("docker://{}/private/copy:v1", registry.addr);
+    let pushed = run(
+        &right,
+        &[
+            os("push"),
+            os("-q"),
+            os("--tls-verify=false"),
+            os("--store"),
+            store.as_os_str(),
+            os("app"),
+            os(&copy),
+        ],
+    );
+    assert!(pushed.status.success(), "{}", stderr(&pushed));
+    let asked = tokens.asked.lock().unwrap().clone();
+    let grant = |scope: &str| {
+        asked.iter().any(|(method, p)| {
+            let has = |k: &str, v: &str| p.iter().any(|(a, b)| a == k && b == v);
+            method == "POST"
+                && has("grant_type", "refresh_token")
+                && has("refresh_token", "refresh-of-alice")
+                && has("service", TokenServer::SERVICE)
+                && has("scope", scope)
+        })
+    };
+    assert!(
+        grant("repository:private/app:pull") && grant("repository:private/copy:pull,push"),
+        "{asked:?}"
+    );
+    let back = area.path("copy");
+    let out = run(
+        &right,
+        &[
+            os("pull"),
+            os("-q"),
+            os("--tls-verify=false"),
+            os("--store"),
+            back.as_os_str(),
+            os(&copy),
+        ],
+    );
+    assert!(out.status.success(), "{}", stderr(&out));
+    assert_eq!(String::from_utf8_lossy(&out.stdout).trim(), want);
 }
 
 #[test]

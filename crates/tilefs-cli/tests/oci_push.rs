@@ -853,19 +853,6 @@ fn text_tree(root: &Path, seed: u64, n: usize, size: usize) -> Vec<String> {
         .collect()
 }
 
-/// The digests of the blobs uploaded (the PUT ending each upload) since
-/// `before` requests.
-fn uploaded_since(r: &Registry, before: usize) -> Vec<String> {
-    r.requests()[before..]
-        .iter()
-        .filter(|q| q.method == "PUT" && q.path.contains("/blobs/uploads/"))
-        .filter_map(|q| {
-            let d = q.path.split("digest=").nth(1)?;
-            Some(d.split('&').next()?.replace("%3A", ":").replace("%3a", ":"))
-        })
-        .collect()
-}
-
 /// Compressed packs: the artifact is a fraction of the files, pulls whole
 /// and lazily to the same files (a lazy read fetching about the file's
 /// frame), a new version with one file more uploads only the packs that
@@ -902,7 +889,7 @@ fn compressed_packs_pull_and_mount_and_a_new_version_sends_only_new_packs() {
     let v2 = build_tag(&store, "v2", &src);
     let n = registry.requests().len();
     let second = push(&store, "v2", &remote("v2"));
-    let sent = uploaded_since(&registry, n);
+    let sent = registry.uploaded_since(n);
     let m2 = skopeo_raw(&remote("v2"));
     let packs = |m: &serde_json::Value| -> Vec<String> { layers_of(m, "pack").into_iter().map(|p| p.0).collect() };
     let new_packs: Vec<String> = packs(&m2).into_iter().filter(|p| !packs(&m).contains(p)).collect();
@@ -921,7 +908,7 @@ fn compressed_packs_pull_and_mount_and_a_new_version_sends_only_new_packs() {
     // one: the new file alone makes a new pack. Pulled, it is the image.
     let n = registry.requests().len();
     let over = push(&store, "v2", &remote("v1"));
-    let sent = uploaded_since(&registry, n);
+    let sent = registry.uploaded_since(n);
     eprintln!("over v1: {over}");
     assert_eq!(over["base"], "v1");
     assert_eq!(over["packs_kept"], packs(&m).len());
@@ -1103,7 +1090,7 @@ fn a_new_version_uploads_only_the_tree_chunks_around_its_change() {
     let v2 = build_tag(&store, "v2", &src);
     let n = registry.requests().len();
     let second = push(&store, "v2", &remote("v1"));
-    let sent = uploaded_since(&registry, n);
+    let sent = registry.uploaded_since(n);
     let m2 = skopeo_raw(&remote("v1"));
     let new_chunks: Vec<String> = layers_of(&m2, "tree")
         .into_iter()

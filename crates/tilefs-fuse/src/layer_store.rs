@@ -80,6 +80,12 @@ pub trait LayerSource: Send + Sync {
     /// True when that was its last use: the layer is no longer kept, and
     /// a later lookup asks for it again.
     fn released(&self, reference: &str, digest: &str) -> Result<bool, String>;
+    /// What refusals depend on besides the layer (the state of the
+    /// credential files): a refusal is remembered only while it is the
+    /// same, so a `podman login` is seen at the next lookup.
+    fn epoch(&self) -> u64 {
+        0
+    }
 }
 
 /// A layer by (reference, digest).
@@ -134,7 +140,8 @@ pub struct LayerStoreFs {
     /// Layers by (reference, digest): their number.
     by_key: Mutex<FxHashMap<Key, usize>>,
     /// Layers found unservable lately, and when.
-    refused: Mutex<FxHashMap<Key, Instant>>,
+    /// When each was refused, and the source's epoch then.
+    refused: Mutex<FxHashMap<Key, (Instant, u64)>>,
     /// One lookup of a layer at a time (others wait for its answer).
     resolving: Mutex<FxHashMap<Key, Arc<Mutex<()>>>>,
     owner: (u32, u32),
@@ -245,12 +252,13 @@ impl LayerStoreFs {
         if let Some(&k) = self.by_key.lock().unwrap().get(&key) {
             return Some(k);
         }
+        let epoch = self.source.epoch();
         if self
             .refused
             .lock()
             .unwrap()
             .get(&key)
-            .is_some_and(|t| t.elapsed() < NEGATIVE_FOR)
+            .is_some_and(|&(t, e)| t.elapsed() < NEGATIVE_FOR && e == epoch)
         {
             return None;
         }
@@ -268,12 +276,12 @@ impl LayerStoreFs {
         match found {
             Ok(Some(k)) => Some(k),
             Ok(None) => {
-                self.refuse(key);
+                self.refuse(key, epoch);
                 None
             }
             Err(e) => {
                 self.log.log(&format!("{reference} layer {digest}: {e}"));
-                self.refuse(key);
+                self.refuse(key, epoch);
                 None
             }
         }
@@ -281,10 +289,10 @@ impl LayerStoreFs {
 
     /// Remembers a refusal for [NEGATIVE_FOR]; those past it are dropped
     /// so the map holds only what is still remembered.
-    fn refuse(&self, key: Key) {
+    fn refuse(&self, key: Key, epoch: u64) {
         let mut refused = self.refused.lock().unwrap();
-        refused.retain(|_, t| t.elapsed() < NEGATIVE_FOR);
-        refused.insert(key, Instant::now());
+        refused.retain(|_, (t, _)| t.elapsed() < NEGATIVE_FOR);
+        refused.insert(key, (Instant::now(), epoch));
     }
 
     /// Starts serving a layer: its image read and checked.

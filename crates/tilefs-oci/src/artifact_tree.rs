@@ -129,21 +129,8 @@ pub fn encode(
     packs: &[Digest],
     place: impl Fn(&[u8; 32]) -> Option<Location>,
 ) -> Option<Vec<Vec<u8>>> {
-    let (dump, objects) = lines_of(tree)?;
-    let lines: Vec<&[u8]> = dump.split_inclusive(|&c| c == b'\n').collect();
-    if lines.len() != objects.len() {
-        return None;
-    }
-    let mut out = Vec::new();
-    for range in plan_chunks(&lines) {
-        let mut chunk = Chunk {
-            version: VERSION,
-            erofs_version,
-            packs: Vec::new(),
-            dump: String::from_utf8(lines[range.clone()].concat()).ok()?,
-            objects: Vec::new(),
-        };
-        for d in objects[range].iter().flatten() {
+    cut(tree, erofs_version, |chunk, objects| {
+        for d in objects.iter().flatten() {
             let loc = place(d)?;
             let pack = packs.get(loc.pack as usize)?.to_string();
             let n = match chunk.packs.iter().position(|p| *p == pack) {
@@ -159,9 +146,52 @@ pub fn encode(
             };
             chunk.objects.push((n as u32, loc.offset, stored));
         }
+        Some(())
+    })
+}
+
+/// The chunk blobs of `tree`'s lines alone, no object placed: a `tilefs
+/// index`'s image, whose files its layer maps place.
+pub fn encode_lines(tree: &Tree, erofs_version: u32) -> Option<Vec<Vec<u8>>> {
+    cut(tree, erofs_version, |_, _| Some(()))
+}
+
+/// `tree`'s lines cut into chunks, each given its objects by `place`
+/// (the objects of its lines' files), and encoded.
+fn cut(
+    tree: &Tree,
+    erofs_version: u32,
+    mut place: impl FnMut(&mut Chunk, &[Option<[u8; 32]>]) -> Option<()>,
+) -> Option<Vec<Vec<u8>>> {
+    let (dump, objects) = lines_of(tree)?;
+    let lines: Vec<&[u8]> = dump.split_inclusive(|&c| c == b'\n').collect();
+    if lines.len() != objects.len() {
+        return None;
+    }
+    let mut out = Vec::new();
+    for range in plan_chunks(&lines) {
+        let mut chunk = Chunk {
+            version: VERSION,
+            erofs_version,
+            packs: Vec::new(),
+            dump: String::from_utf8(lines[range.clone()].concat()).ok()?,
+            objects: Vec::new(),
+        };
+        place(&mut chunk, &objects[range])?;
         out.push(encode_chunk(&chunk));
     }
     Some(out)
+}
+
+/// Whether chunk blobs `chunks` rebuild `image` (fs-verity digest
+/// `fsverity`, hex) byte for byte, their objects in `packs`: what a pull
+/// will do, done before a push sends them.
+pub fn rebuilds(chunks: &[Vec<u8>], packs: &[Digest], image: &[u8], fsverity: &str) -> bool {
+    let decoded: Result<Vec<_>, _> = chunks.iter().map(|c| decode(c, "tree chunk")).collect();
+    let names = vec![String::new(); chunks.len()];
+    decoded
+        .and_then(|d| rebuild(&d, &names, packs, "this image", Some(fsverity)))
+        .is_ok_and(|r| r.image == image)
 }
 
 /// A chunk's blob.

@@ -37,7 +37,8 @@ use tilefs_store::owned::{self, Holder};
 use tilefs_store::Store;
 
 /// How long an image's plan is used for its other layers (podman looks its
-/// layers up one after the other).
+/// layers up one after the other), while the credential files stay as
+/// they were: a `podman login` makes the next lookup plan again.
 const PLAN_FOR: Duration = Duration::from_secs(60);
 
 /// What is kept of a layer served, in `STATE/layers/KEY.json`.
@@ -68,10 +69,15 @@ pub struct Served {
     pub info: Vec<u8>,
     pub blob_size: u64,
     pub blob: Arc<BlobSource>,
+    /// Where its files are fetched from, when it was made now from tables
+    /// parsed already; None: [`crate::toc_lazy::open_source`] finds it
+    /// from the lazy record in the store.
+    pub source: Option<Arc<dyn tilefs_store::remote::ObjectSource>>,
 }
 
-/// An image's plan, or why there is none, and when it was found.
-type Planned = (Instant, Arc<Result<LazyPlan, String>>);
+/// An image's plan, or why there is none, when it was found and the state
+/// of the credential files then ([`credentials_epoch`]).
+type Planned = (Instant, u64, Arc<Result<LazyPlan, String>>);
 
 /// The layer store's side of the registry.
 pub struct LayerStore {
@@ -185,6 +191,7 @@ impl LayerStore {
         // Held shared until the image is held: a gc meanwhile would take
         // the objects found present for unreferenced.
         let lock = self.store.lock(tilefs_store::LockMode::Shared, true)?;
+        let mut source = None;
         let (image, diff_size, src) = match &plan.kind {
             LazyKind::Indexed(img) => {
                 let (image, src) = self.indexed_diff(img, i, &one)?;
@@ -197,8 +204,11 @@ impl LayerStore {
                     .tables
                     .diff_image(&self.store, i)
                     .map_err(|e| OciError::manifest(format!("{reference} layer {digest}"), e))?;
-                match &made.record {
-                    Some(r) => r.save(&self.store, &made.digest)?,
+                match made.record {
+                    Some(r) => {
+                        r.save(&self.store, &made.digest)?;
+                        source = Some(t.tables.diff_source(&self.store, i, r)?);
+                    }
                     None => tilefs_store::remote::forget(&self.store, &made.digest)?,
                 }
                 let src = (
@@ -241,7 +251,9 @@ impl LayerStore {
             uses: self.read_kept(&key).map_or(0, |k| k.uses),
         };
         self.write_kept(&key, &kept)?;
-        Ok(Some(self.served(path, image, &kept)?))
+        let mut served = self.served(path, image, &kept)?;
+        served.source = source;
+        Ok(Some(served))
     }
 
     /// The image of layer `i`'s diff of an indexed image (its lazy record
@@ -302,13 +314,16 @@ impl LayerStore {
                 kept: k.clone(),
                 transport: OnceLock::new(),
             }),
+            source: None,
         })
     }
 
-    /// `reference`'s plan, found once a minute at most.
+    /// `reference`'s plan, found once a minute at most, or again when a
+    /// credential file changed.
     fn plan(&self, reference: &str) -> Result<Arc<Result<LazyPlan, String>>, OciError> {
-        if let Some((t, p)) = self.plans.lock().unwrap().get(reference) {
-            if t.elapsed() < PLAN_FOR {
+        let creds = credentials_epoch();
+        if let Some((t, c, p)) = self.plans.lock().unwrap().get(reference) {
+            if t.elapsed() < PLAN_FOR && *c == creds {
                 return Ok(p.clone());
             }
         }
@@ -319,7 +334,7 @@ impl LayerStore {
         self.plans
             .lock()
             .unwrap()
-            .insert(reference.to_string(), (Instant::now(), p.clone()));
+            .insert(reference.to_string(), (Instant::now(), creds, p.clone()));
         Ok(p)
     }
 
@@ -340,6 +355,15 @@ impl LayerStore {
         }
         self.write_kept(&key, &k).map(|()| false)
     }
+}
+
+/// A number that changes when a credential file does (a `podman login`,
+/// a `logout`): what the layer store's refusals are remembered with.
+pub fn credentials_epoch() -> u64 {
+    use std::hash::{Hash, Hasher};
+    let mut h = std::collections::hash_map::DefaultHasher::new();
+    crate::transport::auth::files_state().hash(&mut h);
+    h.finish()
 }
 
 /// containers/storage's compression of a layer media type (its

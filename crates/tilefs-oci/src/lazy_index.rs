@@ -12,9 +12,14 @@
 //!   fs-verity digest of the flattened image, and per layer of the image
 //!   (in its manifest's order) the layer's digest, media type and size and
 //!   the digest of its layer map;
-//! - first layer ([`IMAGE_TYPE`]): the flattened composefs image, exactly
-//!   the bytes `tilefs pull` makes of the image (composefs-rs's xattr
-//!   rules), zstd-compressed;
+//! - first the flattened composefs image, exactly the bytes `tilefs pull`
+//!   makes of the image (composefs-rs's xattr rules): in format 2, as its
+//!   tree in chunks ([`TREE_TYPE`], [`crate::artifact_tree`]'s chunks with
+//!   no objects placed: the maps place them), cut where the paths say, so
+//!   that the index of a new version of the image shares all chunks but
+//!   those around its changes and a re-index uploads only those; the
+//!   image rebuilt from them must have the digest the configuration
+//!   records. In format 1 (still read), one blob ([`IMAGE_TYPE`]), zstd;
 //! - then one layer map per distinct layer ([`MAP_TYPE`]): zstd of a
 //!   postcard record ([`LayerMap`]): the layer's entries in the form and
 //!   order [`crate::apply`] takes them (so the image of any prefix of the
@@ -52,9 +57,12 @@ use tilefs_store::Store;
 pub const ARTIFACT_TYPE: &str = "application/vnd.tilefs.index.v1";
 pub const CONFIG_TYPE: &str = "application/vnd.tilefs.index.config.v1+json";
 pub const IMAGE_TYPE: &str = "application/vnd.tilefs.index.erofs.v1+zstd";
+/// A chunk of the image's tree (format 2).
+pub const TREE_TYPE: &str = "application/vnd.tilefs.index.tree.v1+zstd";
 pub const MAP_TYPE: &str = "application/vnd.tilefs.index.layer-map.v1+zstd";
 /// The format version of the configuration and the layer maps.
-pub const VERSION: u32 = 1;
+/// The format written: 2, the image in tree chunks; 1, the image whole.
+pub const VERSION: u32 = 2;
 /// Largest configuration, and layer map (uncompressed), accepted.
 pub const MAX_CONFIG: u64 = 4 << 20;
 pub const MAX_MAP: u64 = 1 << 30;
@@ -301,6 +309,9 @@ pub struct IndexOptions {
     pub pull: PullOptions,
     /// Signatures to make of the index's manifest.
     pub sign: crate::trust::SignOptions,
+    /// Write format 1 (the image whole), which tilefs before format 2
+    /// reads.
+    pub format_1: bool,
 }
 
 /// What `tilefs index` did.
@@ -319,7 +330,11 @@ pub struct IndexReport {
     pub layer_bytes: u64,
     /// The index: manifest, configuration and blobs.
     pub index_bytes: u64,
+    /// The index's format: 2, the image in tree chunks; 1, whole.
+    pub format: u32,
+    /// The image's blobs (its tree chunks, or the image).
     pub image_blob_bytes: u64,
+    pub image_blobs: usize,
     pub map_bytes: u64,
     /// The seek indexes (inside the maps, compressed with them).
     pub seek_bytes: u64,
@@ -410,8 +425,23 @@ pub fn index(store: &Store, r: &ImageRef, opts: &IndexOptions) -> Result<IndexRe
     let digests: Vec<&Digest> = layers.iter().map(|l| &l.digest).collect();
     let (image, fsverity) = flatten(&of_layer, &digests, false)?;
 
-    // The blobs: configuration, image, maps.
-    let image_blob = zstd::bulk::compress(&image, LEVEL).expect("zstd compresses in memory");
+    // The blobs: configuration, image (its tree's chunks, where they
+    // rebuild it, else whole), maps.
+    let chunks = match opts.format_1 {
+        true => None,
+        false => tilefs_image::erofs::read_image(&image).ok().and_then(|(tree, info)| {
+            crate::artifact_tree::encode_lines(&tree, info.version)
+                .filter(|c| crate::artifact_tree::rebuilds(c, &[], &image, &hex::encode(fsverity)))
+        }),
+    };
+    let (format, image_type, image_blobs) = match chunks {
+        Some(c) => (2, TREE_TYPE, c),
+        None => (
+            1,
+            IMAGE_TYPE,
+            vec![zstd::bulk::compress(&image, LEVEL).expect("zstd compresses in memory")],
+        ),
+    };
     let map_blobs: Vec<Vec<u8>> = maps.iter().map(LayerMap::encode).collect();
     let seek_bytes: u64 = maps
         .iter()
@@ -420,7 +450,7 @@ pub fn index(store: &Store, r: &ImageRef, opts: &IndexOptions) -> Result<IndexRe
         .sum();
     let map_digest = |i: usize| Digest::sha256_of(&map_blobs[i]);
     let config = IndexConfig {
-        version: VERSION,
+        version: format,
         fsverity: hex::encode(fsverity),
         layers: layers
             .iter()
@@ -433,7 +463,8 @@ pub fn index(store: &Store, r: &ImageRef, opts: &IndexOptions) -> Result<IndexRe
             .collect(),
     };
     let config = serde_json::to_vec(&config).expect("a config serializes");
-    let mut blobs: Vec<(&str, &[u8])> = vec![(CONFIG_TYPE, &config), (IMAGE_TYPE, &image_blob)];
+    let mut blobs: Vec<(&str, &[u8])> = vec![(CONFIG_TYPE, &config)];
+    blobs.extend(image_blobs.iter().map(|b| (image_type, b.as_slice())));
     blobs.extend(map_blobs.iter().map(|b| (MAP_TYPE, b.as_slice())));
 
     let mut reach = crate::trust::push_options(&reference, &popts.registry, &popts.trust)?;
@@ -493,7 +524,9 @@ pub fn index(store: &Store, r: &ImageRef, opts: &IndexOptions) -> Result<IndexRe
         layers: layers.len(),
         layer_bytes,
         index_bytes,
-        image_blob_bytes: image_blob.len() as u64,
+        format,
+        image_blob_bytes: image_blobs.iter().map(|b| b.len() as u64).sum(),
+        image_blobs: image_blobs.len(),
         map_bytes: map_blobs.iter().map(|b| b.len() as u64).sum(),
         seek_bytes,
         percent: index_bytes as f64 * 100.0 / layer_bytes.max(1) as f64,
@@ -583,23 +616,33 @@ pub fn find(reg: &Registry, resolved: &Resolved) -> Result<Option<Indexed>, OciE
         .get("layers")
         .and_then(Value::as_array)
         .ok_or_else(|| bad("no layers".into()))?;
-    let [image_ref, map_refs @ ..] = listed.as_slice() else {
-        return Err(bad("no image blob".into()));
-    };
-    let image_ref = blob(image_ref, IMAGE_TYPE)?;
-    let map_refs = map_refs
-        .iter()
-        .map(|d| blob(d, MAP_TYPE))
-        .collect::<Result<Vec<_>, _>>()?;
     let config_raw = reg.blob_bytes(&config_ref, MAX_CONFIG)?;
     let config: IndexConfig =
         serde_json::from_slice(&config_raw).map_err(|e| bad(format!("its configuration: {e}")))?;
-    if config.version != VERSION {
-        return Err(bad(format!(
-            "format version {} (this tilefs reads {VERSION})",
-            config.version
-        )));
+    // Format 1: the image whole, then the maps; 2: its tree's chunks.
+    let image_type = match config.version {
+        1 => IMAGE_TYPE,
+        2 => TREE_TYPE,
+        v => return Err(bad(format!("format version {v} (this tilefs reads 1 and {VERSION})"))),
+    };
+    let n = match config.version {
+        1 => 1,
+        _ => listed
+            .iter()
+            .take_while(|d| d.get("mediaType").and_then(Value::as_str) == Some(TREE_TYPE))
+            .count(),
+    };
+    if n == 0 || listed.len() < n {
+        return Err(bad("no image blob".into()));
     }
+    let image_refs = listed[..n]
+        .iter()
+        .map(|d| blob(d, image_type))
+        .collect::<Result<Vec<_>, _>>()?;
+    let map_refs = listed[n..]
+        .iter()
+        .map(|d| blob(d, MAP_TYPE))
+        .collect::<Result<Vec<_>, _>>()?;
     if config.layers.len() != resolved.layers.len()
         || config
             .layers
@@ -609,8 +652,19 @@ pub fn find(reg: &Registry, resolved: &Resolved) -> Result<Option<Indexed>, OciE
     {
         return Err(bad("its layers are not the image's".into()));
     }
-    let image_z = reg.blob_bytes(&image_ref, artifact::MAX_IMAGE)?;
-    let image = zstd_bounded(&image_z, artifact::MAX_IMAGE, "image").map_err(bad)?;
+    let image = match config.version {
+        1 => {
+            let image_z = reg.blob_bytes(&image_refs[0], artifact::MAX_IMAGE)?;
+            zstd_bounded(&image_z, artifact::MAX_IMAGE, "image").map_err(bad)?
+        }
+        // Its objects are the maps' to place: a chunk placing any in a
+        // pack is refused (the index has no packs).
+        _ => {
+            let chunks = crate::artifact_tree::fetch(reg, &image_refs)?;
+            let names: Vec<String> = image_refs.iter().map(|r| r.digest.to_string()).collect();
+            crate::artifact_tree::rebuild(&chunks, &names, &[], &what, Some(config.fsverity.as_str()))?.image
+        }
+    };
     let fsverity = tilefs_image::verity::digest_bytes(&image);
     if hex::encode(fsverity) != config.fsverity {
         return Err(bad(format!(

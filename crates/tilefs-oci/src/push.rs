@@ -406,17 +406,9 @@ fn metadata(
         true => None,
         false => crate::artifact_tree::encode(tree, version, packs, |d| at.get(d).copied().copied()),
     };
-    // What a pull will do: decode, rebuild, compare.
-    let rebuilds = chunks.as_ref().is_some_and(|chunks| {
-        let decoded: Result<Vec<_>, _> = chunks
-            .iter()
-            .map(|c| crate::artifact_tree::decode(c, "tree chunk"))
-            .collect();
-        let names = vec![String::new(); chunks.len()];
-        decoded
-            .and_then(|d| crate::artifact_tree::rebuild(&d, &names, packs, "this image", Some(fsverity)))
-            .is_ok_and(|r| r.image == image)
-    });
+    let rebuilds = chunks
+        .as_ref()
+        .is_some_and(|c| crate::artifact_tree::rebuilds(c, packs, image, fsverity));
     match chunks {
         Some(chunks) if rebuilds => Metadata {
             types: vec![artifact::tree_types(runnable).0; chunks.len()],

@@ -197,7 +197,8 @@ pub fn toc_image(
 /// snapshotter makes the image of each chain of its layers from them.
 pub struct TocTables {
     record: TocRecord,
-    tocs: Vec<Toc>,
+    /// Shared with the sources made from them ([`TocTables::diff_source`]).
+    tocs: Vec<Arc<Toc>>,
 }
 
 impl TocTables {
@@ -207,8 +208,7 @@ impl TocTables {
         if layers == 0 || layers > self.tocs.len() {
             return Err(format!("{} has no chain of {layers} layers", self.record.source));
         }
-        let mut record = self.record.clone();
-        record.layers.truncate(layers);
+        let record = self.record.with_layers(self.record.layers[..layers].to_vec());
         image_of(store, record, &self.tocs[..layers], keep_all_xattrs, false)
     }
 
@@ -219,9 +219,21 @@ impl TocTables {
         let (Some(layer), Some(toc)) = (self.record.layers.get(n), self.tocs.get(n)) else {
             return Err(format!("{} has no layer {n}", self.record.source));
         };
-        let mut record = self.record.clone();
-        record.layers = vec![layer.clone()];
+        let record = self.record.with_layers(vec![layer.clone()]);
         image_of(store, record, std::slice::from_ref(toc), true, true)
+    }
+
+    /// The source of the files of layer `n`'s diff image, whose record
+    /// [`TocTables::diff_image`] made (`record`), from the tables parsed
+    /// here: what [`open_source`] gives once the record is saved, without
+    /// reading it back and checking and parsing its table again.
+    pub fn diff_source(&self, store: &Store, n: usize, record: TocRecord) -> Result<Arc<dyn ObjectSource>, OciError> {
+        let toc = self
+            .tocs
+            .get(n)
+            .ok_or_else(|| OciError::Reference(format!("{} has no layer {n}", self.record.source)))?;
+        let store = Store::open(store.path())?;
+        Ok(Arc::new(TocSource::of(store, record, vec![toc.clone()])))
     }
 
     /// "eStargz", "zstd:chunked", or both joined by `+`.
@@ -242,8 +254,29 @@ fn formats(layers: &[TocLayer]) -> String {
     formats.join("+")
 }
 
+impl TocRecord {
+    /// This record with `layers` in place of its own.
+    fn with_layers(&self, layers: Vec<TocLayer>) -> TocRecord {
+        TocRecord {
+            version: self.version,
+            source: self.source.clone(),
+            manifest_digest: self.manifest_digest.clone(),
+            tls_verify: self.tls_verify,
+            timeout_secs: self.timeout_secs,
+            trust: self.trust.clone(),
+            layers,
+        }
+    }
+}
+
+/// Tables of contents fetched at once.
+const TABLE_JOBS: usize = 4;
+
+/// A layer's table of contents, as [`read_table`] reads it.
+type TableRead = Result<(TocLayer, Toc), OciError>;
+
 /// The tables of contents of `resolved`'s layers, as [`toc_image`] reads
-/// them.
+/// them (several at once).
 pub fn tables(
     source: &ImageRef,
     resolved: &Resolved,
@@ -267,22 +300,36 @@ pub fn tables(
         Ok(a) => a,
         Err(why) => return Ok(Some(Err(why))),
     };
+    if let Some(l) = resolved.layers.iter().zip(&annotated).find(|(_, a)| a.is_none()) {
+        return Ok(Some(Err(format!(
+            "layer {} has no table of contents (neither eStargz nor zstd:chunked)",
+            l.0.digest
+        ))));
+    }
     progress.stage.set("fetching the layers' tables of contents", true);
+    let next = std::sync::atomic::AtomicUsize::new(0);
+    let read: Vec<std::sync::Mutex<Option<TableRead>>> = annotated.iter().map(|_| Default::default()).collect();
+    std::thread::scope(|s| {
+        for _ in 0..TABLE_JOBS.min(annotated.len()) {
+            s.spawn(|| loop {
+                let i = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                let (Some(l), Some(Some(a))) = (resolved.layers.get(i), annotated.get(i)) else {
+                    break;
+                };
+                *read[i].lock().unwrap_or_else(|e| e.into_inner()) = Some(read_table(&reg, l, a));
+            });
+        }
+    });
     let (mut layers, mut tocs) = (Vec::with_capacity(annotated.len()), Vec::with_capacity(annotated.len()));
-    for (l, a) in resolved.layers.iter().zip(annotated) {
-        let Some(a) = a else {
-            return Ok(Some(Err(format!(
-                "layer {} has no table of contents (neither eStargz nor zstd:chunked)",
-                l.digest
-            ))));
-        };
-        match read_table(&reg, l, &a) {
-            Ok((layer, toc)) => {
+    // The first failure in the manifest's order.
+    for (l, r) in resolved.layers.iter().zip(read) {
+        match r.into_inner().unwrap_or_else(|e| e.into_inner()) {
+            Some(Ok((layer, toc))) => {
                 layers.push(layer);
-                tocs.push(toc);
+                tocs.push(Arc::new(toc));
             }
-            Err(OciError::Interrupted) => return Err(OciError::Interrupted),
-            Err(e) => return Ok(Some(Err(format!("layer {}: {e}", l.digest)))),
+            Some(Err(OciError::Interrupted)) | None => return Err(OciError::Interrupted),
+            Some(Err(e)) => return Ok(Some(Err(format!("layer {}: {e}", l.digest)))),
         }
     }
     let record = TocRecord {
@@ -394,7 +441,7 @@ enum Got {
 fn image_of(
     store: &Store,
     record: TocRecord,
-    tocs: &[Toc],
+    tocs: &[Arc<Toc>],
     keep_all_xattrs: bool,
     diff: bool,
 ) -> Result<TocImage, String> {
@@ -446,11 +493,10 @@ fn image_of(
         },
     )
     .map_err(|e| format!("the image of the tables of contents cannot be written: {e}"))?;
-    let (_, info) = tilefs_image::erofs::read_image(&image.bytes).map_err(|e| e.to_string())?;
     Ok(TocImage {
         digest: image.digest,
         entries: tree.inodes.len(),
-        format_version: info.version,
+        format_version: image.version,
         lazy_files: lazy_files.len() as u64,
         formats: formats(&record.layers),
         record: (!lazy_files.is_empty()).then_some(record),
@@ -712,7 +758,7 @@ pub fn open_source(store: &Path, image: &[u8; 32]) -> Result<Option<Arc<dyn Obje
 pub struct TocSource {
     store: Store,
     record: TocRecord,
-    tocs: Vec<Toc>,
+    tocs: Vec<Arc<Toc>>,
     /// Each SHA-256 the tables list: (layer, entry) of a file with it.
     files: HashMap<[u8; 32], (usize, usize)>,
     transport: OnceLock<Box<dyn Transport>>,
@@ -729,12 +775,20 @@ impl TocSource {
         };
         let path = remote::record_path(&store, image);
         let mut tocs = Vec::with_capacity(record.layers.len());
-        let mut files = HashMap::new();
         for (i, l) in record.layers.iter().enumerate() {
             let toc = l
                 .table
                 .parse()
                 .map_err(|e| OciError::io(&path, "a lazy-pull record", io::Error::other(format!("layer {i}: {e}"))))?;
+            tocs.push(Arc::new(toc));
+        }
+        Ok(Some(TocSource::of(store, record, tocs)))
+    }
+
+    /// The source of `record`'s files, its tables parsed (`tocs`).
+    fn of(store: Store, record: TocRecord, tocs: Vec<Arc<Toc>>) -> TocSource {
+        let mut files = HashMap::new();
+        for (i, toc) in tocs.iter().enumerate() {
             for (k, e) in toc.entries.iter().enumerate() {
                 if let toc::Kind::File(f) = &e.kind {
                     if let Ok(d) = sha256_of(f) {
@@ -742,16 +796,15 @@ impl TocSource {
                     }
                 }
             }
-            tocs.push(toc);
         }
-        Ok(Some(TocSource {
+        TocSource {
             store,
             record,
             tocs,
             files,
             transport: OnceLock::new(),
             flights: Flights::default(),
-        }))
+        }
     }
 
     fn timeout(&self) -> Duration {

@@ -56,12 +56,15 @@ pub fn server(backend: &Path, snap: crate::Tilefs) -> ImageServiceServer<Proxy> 
     })
 }
 
-/// The secret CRI's `auth` gives, if it gives one that is used: a
-/// registry token, else a user and password (or `auth`, their base64).
-/// An identity token (an OAuth2 refresh token) is not.
+/// The secret CRI's `auth` gives, if it gives one: a registry token, else
+/// an identity token (an OAuth2 refresh token, exchanged at the token
+/// server), else a user and password (or `auth`, their base64).
 pub fn secret_of(auth: &AuthConfig) -> Option<Secret> {
     if !auth.registry_token.is_empty() {
         return Some(Secret::Token(auth.registry_token.clone()));
+    }
+    if !auth.identity_token.is_empty() {
+        return Some(Secret::Identity(auth.identity_token.clone()));
     }
     if !auth.username.is_empty() {
         return Some(Secret::Basic {
@@ -173,6 +176,9 @@ mod tests {
         );
         assert_eq!(a(&|c| c.auth = "not base64!".into()), None);
         assert_eq!(a(&|c| c.registry_token = "t".into()), Some(Secret::Token("t".into())));
-        assert_eq!(a(&|c| c.identity_token = "t".into()), None);
+        assert_eq!(
+            a(&|c| c.identity_token = "t".into()),
+            Some(Secret::Identity("t".into()))
+        );
     }
 }

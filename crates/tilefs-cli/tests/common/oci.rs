@@ -227,6 +227,28 @@ pub fn push_image_to(
     remote
 }
 
+/// A new version of the image [`push_image_with`] made as `NAME`: a layer
+/// more on top of its layers (the same blobs), filled by `fill`, pushed
+/// as `tilefs/NAME:TAG` to the registry at `addr`. Returns its reference.
+pub fn push_next_version(area: &Area, addr: &str, name: &str, tag: &str, fill: &dyn Fn(&Path)) -> String {
+    let layout = area.path(&format!("layout-{name}"));
+    let bundle = area.path(&format!("bundle-{name}"));
+    let lay = format!("{}:{name}", layout.display());
+    let _ = fs::remove_dir_all(&bundle);
+    checked(Command::new("umoci").args(["unpack", "--image", &lay]).arg(&bundle));
+    fill(&bundle.join("rootfs"));
+    checked(Command::new("umoci").args(["repack", "--image", &lay]).arg(&bundle));
+    let remote = format!("{addr}/tilefs/{name}:{tag}");
+    checked(Command::new("skopeo").args([
+        "copy",
+        "-q",
+        "--dest-tls-verify=false",
+        &format!("oci:{lay}"),
+        &format!("docker://{remote}"),
+    ]));
+    remote
+}
+
 /// The host's static busybox as `root/bin/busybox`, with `applets` as
 /// symlinks to it.
 pub fn busybox_into(root: &Path, applets: &[&str]) {

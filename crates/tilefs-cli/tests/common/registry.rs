@@ -201,6 +201,19 @@ impl Registry {
             .collect()
     }
 
+    /// The digest of each blob uploaded (the PUT that ends an upload)
+    /// since `before` requests, in the log's order.
+    pub fn uploaded_since(&self, before: usize) -> Vec<String> {
+        self.requests()[before..]
+            .iter()
+            .filter(|q| q.method == "PUT" && q.path.contains("/blobs/uploads/"))
+            .filter_map(|q| {
+                let d = q.path.split("digest=").nth(1)?;
+                Some(d.split('&').next()?.replace("%3A", ":").replace("%3a", ":"))
+            })
+            .collect()
+    }
+
     /// Where the registry keeps blob `digest` ("sha256:HEX").
     pub fn blob_file(&self, digest: &str) -> PathBuf {
         let hex = digest.strip_prefix("sha256:").unwrap();
@@ -625,5 +638,220 @@ impl Drop for ReferrersRegistry {
     fn drop(&mut self) {
         let _ = self.child.kill();
         let _ = self.child.wait();
+    }
+}
+
+/// A token server for a docker-registry started with [`TokenServer::auth`]
+/// (the distribution spec's token authentication): it hands out JWTs
+/// signed with a key of its own (made with openssl), which the registry
+/// checks against its certificate, for a user name and password (a GET
+/// with Basic credentials, as skopeo asks) or an OAuth2 refresh token (a
+/// POST of the refresh-token grant). Each request's method and decoded
+/// parameters are logged. Stopped when dropped.
+pub struct TokenServer {
+    pub addr: String,
+    cert: PathBuf,
+    pub asked: Arc<std::sync::Mutex<Vec<Asked>>>,
+    stop: Arc<AtomicBool>,
+}
+
+/// A request to a [`TokenServer`]: its method and its parameters (query
+/// and form, decoded).
+pub type Asked = (String, Vec<(String, String)>);
+
+/// `application/x-www-form-urlencoded` (or a query) decoded.
+fn form_pairs(s: &str) -> Vec<(String, String)> {
+    let decode = |v: &str| {
+        let b = v.as_bytes();
+        let mut out = Vec::new();
+        let mut i = 0;
+        while i < b.len() {
+            match b[i] {
+                b'+' => out.push(b' '),
+                b'%' if i + 2 < b.len() => {
+                    let hex = std::str::from_utf8(&b[i + 1..i + 3]).unwrap_or("");
+                    out.push(u8::from_str_radix(hex, 16).unwrap_or(b'?'));
+                    i += 2;
+                }
+                c => out.push(c),
+            }
+            i += 1;
+        }
+        String::from_utf8_lossy(&out).into_owned()
+    };
+    s.split('&')
+        .filter(|p| !p.is_empty())
+        .map(|p| {
+            let (k, v) = p.split_once('=').unwrap_or((p, ""));
+            (decode(k), decode(v))
+        })
+        .collect()
+}
+
+impl TokenServer {
+    pub const SERVICE: &'static str = "tilefs-test";
+    const ISSUER: &'static str = "tilefs-test-issuer";
+
+    /// A server that accepts `user`:`password` and the refresh token
+    /// `refresh`.
+    pub fn start(area: &Area, user: &str, password: &str, refresh: &str) -> TokenServer {
+        let (key, cert) = (area.path("token-key.pem"), area.path("token-cert.pem"));
+        let ok = Command::new("openssl")
+            .args([
+                "req",
+                "-x509",
+                "-newkey",
+                "rsa:2048",
+                "-nodes",
+                "-days",
+                "1",
+                "-subj",
+                "/CN=tilefs-test-token",
+            ])
+            .arg("-keyout")
+            .arg(&key)
+            .arg("-out")
+            .arg(&cert)
+            .output()
+            .expect("openssl");
+        assert!(
+            ok.status.success(),
+            "openssl req: {}",
+            String::from_utf8_lossy(&ok.stderr)
+        );
+        let der = Command::new("openssl")
+            .args(["x509", "-outform", "DER", "-in"])
+            .arg(&cert)
+            .output()
+            .unwrap()
+            .stdout;
+        use base64::Engine;
+        let (std64, url64) = (
+            base64::engine::general_purpose::STANDARD,
+            base64::engine::general_purpose::URL_SAFE_NO_PAD,
+        );
+        let header =
+            url64.encode(serde_json::json!({"typ": "JWT", "alg": "RS256", "x5c": [std64.encode(der)]}).to_string());
+        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+        listener.set_nonblocking(true).unwrap();
+        let addr = listener.local_addr().unwrap().to_string();
+        let stop = Arc::new(AtomicBool::new(false));
+        let asked = Arc::new(std::sync::Mutex::new(Vec::new()));
+        let basic = format!("Basic {}", std64.encode(format!("{user}:{password}")));
+        let refresh = refresh.to_string();
+        let (stop2, asked2) = (stop.clone(), asked.clone());
+        let sign = move |scopes: &[String]| -> String {
+            let now = std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .unwrap()
+                .as_secs();
+            let access: Vec<serde_json::Value> = scopes
+                .iter()
+                .filter_map(|s| {
+                    let mut p = s.splitn(3, ':');
+                    let (kind, name, actions) = (p.next()?, p.next()?, p.next()?);
+                    Some(serde_json::json!({"type": kind, "name": name, "actions": actions.split(',').collect::<Vec<_>>()}))
+                })
+                .collect();
+            let claims = serde_json::json!({
+                "iss": Self::ISSUER, "sub": "alice", "aud": Self::SERVICE, "exp": now + 600,
+                "nbf": now - 60, "iat": now - 60, "jti": format!("{now}-{}", access.len()), "access": access,
+            });
+            let signed = format!("{header}.{}", url64.encode(claims.to_string()));
+            let mut child = Command::new("openssl")
+                .args(["dgst", "-sha256", "-sign"])
+                .arg(&key)
+                .stdin(std::process::Stdio::piped())
+                .stdout(std::process::Stdio::piped())
+                .spawn()
+                .unwrap();
+            child.stdin.take().unwrap().write_all(signed.as_bytes()).unwrap();
+            let sig = child.wait_with_output().unwrap().stdout;
+            format!("{signed}.{}", url64.encode(sig))
+        };
+        std::thread::spawn(move || {
+            while !stop2.load(Relaxed) {
+                let Ok((mut conn, _)) = listener.accept() else {
+                    std::thread::sleep(Duration::from_millis(10));
+                    continue;
+                };
+                conn.set_nonblocking(false).unwrap();
+                conn.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+                let mut reader = std::io::BufReader::new(conn.try_clone().unwrap());
+                let mut head = String::new();
+                loop {
+                    let mut line = String::new();
+                    use std::io::BufRead;
+                    match reader.read_line(&mut line) {
+                        Ok(1..) if line != "\r\n" => head.push_str(&line),
+                        _ => break,
+                    }
+                }
+                let header = |name: &str| {
+                    head.lines().find_map(|l| {
+                        let (k, v) = l.split_once(':')?;
+                        k.trim().eq_ignore_ascii_case(name).then(|| v.trim().to_string())
+                    })
+                };
+                let mut first = head.split_whitespace();
+                let (method, path) = (first.next().unwrap_or("").to_string(), first.next().unwrap_or(""));
+                let len: usize = header("content-length").and_then(|l| l.parse().ok()).unwrap_or(0);
+                let mut body = vec![0; len.min(1 << 20)];
+                let _ = reader.read_exact(&mut body);
+                let mut params = form_pairs(path.split_once('?').map_or("", |(_, q)| q));
+                params.extend(form_pairs(&String::from_utf8_lossy(&body)));
+                let param = |k: &str| params.iter().find(|(n, _)| n == k).map(|(_, v)| v.clone());
+                let scopes: Vec<String> = params
+                    .iter()
+                    .filter(|(k, _)| k == "scope")
+                    .flat_map(|(_, v)| v.split(' ').map(str::to_string).collect::<Vec<_>>())
+                    .collect();
+                let granted = match method.as_str() {
+                    "GET" => header("authorization").as_deref() == Some(basic.as_str()),
+                    "POST" => {
+                        param("grant_type").as_deref() == Some("refresh_token")
+                            && param("refresh_token").as_deref() == Some(refresh.as_str())
+                    }
+                    _ => false,
+                };
+                asked2.lock().unwrap().push((method, params.clone()));
+                let answer = match granted {
+                    true => {
+                        let body = serde_json::json!({"access_token": sign(&scopes), "expires_in": 600}).to_string();
+                        format!(
+                            "HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+                            body.len()
+                        )
+                    }
+                    false => "HTTP/1.1 401 Unauthorized\r\nContent-Type: application/json\r\nContent-Length: 26\r\nConnection: close\r\n\r\n{\"error\":\"invalid_grant\"}\n"
+                        .to_string(),
+                };
+                let _ = conn.write_all(answer.as_bytes());
+            }
+        });
+        TokenServer {
+            addr,
+            cert,
+            asked,
+            stop,
+        }
+    }
+
+    /// The registry configuration (for [`Registry::start_with`]) that
+    /// sends clients here.
+    pub fn auth(&self) -> String {
+        format!(
+            "auth:\n  token:\n    realm: http://{}/token\n    service: {}\n    issuer: {}\n    rootcertbundle: {}\n",
+            self.addr,
+            Self::SERVICE,
+            Self::ISSUER,
+            self.cert.display()
+        )
+    }
+}
+
+impl Drop for TokenServer {
+    fn drop(&mut self) {
+        self.stop.store(true, Relaxed);
     }
 }

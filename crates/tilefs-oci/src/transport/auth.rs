@@ -8,8 +8,11 @@
 //! specific key wins: `HOST/NAMESPACE/REPO`, then each namespace above
 //! it, then `HOST`, then a key naming the host with a scheme or path
 //! (`https://index.docker.io/v1/`); Docker Hub is `docker.io` under any of
-//! its names. An entry holds `auth`: base64 of `USER:PASSWORD`.
+//! its names. An entry holds `auth`: base64 of `USER:PASSWORD`, or
+//! `identitytoken`: an OAuth2 refresh token (what `docker login` keeps for
+//! registries that hand one out), used in its place when present.
 
+use super::keychain::Secret;
 use crate::OciError;
 use base64::Engine;
 use serde::Deserialize;
@@ -27,11 +30,31 @@ struct AuthFile {
 struct AuthEntry {
     #[serde(default)]
     auth: Option<String>,
+    #[serde(default)]
+    identitytoken: Option<String>,
 }
 
 /// The files searched, in order.
 pub fn auth_files() -> Vec<PathBuf> {
     files_for(|k| std::env::var_os(k), rustix::process::getuid().as_raw())
+}
+
+/// What tells a credential file's versions apart: its path, and its
+/// inode, size and modification time (None while it does not exist).
+pub type FileState = (PathBuf, Option<(u64, u64, i64, i64)>);
+
+/// The state of each file of [`auth_files`], to see that one changed (a
+/// `podman login` wrote it) without reading them.
+pub fn files_state() -> Vec<FileState> {
+    use std::os::unix::fs::MetadataExt;
+    auth_files()
+        .into_iter()
+        .map(|p| {
+            let m = std::fs::metadata(&p).ok();
+            let s = m.map(|m| (m.ino(), m.size(), m.mtime(), m.mtime_nsec()));
+            (p, s)
+        })
+        .collect()
 }
 
 /// [`auth_files`] for an environment `var` and a user id.
@@ -56,13 +79,13 @@ fn files_for(var: impl Fn(&str) -> Option<OsString>, uid: u32) -> Vec<PathBuf> {
 
 /// Credentials found for a registry, and the file they came from.
 pub struct Credentials {
-    pub user: String,
-    pub password: String,
+    /// A user name and password, or an identity token.
+    pub secret: Secret,
     pub file: PathBuf,
 }
 
-/// The user name and password for `repository` (`NAMESPACE/REPO`) on
-/// `registry` (`HOST[:PORT]`), if a file has them.
+/// The credentials for `repository` (`NAMESPACE/REPO`) on `registry`
+/// (`HOST[:PORT]`), if a file has them.
 pub fn credentials(registry: &str, repository: &str) -> Result<Option<Credentials>, OciError> {
     let registry = hub(registry);
     for path in auth_files() {
@@ -78,10 +101,17 @@ pub fn credentials(registry: &str, repository: &str) -> Result<Option<Credential
         };
         let file: AuthFile = serde_json::from_slice(&raw)
             .map_err(|e| OciError::manifest(path.display().to_string(), format!("not a credentials file: {e}")))?;
-        let Some((key, auth)) = entry_for(&file, registry, repository) else {
+        let Some((key, entry)) = entry_for(&file, registry, repository) else {
             continue;
         };
         let bad = |why: &str| OciError::manifest(path.display().to_string(), format!("entry {key:?}: {why}"));
+        if let Some(t) = entry.identitytoken.as_deref().filter(|t| !t.is_empty()) {
+            return Ok(Some(Credentials {
+                secret: Secret::Identity(t.to_string()),
+                file: path,
+            }));
+        }
+        let auth = entry.auth.as_deref().unwrap_or_default();
         let decoded = base64::engine::general_purpose::STANDARD
             .decode(auth.trim())
             .map_err(|_| bad("auth is not base64"))?;
@@ -90,18 +120,26 @@ pub fn credentials(registry: &str, repository: &str) -> Result<Option<Credential
             .split_once(':')
             .ok_or_else(|| bad("auth is not USER:PASSWORD"))?;
         return Ok(Some(Credentials {
-            user: user.to_string(),
-            password: pass.to_string(),
+            secret: Secret::Basic {
+                user: user.to_string(),
+                password: pass.to_string(),
+            },
             file: path,
         }));
     }
     Ok(None)
 }
 
-/// The key and `auth` of `file`'s entry for `registry/repository`: the
-/// most specific key, else one naming the host in another spelling.
-fn entry_for<'a>(file: &'a AuthFile, registry: &str, repository: &str) -> Option<(&'a str, &'a str)> {
-    let with_auth = |(k, e): (&'a String, &'a AuthEntry)| Some((k.as_str(), e.auth.as_deref()?));
+/// The key and entry of `file` for `registry/repository` (one with `auth`
+/// or `identitytoken`): the most specific key, else one naming the host
+/// in another spelling.
+fn entry_for<'a>(file: &'a AuthFile, registry: &str, repository: &str) -> Option<(&'a str, &'a AuthEntry)> {
+    let has = |e: &AuthEntry| {
+        [&e.auth, &e.identitytoken]
+            .iter()
+            .any(|v| v.as_deref().is_some_and(|v| !v.is_empty()))
+    };
+    let with_auth = |(k, e): (&'a String, &'a AuthEntry)| has(e).then_some((k.as_str(), e));
     let mut key = format!("{registry}/{repository}");
     loop {
         if let Some(found) = file.auths.get_key_value(&key).and_then(with_auth) {

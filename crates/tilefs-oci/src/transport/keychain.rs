@@ -20,6 +20,10 @@ pub enum Secret {
     Basic { user: String, password: String },
     /// A Bearer token sent as it is (CRI's `registry_token`).
     Token(String),
+    /// An OAuth2 refresh token (CRI's `identity_token`, auth.json's
+    /// `identitytoken`), exchanged at the token server the registry's
+    /// challenge names for a Bearer token.
+    Identity(String),
 }
 
 impl std::fmt::Debug for Secret {
@@ -27,6 +31,7 @@ impl std::fmt::Debug for Secret {
         match self {
             Secret::Basic { user, .. } => write!(f, "Basic({user}, <hidden>)"),
             Secret::Token(_) => write!(f, "Token(<hidden>)"),
+            Secret::Identity(_) => write!(f, "Identity(<hidden>)"),
         }
     }
 }

@@ -12,13 +12,17 @@
 //!
 //! Credentials are those [`super::auth`] finds, sent as the registry's
 //! challenge (its answer to `GET /v2/`) asks: Basic, or a Bearer token
-//! asked of the token server the challenge names, whose answer is read
+//! asked of the token server the challenge names (with the user and
+//! password, or for an identity token by OAuth2's refresh-token grant, a
+//! POST, as the distribution spec's token authentication says), whose
+//! answer is read
 //! with its size cap ([`bounded::MAX_TOKEN_ANSWER`]) within the limits of
 //! the transfer it authorizes. Uploads (a push) go through oci-client,
 //! given that token (it would read a token server's answer whole).
 //!
 //! The client is asynchronous; a small runtime of our own drives it.
 
+use super::keychain::Secret;
 use super::{resolve_manifest, RegistryOptions, Resolved, Transport};
 use crate::bounded::{self, read_at_most, MAX_ERROR_BODY, MAX_TOKEN_ANSWER};
 use crate::digest::Digest;
@@ -67,7 +71,8 @@ struct Http {
     client: reqwest::Client,
     /// Whose pulls (and pushes) a Bearer token is asked for.
     reference: Reference,
-    auth: RegistryAuth,
+    /// Our credentials (None: anonymous).
+    auth: Option<Secret>,
     /// `SCHEME://HOST[:PORT]`.
     base: String,
     /// Where the distribution API is: `BASE/v2`, or the path hosts.toml
@@ -144,12 +149,7 @@ impl Registry {
                     .join(", ")
             ),
         };
-        let auth = match (given, creds) {
-            (Some(super::keychain::Secret::Basic { user, password }), _) => RegistryAuth::Basic(user, password),
-            (Some(super::keychain::Secret::Token(t)), _) => RegistryAuth::Bearer(t),
-            (None, Some(c)) => RegistryAuth::Basic(c.user, c.password),
-            (None, None) => RegistryAuth::Anonymous,
-        };
+        let auth = given.or(creds.map(|c| c.secret));
         let config = ClientConfig {
             protocol: if opts.tls_verify {
                 ClientProtocol::Https
@@ -633,7 +633,7 @@ impl Http {
 
     async fn challenge(&self) -> io::Result<Option<HeaderValue>> {
         // A registry token (CRI's registry_token) is sent as it is.
-        if let RegistryAuth::Bearer(t) = &self.auth {
+        if let Some(Secret::Token(t)) = &self.auth {
             return sensitive(format!("Bearer {t}"));
         }
         let Some((scheme, challenge)) = self.asks().await? else {
@@ -645,7 +645,7 @@ impl Http {
                 sensitive(format!("Bearer {token}"))
             }
             "basic" => match &self.auth {
-                RegistryAuth::Basic(user, password) => {
+                Some(Secret::Basic { user, password }) => {
                     use base64::Engine;
                     let token = base64::engine::general_purpose::STANDARD.encode(format!("{user}:{password}"));
                     sensitive(format!("Basic {token}"))
@@ -663,7 +663,12 @@ impl Http {
             Some((scheme, challenge)) if scheme == "bearer" => Ok(RegistryAuth::Bearer(
                 self.bearer(&challenge, RegistryOperation::Push).await?,
             )),
-            _ => Ok(self.auth.clone()),
+            _ => Ok(match &self.auth {
+                Some(Secret::Basic { user, password }) => RegistryAuth::Basic(user.clone(), password.clone()),
+                Some(Secret::Token(t)) => RegistryAuth::Bearer(t.clone()),
+                // An identity token is good at a token server only.
+                Some(Secret::Identity(_)) | None => RegistryAuth::Anonymous,
+            }),
         }
     }
 
@@ -717,10 +722,21 @@ impl Http {
         if let Some(service) = param("service") {
             query.push(("service", service));
         }
-        let mut req = self.client.get(&realm).query(&query);
-        if let RegistryAuth::Basic(user, password) = &self.auth {
-            req = req.basic_auth(user, Some(password));
-        }
+        let req = match &self.auth {
+            // OAuth2's refresh-token grant, form-encoded in a POST.
+            Some(Secret::Identity(t)) => {
+                query.extend([
+                    ("grant_type", "refresh_token".to_string()),
+                    ("refresh_token", t.clone()),
+                    ("client_id", "tilefs".to_string()),
+                ]);
+                self.client.post(&realm).form(&query)
+            }
+            Some(Secret::Basic { user, password }) => {
+                self.client.get(&realm).query(&query).basic_auth(user, Some(password))
+            }
+            _ => self.client.get(&realm).query(&query),
+        };
         let server = |why: String| fail(format!("the token server {realm}: {why}"));
         let resp = req.send().await.map_err(|e| server(with_causes(&e)))?;
         let status = resp.status();
@@ -786,11 +802,12 @@ const MAX_LEARNT: usize = 256;
 
 /// A digest of `auth`'s secret, to tell entries apart without keeping it
 /// in a key.
-fn fingerprint(auth: &RegistryAuth) -> String {
+fn fingerprint(auth: &Option<Secret>) -> String {
     let s = match auth {
-        RegistryAuth::Anonymous => return "anonymous".into(),
-        RegistryAuth::Basic(u, p) => format!("basic\n{u}\n{p}"),
-        RegistryAuth::Bearer(t) => format!("bearer\n{t}"),
+        None => return "anonymous".into(),
+        Some(Secret::Basic { user, password }) => format!("basic\n{user}\n{password}"),
+        Some(Secret::Token(t)) => format!("bearer\n{t}"),
+        Some(Secret::Identity(t)) => format!("identity\n{t}"),
     };
     Digest::sha256_of(s.as_bytes()).to_string()
 }
