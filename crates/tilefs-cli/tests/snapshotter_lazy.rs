@@ -783,3 +783,49 @@ fn on_a_store_that_refuses_marks_lazy_images_are_served_by_fuse_saying_why_once(
     assert_eq!(said.len(), 1, "{log}");
     assert!(said[0].contains("pre-content"), "{log}");
 }
+
+/// `lazy_fetch_rest`: the filler of a kernel-served lazy image fetches
+/// what no container read, in the background, until the store has the
+/// whole image; a container then reads it without a fetch.
+#[test]
+fn lazy_fetch_rest_completes_kernel_served_images_in_the_background() {
+    require(cannot_fill());
+    let area = Area::new();
+    let base = area.path("");
+    let registry = Registry::start(&area);
+    let files = std::cell::RefCell::new(Vec::new());
+    let img = Indexed::push(
+        &area,
+        &registry,
+        &registry.addr,
+        "app",
+        &[&|r: &Path| *files.borrow_mut() = common::oci::tree(r, 61, 12, 256 << 10)],
+    );
+    let config = area.path("snapshotter.toml");
+    fs::write(&config, "lazy_fetch_rest = \"64M\"\n").unwrap();
+    let snap = Snap::start_with(&base, &["--config", config.to_str().unwrap()]);
+    let name = img.make_lazily(&snap, 0, "");
+    let store = base.join("store");
+    let placeholders = || {
+        let out = ok(Command::new(tilefs_bin()).args(["fsck", "--json", "--store"]).arg(&store));
+        serde_json::from_str::<serde_json::Value>(&out).unwrap()["placeholders"].clone()
+    };
+    let blob_gets = |from: usize| {
+        registry.requests()[from..]
+            .iter()
+            .filter(|r| r.method == "GET" && r.path.contains("/blobs/"))
+            .count()
+    };
+    // The container's mount starts the filler; nothing is read.
+    let at_mount = registry.requests().len();
+    let mounts = snap.prepare_mounts("k8s.io/9/ctr", &name, HashMap::new()).unwrap();
+    assert!(kernel_served(&mounts), "{mounts:?}\n{}", snap.log());
+    wait_until("every placeholder filled in the background", || placeholders() == 0);
+    assert!(blob_gets(at_mount) > 0, "nothing was fetched in the background");
+    let root = mount_all(&mounts, &area.path("ctr"));
+    let before = registry.requests().len();
+    for (f, _) in files.borrow().iter() {
+        assert_eq!(fs::read(root.0.join(f)).unwrap(), fs::read(img.rootfs.join(f)).unwrap(), "{f}");
+    }
+    assert_eq!(blob_gets(before), 0, "blobs fetched for files the store had");
+}
