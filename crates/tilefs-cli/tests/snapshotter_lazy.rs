@@ -807,7 +807,9 @@ fn lazy_fetch_rest_completes_kernel_served_images_in_the_background() {
     let name = img.make_lazily(&snap, 0, "");
     let store = base.join("store");
     let placeholders = || {
-        let out = ok(Command::new(tilefs_bin()).args(["fsck", "--json", "--store"]).arg(&store));
+        let out = ok(Command::new(tilefs_bin())
+            .args(["fsck", "--json", "--store"])
+            .arg(&store));
         serde_json::from_str::<serde_json::Value>(&out).unwrap()["placeholders"].clone()
     };
     let blob_gets = |from: usize| {
@@ -825,7 +827,11 @@ fn lazy_fetch_rest_completes_kernel_served_images_in_the_background() {
     let root = mount_all(&mounts, &area.path("ctr"));
     let before = registry.requests().len();
     for (f, _) in files.borrow().iter() {
-        assert_eq!(fs::read(root.0.join(f)).unwrap(), fs::read(img.rootfs.join(f)).unwrap(), "{f}");
+        assert_eq!(
+            fs::read(root.0.join(f)).unwrap(),
+            fs::read(img.rootfs.join(f)).unwrap(),
+            "{f}"
+        );
     }
     assert_eq!(blob_gets(before), 0, "blobs fetched for files the store had");
 }
