@@ -1,6 +1,8 @@
 """Section cri_lazy: lazy starts through containerd's CRI plugin, from
-`crictl pull` to a container's first output, in five configurations: the
-tilefs snapshotter on an ordinary gzip image with a `tilefs index`, SOCI
+`crictl pull` to a container's first output, in six configurations: the
+tilefs snapshotter on an ordinary gzip image with a `tilefs index` (served
+by the kernel where the work directory's filesystem takes fanotify
+pre-content marks, and again with --lazy-fuse, by FUSE), SOCI
 on the same image with its own index (v2, `soci convert --standalone`),
 stargz-snapshotter on the image's eStargz conversion, the tilefs
 snapshotter on that eStargz image, and containerd's overlayfs snapshotter
@@ -483,7 +485,7 @@ def soci_convert(soci: Path, layout: Layout, work: Path) -> tuple[Path, int, str
 
 def _run(b, work: Path, registry: Registry, rig: Rig) -> None:
     tilefs = b.tilefs
-    wanted = (os.environ.get("BENCH_CRI_PEERS") or "tilefs soci stargz tilefs-esgz overlayfs").split()
+    wanted = (os.environ.get("BENCH_CRI_PEERS") or "tilefs tilefs-fuse soci stargz tilefs-esgz overlayfs").split()
     stargz_dir, stargz_build = None, "stargz-snapshotter: not asked for (BENCH_CRI_PEERS)"
     if {"stargz", "tilefs-esgz"} & set(wanted):
         stargz_dir, stargz_build = build_peer(b, "stargz", "STARGZ_BIN_DIR")
@@ -543,6 +545,8 @@ def _run(b, work: Path, registry: Registry, rig: Rig) -> None:
             stargz_dir = None
         shutil.rmtree(work / "esgz", ignore_errors=True)
     images["overlayfs"] = plain
+    if "tilefs" in images:
+        images["tilefs-fuse"] = plain
     shutil.rmtree(layout.root)
     sizes, layer_counts = {}, {}
     for role, ref in [("plain", plain), ("esgz", esgz if stargz_dir else None)]:
@@ -561,6 +565,9 @@ def _run(b, work: Path, registry: Registry, rig: Rig) -> None:
     def tilefs_serve(root: Path, sock: Path) -> list:
         return [tilefs, "snapshotter", "--root", root / "root", "--store", root / "store", "--socket", sock, tls]
 
+    def tilefs_fuse_serve(root: Path, sock: Path) -> list:
+        return tilefs_serve(root, sock) + ["--lazy-fuse"]
+
     def soci_serve(root: Path, sock: Path) -> list:
         # Defaults but for plain HTTP to the loopback registry and this
         # containerd's socket (SOCI reads image manifests through it).
@@ -576,6 +583,7 @@ def _run(b, work: Path, registry: Registry, rig: Rig) -> None:
     peers = {}
     for key, label, snap, serve, exports in [
         ("tilefs", "tilefs (ordinary image + tilefs index)", "tilefs", tilefs_serve, None),
+        ("tilefs-fuse", "tilefs, FUSE lazy (--lazy-fuse; same image)", "tilefs", tilefs_fuse_serve, None),
         ("soci", "SOCI (ordinary image + SOCI index v2)", "soci", soci_serve, lambda root: {"root": root / "root"}),
         ("stargz", "stargz-snapshotter (eStargz)", "stargz", stargz_serve, None),
         ("tilefs-esgz", "tilefs (eStargz)", "tilefs", tilefs_serve, None),
@@ -651,7 +659,7 @@ def _run(b, work: Path, registry: Registry, rig: Rig) -> None:
     notes = [
         "each run: fresh containerd 1.6 (CRI, snapshot annotations on) + fresh snapshotter directories, the "
         "sandbox image pulled untimed; the output is waited for in the container's log file (the file crictl "
-        "logs reads), polled every 5 ms; the five configurations interleaved, the order rotated every round",
+        "logs reads), polled every 5 ms; the configurations interleaved, the order rotated every round",
         f"image: {what}; ordinary image {layer_counts['plain']} layers, {sizes['plain'] / 1e6:.0f} MB of blobs"
         + (f"; eStargz {layer_counts['esgz']} layers, {sizes['esgz'] / 1e6:.0f} MB" if "esgz" in sizes else ""),
     ]
@@ -670,6 +678,9 @@ def _run(b, work: Path, registry: Registry, rig: Rig) -> None:
         "stargz-snapshotter on its eStargz conversion; stargz: " + stargz_build)
     row("cri-lazy/esgz", "tilefs-esgz", "stargz", GOAL_RATIO, "goal: tilefs <= stargz-snapshotter, both on the "
         "eStargz image (tilefs from its tables of contents, no index)")
+    row("cri-lazy/kernel-vs-fuse", "tilefs", "tilefs-fuse", GOAL_RATIO, "goal: the kernel lazy path (a kernel "
+        "overlay over the image's EROFS mount, objects filled on first read through fanotify pre-content events) "
+        "no slower than the FUSE lazy path, both on the ordinary image with its tilefs index")
     row("cri-lazy/index-vs-overlayfs", "tilefs", "overlayfs", None, "reference: containerd's overlayfs "
         "snapshotter pulls and unpacks the whole image")
     ok = {k: s for k, s in series.items() if s.ok}

@@ -99,6 +99,11 @@ pub struct MountArgs {
     /// fetches of a lazily pulled image honour
     #[arg(long, hide = true, value_name = "DIR")]
     pub hosts_dir: Option<PathBuf>,
+    /// For the snapshotter: a kernel mount of a lazily pulled image file as EROFS alone (the
+    /// container's overlay adds the store as its data-only lower), its placeholders filled on
+    /// first access; exit code 3 (the reason on stderr) where the kernel cannot fill them here
+    #[arg(long, hide = true, conflicts_with_all = ["fuse", "kernel", "delegated", "foreground"])]
+    pub erofs_alone: bool,
 }
 
 #[derive(Args)]
@@ -124,7 +129,7 @@ pub struct Serving {
 }
 
 /// `--fetch-rest`: bytes a second, with an optional K, M or G.
-fn parse_rate(s: &str) -> Result<u64, String> {
+pub(crate) fn parse_rate(s: &str) -> Result<u64, String> {
     let (num, unit) = match s.char_indices().last() {
         Some((i, c)) if c.is_ascii_alphabetic() => (&s[..i], c.to_ascii_uppercase()),
         _ => (s, 'B'),
@@ -157,6 +162,9 @@ pub fn mount(a: MountArgs) -> Result<ExitCode> {
     }
     if a.hosts_dir.is_some() {
         tilefs_oci::transport::hosts::set_config_path(a.hosts_dir.clone());
+    }
+    if a.erofs_alone {
+        return erofs_alone(&a);
     }
     let mut options = ParsedOptions::default();
     for o in &a.options {
@@ -222,6 +230,31 @@ pub fn mount(a: MountArgs) -> Result<ExitCode> {
             fetch_rest: a.fetch_rest,
         },
     )?;
+    Ok(ExitCode::SUCCESS)
+}
+
+/// `--erofs-alone` (see there): the exit code 3 says the kernel cannot
+/// fill this image's placeholders here (the reason on stderr), the
+/// caller's cue to serve it by FUSE.
+fn erofs_alone(a: &MountArgs) -> Result<ExitCode> {
+    use tilefs_present::kernel_lazy::{self, NotMounted};
+    let store = tilefs_store::Store::open(&a.store.path()?)?;
+    let (armed, id) = match kernel_lazy::mount_erofs_alone(&store, &a.image, &a.mountpoint) {
+        Ok(m) => m,
+        Err(NotMounted::Unable(why)) => {
+            eprintln!("{why}");
+            return Ok(ExitCode::from(3));
+        }
+        Err(NotMounted::Failed(why)) => bail!(why),
+    };
+    let Some(armed) = armed else {
+        return Ok(ExitCode::SUCCESS);
+    };
+    let log_file = a
+        .log
+        .clone()
+        .or_else(|| (!has_syslog()).then(|| default_log_file("fuse.log")).flatten());
+    crate::lazy_serve::serve(armed, &a.mountpoint, id, a.fetch_rest, false, log_file.as_deref())?;
     Ok(ExitCode::SUCCESS)
 }
 

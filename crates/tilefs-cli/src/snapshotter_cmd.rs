@@ -9,6 +9,7 @@ use clap::Args;
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 use std::time::Duration;
+use tilefs_snapshotter::lazy::{How, Refused};
 use tilefs_snapshotter::{
     Config, Tilefs, DEFAULT_CONTAINERD_ROOT, DEFAULT_GC_DELAY, DEFAULT_PLUGIN_NAME, DEFAULT_ROOT, DEFAULT_SOCKET,
 };
@@ -25,7 +26,7 @@ pub struct SnapshotterArgs {
     pub store: StoreArg,
     /// TOML file with any of the options below (`root`, `store`, `socket`, `gc_delay`, `gc = false`,
     /// `cri_imagefs`, `tls_verify`, `timeout`, `min_rate`, `registries_conf`, `registries_d`,
-    /// `signature_policy`), and the tables `[cri_keychain]` (`enable_keychain`,
+    /// `signature_policy`, `lazy_fuse = true`, `lazy_fetch_rest = "RATE"`), and the tables `[cri_keychain]` (`enable_keychain`,
     /// `image_service_path`: serve CRI's image service here, in front of containerd's) and
     /// `[registry]` (`config_path`: containerd's hosts.toml directory); options given on the command
     /// line win
@@ -52,6 +53,15 @@ pub struct SnapshotterArgs {
     /// without one no image is served lazily]
     #[arg(long, value_name = "FILE")]
     pub signature_policy: Option<PathBuf>,
+    /// Serve lazily started containers' images by FUSE even where the kernel could (EROFS and
+    /// overlayfs, objects filled on first access through fanotify pre-content events)
+    #[arg(long)]
+    pub lazy_fuse: bool,
+    /// Images served lazily by the kernel: also fetch the objects no container asked for, in the
+    /// background, at most RATE bytes a second on average each (suffix K, M or G: 1024-based), so
+    /// that the node ends up with complete images; containers never wait for it
+    #[arg(long, value_name = "RATE", value_parser = crate::mount_cmd::parse_rate)]
+    pub lazy_fetch_rest: Option<u64>,
 }
 
 #[derive(serde::Deserialize, Default)]
@@ -69,6 +79,8 @@ struct FileConfig {
     registries_conf: Option<PathBuf>,
     registries_d: Option<PathBuf>,
     signature_policy: Option<PathBuf>,
+    lazy_fuse: Option<bool>,
+    lazy_fetch_rest: Option<String>,
     cri_keychain: Option<CriKeychain>,
     registry: Option<RegistryHosts>,
 }
@@ -131,6 +143,16 @@ pub fn run(mut a: SnapshotterArgs) -> Result<ExitCode> {
     r.registries_conf = r.registries_conf.take().or(file.registries_conf);
     r.registries_d = r.registries_d.take().or(file.registries_d);
     let signature_policy = a.signature_policy.clone().or(file.signature_policy);
+    let lazy_fetch_rest = match (a.lazy_fetch_rest, &file.lazy_fetch_rest) {
+        (Some(r), _) => Some(r),
+        (None, Some(r)) => Some(crate::mount_cmd::parse_rate(r).map_err(|e| {
+            anyhow!(
+                "{}: lazy_fetch_rest: {e}",
+                a.config.as_deref().unwrap_or(Path::new("")).display()
+            )
+        })?),
+        (None, None) => None,
+    };
     // The lazy path's fetches, here and in the FUSE servers (which are
     // told the directory), honour containerd's hosts.toml.
     tilefs_oci::transport::hosts::set_config_path(file.registry.and_then(|r| r.config_path));
@@ -153,6 +175,8 @@ pub fn run(mut a: SnapshotterArgs) -> Result<ExitCode> {
             ..Default::default()
         },
         mount: std::sync::Arc::new(mount_lazy),
+        kernel: !a.lazy_fuse && file.lazy_fuse != Some(true),
+        fetch_rest: lazy_fetch_rest,
     };
     crate::logging::set_name("tilefs snapshotter");
     let snap = Tilefs::open(&cfg, Some(lazy)).map_err(|e| anyhow!(e))?;
@@ -251,17 +275,18 @@ fn bind(sock: &Path) -> Result<tokio::net::UnixListener> {
     Ok(listener)
 }
 
-/// Serves a lazily pulled image for the snapshotter: `tilefs mount`, whose
-/// FUSE server runs in a process of its own, so that containers keep
-/// reading through a restart of the snapshotter. It is handed the
-/// credentials CRI gave for the image (through a pipe) and the hosts.toml
-/// directory.
+/// Serves a lazily pulled image for the snapshotter as `how` says:
+/// `tilefs mount`, whose filler or FUSE server runs in a process of its
+/// own, so that containers keep reading through a restart of the
+/// snapshotter. It is handed the credentials CRI gave for the image
+/// (through a pipe) and the hosts.toml directory.
 fn mount_lazy(
     store: &std::path::Path,
     tag: &str,
     mountpoint: &std::path::Path,
     reference: Option<&tilefs_oci::ImageRef>,
-) -> tilefs_snapshotter::Result<()> {
+    how: How,
+) -> Result<(), Refused> {
     use std::io::Write;
     use tilefs_oci::transport::{hosts, keychain};
     use tilefs_snapshotter::Error;
@@ -275,12 +300,21 @@ fn mount_lazy(
     if creds.is_some() {
         cmd.arg("--credentials-stdin");
     }
+    match how {
+        How::Kernel { fetch_rest } => {
+            cmd.arg("--erofs-alone");
+            if let Some(rate) = fetch_rest {
+                cmd.arg(format!("--fetch-rest={rate}"));
+            }
+        }
+        How::Fuse => {
+            cmd.args(["--fuse", "-o", "ro,allow_other"]);
+        }
+    }
     let child = cmd
-        .arg("--fuse")
         .arg("--quiet")
         .arg("--store")
         .arg(store)
-        .args(["-o", "ro,allow_other"])
         .arg(tag)
         .arg(mountpoint)
         .stdin(match creds {
@@ -300,8 +334,11 @@ fn mount_lazy(
     let out = child
         .wait_with_output()
         .map_err(|e| Error::Broken(format!("cannot run tilefs mount: {e}")))?;
-    if !out.status.success() {
-        return Err(Error::Broken(String::from_utf8_lossy(&out.stderr).trim().to_string()));
+    let said = String::from_utf8_lossy(&out.stderr).trim().to_string();
+    match out.status.code() {
+        Some(0) => Ok(()),
+        // --erofs-alone: the kernel cannot fill this image's objects here.
+        Some(3) if matches!(how, How::Kernel { .. }) => Err(Refused::KernelUnable(said)),
+        _ => Err(Refused::Failed(Error::Broken(said))),
     }
-    Ok(())
 }

@@ -972,6 +972,46 @@ fn cri_starts_a_pod_lazily_from_a_runnable_tilefs_image() {
         fetched > 0 && fetched < pack_size / 4,
         "{fetched} of the pack's {pack_size} bytes fetched for a few files"
     );
+    // Its root is a kernel overlay (issue 45), every file as pushed.
+    let out = rig.run_pod_and_container(&lazy, &format!("{ROOT_MOUNT}; cd /data && md5sum *"));
+    assert_kernel_root(&rig, &out);
+    assert_same_md5s(&out, &area.path("bundle-big/rootfs/data"));
+}
+
+/// A container's command that prints its root's mount table line.
+const ROOT_MOUNT: &str = "grep ' / / ' /proc/self/mountinfo";
+
+/// What a container's [`ROOT_MOUNT`] printed says its root is, in a
+/// container started lazily where the store takes fanotify pre-content
+/// marks: a kernel overlay over the lazy image's EROFS mount with the store
+/// as its data-only lower (issue 45), not over a FUSE server's mount.
+fn assert_kernel_root(rig: &CriRig, out: &str) {
+    let line = out
+        .lines()
+        .find(|l| l.split(' ').nth(4) == Some("/"))
+        .unwrap_or_else(|| panic!("no root mount in {out}"));
+    eprintln!("a lazy container's root: {line}");
+    let fields: Vec<&str> = line.split(" - ").nth(1).unwrap().split(' ').collect();
+    assert_eq!(fields[0], "overlay", "{line}");
+    let lower = fields[2]
+        .split(',')
+        .find_map(|o| o.strip_prefix("lowerdir="))
+        .unwrap_or_else(|| panic!("no lowerdir: {line}"));
+    let (lowers, store) = lower
+        .split_once("::")
+        .unwrap_or_else(|| panic!("no data-only lower: {line}"));
+    assert_eq!(Path::new(store), fs::canonicalize(&rig.store).unwrap(), "{line}");
+    // The image's mount: the lowest of the others.
+    let image = lowers.rsplit(':').next().unwrap();
+    let host = mount_line(Path::new(image)).unwrap_or_else(|| panic!("nothing mounted at {image}"));
+    let fstype = host.split(" - ").nth(1).unwrap().split(' ').next().unwrap();
+    assert_eq!(fstype, "erofs", "{host}");
+}
+
+/// `out` holds `md5sum *` of the directory `dir` as it is here.
+fn assert_same_md5s(out: &str, dir: &Path) {
+    let want = ok(Command::new("sh").arg("-c").arg("md5sum *").current_dir(dir));
+    assert!(out.contains(&want), "{out}\nwanted:\n{want}");
 }
 
 fn write_files_for_app(root: &Path, seed: u64, n: usize) {
@@ -1561,6 +1601,10 @@ fn cri_starts_an_ordinary_image_lazily_through_its_index() {
         gets.iter().all(|g| g.0 != layers[2].0),
         "the big file's layer was fetched: {gets:?}"
     );
+    // Its root is a kernel overlay (issue 45), every file as pushed.
+    let out = rig.run_pod_and_container(&indexed, &format!("{ROOT_MOUNT}; cd /data && md5sum *"));
+    assert_kernel_root(&rig, &out);
+    assert_same_md5s(&out, &area.path("bundle-indexed/rootfs/data"));
 
     // The registry's copy of the big file's layer changes a byte: its read
     // fails, the other files read.

@@ -1,13 +1,15 @@
 //! CRI's lazy path, spoken to the snapshotter directly over its gRPC API
 //! (as containerd's unpacker speaks it, and as a client that lies would):
 //! a runnable tilefs artifact in a real registry becomes committed
-//! snapshots without a download, read through FUSE on demand; labels that
-//! lie about a digest or a chain make nothing lazily.
+//! snapshots without a download, read on demand through FUSE (with
+//! --lazy-fuse, as where the kernel cannot fill objects) or through the
+//! kernel, objects filled on first access; labels that lie about a digest
+//! or a chain make nothing lazily.
 
 mod common;
 
-use common::registry::Registry;
-use common::snapshotter::{mount_overlay, Snap, TARGET};
+use common::registry::{Pass, Registry, Relay};
+use common::snapshotter::{fstype_below, kernel_served, mount_all, mount_overlay, Snap, TARGET};
 use common::*;
 use std::collections::HashMap;
 use std::fs;
@@ -143,7 +145,8 @@ fn cri_labels_make_lazy_snapshots_only_when_the_artifact_says_the_same() {
         .collect()
     };
 
-    let mut snap = Snap::start(&base);
+    // The FUSE path (kernel_filled_lazy_* below: the kernel's).
+    let mut snap = Snap::start_with(&base, &["--lazy-fuse"]);
     let before = registry.requests().len();
 
     // Only root speaks to it: it mounts, and fetches with root's
@@ -444,12 +447,11 @@ fn an_indexed_layer_is_made_lazily_over_a_layer_containerd_unpacked() {
     };
     assert_eq!(blobs(before), 0, "a layer blob was fetched before any read");
 
-    let view = snap.view("k8s.io/4/view", &name);
-    assert_eq!(view.0, "bind", "{view:?}");
-    let v = area.path("v");
-    fs::create_dir_all(&v).unwrap();
-    ok(Command::new("mount").args(["--bind", "-o", "ro", &view.1]).arg(&v));
-    let v = Mounted(v);
+    // Served by the kernel: the view is an overlay over the image's EROFS
+    // mount and the store.
+    let view = snap.view_mounts("k8s.io/4/view", &name).unwrap();
+    assert!(kernel_served(&view), "{view:?}\n{}", snap.log());
+    let v = mount_all(&view, &area.path("v"));
     let bundle = area.path("bundle-app/rootfs");
     for f in ["base/a", "top/b"] {
         assert_eq!(fs::read(v.0.join(f)).unwrap(), fs::read(bundle.join(f)).unwrap(), "{f}");
@@ -481,11 +483,9 @@ fn an_indexed_layer_is_made_lazily_over_a_layer_containerd_unpacked() {
     );
     snap.stop();
     snap.run();
-    let view = snap.view("k8s.io/6/view", &lower);
-    assert_eq!(view.0, "bind", "{view:?}");
-    let v = area.path("v");
-    ok(Command::new("mount").args(["--bind", "-o", "ro", &view.1]).arg(&v));
-    let v = Mounted(v);
+    let view = snap.view_mounts("k8s.io/6/view", &lower).unwrap();
+    assert!(kernel_served(&view), "{view:?}");
+    let v = mount_all(&view, &area.path("v"));
     assert_eq!(
         fs::read(v.0.join("base/a")).unwrap(),
         fs::read(bundle.join("base/a")).unwrap()
@@ -493,4 +493,345 @@ fn an_indexed_layer_is_made_lazily_over_a_layer_containerd_unpacked() {
     assert!(!v.0.join("top").exists(), "the base shows the top layer's files");
     drop(v);
     snap.remove("k8s.io/6/view");
+}
+
+/// An ordinary image in a registry with a tilefs index, as CRI's labels
+/// name its layers: pushed to `registry` and named (in the labels) at
+/// `addr`, the registry itself or a relay in front of it.
+struct Indexed {
+    reference: String,
+    manifest: String,
+    chain: Vec<String>,
+    layers: Vec<String>,
+    /// The image's files (its last layer's bundle).
+    rootfs: PathBuf,
+}
+
+impl Indexed {
+    fn push(area: &Area, registry: &Registry, addr: &str, name: &str, layers: &[&dyn Fn(&Path)]) -> Indexed {
+        let pushed = common::oci::push_image_with(area, registry, name, layers, &[]);
+        let reference = pushed.replacen(&registry.addr, addr, 1);
+        let docker = format!("docker://{reference}");
+        ok(Command::new(tilefs_bin())
+            .args(["index", "-q", "--tls-verify=false", "--store"])
+            .arg(area.path("indexing"))
+            .arg(&docker));
+        let inspect = |more: &[&str]| {
+            let out = Command::new("skopeo")
+                .args(["inspect", "--raw", "--tls-verify=false"])
+                .args(more)
+                .arg(&docker)
+                .output()
+                .unwrap();
+            assert!(out.status.success(), "skopeo: {}", String::from_utf8_lossy(&out.stderr));
+            out.stdout
+        };
+        let raw = inspect(&[]);
+        let manifest: serde_json::Value = serde_json::from_slice(&raw).unwrap();
+        let config: serde_json::Value = serde_json::from_slice(&inspect(&["--config"])).unwrap();
+        let strings = |v: &serde_json::Value| -> Vec<String> {
+            v.as_array()
+                .unwrap()
+                .iter()
+                .map(|d| d.as_str().or_else(|| d["digest"].as_str()).unwrap().to_string())
+                .collect()
+        };
+        Indexed {
+            reference,
+            manifest: format!("sha256:{}", sha256_hex(&raw)),
+            chain: chain_ids(&strings(&config["rootfs"]["diff_ids"])),
+            layers: strings(&manifest["layers"]),
+            rootfs: area.path(&format!("bundle-{name}/rootfs")),
+        }
+    }
+
+    /// CRI's labels for layer `i`.
+    fn labels(&self, i: usize) -> HashMap<String, String> {
+        [
+            (TARGET, self.chain[i].as_str()),
+            (IMAGE_REF, self.reference.as_str()),
+            (MANIFEST, self.manifest.as_str()),
+            (LAYER, self.layers[i].as_str()),
+        ]
+        .into_iter()
+        .map(|(k, v)| (k.to_string(), v.to_string()))
+        .collect()
+    }
+
+    /// Layer `i` made lazily over `parent` by a Prepare with its labels:
+    /// the committed snapshot containerd's walk finds.
+    fn make_lazily(&self, snap: &Snap, i: usize, parent: &str) -> String {
+        let got = snap.prepare(&format!("k8s.io/{i}/extract-{}", self.chain[i]), parent, self.labels(i));
+        assert_eq!(got.map_err(|e| e.0), Err(Code::AlreadyExists), "{}", snap.log());
+        snap.walk(&self.chain[i], parent)
+            .unwrap_or_else(|| panic!("the walk finds nothing\n{}", snap.log()))
+    }
+}
+
+/// The machine lacks what the kernel's lazy path needs: why.
+fn cannot_fill() -> Option<String> {
+    not_root("the snapshotter mounts, fanotify pre-content events")
+        .or_else(|| cannot_mount("erofs"))
+        .or_else(|| cannot_mount("overlay"))
+        .or_else(|| missing_program("docker-registry", "docker-registry"))
+        .or_else(|| missing_program("skopeo", "skopeo"))
+        .or_else(|| missing_program("umoci", "umoci"))
+}
+
+/// The processes (pid, parent) of kernel lazy mounts of `store`: their
+/// holders and fillers.
+fn fillers_of(store: &Path) -> Vec<(u32, u32)> {
+    let needle = format!("--store\0{}\0", store.display());
+    let mut out = Vec::new();
+    for e in fs::read_dir("/proc").unwrap().flatten() {
+        let Ok(pid) = e.file_name().to_string_lossy().parse::<u32>() else {
+            continue;
+        };
+        let cmd = String::from_utf8_lossy(&fs::read(e.path().join("cmdline")).unwrap_or_default()).into_owned();
+        if !(cmd.contains("--erofs-alone") && cmd.contains(&needle)) {
+            continue;
+        }
+        let stat = fs::read_to_string(e.path().join("stat")).unwrap_or_default();
+        if let Some(ppid) = stat
+            .rsplit(')')
+            .next()
+            .and_then(|r| r.split_whitespace().nth(1)?.parse().ok())
+        {
+            out.push((pid, ppid));
+        }
+    }
+    out
+}
+
+fn wait_until(what: &str, mut done: impl FnMut() -> bool) {
+    let t = Instant::now();
+    while !done() {
+        assert!(t.elapsed() < Duration::from_secs(20), "{what}: not after 20 s");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+/// Issue 45: where the store takes fanotify pre-content marks, a container
+/// on a lazily made snapshot is a kernel overlay over the image's EROFS
+/// mount and the store, whose placeholders a filler of its own fills on
+/// first access. It serves on while the snapshotter restarts; a kill -9 of
+/// it fails the reads it had (EIO), never gives a wrong byte, and another
+/// takes over.
+#[test]
+fn kernel_filled_lazy_containers_outlive_a_restart_and_fail_closed() {
+    require(cannot_fill());
+    let area = Area::new();
+    let base = area.path("");
+    let registry = Registry::start(&area);
+    // Fetches go through a relay, which drips while `slow`: each fill then
+    // takes a while, so the kill lands while readers wait.
+    let slow = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let relay = Relay::start(&registry.addr, {
+        let slow = slow.clone();
+        move |_, _| {
+            if slow.load(std::sync::atomic::Ordering::Relaxed) {
+                std::thread::sleep(Duration::from_millis(20));
+            }
+            Pass::All
+        }
+    });
+    let files = std::cell::RefCell::new(Vec::new());
+    let img = Indexed::push(
+        &area,
+        &registry,
+        &relay.addr,
+        "app",
+        &[&|r: &Path| *files.borrow_mut() = common::oci::tree(r, 11, 24, 256 << 10)],
+    );
+    let files: Vec<String> = files.into_inner().into_iter().map(|f| f.0).collect();
+    let mut snap = Snap::start(&base);
+    let name = img.make_lazily(&snap, 0, "");
+    let mounts = snap.prepare_mounts("k8s.io/9/ctr", &name, HashMap::new()).unwrap();
+    assert!(kernel_served(&mounts), "{mounts:?}\n{}", snap.log());
+    let root = mount_all(&mounts, &area.path("ctr"));
+    let store = base.join("store");
+    wait_until("a holder and a filler run", || fillers_of(&store).len() == 2);
+    let same = |f: &str| fs::read(root.0.join(f)).unwrap() == fs::read(img.rootfs.join(f)).unwrap();
+    assert!(same(&files[0]), "{}", files[0]);
+    // A write to a file of the image copies it up whole, filled.
+    fs::OpenOptions::new()
+        .append(true)
+        .open(root.0.join(&files[1]))
+        .unwrap();
+    let upper = fs::read(root.0.join(&files[1])).unwrap();
+    assert!(
+        upper == fs::read(img.rootfs.join(&files[1])).unwrap(),
+        "copied up wrong"
+    );
+
+    // The snapshotter stops: its container reads on; started again, it
+    // finds the image mounted.
+    snap.stop();
+    assert!(same(&files[2]), "{}", files[2]);
+    snap.run();
+    assert!(same(&files[3]), "{}", files[3]);
+    let again = snap.mounts("k8s.io/9/ctr");
+    assert_eq!(again.2, mounts[0].options, "{}", snap.log());
+
+    let servers = fillers_of(&store);
+    let holder = servers
+        .iter()
+        .find(|(_, ppid)| !servers.iter().any(|(p, _)| p == ppid))
+        .unwrap()
+        .0;
+    let filler = servers.iter().find(|(_, ppid)| *ppid == holder).unwrap().0;
+    let rest = &files[4..];
+    slow.store(true, std::sync::atomic::Ordering::Relaxed);
+    let (mut right, mut eio) = (0, 0);
+    std::thread::scope(|s| {
+        let readers: Vec<_> = rest
+            .chunks(3)
+            .map(|chunk| {
+                let (root, img) = (&root, &img);
+                s.spawn(move || {
+                    chunk
+                        .iter()
+                        .map(|f| match fs::read(root.0.join(f)) {
+                            Ok(got) => {
+                                assert!(got == fs::read(img.rootfs.join(f)).unwrap(), "{f}: wrong bytes");
+                                true
+                            }
+                            Err(e) => {
+                                assert_eq!(e.raw_os_error(), Some(libc::EIO), "{f}: {e}");
+                                false
+                            }
+                        })
+                        .collect::<Vec<_>>()
+                })
+            })
+            .collect();
+        std::thread::sleep(Duration::from_millis(150));
+        let _ = Command::new("kill").args(["-9", &filler.to_string()]).status();
+        for r in readers {
+            for read in r.join().unwrap() {
+                match read {
+                    true => right += 1,
+                    false => eio += 1,
+                }
+            }
+        }
+    });
+    eprintln!("during the kill: {right} files read right, {eio} failed with EIO");
+    assert!(eio > 0, "the kill came after every read ({right} read)");
+    slow.store(false, std::sync::atomic::Ordering::Relaxed);
+    wait_until("a new filler runs", || {
+        fillers_of(&store)
+            .iter()
+            .any(|(p, ppid)| *ppid == holder && *p != filler)
+    });
+    for f in rest {
+        assert!(same(f), "{f} after the kill");
+    }
+    drop(root);
+    snap.remove("k8s.io/9/ctr");
+    snap.remove(&name);
+    // The image unmounted: its holder and filler end.
+    wait_until("the holder and filler end", || fillers_of(&store).is_empty());
+    drop(relay);
+}
+
+/// A store on tmpfs takes no fanotify marks: lazy images are served by
+/// FUSE there, and the snapshotter says why, once.
+#[test]
+fn on_a_store_that_refuses_marks_lazy_images_are_served_by_fuse_saying_why_once() {
+    require(cannot_fill());
+    require(cannot_fuse());
+    let area = Area::new();
+    let base = area.path("");
+    let store = area.dir("store");
+    ok(Command::new("mount").args(["-t", "tmpfs", "tmpfs"]).arg(&store));
+    let _tmpfs = Mounted(store.clone());
+    let registry = Registry::start(&area);
+    let img = Indexed::push(
+        &area,
+        &registry,
+        &registry.addr,
+        "app",
+        &[
+            &|r: &Path| common::oci::write_files(r, 51, &[("base/a".to_string(), 300_000)]),
+            &|r: &Path| common::oci::write_files(r, 52, &[("top/b".to_string(), 300_000)]),
+        ],
+    );
+    let snap = Snap::start(&base);
+    let lower = img.make_lazily(&snap, 0, "");
+    let top = img.make_lazily(&snap, 1, &lower);
+    for (key, parent, file) in [("k8s.io/8/v", &top, "top/b"), ("k8s.io/9/v", &lower, "base/a")] {
+        let view = snap.view_mounts(key, parent).unwrap();
+        assert!(!kernel_served(&view), "{view:?}");
+        let v = mount_all(&view, &area.path(key.replace('/', "-").as_str()));
+        assert_eq!(fstype_below(&view), "fuse.tilefs", "{view:?}\n{}", snap.log());
+        assert_eq!(
+            fs::read(v.0.join(file)).unwrap(),
+            fs::read(img.rootfs.join(file)).unwrap()
+        );
+        // (Not `tilefs umount`, which would wait for the server of the
+        // FUSE mount this binds.)
+        ok(Command::new("umount").arg(&v.0));
+        snap.remove(key);
+    }
+    let log = snap.log();
+    let said: Vec<&str> = log
+        .lines()
+        .filter(|l| l.contains("served by FUSE, not the kernel"))
+        .collect();
+    eprintln!("the snapshotter says: {said:?}");
+    assert_eq!(said.len(), 1, "{log}");
+    assert!(said[0].contains("pre-content"), "{log}");
+}
+
+/// `lazy_fetch_rest`: the filler of a kernel-served lazy image fetches
+/// what no container read, in the background, until the store has the
+/// whole image; a container then reads it without a fetch.
+#[test]
+fn lazy_fetch_rest_completes_kernel_served_images_in_the_background() {
+    require(cannot_fill());
+    let area = Area::new();
+    let base = area.path("");
+    let registry = Registry::start(&area);
+    let files = std::cell::RefCell::new(Vec::new());
+    let img = Indexed::push(
+        &area,
+        &registry,
+        &registry.addr,
+        "app",
+        &[&|r: &Path| *files.borrow_mut() = common::oci::tree(r, 61, 12, 256 << 10)],
+    );
+    let config = area.path("snapshotter.toml");
+    fs::write(&config, "lazy_fetch_rest = \"64M\"\n").unwrap();
+    let snap = Snap::start_with(&base, &["--config", config.to_str().unwrap()]);
+    let name = img.make_lazily(&snap, 0, "");
+    let store = base.join("store");
+    let placeholders = || {
+        let out = ok(Command::new(tilefs_bin())
+            .args(["fsck", "--json", "--store"])
+            .arg(&store));
+        serde_json::from_str::<serde_json::Value>(&out).unwrap()["placeholders"].clone()
+    };
+    let blob_gets = |from: usize| {
+        registry.requests()[from..]
+            .iter()
+            .filter(|r| r.method == "GET" && r.path.contains("/blobs/"))
+            .count()
+    };
+    // The container's mount starts the filler; nothing is read.
+    let at_mount = registry.requests().len();
+    let mounts = snap.prepare_mounts("k8s.io/9/ctr", &name, HashMap::new()).unwrap();
+    assert!(kernel_served(&mounts), "{mounts:?}\n{}", snap.log());
+    wait_until("every placeholder filled in the background", || placeholders() == 0);
+    assert!(blob_gets(at_mount) > 0, "nothing was fetched in the background");
+    let root = mount_all(&mounts, &area.path("ctr"));
+    let before = registry.requests().len();
+    for (f, _) in files.borrow().iter() {
+        assert_eq!(
+            fs::read(root.0.join(f)).unwrap(),
+            fs::read(img.rootfs.join(f)).unwrap(),
+            "{f}"
+        );
+    }
+    assert_eq!(blob_gets(before), 0, "blobs fetched for files the store had");
 }

@@ -411,3 +411,57 @@ pub fn still_mounted(mountpoint: &Path, id: u64) -> bool {
 pub fn backoff(restarts: u32) -> Duration {
     Duration::from_millis(100u64 << restarts.min(5))
 }
+
+/// Why [`mount_erofs_alone`] mounted nothing.
+#[derive(Debug)]
+pub enum NotMounted {
+    /// The kernel cannot fill this image's placeholders here (the
+    /// machine's or the store's lack, the same for every image of the
+    /// kind: said once, see [`why_not`]).
+    Unable(String),
+    /// The mount failed.
+    Failed(String),
+}
+
+impl std::fmt::Display for NotMounted {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            NotMounted::Unable(m) | NotMounted::Failed(m) => f.write_str(m),
+        }
+    }
+}
+
+/// For the containerd snapshotter: the image file `image`, pulled lazily
+/// into `store`, mounted by the kernel at `mountpoint` as EROFS alone
+/// (read-only), its files' data read by the container's overlay, which
+/// has the store as its data-only lower (as the snapshotter's images that
+/// are not lazy are). Its placeholders made and marked first, as
+/// [`Armed::arm`] does. The mount's id, and the armed group to fill from
+/// (None: the store lacks nothing of it).
+pub fn mount_erofs_alone(store: &Store, image: &Path, mountpoint: &Path) -> Result<(Option<Armed>, u64), NotMounted> {
+    let failed = |e: String| NotMounted::Failed(format!("{}: {e}", image.display()));
+    let mut bytes = Vec::new();
+    tilefs_store::open_regular(rustix::fs::CWD, image, true)
+        .and_then(|mut f| std::io::Read::read_to_end(&mut f, &mut bytes))
+        .map_err(|e| failed(e.to_string()))?;
+    let armed = match tilefs_store::remote::incomplete(store, &bytes) {
+        None => None,
+        Some(missing) => {
+            let (tree, _) = tilefs_image::erofs::read_image(&bytes).map_err(|e| failed(e.to_string()))?;
+            if let Some(why) = why_not(store.path(), &tree) {
+                return Err(NotMounted::Unable(why));
+            }
+            // Its lazy-pull record judged now (one not root's refuses the
+            // mount), not at every read.
+            tilefs_oci::toc_lazy::open_source(store.path(), &missing.digest).map_err(|e| failed(e.to_string()))?;
+            Some(Armed::arm(store, missing.digest, &tree).map_err(failed)?)
+        }
+    };
+    tilefs_mount::mount_erofs_at(image, mountpoint, tilefs_mount::ErofsBacking::Auto)
+        .map_err(|e| failed(e.to_string()))?;
+    let id = tilefs_store::mounts::mount_id_of(mountpoint).ok_or_else(|| {
+        let _ = rustix::mount::unmount(mountpoint, rustix::mount::UnmountFlags::DETACH);
+        failed(format!("{}: no mount there", mountpoint.display()))
+    })?;
+    Ok((armed, id))
+}

@@ -54,6 +54,11 @@ pub trait Backend: Send + Sync + 'static {
     /// Whether an image is mounted at `at`.
     fn is_mounted(&self, at: &Path) -> bool;
 
+    /// Whether the image mounted at `at` has its files' data read from the
+    /// store, as the data-only lower of the overlays over it (an EROFS
+    /// mount), rather than serving it itself (a lazy image's FUSE server).
+    fn needs_data_lower(&self, at: &Path) -> bool;
+
     /// Unmounts what is mounted at `at` (nothing: nothing to do).
     fn unmount(&self, at: &Path);
 

@@ -2,9 +2,14 @@
 //! runnable tilefs artifact (`tilefs push --runnable-from`) is answered
 //! with a committed snapshot made from the artifact's image and object
 //! index alone, and AlreadyExists: containerd then downloads none of the
-//! layers. A container on it reads through a FUSE server of the image
-//! (started by the front end, see [`MountFn`]) that fetches each file on
-//! its first read and checks it before serving a byte.
+//! layers. Where the store's filesystem takes fanotify pre-content marks,
+//! a container on it is a kernel overlay over the image's EROFS mount and
+//! the store, whose objects not fetched yet are placeholders that a filler
+//! fetches, checks and writes on their first open or read, before the
+//! reader gets a byte ([`How::Kernel`]); elsewhere it reads through a FUSE
+//! server of the image that fetches each file on its first read and checks
+//! it before serving a byte. Both run in processes of their own (started
+//! by the front end, see [`MountFn`]), which outlive the snapshotter.
 //!
 //! An ordinary image with a tilefs index ([`tilefs_oci::lazy_index`]) is
 //! served the same way, but each layer's snapshot has an image of its own:
@@ -60,10 +65,39 @@ pub const LABEL_LAYER: &str = "containerd.io/snapshot/cri.layer-digest";
 
 /// Serves the lazily pulled image `image` (a file, or a tag) of store `store` at
 /// `mountpoint`, read-only and open to every user (overlayfs reads it
-/// for the container), in the background until it is unmounted; returns
-/// once it is mounted. The last argument is the image's reference (its
-/// credentials are the keychain's for it).
-pub type MountFn = dyn Fn(&Path, &str, &Path, Option<&ImageRef>) -> crate::Result<()> + Send + Sync;
+/// for the container), as `how` says, in the background until it is
+/// unmounted; returns once it is mounted. The fourth argument is the
+/// image's reference (its credentials are the keychain's for it).
+pub type MountFn = dyn Fn(&Path, &str, &Path, Option<&ImageRef>, How) -> Result<(), Refused> + Send + Sync;
+
+/// How a lazily pulled image is served to the containers on it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum How {
+    /// Mounted by the kernel as EROFS alone, the store the data-only lower
+    /// of the containers' overlays (as images that are not lazy are), the
+    /// objects not fetched yet placeholders that a filler (a process of
+    /// its own, which outlives the snapshotter) fills on first open or
+    /// read; with `fetch_rest`, the others too in the background, at that
+    /// many bytes a second.
+    Kernel { fetch_rest: Option<u64> },
+    /// By a FUSE server that fetches files on first read.
+    Fuse,
+}
+
+/// Why a [`MountFn`] mounted nothing.
+#[derive(Debug)]
+pub enum Refused {
+    /// The kernel cannot serve lazy images from this store (said once; the
+    /// same for every image).
+    KernelUnable(String),
+    Failed(crate::Error),
+}
+
+impl From<crate::Error> for Refused {
+    fn from(e: crate::Error) -> Refused {
+        Refused::Failed(e)
+    }
+}
 
 /// Why a layer is not served lazily: its labels, its image or its plan.
 #[derive(Debug, thiserror::Error)]
@@ -77,6 +111,12 @@ pub struct Lazy {
     /// policy), as `tilefs pull` reaches them.
     pub pull: PullOptions,
     pub mount: Arc<MountFn>,
+    /// Serve lazy images by the kernel where it can fill their objects on
+    /// first access (else, and when false, by FUSE).
+    pub kernel: bool,
+    /// With the kernel: fetch the rest of each image in the background at
+    /// this many bytes a second ([`How::Kernel`]).
+    pub fetch_rest: Option<u64>,
 }
 
 /// What CRI's labels ask for.

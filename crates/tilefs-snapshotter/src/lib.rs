@@ -32,8 +32,11 @@
 //! - CRI's lazy path ([`lazy`]): a layer of a runnable tilefs artifact,
 //!   or of an ordinary image with a tilefs index, becomes a committed
 //!   snapshot at once, from the artifact's image and index (from the
-//!   index's layer maps); containers on it read through a FUSE mount of the image that
-//!   fetches files on first read, below their overlay. A Commit over such
+//!   index's layer maps); containers on it are kernel overlays over the
+//!   image whose objects arrive on their first read (fanotify pre-content
+//!   events), or where the store cannot have those, read through a FUSE
+//!   mount of the image that fetches files on first read, below their
+//!   overlay. A Commit over such
 //!   an image keeps its upper directory as its layer (flattening the chain
 //!   would fetch the whole image), a lower directory of the mounts above.
 //! - Remove gives the space back ([`collect`]): the objects of the images
@@ -127,8 +130,7 @@ impl Tilefs {
     /// and removes what a crash left behind.
     pub fn open(cfg: &Config, lazy: Option<lazy::Lazy>) -> Result<Tilefs> {
         let root = make_root(&cfg.root)?;
-        let mount = lazy.as_ref().map(|l| l.mount.clone());
-        let backend = store_backend::StoreBackend::open(&root, &cfg.store, cfg.gc_delay, mount)?;
+        let backend = store_backend::StoreBackend::open(&root, &cfg.store, cfg.gc_delay, lazy.as_ref())?;
         Tilefs::with_backend(root, Box::new(backend), lazy)
     }
 

@@ -126,8 +126,8 @@ impl Snapshots {
         }
         let mut lowers = Vec::new();
         let mut uppers = Vec::new();
-        // The store is the data-only lower of EROFS images; a lazy image's
-        // FUSE mount serves its files itself.
+        // The store is the data-only lower of EROFS images (a lazy one's
+        // too, its placeholders filled on first access).
         let mut data_only = true;
         let mut at = r.parent.clone();
         while !at.is_empty() {
@@ -142,10 +142,12 @@ impl Snapshots {
                 lowers.push(state::snapshot_dir(&self.root, p.id).join("fs"));
                 at = p.parent.clone();
             } else {
-                // Its image holds all below it.
-                let owner = Self::image_owner(inner, p).clone();
-                data_only = !p.lazy;
-                lowers.push(self.ensure_mounted(inner, &owner)?);
+                // Its image holds all below it; a lazy image's FUSE server
+                // serves its files' data itself.
+                let (owner, lazy) = (Self::image_owner(inner, p).clone(), p.lazy);
+                let mnt = self.ensure_mounted(inner, &owner)?;
+                data_only = !lazy || self.backend.needs_data_lower(&mnt);
+                lowers.push(mnt);
                 break;
             }
         }

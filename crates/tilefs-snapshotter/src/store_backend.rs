@@ -2,12 +2,13 @@
 //! chains flattened into EROFS images by the code and rules of
 //! `tilefs pull`, images held in the store as the snapshotter's
 //! ([`tilefs_store::owned`]: gc roots `tilefs untag` does not remove),
-//! mounted by the kernel (EROFS) or by the lazy path's FUSE server.
+//! mounted by the kernel (EROFS; a lazy image's placeholders filled on
+//! first access) or by the lazy path's FUSE server.
 
 use crate::backend::{Backend, Hold, Stored};
 use crate::error::{Error, Result};
 use crate::layer;
-use crate::lazy::MountFn;
+use crate::lazy::{How, Lazy, MountFn, Refused};
 use crate::state::{self, Record};
 use crate::{claim, collect};
 use std::path::{Path, PathBuf};
@@ -34,8 +35,17 @@ pub struct StoreBackend {
     /// Names of the images: this prefix and the snapshot's id.
     tag_prefix: String,
     collector: Arc<collect::Collector>,
-    /// How a lazy image is mounted (the front end's FUSE server).
-    lazy_mount: Option<Arc<MountFn>>,
+    /// How lazy images are mounted (by the front end).
+    lazy: Option<LazyMounts>,
+}
+
+/// How lazy images are mounted, and what was said of it.
+struct LazyMounts {
+    mount: Arc<MountFn>,
+    /// By the kernel where it can be.
+    kernel: Option<How>,
+    /// Why the kernel could not, each said once (to the log).
+    said: std::sync::Mutex<std::collections::HashSet<String>>,
 }
 
 impl StoreBackend {
@@ -46,7 +56,7 @@ impl StoreBackend {
         root: &Path,
         store: &Path,
         gc_delay: Option<std::time::Duration>,
-        lazy_mount: Option<Arc<MountFn>>,
+        lazy: Option<&Lazy>,
     ) -> Result<StoreBackend> {
         if !store.exists() {
             Store::create(store)?;
@@ -70,7 +80,13 @@ impl StoreBackend {
             holder,
             tag_prefix,
             collector,
-            lazy_mount,
+            lazy: lazy.map(|l| LazyMounts {
+                mount: l.mount.clone(),
+                kernel: l.kernel.then_some(How::Kernel {
+                    fetch_rest: l.fetch_rest,
+                }),
+                said: Default::default(),
+            }),
         })
     }
 
@@ -258,7 +274,7 @@ impl Backend for StoreBackend {
         let store = self.open_store()?;
         let image = owned::root_path(&store, &self.holder, &self.tag(r.id));
         if r.lazy {
-            let mount = self.lazy_mount.as_ref().ok_or_else(|| {
+            let lazy = self.lazy.as_ref().ok_or_else(|| {
                 Error::Broken(format!(
                     "snapshot {:?} was made lazily, and this snapshotter serves no lazy images",
                     r.key
@@ -267,7 +283,19 @@ impl Backend for StoreBackend {
             let reference = crate::lazy::Target::of(&r.labels)
                 .and_then(Result::ok)
                 .map(|t| t.reference);
-            return mount(&self.store, &image.to_string_lossy(), at, reference.as_ref());
+            let mount = |how| (lazy.mount)(&self.store, &image.to_string_lossy(), at, reference.as_ref(), how);
+            let why = match lazy.kernel.map(mount) {
+                None => return refused(mount(How::Fuse)),
+                Some(Ok(())) => return Ok(()),
+                Some(Err(Refused::KernelUnable(why))) => why,
+                Some(Err(Refused::Failed(e))) => format!("{:?}: {e}", r.key),
+            };
+            // Nothing the kernel attempt left may stay below the FUSE mount.
+            self.unmount(at);
+            if lazy.said.lock().unwrap_or_else(|e| e.into_inner()).insert(why.clone()) {
+                tracing::warn!("lazily pulled images are served by FUSE, not the kernel: {why}");
+            }
+            return refused(mount(How::Fuse));
         }
         tilefs_mount::mount_erofs_at(&image, at, tilefs_mount::ErofsBacking::Auto)
             .map_err(|e| Error::Broken(e.to_string()))
@@ -275,6 +303,12 @@ impl Backend for StoreBackend {
 
     fn is_mounted(&self, at: &Path) -> bool {
         tilefs_mount::is_mount_root(at)
+    }
+
+    fn needs_data_lower(&self, at: &Path) -> bool {
+        // EROFS's magic (EROFS_SUPER_MAGIC_V1): a kernel mount of a chain's
+        // image, not a lazy image's FUSE server (which serves data itself).
+        rustix::fs::statfs(at).is_ok_and(|s| s.f_type as u64 == 0xE0F5_E1E2)
     }
 
     fn unmount(&self, at: &Path) {
@@ -354,6 +388,14 @@ impl Backend for StoreBackend {
     fn data_lower(&self) -> &Path {
         &self.store
     }
+}
+
+/// A lazy mount's outcome as the backend's.
+fn refused(r: std::result::Result<(), Refused>) -> Result<()> {
+    r.map_err(|e| match e {
+        Refused::KernelUnable(why) => Error::Broken(why),
+        Refused::Failed(e) => e,
+    })
 }
 
 /// Makes the snapshotter `holder` of its images in the store: registered

@@ -112,6 +112,10 @@ impl Backend for Shared {
         self.0.seen().mounted.contains_key(at)
     }
 
+    fn needs_data_lower(&self, _at: &Path) -> bool {
+        true
+    }
+
     fn unmount(&self, at: &Path) {
         self.0.seen().mounted.remove(at);
     }

@@ -28,14 +28,26 @@ pub struct Snap {
     pub sock: PathBuf,
     child: Option<Child>,
     pub rt: tokio::runtime::Runtime,
+    /// The snapshotter's arguments besides root, store and socket.
+    args: Vec<String>,
 }
 
 impl Snap {
     pub fn start(area: &Path) -> Snap {
+        Snap::start_with(area, &[])
+    }
+
+    /// With `tilefs snapshotter` given `args` too.
+    pub fn start_with(area: &Path, args: &[&str]) -> Snap {
         let mut s = Snap {
             area: area.to_path_buf(),
             sock: area.join("s.sock"),
             child: None,
+            args: ["--tls-verify=false"]
+                .iter()
+                .chain(args)
+                .map(|a| a.to_string())
+                .collect(),
             // Its own thread drives the connections, which close as the
             // clients go.
             rt: tokio::runtime::Builder::new_multi_thread()
@@ -61,7 +73,7 @@ impl Snap {
             &self.area.join("root"),
             &self.area.join("store"),
             &self.sock,
-            &["--tls-verify=false"],
+            &self.args.iter().map(String::as_str).collect::<Vec<_>>(),
             &self.area.join("snapshotter.log"),
         ));
     }
@@ -338,4 +350,36 @@ pub fn mount_overlay(options: &[String], at: &Path) -> Mounted {
         .args(["-t", "overlay", "overlay", "-o", &options.join(",")])
         .arg(at));
     Mounted(at.to_path_buf())
+}
+
+/// The type of the filesystem of the mount a Mounts answer stacks on: a
+/// bind mount's source, or an overlay's first lower directory.
+pub fn fstype_below(mounts: &[Mount]) -> String {
+    assert_eq!(mounts.len(), 1, "{mounts:?}");
+    let m = &mounts[0];
+    let below = match m.r#type.as_str() {
+        "bind" => m.source.clone(),
+        _ => m
+            .options
+            .iter()
+            .find_map(|o| o.strip_prefix("lowerdir="))
+            .and_then(|l| l.split(':').next())
+            .unwrap_or_default()
+            .to_string(),
+    };
+    let line = mount_line(Path::new(&below)).unwrap_or_else(|| panic!("nothing mounted at {below}"));
+    line.split(" - ").nth(1).unwrap().split(' ').next().unwrap().to_string()
+}
+
+/// Whether a Mounts answer reads a lazy image through the kernel: one
+/// overlay over the image's EROFS mount with the store as its data-only
+/// lower (not over a FUSE server's mount).
+pub fn kernel_served(mounts: &[Mount]) -> bool {
+    mounts.len() == 1
+        && mounts[0].r#type == "overlay"
+        && mounts[0]
+            .options
+            .iter()
+            .any(|o| o.starts_with("lowerdir=") && o.contains("::"))
+        && fstype_below(mounts) == "erofs"
 }
