@@ -109,8 +109,11 @@ pub enum OciError {
     Interrupted,
     /// The signature policy or registries.conf refused the image: which
     /// image, which scope or table, and why.
-    #[error("{0}")]
-    Refused(String),
+    #[error(transparent)]
+    Refused(#[from] tilefs_trust::Refused),
+    /// A trust configuration file, key or name that cannot be used.
+    #[error(transparent)]
+    Trust(#[from] tilefs_trust::Error),
 }
 
 impl OciError {

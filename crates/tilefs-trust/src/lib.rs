@@ -27,6 +27,7 @@
 #![deny(clippy::print_stdout, clippy::print_stderr)]
 
 pub mod dockerref;
+pub mod error;
 pub mod evidence;
 pub mod gpg;
 pub mod payload;
@@ -37,6 +38,7 @@ pub mod rootfile;
 pub mod sigstore;
 
 pub use dockerref::DockerRef;
+pub use error::{Error, Refused};
 pub use policy::{Accepted, Policy, Refusal, SignatureSource, Subject};
 pub use registries_conf::RegistriesConf;
 pub use registries_d::RegistriesD;
@@ -134,23 +136,17 @@ impl Paths {
 
     /// Loads the policy. Without any policy file the pull is refused, as
     /// podman and skopeo refuse it.
-    pub fn load_policy(&self) -> Result<Policy, String> {
+    pub fn load_policy(&self) -> Result<Policy, Error> {
         let p = self.policy_path();
         match read_config(&p) {
             Ok(raw) => Policy::parse(&raw, &p.display().to_string()),
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound && self.signature_policy.is_none() => Err(format!(
-                "no signature policy: {} does not exist{} (podman and skopeo refuse to pull without one too); \
-                 write one ({{\"default\": [{{\"type\": \"insecureAcceptAnything\"}}]}} accepts any image) \
-                 or pass --signature-policy FILE",
-                p.display(),
-                home()
-                    .map(|h| format!(
-                        " and neither does {}",
-                        h.join(".config/containers/policy.json").display()
-                    ))
-                    .unwrap_or_default()
-            )),
-            Err(e) => Err(format!("signature policy {}: {e}", p.display())),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound && self.signature_policy.is_none() => {
+                Err(Error::NoPolicy {
+                    path: p,
+                    user: home().map(|h| h.join(".config/containers/policy.json")),
+                })
+            }
+            Err(e) => Err(Error::read(&p, format!("signature policy: {e}"))),
         }
     }
 
@@ -158,7 +154,7 @@ impl Paths {
         self.registries_d.clone().unwrap_or_else(RegistriesD::default_dir)
     }
 
-    pub fn load_registries_d(&self) -> Result<RegistriesD, String> {
+    pub fn load_registries_d(&self) -> Result<RegistriesD, Error> {
         RegistriesD::load(&self.registries_d_dir())
     }
 
@@ -171,7 +167,7 @@ impl Paths {
         })
     }
 
-    pub fn load_registries_conf(&self) -> Result<RegistriesConf, String> {
+    pub fn load_registries_conf(&self) -> Result<RegistriesConf, Error> {
         let dot_d = |p: &Path| {
             let mut s = p.as_os_str().to_owned();
             s.push(".d");
