@@ -117,7 +117,7 @@ impl Evidence {
             image: self.display.clone(),
             policy: policy.origin.clone(),
             scope: crate::policy::Scope::Default,
-            reason,
+            reason: Box::new(reason),
         };
         let subject = self.subject().map_err(|e| refuse(Rejection::Record(e)))?;
         let manifest = B64

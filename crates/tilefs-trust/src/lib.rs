@@ -23,9 +23,6 @@
 //! [`policy::SignatureSource`] for its registry (tilefs-oci's
 //! `trust::check_registry_image` does all of it for a registry image).
 
-// A library logs through `tracing`; the program chooses where lines go.
-#![deny(clippy::print_stdout, clippy::print_stderr)]
-
 pub mod dockerref;
 pub mod error;
 pub mod evidence;
@@ -189,7 +186,7 @@ impl Paths {
         };
         // A root in a user namespace (rootless podman's, `podman unshare`)
         // is the user, whose aliases podman keeps in the user's cache.
-        let cache = if rustix::process::geteuid().is_root() && in_initial_userns() {
+        let cache = if rustix::process::geteuid().is_root() && tilefs_sys::ns::in_initial_userns() {
             Some(PathBuf::from("/var/cache/containers/short-name-aliases.conf"))
         } else {
             home().map(|h| h.join(".cache/containers/short-name-aliases.conf"))
@@ -210,14 +207,6 @@ impl Paths {
             registries_conf: self.explicit_registries_conf().map(abs),
         }
     }
-}
-
-/// Whether this process is in the initial user namespace (its uid map
-/// is the whole identity map).
-fn in_initial_userns() -> bool {
-    std::fs::read_to_string("/proc/self/uid_map")
-        .map(|m| m.split_whitespace().collect::<Vec<_>>() == ["0", "0", "4294967295"])
-        .unwrap_or(true)
 }
 
 #[cfg(test)]

@@ -194,7 +194,7 @@ pub struct Refusal {
     pub image: String,
     pub policy: String,
     pub scope: Scope,
-    pub reason: Rejection,
+    pub reason: Box<Rejection>,
 }
 
 /// The requirements that need signatures.
@@ -268,8 +268,8 @@ pub enum SignatureFault {
     /// Its claimed identity is one the rule does not accept for the image.
     #[error("it claims the identity {claimed}, which {rule} does not accept for {image}")]
     Identity {
-        claimed: DockerRef,
-        rule: IdentityRule,
+        claimed: Box<DockerRef>,
+        rule: Box<IdentityRule>,
         image: String,
     },
 }
@@ -281,7 +281,7 @@ fn bad(what: &str, reason: impl Into<String>) -> Error {
 fn check_keys(o: &Map<String, Value>, what: &str, allowed: &[&str]) -> Result<(), Error> {
     for k in o.keys() {
         if !allowed.contains(&k.as_str()) {
-            return Err(bad(&what, format!("unknown member {k:?}")));
+            return Err(bad(what, format!("unknown member {k:?}")));
         }
     }
     Ok(())
@@ -291,7 +291,7 @@ fn get_str<'a>(o: &'a Map<String, Value>, k: &str, what: &str) -> Result<Option<
     match o.get(k) {
         None => Ok(None),
         Some(Value::String(s)) => Ok(Some(s)),
-        Some(_) => Err(bad(&what, format!("{k} is not a string"))),
+        Some(_) => Err(bad(what, format!("{k} is not a string"))),
     }
 }
 
@@ -304,15 +304,15 @@ fn parse_keys(o: &Map<String, Value>, what: &str, multi: bool) -> Result<KeySour
                 .map(|v| v.as_str().map(PathBuf::from))
                 .collect::<Option<Vec<_>>>()
                 .filter(|v| !v.is_empty())
-                .ok_or_else(|| bad(&what, "keyPaths is not a non-empty list of strings"))?,
+                .ok_or_else(|| bad(what, "keyPaths is not a non-empty list of strings"))?,
         ),
-        Some(_) => return Err(bad(&what, "keyPaths is not a non-empty list of strings")),
+        Some(_) => return Err(bad(what, "keyPaths is not a non-empty list of strings")),
     };
     let data = get_str(o, "keyData", what)?;
     match (path, paths, data) {
         (Some(p), None, None) => {
             if p.is_empty() {
-                return Err(bad(&what, "keyPath is empty"));
+                return Err(bad(what, "keyPath is empty"));
             }
             Ok(KeySource::Paths(vec![PathBuf::from(p)]))
         }
@@ -320,9 +320,9 @@ fn parse_keys(o: &Map<String, Value>, what: &str, multi: bool) -> Result<KeySour
         (None, None, Some(d)) => base64::engine::general_purpose::STANDARD
             .decode(d)
             .map(KeySource::Data)
-            .map_err(|_| bad(&what, "keyData is not base64")),
+            .map_err(|_| bad(what, "keyData is not base64")),
         _ => Err(bad(
-            &what,
+            what,
             format!(
                 "exactly one of {} must be present",
                 if multi {
@@ -400,8 +400,8 @@ fn valid_prefix(p: &str) -> bool {
 }
 
 fn parse_requirement(v: &Value, what: &str) -> Result<Requirement, Error> {
-    let o = v.as_object().ok_or_else(|| bad(&what, "not an object"))?;
-    let t = get_str(o, "type", what)?.ok_or_else(|| bad(&what, "no type"))?;
+    let o = v.as_object().ok_or_else(|| bad(what, "not an object"))?;
+    let t = get_str(o, "type", what)?.ok_or_else(|| bad(what, "no type"))?;
     let what = format!("{what} ({t})");
     match t {
         "insecureAcceptAnything" => {
@@ -448,11 +448,11 @@ fn parse_requirement(v: &Value, what: &str) -> Result<Requirement, Error> {
 }
 
 fn parse_requirements(v: &Value, what: &str) -> Result<Vec<Requirement>, Error> {
-    let a = v.as_array().ok_or_else(|| bad(&what, "not a list of requirements"))?;
+    let a = v.as_array().ok_or_else(|| bad(what, "not a list of requirements"))?;
     if a.is_empty() {
         return Err(bad(
-            &what,
-            format!("empty (use [{{\"type\": \"insecureAcceptAnything\"}}] to accept anything)"),
+            what,
+            "empty (use [{\"type\": \"insecureAcceptAnything\"}] to accept anything)".to_string(),
         ));
     }
     a.iter()
@@ -620,7 +620,7 @@ impl Policy {
             image: s.display.clone(),
             policy: self.origin.clone(),
             scope: scope.clone(),
-            reason,
+            reason: Box::new(reason),
         };
         let found = Found::default();
         let mut by = Vec::new();
@@ -806,8 +806,8 @@ fn check_claim(c: &Claim, manifest: &[u8], s: &Subject, rule: &IdentityRule) -> 
         Ok(())
     } else {
         Err(SignatureFault::Identity {
-            claimed: signed,
-            rule: rule.clone(),
+            claimed: Box::new(signed),
+            rule: Box::new(rule.clone()),
             image: s
                 .docker_ref
                 .as_ref()

@@ -169,7 +169,7 @@ impl RegistriesConf {
     pub fn add(&mut self, raw: &[u8], path: &Path) -> Result<(), Error> {
         let name = path.display().to_string();
         let text = std::str::from_utf8(raw).map_err(|_| Error::invalid(&name, "not UTF-8"))?;
-        let f: File = toml::from_str(text).map_err(|e| Error::invalid(&name, format!("{}", e.to_string().trim())))?;
+        let f: File = toml::from_str(text).map_err(|e| Error::invalid(&name, e.to_string().trim().to_string()))?;
         let v2 = f.unqualified_search_registries.is_some()
             || f.short_name_mode.is_some()
             || f.aliases.is_some()
@@ -180,7 +180,7 @@ impl RegistriesConf {
             if v2 {
                 return Err(Error::invalid(
                     &name,
-                    format!("mixes the version 1 [registries.*] tables with version 2 settings"),
+                    "mixes the version 1 [registries.*] tables with version 2 settings".to_string(),
                 ));
             }
             search = Some(v1.search.registries);
