@@ -1,20 +1,26 @@
 """What the sections that run registries and containerd share (registry,
-containerd, cri_lazy): commands that must succeed, waiting for a daemon,
-Debian's docker-registry on loopback, OCI image layouts written by hand,
-stopping processes and removing the cgroups containerd leaves.
+containerd, cri_lazy, podman): commands that must succeed, waiting for a
+daemon, Debian's docker-registry on loopback, OCI image layouts written by
+hand (and the image cri_lazy and podman pull), stopping processes and
+removing the cgroups containerd leaves.
 """
 
 from __future__ import annotations
 
 import gzip
 import hashlib
+import io
 import json
 import os
+import random
 import shutil
 import socket
 import subprocess
+import tarfile
 import time
 from pathlib import Path
+
+import lib
 
 
 def sh(argv, **kw) -> subprocess.CompletedProcess:
@@ -198,3 +204,79 @@ class Layout:
             "annotations": {"org.opencontainers.image.ref.name": name},
         })
         (self.root / "index.json").write_text(json.dumps({"schemaVersion": 2, "manifests": self.manifests}))
+
+
+def generated_layer(layout: Layout, nbytes: int) -> tuple[dict, str]:
+    """A layer of files of pseudo-random bytes (incompressible, seeded: the
+    same every run), `nbytes` in all, sizes from 16 KiB to 8 MiB
+    (log-uniform), under /opt/gen."""
+    rng = random.Random(44)
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w", format=tarfile.PAX_FORMAT) as tar:
+        for d in ["opt", "opt/gen"]:
+            info = tarfile.TarInfo(d)
+            info.type, info.mode = tarfile.DIRTYPE, 0o755
+            tar.addfile(info)
+        left, i = nbytes, 0
+        while left > 0:
+            n = min(left, int(2 ** rng.uniform(14, 23)))
+            info = tarfile.TarInfo(f"opt/gen/{i // 100:02d}/{i:05d}.bin")
+            if i % 100 == 0:
+                dinfo = tarfile.TarInfo(f"opt/gen/{i // 100:02d}")
+                dinfo.type, dinfo.mode = tarfile.DIRTYPE, 0o755
+                tar.addfile(dinfo)
+            info.size, info.mode = n, 0o644
+            tar.addfile(info, io.BytesIO(rng.randbytes(n)))
+            left -= n
+            i += 1
+    return layout.layer_of(buf.getvalue())
+
+
+def stage_image(b, work: Path, default_trees: list[str], first_file: str) -> tuple[Layout, str]:
+    """The image the cri_lazy and podman sections pull, "usr" (and the
+    pods' sandbox image, "pause"), into an OCI layout under `work`: the
+    trees ($BENCH_TREE, else `default_trees`) and `first_file` (what the
+    container prints) in three gzip layers, then generated files up to
+    BENCH_CRI_IMAGE_MB of compressed layers, then busybox. Returns the
+    layout and a description of the image."""
+    tree = os.environ.get("BENCH_TREE")
+    trees = [Path(tree).resolve().relative_to("/")] if tree else [Path(t) for t in default_trees]
+    target = lib.env_int("BENCH_CRI_IMAGE_MB", 1000) * 1_000_000
+    entries = []
+    for t in trees:
+        entries.extend(str(t / p.name) for p in sorted((Path("/") / t).iterdir()))
+    groups = [entries[i::3] for i in range(3)]
+    # The directories above the trees, and the file the container prints.
+    dirs = {str(p) for t in [*trees, Path(first_file)] for p in t.parents if str(p) != "."}
+    dirs = sorted(dirs | {str(t) for t in trees})
+    layout = Layout(work / "layout")
+    layers = []
+    for i, g in enumerate(groups):
+        b.progress(f"tar + gzip of layer {i + 1}/5 ...", final=False)
+        extra = ["--no-recursion", *dirs, "--recursion", first_file] if i == 0 else []
+        layers.append(layout.layer_from(["tar", "-C", "/", "-cf", "-", "--numeric-owner", *extra, *g]))
+
+    def busybox_layer(tag: bytes) -> tuple[dict, str]:
+        bb = work / "bb"
+        (bb / "bin").mkdir(parents=True)
+        # Bytes after the ELF image change nothing but the file's digest.
+        (bb / "bin" / "busybox").write_bytes(Path("/bin/busybox").read_bytes() + tag)
+        os.chmod(bb / "bin" / "busybox", 0o755)
+        for app in ["sh", "cat", "sleep", "ls"]:
+            os.symlink("busybox", bb / "bin" / app)
+        layer = layout.layer_from(["tar", "-C", bb, "-cf", "-", "--numeric-owner", "--mtime=@0", "bin"])
+        shutil.rmtree(bb)
+        return layer
+
+    bb = busybox_layer(b"")
+    gen = max(0, target - sum(l[0]["size"] for l in [*layers, bb]))
+    b.progress(f"generated layer of {gen / 1e6:.0f} MB + gzip (layer 4/5) ...", final=False)
+    layers.append(generated_layer(layout, gen))
+    layout.image("usr", [*layers, bb], {"Cmd": ["/bin/sh"]})
+    # The sandbox image's busybox is another file (a store that has it
+    # would not fetch the image's).
+    layout.image("pause", [busybox_layer(b"\0pause")], {"Entrypoint": ["/bin/sleep"], "Cmd": ["inf"]})
+    size = sum(int(sh(["du", "-sxB1", "--apparent-size", Path("/") / t]).stdout.split()[0]) for t in trees)
+    what = " ".join(f"/{t}" for t in trees)
+    return layout, (f"{what} ({size / 1e9:.2f} GB) + /{first_file} in 3 layers, {gen / 1e6:.0f} MB of generated "
+                    f"files (pseudo-random, seeded) in 1, busybox in 1: 5 gzip -1 layers")

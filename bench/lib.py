@@ -1224,3 +1224,33 @@ def write_atomic(path: Path, text: str) -> None:
 
 def write_json(path: Path, data: dict) -> None:
     write_atomic(path, json.dumps(data, indent=2, ensure_ascii=False) + "\n")
+
+
+def processes_naming(needle: str) -> list[int]:
+    """The processes (but this one) with `needle` in an argument: what a
+    section started below its directory, to end after a failure."""
+    me = os.getpid()
+    out = []
+    for e in os.listdir("/proc"):
+        if not e.isdigit() or int(e) == me:
+            continue
+        try:
+            argv = Path(f"/proc/{e}/cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if any(needle.encode() in a for a in argv):
+            out.append(int(e))
+    return out
+
+
+def build_peer(b, name: str, var: str) -> tuple[Path | None, str]:
+    """bench/NAME/build.sh: the peer's directory and how it was built, or
+    None and why not."""
+    script = BENCH_DIR / name / "build.sh"
+    b.progress(f"building the {name} peer (bench/{name}/build.sh) if absent ...", final=False)
+    r = subprocess.run([str(script)], capture_output=True, text=True, stdin=subprocess.DEVNULL)
+    if r.returncode != 0:
+        lines = [l for l in (r.stderr + r.stdout).splitlines() if l.strip()]
+        return None, f"{name} could not be built (bench/{name}/build.sh, ${var}): " + " / ".join(lines[-3:])
+    d = Path(r.stdout.strip().splitlines()[-1])
+    return d, (d / "BUILD").read_text().strip()

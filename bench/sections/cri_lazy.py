@@ -37,22 +37,19 @@ image). The peers: bench/stargz/build.sh and bench/soci/build.sh build them
 from __future__ import annotations
 
 import hashlib
-import io
 import json
 import os
-import random
 import re
 import shutil
 import statistics
 import subprocess
 import sys
-import tarfile
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import lib  # noqa: E402
-from containers import Layout, Registry, kill9, remove_cgroup, sh, terminate, unmount_below, wait_for  # noqa: E402
+from containers import Layout, Registry, kill9, remove_cgroup, sh, stage_image, terminate, unmount_below, wait_for  # noqa: E402
 
 NAME = "cri_lazy"
 TITLE = "lazy starts through CRI: tilefs snapshotter vs SOCI, stargz-snapshotter and overlayfs"
@@ -260,7 +257,7 @@ state = "{p('cstate')}"
             terminate(p)
         # What CRI could not stop: shims and runc's containers of this run,
         # and whatever is left in the pods' cgroups.
-        for pid in processes_naming(str(self.path("c.sock"))):
+        for pid in lib.processes_naming(str(self.path("c.sock"))):
             kill9(pid)
         runc_root = self.path(f"runc/{NS}")
         for c in runc_root.iterdir() if runc_root.is_dir() else []:
@@ -277,7 +274,7 @@ state = "{p('cstate')}"
         unmount_below(self.dir)
         # FUSE servers of the unmounted images end by themselves.
         deadline = time.time() + 10
-        while (left := processes_naming(str(self.dir))) and time.time() < deadline:
+        while (left := lib.processes_naming(str(self.dir))) and time.time() < deadline:
             time.sleep(0.1)
         for pid in left:
             kill9(pid)
@@ -290,34 +287,6 @@ state = "{p('cstate')}"
                     shutil.copy(self.path(f), Path(keep) / f"{self.dir.name}.{f}")
         shutil.rmtree(self.dir, ignore_errors=True)
         self.dir = None
-
-
-def processes_naming(needle: str) -> list[int]:
-    me = os.getpid()
-    out = []
-    for e in os.listdir("/proc"):
-        if not e.isdigit() or int(e) == me:
-            continue
-        try:
-            argv = Path(f"/proc/{e}/cmdline").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        if any(needle.encode() in a for a in argv):
-            out.append(int(e))
-    return out
-
-
-def build_peer(b, name: str, var: str) -> tuple[Path | None, str]:
-    """bench/NAME/build.sh: the peer's directory and how it was built, or
-    None and why not."""
-    script = lib.BENCH_DIR / name / "build.sh"
-    b.progress(f"building the {name} peer (bench/{name}/build.sh) if absent ...", final=False)
-    r = subprocess.run([str(script)], capture_output=True, text=True, stdin=subprocess.DEVNULL)
-    if r.returncode != 0:
-        lines = [l for l in (r.stderr + r.stdout).splitlines() if l.strip()]
-        return None, f"{name} could not be built (bench/{name}/build.sh, ${var}): " + " / ".join(lines[-3:])
-    d = Path(r.stdout.strip().splitlines()[-1])
-    return d, (d / "BUILD").read_text().strip()
 
 
 def run(b) -> None:
@@ -337,7 +306,7 @@ def run(b) -> None:
     finally:
         rig.stop()
         # Whatever else still runs below work (a failure midway).
-        for pid in processes_naming(str(work)):
+        for pid in lib.processes_naming(str(work)):
             if registry.proc is None or pid != registry.proc.pid:
                 kill9(pid)
         remove_cgroup(CGROUP)
@@ -346,79 +315,6 @@ def run(b) -> None:
         if os.environ.get("BENCH_CRI_LOGS") and registry.log.exists():
             shutil.copy(registry.log, Path(os.environ["BENCH_CRI_LOGS"]) / "registry-access.log")
         shutil.rmtree(work, ignore_errors=True)
-
-
-def generated_layer(layout: Layout, nbytes: int) -> tuple[dict, str]:
-    """A layer of files of pseudo-random bytes (incompressible, seeded: the
-    same every run), `nbytes` in all, sizes from 16 KiB to 8 MiB
-    (log-uniform), under /opt/gen."""
-    rng = random.Random(44)
-    buf = io.BytesIO()
-    with tarfile.open(fileobj=buf, mode="w", format=tarfile.PAX_FORMAT) as tar:
-        for d in ["opt", "opt/gen"]:
-            info = tarfile.TarInfo(d)
-            info.type, info.mode = tarfile.DIRTYPE, 0o755
-            tar.addfile(info)
-        left, i = nbytes, 0
-        while left > 0:
-            n = min(left, int(2 ** rng.uniform(14, 23)))
-            info = tarfile.TarInfo(f"opt/gen/{i // 100:02d}/{i:05d}.bin")
-            if i % 100 == 0:
-                dinfo = tarfile.TarInfo(f"opt/gen/{i // 100:02d}")
-                dinfo.type, dinfo.mode = tarfile.DIRTYPE, 0o755
-                tar.addfile(dinfo)
-            info.size, info.mode = n, 0o644
-            tar.addfile(info, io.BytesIO(rng.randbytes(n)))
-            left -= n
-            i += 1
-    return layout.layer_of(buf.getvalue())
-
-
-def stage(b, work: Path) -> tuple[Layout, str]:
-    """The ordinary image (and the pods' sandbox image) into an OCI layout:
-    the trees in three gzip layers, then generated files up to
-    BENCH_CRI_IMAGE_MB of compressed layers, then busybox."""
-    tree = os.environ.get("BENCH_TREE")
-    trees = [Path(tree).resolve().relative_to("/")] if tree else [Path(t) for t in TREES]
-    target = lib.env_int("BENCH_CRI_IMAGE_MB", 1000) * 1_000_000
-    entries = []
-    for t in trees:
-        entries.extend(str(t / p.name) for p in sorted((Path("/") / t).iterdir()))
-    groups = [entries[i::3] for i in range(3)]
-    # The directories above the trees, and the file the container prints.
-    dirs = {str(p) for t in [*trees, Path(FIRST_FILE)] for p in t.parents if str(p) != "."}
-    dirs = sorted(dirs | {str(t) for t in trees})
-    layout = Layout(work / "layout")
-    layers = []
-    for i, g in enumerate(groups):
-        b.progress(f"tar + gzip of layer {i + 1}/5 ...", final=False)
-        extra = ["--no-recursion", *dirs, "--recursion", FIRST_FILE] if i == 0 else []
-        layers.append(layout.layer_from(["tar", "-C", "/", "-cf", "-", "--numeric-owner", *extra, *g]))
-
-    def busybox_layer(tag: bytes) -> tuple[dict, str]:
-        bb = work / "bb"
-        (bb / "bin").mkdir(parents=True)
-        # Bytes after the ELF image change nothing but the file's digest.
-        (bb / "bin" / "busybox").write_bytes(Path("/bin/busybox").read_bytes() + tag)
-        os.chmod(bb / "bin" / "busybox", 0o755)
-        for app in ["sh", "cat", "sleep", "ls"]:
-            os.symlink("busybox", bb / "bin" / app)
-        layer = layout.layer_from(["tar", "-C", bb, "-cf", "-", "--numeric-owner", "--mtime=@0", "bin"])
-        shutil.rmtree(bb)
-        return layer
-
-    bb = busybox_layer(b"")
-    gen = max(0, target - sum(l[0]["size"] for l in [*layers, bb]))
-    b.progress(f"generated layer of {gen / 1e6:.0f} MB + gzip (layer 4/5) ...", final=False)
-    layers.append(generated_layer(layout, gen))
-    layout.image("usr", [*layers, bb], {"Cmd": ["/bin/sh"]})
-    # The sandbox image's busybox is another file (a store that has it
-    # would not fetch the image's).
-    layout.image("pause", [busybox_layer(b"\0pause")], {"Entrypoint": ["/bin/sleep"], "Cmd": ["inf"]})
-    size = sum(int(sh(["du", "-sxB1", "--apparent-size", Path("/") / t]).stdout.split()[0]) for t in trees)
-    what = " ".join(f"/{t}" for t in trees)
-    return layout, (f"{what} ({size / 1e9:.2f} GB) + /{FIRST_FILE} in 3 layers, {gen / 1e6:.0f} MB of generated "
-                    f"files (pseudo-random, seeded) in 1, busybox in 1: 5 gzip -1 layers")
 
 
 def manifest_of(ref: str) -> tuple[dict, bytes]:
@@ -488,14 +384,14 @@ def _run(b, work: Path, registry: Registry, rig: Rig) -> None:
     wanted = (os.environ.get("BENCH_CRI_PEERS") or "tilefs tilefs-fuse soci stargz tilefs-esgz overlayfs").split()
     stargz_dir, stargz_build = None, "stargz-snapshotter: not asked for (BENCH_CRI_PEERS)"
     if {"stargz", "tilefs-esgz"} & set(wanted):
-        stargz_dir, stargz_build = build_peer(b, "stargz", "STARGZ_BIN_DIR")
+        stargz_dir, stargz_build = lib.build_peer(b, "stargz", "STARGZ_BIN_DIR")
     soci_dir, soci_build = None, "SOCI: not asked for (BENCH_CRI_PEERS)"
     if "soci" in wanted:
-        soci_dir, soci_build = build_peer(b, "soci", "SOCI_BIN_DIR")
+        soci_dir, soci_build = lib.build_peer(b, "soci", "SOCI_BIN_DIR")
     for d, why in [(stargz_dir, stargz_build), (soci_dir, soci_build)]:
         if d is None:
             b.note(why)
-    layout, what = stage(b, work)
+    layout, what = stage_image(b, work, TREES, FIRST_FILE)
     registry.start()
     tls = "--tls-verify=false"
     reg = registry.addr

@@ -37,7 +37,6 @@ tilefs-rootless podman-rootless) measures only some.
 
 from __future__ import annotations
 
-import importlib.util
 import io
 import os
 import random
@@ -50,28 +49,17 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import lib  # noqa: E402
-from containers import Layout, Registry, kill9, sh, terminate, unmount_below, wait_for  # noqa: E402
+from containers import Layout, Registry, kill9, sh, stage_image, terminate, unmount_below, wait_for  # noqa: E402
 
 NAME = "podman"
 TITLE = "podman: tilefs layer store vs stargz-store and podman's own pull"
 ORDER = 40
 FIRST_FILE = "usr/lib/os-release"
+# The trees of cri_lazy's image (the same image: its numbers compare).
+CRI_TREES = ["usr/share", "usr/include", "usr/bin"]
 GOAL_VS_PODMAN = 0.3
 GOAL_VS_STARGZ = 1.0
 GOAL_DISK = 0.6
-
-
-def _load_cri_lazy():
-    """The cri_lazy section's module: its image (stage), peer builds and
-    process search."""
-    spec = importlib.util.spec_from_file_location("bench_section_cri_lazy_for_podman",
-                                                  Path(__file__).with_name("cri_lazy.py"))
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
-cri = _load_cri_lazy()
 
 
 class User:
@@ -223,7 +211,7 @@ class Run:
             self.user.kill_all()
         elif lib.is_mountpoint(mnt):
             subprocess.run([self.tilefs, "umount", str(mnt)], capture_output=True)
-        for pid in cri.processes_naming(str(self.dir)):
+        for pid in lib.processes_naming(str(self.dir)):
             kill9(pid)
         unmount_below(self.dir)
         shutil.rmtree(self.dir, ignore_errors=True)
@@ -300,8 +288,8 @@ def run(b) -> None:
     registry = Registry(work)
     rig = None
     try:
-        convert_dir, convert_build = cri.build_peer(b, "stargz", "STARGZ_BIN_DIR")
-        store_dir, store_build = cri.build_peer(b, "stargz-store", "STARGZ_STORE_BIN_DIR")
+        convert_dir, convert_build = lib.build_peer(b, "stargz", "STARGZ_BIN_DIR")
+        store_dir, store_build = lib.build_peer(b, "stargz-store", "STARGZ_STORE_BIN_DIR")
         for d, why in [(convert_dir, convert_build), (store_dir, store_build)]:
             if d is None:
                 b.note(why)
@@ -310,7 +298,7 @@ def run(b) -> None:
     finally:
         if rig is not None:
             rig.close()
-        for pid in cri.processes_naming(str(work)):
+        for pid in lib.processes_naming(str(work)):
             if registry.proc is None or pid != registry.proc.pid:
                 kill9(pid)
         unmount_below(work)
@@ -320,7 +308,7 @@ def run(b) -> None:
 
 def _run(b, work: Path, registry: Registry, rig: Run, convert_dir: Path | None, stargz_build: str) -> None:
     tilefs = b.tilefs
-    layout, what = cri.stage(b, work)
+    layout, what = stage_image(b, work, CRI_TREES, FIRST_FILE)
     registry.start()
     repo = f"{registry.addr}/bench/usr"
     plain, esgz = f"{repo}:v1", f"{repo}:esgz"

@@ -29,7 +29,7 @@ pub fn run(a: GenerateSigstoreKeyArgs) -> Result<ExitCode> {
         }
         None => Vec::new(),
     };
-    let (private, public) = tilefs_trust::sigstore::generate(&pass).map_err(anyhow::Error::msg)?;
+    let (private, public) = tilefs_trust::sigstore::generate(&pass)?;
     let with = |ext: &str| {
         let mut s = a.output_prefix.clone().into_os_string();
         s.push(ext);

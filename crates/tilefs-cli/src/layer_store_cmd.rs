@@ -2,6 +2,7 @@
 //! (containers/storage), see tilefs_fuse::layer_store and
 //! tilefs_oci::layer_store.
 
+use crate::logging::LogTo;
 use crate::registry_arg::RegistryArgs;
 use crate::store_arg::StoreArg;
 use anyhow::{anyhow, Context, Result};
@@ -10,7 +11,6 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 use std::sync::Arc;
 use tilefs_fuse::layer_store::{BlobReader, LayerFiles, LayerSource, LayerStoreFs};
-use tilefs_fuse::LogTo;
 
 pub const LONG_ABOUT: &str = "Serve an additional layer store for podman (containers/storage) at DIR, over a tilefs \
 store: a layer of an image tilefs can start lazily (one with a `tilefs index`, eStargz, zstd:chunked) appears there when podman \
@@ -171,7 +171,7 @@ pub fn run(mut a: LayerStoreArgs) -> Result<ExitCode> {
     crate::logging::to_server_log(&log)?;
     tilefs_fuse::raise_nofile();
     let layers = tilefs_oci::layer_store::LayerStore::open(&store, &state, pull).map_err(|e| anyhow!(e))?;
-    let fs = LayerStoreFs::new(store.clone(), Arc::new(Source(layers, store)), log).map_err(|e| anyhow!(e))?;
+    let fs = LayerStoreFs::new(store.clone(), Arc::new(Source(layers, store))).map_err(|e| anyhow!(e))?;
     let server = tilefs_fuse::Server::layer_store(fs);
     let config = server.serve_config(0, true, None);
     let mounted = tilefs_fuse::mount(

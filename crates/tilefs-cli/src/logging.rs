@@ -10,6 +10,7 @@
 use std::fmt::Write as _;
 use std::fs::File;
 use std::io::Write as _;
+use std::path::PathBuf;
 use std::sync::Mutex;
 use tracing::field::{Field, Visit};
 use tracing::{Event, Level, Subscriber};
@@ -72,21 +73,30 @@ pub fn set_name(name: &'static str) {
     out().name = name;
 }
 
+/// Where a server's lines go.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum LogTo {
+    Stderr,
+    Syslog,
+    /// Appended to this file.
+    File(PathBuf),
+}
+
 /// Sends a FUSE or vhost-user server's lines where `to` says, named
 /// `tilefs-fuse` as the server's own.
-pub fn to_server_log(to: &tilefs_fuse::LogTo) -> anyhow::Result<()> {
+pub fn to_server_log(to: &LogTo) -> anyhow::Result<()> {
     let sink = match to {
-        tilefs_fuse::LogTo::Stderr => Sink::Stderr {
+        LogTo::Stderr => Sink::Stderr {
             stamped: stderr_is_file(),
         },
-        tilefs_fuse::LogTo::File(p) => Sink::File(
+        LogTo::File(p) => Sink::File(
             File::options()
                 .create(true)
                 .append(true)
                 .open(p)
                 .map_err(|e| anyhow::anyhow!("{}: {e}", p.display()))?,
         ),
-        tilefs_fuse::LogTo::Syslog => {
+        LogTo::Syslog => {
             tilefs_sys::syslog::open(c"tilefs-fuse");
             Sink::Syslog
         }

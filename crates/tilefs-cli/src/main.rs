@@ -17,6 +17,7 @@ mod mount_helper;
 mod mountd_cmd;
 mod once;
 mod output;
+mod present_args;
 mod progress;
 mod pull_cmd;
 mod push_cmd;

@@ -1,21 +1,19 @@
 //! `tilefs mount` and `tilefs umount`.
 
-use crate::store_arg::StoreArg;
+use crate::logging::LogTo;
+use crate::present_args::PresentArgs;
 use anyhow::{anyhow, bail, Result};
 use clap::Args;
 use std::path::PathBuf;
 use std::process::ExitCode;
-use tilefs_fuse::LogTo;
-use tilefs_mount::options::{Backend, ParsedOptions};
+use tilefs_mount::options::Backend;
 use tilefs_mount::ErofsBacking;
-use tilefs_present::{FuseSettings, Presented, Request};
+use tilefs_present::{Presented, Request};
 
 #[derive(Args)]
 pub struct MountArgs {
     #[command(flatten)]
-    pub store: StoreArg,
-    /// Image file, or a tag in the store
-    pub image: PathBuf,
+    pub present: PresentArgs,
     /// Where to mount
     pub mountpoint: PathBuf,
     /// Mount with the kernel (EROFS + overlayfs; needs privilege)
@@ -28,25 +26,6 @@ pub struct MountArgs {
     /// (without privilege, if its policy allows you the store)
     #[arg(long, conflicts_with_all = ["kernel", "fuse"])]
     pub delegated: bool,
-    /// Make the mount writable: changes go to this directory (overlayfs upperdir), in
-    /// overlayfs's format whether the kernel or the FUSE server serves the mount
-    #[arg(long, value_name = "DIR", requires = "work")]
-    pub upper: Option<PathBuf>,
-    /// Empty directory on the same filesystem as --upper (overlayfs workdir)
-    #[arg(long, value_name = "DIR", requires = "upper")]
-    pub work: Option<PathBuf>,
-    /// Check objects against the image's digests: require (refuse to mount unless every file can be
-    /// verified), auto (wherever possible; default) or off
-    #[arg(long, value_name = "MODE", value_parser = ["require", "auto", "off"])]
-    pub verity: Option<String>,
-    /// Refuse the image unless its fs-verity digest is this (64 hex digits, as `tilefs digest` prints)
-    #[arg(long, value_name = "DIGEST")]
-    pub digest: Option<String>,
-    /// Mount options as for `mount -o`: ro, nosuid, nodev, noexec, noatime, ...; for writable
-    /// FUSE mounts uidmapping=STORED:SHOWN:LEN[:...] and gidmapping=... (ids inside a user
-    /// namespace; a user's mount of root's image defaults to 0:UID:1, `none` keeps ids as stored); anything unknown to tilefs is passed to overlayfs
-    #[arg(short = 'o', long = "options", value_name = "OPTS")]
-    pub options: Vec<String>,
     /// FUSE, and a kernel mount of a lazily pulled image (its filler): stay in the foreground
     /// until unmounted
     #[arg(short, long)]
@@ -81,16 +60,9 @@ pub struct MountArgs {
     #[arg(long, conflicts_with = "kernel")]
     pub no_uring: bool,
     /// FUSE, as root: keep idle CPUs polling instead of halting while requests flow (a CPU
-    /// latency request of 0 µs, for every CPU, relaxed 1 ms after the last request). auto: in a
-    /// VM of 2 to 8 CPUs whose kernel does not poll before halting, where waking a halted CPU
-    /// costs more than the request
-    #[arg(long, value_name = "WHEN", default_value = "auto", value_parser = ["auto", "on", "off"], conflicts_with = "kernel")]
-    pub idle_poll: String,
-    /// FUSE: requests answered at once over /dev/fuse (the default is one per core, at least 2; at
-    /// least 16 for an image pulled with --lazy, whose fetches hold their threads). One thread reads;
-    /// another takes over while a request waits (a fetch, a copy-up, a disk read, an fsync)
-    #[arg(long, default_value_t = tilefs_fuse::default_threads(), value_name = "N")]
-    pub threads: usize,
+    /// latency request of 0 µs, for every CPU, relaxed 1 ms after the last request)
+    #[arg(long, value_name = "WHEN", value_enum, default_value_t = IdlePoll::Auto, conflicts_with = "kernel")]
+    pub idle_poll: IdlePoll,
     /// For the snapshotter: registry credentials for the image's repository, as JSON on stdin,
     /// used by the fetches of a lazily pulled image (kept in memory only)
     #[arg(long, hide = true)]
@@ -113,6 +85,18 @@ pub struct UmountArgs {
     /// Detach now even if files are open in it (they keep working until closed)
     #[arg(short, long)]
     pub lazy: bool,
+}
+
+/// `--idle-poll`.
+#[derive(Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum IdlePoll {
+    /// In a VM of 2 to 8 CPUs whose kernel does not poll before halting, where waking a halted
+    /// CPU costs more than the request
+    Auto,
+    /// Always
+    On,
+    /// Never
+    Off,
 }
 
 /// What the command line adds to a request: how to run a FUSE server.
@@ -166,61 +150,31 @@ pub fn mount(a: MountArgs) -> Result<ExitCode> {
     if a.erofs_alone {
         return erofs_alone(&a);
     }
-    let mut options = ParsedOptions::default();
-    for o in &a.options {
-        options.add(o).map_err(|e| anyhow!("-o {o}: {e}"))?;
-    }
-    if let Some(v) = &a.verity {
-        options.verity = Some(v.parse().map_err(|e: String| anyhow!(e))?);
-    }
-    if let Some(d) = &a.digest {
-        options.digest = Some(tilefs_mount::options::parse_digest(d).map_err(|e| anyhow!("--digest: {e}"))?);
-    }
+    let mut req = a.present.request()?;
+    let o = &mut req.options;
     if a.no_passthrough {
-        options.passthrough = Some(false);
+        o.passthrough = Some(false);
     }
     if a.passthrough {
-        options.passthrough = Some(true);
+        o.passthrough = Some(true);
     }
     if a.no_uring {
-        options.uring = Some(false);
+        o.uring = Some(false);
     }
-    match a.idle_poll.as_str() {
-        "on" => options.idle_poll = Some(true),
-        "off" => options.idle_poll = Some(false),
-        _ => {}
+    match a.idle_poll {
+        IdlePoll::On => o.idle_poll = Some(true),
+        IdlePoll::Off => o.idle_poll = Some(false),
+        IdlePoll::Auto => {}
     }
-    if a.upper.is_some() {
-        options.upper = a.upper.clone();
-        options.work = a.work.clone();
-    }
-    // (mount.tilefs takes `rw` quietly: mount(8) passes it unasked.)
-    if options.read_only == Some(false) && options.upper.is_none() {
-        bail!("option rw: the mount is read-only unless it has --upper/--work");
-    }
-    let mut stores = vec![a.store.path()?];
-    stores.append(&mut options.stores);
-    let backend = if a.delegated {
-        Some(Backend::Delegated)
+    if a.delegated {
+        req.backend = Some(Backend::Delegated);
     } else if a.kernel {
-        Some(Backend::Kernel)
+        req.backend = Some(Backend::Kernel);
     } else if a.fuse {
-        Some(Backend::Fuse)
-    } else {
-        options.backend
-    };
-    let req = Request {
-        image: a.image,
-        stores,
-        mountpoint: a.mountpoint,
-        options,
-        backend,
-        fuse: FuseSettings {
-            threads: a.threads,
-            ..FuseSettings::default()
-        },
-        erofs_backing: erofs_backing()?,
-    };
+        req.backend = Some(Backend::Fuse);
+    }
+    req.mountpoint = a.mountpoint;
+    req.erofs_backing = erofs_backing()?;
     run(
         req,
         &Serving {
@@ -238,8 +192,8 @@ pub fn mount(a: MountArgs) -> Result<ExitCode> {
 /// caller's cue to serve it by FUSE.
 fn erofs_alone(a: &MountArgs) -> Result<ExitCode> {
     use tilefs_present::kernel_lazy::{self, NotMounted};
-    let store = tilefs_store::Store::open(&a.store.path()?)?;
-    let (armed, id) = match kernel_lazy::mount_erofs_alone(&store, &a.image, &a.mountpoint) {
+    let store = tilefs_store::Store::open(&a.present.store.path()?)?;
+    let (armed, id) = match kernel_lazy::mount_erofs_alone(&store, &a.present.image, &a.mountpoint) {
         Ok(m) => m,
         Err(NotMounted::Unable(why)) => {
             eprintln!("{why}");
@@ -260,7 +214,7 @@ fn erofs_alone(a: &MountArgs) -> Result<ExitCode> {
 
 /// Presents the image as `req` says (see tilefs_present), tells the user
 /// what they should know, and serves a FUSE mount as `serving` says.
-pub fn run(mut req: Request, serving: &Serving) -> Result<()> {
+pub fn run(req: Request, serving: &Serving) -> Result<()> {
     // The server keeps objects open for the kernel, and removed files
     // until the kernel forgets them.
     tilefs_fuse::raise_nofile();
@@ -280,12 +234,11 @@ pub fn run(mut req: Request, serving: &Serving) -> Result<()> {
             f
         }
     };
-    req.fuse.log = match (&log_file, serving.foreground) {
+    crate::logging::to_server_log(&match (&log_file, serving.foreground) {
         (Some(p), _) => LogTo::File(p.clone()),
         (None, true) => LogTo::Stderr,
         (None, false) => LogTo::Syslog,
-    };
-    crate::logging::to_server_log(&req.fuse.log)?;
+    })?;
     let presented = tilefs_present::mount(&req).map_err(with_flags)?;
     if serving.fetch_rest.is_some() && !matches!(presented, Presented::KernelLazy { .. }) {
         eprintln!(

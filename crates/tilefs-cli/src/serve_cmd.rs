@@ -1,19 +1,17 @@
 //! `tilefs serve --vhost-user`: the image as a virtio-fs device of a VM.
 
-use crate::store_arg::StoreArg;
+use crate::logging::LogTo;
+use crate::present_args::PresentArgs;
 use anyhow::{anyhow, Context, Result};
 use clap::Args;
 use std::path::PathBuf;
 use std::process::ExitCode;
 use std::sync::Arc;
-use tilefs_fuse::LogTo;
 
 #[derive(Args)]
 pub struct ServeArgs {
     #[command(flatten)]
-    pub store: StoreArg,
-    /// Image file, or a tag in the store
-    pub image: PathBuf,
+    pub present: PresentArgs,
     /// Serve it as a vhost-user-fs device on this socket (QEMU's vhost-user-fs-pci,
     /// cloud-hypervisor's --fs connect to it)
     #[arg(long, value_name = "SOCKET", required = true)]
@@ -22,26 +20,10 @@ pub struct ServeArgs {
     /// vhost-user-fs-pci)
     #[arg(long, value_name = "TAG")]
     pub virtiofs_tag: Option<String>,
-    /// Make it writable: the guest's changes go to this directory (overlayfs upperdir)
-    #[arg(long, value_name = "DIR", requires = "work")]
-    pub upper: Option<PathBuf>,
-    /// Empty directory on the same filesystem as --upper (overlayfs workdir)
-    #[arg(long, value_name = "DIR", requires = "upper")]
-    pub work: Option<PathBuf>,
-    /// Check objects against the image's digests: require, auto (default) or off
-    #[arg(long, value_name = "MODE", value_parser = ["require", "auto", "off"])]
-    pub verity: Option<String>,
-    /// Refuse the image unless its fs-verity digest is this (64 hex digits)
-    #[arg(long, value_name = "DIGEST")]
-    pub digest: Option<String>,
     /// Request queues offered (besides virtio-fs's high-priority queue): the most the VMM may
     /// use (QEMU's num-request-queues, 1 to 63)
     #[arg(long, default_value_t = 8, value_name = "N", value_parser = clap::value_parser!(u16).range(1..=63))]
     pub queues: u16,
-    /// Requests answered at once on each request queue (the default is one per core, at least 2;
-    /// at least 16 for an image pulled with --lazy, whose fetches hold their threads)
-    #[arg(long, default_value_t = tilefs_fuse::default_threads(), value_name = "N")]
-    pub threads: usize,
     /// Share the socket with this group (name or gid): mode 0660 (else it is 0600, the
     /// owner's alone, whatever the umask); for a VMM running as another user of that group
     #[arg(long, value_name = "GROUP")]
@@ -62,16 +44,6 @@ const SIGNALS: [i32; 3] = [
 
 pub fn run(a: ServeArgs) -> Result<ExitCode> {
     tilefs_fuse::raise_nofile();
-    let verity = match &a.verity {
-        Some(v) => v.parse().map_err(|e: String| anyhow!(e))?,
-        None => Default::default(),
-    };
-    let digest = a
-        .digest
-        .as_deref()
-        .map(tilefs_mount::options::parse_digest)
-        .transpose()
-        .map_err(|e| anyhow!("--digest: {e}"))?;
     let socket_group = match &a.socket_group {
         Some(g) => Some(
             g.parse()
@@ -81,21 +53,20 @@ pub fn run(a: ServeArgs) -> Result<ExitCode> {
         ),
         None => None,
     };
-    let upper = a.upper.clone().zip(a.work.clone());
     let log = match &a.log {
         Some(p) => LogTo::File(p.clone()),
         None => LogTo::Stderr,
     };
     crate::logging::to_server_log(&log)?;
-    let store = a.store.path()?;
-    let spec = tilefs_present::serve_spec(&store, &a.image, upper, verity, digest, log)?;
+    let req = a.present.request()?;
+    let spec = tilefs_present::serve_spec(&req)?;
     let server = tilefs_fuse::Server::build(&spec)?;
     // Its objects stay while it serves, whatever is done to its tag.
     let _record = tilefs_present::record_served(&spec, &server)
         .map_err(|e| eprintln!("tilefs: {}", tilefs_present::Notice::NotRecorded(e.to_string())))
         .ok();
     // The same worker count as a FUSE mount of the image would have.
-    let threads = server.serve_config(a.threads, true, Some(false)).threads;
+    let threads = server.serve_config(req.fuse.threads, true, Some(false)).threads;
     let fs = Arc::new(server.filesystem());
     let socket = std::path::absolute(&a.vhost_user).context("--vhost-user")?;
     // A signal ends the server: every write of the guest is in the upper

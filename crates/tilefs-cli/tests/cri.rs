@@ -1309,21 +1309,8 @@ fn lazy_requests(registry: &Registry, from: usize, pack: &str) -> (usize, usize)
 #[test]
 fn cri_credentials_and_mirrors_reach_the_lazy_path() {
     let area = Area::new();
-    let htpasswd = area.path("htpasswd");
-    let out = run(Command::new("htpasswd").args(["-Bbn", "alice", "s3cret"]));
-    assert!(
-        out.status.success(),
-        "htpasswd (apache2-utils; scripts/setup installs it)"
-    );
-    fs::write(&htpasswd, &out.stdout).unwrap();
-    let secured = Registry::start_named(
-        &area,
-        "secured",
-        &format!(
-            "auth:\n  htpasswd:\n    realm: tilefs-test\n    path: {}\n",
-            htpasswd.display()
-        ),
-    );
+    let auth = area.path("auth.json");
+    let secured = Registry::start_named_with_password(&area, "secured", "alice", "s3cret", &auth);
     let hosts = area.dir("hosts.d");
     let config = area.path("snapshotter.toml");
     fs::write(
@@ -1338,16 +1325,6 @@ fn cri_credentials_and_mirrors_reach_the_lazy_path() {
     let rig = CriRig::start_opts(&area, &["--config", config.to_str().unwrap()], &[&secured.addr]);
 
     // Credentials: the runnable image in the registry that wants them.
-    let auth = area.path("auth.json");
-    {
-        use base64::Engine;
-        let b64 = base64::engine::general_purpose::STANDARD.encode("alice:s3cret");
-        fs::write(
-            &auth,
-            serde_json::json!({ "auths": { &secured.addr: { "auth": b64 } } }).to_string(),
-        )
-        .unwrap();
-    }
     let private = format!("{}/team/app:lazy", secured.addr);
     let pack = push_runnable(&area, &rig, "private", &private, &[("REGISTRY_AUTH_FILE", &auth)]);
 

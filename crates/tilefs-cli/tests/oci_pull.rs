@@ -5,7 +5,7 @@
 mod common;
 
 use common::oci::{watch, Watched};
-use common::registry::{Answer, Registry, Relay, TokenServer};
+use common::registry::{write_auth, Answer, Registry, Relay, TokenServer};
 use common::*;
 use std::collections::BTreeMap;
 use std::fs;
@@ -881,20 +881,7 @@ fn registry_credentials_come_from_the_auth_files() {
     let area = Area::new();
     let layout = area.path("layout");
     write_compat(&layout, "gz", Comp::Gzip);
-    let htpasswd = area.path("htpasswd");
-    let out = Command::new("htpasswd")
-        .args(["-Bbn", "alice", "s3cret"])
-        .output()
-        .expect("htpasswd (apache2-utils; scripts/setup installs it)");
-    assert!(out.status.success());
-    fs::write(&htpasswd, &out.stdout).unwrap();
-    let registry = Registry::start_with(
-        &area,
-        &format!(
-            "auth:\n  htpasswd:\n    realm: tilefs-test\n    path: {}\n",
-            htpasswd.display()
-        ),
-    );
+    let registry = Registry::start_with_password(&area, "alice", "s3cret", &area.path("auth-alice-s3cret.json"));
     let remote = format!("docker://{}/private/app:v1", registry.addr);
     skopeo(&[
         "copy",
@@ -908,14 +895,8 @@ fn registry_credentials_come_from_the_auth_files() {
     let want = pull(&area.path("ref"), &format!("oci:{}:gz", layout.display()), &[]);
     let store = area.path("store");
     let auth_file = |user_pass: &str| {
-        use base64::Engine;
         let p = area.path(&format!("auth-{}.json", user_pass.replace(':', "-")));
-        let b64 = base64::engine::general_purpose::STANDARD.encode(user_pass);
-        fs::write(
-            &p,
-            serde_json::json!({"auths": {registry.addr.clone(): {"auth": b64}}}).to_string(),
-        )
-        .unwrap();
+        write_auth(&p, &[&registry.addr], user_pass);
         p
     };
     let run = |file: Option<&Path>| {

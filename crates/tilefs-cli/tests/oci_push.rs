@@ -560,19 +560,8 @@ fn a_registry_that_stops_or_stalls_fails_cleanly_and_a_later_pull_resumes() {
 #[test]
 fn push_needs_the_registrys_consent_and_a_complete_image() {
     let area = Area::new();
-    let htpasswd = area.path("htpasswd");
-    let out = Command::new("htpasswd")
-        .args(["-Bbn", "alice", "s3cret"])
-        .output()
-        .expect("htpasswd (apache2-utils; scripts/setup installs it)");
-    fs::write(&htpasswd, &out.stdout).unwrap();
-    let registry = Registry::start_with(
-        &area,
-        &format!(
-            "auth:\n  htpasswd:\n    realm: tilefs-test\n    path: {}\n",
-            htpasswd.display()
-        ),
-    );
+    let auth = area.path("auth.json");
+    let registry = Registry::start_with_password(&area, "alice", "s3cret", &auth);
     let src = area.dir("src");
     tree(&src, 11, 5, 10 << 10);
     let store = area.path("store");
@@ -594,16 +583,6 @@ fn push_needs_the_registrys_consent_and_a_complete_image() {
     assert_eq!(refused.status.code(), Some(1));
     assert!(stderr(&refused).contains(&registry.addr), "{}", stderr(&refused));
     assert!(stderr(&refused).contains("no credentials for"), "{}", stderr(&refused));
-    let auth = area.path("auth.json");
-    {
-        use base64::Engine;
-        let b64 = base64::engine::general_purpose::STANDARD.encode("alice:s3cret");
-        fs::write(
-            &auth,
-            serde_json::json!({"auths": {registry.addr.clone(): {"auth": b64}}}).to_string(),
-        )
-        .unwrap();
-    }
     let ok = run(Some(&auth));
     assert!(ok.status.success(), "{}", stderr(&ok));
 

@@ -6,7 +6,7 @@
 mod common;
 
 use common::oci::*;
-use common::registry::Registry;
+use common::registry::{write_auth, Registry};
 use common::*;
 use std::fs;
 use std::io::{Read, Write};
@@ -230,19 +230,8 @@ fn lazy_records_in_a_shared_store_do_not_send_credentials_elsewhere() {
     require(cannot_test());
     require(cannot_fuse());
     let (area, store, _) = shared_area();
-    let htpasswd = area.path("htpasswd");
-    let out = Command::new("htpasswd")
-        .args(["-Bbn", "alice", "s3cret"])
-        .output()
-        .expect("htpasswd (apache2-utils; scripts/setup installs it)");
-    fs::write(&htpasswd, &out.stdout).unwrap();
-    let registry = Registry::start_with(
-        &area,
-        &format!(
-            "auth:\n  htpasswd:\n    realm: tilefs-test\n    path: {}\n",
-            htpasswd.display()
-        ),
-    );
+    let auth = area.path("auth.json");
+    let registry = Registry::start_with_password(&area, "alice", "s3cret", &auth);
     let impostor = Impostor::start();
     assert_eq!(
         impostor.addr.len(),
@@ -251,17 +240,7 @@ fn lazy_records_in_a_shared_store_do_not_send_credentials_elsewhere() {
     );
     // Root's credentials: for the registry it pulls from, and for another
     // it logs in to (any of them is where a record could point).
-    let auth = area.path("auth.json");
-    {
-        use base64::Engine;
-        let b64 = base64::engine::general_purpose::STANDARD.encode("alice:s3cret");
-        let entry = serde_json::json!({ "auth": b64 });
-        fs::write(
-            &auth,
-            serde_json::json!({"auths": {registry.addr.clone(): entry, impostor.addr.clone(): entry}}).to_string(),
-        )
-        .unwrap();
-    }
+    write_auth(&auth, &[&registry.addr, &impostor.addr], "alice:s3cret");
     let root = |args: &[&std::ffi::OsStr]| {
         Command::new(tilefs_bin())
             .args(args)

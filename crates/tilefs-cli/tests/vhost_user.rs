@@ -8,7 +8,10 @@
 //! - 200 VMMs connecting, setting up a queue and going away: the server's
 //!   descriptors stay as many as they were;
 //! - who may connect: the socket is the server's owner's alone (0600)
-//!   whatever the umask, or its group's too with `--socket-group`.
+//!   whatever the umask, or its group's too with `--socket-group`;
+//! - `serve` makes `mount`'s request: its `-o` options are judged as a
+//!   FUSE mount's (id maps for a writable device), and what it cannot
+//!   honour is refused, saying why.
 
 mod common;
 
@@ -368,4 +371,50 @@ fn the_socket_is_its_owners_alone_unless_a_group_is_named() {
     ]);
     assert!(!out.status.success());
     assert!(stderr(&out).contains("no-such-group-here"), "{}", stderr(&out));
+}
+
+/// `serve` goes through `mount`'s request: the id maps of a writable FUSE
+/// mount serve a writable device; what its server cannot honour (a second
+/// store, id maps of a read-only image, mount options the guest sets) is
+/// refused before a socket exists, naming the reason.
+#[test]
+fn serve_takes_mounts_options_and_refuses_what_it_cannot_honour() {
+    let area = Area::new();
+    let (upper, work) = (area.dir("upper"), area.dir("work"));
+    let mut server = Server::start(
+        &area,
+        "077",
+        &[
+            "-o",
+            "uidmapping=0:1000:1,gidmapping=0:1000:1",
+            "--upper",
+            upper.to_str().unwrap(),
+            "--work",
+            work.to_str().unwrap(),
+        ],
+    );
+    server.assert_running("with id maps");
+    drop(server);
+    let store = area.path("store");
+    for (opts, why) in [
+        ("store=/nonexistent", "serves one object store"),
+        ("uidmapping=0:1000:1", "apply to writable mounts"),
+        ("nosuid", "mount options"),
+        ("kernel", "not the kernel"),
+    ] {
+        let out = tilefs_any(&[
+            os("serve"),
+            os("--store"),
+            store.as_os_str(),
+            os("-o"),
+            os(opts),
+            os("--vhost-user"),
+            area.path("x.sock").as_os_str(),
+            os("t"),
+        ]);
+        let e = stderr(&out);
+        assert!(!out.status.success(), "-o {opts}: {e}");
+        assert!(e.contains(why) && e.lines().count() == 1, "-o {opts}: {e}");
+        assert!(!area.path("x.sock").exists(), "-o {opts}: a socket");
+    }
 }

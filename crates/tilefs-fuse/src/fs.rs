@@ -287,9 +287,7 @@ impl TileFs {
             Err(e) => {
                 // Later opens are answered as without passthrough.
                 self.passthrough.store(false, Ordering::Relaxed);
-                self.lower.log.log(&format!(
-                    "passthrough refused by the kernel ({e}); serving reads instead"
-                ));
+                tracing::warn!("passthrough refused by the kernel ({e}); serving reads instead");
                 reply.open(served(o))
             }
         }

@@ -133,7 +133,6 @@ impl Nodes {
 pub struct LayerStoreFs {
     source: Arc<dyn LayerSource>,
     store: PathBuf,
-    log: Arc<crate::log::Logger>,
     tuning: Tuning,
     nodes: Mutex<Nodes>,
     layers: RwLock<Vec<Arc<Layer>>>,
@@ -150,12 +149,8 @@ pub struct LayerStoreFs {
 
 impl LayerStoreFs {
     /// A layer store over the tilefs store at `store`, its layers from
-    /// `source`, its messages to `log`.
-    pub fn new(store: PathBuf, source: Arc<dyn LayerSource>, log: crate::LogTo) -> Result<LayerStoreFs, FuseError> {
-        let spec = ServeSpec {
-            log,
-            ..ServeSpec::default()
-        };
+    /// `source`.
+    pub fn new(store: PathBuf, source: Arc<dyn LayerSource>) -> Result<LayerStoreFs, FuseError> {
         let mut nodes = Nodes {
             next: 1,
             ..Nodes::default()
@@ -165,7 +160,6 @@ impl LayerStoreFs {
         Ok(LayerStoreFs {
             source,
             store,
-            log: crate::logger_of(&spec)?,
             // Passthrough is left out: backing files are registered per
             // mount, and layers come and go.
             tuning: Tuning {
@@ -183,10 +177,6 @@ impl LayerStoreFs {
                 .duration_since(std::time::UNIX_EPOCH)
                 .map_or(0, |d| d.as_secs()),
         })
-    }
-
-    pub(crate) fn logger(&self) -> Arc<crate::log::Logger> {
-        self.log.clone()
     }
 
     fn node(&self, ino: u64) -> Option<Node> {
@@ -280,7 +270,7 @@ impl LayerStoreFs {
                 None
             }
             Err(e) => {
-                self.log.log(&format!("{reference} layer {digest}: {e}"));
+                tracing::warn!("{reference} layer {digest}: {e}");
                 self.refuse(key, epoch);
                 None
             }
@@ -303,7 +293,7 @@ impl LayerStoreFs {
         };
         let mut layers = self.layers.write().unwrap();
         let k = layers.len();
-        let mut lower = crate::open_lower(&spec, &self.tuning, self.log.clone()).map_err(|e| e.to_string())?;
+        let mut lower = crate::open_lower(&spec, &self.tuning).map_err(|e| e.to_string())?;
         lower.base = (k as u64 + 1) * LAYER_SPAN;
         let fs = TileFs::new(lower, self.tuning, crate::nofile_limit() / 2);
         layers.push(Arc::new(Layer {
@@ -420,8 +410,7 @@ impl LayerStoreFs {
                 match l.files.blob.read_at(offset, len) {
                     Ok(data) => reply.data(&data),
                     Err(e) => {
-                        self.log
-                            .log(&format!("{} layer {}: reading its blob: {e}", l.reference, l.digest));
+                        tracing::warn!("{} layer {}: reading its blob: {e}", l.reference, l.digest);
                         reply.error(libc::EIO)
                     }
                 }
@@ -499,7 +488,7 @@ impl Filesystem for LayerStoreFs {
             Op::Create { name, .. } | Op::Mknod { name, .. } if name_of(name) == "use" => {
                 if let Some(l) = self.layer_of(&n).filter(|_| matches!(n, Node::Layer(_))) {
                     if let Err(e) = self.source.used(&l.reference, &l.digest) {
-                        self.log.log(&format!("{} layer {}: {e}", l.reference, l.digest));
+                        tracing::warn!("{} layer {}: {e}", l.reference, l.digest);
                     }
                 }
                 reply.error(libc::ENOENT)
@@ -508,7 +497,7 @@ impl Filesystem for LayerStoreFs {
             Op::Rmdir { name } => {
                 if let Some(l) = self.layer_named(&n, &name_of(name)) {
                     let last = self.source.released(&l.reference, &l.digest).unwrap_or_else(|e| {
-                        self.log.log(&format!("{} layer {}: {e}", l.reference, l.digest));
+                        tracing::warn!("{} layer {}: {e}", l.reference, l.digest);
                         false
                     });
                     if last {

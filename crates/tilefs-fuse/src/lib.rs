@@ -12,19 +12,14 @@
 //! requests with `tilefs_fuse_proto`'s `Handler`. [`unmount`] ends a mount
 //! from outside, also one whose server died.
 
-// A library logs through `tracing`; the program chooses where lines go.
-#![deny(clippy::print_stdout, clippy::print_stderr)]
-
 mod fs;
 pub mod layer_store;
-mod log;
 mod lower;
 mod mountpoint;
 mod objects;
 mod overlay;
 mod server_lock;
 
-use crate::log::Logger;
 use std::os::fd::OwnedFd;
 use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
@@ -213,9 +208,6 @@ pub struct ServeSpec {
     /// (`STORED:SHOWN:LEN[:...]`, as fuse-overlayfs's uidmapping).
     pub uid_map: Option<String>,
     pub gid_map: Option<String>,
-    /// Where the server's messages are to go: the server logs through
-    /// `tracing`, and the command's subscriber sends them here.
-    pub log: LogTo,
 }
 
 impl ServeSpec {
@@ -227,17 +219,6 @@ impl ServeSpec {
             ..ServeSpec::default()
         }
     }
-}
-
-/// Where a server's messages go (the command routes its `tracing`
-/// events there).
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
-pub enum LogTo {
-    #[default]
-    Stderr,
-    Syslog,
-    /// Appended to this file.
-    File(PathBuf),
 }
 
 /// Where objects absent from the store come from: each is fetched on the
@@ -343,7 +324,6 @@ impl tilefs_fuse_proto::Filesystem for TileFilesystem {
 /// and upper layer opened.
 pub struct Server {
     fs: TileFilesystem,
-    logger: Arc<Logger>,
     image: PathBuf,
     /// It fetches objects (an image pulled lazily).
     fetches: bool,
@@ -358,22 +338,17 @@ impl Server {
     /// Builds the server `spec` describes. Descriptor budgets follow the
     /// open-file limit in force: raise it first (see [`raise_nofile`]).
     pub fn build(spec: &ServeSpec) -> Result<Server, FuseError> {
-        let (fs, logger, default_permissions) = match &spec.upper {
+        let (fs, default_permissions) = match &spec.upper {
             None => {
                 let f = TileFs::from_spec(spec)?;
-                let (log, dp) = (f.lower.log.clone(), f.default_permissions());
-                (TileFilesystem::ReadOnly(f), log, dp)
+                let dp = f.default_permissions();
+                (TileFilesystem::ReadOnly(f), dp)
             }
             // Permissions are the kernel's to check, against what we show.
-            Some(_) => {
-                let f = OverlayFs::from_spec(spec)?;
-                let log = f.lower().log.clone();
-                (TileFilesystem::Writable(f), log, true)
-            }
+            Some(_) => (TileFilesystem::Writable(OverlayFs::from_spec(spec)?), true),
         };
         Ok(Server {
             fs,
-            logger,
             image: spec.image.clone(),
             fetches: spec.fetcher.is_some(),
             splice: spec.tuning.from_env()?.splice,
@@ -391,10 +366,8 @@ impl Server {
     /// A layer store's server (see [`layer_store`]): it fetches, so it
     /// serves on [`LAZY_THREADS`] threads or more.
     pub fn layer_store(fs: layer_store::LayerStoreFs) -> Server {
-        let logger = fs.logger();
         Server {
             fs: TileFilesystem::LayerStore(fs),
-            logger,
             image: PathBuf::from("tilefs-layer-store"),
             fetches: true,
             splice: false,
@@ -438,16 +411,11 @@ impl Server {
     }
 }
 
-/// The server's log (`spec.log` is the command's to route).
-fn logger_of(_spec: &ServeSpec) -> Result<Arc<Logger>, FuseError> {
-    Ok(Arc::new(Logger))
-}
-
 impl TileFs {
     /// The read-only filesystem of `spec` (its upper layer, if any, aside).
     pub fn from_spec(spec: &ServeSpec) -> Result<TileFs, FuseError> {
         let tuning = spec.tuning.from_env()?;
-        let lower = open_lower(spec, &tuning, logger_of(spec)?)?;
+        let lower = open_lower(spec, &tuning)?;
         Ok(TileFs::new(lower, tuning, nofile_limit() / 2))
     }
 
@@ -479,14 +447,14 @@ impl OverlayFs {
         };
         let (uids, gids) = (map(&spec.uid_map, "uidmapping")?, map(&spec.gid_map, "gidmapping")?);
         let up = overlay::UpperDir::open(upper, work, uids, gids).map_err(fail)?;
-        let lower = open_lower(spec, &tuning, logger_of(spec)?)?;
+        let lower = open_lower(spec, &tuning)?;
         OverlayFs::new(lower, up, tuning, nofile_limit()).map_err(fail)
     }
 }
 
 /// The image's side of a server: the image read (its digest checked when
 /// one is asked for) and its store opened.
-fn open_lower(spec: &ServeSpec, tuning: &Tuning, logger: Arc<Logger>) -> Result<lower::Lower, FuseError> {
+fn open_lower(spec: &ServeSpec, tuning: &Tuning) -> Result<lower::Lower, FuseError> {
     // Opened without blocking, and only if a regular file.
     let data = tilefs_store::open_regular(rustix::fs::CWD, &spec.image, true)
         .and_then(|mut f| {
@@ -516,7 +484,7 @@ fn open_lower(spec: &ServeSpec, tuning: &Tuning, logger: Arc<Logger>) -> Result<
         rustix::fs::Mode::empty(),
     )
     .map_err(|e| fail(format!("{}: cannot open the store: {e}", spec.store.display())))?;
-    let mut lower = lower::Lower::new(view, spec.image.display().to_string(), store, spec.verity, logger);
+    let mut lower = lower::Lower::new(view, spec.image.display().to_string(), store, spec.verity);
     lower.fetcher = spec.fetcher.clone();
     lower.selinux_enotsup = tuning.selinux_enotsup;
     Ok(lower)
@@ -540,7 +508,6 @@ pub struct DevMount {
 pub struct Mounted {
     session: Session<TileFilesystem>,
     mountpoint: PathBuf,
-    logger: Arc<Logger>,
     record: Option<tilefs_store::mounts::MountRecord>,
 }
 
@@ -579,7 +546,6 @@ pub fn mount(server: Server, m: &DevMount) -> Result<Mounted, FuseError> {
     Ok(Mounted {
         session,
         mountpoint: mnt,
-        logger: server.logger,
         record: None,
     })
 }
@@ -614,7 +580,6 @@ impl Mounted {
         let Mounted {
             session,
             mountpoint,
-            logger,
             record,
         } = self;
         let runner = std::thread::Builder::new()
@@ -624,7 +589,6 @@ impl Mounted {
         Ok(Running {
             runner,
             mountpoint,
-            logger,
             alive: Liveness { record, lock: None },
             unmounting: std::sync::atomic::AtomicBool::new(false),
         })
@@ -636,7 +600,6 @@ impl Mounted {
 pub struct Running {
     runner: std::thread::JoinHandle<std::io::Result<tilefs_fuse_proto::Transport>>,
     mountpoint: PathBuf,
-    logger: Arc<Logger>,
     alive: Liveness,
     unmounting: std::sync::atomic::AtomicBool,
 }
@@ -663,11 +626,10 @@ impl Running {
     pub fn unmount(&self, why: &str) {
         let mnt = &self.mountpoint;
         if self.unmounting.swap(true, std::sync::atomic::Ordering::SeqCst) {
-            self.logger.log(&format!("{why} again: detaching {}", mnt.display()));
+            tracing::warn!("{why} again: detaching {}", mnt.display());
             let _ = mountpoint::detach(mnt);
         } else if let Err(e) = unmount(mnt, false) {
-            self.logger
-                .log(&format!("{why}: unmounting {} failed: {e}", mnt.display()));
+            tracing::warn!("{why}: unmounting {} failed: {e}", mnt.display());
         }
     }
 

@@ -5,13 +5,12 @@
 //! image's digests. The read-only server serves it as it is; the writable
 //! one uses it as its lower layer.
 
-use crate::log::Logger;
 use crate::objects::{open_object, FileState, ObjectError, VerifiedObjects};
 use crate::Verity;
 use rustc_hash::FxHashMap;
 use std::fs::File;
 use std::os::fd::OwnedFd;
-use std::sync::{Arc, Mutex};
+use std::sync::Mutex;
 use tilefs_fuse_proto::abi;
 use tilefs_fuse_proto::{Entry, Ttl};
 use tilefs_image::erofs::view::{Dir, DirEntry, DirPos, Entries};
@@ -30,16 +29,11 @@ const OPAQUE_XATTRS: [&[u8]; 2] = [b"trusted.overlay.opaque", b"user.overlay.opa
 const SELINUX: &[u8] = b"security.selinux";
 pub(crate) const ACL_XATTRS: [&[u8]; 2] = [b"system.posix_acl_access", b"system.posix_acl_default"];
 
-/// Whether this process is in the initial user namespace (its uid_map
-/// maps every id to itself).
-fn in_initial_userns() -> bool {
+/// [`tilefs_sys::ns::in_initial_userns`], read once: asked on every
+/// `trusted.` xattr, and a server never changes its user namespace.
+fn initial_userns() -> bool {
     static INITIAL: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *INITIAL.get_or_init(|| {
-        std::fs::read_to_string("/proc/self/uid_map").map_or(true, |m| {
-            let f: Vec<&str> = m.split_whitespace().collect();
-            f == ["0", "0", "4294967295"]
-        })
-    })
+    *INITIAL.get_or_init(tilefs_sys::ns::in_initial_userns)
 }
 
 /// The `d_type` of a mode, as READDIR gives it.
@@ -85,7 +79,6 @@ pub(crate) struct Lower {
     /// Objects already reported broken (by inode), so a file opened over
     /// and over logs once per state of its object.
     reported: Mutex<FxHashMap<InodeId, String>>,
-    pub(crate) log: Arc<Logger>,
     /// Where absent objects come from (a lazily pulled image).
     pub(crate) fetcher: Option<crate::Fetcher>,
     /// Where listings of directories stopped (see `LowerNode::entries_from`).
@@ -170,7 +163,7 @@ impl<'a> LowerNode<'a> {
 }
 
 impl Lower {
-    pub(crate) fn new(view: ImageView, name: String, store: OwnedFd, verity: Verity, log: Arc<Logger>) -> Lower {
+    pub(crate) fn new(view: ImageView, name: String, store: OwnedFd, verity: Verity) -> Lower {
         Lower {
             info: view.info().clone(),
             view,
@@ -180,7 +173,6 @@ impl Lower {
             verity,
             verified: VerifiedObjects::default(),
             reported: Mutex::new(FxHashMap::default()),
-            log,
             fetcher: None,
             cursors: Mutex::new(FxHashMap::default()),
             base: 0,
@@ -195,7 +187,7 @@ impl Lower {
     /// Logs an image that contradicts the walk that checked it (never
     /// expected: the walk reads everything these reads read).
     fn corrupt(&self, e: ImageError) -> i32 {
-        self.log.log(&format!("{}: {e}", self.name));
+        tracing::warn!("{}: {e}", self.name);
         libc::EIO
     }
 
@@ -370,7 +362,7 @@ impl Lower {
     /// POSIX ACLs exist only in images flagged as having them: the kernel
     /// mounts the others with `noacl`.
     pub(crate) fn visible(&self, uid: u32, key: &[u8]) -> bool {
-        (!key.starts_with(b"trusted.") || (uid == 0 && in_initial_userns()))
+        (!key.starts_with(b"trusted.") || (uid == 0 && initial_userns()))
             && (self.info.has_acl || !ACL_XATTRS.contains(&key))
     }
 
@@ -389,7 +381,7 @@ impl Lower {
         if r.get(&id).map(String::as_str) != Some(what) {
             r.insert(id, what.to_string());
             drop(r);
-            self.log.log(&format!("{}: {what}", self.path_of(id)));
+            tracing::warn!("{}: {what}", self.path_of(id));
         }
     }
 

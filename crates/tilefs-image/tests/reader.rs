@@ -9,6 +9,9 @@
 //! `shared/composefs-assets` next to the repository). Without them they
 //! print why and pass: CI has neither.
 
+// Tests may print (what they skip, and why), helpers as #[test]s.
+#![allow(clippy::print_stdout, clippy::print_stderr)]
+
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::fs;
 use std::io::Read;

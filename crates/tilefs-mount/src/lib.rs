@@ -13,9 +13,6 @@
 //! `datadir+=` each store, `verity=` as asked), and EROFS gets `noacl` when
 //! the image has no ACLs, so `ls -l` does not pay for missing ACL xattrs.
 
-// A library logs through `tracing`; the program chooses where lines go.
-#![deny(clippy::print_stdout, clippy::print_stderr)]
-
 pub mod mountd;
 pub mod mountinfo;
 pub mod options;
@@ -217,7 +214,7 @@ pub fn kernel_available() -> Result<(), MountError> {
     // Root of a user namespace (`unshare -Urm`, a rootless container) may
     // open an EROFS context but never create one: EROFS is not mountable
     // outside the initial user namespace.
-    if !in_initial_user_namespace() {
+    if !tilefs_sys::ns::in_initial_userns() {
         return Err(MountError::NotPermitted(
             "inside a user namespace: EROFS mounts need privilege in the initial user namespace".into(),
         ));
@@ -225,14 +222,6 @@ pub fn kernel_available() -> Result<(), MountError> {
     FsContext::open("erofs")?;
     FsContext::open("overlay")?;
     Ok(())
-}
-
-/// Whether this process is in the initial user namespace: only there does
-/// uid_map map every id to itself.
-pub(crate) fn in_initial_user_namespace() -> bool {
-    std::fs::read_to_string("/proc/self/uid_map").map_or(true, |m| {
-        m.split_whitespace().collect::<Vec<_>>() == ["0", "0", "4294967295"]
-    })
 }
 
 /// Why the kernel cannot verify objects in `stores`, or None when it can.

@@ -28,9 +28,6 @@
 //! - [`trust`]: the signature policy, registries.d and registries.conf on
 //!   every path that brings an image in, and signing on push.
 
-// A library logs through `tracing`; the program chooses where lines go.
-#![deny(clippy::print_stdout, clippy::print_stderr)]
-
 pub mod apply;
 pub mod artifact;
 pub mod artifact_tree;
@@ -109,8 +106,11 @@ pub enum OciError {
     Interrupted,
     /// The signature policy or registries.conf refused the image: which
     /// image, which scope or table, and why.
-    #[error("{0}")]
-    Refused(String),
+    #[error(transparent)]
+    Refused(#[from] tilefs_trust::Refused),
+    /// A trust configuration file, key or name that cannot be used.
+    #[error(transparent)]
+    Trust(#[from] tilefs_trust::Error),
 }
 
 impl OciError {

@@ -17,7 +17,7 @@ use crate::transport::registry::Registry;
 use crate::transport::{self, RegistryOptions, Resolved, Transport};
 use crate::{ImageRef, OciError};
 use tilefs_trust::evidence::Evidence;
-use tilefs_trust::policy::{NoSignatures, SignatureSource, Subject};
+use tilefs_trust::policy::{NoSignatures, SignatureSource, SourceError, Subject};
 use tilefs_trust::registries_d::{self, Storage};
 use tilefs_trust::sigstore::{self, SigstoreSignature};
 use tilefs_trust::{DockerRef, Paths, Policy, RegistriesConf};
@@ -48,10 +48,6 @@ pub struct Opened {
     pub registry: RegistryOptions,
 }
 
-fn refused(e: impl std::fmt::Display) -> OciError {
-    OciError::Refused(e.to_string())
-}
-
 /// Opens `r`, resolves its manifest for `platform` and checks it against
 /// the signature policy.
 pub fn open_checked(
@@ -60,18 +56,18 @@ pub fn open_checked(
     trust: &TrustOptions,
     platform: &Platform,
 ) -> Result<Opened, OciError> {
-    let policy = trust.paths.load_policy().map_err(OciError::Reference)?;
+    let policy = trust.paths.load_policy()?;
     match r {
         ImageRef::Registry { reference } => {
             let logical = DockerRef::parse_normalized(reference)
-                .map_err(|e| OciError::Reference(e.to_string()))?
+                .map_err(tilefs_trust::Error::from)?
                 .with_default_tag();
-            let conf = trust.paths.load_registries_conf().map_err(OciError::Reference)?;
+            let conf = trust.paths.load_registries_conf()?;
             open_registry(&[logical], "", &policy, &conf, registry, trust, platform)
         }
         ImageRef::Name { name } => {
-            let conf = trust.paths.load_registries_conf().map_err(OciError::Reference)?;
-            let res = conf.resolve(name).map_err(OciError::Reference)?;
+            let conf = trust.paths.load_registries_conf()?;
+            let res = conf.resolve(name)?;
             open_registry(&res.candidates, &res.how, &policy, &conf, registry, trust, platform)
         }
         local => {
@@ -90,7 +86,7 @@ pub fn open_checked(
             let none = NoSignatures("a local layout or archive, which holds no signatures");
             let accepted = policy
                 .evaluate(&subject, &resolved.top_manifest, &none)
-                .map_err(refused)?;
+                .map_err(tilefs_trust::Refused::from)?;
             let mut resolved = resolved;
             resolved.evidence = Some(Evidence::new(
                 &subject,
@@ -123,9 +119,7 @@ fn open_registry(
 ) -> Result<Opened, OciError> {
     let mut tried = Vec::new();
     for logical in candidates {
-        let route = conf
-            .route(logical)
-            .map_err(|e| refused(format!("docker://{logical}: {e}")))?;
+        let route = conf.route(logical)?;
         for ep in &route.endpoints {
             let opts = RegistryOptions {
                 tls_verify: if trust.tls_verify_explicit {
@@ -203,11 +197,13 @@ pub fn check_registry_image(
     let subject = Subject::docker(logical);
     if !policy.needs_signatures(&subject) {
         let none = NoSignatures("no requirement needed signatures");
-        let accepted = policy.evaluate(&subject, manifest, &none).map_err(refused)?;
+        let accepted = policy
+            .evaluate(&subject, manifest, &none)
+            .map_err(tilefs_trust::Refused::from)?;
         let evidence = Evidence::new(&subject, manifest, &[], &[], none.0.into(), &accepted);
         return Ok(Checked { accepted, evidence });
     }
-    let rd = paths.load_registries_d().map_err(OciError::Reference)?;
+    let rd = paths.load_registries_d()?;
     let source = RegistrySignatures {
         reg,
         logical,
@@ -216,7 +212,9 @@ pub fn check_registry_image(
         simple_read: Default::default(),
         sigstore_read: Default::default(),
     };
-    let accepted = policy.evaluate(&subject, manifest, &source).map_err(refused)?;
+    let accepted = policy
+        .evaluate(&subject, manifest, &source)
+        .map_err(tilefs_trust::Refused::from)?;
     let origin = format!("{}; {}", source.simple_origin(), source.sigstore_origin());
     let simple = source.simple_read.into_inner().unwrap_or_default();
     let sigstore = source.sigstore_read.into_inner().unwrap_or_default();
@@ -248,7 +246,7 @@ pub fn check_stored(
     image: &[u8; 32],
     policy: &Policy,
 ) -> Result<tilefs_trust::Accepted, OciError> {
-    tilefs_trust::evidence::check_stored(store.path(), image, policy).map_err(OciError::Refused)
+    Ok(tilefs_trust::evidence::check_stored(store.path(), image, policy)?)
 }
 
 /// Signatures of one image in a registry (those read are kept for the
@@ -263,13 +261,13 @@ struct RegistrySignatures<'a> {
 }
 
 impl SignatureSource for RegistrySignatures<'_> {
-    fn simple(&self) -> Result<Vec<Vec<u8>>, String> {
+    fn simple(&self) -> Result<Vec<Vec<u8>>, SourceError> {
         let got = self.read_simple()?;
         let _ = self.simple_read.set(got.clone());
         Ok(got)
     }
 
-    fn sigstore(&self) -> Result<Vec<SigstoreSignature>, String> {
+    fn sigstore(&self) -> Result<Vec<SigstoreSignature>, SourceError> {
         let got = self.read_sigstore()?;
         let _ = self.sigstore_read.set(got.clone());
         Ok(got)
@@ -306,7 +304,8 @@ impl RegistrySignatures<'_> {
         };
         let mut out = Vec::new();
         for n in 1..=MAX_LOOKASIDE {
-            let url = registries_d::lookaside_url(base, &self.logical.path, self.digest, n)?;
+            let url =
+                registries_d::lookaside_url(base, &self.logical.path, self.digest, n).map_err(|e| e.to_string())?;
             let got = if let Some(path) = registries_d::file_path(&url) {
                 match tilefs_trust::read_config(&path) {
                     Ok(b) => Some(b),
@@ -380,15 +379,16 @@ impl RegistrySignatures<'_> {
 /// the policy its pull used (as it reads now) must accept the image the
 /// record names, by the manifest digest the pull saw, fetched through
 /// `reg` (the registry the mount fetches from).
-pub fn recheck(record: &TrustRecord, reg: &Registry) -> Result<(), String> {
+pub fn recheck(record: &TrustRecord, reg: &Registry) -> Result<(), OciError> {
     let logical = record
         .logical
         .strip_prefix("docker://")
-        .ok_or_else(|| format!("the record names {:?}, not a registry image", record.logical))?;
-    let logical = DockerRef::parse_normalized(logical).map_err(|e| e.to_string())?;
+        .ok_or_else(|| OciError::Reference(format!("the record names {:?}, not a registry image", record.logical)))?;
+    let logical = DockerRef::parse_normalized(logical).map_err(tilefs_trust::Error::from)?;
     let policy = record.paths.load_policy()?;
-    let d = Digest::parse(&record.manifest_digest).map_err(|e| format!("the record's manifest digest: {e}"))?;
-    let manifest = reg.manifest_by_digest(&d).map_err(|e| e.to_string())?;
+    let d = Digest::parse(&record.manifest_digest)
+        .map_err(|e| OciError::Reference(format!("the record's manifest digest: {e}")))?;
+    let manifest = reg.manifest_by_digest(&d)?;
     check_registry_image(
         &policy,
         &record.paths,
@@ -398,7 +398,6 @@ pub fn recheck(record: &TrustRecord, reg: &Registry) -> Result<(), String> {
         &record.manifest_digest,
     )
     .map(drop)
-    .map_err(|e| e.to_string())
 }
 
 /// How to reach a push's destination: `--tls-verify` when given, else
@@ -407,8 +406,8 @@ pub fn push_options(dest: &str, registry: &RegistryOptions, trust: &TrustOptions
     if trust.tls_verify_explicit {
         return Ok(registry.clone());
     }
-    let conf = trust.paths.load_registries_conf().map_err(OciError::Reference)?;
-    let r = DockerRef::parse_normalized(dest).map_err(|e| OciError::Reference(e.to_string()))?;
+    let conf = trust.paths.load_registries_conf()?;
+    let r = DockerRef::parse_normalized(dest).map_err(tilefs_trust::Error::from)?;
     Ok(RegistryOptions {
         tls_verify: !conf.registry_for(&r).is_some_and(|x| x.insecure),
         ..registry.clone()
@@ -429,10 +428,15 @@ pub fn check_referrer(
         .logical
         .strip_prefix("docker://")
         .ok_or_else(|| OciError::Reference(format!("{:?} is not a registry image", image.logical)))?;
-    let logical = DockerRef::parse_normalized(logical).map_err(|e| OciError::Reference(e.to_string()))?;
-    let policy = image.paths.load_policy().map_err(OciError::Reference)?;
-    check_registry_image(&policy, &image.paths, &logical, reg, manifest, &digest.to_string())
-        .map_err(|e| refused(format!("its index {digest}: {e}")))?;
+    let logical = DockerRef::parse_normalized(logical).map_err(tilefs_trust::Error::from)?;
+    let policy = image.paths.load_policy()?;
+    check_registry_image(&policy, &image.paths, &logical, reg, manifest, &digest.to_string()).map_err(|e| match e {
+        OciError::Refused(r) => OciError::Refused(tilefs_trust::Refused::Index {
+            digest: digest.to_string(),
+            refused: Box::new(r),
+        }),
+        e => e,
+    })?;
     Ok(TrustRecord {
         logical: image.logical.clone(),
         manifest_digest: digest.to_string(),
@@ -498,7 +502,7 @@ pub fn prepare_signing(dest: &str, s: &SignOptions) -> Result<Option<Signer>, Oc
             "the identity {identity} must name a tag (push to REPO:TAG or give --sign-identity)"
         )));
     }
-    let rd = s.paths.load_registries_d().map_err(fail)?;
+    let rd = s.paths.load_registries_d().map_err(|e| fail(e.to_string()))?;
     let storage = rd.storage_for(&dest_ref);
     let sigstore_key = match &s.sigstore_key {
         Some(k) => {
@@ -574,10 +578,11 @@ impl Signer {
                 digest,
                 &self.identity.to_string(),
             );
-            let sig = tilefs_trust::gpg::sign(&payload, fpr, self.passphrase_file.as_deref()).map_err(fail)?;
+            let sig = tilefs_trust::gpg::sign(&payload, fpr, self.passphrase_file.as_deref())
+                .map_err(|e| fail(e.to_string()))?;
             let mut n = 1;
             let path = loop {
-                let url = registries_d::lookaside_url(base, &self.path, digest, n).map_err(fail)?;
+                let url = registries_d::lookaside_url(base, &self.path, digest, n).map_err(|e| fail(e.to_string()))?;
                 let p = registries_d::file_path(&url).expect("a file:// URL");
                 if !p.exists() {
                     break p;

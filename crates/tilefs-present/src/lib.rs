@@ -13,9 +13,6 @@
 //! A FUSE mount comes back mounted but not yet served: serving on threads
 //! of the caller, or in a process it forks, is the front end's choice.
 
-// A library logs through `tracing`; the program chooses where lines go.
-#![deny(clippy::print_stdout, clippy::print_stderr)]
-
 pub mod decide;
 pub mod kernel_lazy;
 mod notice;
@@ -50,8 +47,6 @@ pub struct Request {
 pub struct FuseSettings {
     /// Worker threads (0: the default).
     pub threads: usize,
-    /// Where its messages go.
-    pub log: tilefs_fuse::LogTo,
     /// Let other users in even without `allow_other` among the options (a
     /// system mount, visible to all as a kernel mount would be).
     pub allow_other: bool,
@@ -144,7 +139,10 @@ fn absolute_paths(req: &Request) -> Result<Request, Error> {
     for d in [&mut r.options.upper, &mut r.options.work].into_iter().flatten() {
         *d = absolute(d)?;
     }
-    r.mountpoint = absolute(&r.mountpoint)?;
+    // (A server of another transport has no mount point.)
+    if !r.mountpoint.as_os_str().is_empty() {
+        r.mountpoint = absolute(&r.mountpoint)?;
+    }
     if std::fs::metadata(&r.image).is_ok_and(|m| !m.is_dir()) {
         r.image = absolute(&r.image)?;
     }
@@ -473,23 +471,18 @@ fn delegated(req: &Request, notices: &mut Vec<Notice>) -> Result<(), Error> {
     Ok(())
 }
 
-/// A FUSE mount, recorded in its store as a gc root while its server
-/// lives; `lazy`: the digest of a lazily pulled image, whose objects the
-/// server fetches as they are read.
-fn fuse(
+/// The FUSE server's spec for `req`, whose image is `image`: the checks and
+/// settings a FUSE mount and a server of another transport (a VM's
+/// virtio-fs device, [`serve_spec`]) share. `lazy`: the digest of a lazily
+/// pulled image, whose objects the server fetches as they are read.
+fn fuse_spec(
     req: &Request,
     image: &Path,
     verity: Verity,
     lazy: Option<[u8; 32]>,
-    no_kernel: Option<String>,
-) -> Result<Presented, Error> {
+    failed: &dyn Fn(String) -> Error,
+) -> Result<tilefs_fuse::ServeSpec, Error> {
     let o = &req.options;
-    let failed = |msg: String| Error::Fuse {
-        image: image.to_path_buf(),
-        mountpoint: req.mountpoint.clone(),
-        msg,
-        no_kernel: no_kernel.clone(),
-    };
     let upper = match (&o.upper, &o.work) {
         (Some(u), Some(w)) => Some((u.clone(), w.clone())),
         (None, None) => None,
@@ -508,22 +501,14 @@ fn fuse(
         )));
     }
     if req.stores.len() > 1 {
-        return Err(failed("the FUSE mount serves one object store".into()));
+        return Err(failed("the FUSE server serves one object store".into()));
     }
     let store = &req.stores[0];
-    tilefs_mount::check_mountpoint(&req.mountpoint)?;
     let fetcher = match lazy {
         Some(digest) => fetcher(store, &digest).map_err(failed)?,
         None => None,
     };
-    let mut notices = Vec::new();
-    let (mut uid_map, mut gid_map) = (o.uid_map.clone(), o.gid_map.clone());
-    if let Some((uid, gid)) = fake_root(upper.is_some() && uid_map.is_none() && gid_map.is_none(), image)? {
-        uid_map = Some(format!("0:{uid}:1"));
-        gid_map = Some(format!("0:{gid}:1"));
-        notices.push(Notice::FakeRoot { uid, gid });
-    }
-    let spec = tilefs_fuse::ServeSpec {
+    Ok(tilefs_fuse::ServeSpec {
         image: image.to_path_buf(),
         store: store.clone(),
         verity,
@@ -536,11 +521,42 @@ fn fuse(
         },
         image_digest: o.digest,
         fetcher,
-        upper: upper.clone(),
-        uid_map,
-        gid_map,
-        log: req.fuse.log.clone(),
+        upper,
+        uid_map: o.uid_map.clone(),
+        gid_map: o.gid_map.clone(),
+    })
+}
+
+/// A FUSE mount, recorded in its store as a gc root while its server
+/// lives; `lazy`: the digest of a lazily pulled image, whose objects the
+/// server fetches as they are read.
+fn fuse(
+    req: &Request,
+    image: &Path,
+    verity: Verity,
+    lazy: Option<[u8; 32]>,
+    no_kernel: Option<String>,
+) -> Result<Presented, Error> {
+    let o = &req.options;
+    let failed = |msg: String| Error::Fuse {
+        image: image.to_path_buf(),
+        mountpoint: req.mountpoint.clone(),
+        msg,
+        no_kernel: no_kernel.clone(),
     };
+    let mut spec = fuse_spec(req, image, verity, lazy, &failed)?;
+    tilefs_mount::check_mountpoint(&req.mountpoint)?;
+    let store = &spec.store.clone();
+    let upper = spec.upper.clone();
+    let mut notices = Vec::new();
+    if let Some((uid, gid)) = fake_root(
+        upper.is_some() && spec.uid_map.is_none() && spec.gid_map.is_none(),
+        image,
+    )? {
+        spec.uid_map = Some(format!("0:{uid}:1"));
+        spec.gid_map = Some(format!("0:{gid}:1"));
+        notices.push(Notice::FakeRoot { uid, gid });
+    }
     let server = tilefs_fuse::Server::build(&spec).map_err(|e| failed(e.to_string()))?;
     let config = server.serve_config(req.fuse.threads, o.uring == Some(false), o.idle_poll);
     // A gc root while the server lives (the objects of an image mounted by
@@ -602,43 +618,44 @@ pub fn record_served(
 }
 
 /// What a server of another transport than a mount (a virtio-fs device
-/// for a VM) serves: `image` (a file, or a tag in `store`) from `store`,
-/// writable with `upper` (upper and work directories), a lazily pulled
-/// image's objects fetched on first read, as [`mount`]'s FUSE server does.
-pub fn serve_spec(
-    store: &Path,
-    image: &Path,
-    upper: Option<(PathBuf, PathBuf)>,
-    verity: Verity,
-    digest: Option<[u8; 32]>,
-    log: tilefs_fuse::LogTo,
-) -> Result<tilefs_fuse::ServeSpec, Error> {
-    let store = absolute(store)?;
-    let s = Store::open(&store)?;
-    let image = absolute(&tags::resolve_image(Some(&s), image)?)?;
-    let upper = match upper {
-        Some((u, w)) => Some((absolute(&u)?, absolute(&w)?)),
-        None => None,
-    };
-    let fetcher = match lazy_missing(&s, &image)? {
-        Some(m) => fetcher(&store, &m.digest).map_err(|e| Error::Unsupported(format!("{}: {e}", image.display())))?,
-        None => None,
-    };
+/// for a VM) serves for `req` (its mount point and backend unused): the
+/// FUSE server a FUSE mount of it would have, with nothing passed through
+/// (the guest's kernel reads through the server), a lazily pulled image's
+/// objects fetched on first read.
+pub fn serve_spec(req: &Request) -> Result<tilefs_fuse::ServeSpec, Error> {
+    let req = &absolute_paths(req)?;
+    let store = req
+        .stores
+        .first()
+        .ok_or_else(|| Error::Unsupported("no object store given".into()))?;
+    if matches!(req.backend, Some(Backend::Kernel | Backend::Delegated)) {
+        return Err(Error::Unsupported(
+            "a virtio-fs device is served by the FUSE server, not the kernel".into(),
+        ));
+    }
+    // Every option asked for applies, or the request is refused: the
+    // guest mounts the device with mount options of its own.
+    let o = &req.options;
+    let a = &o.attrs;
+    if a.nosuid || a.nodev || a.noexec || a.nosymfollow || o.suid_asked || o.dev_asked || o.allow_other {
+        return Err(Error::Unsupported(
+            "nosuid, nodev, noexec, nosymfollow, suid, dev and allow_other are mount options: \
+             the guest mounts the virtio-fs device with its own"
+                .into(),
+        ));
+    }
+    let s = Store::open(store)?;
+    let image = absolute(&tags::resolve_image(Some(&s), &req.image)?)?;
+    let lazy = lazy_missing(&s, &image)?.map(|m| m.digest);
+    let failed = |msg: String| Error::Unsupported(format!("{}: {msg}", image.display()));
+    let verity = req.options.verity.unwrap_or_default();
+    let spec = fuse_spec(req, &image, verity, lazy, &failed)?;
     Ok(tilefs_fuse::ServeSpec {
-        image,
-        store,
-        verity,
-        // Nothing to pass through to: the guest's kernel reads through us.
         tuning: tilefs_fuse::Tuning {
             passthrough: false,
             splice: false,
             ..tilefs_fuse::Tuning::default()
         },
-        image_digest: digest,
-        fetcher,
-        upper,
-        uid_map: None,
-        gid_map: None,
-        log,
+        ..spec
     })
 }

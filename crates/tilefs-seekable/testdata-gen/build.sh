@@ -6,20 +6,12 @@
 # Does nothing when it is there. Exits 3 when Go is not installed.
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
+. "$here/../../../scripts/go-build.sh"
 key=$(cat "$here/go.mod" "$here/go.sum" "$here/main.go" | sha256sum | cut -c1-12)
 out=${SEEKABLE_GEN_DIR:-$HOME/.cache/tilefs-test/seekable-gen-$key}
-if [ -x "$out/seekable-gen" ]; then
-    echo "$out"
-    exit 0
-fi
-go_bin=$(command -v go || echo /usr/local/go/bin/go)
-if [ ! -x "$go_bin" ]; then
-    echo "seekable-gen: Go is needed to build it" >&2
-    exit 3
-fi
+go_cached "$out" seekable-gen
+go_find seekable-gen 3
 mkdir -p "$out"
 cd "$here"
-# -mod=readonly: go.sum must already name every module (no silent upgrade).
-GOFLAGS="-mod=readonly -buildvcs=false" "$go_bin" build -trimpath -o "$out/seekable-gen.tmp" .
-mv "$out/seekable-gen.tmp" "$out/seekable-gen"
+go_build "$out/seekable-gen" . -trimpath
 echo "$out"

@@ -3,6 +3,9 @@
 //! (testdata-gen/), read back file by file through their tables of
 //! contents and compared with the tar they were made from.
 
+// Tests may print (what they skip, and why), helpers as #[test]s.
+#![allow(clippy::print_stdout, clippy::print_stderr)]
+
 mod common;
 
 use std::collections::BTreeMap;

@@ -108,7 +108,7 @@ impl Snapshots {
             }
             Err(tilefs_oci::OciError::Refused(why)) => {
                 tracing::warn!("{image}: refused: {why}");
-                Err(Error::Refused(why))
+                Err(Error::Refused(why.to_string()))
             }
             Err(e) => {
                 tracing::warn!("{image}: {e} (containerd's pull goes on)");

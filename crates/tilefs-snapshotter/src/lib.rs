@@ -56,8 +56,6 @@
 //! calls. The socket and the signals are the front end's (`tilefs
 //! snapshotter`).
 
-#![deny(clippy::print_stdout, clippy::print_stderr)]
-
 pub mod backend;
 pub mod claim;
 pub mod collect;

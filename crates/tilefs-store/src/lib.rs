@@ -19,9 +19,6 @@
 //! - [`gc`]: removing what no tagged or held image or live mount needs;
 //! - [`verity`]: how mounts check objects against their image's digests.
 
-// A library logs through `tracing`; the program chooses where lines go.
-#![deny(clippy::print_stdout, clippy::print_stderr)]
-
 pub mod alias;
 pub mod fetch_lock;
 pub mod file_state;

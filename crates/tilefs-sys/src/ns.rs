@@ -5,6 +5,16 @@ use rustix::io::Errno;
 use rustix::thread::UnshareFlags;
 use std::io;
 
+/// Whether this process is in the initial user namespace: only there does
+/// its uid map map every id to itself. Where the map cannot be read (no
+/// /proc), the answer is yes, as it was before user namespaces. Read
+/// each time: a thread that unshares its user namespace changes it.
+pub fn in_initial_userns() -> bool {
+    std::fs::read_to_string("/proc/self/uid_map").map_or(true, |m| {
+        m.split_whitespace().collect::<Vec<_>>() == ["0", "0", "4294967295"]
+    })
+}
+
 /// Moves the calling thread into new namespaces of the kinds in `flags`:
 /// user, mount, network, IPC, UTS, PID, cgroup, time. Unsharing the file
 /// table or the file-system context is refused here: those would make

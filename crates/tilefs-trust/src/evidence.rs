@@ -10,9 +10,9 @@
 //! again, cryptographically, each time: the record needs no protection of
 //! its own beyond the store's (an altered record fails the check).
 
-use crate::policy::{Accepted, Policy, Refusal, SignatureSource, Subject};
+use crate::policy::{Accepted, Policy, Refusal, Rejection, SignatureSource, SourceError, Subject};
 use crate::sigstore::SigstoreSignature;
-use crate::DockerRef;
+use crate::{DockerRef, Error, Refused};
 use base64::Engine;
 use serde::{Deserialize, Serialize};
 use std::path::{Path, PathBuf};
@@ -83,24 +83,24 @@ impl Evidence {
     }
 
     /// Parses a record.
-    pub fn parse(raw: &[u8]) -> Result<Evidence, String> {
-        let e: Evidence = serde_json::from_slice(raw).map_err(|e| format!("not a trust record: {e}"))?;
+    pub fn parse(raw: &[u8]) -> Result<Evidence, Error> {
+        let e: Evidence =
+            serde_json::from_slice(raw).map_err(|e| Error::invalid("not a trust record", e.to_string()))?;
         if e.version != VERSION {
-            return Err(format!(
-                "a trust record of version {} (this tilefs reads {VERSION})",
-                e.version
+            return Err(Error::invalid(
+                "a trust record",
+                format!("version {} (this tilefs reads {VERSION})", e.version),
             ));
         }
         Ok(e)
     }
 
-    fn subject(&self) -> Result<Subject, String> {
+    fn subject(&self) -> Result<Subject, Error> {
         let docker_ref = self
             .docker_reference
             .as_deref()
             .map(DockerRef::parse_normalized)
-            .transpose()
-            .map_err(|e| e.to_string())?;
+            .transpose()?;
         Ok(Subject {
             transport: self.transport.clone(),
             identity: self.identity.clone(),
@@ -113,43 +113,42 @@ impl Evidence {
     /// Judges the image again under `policy`, with the signatures the pull
     /// read (no network).
     pub fn check(&self, policy: &Policy) -> Result<Accepted, Refusal> {
-        let refuse = |reason: String| Refusal {
+        let refuse = |reason: Rejection| Refusal {
             image: self.display.clone(),
             policy: policy.origin.clone(),
             scope: crate::policy::Scope::Default,
-            reason,
+            reason: Box::new(reason),
         };
-        let subject = self.subject().map_err(|e| refuse(format!("its trust record: {e}")))?;
+        let subject = self.subject().map_err(|e| refuse(Rejection::Record(e)))?;
         let manifest = B64
             .decode(&self.manifest)
-            .map_err(|_| refuse("its trust record's manifest is not base64".into()))?;
+            .map_err(|_| refuse(Rejection::Record(Error::invalid("its manifest", "not base64"))))?;
         policy.evaluate(&subject, &manifest, self)
     }
 }
 
 impl SignatureSource for Evidence {
-    fn simple(&self) -> Result<Vec<Vec<u8>>, String> {
-        self.simple
+    fn simple(&self) -> Result<Vec<Vec<u8>>, SourceError> {
+        let bad = || Error::invalid("a recorded simple signature", "not base64");
+        Ok(self
+            .simple
             .iter()
-            .map(|s| {
-                B64.decode(s)
-                    .map_err(|_| "a recorded simple signature is not base64".to_string())
-            })
-            .collect()
+            .map(|s| B64.decode(s).map_err(|_| bad()))
+            .collect::<Result<_, _>>()?)
     }
 
-    fn sigstore(&self) -> Result<Vec<SigstoreSignature>, String> {
-        self.sigstore
+    fn sigstore(&self) -> Result<Vec<SigstoreSignature>, SourceError> {
+        let bad = || Error::invalid("a recorded sigstore payload", "not base64");
+        Ok(self
+            .sigstore
             .iter()
             .map(|(p, s)| {
                 Ok(SigstoreSignature {
-                    payload: B64
-                        .decode(p)
-                        .map_err(|_| "a recorded sigstore payload is not base64".to_string())?,
+                    payload: B64.decode(p).map_err(|_| bad())?,
                     signature: s.clone(),
                 })
             })
-            .collect()
+            .collect::<Result<_, Error>>()?)
     }
 
     fn simple_origin(&self) -> String {
@@ -178,22 +177,23 @@ pub const MAX_CHECKS: usize = 16;
 /// Reads the records of `image` from `store` (the checks it passed, under
 /// each name it was pulled as, the latest first): empty when there are
 /// none.
-pub fn load(store: &Path, image: &[u8; 32]) -> Result<Vec<Evidence>, String> {
+pub fn load(store: &Path, image: &[u8; 32]) -> Result<Vec<Evidence>, Error> {
     let p = path(store, image);
     let raw = match crate::read_config(&p) {
         Ok(raw) => raw,
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(Vec::new()),
-        Err(e) => return Err(format!("{}: {e}", p.display())),
+        Err(e) => return Err(Error::read(p, e)),
     };
     parse_list(&raw, &p)
 }
 
 /// The records of a `.trust` file's bytes (`origin` names it in errors).
-fn parse_list(raw: &[u8], origin: &Path) -> Result<Vec<Evidence>, String> {
-    let list: Vec<serde_json::Value> =
-        serde_json::from_slice(raw).map_err(|e| format!("{}: not a list of trust records: {e}", origin.display()))?;
+fn parse_list(raw: &[u8], origin: &Path) -> Result<Vec<Evidence>, Error> {
+    let origin = origin.display().to_string();
+    let list: Vec<serde_json::Value> = serde_json::from_slice(raw)
+        .map_err(|e| Error::invalid(&origin, format!("not a list of trust records: {e}")))?;
     list.into_iter()
-        .map(|v| Evidence::parse(v.to_string().as_bytes()).map_err(|e| format!("{}: {e}", origin.display())))
+        .map(|v| Evidence::parse(v.to_string().as_bytes()).map_err(|e| e.within(&origin)))
         .collect()
 }
 
@@ -201,8 +201,9 @@ fn parse_list(raw: &[u8], origin: &Path) -> Result<Vec<Evidence>, String> {
 /// by its records: accepted if the policy accepts it under any name it was
 /// pulled as; refused with every reason, or because it has no record (it
 /// did not come in through a checked pull).
-pub fn check_stored(store: &Path, image: &[u8; 32], policy: &Policy) -> Result<Accepted, String> {
-    check_records(&load(store, image)?, store, image, policy)
+pub fn check_stored(store: &Path, image: &[u8; 32], policy: &Policy) -> Result<Accepted, Refused> {
+    let checks = load(store, image).map_err(|error| unusable(store, image, error))?;
+    check_records(&checks, store, image, policy)
 }
 
 /// [`check_stored`] for a record's bytes read by the caller (the mount
@@ -213,34 +214,44 @@ pub fn check_record_bytes(
     store: &Path,
     image: &[u8; 32],
     policy: &Policy,
-) -> Result<Accepted, String> {
+) -> Result<Accepted, Refused> {
     let checks = match raw {
-        Some(raw) => parse_list(raw, &path(store, image))?,
+        Some(raw) => parse_list(raw, &path(store, image)).map_err(|error| unusable(store, image, error))?,
         None => Vec::new(),
     };
     check_records(&checks, store, image, policy)
 }
 
-fn check_records(checks: &[Evidence], store: &Path, image: &[u8; 32], policy: &Policy) -> Result<Accepted, String> {
+/// The image's name in messages: its digest.
+fn name(store: &Path, image: &[u8; 32]) -> String {
+    path(store, image)
+        .file_stem()
+        .map(|s| s.to_string_lossy().into_owned())
+        .unwrap_or_default()
+}
+
+fn unusable(store: &Path, image: &[u8; 32], error: Error) -> Refused {
+    Refused::Unusable {
+        image: format!("the image {}", name(store, image)),
+        error,
+    }
+}
+
+fn check_records(checks: &[Evidence], store: &Path, image: &[u8; 32], policy: &Policy) -> Result<Accepted, Refused> {
     if checks.is_empty() {
-        return Err(format!(
-            "the image {} has no record of a signature policy check in {} (it was built, committed or \
-             pulled by a tilefs without signature policies, or its record was removed): pull it again",
-            path(store, image)
-                .file_stem()
-                .map(|s| s.to_string_lossy().into_owned())
-                .unwrap_or_default(),
-            store.display()
-        ));
+        return Err(Refused::NoRecord {
+            image: name(store, image),
+            store: store.to_path_buf(),
+        });
     }
     let mut why = Vec::new();
     for e in checks {
         match e.check(policy) {
             Ok(a) => return Ok(a),
-            Err(r) => why.push(r.to_string()),
+            Err(r) => why.push(r),
         }
     }
-    Err(why.join("; "))
+    Err(Refused::Records(why))
 }
 
 /// Adds the record `e` of `image` to `store`, replacing an earlier check
@@ -288,6 +299,7 @@ mod tests {
         assert!(load(dir.path(), &[8; 32]).unwrap().is_empty());
         assert!(check_stored(dir.path(), &[8; 32], &accept)
             .unwrap_err()
+            .to_string()
             .contains("no record"));
         assert!(check_stored(dir.path(), &[7; 32], &reject).is_err());
         // The same image under another name that the policy accepts.

@@ -10,6 +10,7 @@
 //! Signing is GnuPG's own (`gpg --sign`), with the key from the user's
 //! keyring (`$GNUPGHOME`), as podman and skopeo sign through gpgme.
 
+use crate::Error;
 use openpgp::cert::prelude::*;
 use openpgp::parse::stream::{MessageLayer, MessageStructure, VerificationHelper, VerifierBuilder};
 use openpgp::parse::Parse;
@@ -24,13 +25,13 @@ use std::process::{Command, Stdio};
 pub const MAX_SIGNATURE: usize = 4 << 20;
 
 /// Parses a keyring (binary or ASCII-armored, one or more certificates).
-pub fn parse_keyring(data: &[u8]) -> Result<Vec<Cert>, String> {
+pub fn parse_keyring(data: &[u8]) -> Result<Vec<Cert>, Error> {
     let mut certs = Vec::new();
-    for c in CertParser::from_bytes(data).map_err(|e| format!("not an OpenPGP keyring: {e}"))? {
-        certs.push(c.map_err(|e| format!("not an OpenPGP keyring: {e}"))?);
+    for c in CertParser::from_bytes(data).map_err(|e| Error::Key(format!("not an OpenPGP keyring: {e}")))? {
+        certs.push(c.map_err(|e| Error::Key(format!("not an OpenPGP keyring: {e}")))?);
     }
     if certs.is_empty() {
-        return Err("the keyring holds no key".into());
+        return Err(Error::Key("the keyring holds no key".into()));
     }
     Ok(certs)
 }
@@ -105,7 +106,7 @@ fn describe(e: &openpgp::parse::stream::VerificationError) -> String {
 
 /// Verifies the signed message `sig` against `certs`: the authenticated
 /// payload and the signing certificate's fingerprint.
-pub fn verify(certs: &[Cert], sig: &[u8]) -> Result<(Vec<u8>, String), String> {
+pub fn verify(certs: &[Cert], sig: &[u8]) -> Result<(Vec<u8>, String), Error> {
     let policy = StandardPolicy::new();
     let helper = Helper {
         certs,
@@ -113,21 +114,24 @@ pub fn verify(certs: &[Cert], sig: &[u8]) -> Result<(Vec<u8>, String), String> {
         failures: Vec::new(),
     };
     let mut v = VerifierBuilder::from_bytes(sig)
-        .map_err(|e| format!("not an OpenPGP message: {e}"))?
+        .map_err(|e| Error::Signature(format!("not an OpenPGP message: {e}")))?
         .with_policy(&policy, None, helper)
-        .map_err(|e| first_line(&e))?;
+        .map_err(|e| Error::Signature(first_line(&e)))?;
     let mut payload = Vec::new();
     (&mut v)
         .take(MAX_SIGNATURE as u64 + 1)
         .read_to_end(&mut payload)
-        .map_err(|e| e.to_string())?;
+        .map_err(|e| Error::Signature(e.to_string()))?;
     if payload.len() > MAX_SIGNATURE {
-        return Err("the signed payload is too large".into());
+        return Err(Error::Signature("the signed payload is too large".into()));
     }
     if !v.message_processed() {
-        return Err("the message was not read to its end".into());
+        return Err(Error::Signature("the message was not read to its end".into()));
     }
-    let signer = v.into_helper().signer.ok_or_else(|| "no valid signature".to_string())?;
+    let signer = v
+        .into_helper()
+        .signer
+        .ok_or_else(|| Error::Signature("no valid signature".into()))?;
     Ok((payload, signer))
 }
 
@@ -148,7 +152,7 @@ fn first_line(e: &openpgp::anyhow::Error) -> String {
 /// Signs `payload` with the GnuPG key `fingerprint` (binary signed message,
 /// as gpgme makes). `passphrase_file`, when given, unlocks the key without
 /// a prompt.
-pub fn sign(payload: &[u8], fingerprint: &str, passphrase_file: Option<&Path>) -> Result<Vec<u8>, String> {
+pub fn sign(payload: &[u8], fingerprint: &str, passphrase_file: Option<&Path>) -> Result<Vec<u8>, Error> {
     let mut cmd = Command::new("gpg");
     cmd.args([
         "--batch",
@@ -163,19 +167,19 @@ pub fn sign(payload: &[u8], fingerprint: &str, passphrase_file: Option<&Path>) -
         cmd.args(["--pinentry-mode", "loopback", "--passphrase-file"]).arg(p);
     }
     cmd.stdin(Stdio::piped()).stdout(Stdio::piped()).stderr(Stdio::piped());
-    let mut child = cmd.spawn().map_err(|e| format!("cannot run gpg: {e}"))?;
+    let mut child = cmd.spawn().map_err(|e| Error::Sign(format!("cannot run gpg: {e}")))?;
     let mut stdin = child.stdin.take().expect("piped");
     let data = payload.to_vec();
     let writer = std::thread::spawn(move || std::io::Write::write_all(&mut stdin, &data));
-    let out = child.wait_with_output().map_err(|e| format!("gpg: {e}"))?;
+    let out = child.wait_with_output().map_err(|e| Error::Sign(format!("gpg: {e}")))?;
     let _ = writer.join();
     if !out.status.success() || out.stdout.is_empty() {
         let err = String::from_utf8_lossy(&out.stderr);
         let lines: Vec<&str> = err.lines().filter(|l| !l.starts_with("[GNUPG:]")).collect();
-        return Err(format!(
+        return Err(Error::Sign(format!(
             "gpg could not sign with key {fingerprint}: {}",
             lines.join("; ")
-        ));
+        )));
     }
     Ok(out.stdout)
 }
@@ -224,7 +228,7 @@ mod tests {
         assert_eq!(payload, b"{\"x\":1}");
         assert_eq!(fpr, alice.fingerprint().to_hex());
         let e = verify(std::slice::from_ref(&bob), &msg).unwrap_err();
-        assert!(e.contains("does not list"), "{e}");
+        assert!(e.to_string().contains("does not list"), "{e}");
         let mut bad = msg.clone();
         let n = bad.len();
         bad[n - 10] ^= 1;

@@ -23,10 +23,8 @@
 //! [`policy::SignatureSource`] for its registry (tilefs-oci's
 //! `trust::check_registry_image` does all of it for a registry image).
 
-// A library logs through `tracing`; the program chooses where lines go.
-#![deny(clippy::print_stdout, clippy::print_stderr)]
-
 pub mod dockerref;
+pub mod error;
 pub mod evidence;
 pub mod gpg;
 pub mod payload;
@@ -37,6 +35,7 @@ pub mod rootfile;
 pub mod sigstore;
 
 pub use dockerref::DockerRef;
+pub use error::{Error, Refused};
 pub use policy::{Accepted, Policy, Refusal, SignatureSource, Subject};
 pub use registries_conf::RegistriesConf;
 pub use registries_d::RegistriesD;
@@ -134,23 +133,17 @@ impl Paths {
 
     /// Loads the policy. Without any policy file the pull is refused, as
     /// podman and skopeo refuse it.
-    pub fn load_policy(&self) -> Result<Policy, String> {
+    pub fn load_policy(&self) -> Result<Policy, Error> {
         let p = self.policy_path();
         match read_config(&p) {
             Ok(raw) => Policy::parse(&raw, &p.display().to_string()),
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound && self.signature_policy.is_none() => Err(format!(
-                "no signature policy: {} does not exist{} (podman and skopeo refuse to pull without one too); \
-                 write one ({{\"default\": [{{\"type\": \"insecureAcceptAnything\"}}]}} accepts any image) \
-                 or pass --signature-policy FILE",
-                p.display(),
-                home()
-                    .map(|h| format!(
-                        " and neither does {}",
-                        h.join(".config/containers/policy.json").display()
-                    ))
-                    .unwrap_or_default()
-            )),
-            Err(e) => Err(format!("signature policy {}: {e}", p.display())),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound && self.signature_policy.is_none() => {
+                Err(Error::NoPolicy {
+                    path: p,
+                    user: home().map(|h| h.join(".config/containers/policy.json")),
+                })
+            }
+            Err(e) => Err(Error::read(&p, format!("signature policy: {e}"))),
         }
     }
 
@@ -158,7 +151,7 @@ impl Paths {
         self.registries_d.clone().unwrap_or_else(RegistriesD::default_dir)
     }
 
-    pub fn load_registries_d(&self) -> Result<RegistriesD, String> {
+    pub fn load_registries_d(&self) -> Result<RegistriesD, Error> {
         RegistriesD::load(&self.registries_d_dir())
     }
 
@@ -171,7 +164,7 @@ impl Paths {
         })
     }
 
-    pub fn load_registries_conf(&self) -> Result<RegistriesConf, String> {
+    pub fn load_registries_conf(&self) -> Result<RegistriesConf, Error> {
         let dot_d = |p: &Path| {
             let mut s = p.as_os_str().to_owned();
             s.push(".d");
@@ -193,7 +186,7 @@ impl Paths {
         };
         // A root in a user namespace (rootless podman's, `podman unshare`)
         // is the user, whose aliases podman keeps in the user's cache.
-        let cache = if rustix::process::geteuid().is_root() && in_initial_userns() {
+        let cache = if rustix::process::geteuid().is_root() && tilefs_sys::ns::in_initial_userns() {
             Some(PathBuf::from("/var/cache/containers/short-name-aliases.conf"))
         } else {
             home().map(|h| h.join(".cache/containers/short-name-aliases.conf"))
@@ -214,14 +207,6 @@ impl Paths {
             registries_conf: self.explicit_registries_conf().map(abs),
         }
     }
-}
-
-/// Whether this process is in the initial user namespace (its uid map
-/// is the whole identity map).
-fn in_initial_userns() -> bool {
-    std::fs::read_to_string("/proc/self/uid_map")
-        .map(|m| m.split_whitespace().collect::<Vec<_>>() == ["0", "0", "4294967295"])
-        .unwrap_or(true)
 }
 
 #[cfg(test)]

@@ -6,6 +6,7 @@
 //! else, a member may not repeat; the optional part may hold anything (but
 //! `creator` must be a string and `timestamp` an integer when present).
 
+use crate::Error;
 use serde_json::Value;
 
 pub const SIMPLE_SIGNING_TYPE: &str = "atomic container signature";
@@ -20,7 +21,7 @@ pub struct Claim {
 
 /// Refuses duplicated members anywhere in the document (serde_json keeps
 /// the last silently).
-pub(crate) fn check_json(raw: &[u8]) -> Result<(), String> {
+pub(crate) fn check_json(raw: &[u8]) -> Result<(), serde_json::Error> {
     struct Checker;
     impl<'de> serde::de::Visitor<'de> for Checker {
         type Value = ();
@@ -67,45 +68,49 @@ pub(crate) fn check_json(raw: &[u8]) -> Result<(), String> {
         }
     }
     let mut de = serde_json::Deserializer::from_slice(raw);
-    serde::Deserializer::deserialize_any(&mut de, Checker).map_err(|e| e.to_string())?;
-    de.end().map_err(|e| e.to_string())
+    serde::Deserializer::deserialize_any(&mut de, Checker)?;
+    de.end()
 }
 
-fn object<'a>(v: &'a Value, what: &str, keys: &[&str]) -> Result<&'a serde_json::Map<String, Value>, String> {
-    let o = v.as_object().ok_or_else(|| format!("{what} is not an object"))?;
+fn object<'a>(v: &'a Value, what: &str, keys: &[&str]) -> Result<&'a serde_json::Map<String, Value>, Error> {
+    let o = v
+        .as_object()
+        .ok_or_else(|| Error::Payload(format!("{what} is not an object")))?;
     for k in o.keys() {
         if !keys.contains(&k.as_str()) {
-            return Err(format!("{what} has an unknown member {k:?}"));
+            return Err(Error::Payload(format!("{what} has an unknown member {k:?}")));
         }
     }
     for k in keys {
         if !o.contains_key(*k) {
-            return Err(format!("{what} lacks {k:?}"));
+            return Err(Error::Payload(format!("{what} lacks {k:?}")));
         }
     }
     Ok(o)
 }
 
-fn string<'a>(o: &'a serde_json::Map<String, Value>, k: &str, what: &str) -> Result<&'a str, String> {
-    o[k].as_str().ok_or_else(|| format!("{what}.{k} is not a string"))
+fn string<'a>(o: &'a serde_json::Map<String, Value>, k: &str, what: &str) -> Result<&'a str, Error> {
+    o[k].as_str()
+        .ok_or_else(|| Error::Payload(format!("{what}.{k} is not a string")))
 }
 
 /// Parses a payload of type `kind` (already authenticated).
-pub fn parse(raw: &[u8], kind: &str) -> Result<Claim, String> {
-    check_json(raw).map_err(|e| format!("the signed payload is not valid JSON: {e}"))?;
-    let v: Value = serde_json::from_slice(raw).map_err(|e| format!("the signed payload is not JSON: {e}"))?;
+pub fn parse(raw: &[u8], kind: &str) -> Result<Claim, Error> {
+    check_json(raw).map_err(|e| Error::Payload(format!("the signed payload is not valid JSON: {e}")))?;
+    let v: Value =
+        serde_json::from_slice(raw).map_err(|e| Error::Payload(format!("the signed payload is not JSON: {e}")))?;
     let top = object(&v, "the payload", &["critical", "optional"])?;
     let critical = object(&top["critical"], "critical", &["type", "image", "identity"])?;
     let t = string(critical, "type", "critical")?;
     if t != kind {
-        return Err(format!("the payload's type is {t:?}, not {kind:?}"));
+        return Err(Error::Payload(format!("the payload's type is {t:?}, not {kind:?}")));
     }
     let image = object(&critical["image"], "critical.image", &["docker-manifest-digest"])?;
     let digest = string(image, "docker-manifest-digest", "critical.image")?;
     if !crate::dockerref::valid_digest(digest) {
-        return Err(format!(
+        return Err(Error::Payload(format!(
             "critical.image.docker-manifest-digest {digest:?} is not a digest"
-        ));
+        )));
     }
     let identity = object(&critical["identity"], "critical.identity", &["docker-reference"])?;
     let reference = string(identity, "docker-reference", "critical.identity")?;
@@ -114,13 +119,13 @@ pub fn parse(raw: &[u8], kind: &str) -> Result<Claim, String> {
         Value::Null if kind == SIGSTORE_TYPE => {}
         Value::Object(o) => {
             if o.get("creator").is_some_and(|c| !c.is_string()) {
-                return Err("optional.creator is not a string".into());
+                return Err(Error::Payload("optional.creator is not a string".into()));
             }
             if o.get("timestamp").is_some_and(|t| !t.is_i64() && !t.is_u64()) {
-                return Err("optional.timestamp is not an integer".into());
+                return Err(Error::Payload("optional.timestamp is not an integer".into()));
             }
         }
-        _ => return Err("optional is not an object".into()),
+        _ => return Err(Error::Payload("optional is not an object".into())),
     }
     Ok(Claim {
         manifest_digest: digest.to_string(),

@@ -3,7 +3,8 @@
 //! file), scopes looked up most specific first, every requirement of the
 //! scope must accept the image.
 
-use crate::dockerref::DockerRef;
+use crate::dockerref::{DockerRef, RefError};
+use crate::error::Error;
 use crate::payload::{self, Claim};
 use crate::sigstore::SigstoreSignature;
 use base64::Engine;
@@ -12,6 +13,7 @@ use std::cell::OnceCell;
 use std::collections::BTreeMap;
 use std::fmt;
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 
 /// A policy file, parsed.
 #[derive(Debug, Clone)]
@@ -119,13 +121,19 @@ impl Subject {
     }
 }
 
+/// Why a [`SignatureSource`] could not read signatures (its own error).
+pub type SourceError = Box<dyn std::error::Error + Send + Sync>;
+
+/// [`SourceError`], kept for every requirement that needs the signatures.
+pub type Shared = Arc<dyn std::error::Error + Send + Sync>;
+
 /// Where signatures of an image are, fetched only when a requirement
 /// needs them.
 pub trait SignatureSource {
     /// Simple signing signatures (OpenPGP messages).
-    fn simple(&self) -> Result<Vec<Vec<u8>>, String>;
+    fn simple(&self) -> Result<Vec<Vec<u8>>, SourceError>;
     /// Sigstore signatures (payload and base64 signature).
-    fn sigstore(&self) -> Result<Vec<SigstoreSignature>, String>;
+    fn sigstore(&self) -> Result<Vec<SigstoreSignature>, SourceError>;
     /// Where simple signatures were looked for, for messages.
     fn simple_origin(&self) -> String;
     /// Where sigstore signatures were looked for, for messages.
@@ -136,10 +144,10 @@ pub trait SignatureSource {
 pub struct NoSignatures(pub &'static str);
 
 impl SignatureSource for NoSignatures {
-    fn simple(&self) -> Result<Vec<Vec<u8>>, String> {
+    fn simple(&self) -> Result<Vec<Vec<u8>>, SourceError> {
         Ok(Vec::new())
     }
-    fn sigstore(&self) -> Result<Vec<SigstoreSignature>, String> {
+    fn sigstore(&self) -> Result<Vec<SigstoreSignature>, SourceError> {
         Ok(Vec::new())
     }
     fn simple_origin(&self) -> String {
@@ -186,27 +194,108 @@ pub struct Refusal {
     pub image: String,
     pub policy: String,
     pub scope: Scope,
-    pub reason: String,
+    pub reason: Box<Rejection>,
 }
 
-fn check_keys(o: &Map<String, Value>, what: &str, allowed: &[&str]) -> Result<(), String> {
+/// The requirements that need signatures.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Signed {
+    /// `signedBy`: simple signing, OpenPGP keys.
+    By,
+    /// `sigstoreSigned`: sigstore signatures, public keys.
+    Sigstore,
+}
+
+impl fmt::Display for Signed {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            Signed::By => "signedBy",
+            Signed::Sigstore => "sigstoreSigned",
+        })
+    }
+}
+
+/// Which requirement refused the image, and why.
+#[derive(Debug, Clone, thiserror::Error)]
+pub enum Rejection {
+    /// `reject`.
+    #[error("the policy rejects every image here (reject)")]
+    Reject,
+    /// The requirement's keys cannot be read or used.
+    #[error("{requirement}: cannot use its keys: {error}")]
+    Keys { requirement: Signed, error: Error },
+    /// The image's signatures cannot be read.
+    #[error("{requirement}: cannot read signatures: {error}")]
+    Unreadable { requirement: Signed, error: Shared },
+    /// The image has no signature of that kind.
+    #[error("{requirement}: no signature (none found in {searched})")]
+    Unsigned { requirement: Signed, searched: String },
+    /// No signature satisfies the requirement: each one's reason.
+    #[error("{requirement}: no signature is acceptable ({})", list(signatures))]
+    NoneAcceptable {
+        requirement: Signed,
+        signatures: Vec<BadSignature>,
+    },
+    /// The record the image is judged from again cannot be used.
+    #[error("its trust record: {0}")]
+    Record(Error),
+}
+
+fn list(v: &[BadSignature]) -> String {
+    v.iter().map(|b| b.to_string()).collect::<Vec<_>>().join("; ")
+}
+
+/// One signature that does not satisfy a requirement (numbered from 1).
+#[derive(Debug, Clone, thiserror::Error)]
+#[error("signature {index}: {fault}")]
+pub struct BadSignature {
+    pub index: usize,
+    pub fault: SignatureFault,
+}
+
+/// Why a signature does not satisfy a requirement.
+#[derive(Debug, Clone, thiserror::Error)]
+pub enum SignatureFault {
+    /// Its cryptography or payload does not check out.
+    #[error(transparent)]
+    Invalid(#[from] Error),
+    /// It signs another manifest.
+    #[error("it signs another image (manifest {claimed}, not this one)")]
+    OtherImage { claimed: String },
+    /// Its claimed identity is not a reference.
+    #[error("its identity is not a docker reference: {0}")]
+    BadIdentity(RefError),
+    /// Its claimed identity is one the rule does not accept for the image.
+    #[error("it claims the identity {claimed}, which {rule} does not accept for {image}")]
+    Identity {
+        claimed: Box<DockerRef>,
+        rule: Box<IdentityRule>,
+        image: String,
+    },
+}
+
+fn bad(what: &str, reason: impl Into<String>) -> Error {
+    Error::invalid(what, reason)
+}
+
+fn check_keys(o: &Map<String, Value>, what: &str, allowed: &[&str]) -> Result<(), Error> {
     for k in o.keys() {
         if !allowed.contains(&k.as_str()) {
-            return Err(format!("{what}: unknown member {k:?}"));
+            return Err(bad(what, format!("unknown member {k:?}")));
         }
     }
     Ok(())
 }
 
-fn get_str<'a>(o: &'a Map<String, Value>, k: &str, what: &str) -> Result<Option<&'a str>, String> {
+fn get_str<'a>(o: &'a Map<String, Value>, k: &str, what: &str) -> Result<Option<&'a str>, Error> {
     match o.get(k) {
         None => Ok(None),
         Some(Value::String(s)) => Ok(Some(s)),
-        Some(_) => Err(format!("{what}: {k} is not a string")),
+        Some(_) => Err(bad(what, format!("{k} is not a string"))),
     }
 }
 
-fn parse_keys(o: &Map<String, Value>, what: &str, multi: bool) -> Result<KeySource, String> {
+fn parse_keys(o: &Map<String, Value>, what: &str, multi: bool) -> Result<KeySource, Error> {
     let path = get_str(o, "keyPath", what)?;
     let paths = match o.get("keyPaths") {
         None => None,
@@ -215,15 +304,15 @@ fn parse_keys(o: &Map<String, Value>, what: &str, multi: bool) -> Result<KeySour
                 .map(|v| v.as_str().map(PathBuf::from))
                 .collect::<Option<Vec<_>>>()
                 .filter(|v| !v.is_empty())
-                .ok_or_else(|| format!("{what}: keyPaths is not a non-empty list of strings"))?,
+                .ok_or_else(|| bad(what, "keyPaths is not a non-empty list of strings"))?,
         ),
-        Some(_) => return Err(format!("{what}: keyPaths is not a non-empty list of strings")),
+        Some(_) => return Err(bad(what, "keyPaths is not a non-empty list of strings")),
     };
     let data = get_str(o, "keyData", what)?;
     match (path, paths, data) {
         (Some(p), None, None) => {
             if p.is_empty() {
-                return Err(format!("{what}: keyPath is empty"));
+                return Err(bad(what, "keyPath is empty"));
             }
             Ok(KeySource::Paths(vec![PathBuf::from(p)]))
         }
@@ -231,26 +320,29 @@ fn parse_keys(o: &Map<String, Value>, what: &str, multi: bool) -> Result<KeySour
         (None, None, Some(d)) => base64::engine::general_purpose::STANDARD
             .decode(d)
             .map(KeySource::Data)
-            .map_err(|_| format!("{what}: keyData is not base64")),
-        _ => Err(format!(
-            "{what}: exactly one of {} must be present",
-            if multi {
-                "keyPath, keyPaths and keyData"
-            } else {
-                "keyPath and keyData"
-            }
+            .map_err(|_| bad(what, "keyData is not base64")),
+        _ => Err(bad(
+            what,
+            format!(
+                "exactly one of {} must be present",
+                if multi {
+                    "keyPath, keyPaths and keyData"
+                } else {
+                    "keyPath and keyData"
+                }
+            ),
         )),
     }
 }
 
-fn parse_identity(v: Option<&Value>, what: &str) -> Result<IdentityRule, String> {
+fn parse_identity(v: Option<&Value>, what: &str) -> Result<IdentityRule, Error> {
     let Some(v) = v else {
         return Ok(IdentityRule::MatchRepoDigestOrExact);
     };
     let what = format!("{what}: signedIdentity");
-    let o = v.as_object().ok_or_else(|| format!("{what} is not an object"))?;
-    let t = get_str(o, "type", &what)?.ok_or_else(|| format!("{what} has no type"))?;
-    let bare = |rule: IdentityRule| -> Result<IdentityRule, String> {
+    let o = v.as_object().ok_or_else(|| bad(&what, "not an object"))?;
+    let t = get_str(o, "type", &what)?.ok_or_else(|| bad(&what, "no type"))?;
+    let bare = |rule: IdentityRule| -> Result<IdentityRule, Error> {
         check_keys(o, &what, &["type"])?;
         Ok(rule)
     };
@@ -260,28 +352,32 @@ fn parse_identity(v: Option<&Value>, what: &str) -> Result<IdentityRule, String>
         "matchRepository" => bare(IdentityRule::MatchRepository),
         "exactReference" => {
             check_keys(o, &what, &["type", "dockerReference"])?;
-            let r = get_str(o, "dockerReference", &what)?.ok_or_else(|| format!("{what}: no dockerReference"))?;
-            let r = DockerRef::parse_normalized(r).map_err(|e| format!("{what}: {e}"))?;
+            let r = get_str(o, "dockerReference", &what)?.ok_or_else(|| bad(&what, "no dockerReference"))?;
+            let r = DockerRef::parse_normalized(r).map_err(|e| bad(&what, e.to_string()))?;
             if r.tag.is_none() && r.digest.is_none() {
-                return Err(format!("{what}: dockerReference {r} has neither a tag nor a digest"));
+                return Err(bad(
+                    &what,
+                    format!("dockerReference {r} has neither a tag nor a digest"),
+                ));
             }
             Ok(IdentityRule::ExactReference(r))
         }
         "exactRepository" => {
             check_keys(o, &what, &["type", "dockerRepository"])?;
-            let r = get_str(o, "dockerRepository", &what)?.ok_or_else(|| format!("{what}: no dockerRepository"))?;
-            let r = DockerRef::parse_normalized(r).map_err(|e| format!("{what}: {e}"))?;
+            let r = get_str(o, "dockerRepository", &what)?.ok_or_else(|| bad(&what, "no dockerRepository"))?;
+            let r = DockerRef::parse_normalized(r).map_err(|e| bad(&what, e.to_string()))?;
             Ok(IdentityRule::ExactRepository(r))
         }
         "remapIdentity" => {
             check_keys(o, &what, &["type", "prefix", "signedPrefix"])?;
-            let p = get_str(o, "prefix", &what)?.ok_or_else(|| format!("{what}: no prefix"))?;
-            let s = get_str(o, "signedPrefix", &what)?.ok_or_else(|| format!("{what}: no signedPrefix"))?;
+            let p = get_str(o, "prefix", &what)?.ok_or_else(|| bad(&what, "no prefix"))?;
+            let s = get_str(o, "signedPrefix", &what)?.ok_or_else(|| bad(&what, "no signedPrefix"))?;
             let (p, s) = (crate::dockerref::lower_host(p), crate::dockerref::lower_host(s));
             for x in [&p, &s] {
                 if !valid_prefix(x) {
-                    return Err(format!(
-                        "{what}: {x:?} is not a host[:port], namespace or repository in the fully expanded form"
+                    return Err(bad(
+                        &what,
+                        format!("{x:?} is not a host[:port], namespace or repository in the fully expanded form"),
                     ));
                 }
             }
@@ -290,7 +386,7 @@ fn parse_identity(v: Option<&Value>, what: &str) -> Result<IdentityRule, String>
                 signed_prefix: s,
             })
         }
-        other => Err(format!("{what}: unknown type {other:?}")),
+        other => Err(bad(&what, format!("unknown type {other:?}"))),
     }
 }
 
@@ -303,9 +399,9 @@ fn valid_prefix(p: &str) -> bool {
     }
 }
 
-fn parse_requirement(v: &Value, what: &str) -> Result<Requirement, String> {
-    let o = v.as_object().ok_or_else(|| format!("{what} is not an object"))?;
-    let t = get_str(o, "type", what)?.ok_or_else(|| format!("{what} has no type"))?;
+fn parse_requirement(v: &Value, what: &str) -> Result<Requirement, Error> {
+    let o = v.as_object().ok_or_else(|| bad(what, "not an object"))?;
+    let t = get_str(o, "type", what)?.ok_or_else(|| bad(what, "no type"))?;
     let what = format!("{what} ({t})");
     match t {
         "insecureAcceptAnything" => {
@@ -324,8 +420,8 @@ fn parse_requirement(v: &Value, what: &str) -> Result<Requirement, String> {
             )?;
             match get_str(o, "keyType", &what)? {
                 Some("GPGKeys") => {}
-                Some(k) => return Err(format!("{what}: keyType {k:?} is not supported (GPGKeys is)")),
-                None => return Err(format!("{what}: no keyType")),
+                Some(k) => return Err(bad(&what, format!("keyType {k:?} is not supported (GPGKeys is)"))),
+                None => return Err(bad(&what, "no keyType")),
             }
             Ok(Requirement::SignedBy {
                 keys: parse_keys(o, &what, true)?,
@@ -335,8 +431,9 @@ fn parse_requirement(v: &Value, what: &str) -> Result<Requirement, String> {
         "sigstoreSigned" => {
             for k in ["fulcio", "rekorPublicKeyPath", "rekorPublicKeyData", "pki"] {
                 if o.contains_key(k) {
-                    return Err(format!(
-                        "{what}: {k} (keyless signing) is not supported by tilefs: use keyPath or keyData"
+                    return Err(bad(
+                        &what,
+                        format!("{k} (keyless signing) is not supported by tilefs: use keyPath or keyData"),
                     ));
                 }
             }
@@ -346,17 +443,16 @@ fn parse_requirement(v: &Value, what: &str) -> Result<Requirement, String> {
                 identity: parse_identity(o.get("signedIdentity"), &what)?,
             })
         }
-        other => Err(format!("{what}: unknown requirement type {other:?}")),
+        other => Err(bad(&what, format!("unknown requirement type {other:?}"))),
     }
 }
 
-fn parse_requirements(v: &Value, what: &str) -> Result<Vec<Requirement>, String> {
-    let a = v
-        .as_array()
-        .ok_or_else(|| format!("{what} is not a list of requirements"))?;
+fn parse_requirements(v: &Value, what: &str) -> Result<Vec<Requirement>, Error> {
+    let a = v.as_array().ok_or_else(|| bad(what, "not a list of requirements"))?;
     if a.is_empty() {
-        return Err(format!(
-            "{what} is empty (use [{{\"type\": \"insecureAcceptAnything\"}}] to accept anything)"
+        return Err(bad(
+            what,
+            "empty (use [{\"type\": \"insecureAcceptAnything\"}] to accept anything)".to_string(),
         ));
     }
     a.iter()
@@ -366,10 +462,11 @@ fn parse_requirements(v: &Value, what: &str) -> Result<Vec<Requirement>, String>
 }
 
 /// Checks a scope's syntax for its transport.
-fn check_scope(transport: &str, scope: &str) -> Result<(), String> {
+fn check_scope(transport: &str, scope: &str) -> Result<(), Error> {
     if scope.is_empty() {
         return Ok(());
     }
+    let what = format!("transports.{transport}");
     match transport {
         "docker" | "atomic" => {
             if let Some(domain) = scope.strip_prefix("*.") {
@@ -379,7 +476,10 @@ fn check_scope(transport: &str, scope: &str) -> Result<(), String> {
                 {
                     Ok(())
                 } else {
-                    Err(format!("{scope:?} is not a valid wildcard scope (*.example.com)"))
+                    Err(bad(
+                        &what,
+                        format!("{scope:?} is not a valid wildcard scope (*.example.com)"),
+                    ))
                 };
             }
             let ok = if scope.contains('/') {
@@ -390,15 +490,18 @@ fn check_scope(transport: &str, scope: &str) -> Result<(), String> {
             if ok {
                 Ok(())
             } else {
-                Err(format!(
-                    "{scope:?} is not a registry, namespace, repository or image in the fully expanded form \
-                     (docker.io/library/busybox, not busybox)"
+                Err(bad(
+                    &what,
+                    format!(
+                        "{scope:?} is not a registry, namespace, repository or image in the fully expanded form \
+                         (docker.io/library/busybox, not busybox)"
+                    ),
                 ))
             }
         }
         "oci" | "oci-archive" | "dir" | "docker-archive" => {
             if !scope.starts_with('/') || scope == "/" {
-                Err(format!("{scope:?} is not an absolute path other than /"))
+                Err(bad(&what, format!("{scope:?} is not an absolute path other than /")))
             } else {
                 Ok(())
             }
@@ -409,26 +512,37 @@ fn check_scope(transport: &str, scope: &str) -> Result<(), String> {
 
 impl Policy {
     /// Parses policy.json text; `origin` names it in messages.
-    pub fn parse(raw: &[u8], origin: &str) -> Result<Policy, String> {
-        let fail = |e: String| format!("{origin}: {e}");
-        crate::payload::check_json(raw).map_err(|e| fail(format!("not valid JSON: {e}")))?;
-        let v: Value = serde_json::from_slice(raw).map_err(|e| fail(format!("not JSON: {e}")))?;
-        let top = v.as_object().ok_or_else(|| fail("not a JSON object".into()))?;
-        check_keys(top, "the policy", &["default", "transports"]).map_err(fail)?;
+    pub fn parse(raw: &[u8], origin: &str) -> Result<Policy, Error> {
+        Policy::parse_inner(raw)
+            .map_err(|e| e.within(origin))
+            .map(|(default, transports)| Policy {
+                origin: origin.to_string(),
+                default,
+                transports,
+                roots_keys: false,
+            })
+    }
+
+    #[allow(clippy::type_complexity)]
+    fn parse_inner(
+        raw: &[u8],
+    ) -> Result<(Vec<Requirement>, BTreeMap<String, BTreeMap<String, Vec<Requirement>>>), Error> {
+        crate::payload::check_json(raw).map_err(|e| bad("not valid JSON", e.to_string()))?;
+        let v: Value = serde_json::from_slice(raw).map_err(|e| bad("not JSON", e.to_string()))?;
+        let top = v.as_object().ok_or_else(|| bad("the policy", "not a JSON object"))?;
+        check_keys(top, "the policy", &["default", "transports"])?;
         let default = parse_requirements(
             top.get("default")
-                .ok_or_else(|| fail("no \"default\" requirements (they are mandatory)".into()))?,
+                .ok_or_else(|| bad("the policy", "no \"default\" requirements (they are mandatory)"))?,
             "default",
-        )
-        .map_err(fail)?;
+        )?;
         let mut transports = BTreeMap::new();
         match top.get("transports") {
             None | Some(Value::Null) => {}
             Some(Value::Object(ts)) => {
                 for (t, scopes) in ts {
-                    let scopes = scopes
-                        .as_object()
-                        .ok_or_else(|| fail(format!("transports.{t} is not an object")))?;
+                    let what = format!("transports.{t}");
+                    let scopes = scopes.as_object().ok_or_else(|| bad(&what, "not an object"))?;
                     let mut m = BTreeMap::new();
                     for (s, reqs) in scopes {
                         // Host names as references keep them (lower case).
@@ -436,37 +550,33 @@ impl Policy {
                             "docker" | "atomic" => crate::dockerref::lower_host(s),
                             _ => s.clone(),
                         };
-                        check_scope(t, &key).map_err(|e| fail(format!("transports.{t}: {e}")))?;
-                        let reqs = parse_requirements(reqs, &format!("transports.{t}.{s:?}")).map_err(fail)?;
+                        check_scope(t, &key)?;
+                        let reqs = parse_requirements(reqs, &format!("{what}.{s:?}"))?;
                         if m.insert(key, reqs).is_some() {
-                            return Err(fail(format!(
-                                "transports.{t}: scope {s:?} is given twice (host names have no case)"
-                            )));
+                            return Err(bad(
+                                &what,
+                                format!("scope {s:?} is given twice (host names have no case)"),
+                            ));
                         }
                     }
                     transports.insert(t.clone(), m);
                 }
             }
-            Some(_) => return Err(fail("transports is not an object".into())),
+            Some(_) => return Err(bad("transports", "not an object")),
         }
-        Ok(Policy {
-            origin: origin.to_string(),
-            default,
-            transports,
-            roots_keys: false,
-        })
+        Ok((default, transports))
     }
 
     /// Reads and parses a policy file.
-    pub fn load(path: &Path) -> Result<Policy, String> {
-        let raw = crate::read_config(path).map_err(|e| format!("{}: {e}", path.display()))?;
+    pub fn load(path: &Path) -> Result<Policy, Error> {
+        let raw = crate::read_config(path).map_err(|e| Error::read(path, e))?;
         Policy::parse(&raw, &path.display().to_string())
     }
 
     /// Reads and parses the policy file of a service running as root:
     /// it, and every key file it names, read only if root alone could have
     /// written them ([`crate::rootfile`]).
-    pub fn load_roots(path: &Path) -> Result<Policy, String> {
+    pub fn load_roots(path: &Path) -> Result<Policy, Error> {
         let raw = crate::rootfile::read_existing(path, crate::MAX_CONFIG)?;
         let mut p = Policy::parse(&raw, &path.display().to_string())?;
         p.roots_keys = true;
@@ -506,165 +616,216 @@ impl Policy {
     /// Decides about the image `s` whose top-level manifest is `manifest`.
     pub fn evaluate(&self, s: &Subject, manifest: &[u8], sigs: &dyn SignatureSource) -> Result<Accepted, Refusal> {
         let (scope, reqs) = self.requirements_for(s);
-        let refuse = |reason: String| Refusal {
+        let refuse = |reason: Rejection| Refusal {
             image: s.display.clone(),
             policy: self.origin.clone(),
             scope: scope.clone(),
-            reason,
+            reason: Box::new(reason),
         };
-        let simple: OnceCell<Result<Vec<Vec<u8>>, String>> = OnceCell::new();
-        let sigstore: OnceCell<Result<Vec<SigstoreSignature>, String>> = OnceCell::new();
+        let found = Found::default();
         let mut by = Vec::new();
         for r in reqs {
             match r {
                 Requirement::InsecureAcceptAnything => by.push("insecureAcceptAnything".to_string()),
-                Requirement::Reject => return Err(refuse("the policy rejects every image here (reject)".into())),
+                Requirement::Reject => return Err(refuse(Rejection::Reject)),
                 Requirement::SignedBy { keys, identity } => {
-                    let certs = load_keys(keys, self.roots_keys)
-                        .and_then(|data| {
-                            let mut all = Vec::new();
-                            for d in data {
-                                all.extend(crate::gpg::parse_keyring(&d)?);
-                            }
-                            Ok(all)
-                        })
-                        .map_err(|e| refuse(format!("signedBy: cannot use its keys: {e}")))?;
-                    let found = simple
-                        .get_or_init(|| sigs.simple())
-                        .as_ref()
-                        .map_err(|e| refuse(format!("signedBy: cannot read signatures: {e}")))?;
-                    if found.is_empty() {
-                        return Err(refuse(format!(
-                            "signedBy: no signature (none found in {})",
-                            sigs.simple_origin()
-                        )));
-                    }
-                    let mut why = Vec::new();
-                    let mut ok = None;
-                    for (i, sig) in found.iter().enumerate() {
-                        let r = crate::gpg::verify(&certs, sig).and_then(|(payload, fpr)| {
-                            let claim = payload::parse(&payload, payload::SIMPLE_SIGNING_TYPE)?;
-                            check_claim(&claim, manifest, s, identity)?;
-                            Ok(fpr)
-                        });
-                        match r {
-                            Ok(fpr) => {
-                                ok = Some(fpr);
-                                break;
-                            }
-                            Err(e) => why.push(format!("signature {}: {e}", i + 1)),
-                        }
-                    }
-                    match ok {
-                        Some(fpr) => by.push(format!("signedBy key {fpr}")),
-                        None => {
-                            return Err(refuse(format!(
-                                "signedBy: no signature is acceptable ({})",
-                                why.join("; ")
-                            )))
-                        }
-                    }
+                    let keys = self.keys(Signed::By, keys).map_err(refuse)?;
+                    by.push(found.accept(&keys, sigs, identity, manifest, s).map_err(refuse)?);
                 }
                 Requirement::SigstoreSigned { keys, identity } => {
-                    let pubkeys = load_keys(keys, self.roots_keys)
-                        .and_then(|data| {
-                            data.iter()
-                                .map(|d| crate::sigstore::parse_public_key(d))
-                                .collect::<Result<Vec<_>, String>>()
-                        })
-                        .map_err(|e: String| refuse(format!("sigstoreSigned: cannot use its key: {e}")))?;
-                    let found = sigstore
-                        .get_or_init(|| sigs.sigstore())
-                        .as_ref()
-                        .map_err(|e| refuse(format!("sigstoreSigned: cannot read signatures: {e}")))?;
-                    if found.is_empty() {
-                        return Err(refuse(format!(
-                            "sigstoreSigned: no signature (none found in {})",
-                            sigs.sigstore_origin()
-                        )));
-                    }
-                    let mut why = Vec::new();
-                    let mut ok = false;
-                    for (i, sig) in found.iter().enumerate() {
-                        let mut r = Err("no key".to_string());
-                        for k in &pubkeys {
-                            r = crate::sigstore::verify(k, sig);
-                            if r.is_ok() {
-                                break;
-                            }
-                        }
-                        let r = r.and_then(|()| {
-                            let claim = payload::parse(&sig.payload, payload::SIGSTORE_TYPE)?;
-                            check_claim(&claim, manifest, s, identity)
-                        });
-                        match r {
-                            Ok(()) => {
-                                ok = true;
-                                break;
-                            }
-                            Err(e) => why.push(format!("signature {}: {e}", i + 1)),
-                        }
-                    }
-                    if !ok {
-                        return Err(refuse(format!(
-                            "sigstoreSigned: no signature is acceptable ({})",
-                            why.join("; ")
-                        )));
-                    }
-                    by.push("sigstoreSigned".to_string());
+                    let keys = self.keys(Signed::Sigstore, keys).map_err(refuse)?;
+                    by.push(found.accept(&keys, sigs, identity, manifest, s).map_err(refuse)?);
                 }
             }
         }
         Ok(Accepted { scope, by })
     }
+
+    /// A requirement's keys, read and parsed.
+    fn keys(&self, requirement: Signed, k: &KeySource) -> Result<Keys, Rejection> {
+        let data = match k {
+            KeySource::Data(d) => vec![d.clone()],
+            KeySource::Paths(ps) => ps
+                .iter()
+                .map(|p| match self.roots_keys {
+                    true => crate::rootfile::read_existing(p, crate::MAX_CONFIG),
+                    false => crate::read_config(p).map_err(|e| Error::read(p, e)),
+                })
+                .collect::<Result<_, _>>()
+                .map_err(|error| Rejection::Keys { requirement, error })?,
+        };
+        let keys = match requirement {
+            Signed::By => data
+                .iter()
+                .map(|d| crate::gpg::parse_keyring(d))
+                .collect::<Result<Vec<_>, _>>()
+                .map(|c| Keys::Gpg(c.concat())),
+            Signed::Sigstore => data
+                .iter()
+                .map(|d| crate::sigstore::parse_public_key(d))
+                .collect::<Result<_, _>>()
+                .map(Keys::Sigstore),
+        };
+        keys.map_err(|error| Rejection::Keys { requirement, error })
+    }
 }
 
-fn load_keys(k: &KeySource, roots: bool) -> Result<Vec<Vec<u8>>, String> {
-    match k {
-        KeySource::Data(d) => Ok(vec![d.clone()]),
-        KeySource::Paths(ps) => ps
-            .iter()
-            .map(|p| match roots {
-                true => crate::rootfile::read_existing(p, crate::MAX_CONFIG),
-                false => crate::read_config(p).map_err(|e| format!("{}: {e}", p.display())),
-            })
-            .collect(),
+/// A requirement's keys.
+enum Keys {
+    Gpg(Vec<sequoia_openpgp::Cert>),
+    Sigstore(Vec<crate::sigstore::VerifyingKey>),
+}
+
+/// One signature of either kind.
+enum Sig<'a> {
+    Simple(&'a [u8]),
+    Sigstore(&'a SigstoreSignature),
+}
+
+impl Keys {
+    fn requirement(&self) -> Signed {
+        match self {
+            Keys::Gpg(_) => Signed::By,
+            Keys::Sigstore(_) => Signed::Sigstore,
+        }
+    }
+
+    /// Checks `sig`'s cryptography: the payload it authenticates, and its
+    /// signer's fingerprint where the kind names one.
+    fn verify(&self, sig: &Sig) -> Result<(Vec<u8>, Option<String>), Error> {
+        match (self, sig) {
+            (Keys::Gpg(certs), Sig::Simple(sig)) => {
+                crate::gpg::verify(certs, sig).map(|(payload, fpr)| (payload, Some(fpr)))
+            }
+            (Keys::Sigstore(keys), Sig::Sigstore(sig)) => {
+                let mut r = Err(Error::Key("no key".into()));
+                for k in keys {
+                    r = crate::sigstore::verify(k, sig);
+                    if r.is_ok() {
+                        break;
+                    }
+                }
+                r.map(|()| (sig.payload.clone(), None))
+            }
+            _ => unreachable!("signatures are read for their keys' kind"),
+        }
+    }
+}
+
+/// The signatures of an image, read once whichever requirements need them.
+#[derive(Default)]
+struct Found {
+    simple: OnceCell<Result<Vec<Vec<u8>>, Shared>>,
+    sigstore: OnceCell<Result<Vec<SigstoreSignature>, Shared>>,
+}
+
+impl Found {
+    /// The signatures of the kind `requirement` checks, and where they
+    /// were looked for.
+    fn of(&self, requirement: Signed, sigs: &dyn SignatureSource) -> Result<(Vec<Sig<'_>>, String), Rejection> {
+        let unreadable = |e: &Shared| Rejection::Unreadable {
+            requirement,
+            error: e.clone(),
+        };
+        Ok(match requirement {
+            Signed::By => (
+                (self.simple.get_or_init(|| sigs.simple().map_err(Arc::from)).as_ref())
+                    .map_err(unreadable)?
+                    .iter()
+                    .map(|s| Sig::Simple(s))
+                    .collect(),
+                sigs.simple_origin(),
+            ),
+            Signed::Sigstore => (
+                (self
+                    .sigstore
+                    .get_or_init(|| sigs.sigstore().map_err(Arc::from))
+                    .as_ref())
+                .map_err(unreadable)?
+                .iter()
+                .map(Sig::Sigstore)
+                .collect(),
+                sigs.sigstore_origin(),
+            ),
+        })
+    }
+
+    /// Accepts the image if one of its signatures, checked with `keys`,
+    /// signs `manifest` under an identity `rule` accepts: the one loop of
+    /// `signedBy` and `sigstoreSigned`, which differ only in how a
+    /// signature is verified. Returns how it was accepted.
+    fn accept(
+        &self,
+        keys: &Keys,
+        sigs: &dyn SignatureSource,
+        rule: &IdentityRule,
+        manifest: &[u8],
+        s: &Subject,
+    ) -> Result<String, Rejection> {
+        let requirement = keys.requirement();
+        let (found, searched) = self.of(requirement, sigs)?;
+        if found.is_empty() {
+            return Err(Rejection::Unsigned { requirement, searched });
+        }
+        let kind = match requirement {
+            Signed::By => payload::SIMPLE_SIGNING_TYPE,
+            Signed::Sigstore => payload::SIGSTORE_TYPE,
+        };
+        let mut signatures = Vec::new();
+        for (i, sig) in found.iter().enumerate() {
+            let r = keys
+                .verify(sig)
+                .map_err(SignatureFault::from)
+                .and_then(|(payload, signer)| {
+                    let claim = payload::parse(&payload, kind)?;
+                    check_claim(&claim, manifest, s, rule)?;
+                    Ok(signer)
+                });
+            match r {
+                Ok(Some(fpr)) => return Ok(format!("{requirement} key {fpr}")),
+                Ok(None) => return Ok(requirement.to_string()),
+                Err(fault) => signatures.push(BadSignature { index: i + 1, fault }),
+            }
+        }
+        Err(Rejection::NoneAcceptable {
+            requirement,
+            signatures,
+        })
     }
 }
 
 /// The claim must be about this manifest and an identity the rule accepts.
-fn check_claim(c: &Claim, manifest: &[u8], s: &Subject, rule: &IdentityRule) -> Result<(), String> {
+fn check_claim(c: &Claim, manifest: &[u8], s: &Subject, rule: &IdentityRule) -> Result<(), SignatureFault> {
     if !crate::digest_matches(&c.manifest_digest, manifest) {
-        return Err(format!(
-            "it signs another image (manifest {}, not this one)",
-            c.manifest_digest
-        ));
+        return Err(SignatureFault::OtherImage {
+            claimed: c.manifest_digest.clone(),
+        });
     }
-    let signed = DockerRef::parse_normalized(&c.docker_reference)
-        .map_err(|e| format!("its identity is not a docker reference: {e}"))?;
+    let signed = DockerRef::parse_normalized(&c.docker_reference).map_err(SignatureFault::BadIdentity)?;
     if identity_matches(rule, s.docker_ref.as_ref(), &signed) {
         Ok(())
     } else {
-        Err(format!(
-            "it claims the identity {signed}, which {} does not accept for {}",
-            rule.name(),
-            s.docker_ref
+        Err(SignatureFault::Identity {
+            claimed: Box::new(signed),
+            rule: Box::new(rule.clone()),
+            image: s
+                .docker_ref
                 .as_ref()
-                .map_or_else(|| s.display.clone(), |r| r.to_string())
-        ))
+                .map_or_else(|| s.display.clone(), |r| r.to_string()),
+        })
     }
 }
 
-impl IdentityRule {
-    fn name(&self) -> String {
+impl fmt::Display for IdentityRule {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
-            IdentityRule::MatchExact => "signedIdentity matchExact".into(),
-            IdentityRule::MatchRepoDigestOrExact => "signedIdentity matchRepoDigestOrExact".into(),
-            IdentityRule::MatchRepository => "signedIdentity matchRepository".into(),
-            IdentityRule::ExactReference(r) => format!("signedIdentity exactReference {r}"),
-            IdentityRule::ExactRepository(r) => format!("signedIdentity exactRepository {r}"),
+            IdentityRule::MatchExact => write!(f, "signedIdentity matchExact"),
+            IdentityRule::MatchRepoDigestOrExact => write!(f, "signedIdentity matchRepoDigestOrExact"),
+            IdentityRule::MatchRepository => write!(f, "signedIdentity matchRepository"),
+            IdentityRule::ExactReference(r) => write!(f, "signedIdentity exactReference {r}"),
+            IdentityRule::ExactRepository(r) => write!(f, "signedIdentity exactRepository {r}"),
             IdentityRule::RemapIdentity { prefix, signed_prefix } => {
-                format!("signedIdentity remapIdentity {prefix} -> {signed_prefix}")
+                write!(f, "signedIdentity remapIdentity {prefix} -> {signed_prefix}")
             }
         }
     }
@@ -777,7 +938,10 @@ mod tests {
         );
         let twice = br#"{"default":[{"type":"reject"}],"transports":{"docker":{"reg.io/x":[{"type":"reject"}],"REG.io/x":[{"type":"reject"}]}}}"#;
         let e = Policy::parse(twice, "p").unwrap_err();
-        assert!(e.contains("is given twice (host names have no case)"), "{e}");
+        assert!(
+            e.to_string().contains("is given twice (host names have no case)"),
+            "{e}"
+        );
     }
 
     #[test]

@@ -7,6 +7,7 @@
 //! main file, containers-registries.conf.d(5).
 
 use crate::dockerref::{looks_like_domain, DockerRef};
+use crate::{Error, Refused};
 use serde::Deserialize;
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -165,10 +166,10 @@ fn prefix_key(prefix: &str) -> String {
 
 impl RegistriesConf {
     /// Applies the text of one file (named `path` in messages) over `self`.
-    pub fn add(&mut self, raw: &[u8], path: &Path) -> Result<(), String> {
-        let name = path.display();
-        let text = std::str::from_utf8(raw).map_err(|_| format!("{name}: not UTF-8"))?;
-        let f: File = toml::from_str(text).map_err(|e| format!("{name}: {}", e.to_string().trim()))?;
+    pub fn add(&mut self, raw: &[u8], path: &Path) -> Result<(), Error> {
+        let name = path.display().to_string();
+        let text = std::str::from_utf8(raw).map_err(|_| Error::invalid(&name, "not UTF-8"))?;
+        let f: File = toml::from_str(text).map_err(|e| Error::invalid(&name, e.to_string().trim().to_string()))?;
         let v2 = f.unqualified_search_registries.is_some()
             || f.short_name_mode.is_some()
             || f.aliases.is_some()
@@ -177,8 +178,9 @@ impl RegistriesConf {
         let mut search = f.unqualified_search_registries;
         if let Some(v1) = f.registries {
             if v2 {
-                return Err(format!(
-                    "{name}: mixes the version 1 [registries.*] tables with version 2 settings"
+                return Err(Error::invalid(
+                    &name,
+                    "mixes the version 1 [registries.*] tables with version 2 settings".to_string(),
                 ));
             }
             search = Some(v1.search.registries);
@@ -205,8 +207,9 @@ impl RegistriesConf {
         if let Some(s) = search {
             for r in &s {
                 if r.contains('/') || !valid_location(r) {
-                    return Err(format!(
-                        "{name}: unqualified-search-registries entry {r:?} is not a host[:port]"
+                    return Err(Error::invalid(
+                        &name,
+                        format!("unqualified-search-registries entry {r:?} is not a host[:port]"),
                     ));
                 }
             }
@@ -219,8 +222,9 @@ impl RegistriesConf {
                 "disabled" => Some(ShortNameMode::Disabled),
                 "" => None,
                 o => {
-                    return Err(format!(
-                        "{name}: short-name-mode {o:?} is not enforcing, permissive or disabled"
+                    return Err(Error::invalid(
+                        &name,
+                        format!("short-name-mode {o:?} is not enforcing, permissive or disabled"),
                     ))
                 }
             };
@@ -231,7 +235,7 @@ impl RegistriesConf {
                 self.aliases.remove(&k);
                 continue;
             }
-            check_alias(&k, &v).map_err(|e| format!("{name}: alias {k:?}: {e}"))?;
+            check_alias(&k, &v).map_err(|e| Error::invalid(&name, format!("alias {k:?}: {e}")))?;
             self.aliases.insert(k, (v, path.to_path_buf()));
         }
         let mut seen = std::collections::HashSet::new();
@@ -240,52 +244,58 @@ impl RegistriesConf {
                 r.prefix = r.location.clone();
             }
             if r.prefix.is_empty() {
-                return Err(format!("{name}: a [[registry]] has neither prefix nor location"));
+                return Err(Error::invalid(&name, "a [[registry]] has neither prefix nor location"));
             }
             if !seen.insert(prefix_key(&r.prefix)) {
-                return Err(format!(
-                    "{name}: two [[registry]] tables have the prefix {:?}",
-                    r.prefix
+                return Err(Error::invalid(
+                    &name,
+                    format!("two [[registry]] tables have the prefix {:?}", r.prefix),
                 ));
             }
             let wildcard = r.prefix.starts_with("*.");
             if wildcard {
                 let d = &r.prefix[2..];
                 if d.is_empty() || d.contains(['*', '/', ':']) || !valid_location(d) {
-                    return Err(format!(
-                        "{name}: prefix {:?}: a wildcard prefix is *.DOMAIN, nothing more",
-                        r.prefix
+                    return Err(Error::invalid(
+                        &name,
+                        format!("prefix {:?}: a wildcard prefix is *.DOMAIN, nothing more", r.prefix),
                     ));
                 }
             } else if !valid_location(&r.prefix) {
-                return Err(format!(
-                    "{name}: prefix {:?} is not a registry, namespace or repository",
-                    r.prefix
+                return Err(Error::invalid(
+                    &name,
+                    format!("prefix {:?} is not a registry, namespace or repository", r.prefix),
                 ));
             }
             if !r.location.is_empty() && (r.location.starts_with("*.") || !valid_location(&r.location)) {
-                return Err(format!(
-                    "{name}: location {:?} is not a registry, namespace or repository",
-                    r.location
+                return Err(Error::invalid(
+                    &name,
+                    format!("location {:?} is not a registry, namespace or repository", r.location),
                 ));
             }
             if wildcard && !r.location.is_empty() {
-                return Err(format!(
-                    "{name}: prefix {:?}: a wildcard prefix takes no location",
-                    r.prefix
+                return Err(Error::invalid(
+                    &name,
+                    format!("prefix {:?}: a wildcard prefix takes no location", r.prefix),
                 ));
             }
             for m in &r.mirror {
                 if m.location.starts_with("*.") || !valid_location(&m.location) {
-                    return Err(format!(
-                        "{name}: mirror location {:?} is not a registry, namespace or repository",
-                        m.location
+                    return Err(Error::invalid(
+                        &name,
+                        format!(
+                            "mirror location {:?} is not a registry, namespace or repository",
+                            m.location
+                        ),
                     ));
                 }
                 if r.mirror_by_digest_only && m.pull_from_mirror != PullFromMirror::All {
-                    return Err(format!(
-                        "{name}: prefix {:?}: pull-from-mirror cannot be set with mirror-by-digest-only",
-                        r.prefix
+                    return Err(Error::invalid(
+                        &name,
+                        format!(
+                            "prefix {:?}: pull-from-mirror cannot be set with mirror-by-digest-only",
+                            r.prefix
+                        ),
                     ));
                 }
             }
@@ -305,13 +315,13 @@ impl RegistriesConf {
 
     /// Reads `main` (if it exists) and then each `*.conf` of `dropins`, in
     /// order, each directory's files in name order.
-    pub fn load(main: Option<&Path>, dropins: &[PathBuf]) -> Result<RegistriesConf, String> {
+    pub fn load(main: Option<&Path>, dropins: &[PathBuf]) -> Result<RegistriesConf, Error> {
         let mut c = RegistriesConf::default();
         if let Some(m) = main {
             match crate::read_config(m) {
                 Ok(raw) => c.add(&raw, m)?,
                 Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
-                Err(e) => return Err(format!("{}: {e}", m.display())),
+                Err(e) => return Err(Error::read(m, e)),
             }
         }
         for d in dropins {
@@ -324,7 +334,7 @@ impl RegistriesConf {
                 .collect();
             files.sort();
             for f in files {
-                let raw = crate::read_config(&f).map_err(|e| format!("{}: {e}", f.display()))?;
+                let raw = crate::read_config(&f).map_err(|e| Error::read(&f, e))?;
                 c.add(&raw, &f)?;
             }
         }
@@ -333,19 +343,19 @@ impl RegistriesConf {
 
     /// Adds the aliases of the machine-written short-name-aliases.conf,
     /// which take precedence over those of the configuration.
-    pub fn add_alias_cache(&mut self, path: &Path) -> Result<(), String> {
+    pub fn add_alias_cache(&mut self, path: &Path) -> Result<(), Error> {
         let raw = match crate::read_config(path) {
             Ok(r) => r,
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(()),
-            Err(e) => return Err(format!("{}: {e}", path.display())),
+            Err(e) => return Err(Error::read(path, e)),
         };
         #[derive(Deserialize)]
         struct Cache {
             #[serde(default)]
             aliases: BTreeMap<String, String>,
         }
-        let text = std::str::from_utf8(&raw).map_err(|_| format!("{}: not UTF-8", path.display()))?;
-        let c: Cache = toml::from_str(text).map_err(|e| format!("{}: {e}", path.display()))?;
+        let text = std::str::from_utf8(&raw).map_err(|_| Error::read(path, "not UTF-8"))?;
+        let c: Cache = toml::from_str(text).map_err(|e| Error::read(path, e))?;
         for (k, v) in c.aliases {
             if !v.is_empty() && check_alias(&k, &v).is_ok() {
                 self.aliases.insert(k, (v, path.to_path_buf()));
@@ -365,7 +375,7 @@ impl RegistriesConf {
 
     /// Where to pull `r` from: its mirrors that apply, in order, then the
     /// registry's location; or why it may not be pulled.
-    pub fn route(&self, r: &DockerRef) -> Result<Route, String> {
+    pub fn route(&self, r: &DockerRef) -> Result<Route, Refused> {
         let Some(reg) = self.registry_for(r) else {
             return Ok(Route {
                 prefix: None,
@@ -377,21 +387,23 @@ impl RegistriesConf {
             });
         };
         if reg.blocked {
-            return Err(format!(
-                "registry {} is blocked (prefix {:?} of {})",
-                r.domain,
-                reg.prefix,
-                self.files_display()
-            ));
+            return Err(Refused::Blocked {
+                image: format!("docker://{r}"),
+                domain: r.domain.clone(),
+                prefix: reg.prefix.clone(),
+                files: self.files_display(),
+            });
         }
-        let rewrite = |loc: &str| -> Result<DockerRef, String> {
+        let rewrite = |loc: &str| -> Result<DockerRef, Refused> {
             if reg.prefix.starts_with("*.") || loc.is_empty() {
                 return Ok(r.clone());
             }
             let name = r.to_string();
             let rest = strip_prefix(&name, &reg.prefix).unwrap_or("");
-            let mut out = DockerRef::parse_qualified(&format!("{loc}{rest}"))
-                .map_err(|e| format!("prefix {:?} rewritten to {loc:?}: {e}", reg.prefix))?;
+            let mut out = DockerRef::parse_qualified(&format!("{loc}{rest}")).map_err(|e| Refused::Unusable {
+                image: format!("docker://{r}"),
+                error: Error::invalid(format!("prefix {:?} rewritten to {loc:?}", reg.prefix), e.to_string()),
+            })?;
             if out.tag.is_none() && out.digest.is_none() {
                 out.tag = r.tag.clone();
                 out.digest = r.digest.clone();
@@ -446,16 +458,16 @@ impl RegistriesConf {
     /// itself when it names a registry; a short name's alias; else its
     /// search registries, as `short-name-mode` allows (without a terminal,
     /// `enforcing` refuses a name that more than one registry could serve).
-    pub fn resolve(&self, name: &str) -> Result<Resolution, String> {
+    pub fn resolve(&self, name: &str) -> Result<Resolution, Error> {
         if !DockerRef::is_short_name(name) {
-            let r = DockerRef::parse_qualified(name).map_err(|e| e.to_string())?;
+            let r = DockerRef::parse_qualified(name)?;
             return Ok(Resolution {
                 candidates: vec![r.with_default_tag()],
                 how: "fully qualified".into(),
             });
         }
         // Validate the short name itself.
-        let parsed = DockerRef::parse_normalized(name).map_err(|e| e.to_string())?;
+        let parsed = DockerRef::parse_normalized(name)?;
         let (bare, tag, digest) = (name_only(name), parsed.tag.clone(), parsed.digest.clone());
         let with = |mut r: DockerRef| {
             if tag.is_some() || digest.is_some() {
@@ -465,7 +477,8 @@ impl RegistriesConf {
             r.with_default_tag()
         };
         if let Some((target, file)) = self.aliases.get(bare) {
-            let r = DockerRef::parse_qualified(target).map_err(|e| format!("alias {bare:?}: {e}"))?;
+            let r = DockerRef::parse_qualified(target)
+                .map_err(|e| Error::invalid(format!("alias {bare:?}"), e.to_string()))?;
             return Ok(Resolution {
                 candidates: vec![with(r)],
                 how: format!("alias {bare:?} = {target:?} in {}", file.display()),
@@ -473,23 +486,23 @@ impl RegistriesConf {
         }
         let mode = self.short_name_mode.unwrap_or(ShortNameMode::Permissive);
         if self.search.is_empty() {
-            return Err(format!(
+            return Err(Error::ShortName(format!(
                 "{name:?} is a short name and no unqualified-search-registries are configured ({}): \
                  use a fully qualified name (HOST/REPO) or an alias",
                 self.files_display()
-            ));
+            )));
         }
         if mode == ShortNameMode::Enforcing && self.search.len() > 1 {
-            return Err(format!(
+            return Err(Error::ShortName(format!(
                 "short name {name:?} is ambiguous: short-name-mode is enforcing and it could come from any of \
                  {} ({}), and there is no terminal to ask; use a fully qualified name or define an alias",
                 self.search.join(", "),
                 self.files_display()
-            ));
+            )));
         }
         let mut candidates = Vec::new();
         for host in &self.search {
-            let r = DockerRef::parse_normalized(&format!("{host}/{bare}")).map_err(|e| e.to_string())?;
+            let r = DockerRef::parse_normalized(&format!("{host}/{bare}"))?;
             candidates.push(with(r));
         }
         Ok(Resolution {
@@ -516,18 +529,20 @@ fn name_only(s: &str) -> &str {
     }
 }
 
-fn check_alias(k: &str, v: &str) -> Result<(), String> {
+fn check_alias(k: &str, v: &str) -> Result<(), Error> {
     if !DockerRef::is_short_name(k) || k.contains([':', '@']) {
-        return Err("the name must be a short name without tag or digest".into());
+        return Err(Error::ShortName(
+            "the name must be a short name without tag or digest".into(),
+        ));
     }
-    DockerRef::parse_normalized(k).map_err(|e| e.to_string())?;
+    DockerRef::parse_normalized(k)?;
     let first = v.split('/').next().unwrap_or("");
     if !looks_like_domain(first) || !v.contains('/') {
-        return Err(format!("{v:?} is not a fully qualified repository"));
+        return Err(Error::ShortName(format!("{v:?} is not a fully qualified repository")));
     }
-    let r = DockerRef::parse_qualified(v).map_err(|e| e.to_string())?;
+    let r = DockerRef::parse_qualified(v)?;
     if r.tag.is_some() || r.digest.is_some() {
-        return Err(format!("{v:?} has a tag or digest"));
+        return Err(Error::ShortName(format!("{v:?} has a tag or digest")));
     }
     Ok(())
 }
@@ -577,7 +592,7 @@ mod tests {
         let route = c.route(&r(&format!("example.com/foo/image@{d}"))).unwrap();
         assert_eq!(route.endpoints.len(), 3);
         assert!(route.endpoints[1].insecure && route.endpoints[1].mirror);
-        assert!(c.route(&r("blocked.io/x")).unwrap_err().contains("blocked"));
+        assert!(c.route(&r("blocked.io/x")).unwrap_err().to_string().contains("blocked"));
         assert_eq!(c.route(&r("example.com/foobar:1")).unwrap().prefix, None);
     }
 
@@ -602,7 +617,7 @@ mod tests {
         assert!(!c.registries[0].insecure);
         let res = c.resolve("app:2").unwrap();
         assert_eq!(res.candidates[0].to_string(), "a.io/team/app:2");
-        assert!(c.resolve("gone").unwrap_err().contains("ambiguous"));
+        assert!(c.resolve("gone").unwrap_err().to_string().contains("ambiguous"));
         let one = conf(&[r#"unqualified-search-registries = ["a.io"]
             short-name-mode = "enforcing""#]);
         assert_eq!(one.resolve("x").unwrap().candidates[0].to_string(), "a.io/x:latest");
@@ -665,7 +680,10 @@ mod tests {
             "BLOCKED.io/a/b:1",
             "blocked.IO/x@sha256:0123456789abcdef0123456789abcdef0123456789abcdef0123456789abcdef",
         ] {
-            assert!(c.route(&r(name)).unwrap_err().contains("is blocked"), "{name}");
+            assert!(
+                c.route(&r(name)).unwrap_err().to_string().contains("is blocked"),
+                "{name}"
+            );
         }
         let route = c.route(&r("EXAMPLE.com/team/app:1")).unwrap();
         assert_eq!(route.endpoints[0].reference.to_string(), "mirror.local/team/app:1");
@@ -686,7 +704,7 @@ mod tests {
         // Version 1 lists too.
         let v1 =
             conf(&["[registries.insecure]\nregistries = [\"bad.io\"]\n[registries.block]\nregistries = [\"Bad.io\"]"]);
-        assert!(v1.route(&r("BAD.IO/x")).unwrap_err().contains("is blocked"));
+        assert!(v1.route(&r("BAD.IO/x")).unwrap_err().to_string().contains("is blocked"));
     }
 
     #[test]

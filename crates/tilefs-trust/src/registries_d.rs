@@ -5,6 +5,7 @@
 //! `default-docker`, else the built-in lookaside directory.
 
 use crate::dockerref::DockerRef;
+use crate::Error;
 use serde::Deserialize;
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -65,16 +66,16 @@ impl RegistriesD {
     }
 
     /// Parses the text of one file into `self` (named `name` in messages).
-    pub fn add(&mut self, raw: &[u8], name: &str) -> Result<(), String> {
-        let text = std::str::from_utf8(raw).map_err(|_| format!("{name}: not UTF-8"))?;
+    pub fn add(&mut self, raw: &[u8], name: &str) -> Result<(), Error> {
+        let text = std::str::from_utf8(raw).map_err(|_| Error::invalid(name, "not UTF-8"))?;
         let f: File = if text.trim().is_empty() {
             File::default()
         } else {
-            serde_norway::from_str(text).map_err(|e| format!("{name}: {e}"))?
+            serde_norway::from_str(text).map_err(|e| Error::invalid(name, format!("{e}")))?
         };
         if let Some(d) = f.default_docker {
             if self.default_docker.is_some() {
-                return Err(format!("{name}: default-docker is defined in more than one file"));
+                return Err(Error::invalid(name, "default-docker is defined in more than one file"));
             }
             self.default_docker = Some(d);
         }
@@ -82,8 +83,9 @@ impl RegistriesD {
             // Host names as references keep them (lower case).
             let scope = crate::dockerref::lower_host(&scope);
             if self.docker.contains_key(&scope) {
-                return Err(format!(
-                    "{name}: docker scope {scope:?} is defined more than once (host names have no case)"
+                return Err(Error::invalid(
+                    name,
+                    format!("docker scope {scope:?} is defined more than once (host names have no case)"),
                 ));
             }
             self.docker.insert(scope, s);
@@ -92,7 +94,7 @@ impl RegistriesD {
     }
 
     /// Reads every `*.yaml` file of `dir` (none when it does not exist).
-    pub fn load(dir: &Path) -> Result<RegistriesD, String> {
+    pub fn load(dir: &Path) -> Result<RegistriesD, Error> {
         let mut out = RegistriesD {
             dir: dir.to_path_buf(),
             ..Default::default()
@@ -100,7 +102,7 @@ impl RegistriesD {
         let rd = match std::fs::read_dir(dir) {
             Ok(rd) => rd,
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(out),
-            Err(e) => return Err(format!("{}: {e}", dir.display())),
+            Err(e) => return Err(Error::read(dir, e)),
         };
         let mut names: Vec<PathBuf> = rd
             .flatten()
@@ -109,7 +111,7 @@ impl RegistriesD {
             .collect();
         names.sort();
         for p in names {
-            let raw = crate::read_config(&p).map_err(|e| format!("{}: {e}", p.display()))?;
+            let raw = crate::read_config(&p).map_err(|e| Error::read(&p, e))?;
             out.add(&raw, &p.display().to_string())?;
         }
         Ok(out)
@@ -161,9 +163,9 @@ pub fn builtin_lookaside() -> String {
 /// repository whose path in its registry is `repo` (without the host, as
 /// containers/image names them) under the lookaside `base`:
 /// `BASE/PATH@ALG=HEX/signature-N`.
-pub fn lookaside_url(base: &str, repo: &str, digest: &str, n: usize) -> Result<String, String> {
+pub fn lookaside_url(base: &str, repo: &str, digest: &str, n: usize) -> Result<String, Error> {
     if !crate::dockerref::valid_digest(digest) {
-        return Err(format!("{digest:?} is not a digest"));
+        return Err(Error::invalid("lookaside", format!("{digest:?} is not a digest")));
     }
     let (alg, hex) = digest.split_once(':').expect("a valid digest");
     Ok(format!(

@@ -11,6 +11,7 @@
 //! (secure-systems-lab's format: scrypt key derivation, NaCl secretbox)
 //! around the key's PKCS#8 DER. Public keys are PEM `PUBLIC KEY` (SPKI).
 
+use crate::Error;
 use base64::Engine;
 use crypto_secretbox::aead::{Aead, KeyInit};
 use p256::ecdsa::signature::{Signer as _, Verifier as _};
@@ -40,21 +41,24 @@ pub fn signature_tag(digest: &str) -> String {
 }
 
 /// A public key from its PEM text (P-256 ECDSA keys, as cosign makes).
-pub fn parse_public_key(pem: &[u8]) -> Result<VerifyingKey, String> {
-    let text = std::str::from_utf8(pem).map_err(|_| "a public key file is PEM text".to_string())?;
+pub fn parse_public_key(pem: &[u8]) -> Result<VerifyingKey, Error> {
+    let text = std::str::from_utf8(pem).map_err(|_| Error::Key("a public key file is PEM text".into()))?;
     VerifyingKey::from_public_key_pem(text.trim()).map_err(|e| {
-        format!("not a PEM public key of ECDSA P-256 (the only kind tilefs verifies sigstore signatures with): {e}")
+        Error::Key(format!(
+            "not a PEM public key of ECDSA P-256 (the only kind tilefs verifies sigstore signatures with): {e}"
+        ))
     })
 }
 
 /// Checks `sig` over `payload` with `key`.
-pub fn verify(key: &VerifyingKey, sig: &SigstoreSignature) -> Result<(), String> {
+pub fn verify(key: &VerifyingKey, sig: &SigstoreSignature) -> Result<(), Error> {
     let raw = B64
         .decode(sig.signature.trim())
-        .map_err(|_| "the signature annotation is not base64".to_string())?;
-    let s = Signature::from_der(&raw).map_err(|_| "the signature is not an ASN.1 ECDSA signature".to_string())?;
+        .map_err(|_| Error::Signature("the signature annotation is not base64".into()))?;
+    let s = Signature::from_der(&raw)
+        .map_err(|_| Error::Signature("the signature is not an ASN.1 ECDSA signature".into()))?;
     key.verify(&sig.payload, &s)
-        .map_err(|_| "the signature does not verify with the policy's public key".to_string())
+        .map_err(|_| Error::Signature("the signature does not verify with the policy's public key".into()))
 }
 
 /// Signs `payload`: the base64 signature for the annotation.
@@ -95,70 +99,75 @@ struct Cipher {
     nonce: String,
 }
 
-fn derive(pass: &[u8], salt: &[u8], n: u64, r: u32, p: u32) -> Result<[u8; 32], String> {
+fn derive(pass: &[u8], salt: &[u8], n: u64, r: u32, p: u32) -> Result<[u8; 32], Error> {
     if !n.is_power_of_two() || !(2..=1 << 20).contains(&n) || !(1..=32).contains(&r) || !(1..=16).contains(&p) {
-        return Err(format!("unsupported scrypt parameters N={n} r={r} p={p}"));
+        return Err(Error::Key(format!("unsupported scrypt parameters N={n} r={r} p={p}")));
     }
-    let params = scrypt::Params::new(n.trailing_zeros() as u8, r, p, 32).map_err(|e| e.to_string())?;
+    let params = scrypt::Params::new(n.trailing_zeros() as u8, r, p, 32).map_err(|e| Error::Key(e.to_string()))?;
     let mut key = [0u8; 32];
-    scrypt::scrypt(pass, salt, &params, &mut key).map_err(|e| e.to_string())?;
+    scrypt::scrypt(pass, salt, &params, &mut key).map_err(|e| Error::Key(e.to_string()))?;
     Ok(key)
 }
 
 /// Decrypts a cosign private key file with `passphrase`.
-pub fn parse_private_key(pem: &[u8], passphrase: &[u8]) -> Result<SigningKey, String> {
-    let text = std::str::from_utf8(pem).map_err(|_| "a private key file is PEM text".to_string())?;
-    let (label, body) =
-        p256::pkcs8::der::pem::decode_vec(text.trim().as_bytes()).map_err(|e| format!("not a PEM file: {e}"))?;
+pub fn parse_private_key(pem: &[u8], passphrase: &[u8]) -> Result<SigningKey, Error> {
+    let text = std::str::from_utf8(pem).map_err(|_| Error::Key("a private key file is PEM text".into()))?;
+    let (label, body) = p256::pkcs8::der::pem::decode_vec(text.trim().as_bytes())
+        .map_err(|e| Error::Key(format!("not a PEM file: {e}")))?;
     if label != SIGSTORE_PEM && label != COSIGN_PEM {
-        return Err(format!(
+        return Err(Error::Key(format!(
             "a PEM block {label:?}, not an encrypted sigstore private key ({SIGSTORE_PEM})"
-        ));
+        )));
     }
     let env: Envelope =
-        serde_json::from_slice(&body).map_err(|e| format!("not an encrypted sigstore private key: {e}"))?;
+        serde_json::from_slice(&body).map_err(|e| Error::Key(format!("not an encrypted sigstore private key: {e}")))?;
     if env.kdf.name != "scrypt" || env.cipher.name != "nacl/secretbox" {
-        return Err(format!(
+        return Err(Error::Key(format!(
             "unsupported key encryption {} / {} (scrypt and nacl/secretbox are)",
             env.kdf.name, env.cipher.name
-        ));
+        )));
     }
-    let salt = B64.decode(&env.kdf.salt).map_err(|_| "the salt is not base64")?;
-    let nonce = B64.decode(&env.cipher.nonce).map_err(|_| "the nonce is not base64")?;
+    let salt = B64
+        .decode(&env.kdf.salt)
+        .map_err(|_| Error::Key("the salt is not base64".into()))?;
+    let nonce = B64
+        .decode(&env.cipher.nonce)
+        .map_err(|_| Error::Key("the nonce is not base64".into()))?;
     let ct = B64
         .decode(&env.ciphertext)
-        .map_err(|_| "the ciphertext is not base64")?;
+        .map_err(|_| Error::Key("the ciphertext is not base64".into()))?;
     if nonce.len() != 24 {
-        return Err("the nonce is not 24 bytes".into());
+        return Err(Error::Key("the nonce is not 24 bytes".into()));
     }
     let key = derive(passphrase, &salt, env.kdf.params.n, env.kdf.params.r, env.kdf.params.p)?;
     let sb = crypto_secretbox::XSalsa20Poly1305::new(&key.into());
     let der = sb
         .decrypt(crypto_secretbox::Nonce::from_slice(&nonce), ct.as_slice())
-        .map_err(|_| "wrong passphrase (or a damaged key file)".to_string())?;
-    SigningKey::from_pkcs8_der(&der).map_err(|e| format!("the decrypted key is not a P-256 PKCS#8 key: {e}"))
+        .map_err(|_| Error::Key("wrong passphrase (or a damaged key file)".into()))?;
+    SigningKey::from_pkcs8_der(&der)
+        .map_err(|e| Error::Key(format!("the decrypted key is not a P-256 PKCS#8 key: {e}")))
 }
 
 /// A new key pair: the encrypted private key and the public key, as PEM.
-pub fn generate(passphrase: &[u8]) -> Result<(String, String), String> {
+pub fn generate(passphrase: &[u8]) -> Result<(String, String), Error> {
     let key = loop {
         let mut b = [0u8; 32];
-        getrandom::getrandom(&mut b).map_err(|e| format!("no randomness: {e}"))?;
+        getrandom::getrandom(&mut b).map_err(|e| Error::Sign(format!("no randomness: {e}")))?;
         if let Ok(k) = SigningKey::from_slice(&b) {
             break k;
         }
     };
-    let der = key.to_pkcs8_der().map_err(|e| e.to_string())?;
+    let der = key.to_pkcs8_der().map_err(|e| Error::Sign(e.to_string()))?;
     let mut salt = [0u8; 32];
     let mut nonce = [0u8; 24];
-    getrandom::getrandom(&mut salt).map_err(|e| format!("no randomness: {e}"))?;
-    getrandom::getrandom(&mut nonce).map_err(|e| format!("no randomness: {e}"))?;
+    getrandom::getrandom(&mut salt).map_err(|e| Error::Sign(format!("no randomness: {e}")))?;
+    getrandom::getrandom(&mut nonce).map_err(|e| Error::Sign(format!("no randomness: {e}")))?;
     let (n, r, p) = (32768, 8, 1);
     let k = derive(passphrase, &salt, n, r, p)?;
     let sb = crypto_secretbox::XSalsa20Poly1305::new(&k.into());
     let ct = sb
         .encrypt(crypto_secretbox::Nonce::from_slice(&nonce), der.as_bytes())
-        .map_err(|_| "cannot encrypt".to_string())?;
+        .map_err(|_| Error::Sign("cannot encrypt".into()))?;
     let env = Envelope {
         kdf: Kdf {
             name: "scrypt".into(),
@@ -171,13 +180,13 @@ pub fn generate(passphrase: &[u8]) -> Result<(String, String), String> {
         },
         ciphertext: B64.encode(ct),
     };
-    let body = serde_json::to_vec(&env).map_err(|e| e.to_string())?;
-    let private =
-        p256::pkcs8::der::pem::encode_string(SIGSTORE_PEM, LineEnding::LF, &body).map_err(|e| e.to_string())?;
+    let body = serde_json::to_vec(&env).map_err(|e| Error::Sign(e.to_string()))?;
+    let private = p256::pkcs8::der::pem::encode_string(SIGSTORE_PEM, LineEnding::LF, &body)
+        .map_err(|e| Error::Sign(e.to_string()))?;
     let public = key
         .verifying_key()
         .to_public_key_pem(LineEnding::LF)
-        .map_err(|e| e.to_string())?;
+        .map_err(|e| Error::Sign(e.to_string()))?;
     Ok((private, public))
 }
 

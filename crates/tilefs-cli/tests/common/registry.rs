@@ -33,6 +33,16 @@ pub struct Request {
     pub agent: String,
 }
 
+/// Writes an auth.json at `path` (as `podman login` does) giving
+/// `user_pass` (`USER:PASSWORD`) for each of `registries`.
+pub fn write_auth(path: &std::path::Path, registries: &[&str], user_pass: &str) {
+    use base64::Engine;
+    let entry = serde_json::json!({"auth": base64::engine::general_purpose::STANDARD.encode(user_pass)});
+    let auths: serde_json::Map<String, serde_json::Value> =
+        registries.iter().map(|r| (r.to_string(), entry.clone())).collect();
+    fs::write(path, serde_json::json!({ "auths": auths }).to_string()).unwrap();
+}
+
 impl Registry {
     pub fn start(area: &Area) -> Registry {
         Registry::start_with(area, "")
@@ -46,24 +56,33 @@ impl Registry {
     /// One that asks for `user`'s `password` (htpasswd, bcrypt), and an
     /// auth.json at `auth` holding them for it (as `podman login` writes).
     pub fn start_with_password(area: &Area, user: &str, password: &str, auth: &std::path::Path) -> Registry {
-        let htpasswd = area.path("htpasswd");
+        Registry::start_named_with_password(area, "registry", user, password, auth)
+    }
+
+    /// [`Registry::start_with_password`], one of several in `area`.
+    pub fn start_named_with_password(
+        area: &Area,
+        name: &str,
+        user: &str,
+        password: &str,
+        auth: &std::path::Path,
+    ) -> Registry {
+        let htpasswd = area.path(&format!("{name}.htpasswd"));
         let out = Command::new("htpasswd")
             .args(["-Bbn", user, password])
             .output()
             .expect("htpasswd (apache2-utils; scripts/setup installs it)");
         assert!(out.status.success());
         fs::write(&htpasswd, &out.stdout).unwrap();
-        let r = Registry::start_with(
+        let r = Registry::start_named(
             area,
+            name,
             &format!(
                 "auth:\n  htpasswd:\n    realm: tilefs-test\n    path: {}\n",
                 htpasswd.display()
             ),
         );
-        use base64::Engine;
-        let b64 = base64::engine::general_purpose::STANDARD.encode(format!("{user}:{password}"));
-        let json = serde_json::json!({"auths": {r.addr.clone(): {"auth": b64}}});
-        fs::write(auth, json.to_string()).unwrap();
+        write_auth(auth, &[&r.addr], &format!("{user}:{password}"));
         r
     }
 

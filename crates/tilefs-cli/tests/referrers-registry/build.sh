@@ -6,20 +6,12 @@
 # when it is there. Exits 3 when Go is not installed.
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
+. "$here/../../../../scripts/go-build.sh"
 key=$(cat "$here/go.mod" "$here/go.sum" "$here/main.go" | sha256sum | cut -c1-12)
 out=$HOME/.cache/tilefs-test/referrers-registry-$key
-if [ -x "$out/referrers-registry" ]; then
-    echo "$out"
-    exit 0
-fi
-go_bin=$(command -v go || echo /usr/local/go/bin/go)
-if [ ! -x "$go_bin" ]; then
-    echo "referrers-registry: Go is needed to build it" >&2
-    exit 3
-fi
+go_cached "$out" referrers-registry
+go_find referrers-registry 3
 mkdir -p "$out"
 cd "$here"
-# -mod=readonly: go.sum must already name every module (no silent upgrade).
-GOFLAGS="-mod=readonly -buildvcs=false" "$go_bin" build -trimpath -o "$out/referrers-registry.tmp" .
-mv "$out/referrers-registry.tmp" "$out/referrers-registry"
+go_build "$out/referrers-registry" . -trimpath
 echo "$out"

@@ -26,7 +26,6 @@ mod ops_names;
 mod serve;
 mod upper;
 
-use crate::log::Logger;
 use crate::lower::{Lower, Object, FOREVER};
 use crate::Tuning;
 use nodes::{Node, NodeId, Nodes};
@@ -191,10 +190,6 @@ impl OverlayFs {
 
     fn nodes(&self) -> MutexGuard<'_, Nodes> {
         self.nodes.lock().unwrap_or_else(|e| e.into_inner())
-    }
-
-    fn log(&self) -> &Logger {
-        &self.lower.log
     }
 
     // ---- where things are -------------------------------------------------
@@ -558,8 +553,7 @@ impl OverlayFs {
         })();
         if let Err(x) = done {
             let _ = rustix::fs::unlinkat(&self.up.work, tmp.as_c_str(), AtFlags::REMOVEDIR);
-            self.log()
-                .log(&format!("copy-up of directory {} failed: {x}", upper::shown(&name)));
+            tracing::warn!("copy-up of directory {} failed: {x}", upper::shown(&name));
             return Err(e(x));
         }
         let fd = Arc::new(self.up.open_dir_at(pfd.as_fd(), &name).map_err(e)?);
@@ -636,10 +630,7 @@ impl OverlayFs {
                 tilefs_fuse_proto::may_block();
                 if typ == S_IFREG {
                     self.copy_data(lower, &f, keep).inspect_err(|x| {
-                        self.log().log(&format!(
-                            "copy-up of {}: cannot read its data: {x}",
-                            self.lower.path_of(lower)
-                        ));
+                        tracing::warn!("copy-up of {}: cannot read its data: {x}", self.lower.path_of(lower));
                     })?;
                 } else if typ == S_IFLNK {
                     rustix::io::write(&f, inode.payload.unwrap_or_default())?;

@@ -82,7 +82,7 @@ impl OverlayFs {
         match &*h {
             Handle::Upper(f) => {
                 if let Err(x) = reply.file(f.as_fd(), a.offset, a.size as usize) {
-                    self.log().log(&format!("reading an upper file failed: {x}"));
+                    tracing::warn!("reading an upper file failed: {x}");
                 }
             }
             Handle::Lower(o, l) => {

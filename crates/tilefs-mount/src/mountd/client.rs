@@ -118,7 +118,7 @@ fn open_mountpoint(p: &Path) -> Result<OwnedFd, ClientError> {
 /// the detached mount comes back and is attached here, visible only in our
 /// mount namespace. Returns the service's notices.
 pub fn mount(socket: &Path, m: &DelegatedMount) -> Result<Vec<String>, ClientError> {
-    let attach = crate::in_initial_user_namespace();
+    let attach = tilefs_sys::ns::in_initial_userns();
     // Where a mount that comes back is attached: opened before asking.
     let target = if attach {
         None

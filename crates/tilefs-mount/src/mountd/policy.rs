@@ -76,7 +76,7 @@ impl Policy {
     /// Reads and checks a policy file: only if root alone could have
     /// written it (see [`tilefs_trust::rootfile`]).
     pub fn load(path: &Path) -> Result<Policy, String> {
-        let bytes = tilefs_trust::rootfile::read_existing(path, tilefs_trust::MAX_CONFIG)?;
+        let bytes = tilefs_trust::rootfile::read_existing(path, tilefs_trust::MAX_CONFIG).map_err(|e| e.to_string())?;
         let text = String::from_utf8(bytes).map_err(|_| format!("{}: not UTF-8", path.display()))?;
         Policy::parse(&text).map_err(|e| format!("{}: {e}", path.display()))
     }

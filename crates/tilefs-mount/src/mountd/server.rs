@@ -992,7 +992,7 @@ fn signature_check(store: &Path, tag: &str, file: &std::fs::File, policy_path: &
     file.read_exact_at(&mut bytes, 0)
         .map_err(|e| format!("{tag}: cannot read the image: {e}"))?;
     let d = tilefs_image::verity::digest_bytes(&bytes);
-    let policy = tilefs_trust::Policy::load_roots(policy_path)?;
+    let policy = tilefs_trust::Policy::load_roots(policy_path).map_err(|e| e.to_string())?;
     // The record of the signature check of the image, if it has one, read
     // only if root alone could have written it: a record a user could
     // write would let the user vouch for any image of theirs.
@@ -1000,7 +1000,7 @@ fn signature_check(store: &Path, tag: &str, file: &std::fs::File, policy_path: &
         .join(tilefs_store::store::TRUST_DIR)
         .join(format!("{}.json", hex::encode(d)));
     // Records are small; one larger than this is not ours.
-    let record = tilefs_trust::rootfile::read(&record_path, 1 << 20)?;
+    let record = tilefs_trust::rootfile::read(&record_path, 1 << 20).map_err(|e| e.to_string())?;
     tilefs_trust::evidence::check_record_bytes(record.as_deref(), store, &d, &policy)
         .map_err(|e| format!("{tag} of store {}: {e}", store.display()))?;
     Ok(d)
@@ -1010,12 +1010,14 @@ fn signature_check(store: &Path, tag: &str, file: &std::fs::File, policy_path: &
 /// written, reached through no symlink (the kernel parses what it holds).
 fn open_tag(store: &Path, tag: &str) -> Result<std::fs::File, String> {
     let path = store.join(tilefs_store::store::IMAGES_DIR).join(tag);
-    tilefs_trust::rootfile::open(&path)?.ok_or_else(|| {
-        format!(
-            "{}: no such tag in the store (only tagged images are served)",
-            path.display()
-        )
-    })
+    tilefs_trust::rootfile::open(&path)
+        .map_err(|e| e.to_string())?
+        .ok_or_else(|| {
+            format!(
+                "{}: no such tag in the store (only tagged images are served)",
+                path.display()
+            )
+        })
 }
 
 /// A writable mount's upper and work directories: directories the caller

@@ -1,6 +1,8 @@
 //! Test data: streams with what compressors treat differently (text with
 //! near and far repeats, incompressible runs, zeros), and CLI compressors.
 
+// Tests may print (what they skip, and why), helpers as #[test]s.
+#![allow(clippy::print_stdout, clippy::print_stderr)]
 #![allow(dead_code)]
 
 use std::io::Write;
