@@ -107,11 +107,12 @@ impl Armed {
         let group = Group::new().map_err(|e| format!("cannot make a fanotify group: {e}"))?;
         let serving = placeholder::hold_serving(store).map_err(|e| format!("{}: {e}", store.path().display()))?;
         let mut marked = HashMap::new();
+        let maker = placeholder::Maker::new(store).map_err(|e| e.to_string())?;
         for (d, size) in objects(tree)? {
             if store.has_object(&d) {
                 continue;
             }
-            placeholder::create(store, &d, size).map_err(|e| e.to_string())?;
+            maker.create(&d, size).map_err(|e| e.to_string())?;
             let rel = Store::object_rel(&d);
             let stat = || rfs::statat(store.dir_fd(), &rel, AtFlags::SYMLINK_NOFOLLOW).ok();
             let Some(st) = stat().filter(placeholder::is_placeholder) else {
