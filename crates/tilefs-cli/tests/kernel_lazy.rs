@@ -160,6 +160,20 @@ fn a_lazy_image_is_a_kernel_mount_whose_objects_arrive_on_first_read() {
     let big = src.join("big/five-mib");
     let want = fs::read(&big).unwrap();
 
+    // Root reading a placeholder in the store itself, through its index
+    // link or its object path, gets the object (filled for it), never
+    // the placeholder's zeros.
+    for (file, through) in [("d0/f000", ".placeholders/{}"), ("d2/f002", "{}")] {
+        let hex = digest_hex(&src.join(file));
+        let rel = match through {
+            "{}" => object_rel(&hex),
+            _ => format!(".placeholders/{hex}"),
+        };
+        let out = Command::new("cat").arg(lazy.join(&rel)).output().unwrap();
+        assert!(out.status.success(), "{rel}: {}", stderr(&out));
+        assert!(out.stdout == fs::read(src.join(file)).unwrap(), "{rel}: wrong bytes");
+    }
+
     // A reader that only maps the file: filled on open.
     let n = registry.requests().len();
     let t = Instant::now();

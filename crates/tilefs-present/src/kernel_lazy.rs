@@ -6,11 +6,23 @@
 //! into the placeholder and sealing it, and only then lets the reader in.
 //! A filled object's mark is removed: it is read at kernel speed after.
 //!
+//! Nothing but a fill gets a byte of a placeholder: every open or read
+//! of one, by any process and by any path (the mount, its object path,
+//! its index link, the filler's own background fetches), waits for a
+//! fill, except those of a process holding the placeholder's lock (its
+//! `flock`), which only fills take. A filler takes it through the event's
+//! descriptor, whose open asked no group (`placeholder::offer`); any other
+//! process must open the placeholder first, and that open waits for a
+//! fill (unless it came before the group marked the placeholder). Fetches
+//! elsewhere (`tilefs pull`) leave served placeholders alone
+//! (`placeholder::hold_serving`) and store the object beside: a filler
+//! copies it in when it is read.
+//!
 //! Several lazy mounts of one store each have their group and filler;
-//! the placeholders their images share are marked in each group, every
-//! group lets fills through (`is_fill`), and the fills of one placeholder
-//! take turns on its lock, so one fetches and writes it and the others
-//! find it filled.
+//! the placeholders their images share are marked in each group. The
+//! kernel asks the groups one after another, so the first fills it and
+//! the others find it filled; fills of one placeholder take turns on its
+//! lock.
 //!
 //! Fails closed: the group outlives the filler (the process that forks
 //! fillers holds it too), so a dead filler's unanswered events are denied
@@ -20,7 +32,7 @@
 //! closed: the holder and the filler both killed, or the mount gone with
 //! files still open in it.)
 
-use rustix::fd::{AsFd, AsRawFd, BorrowedFd};
+use rustix::fd::{AsFd, BorrowedFd};
 use rustix::fs::{self as rfs, AtFlags};
 use std::collections::HashMap;
 use std::ffi::CString;
@@ -79,6 +91,9 @@ pub fn why_not(store: &Path, tree: &Tree) -> Option<String> {
 /// from here on (even before a filler reads them).
 pub struct Armed {
     group: Group,
+    /// Says to fills elsewhere that placeholders are served here
+    /// (`placeholder::hold_serving`).
+    _serving: rustix::fd::OwnedFd,
     store: PathBuf,
     image: [u8; 32],
     /// Each marked placeholder's (device, inode): its object and size.
@@ -90,12 +105,14 @@ impl Armed {
     /// marks it, before any mount of the image exists.
     pub fn arm(store: &Store, image: [u8; 32], tree: &Tree) -> Result<Armed, String> {
         let group = Group::new().map_err(|e| format!("cannot make a fanotify group: {e}"))?;
+        let serving = placeholder::hold_serving(store).map_err(|e| format!("{}: {e}", store.path().display()))?;
         let mut marked = HashMap::new();
+        let maker = placeholder::Maker::new(store).map_err(|e| e.to_string())?;
         for (d, size) in objects(tree)? {
             if store.has_object(&d) {
                 continue;
             }
-            placeholder::create(store, &d, size).map_err(|e| e.to_string())?;
+            maker.create(&d, size).map_err(|e| e.to_string())?;
             let rel = Store::object_rel(&d);
             let stat = || rfs::statat(store.dir_fd(), &rel, AtFlags::SYMLINK_NOFOLLOW).ok();
             let Some(st) = stat().filter(placeholder::is_placeholder) else {
@@ -113,6 +130,7 @@ impl Armed {
         }
         Ok(Armed {
             group,
+            _serving: serving,
             store: store.path().to_path_buf(),
             image,
             marked,
@@ -137,7 +155,10 @@ impl Armed {
     /// Fills placeholders as they are first opened or read, until
     /// `mounted` says the mount is gone; with `rest` (bytes a second), also
     /// the others in the background ([`Armed::fetch_rest`]). `log` gets a
-    /// line per failure.
+    /// line per failure. The calling process fills placeholders only
+    /// through event descriptors from here on
+    /// (`placeholder::fill_only_through_offers`): run it in a process of
+    /// its own.
     pub fn fill(
         &self,
         mounted: &dyn Fn() -> bool,
@@ -150,7 +171,7 @@ impl Armed {
             None
         });
         let store = Store::open(&self.store).map_err(|e| e.to_string())?;
-        let me = rustix::process::getpid().as_raw_nonzero().get();
+        placeholder::fill_only_through_offers();
         let waiting: Mutex<HashMap<(u64, u64), Vec<Event>>> = Mutex::new(HashMap::new());
         let (tx, rx) = mpsc::channel::<(u64, u64)>();
         let rx = Mutex::new(rx);
@@ -164,9 +185,11 @@ impl Armed {
                     let (digest, size) = self.marked[&key];
                     // Any waiting event's descriptor reaches the inode.
                     let event = waiting.lock().unwrap()[&key][0].fd.try_clone();
-                    let filled = event
-                        .map_err(|e| e.to_string())
-                        .and_then(|fd| fill_one(&store, source.as_deref(), fd.as_fd(), &digest, size));
+                    let filled = event.map_err(|e| e.to_string()).and_then(|fd| {
+                        let filled = fill_one(&store, source.as_deref(), fd.as_fd(), &digest, size);
+                        let _ = rfs::flock(&fd, rfs::FlockOperation::Unlock);
+                        filled
+                    });
                     let events = waiting.lock().unwrap().remove(&key).unwrap_or_default();
                     let answer = match &filled {
                         Ok(()) => {
@@ -191,11 +214,11 @@ impl Armed {
             if let Some(source) = source.as_deref() {
                 s.spawn(move || source.warm());
             }
-            if let (Some(rate), Some(source)) = (rest, source.as_deref()) {
+            if let (Some(rate), Some(_)) = (rest, source.as_deref()) {
                 let (store, stop, log) = (&store, &stop, log.clone());
-                s.spawn(move || self.fetch_rest(store, source, rate, stop, &*log));
+                s.spawn(move || self.fetch_rest(store, rate, stop, &*log));
             }
-            let served = self.serve_events(me, mounted, &waiting, &tx);
+            let served = self.serve_events(mounted, &waiting, &tx);
             stop.store(true, Relaxed);
             drop(tx);
             served
@@ -204,11 +227,11 @@ impl Armed {
 
     /// Fetches every placeholder no reader asked for yet, one object after
     /// another at no more than `rate` bytes a second on average, until all
-    /// are filled or `stop`. Each is fetched as a reader's would be, so a
-    /// reader of it meanwhile waits for that fetch, not a second one; the
-    /// readers of other objects never wait for these (their fills run on
-    /// other threads), and a filled object's mark goes.
-    fn fetch_rest(&self, store: &Store, source: &dyn ObjectSource, rate: u64, stop: &AtomicBool, log: &dyn Fn(&str)) {
+    /// are filled or `stop`. Each is opened as a reader would, so its fill
+    /// is a reader's (a reader of it meanwhile waits for that fill, not a
+    /// second one); the readers of other objects never wait for these
+    /// (their fills run on other threads).
+    fn fetch_rest(&self, store: &Store, rate: u64, stop: &AtomicBool, log: &dyn Fn(&str)) {
         let mut todo: Vec<([u8; 32], u64)> = self.marked.values().copied().collect();
         todo.sort_unstable();
         let (start, mut sent, mut failed) = (Instant::now(), 0u64, 0usize);
@@ -226,23 +249,16 @@ impl Armed {
             if !placeholder::is_at(store, &digest) {
                 continue;
             }
-            if let Err(why) = source.fetch(&digest, size) {
-                failed += 1;
-                log(&format!(
-                    "{}: {why} (fetching the rest; a read will try again)",
-                    store.object_path(&digest).display()
-                ));
-                continue;
-            }
-            sent += size;
-            // Opened through its object path: our own event, let through.
-            if let Ok(fd) = rfs::openat(
+            let rel = Store::object_rel(&digest);
+            match rfs::openat(
                 store.dir_fd(),
-                Store::object_rel(&digest),
+                &rel,
                 rfs::OFlags::RDONLY | rfs::OFlags::CLOEXEC,
                 rfs::Mode::empty(),
             ) {
-                let _ = self.group.unmark_inode(fd.as_fd(), MASK);
+                Ok(_) => sent += size,
+                // (The fill said why.)
+                Err(_) => failed += 1,
             }
         }
         log(&format!(
@@ -252,12 +268,11 @@ impl Armed {
         ));
     }
 
-    /// Reads events until the mount is gone: the filler's own (its writes
-    /// and checks) are let through at once, those of a placeholder wait
-    /// for its fill (one per placeholder however many wait).
+    /// Reads events until the mount is gone: those of a placeholder wait
+    /// for its fill (one per placeholder however many wait), but a fill's
+    /// own (see the module's note).
     fn serve_events(
         &self,
-        me: i32,
         mounted: &dyn Fn() -> bool,
         waiting: &Mutex<HashMap<(u64, u64), Vec<Event>>>,
         fills: &mpsc::Sender<(u64, u64)>,
@@ -277,14 +292,22 @@ impl Armed {
             for e in self.group.read_events().map_err(fail)? {
                 let st = rfs::fstat(&e.fd).map_err(|err| fail(err.into()))?;
                 let key = (st.st_dev, st.st_ino);
-                if e.pid == me || !self.marked.contains_key(&key) || is_fill(&e) {
-                    self.group.answer(e, Answer::Allow).map_err(fail)?;
-                    continue;
-                }
                 if !placeholder::is_placeholder(&st) {
                     // Filled already (by another mount's filler, or here).
                     let _ = self.group.unmark_inode(e.fd.as_fd(), MASK);
                     self.group.answer(e, Answer::Allow).map_err(fail)?;
+                    continue;
+                }
+                let answer = if !self.marked.contains_key(&key) {
+                    // Not one this group made: nothing here can fill it.
+                    Some(Answer::Deny(libc::EIO))
+                } else if is_fill(&e, key) {
+                    Some(Answer::Allow)
+                } else {
+                    None
+                };
+                if let Some(answer) = answer {
+                    self.group.answer(e, answer).map_err(fail)?;
                     continue;
                 }
                 let mut w = waiting.lock().unwrap();
@@ -299,19 +322,13 @@ impl Armed {
     }
 }
 
-/// Whether an event is a fill's open, read or write of a placeholder: an
-/// access through its index link (`STORE/.placeholders/<digest>`), never
-/// through its object path as readers of a mount reach it. Let through by
-/// every group, so that the fillers of several mounts of one store (each
-/// with its own group marking shared placeholders) never wait for each
-/// other's; fills of one placeholder take turns on its lock instead
-/// (`placeholder::fill_in_place`, `placeholder::open_for_fill`).
-fn is_fill(e: &Event) -> bool {
-    let link = rfs::readlinkat(rfs::CWD, format!("/proc/self/fd/{}", e.fd.as_raw_fd()), Vec::new());
-    link.is_ok_and(|l| {
-        let name = l.to_bytes().rsplit(|&b| b == b'/').next().unwrap_or_default();
-        name.len() == 64 && name.iter().all(u8::is_ascii_hexdigit)
-    })
+/// Whether an event is an access of a fill in another process: one that
+/// holds the placeholder's lock (`placeholder::fill_in_place`), taken
+/// through a descriptor whose open was itself asked (and so waited for a
+/// fill, unless it came before the group marked it). Anything else, root
+/// reading the placeholder through its index link included, waits.
+fn is_fill(e: &Event, (dev, ino): (u64, u64)) -> bool {
+    fanotify::flock_holders(dev, ino).is_ok_and(|pids| pids.contains(&e.pid))
 }
 
 /// Answers EIO to every event a dead filler read and left unanswered
@@ -335,9 +352,9 @@ pub fn limit_fds() -> std::io::Result<()> {
     .map_err(Into::into)
 }
 
-/// Fills the placeholder reached by the event descriptor `event` with the
-/// object `digest`. The fetch writes it straight into the placeholder,
-/// checked as it is written (`Ingest::import_expected`); an object the
+/// Fills the placeholder reached by the event descriptor `event` with
+/// the object `digest`. The fetch writes it straight into the
+/// placeholder, checked as it is written (`Ingest::import_expected`); an object the
 /// fetch stored beside it instead (a layer read whole, a fetch of another
 /// process) is copied in, read back and checked. Then sealed and named.
 fn fill_one(
@@ -355,6 +372,14 @@ fn fill_one(
     if !unfilled()? {
         return Ok(());
     }
+    // Its lock, taken through a descriptor no group was asked for: with it
+    // every group lets this process's accesses through (`is_fill`), and
+    // fills elsewhere wait for this one.
+    rfs::flock(event, rfs::FlockOperation::LockExclusive).map_err(|e| format!("cannot lock it: {e}"))?;
+    if !unfilled()? {
+        return Ok(());
+    }
+    let _offered = placeholder::offer(digest, event).map_err(|e| e.to_string())?;
     if !store.has_object(digest) {
         let source = source.ok_or("the image's lazy-pull record is gone, so nothing can fetch it")?;
         source.fetch(digest, size)?;
@@ -362,19 +387,14 @@ fn fill_one(
     if !unfilled()? {
         return Ok(());
     }
-    // Stored beside it instead: copied in, once a fill in place by another
-    // mount's filler (which made this fetch store it beside) is done.
-    let want = rfs::fstat(event).map_err(|e| e.to_string())?;
+    // Stored beside it instead: copied in, once a fill of another process
+    // (which made this fetch store it beside) is done.
     let Some(fill) = placeholder::fill_in_place(store, digest, size, true) else {
         return match unfilled()? {
             false => Ok(()),
-            true => Err("cannot open its placeholder through its index link".into()),
+            true => Err("cannot fill its placeholder (not of its size?)".into()),
         };
     };
-    let st = fill.stat().map_err(|e| e.to_string())?;
-    if (st.st_dev, st.st_ino) != (want.st_dev, want.st_ino) {
-        return Err("its index link in the store names another file".into());
-    }
     let rel = Store::object_rel(digest);
     let object = tilefs_store::open_regular(store.dir_fd(), Path::new(&rel), false)
         .map_err(|e| format!("the fetched object: {e}"))?;

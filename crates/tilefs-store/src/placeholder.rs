@@ -36,43 +36,79 @@ pub fn is_placeholder(st: &rfs::Stat) -> bool {
 /// Makes a placeholder of `size` bytes for the object `digest`, unless
 /// the store has it (or a placeholder of it) already. Returns whether one
 /// was made. Its index entry is a second link to it, so that once filled
-/// it can be renamed back over its object path (see [`settle`]).
+/// it can be renamed back over its object path (see [`settle`]). (Many at
+/// once: [`Maker`].)
 pub fn create(store: &Store, digest: &[u8; 32], size: u64) -> Result<bool, StoreError> {
-    let rel = Store::object_rel(digest);
-    let path = store.join(&rel);
-    let fan = store.open_fanout(digest)?;
-    if rfs::statat(&fan, &rel[3..], AtFlags::SYMLINK_NOFOLLOW).is_ok() {
-        return Ok(false);
+    Maker::new(store)?.create(digest, size)
+}
+
+/// Makes many placeholders of one store, its directories opened once (an
+/// image of 50k files makes 50k placeholders before its mount).
+pub struct Maker<'a> {
+    store: &'a Store,
+    index: OwnedFd,
+    tmp: OwnedFd,
+    fanouts: Vec<std::sync::OnceLock<OwnedFd>>,
+}
+
+impl<'a> Maker<'a> {
+    /// Opens the store's directories a placeholder is made in.
+    pub fn new(store: &'a Store) -> Result<Maker<'a>, StoreError> {
+        Ok(Maker {
+            store,
+            index: store.open_subdir(PLACEHOLDER_DIR)?,
+            tmp: store.open_subdir(TMP_DIR)?,
+            fanouts: (0..256).map(|_| std::sync::OnceLock::new()).collect(),
+        })
     }
-    let index = store.open_subdir(PLACEHOLDER_DIR)?;
-    let tmp = store.open_subdir(TMP_DIR)?;
-    let name = temp_name("placeholder-");
-    let failed = |e: rustix::io::Errno| StoreError::io(&path, "cannot create a placeholder", e.into());
-    let fd = rfs::openat(
-        &tmp,
-        name.as_str(),
-        OFlags::WRONLY | OFlags::CREATE | OFlags::EXCL | OFlags::CLOEXEC,
-        Mode::empty(),
-    )
-    .map_err(failed)?;
-    // Listed first (a placeholder is never there unlisted; a stale entry
-    // of an earlier one is replaced), then given its object name.
-    let made = rfs::ftruncate(&fd, size)
-        .and_then(|()| rfs::fchmod(&fd, Mode::from_raw_mode(MODE)))
-        .and_then(|()| rfs::linkat(&tmp, name.as_str(), &tmp, format!("{name}.i"), AtFlags::empty()))
-        .and_then(|()| rfs::renameat(&tmp, format!("{name}.i"), &index, hex::encode(digest)))
-        .and_then(|()| rfs::linkat(&tmp, name.as_str(), &fan, &rel[3..], AtFlags::empty()));
-    let _ = rfs::unlinkat(&tmp, name.as_str(), AtFlags::empty());
-    match made {
-        Ok(()) => Ok(true),
-        // Stored meanwhile (an object, or another's placeholder).
-        Err(rustix::io::Errno::EXIST) => {
-            sweep_one(store, &index, digest);
-            Ok(false)
+
+    /// The fan-out directory of `digest`, opened once.
+    fn fanout(&self, digest: &[u8; 32]) -> Result<&OwnedFd, StoreError> {
+        let slot = &self.fanouts[digest[0] as usize];
+        if let Some(fd) = slot.get() {
+            return Ok(fd);
         }
-        Err(e) => {
-            sweep_one(store, &index, digest);
-            Err(failed(e))
+        let fd = self.store.open_fanout(digest)?;
+        Ok(slot.get_or_init(|| fd))
+    }
+
+    /// [`create`].
+    pub fn create(&self, digest: &[u8; 32], size: u64) -> Result<bool, StoreError> {
+        let rel = Store::object_rel(digest);
+        let fan = self.fanout(digest)?;
+        if rfs::statat(fan, &rel[3..], AtFlags::SYMLINK_NOFOLLOW).is_ok() {
+            return Ok(false);
+        }
+        let path = self.store.join(&rel);
+        let failed = |e: rustix::io::Errno| StoreError::io(&path, "cannot create a placeholder", e.into());
+        let (tmp, index) = (&self.tmp, &self.index);
+        let name = temp_name("placeholder-");
+        let fd = rfs::openat(
+            tmp,
+            name.as_str(),
+            OFlags::WRONLY | OFlags::CREATE | OFlags::EXCL | OFlags::CLOEXEC,
+            Mode::empty(),
+        )
+        .map_err(failed)?;
+        // Listed first (a placeholder is never there unlisted; a stale
+        // entry of an earlier one is replaced), then given its object name.
+        let made = rfs::ftruncate(&fd, size)
+            .and_then(|()| rfs::fchmod(&fd, Mode::from_raw_mode(MODE)))
+            .and_then(|()| rfs::linkat(tmp, name.as_str(), tmp, format!("{name}.i"), AtFlags::empty()))
+            .and_then(|()| rfs::renameat(tmp, format!("{name}.i"), index, hex::encode(digest)))
+            .and_then(|()| rfs::linkat(tmp, name.as_str(), fan, &rel[3..], AtFlags::empty()));
+        let _ = rfs::unlinkat(tmp, name.as_str(), AtFlags::empty());
+        match made {
+            Ok(()) => Ok(true),
+            // Stored meanwhile (an object, or another's placeholder).
+            Err(rustix::io::Errno::EXIST) => {
+                sweep_one(self.store, index, digest);
+                Ok(false)
+            }
+            Err(e) => {
+                sweep_one(self.store, index, digest);
+                Err(failed(e))
+            }
         }
     }
 }
@@ -151,27 +187,24 @@ pub fn settle(store: &Store, digest: &[u8; 32], filled: &OwnedFd) -> Result<(), 
     Ok(())
 }
 
-/// A placeholder this process fills in place (a fetch writes straight
-/// into it, so the object is written once): its inode through its index
-/// link, locked so one fill of any process writes it at a time, emptied
-/// to holes of its size (bytes an earlier fill cut short are gone; a
-/// hole is a zero the fill's hash counted).
-pub struct InPlace {
-    /// Read-only and holding the lock: fs-verity is enabled through it
-    /// once the writer is closed.
-    lock: OwnedFd,
-    /// Where the bytes go.
-    pub file: std::fs::File,
-    size: u64,
-}
-
 /// Opens the placeholder of `digest` to fill in place, if the store has
 /// one of `size` bytes and no other fill holds it, or with `wait`, once
 /// that other fill is done (None: no placeholder, or filled meanwhile, or
-/// held by another fill: store the object the ordinary way; a filler
-/// finds it there and copies it in). It is opened through its index link:
-/// fanotify groups of kernel lazy mounts let such opens through.
+/// held by another fill, or served by a kernel lazy mount: store the
+/// object the ordinary way; a filler finds it there and copies it in).
+/// Outside a filler, a placeholder a lazy mount serves is left to its
+/// filler: an open of it would wait for that filler, which may wait for
+/// this very fetch (its lock on the object). In a filler
+/// ([`fill_only_through_offers`]), only the one it holds the lock of.
 pub fn fill_in_place(store: &Store, digest: &[u8; 32], size: u64, wait: bool) -> Option<InPlace> {
+    // In a filler, the lock is held already through the offered
+    // descriptor (an event's: on a read-only mount, so not the one to
+    // seal it through).
+    let held = match OFFERS.get() {
+        Some(offers) => Some(rfs::fstat(offers.lock().unwrap().get(digest)?).ok()?),
+        None if served(store) => return None,
+        None => None,
+    };
     let index = store.open_existing_subdir(PLACEHOLDER_DIR).ok()?;
     let name = hex::encode(digest);
     let open = |flags| {
@@ -181,13 +214,38 @@ pub fn fill_in_place(store: &Store, digest: &[u8; 32], size: u64, wait: bool) ->
             flags | OFlags::NOFOLLOW | OFlags::CLOEXEC,
             Mode::empty(),
         )
+        .ok()
     };
-    let lock = open(OFlags::RDONLY).ok()?;
+    // Read-only, so that fs-verity can be enabled through it once the
+    // writer is closed; the writer is opened once the lock is held.
+    let lock = open(OFlags::RDONLY)?;
+    if let Some(held) = held {
+        let st = rfs::fstat(&lock).ok()?;
+        if (st.st_dev, st.st_ino) != (held.st_dev, held.st_ino) {
+            return None;
+        }
+    }
+    through(store, lock, held.is_none(), || open(OFlags::RDWR), digest, size, wait)
+}
+
+/// [`fill_in_place`] of the placeholder `lock` is open on (locked through
+/// it if `take_lock`), written through what `writer` opens on it.
+fn through(
+    store: &Store,
+    lock: OwnedFd,
+    take_lock: bool,
+    writer: impl FnOnce() -> Option<OwnedFd>,
+    digest: &[u8; 32],
+    size: u64,
+    wait: bool,
+) -> Option<InPlace> {
     let how = match wait {
         true => rfs::FlockOperation::LockExclusive,
         false => rfs::FlockOperation::NonBlockingLockExclusive,
     };
-    rfs::flock(&lock, how).ok()?;
+    if take_lock {
+        rfs::flock(&lock, how).ok()?;
+    }
     let st = rfs::fstat(&lock).ok()?;
     if !is_placeholder(&st) || st.st_size as u64 != size {
         return None;
@@ -199,7 +257,7 @@ pub fn fill_in_place(store: &Store, digest: &[u8; 32], size: u64, wait: bool) ->
         let _ = seal(&lock).and_then(|()| settle(store, digest, &lock).map_err(io::Error::other));
         return None;
     }
-    let file = open(OFlags::RDWR).ok()?;
+    let file = writer()?;
     let again = rfs::fstat(&file).ok()?;
     if (again.st_dev, again.st_ino) != (st.st_dev, st.st_ino) {
         return None;
@@ -212,6 +270,86 @@ pub fn fill_in_place(store: &Store, digest: &[u8; 32], size: u64, wait: bool) ->
         file: std::fs::File::from(file),
         size,
     })
+}
+
+/// The lock every kernel lazy mount of the store holds (shared) while it
+/// serves it, under [`PLACEHOLDER_DIR`].
+const SERVING: &str = ".filling";
+
+/// Says that a kernel lazy mount serves placeholders of `store` until the
+/// result is closed (by every process holding a copy).
+pub fn hold_serving(store: &Store) -> io::Result<OwnedFd> {
+    let index = store.open_subdir(PLACEHOLDER_DIR).map_err(io::Error::other)?;
+    let fd = rfs::openat(
+        &index,
+        SERVING,
+        OFlags::RDONLY | OFlags::CREATE | OFlags::NOFOLLOW | OFlags::CLOEXEC,
+        Mode::from_raw_mode(0o600),
+    )?;
+    rfs::flock(&fd, rfs::FlockOperation::LockShared)?;
+    Ok(fd)
+}
+
+/// Whether a kernel lazy mount serves placeholders of `store` now.
+fn served(store: &Store) -> bool {
+    let Ok(index) = store.open_existing_subdir(PLACEHOLDER_DIR) else {
+        return false;
+    };
+    let flags = OFlags::RDONLY | OFlags::NOFOLLOW | OFlags::CLOEXEC;
+    rfs::openat(&index, SERVING, flags, Mode::empty()).is_ok_and(|fd| {
+        rfs::flock(&fd, rfs::FlockOperation::NonBlockingLockExclusive) == Err(rustix::io::Errno::WOULDBLOCK)
+    })
+}
+
+/// The descriptors a filler offers its fills, by object: set in a filler
+/// only (see [`fill_only_through_offers`]).
+static OFFERS: std::sync::OnceLock<std::sync::Mutex<std::collections::HashMap<[u8; 32], OwnedFd>>> =
+    std::sync::OnceLock::new();
+
+/// Makes this process a filler's: from now on a placeholder is filled in
+/// place only once its lock is held through a descriptor offered for it
+/// ([`offer`]: a fanotify event's, whose open asked no group). Lazy
+/// mounts' groups let the accesses of a process holding a placeholder's
+/// lock through, and make every other wait for a fill: a filler's open
+/// of a placeholder it has not locked would wait for itself.
+pub fn fill_only_through_offers() {
+    OFFERS.get_or_init(Default::default);
+}
+
+/// Offers `fd` (on the placeholder of `digest`, holding its lock) to the
+/// fills of this process until the result is dropped.
+pub fn offer(digest: &[u8; 32], fd: rustix::fd::BorrowedFd<'_>) -> io::Result<Offered> {
+    let offers = OFFERS
+        .get()
+        .ok_or_else(|| io::Error::other("not a filler (fill_only_through_offers)"))?;
+    offers.lock().unwrap().insert(*digest, fd.try_clone_to_owned()?);
+    Ok(Offered(*digest))
+}
+
+/// An offer of [`offer`], withdrawn when dropped.
+pub struct Offered([u8; 32]);
+
+impl Drop for Offered {
+    fn drop(&mut self) {
+        if let Some(offers) = OFFERS.get() {
+            offers.lock().unwrap().remove(&self.0);
+        }
+    }
+}
+
+/// A placeholder this process fills in place (a fetch writes straight
+/// into it, so the object is written once): its inode, locked so one fill
+/// of any process writes it at a time, emptied to holes of its size
+/// (bytes an earlier fill cut short are gone; a hole is a zero the fill's
+/// hash counted).
+pub struct InPlace {
+    /// Read-only (and holding the lock, but in a filler, which holds it
+    /// through its offer): fs-verity is enabled through it once the
+    /// writer is closed.
+    lock: OwnedFd,
+    /// Where the bytes go.
+    pub file: std::fs::File,
+    size: u64,
 }
 
 impl InPlace {

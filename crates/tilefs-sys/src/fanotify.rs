@@ -3,7 +3,8 @@
 //!
 //! Used to fill a placeholder on its first access while the reader waits.
 //! Only what tilefs needs: a pre-content group, inode marks, events with
-//! their descriptor, answers (deny with an errno).
+//! their descriptor, answers (deny with an errno), and who holds a file's
+//! `flock` ([`flock_holders`]).
 
 use rustix::fd::{AsFd, AsRawFd, BorrowedFd, FromRawFd, OwnedFd, RawFd};
 use std::io;
@@ -57,7 +58,9 @@ pub enum Answer {
 
 impl Group {
     /// A group of the pre-content class (root only), with an unbounded
-    /// queue and unbounded marks; its events' descriptors are read-only.
+    /// queue and unbounded marks; its events' descriptors are read-only
+    /// (a read through overlayfs reaches the file through the overlay's
+    /// read-only private mount, where no writer can be opened).
     pub fn new() -> io::Result<Group> {
         // SAFETY: fanotify_init takes two integers and returns a new
         // descriptor or -1; the descriptor is owned from here on.
@@ -223,6 +226,27 @@ pub fn supports_pre_content(path: &std::path::Path) -> io::Result<()> {
     group.mark(MARK_ADD | MARK_FILESYSTEM, PRE_ACCESS, dir.as_fd())
 }
 
+/// The processes holding a `flock` on the inode (`dev`, `ino`), as
+/// `/proc/locks` lists them (waiters not counted).
+pub fn flock_holders(dev: u64, ino: u64) -> io::Result<Vec<i32>> {
+    let want = format!("{:02x}:{:02x}:{ino}", rustix::fs::major(dev), rustix::fs::minor(dev));
+    Ok(parse_flock_holders(&std::fs::read_to_string("/proc/locks")?, &want))
+}
+
+fn parse_flock_holders(locks: &str, inode: &str) -> Vec<i32> {
+    locks
+        .lines()
+        .filter_map(|l| {
+            let mut w = l.split_whitespace().skip(1);
+            if w.next()? != "FLOCK" {
+                return None; // a POSIX lock, or "->": a waiter
+            }
+            let pid = w.nth(2)?.parse().ok()?;
+            (w.next()? == inode).then_some(pid)
+        })
+        .collect()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -248,5 +272,23 @@ mod tests {
         let mut bad = ev;
         bad[4] = 2;
         assert!(parse_events(&bad).is_err());
+    }
+
+    #[test]
+    fn flock_holders_are_read_from_proc_locks() {
+        let locks = "1: FLOCK  ADVISORY  WRITE 13357 fe:00:5514269 0 EOF\n\
+                     1: -> FLOCK  ADVISORY  WRITE 99 fe:00:5514269 0 EOF\n\
+                     2: POSIX  ADVISORY  WRITE 7 fe:00:5514269 0 EOF\n\
+                     3: FLOCK  ADVISORY  READ 12 fe:00:551426 0 EOF\n\
+                     garbage\n";
+        assert_eq!(parse_flock_holders(locks, "fe:00:5514269"), vec![13357]);
+        // And the kernel's own list: this process's lock is found.
+        let path = std::env::temp_dir().join(format!("tilefs-flock-{}", std::process::id()));
+        let f = std::fs::File::create(&path).unwrap();
+        std::fs::remove_file(&path).unwrap();
+        rustix::fs::flock(&f, rustix::fs::FlockOperation::LockExclusive).unwrap();
+        let st = rustix::fs::fstat(&f).unwrap();
+        let me = rustix::process::getpid().as_raw_nonzero().get();
+        assert!(flock_holders(st.st_dev, st.st_ino).unwrap().contains(&me));
     }
 }
