@@ -29,14 +29,16 @@ pub mod evidence;
 pub mod gpg;
 pub mod payload;
 pub mod policy;
+pub mod refused;
 pub mod registries_conf;
 pub mod registries_d;
 pub mod rootfile;
 pub mod sigstore;
 
 pub use dockerref::DockerRef;
-pub use error::{Error, Refused};
+pub use error::Error;
 pub use policy::{Accepted, Policy, Refusal, SignatureSource, Subject};
+pub use refused::Refused;
 pub use registries_conf::RegistriesConf;
 pub use registries_d::RegistriesD;
 
