@@ -87,7 +87,7 @@ impl LayerSource for Source {
         };
         let fetcher = match s.source {
             Some(source) => Some(source),
-            None => tilefs_oci::toc_lazy::open_source(&self.1, &s.image).map_err(|e| e.to_string())?,
+            None => tilefs_oci::toc_lazy::open_source_later(&self.1, &s.image).map_err(|e| e.to_string())?,
         }
         .map(tilefs_fuse::Fetcher);
         Ok(Some(LayerFiles {

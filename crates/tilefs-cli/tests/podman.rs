@@ -601,6 +601,7 @@ fn an_estargz_image_is_served_from_its_table_of_contents() {
     require(cannot_fuse());
     require(not_root("podman's storage in a private graphroot"));
     require(missing_program("podman", "podman"));
+    require(missing_program("skopeo", "skopeo"));
     let Some(generator) = common::seekable::generator() else {
         return;
     };
@@ -646,6 +647,28 @@ fn an_estargz_image_is_served_from_its_table_of_contents() {
     );
     let fetched = blob_bytes_since(&registry, before);
     assert!(fetched * 2 < sizes, "cat of one file fetched {fetched} of {sizes}");
+
+    // The same layers under another reference (looked up as podman does):
+    // served the images made already, no table fetched again.
+    let again = format!("{}:again", app.rsplit_once(':').unwrap().0);
+    let out = Command::new("skopeo")
+        .args(["copy", "-q", "--src-tls-verify=false", "--dest-tls-verify=false"])
+        .args([format!("docker://{app}"), format!("docker://{again}")])
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "skopeo copy: {}", stderr(&out));
+    let before = registry.requests().len();
+    let encoded = base64::engine::general_purpose::STANDARD.encode(&again);
+    for l in &layers {
+        assert!(
+            mnt.join(&encoded).join(l).join("diff").is_dir(),
+            "{again} {l}: {}",
+            log()
+        );
+    }
+    let top = mnt.join(&encoded).join(layers.last().unwrap()).join("diff/msg");
+    assert_eq!(fs::read_to_string(&top).unwrap(), "from a table of contents\n");
+    assert_eq!(gets_of(&registry, before, &layers), Vec::<String>::new(), "{}", log());
     drop(podman);
     drop(served);
 }

@@ -32,6 +32,7 @@ use crate::{Fetcher, FuseError, ServeSpec, Tuning};
 use base64::Engine;
 use rustc_hash::FxHashMap;
 use std::path::PathBuf;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, RwLock};
 use std::time::{Duration, Instant};
 use tilefs_fuse_proto::abi::{self, init};
@@ -145,7 +146,14 @@ pub struct LayerStoreFs {
     resolving: Mutex<FxHashMap<Key, Arc<Mutex<()>>>>,
     owner: (u32, u32),
     started: u64,
+    /// Layers opened so far: the heap is trimmed once a batch of them
+    /// (podman looks an image's layers up one after another) is done.
+    opened: Arc<AtomicU64>,
 }
+
+/// How long after the last layer opened the heap is trimmed: the
+/// lookups of one image come closer together than this.
+const TRIM_AFTER: Duration = Duration::from_millis(500);
 
 impl LayerStoreFs {
     /// A layer store over the tilefs store at `store`, its layers from
@@ -176,6 +184,7 @@ impl LayerStoreFs {
             started: std::time::SystemTime::now()
                 .duration_since(std::time::UNIX_EPOCH)
                 .map_or(0, |d| d.as_secs()),
+            opened: Arc::new(AtomicU64::new(0)),
         })
     }
 
@@ -293,7 +302,7 @@ impl LayerStoreFs {
         };
         let mut layers = self.layers.write().unwrap();
         let k = layers.len();
-        let mut lower = crate::open_lower(&spec, &self.tuning).map_err(|e| e.to_string())?;
+        let mut lower = crate::open_lower(&spec, &self.tuning, false).map_err(|e| e.to_string())?;
         lower.base = (k as u64 + 1) * LAYER_SPAN;
         let fs = TileFs::new(lower, self.tuning, crate::nofile_limit() / 2);
         layers.push(Arc::new(Layer {
@@ -303,11 +312,31 @@ impl LayerStoreFs {
             fs,
         }));
         drop(layers);
+        self.trim_later();
         self.by_key
             .lock()
             .unwrap()
             .insert((reference.to_string(), digest.to_string()), k);
         Ok(k)
+    }
+
+    /// Gives the heap's free memory back once no layer was opened for
+    /// [`TRIM_AFTER`]: what a layer's making freed (its table parsed, its
+    /// image written) is returned once per batch, not per layer, whose
+    /// lookup it would slow (malloc_trim walks every arena).
+    fn trim_later(&self) {
+        let opened = self.opened.clone();
+        let mine = opened.fetch_add(1, Ordering::Relaxed) + 1;
+        let spawned = std::thread::Builder::new().name("trim".into()).spawn(move || {
+            std::thread::sleep(TRIM_AFTER);
+            if opened.load(Ordering::Relaxed) == mine {
+                tilefs_sys::mem::trim_heap();
+            }
+        });
+        // Without a thread (none to spare), now.
+        if spawned.is_err() {
+            tilefs_sys::mem::trim_heap();
+        }
     }
 
     /// Whether `req` comes from the store's owner (containers/storage runs

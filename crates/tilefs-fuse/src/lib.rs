@@ -415,7 +415,7 @@ impl TileFs {
     /// The read-only filesystem of `spec` (its upper layer, if any, aside).
     pub fn from_spec(spec: &ServeSpec) -> Result<TileFs, FuseError> {
         let tuning = spec.tuning.from_env()?;
-        let lower = open_lower(spec, &tuning)?;
+        let lower = open_lower(spec, &tuning, true)?;
         Ok(TileFs::new(lower, tuning, nofile_limit() / 2))
     }
 
@@ -447,14 +447,15 @@ impl OverlayFs {
         };
         let (uids, gids) = (map(&spec.uid_map, "uidmapping")?, map(&spec.gid_map, "gidmapping")?);
         let up = overlay::UpperDir::open(upper, work, uids, gids).map_err(fail)?;
-        let lower = open_lower(spec, &tuning)?;
+        let lower = open_lower(spec, &tuning, true)?;
         OverlayFs::new(lower, up, tuning, nofile_limit()).map_err(fail)
     }
 }
 
 /// The image's side of a server: the image read (its digest checked when
-/// one is asked for) and its store opened.
-fn open_lower(spec: &ServeSpec, tuning: &Tuning) -> Result<lower::Lower, FuseError> {
+/// one is asked for) and its store opened; the heap trimmed after if
+/// `trim` (a server that opens many leaves it to its own pace).
+fn open_lower(spec: &ServeSpec, tuning: &Tuning, trim: bool) -> Result<lower::Lower, FuseError> {
     // Opened without blocking, and only if a regular file.
     let data = tilefs_store::open_regular(rustix::fs::CWD, &spec.image, true)
         .and_then(|mut f| {
@@ -477,7 +478,9 @@ fn open_lower(spec: &ServeSpec, tuning: &Tuning) -> Result<lower::Lower, FuseErr
     // never a tree of it.
     let view = tilefs_image::erofs::ImageView::open(data)
         .map_err(|e| fail(format!("{}: refusing to mount: {e}", spec.image.display())))?;
-    tilefs_sys::mem::trim_heap();
+    if trim {
+        tilefs_sys::mem::trim_heap();
+    }
     let store: OwnedFd = rustix::fs::open(
         &spec.store,
         rustix::fs::OFlags::RDONLY | rustix::fs::OFlags::DIRECTORY | rustix::fs::OFlags::CLOEXEC,

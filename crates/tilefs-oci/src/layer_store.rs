@@ -61,6 +61,18 @@ pub struct Kept {
     pub uses: u64,
 }
 
+/// A layer's image made from its table of contents, in
+/// `STATE/tables/HASH.json` (HASH of the layer's digest and its table's):
+/// another image with that layer, or a plan made again, uses it rather
+/// than fetch and parse the table and make the image again.
+#[derive(Serialize, Deserialize)]
+struct Made {
+    /// Its fs-verity digest (hex).
+    image: String,
+    /// The kept layer holding it.
+    key: String,
+}
+
 /// A layer ready to serve.
 pub struct Served {
     /// The file of its image (held in the store).
@@ -101,6 +113,7 @@ impl LayerStore {
             .recursive(true)
             .mode(0o700)
             .create(state.join("layers"))
+            .and_then(|()| std::fs::create_dir_all(state.join("tables")))
             .map_err(|e| OciError::io(state, "cannot make the layer store's state directory", e))?;
         let state = std::fs::canonicalize(state).map_err(|e| OciError::io(state, "cannot resolve", e))?;
         let holder = Holder::LayerStore { state: state.clone() };
@@ -133,6 +146,14 @@ impl LayerStore {
                 let _ = std::fs::remove_file(e.path());
             }
         }
+        // The images made from tables that no kept layer holds any more.
+        let dir = self.state.join("tables");
+        let entries = std::fs::read_dir(&dir).map_err(|e| OciError::io(&dir, "cannot list", e))?;
+        for e in entries.flatten() {
+            if !self.holds(&e.path()) {
+                let _ = std::fs::remove_file(e.path());
+            }
+        }
         Ok(())
     }
 
@@ -140,6 +161,34 @@ impl LayerStore {
     fn key(reference: &str, digest: &str) -> String {
         let d = <sha2::Sha256 as sha2::Digest>::digest(format!("{reference}\0{digest}").as_bytes());
         format!("layer-{}", hex::encode(d))
+    }
+
+    fn made_path(&self, layer: &str, table: &str) -> PathBuf {
+        let d = <sha2::Sha256 as sha2::Digest>::digest(format!("{layer}\0{table}").as_bytes());
+        self.state.join("tables").join(format!("{}.json", hex::encode(d)))
+    }
+
+    /// The image made already of layer `layer` whose table of contents is
+    /// `table`, if a kept layer still holds it: its bytes and digest.
+    fn made(&self, layer: &str, table: &str) -> Option<(Vec<u8>, [u8; 32])> {
+        let m: Made = serde_json::from_slice(&std::fs::read(self.made_path(layer, table)).ok()?).ok()?;
+        let bytes = std::fs::read(owned::root_path(&self.store, &self.holder, &m.key)).ok()?;
+        let digest = tilefs_image::verity::digest_bytes(&bytes);
+        (hex::encode(digest) == m.image).then_some((bytes, digest))
+    }
+
+    /// Whether [`LayerStore::made`] may find that image (its table is not
+    /// fetched then).
+    fn is_made(&self, layer: &str, table: &str) -> bool {
+        self.holds(&self.made_path(layer, table))
+    }
+
+    /// Whether the image a [`Made`] at `path` names is held still.
+    fn holds(&self, path: &Path) -> bool {
+        std::fs::read(path)
+            .ok()
+            .and_then(|raw| serde_json::from_slice::<Made>(&raw).ok())
+            .is_some_and(|m| owned::root_path(&self.store, &self.holder, &m.key).is_file())
     }
 
     fn kept_path(&self, key: &str) -> PathBuf {
@@ -172,7 +221,24 @@ impl LayerStore {
                 }
             }
         }
-        let plan = self.plan(reference)?;
+        let mut plan = self.plan(reference)?;
+        // A table not fetched for an image made already that is gone
+        // since (its layers released): planned again, fetching it.
+        let mut made = None;
+        if let Ok(LazyPlan {
+            kind: LazyKind::Toc(t), ..
+        }) = plan.as_ref()
+        {
+            if let Some(i) = t.resolved.layers.iter().position(|l| l.digest.to_string() == digest) {
+                let table = t.tables.table_digest(i).unwrap_or_default();
+                made = self.made(digest, table);
+                if made.is_none() && !t.tables.is_read(i) {
+                    let _ = std::fs::remove_file(self.made_path(digest, table));
+                    self.plans.lock().unwrap().remove(reference);
+                    plan = self.plan(reference)?;
+                }
+            }
+        }
         let plan = match plan.as_ref() {
             Ok(p) => p,
             Err(e) => return Err(OciError::Reference(e.clone())),
@@ -192,6 +258,7 @@ impl LayerStore {
         // the objects found present for unreferenced.
         let lock = self.store.lock(tilefs_store::LockMode::Shared, true)?;
         let mut source = None;
+        let mut made_now = None;
         let (image, diff_size, src) = match &plan.kind {
             LazyKind::Indexed(img) => {
                 let (image, src) = self.indexed_diff(img, i, &one)?;
@@ -200,23 +267,32 @@ impl LayerStore {
                 (image, size, src)
             }
             LazyKind::Toc(t) => {
-                let made = t
-                    .tables
-                    .diff_image(&self.store, i)
-                    .map_err(|e| OciError::manifest(format!("{reference} layer {digest}"), e))?;
-                match made.record {
-                    Some(r) => {
-                        r.save(&self.store, &made.digest)?;
-                        source = Some(t.tables.diff_source(&self.store, i, r)?);
+                // Made for another image with this layer, its record in
+                // the store (where its files are fetched from: that
+                // image's repository) if it lacks files still.
+                let image = match made {
+                    Some(image) => image,
+                    None => {
+                        let made = t
+                            .tables
+                            .diff_image(&self.store, i)
+                            .map_err(|e| OciError::manifest(format!("{reference} layer {digest}"), e))?;
+                        match made.record {
+                            Some(r) => {
+                                r.save(&self.store, &made.digest)?;
+                                source = Some(t.tables.diff_source(&self.store, i, r)?);
+                            }
+                            None => tilefs_store::remote::forget(&self.store, &made.digest)?,
+                        }
+                        made_now = t.tables.table_digest(i).map(|d| self.made_path(digest, d));
+                        (made.image, made.digest)
                     }
-                    None => tilefs_store::remote::forget(&self.store, &made.digest)?,
-                }
+                };
                 let src = (
                     t.source.to_string(),
                     t.opts.registry.tls_verify,
                     t.opts.registry.timeout.as_secs(),
                 );
-                let image = (made.image, made.digest);
                 // (The table of contents does not say the tar stream's
                 // length: podman shows the blob's.)
                 (image, None, src)
@@ -251,6 +327,16 @@ impl LayerStore {
             uses: self.read_kept(&key).map_or(0, |k| k.uses),
         };
         self.write_kept(&key, &kept)?;
+        if let Some(path) = made_now {
+            let m = Made {
+                image: kept.image.clone(),
+                key: key.clone(),
+            };
+            let tmp = path.with_extension(format!("{key}.tmp"));
+            std::fs::write(&tmp, serde_json::to_vec(&m).expect("a record serializes"))
+                .and_then(|()| std::fs::rename(&tmp, &path))
+                .map_err(|e| OciError::io(&path, "cannot write", e))?;
+        }
         let mut served = self.served(path, image, &kept)?;
         served.source = source;
         Ok(Some(served))
@@ -330,7 +416,17 @@ impl LayerStore {
         let r = ImageRef::parse(&format!("docker://{reference}"))
             .or_else(|_| ImageRef::parse(reference))
             .map_err(|e| OciError::Reference(format!("{reference}: {e}")))?;
-        let p = Arc::new(crate::lazy_index::plan(&r, &self.opts).map_err(|e| e.to_string()));
+        let p = Arc::new(
+            crate::lazy_index::plan_for(
+                &r,
+                &self.opts,
+                crate::lazy_index::Needs {
+                    maps_only: true,
+                    known_table: &|layer, table| self.is_made(layer, table),
+                },
+            )
+            .map_err(|e| e.to_string()),
+        );
         self.plans
             .lock()
             .unwrap()

@@ -556,18 +556,38 @@ pub struct Indexed {
     /// The index artifact's manifest digest.
     pub manifest_digest: Digest,
     pub config: IndexConfig,
-    /// The flattened image of all the layers, and its fs-verity digest.
-    pub image: Vec<u8>,
-    pub fsverity: [u8; 32],
+    /// The flattened image of all the layers, and its fs-verity digest;
+    /// None when it was not wanted ([`Needs::maps_only`]).
+    pub image: Option<(Vec<u8>, [u8; 32])>,
     /// Per layer of the image, in its manifest's order.
     pub maps: Vec<std::sync::Arc<LayerMap>>,
     /// How the index passed the signature policy (a registry image's).
     pub trust: Option<crate::trust::TrustRecord>,
 }
 
+/// What of an image's index, or of its tables of contents, a plan needs.
+#[derive(Clone, Copy)]
+pub struct Needs<'a> {
+    /// The index's maps alone, not its flattened image: what podman's
+    /// layer store goes by (each layer's image is made from its map),
+    /// which spares it fetching and rebuilding the image's tree.
+    pub maps_only: bool,
+    /// The layers (given their digest and their table of contents') whose
+    /// table the caller has made use of already: not fetched.
+    pub known_table: &'a dyn Fn(&str, &str) -> bool,
+}
+
+impl Needs<'_> {
+    /// All of it.
+    pub const ALL: Needs<'static> = Needs {
+        maps_only: false,
+        known_table: &|_, _| false,
+    };
+}
+
 /// The newest index of the image `resolved` in `reg` (the repository the
 /// image came from), checked; None when there is none.
-pub fn find(reg: &Registry, resolved: &Resolved) -> Result<Option<Indexed>, OciError> {
+pub fn find(reg: &Registry, resolved: &Resolved, needs: Needs<'_>) -> Result<Option<Indexed>, OciError> {
     let Some(subject) = &resolved.manifest_digest else {
         return Ok(None);
     };
@@ -652,27 +672,35 @@ pub fn find(reg: &Registry, resolved: &Resolved) -> Result<Option<Indexed>, OciE
     {
         return Err(bad("its layers are not the image's".into()));
     }
-    let image = match config.version {
-        1 => {
+    let image = match (needs.maps_only, config.version) {
+        (true, _) => None,
+        (false, 1) => {
             let image_z = reg.blob_bytes(&image_refs[0], artifact::MAX_IMAGE)?;
-            zstd_bounded(&image_z, artifact::MAX_IMAGE, "image").map_err(bad)?
+            Some(zstd_bounded(&image_z, artifact::MAX_IMAGE, "image").map_err(bad)?)
         }
         // Its objects are the maps' to place: a chunk placing any in a
         // pack is refused (the index has no packs).
-        _ => {
+        (false, _) => {
             let chunks = crate::artifact_tree::fetch(reg, &image_refs)?;
             let names: Vec<String> = image_refs.iter().map(|r| r.digest.to_string()).collect();
-            crate::artifact_tree::rebuild(&chunks, &names, &[], &what, Some(config.fsverity.as_str()))?.image
+            let rebuilt = crate::artifact_tree::rebuild(&chunks, &names, &[], &what, Some(config.fsverity.as_str()))?;
+            Some(rebuilt.image)
         }
     };
-    let fsverity = tilefs_image::verity::digest_bytes(&image);
-    if hex::encode(fsverity) != config.fsverity {
-        return Err(bad(format!(
-            "its image's fs-verity digest is {}, its configuration says {}",
-            hex::encode(fsverity),
-            config.fsverity
-        )));
-    }
+    let image = match image {
+        None => None,
+        Some(image) => {
+            let fsverity = tilefs_image::verity::digest_bytes(&image);
+            if hex::encode(fsverity) != config.fsverity {
+                return Err(bad(format!(
+                    "its image's fs-verity digest is {}, its configuration says {}",
+                    hex::encode(fsverity),
+                    config.fsverity
+                )));
+            }
+            Some((image, fsverity))
+        }
+    };
     let mut decoded: HashMap<String, std::sync::Arc<LayerMap>> = HashMap::new();
     let mut maps = Vec::with_capacity(config.layers.len());
     for l in &config.layers {
@@ -697,7 +725,6 @@ pub fn find(reg: &Registry, resolved: &Resolved) -> Result<Option<Indexed>, OciE
         manifest_digest: newest.digest.clone(),
         config,
         image,
-        fsverity,
         maps,
         trust,
     }))
@@ -710,8 +737,9 @@ fn usable(
     reference: &str,
     resolved: &Resolved,
     registry: &crate::transport::RegistryOptions,
+    needs: Needs<'_>,
 ) -> Result<Result<Indexed, String>, OciError> {
-    match Registry::open(reference, registry).and_then(|reg| find(&reg, resolved)) {
+    match Registry::open(reference, registry).and_then(|reg| find(&reg, resolved, needs)) {
         Ok(Some(i)) => Ok(Ok(i)),
         Ok(None) => Ok(Err(format!("{source} has no tilefs index (`tilefs index` makes one)"))),
         Err(OciError::Interrupted) => Err(OciError::Interrupted),
@@ -734,16 +762,16 @@ pub(crate) fn pull_indexed(
         return Ok(Err("only an image in a registry has an index".into()));
     };
     progress.stage.set("looking for a tilefs index of the image", true);
-    let indexed = match usable(source, reference, resolved, &opts.registry)? {
+    let indexed = match usable(source, reference, resolved, &opts.registry, Needs::ALL)? {
         Ok(i) => i,
         Err(why) => return Ok(Err(why)),
     };
     let maps: Vec<&LayerMap> = indexed.maps.iter().map(|m| m.as_ref()).collect();
-    let (image, digest) = match opts.keep_all_xattrs {
-        false => (indexed.image.clone(), indexed.fsverity),
-        true => {
+    let (image, digest) = match (&indexed.image, opts.keep_all_xattrs) {
+        (Some(image), false) => image.clone(),
+        _ => {
             let digests: Vec<&Digest> = resolved.layers.iter().map(|l| &l.digest).collect();
-            flatten(&maps, &digests, true)?
+            flatten(&maps, &digests, opts.keep_all_xattrs)?
         }
     };
     let (tree, info) = tilefs_image::erofs::read_image(&image)
@@ -843,8 +871,13 @@ pub struct Chain {
 /// reads its configuration and, for an ordinary image, looks for its index,
 /// then for its layers' tables of contents (eStargz, zstd:chunked).
 pub fn plan(r: &ImageRef, opts: &PullOptions) -> Result<LazyPlan, OciError> {
+    plan_for(r, opts, Needs::ALL)
+}
+
+/// [`plan`], an index's image fetched only if `needs` says so.
+pub fn plan_for(r: &ImageRef, opts: &PullOptions, needs: Needs<'_>) -> Result<LazyPlan, OciError> {
     let (opened, raw) = crate::pull::open_with_config(r, opts)?;
-    plan_opened(&opened, &raw, opts)
+    plan_opened_for(&opened, &raw, opts, needs)
 }
 
 /// The diff IDs an image configuration `raw` (`what`, for errors) gives
@@ -874,6 +907,15 @@ pub fn diff_ids(raw: &[u8], layers: usize, what: &str) -> Result<Vec<Digest>, Oc
 /// [`plan`] of an image opened already ([`crate::pull::open_with_config`]:
 /// accepted by the policy), `raw` its configuration.
 pub fn plan_opened(opened: &crate::trust::Opened, raw: &[u8], opts: &PullOptions) -> Result<LazyPlan, OciError> {
+    plan_opened_for(opened, raw, opts, Needs::ALL)
+}
+
+fn plan_opened_for(
+    opened: &crate::trust::Opened,
+    raw: &[u8],
+    opts: &PullOptions,
+    needs: Needs<'_>,
+) -> Result<LazyPlan, OciError> {
     let crate::trust::Opened {
         source,
         resolved,
@@ -899,7 +941,7 @@ pub fn plan_opened(opened: &crate::trust::Opened, raw: &[u8], opts: &PullOptions
             ..opts.clone()
         };
         match &source {
-            ImageRef::Registry { reference } => match usable(source, reference, resolved, registry)? {
+            ImageRef::Registry { reference } => match usable(source, reference, resolved, registry, needs)? {
                 Ok(index) => LazyKind::Indexed(Box::new(IndexedImage {
                     opts,
                     source: source.clone(),
@@ -909,21 +951,23 @@ pub fn plan_opened(opened: &crate::trust::Opened, raw: &[u8], opts: &PullOptions
                 })),
                 // Without an index, an eStargz or zstd:chunked image goes
                 // by its tables of contents (as `pull --lazy` does).
-                Err(why) => match crate::toc_lazy::tables(source, resolved, &opts, &Default::default()) {
-                    Ok(Some(Ok(tables))) => LazyKind::Toc(Box::new(TocImages {
-                        opts,
-                        source: source.clone(),
-                        resolved: resolved.clone(),
-                        diff_ids,
-                        tables,
-                    })),
-                    Ok(None) => LazyKind::Whole(why),
-                    Ok(Some(Err(toc_why))) => {
-                        LazyKind::Whole(format!("{why}, and its tables of contents cannot be used: {toc_why}"))
+                Err(why) => {
+                    match crate::toc_lazy::tables(source, resolved, &opts, &Default::default(), needs.known_table) {
+                        Ok(Some(Ok(tables))) => LazyKind::Toc(Box::new(TocImages {
+                            opts,
+                            source: source.clone(),
+                            resolved: resolved.clone(),
+                            diff_ids,
+                            tables,
+                        })),
+                        Ok(None) => LazyKind::Whole(why),
+                        Ok(Some(Err(toc_why))) => {
+                            LazyKind::Whole(format!("{why}, and its tables of contents cannot be used: {toc_why}"))
+                        }
+                        Err(OciError::Interrupted) => return Err(OciError::Interrupted),
+                        Err(e) => LazyKind::Whole(format!("{why}, and its tables of contents cannot be used: {e}")),
                     }
-                    Err(OciError::Interrupted) => return Err(OciError::Interrupted),
-                    Err(e) => LazyKind::Whole(format!("{why}, and its tables of contents cannot be used: {e}")),
-                },
+                }
             },
             _ => LazyKind::Whole("only an image in a registry has an index".into()),
         }
@@ -945,8 +989,8 @@ impl IndexedImage {
         if n == 0 || maps.len() != n {
             return Err(OciError::manifest(what(), format!("has no chain of {n} layers")));
         }
-        let (image, digest) = if n == self.index.maps.len() {
-            (self.index.image.clone(), self.index.fsverity)
+        let (image, digest) = if let (true, Some(image)) = (n == self.index.maps.len(), &self.index.image) {
+            image.clone()
         } else {
             let digests: Vec<&Digest> = self.resolved.layers.iter().take(n).map(|l| &l.digest).collect();
             flatten(&maps, &digests, false)?

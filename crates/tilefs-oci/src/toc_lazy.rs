@@ -106,23 +106,50 @@ pub enum Table {
         offset: u64,
         uncompressed_len: u64,
     },
+    /// An eStargz table whose JSON is in the store already, as the object
+    /// of the layer's `stargz.index.json` (its image holds it): the
+    /// record names it rather than keeping a second copy. (Last, so the
+    /// records written before it still decode.)
+    EstargzStored {
+        /// The object (its fs-verity digest).
+        object: [u8; 32],
+        digest: String,
+        toc_offset: u64,
+        header: Vec<u8>,
+    },
 }
 
 impl Table {
-    /// Checks the bytes against their digest again and parses them.
-    fn parse(&self) -> Result<Toc, String> {
+    /// Checks the bytes (read from `store` if there) against their digest
+    /// again and parses them.
+    fn parse(&self, store: Option<&Store>) -> Result<Toc, String> {
         let digest = |d: &str| tilefs_seekable::Digest::parse(d, "digest").map_err(|e| e.to_string());
+        let estargz = |json: &[u8], d: &str, toc_offset: u64| {
+            digest(d)?
+                .verify(json, || "the eStargz table of contents".into())
+                .map_err(|e| e.to_string())?;
+            estargz::parse_json(json, toc_offset).map_err(|e| e.to_string())
+        };
         match self {
             Table::Estargz {
                 json,
                 digest: d,
                 toc_offset,
                 ..
+            } => estargz(json, d, *toc_offset),
+            Table::EstargzStored {
+                object,
+                digest: d,
+                toc_offset,
+                ..
             } => {
-                digest(d)?
-                    .verify(json, || "the eStargz table of contents".into())
-                    .map_err(|e| e.to_string())?;
-                estargz::parse_json(json, *toc_offset).map_err(|e| e.to_string())
+                let path = Store::object_rel(object);
+                let store = store.ok_or("the eStargz table of contents is in a store")?;
+                let mut json = Vec::new();
+                tilefs_store::open_regular(store.dir_fd(), Path::new(&path), false)
+                    .and_then(|f| f.take(toc::MAX_TOC_JSON).read_to_end(&mut json))
+                    .map_err(|e| format!("the eStargz table of contents, object {path} of the store: {e}"))?;
+                estargz(&json, d, *toc_offset)
             }
             Table::ZstdChunked {
                 manifest,
@@ -142,7 +169,7 @@ impl Table {
 
     fn format(&self) -> &'static str {
         match self {
-            Table::Estargz { .. } => "eStargz",
+            Table::Estargz { .. } | Table::EstargzStored { .. } => "eStargz",
             Table::ZstdChunked { .. } => "zstd:chunked",
         }
     }
@@ -190,33 +217,58 @@ pub fn toc_image(
     progress: &PullProgress,
     layers: usize,
 ) -> Result<Option<Result<TocImage, String>>, OciError> {
-    Ok(tables(source, resolved, opts, progress)?.map(|t| t?.image(store, layers, opts.keep_all_xattrs)))
+    Ok(tables(source, resolved, opts, progress, &|_, _| false)?.map(|t| t?.image(store, layers, opts.keep_all_xattrs)))
 }
 
 /// An image's tables of contents, fetched and checked once: the
 /// snapshotter makes the image of each chain of its layers from them.
 pub struct TocTables {
+    /// The tables read, in the image's layers' order.
     record: TocRecord,
     /// Shared with the sources made from them ([`TocTables::diff_source`]).
     tocs: Vec<Arc<Toc>>,
+    /// Per layer of the image: where its table is in `record` and `tocs`
+    /// (None: not read, the caller knowing it already), and the digest
+    /// its annotation gives the table.
+    at: Vec<(Option<usize>, String)>,
 }
 
 impl TocTables {
     /// The image of the first `layers` layers (1 ..= all), as
     /// [`toc_image`] makes it.
     pub fn image(&self, store: &Store, layers: usize, keep_all_xattrs: bool) -> Result<TocImage, String> {
-        if layers == 0 || layers > self.tocs.len() {
+        let read = self.at.iter().take(layers).all(|a| a.0.is_some());
+        if layers == 0 || layers > self.at.len() || !read || self.tocs.len() != self.at.len() {
             return Err(format!("{} has no chain of {layers} layers", self.record.source));
         }
         let record = self.record.with_layers(self.record.layers[..layers].to_vec());
         image_of(store, record, &self.tocs[..layers], keep_all_xattrs, false)
     }
 
+    /// The digest the annotation of layer `n` gives its table.
+    pub fn table_digest(&self, n: usize) -> Option<&str> {
+        self.at.get(n).map(|a| a.1.as_str())
+    }
+
+    /// Whether layer `n`'s table was read.
+    pub fn is_read(&self, n: usize) -> bool {
+        self.read(n).is_ok()
+    }
+
+    /// Where layer `n`'s table is, if it was read.
+    fn read(&self, n: usize) -> Result<usize, String> {
+        match self.at.get(n) {
+            Some((Some(k), _)) => Ok(*k),
+            _ => Err(format!("{} has no table read for layer {n}", self.record.source)),
+        }
+    }
+
     /// The image of layer `n`'s diff alone (its whiteouts and opaque
     /// directories kept, as [`crate::apply::Applier::apply_diff`] keeps
     /// them), for podman's layer store; its record names that layer only.
     pub fn diff_image(&self, store: &Store, n: usize) -> Result<TocImage, String> {
-        let (Some(layer), Some(toc)) = (self.record.layers.get(n), self.tocs.get(n)) else {
+        let k = self.read(n)?;
+        let (Some(layer), Some(toc)) = (self.record.layers.get(k), self.tocs.get(k)) else {
             return Err(format!("{} has no layer {n}", self.record.source));
         };
         let record = self.record.with_layers(vec![layer.clone()]);
@@ -229,8 +281,9 @@ impl TocTables {
     /// reading it back and checking and parsing its table again.
     pub fn diff_source(&self, store: &Store, n: usize, record: TocRecord) -> Result<Arc<dyn ObjectSource>, OciError> {
         let toc = self
-            .tocs
-            .get(n)
+            .read(n)
+            .ok()
+            .and_then(|k| self.tocs.get(k))
             .ok_or_else(|| OciError::Reference(format!("{} has no layer {n}", self.record.source)))?;
         let store = Store::open(store.path())?;
         Ok(Arc::new(TocSource::of(store, record, vec![toc.clone()])))
@@ -276,12 +329,14 @@ const TABLE_JOBS: usize = 4;
 type TableRead = Result<(TocLayer, Toc), OciError>;
 
 /// The tables of contents of `resolved`'s layers, as [`toc_image`] reads
-/// them (several at once).
+/// them (several at once), but those of the layers `known` (given their
+/// digest and their table's) says the caller has made use of already.
 pub fn tables(
     source: &ImageRef,
     resolved: &Resolved,
     opts: &PullOptions,
     progress: &PullProgress,
+    known: &dyn Fn(&str, &str) -> bool,
 ) -> Result<Option<Result<TocTables, String>>, OciError> {
     let ImageRef::Registry { reference } = source else {
         return Ok(None);
@@ -307,6 +362,22 @@ pub fn tables(
         ))));
     }
     progress.stage.set("fetching the layers' tables of contents", true);
+    let digests: Vec<String> = annotated
+        .iter()
+        .map(|a| match a {
+            Some(Annotated::Estargz { toc_digest }) => format!("sha256:{}", hex::encode(toc_digest.0)),
+            Some(Annotated::ZstdChunked { manifest_digest, .. }) => {
+                format!("sha256:{}", hex::encode(manifest_digest.0))
+            }
+            None => String::new(),
+        })
+        .collect();
+    let skip: Vec<bool> = resolved
+        .layers
+        .iter()
+        .zip(&digests)
+        .map(|(l, d)| known(&l.digest.to_string(), d))
+        .collect();
     let next = std::sync::atomic::AtomicUsize::new(0);
     let read: Vec<std::sync::Mutex<Option<TableRead>>> = annotated.iter().map(|_| Default::default()).collect();
     std::thread::scope(|s| {
@@ -316,15 +387,24 @@ pub fn tables(
                 let (Some(l), Some(Some(a))) = (resolved.layers.get(i), annotated.get(i)) else {
                     break;
                 };
+                if skip[i] {
+                    continue;
+                }
                 *read[i].lock().unwrap_or_else(|e| e.into_inner()) = Some(read_table(&reg, l, a));
             });
         }
     });
     let (mut layers, mut tocs) = (Vec::with_capacity(annotated.len()), Vec::with_capacity(annotated.len()));
+    let mut at = Vec::with_capacity(annotated.len());
     // The first failure in the manifest's order.
-    for (l, r) in resolved.layers.iter().zip(read) {
+    for (((l, r), skip), digest) in resolved.layers.iter().zip(read).zip(skip).zip(digests) {
+        if skip {
+            at.push((None, digest));
+            continue;
+        }
         match r.into_inner().unwrap_or_else(|e| e.into_inner()) {
             Some(Ok((layer, toc))) => {
+                at.push((Some(layers.len()), digest));
                 layers.push(layer);
                 tocs.push(Arc::new(toc));
             }
@@ -342,7 +422,7 @@ pub fn tables(
         layers,
     };
     progress.stage.set("writing the image of the tables of contents", false);
-    Ok(Some(Ok(TocTables { record, tocs })))
+    Ok(Some(Ok(TocTables { record, tocs, at })))
 }
 
 /// Each layer's table of contents as its annotations announce it (None
@@ -417,7 +497,9 @@ fn read_table(reg: &Registry, blob: &BlobRef, a: &Annotated) -> Result<(TocLayer
             uncompressed_len: manifest.uncompressed_len,
         },
     };
-    let toc = table.parse().map_err(|e| OciError::blob(&blob.digest.to_string(), e))?;
+    let toc = table
+        .parse(None)
+        .map_err(|e| OciError::blob(&blob.digest.to_string(), e))?;
     let layer = TocLayer {
         digest: blob.digest.to_string(),
         size,
@@ -440,7 +522,7 @@ enum Got {
 /// (`diff`: the one layer's diff, not the layers applied.)
 fn image_of(
     store: &Store,
-    record: TocRecord,
+    mut record: TocRecord,
     tocs: &[Arc<Toc>],
     keep_all_xattrs: bool,
     diff: bool,
@@ -448,7 +530,9 @@ fn image_of(
     let mut applier = Applier::new(keep_all_xattrs);
     let mut resolved: HashMap<[u8; 32], Option<[u8; 32]>> = HashMap::new();
     let mut aliased: HashSet<[u8; 32]> = HashSet::new();
-    for (l, toc) in record.layers.iter().zip(tocs) {
+    // Each layer's table's object, where its JSON went to the store.
+    let mut stored: Vec<Option<[u8; 32]>> = vec![None; record.layers.len()];
+    for ((l, toc), stored) in record.layers.iter().zip(tocs).zip(&mut stored) {
         let mut entries = Vec::with_capacity(toc.entries.len() + 1);
         for e in &toc.entries {
             let got = |f: &toc::File| {
@@ -462,7 +546,15 @@ fn image_of(
             entries.extend(entry(e, got).map_err(fail)?);
         }
         if let Table::Estargz { json, header, .. } = &l.table {
-            entries.push(toc_file(store, json, header).map_err(|e| format!("layer {}: {e}", l.digest))?);
+            let file = toc_file(store, json, header).map_err(|e| format!("layer {}: {e}", l.digest))?;
+            if let Kind::File {
+                content: Content::Object(object),
+                ..
+            } = &file.kind
+            {
+                *stored = Some(*object);
+            }
+            entries.push(file);
         }
         if diff {
             applier.apply_diff(&l.digest, entries).map_err(|e| e.to_string())?;
@@ -474,6 +566,29 @@ fn image_of(
         compat::normalize(applier.tree_mut());
     }
     let mut tree = applier.finish();
+    // A table whose JSON is an object the image holds (an upper layer's
+    // `stargz.index.json` may hide a lower one's) is named in the record,
+    // not kept there a second time.
+    let held: HashSet<[u8; 32]> = tree.inodes.iter().filter_map(|i| i.digest).collect();
+    for (l, object) in record.layers.iter_mut().zip(stored) {
+        if let (
+            Table::Estargz {
+                digest,
+                toc_offset,
+                header,
+                ..
+            },
+            Some(object),
+        ) = (&mut l.table, object.filter(|o| held.contains(o)))
+        {
+            l.table = Table::EstargzStored {
+                object,
+                digest: std::mem::take(digest),
+                toc_offset: *toc_offset,
+                header: std::mem::take(header),
+            };
+        }
+    }
     // Files not here yet: named by alias, with no fs-verity digest to
     // check (their bytes are checked against the table when fetched).
     // Those of lower layers that upper ones removed are not counted.
@@ -753,6 +868,41 @@ pub fn open_source(store: &Path, image: &[u8; 32]) -> Result<Option<Arc<dyn Obje
     Ok(LazySource::open(store, image)?.map(|s| Arc::new(s) as Arc<dyn ObjectSource>))
 }
 
+/// [`open_source`], its record read (and its tables parsed) at the first
+/// fetch rather than now: podman's layer store serves layers kept or made
+/// already at its lookups, most of whose files are never read.
+pub fn open_source_later(store: &Path, image: &[u8; 32]) -> Result<Option<Arc<dyn ObjectSource>>, OciError> {
+    if !remote::is_lazy(&Store::open(store)?, image) {
+        return Ok(None);
+    }
+    Ok(Some(Arc::new(Later {
+        store: store.to_path_buf(),
+        image: *image,
+        source: OnceLock::new(),
+    })))
+}
+
+/// A source opened at its first use.
+struct Later {
+    store: std::path::PathBuf,
+    image: [u8; 32],
+    source: OnceLock<Result<Option<Arc<dyn ObjectSource>>, String>>,
+}
+
+impl ObjectSource for Later {
+    fn fetch(&self, digest: &[u8; 32], size: u64) -> Result<(), String> {
+        let source = self
+            .source
+            .get_or_init(|| open_source(&self.store, &self.image).map_err(|e| e.to_string()));
+        match source {
+            Ok(Some(s)) => s.fetch(digest, size),
+            // Completed meanwhile: every file is in the store.
+            Ok(None) => Ok(()),
+            Err(e) => Err(e.clone()),
+        }
+    }
+}
+
 /// Fetches the files of an image pulled from tables of contents as a FUSE
 /// mount first reads them, by the SHA-256 its image names them by.
 pub struct TocSource {
@@ -778,7 +928,7 @@ impl TocSource {
         for (i, l) in record.layers.iter().enumerate() {
             let toc = l
                 .table
-                .parse()
+                .parse(Some(&store))
                 .map_err(|e| OciError::io(&path, "a lazy-pull record", io::Error::other(format!("layer {i}: {e}"))))?;
             tocs.push(Arc::new(toc));
         }
