@@ -520,7 +520,7 @@ fn a_rootless_user_runs_the_layer_store_in_podman_unshare() {
     // The registry asks for a password: the user's `podman login` gives it
     // to podman and the layer store alike.
     let (registry, given, images) = behind_a_password(&area, &["app"], "rootless and lazy\n");
-    let app = &images[0];
+    let [app]: [String; 1] = images.try_into().unwrap();
 
     let user = TestUser::new();
     let conf = user.home.join(".config/containers");
@@ -669,7 +669,7 @@ fn the_layer_store_reaches_registries_with_podmans_credentials_and_mirrors() {
     require(not_root("podman's storage in a private graphroot"));
     let area = Area::new();
     let (registry, given, images) = behind_a_password(&area, &["app", "app2"], "behind a password\n");
-    let (app, app2) = (&images[0], &images[1]);
+    let [app, app2]: [String; 2] = images.try_into().unwrap();
     let store = area.path("store");
     let mnt = area.path("mnt");
     // Declared first, dropped last: after podman's reset.
