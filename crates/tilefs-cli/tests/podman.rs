@@ -204,6 +204,39 @@ fn index(area: &Area, registry: &Registry, name: &str, auth: Option<&Path>) {
     assert!(out.status.success(), "index {name}: {}", stderr(&out));
 }
 
+/// A registry that asks for alice's password, with images `names`
+/// (busybox's `cat` as the entrypoint, `/msg` saying `msg`) pushed and
+/// indexed: the registry, an auth.json with her credentials (podman's
+/// `--authfile`), and the images' references. What the tests of
+/// credentials start from.
+fn behind_a_password(area: &Area, names: &[&str], msg: &str) -> (Registry, PathBuf, Vec<String>) {
+    require(cannot_fuse());
+    for (program, package) in [
+        ("podman", "podman"),
+        ("umoci", "umoci"),
+        ("skopeo", "skopeo"),
+        ("htpasswd", "apache2-utils"),
+    ] {
+        require(missing_program(program, package));
+    }
+    let given = area.path("given.json");
+    let registry = Registry::start_with_password(area, "alice", "s3cret", &given);
+    let fill = |root: &Path| {
+        busybox_into(root, &["cat"]);
+        fs::write(root.join("msg"), msg).unwrap();
+    };
+    let (entry, creds) = (["--config.entrypoint", "/bin/cat"], ["--dest-creds", "alice:s3cret"]);
+    let images = names
+        .iter()
+        .map(|name| {
+            let image = push_image_as(area, &registry, name, &[&fill], &entry, &creds);
+            index(area, &registry, name, Some(&given));
+            image
+        })
+        .collect();
+    (registry, given, images)
+}
+
 #[test]
 fn podman_pulls_indexed_images_through_the_layer_store() {
     require(cannot_fuse());
@@ -481,32 +514,13 @@ impl Drop for TestUser {
 
 #[test]
 fn a_rootless_user_runs_the_layer_store_in_podman_unshare() {
-    require(cannot_fuse());
     require(not_root("making a user for the rootless case"));
-    require(missing_program("podman", "podman"));
     require(missing_program("newuidmap", "uidmap"));
-    require(missing_program("umoci", "umoci"));
-    require(missing_program("skopeo", "skopeo"));
-    require(missing_program("htpasswd", "apache2-utils"));
     let area = Area::new();
     // The registry asks for a password: the user's `podman login` gives it
     // to podman and the layer store alike.
-    let given = area.path("given.json");
-    let registry = Registry::start_with_password(&area, "alice", "s3cret", &given);
-    let fill = |root: &Path| {
-        busybox_into(root, &["cat"]);
-        fs::write(root.join("msg"), "rootless and lazy\n").unwrap();
-    };
-    let entry = ["--config.entrypoint", "/bin/cat"];
-    let app = push_image_as(
-        &area,
-        &registry,
-        "app",
-        &[&fill],
-        &entry,
-        &["--dest-creds", "alice:s3cret"],
-    );
-    index(&area, &registry, "app", Some(&given));
+    let (registry, given, images) = behind_a_password(&area, &["app"], "rootless and lazy\n");
+    let [app]: [String; 1] = images.try_into().unwrap();
 
     let user = TestUser::new();
     let conf = user.home.join(".config/containers");
@@ -675,25 +689,10 @@ fn an_estargz_image_is_served_from_its_table_of_contents() {
 
 #[test]
 fn the_layer_store_reaches_registries_with_podmans_credentials_and_mirrors() {
-    require(cannot_fuse());
     require(not_root("podman's storage in a private graphroot"));
-    require(missing_program("podman", "podman"));
-    require(missing_program("umoci", "umoci"));
-    require(missing_program("skopeo", "skopeo"));
-    require(missing_program("htpasswd", "apache2-utils"));
     let area = Area::new();
-    let given = area.path("given.json");
-    let registry = Registry::start_with_password(&area, "alice", "s3cret", &given);
-    let fill = |root: &Path| {
-        busybox_into(root, &["cat"]);
-        fs::write(root.join("msg"), "behind a password\n").unwrap();
-    };
-    let (entry, creds) = (["--config.entrypoint", "/bin/cat"], ["--dest-creds", "alice:s3cret"]);
-    let app = push_image_as(&area, &registry, "app", &[&fill], &entry, &creds);
-    let app2 = push_image_as(&area, &registry, "app2", &[&fill], &entry, &creds);
-    for name in ["app", "app2"] {
-        index(&area, &registry, name, Some(&given));
-    }
+    let (registry, given, images) = behind_a_password(&area, &["app", "app2"], "behind a password\n");
+    let [app, app2]: [String; 2] = images.try_into().unwrap();
     let store = area.path("store");
     let mnt = area.path("mnt");
     // Declared first, dropped last: after podman's reset.

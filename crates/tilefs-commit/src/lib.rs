@@ -44,6 +44,14 @@ use tilefs_store::{tags, Store, StoreError};
 pub enum CommitError {
     #[error("{}: {reason}", path.display())]
     At { path: PathBuf, reason: String },
+    /// A system call on `path` (in the upper directory, the mount, the
+    /// store) failed at `what`.
+    #[error("{}: {what}: {err}", path.display())]
+    Io {
+        path: PathBuf,
+        what: &'static str,
+        err: std::io::Error,
+    },
     #[error(transparent)]
     Store(#[from] StoreError),
 }

@@ -32,10 +32,11 @@ pub struct Dir {
 }
 
 /// An error about `path`.
-pub fn at(path: &Path, what: &str, e: Errno) -> CommitError {
-    CommitError::At {
+pub fn at(path: &Path, what: &'static str, e: Errno) -> CommitError {
+    CommitError::Io {
         path: path.to_path_buf(),
-        reason: format!("{what}: {}", std::io::Error::from(e)),
+        what,
+        err: e.into(),
     }
 }
 

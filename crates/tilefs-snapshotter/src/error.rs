@@ -47,6 +47,9 @@ pub enum Error {
     },
     #[error("{0}")]
     Store(#[from] tilefs_store::StoreError),
+    /// A committed snapshot's upper directory read as a layer.
+    #[error(transparent)]
+    Layer(#[from] crate::layer::LayerError),
     #[error("{0}")]
     Oci(#[from] tilefs_oci::OciError),
     /// The snapshotter's own state is not as it must be (a record, a

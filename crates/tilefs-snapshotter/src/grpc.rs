@@ -3,6 +3,7 @@
 //! error given the gRPC code containerd's errdefs read (here, once).
 
 use crate::error::Error;
+use crate::layer::LayerError;
 use crate::state::SnapKind;
 use crate::Tilefs;
 use containerd_snapshots::api::types::Mount;
@@ -10,6 +11,8 @@ use containerd_snapshots::{Info, Snapshotter, Usage};
 use std::collections::HashMap;
 use std::path::Path;
 use std::sync::Arc;
+use tilefs_commit::CommitError;
+use tilefs_store::StoreError;
 use tonic::{Code, Status};
 
 /// The gRPC code containerd reads `e` as.
@@ -24,7 +27,44 @@ pub fn code(e: &Error) -> Code {
         Error::Lazy(_) => Code::Unavailable,
         Error::Refused(_) => Code::PermissionDenied,
         Error::Context { error, .. } => code(error),
-        Error::Io { .. } | Error::Store(_) | Error::Oci(_) | Error::Broken(_) => Code::Internal,
+        Error::Layer(e) => layer_code(e),
+        Error::Store(e) => store_code(e),
+        Error::Io { err, .. } => io_code(err),
+        Error::Oci(_) | Error::Broken(_) => Code::Internal,
+    }
+}
+
+/// A snapshot's upper directory that could not be read as a layer.
+fn layer_code(e: &LayerError) -> Code {
+    match e {
+        LayerError::Read(CommitError::Io { err, .. }) => io_code(err),
+        LayerError::Read(CommitError::Store(e)) | LayerError::Import { err: e, .. } => store_code(e),
+        LayerError::Read(CommitError::At { .. }) => Code::Internal,
+        // The upper directory is not one overlayfs made over its parents.
+        LayerError::MetacopyWithoutData { .. } | LayerError::MetacopySize { .. } => Code::FailedPrecondition,
+        // Written to while committed: another Commit may find it still.
+        LayerError::ChangedSize { .. } => Code::Aborted,
+        LayerError::Threads(_) => Code::ResourceExhausted,
+    }
+}
+
+fn store_code(e: &StoreError) -> Code {
+    match e {
+        StoreError::Io { err, .. } | StoreError::SourceIo { err, .. } => io_code(err),
+        // A gc or build holds the store: asking again later succeeds.
+        StoreError::Busy(_) => Code::Unavailable,
+        StoreError::Interrupted => Code::Cancelled,
+        StoreError::Source { .. } => Code::Aborted,
+        StoreError::Invalid(_) | StoreError::Mismatch(_) => Code::Internal,
+    }
+}
+
+/// A full disk or quota is the one failure of the system the caller can
+/// act on.
+fn io_code(e: &std::io::Error) -> Code {
+    match e.kind() {
+        std::io::ErrorKind::StorageFull | std::io::ErrorKind::QuotaExceeded => Code::ResourceExhausted,
+        _ => Code::Internal,
     }
 }
 
@@ -123,4 +163,31 @@ pub async fn serve(
     router(snap, cri_image_service)
         .serve_with_incoming_shutdown(incoming, shutdown)
         .await
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn store_failures_get_the_codes_a_caller_can_act_on() {
+        let import = |err| {
+            crate::Error::from(LayerError::Import {
+                path: "/u/f".into(),
+                err,
+            })
+        };
+        let io = |kind| tilefs_store::StoreError::io(Path::new("/s"), "cannot write", std::io::Error::from(kind));
+        let cases = [
+            (import(io(std::io::ErrorKind::StorageFull)), Code::ResourceExhausted),
+            (import(io(std::io::ErrorKind::PermissionDenied)), Code::Internal),
+            (import(tilefs_store::StoreError::Busy("/s".into())), Code::Unavailable),
+            (import(tilefs_store::StoreError::Interrupted), Code::Cancelled),
+            (LayerError::ChangedSize { path: "/u/f".into() }.into(), Code::Aborted),
+        ];
+        for (e, want) in cases {
+            let shown = e.to_string();
+            assert_eq!(code(&e.context("commit")), want, "{shown}");
+        }
+    }
 }

@@ -42,6 +42,30 @@ use tilefs_store::ingest::{Ingest, Method, SourceFile};
 /// Overlayfs's own markers in the upper directory (never file xattrs).
 const OVERLAY_PREFIX: &[u8] = b"trusted.overlay.";
 
+/// Why an upper directory could not be read as a layer.
+#[derive(Debug, thiserror::Error)]
+pub enum LayerError {
+    /// Reading the directory failed (its path and the system's error).
+    #[error(transparent)]
+    Read(#[from] tilefs_commit::CommitError),
+    /// A metacopy file whose data the layers below do not hold.
+    #[error("{}: a metacopy file whose data is not below it", path.display())]
+    MetacopyWithoutData { path: PathBuf },
+    #[error("{}: a metacopy file of {size} bytes over data of {below} bytes", path.display())]
+    MetacopySize { path: PathBuf, size: u64, below: u64 },
+    /// A file written to while it was read (the snapshot is in use).
+    #[error("{}: changed size while being read", path.display())]
+    ChangedSize { path: PathBuf },
+    /// A file could not be put into the store.
+    #[error("{}: cannot store it: {err}", path.display())]
+    Import {
+        path: PathBuf,
+        err: tilefs_store::StoreError,
+    },
+    #[error("cannot start worker threads: {0}")]
+    Threads(#[from] rayon::ThreadPoolBuildError),
+}
+
 /// What a layer holds, for `Usage`.
 #[derive(Debug, Default, Clone, Copy, serde::Serialize, serde::Deserialize)]
 pub struct LayerUsage {
@@ -104,7 +128,7 @@ pub fn read_upper(
     below: &Tree,
     journal: impl FnOnce(&[Undo]) -> crate::Result<()>,
 ) -> crate::Result<(Vec<LayerEntry>, LayerUsage)> {
-    let root = Dir::open_root(upper).map_err(broken)?;
+    let root = Dir::open_root(upper).map_err(read_err)?;
     let mut out = Vec::new();
     let mut usage = LayerUsage::default();
     let mut links: HashMap<(u64, u64), Vec<Vec<u8>>> = HashMap::new();
@@ -132,7 +156,7 @@ pub fn read_upper(
             },
             xattrs: root
                 .xattrs(None)
-                .map_err(broken)?
+                .map_err(read_err)?
                 .into_iter()
                 .filter(|(k, _)| !k.starts_with(OVERLAY_PREFIX))
                 .collect(),
@@ -153,16 +177,16 @@ pub fn read_upper(
     }) = stack.pop()
     {
         let mut subdirs = Vec::new();
-        let names = dir.names().map_err(broken)?;
+        let names = dir.names().map_err(read_err)?;
         for name in &names {
             let name = name.clone();
             let mut path = rel.clone();
             path.push(name.to_bytes().to_vec());
-            let Some(st) = dir.stat(&name).map_err(broken)? else {
+            let Some(st) = dir.stat(&name).map_err(read_err)? else {
                 continue;
             };
             let shown = dir.join(name.to_bytes());
-            let raw = dir.xattrs(Some(&name)).map_err(broken)?;
+            let raw = dir.xattrs(Some(&name)).map_err(read_err)?;
             let marker = |k: &str| {
                 raw.iter()
                     .find(|(key, _)| key.strip_prefix(OVERLAY_PREFIX) == Some(k.as_bytes()))
@@ -226,19 +250,15 @@ pub fn read_upper(
                         name.to_bytes(),
                         marker("redirect").as_deref(),
                     )
-                    .ok_or_else(|| {
-                        crate::Error::Broken(format!(
-                            "{}: a metacopy file whose data is not below it",
-                            shown.display()
-                        ))
-                    })?;
+                    .ok_or_else(|| LayerError::MetacopyWithoutData { path: shown.clone() })?;
                     let size = size.unwrap_or(st.st_size as u64);
                     if size != st.st_size as u64 {
-                        return Err(crate::Error::Broken(format!(
-                            "{}: a metacopy file of {} bytes over data of {size} bytes",
-                            shown.display(),
-                            st.st_size
-                        )));
+                        return Err(LayerError::MetacopySize {
+                            path: shown,
+                            size: st.st_size as u64,
+                            below: size,
+                        }
+                        .into());
                     }
                     Kind::File { size, content }
                 }
@@ -272,18 +292,15 @@ pub fn read_upper(
                     } else {
                         let data = dir
                             .read_file(&name, RECOMMENDED_INLINE_MAX as usize + 1)
-                            .map_err(broken)?;
+                            .map_err(read_err)?;
                         if data.len() as u64 != size {
-                            return Err(crate::Error::Broken(format!(
-                                "{}: changed size while being read",
-                                shown.display()
-                            )));
+                            return Err(LayerError::ChangedSize { path: shown }.into());
                         }
                         Content::Inline(data)
                     };
                     Kind::File { size, content }
                 }
-                S_IFLNK => Kind::Symlink(dir.readlink(&name).map_err(broken)?),
+                S_IFLNK => Kind::Symlink(dir.readlink(&name).map_err(read_err)?),
                 S_IFCHR | S_IFBLK => Kind::Device {
                     mode_type: typ,
                     // The kernel's 32-bit encoding is the low half of the 64-bit one.
@@ -632,13 +649,17 @@ fn import_all(upper: &Path, ingest: &Ingest<'_>, pending: &[Pending], out: &mut 
                 },
                 p.names,
             )
-            .map_err(broken)
+            .map_err(|err| LayerError::Import {
+                path: p.path.clone(),
+                err,
+            })
+            .map_err(crate::Error::from)
     };
     let pool = rayon::ThreadPoolBuilder::new()
         .num_threads(tilefs_image::source::worker_threads(0).min(pending.len()))
         .thread_name(|i| format!("tilefs-layer-{i}"))
         .build()
-        .map_err(|e| crate::Error::Broken(format!("cannot start worker threads: {e}")))?;
+        .map_err(LayerError::from)?;
     let digests: Vec<crate::Result<[u8; 32]>> = pool.install(|| pending.par_iter().map(one).collect());
     for (p, d) in pending.iter().zip(digests) {
         if let Kind::File { content, .. } = &mut out[p.entry].kind {
@@ -648,12 +669,13 @@ fn import_all(upper: &Path, ingest: &Ingest<'_>, pending: &[Pending], out: &mut 
     Ok(())
 }
 
-fn broken(e: impl std::fmt::Display) -> crate::Error {
-    crate::Error::Broken(e.to_string())
+/// A failure to read the upper directory.
+fn read_err(e: tilefs_commit::CommitError) -> crate::Error {
+    LayerError::Read(e).into()
 }
 
 fn open_sub(dir: &Dir, name: &CStr) -> crate::Result<Dir> {
-    dir.open_dir(name).map_err(broken)
+    dir.open_dir(name).map_err(read_err)
 }
 
 /// The data a metacopy file `name` shows, in a directory whose place below
@@ -689,4 +711,66 @@ fn metacopy_data(
         _ => return None,
     };
     Some((Some(n.size), content))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::grpc::code;
+    use tilefs_commit::CommitError;
+    use tonic::Code;
+
+    /// An upper directory read as a layer over an empty tree, its files
+    /// copied into a new store: the entries, or the error.
+    fn read(upper: &Path, store: &Path) -> crate::Result<Vec<LayerEntry>> {
+        let store = tilefs_store::Store::create(store).unwrap();
+        let ingest = Ingest::new(&store, Default::default()).unwrap();
+        let below = Tree::new(tilefs_image::tree::Inode::new(S_IFDIR | 0o755));
+        read_upper(upper, &ingest, &below, |_| Ok(())).map(|(entries, _)| entries)
+    }
+
+    #[test]
+    fn a_missing_upper_directory_is_named_with_the_system_error() {
+        let dir = tempfile::tempdir().unwrap();
+        let upper = dir.path().join("gone");
+        let e = read(&upper, &dir.path().join("store")).unwrap_err();
+        match &e {
+            crate::Error::Layer(LayerError::Read(CommitError::Io { path, err, .. })) => {
+                assert_eq!(
+                    (path.as_path(), err.kind()),
+                    (upper.as_path(), std::io::ErrorKind::NotFound)
+                );
+            }
+            other => panic!("{other:?}"),
+        }
+        assert!(e.to_string().starts_with(&upper.display().to_string()), "{e}");
+        assert_eq!(code(&e), Code::Internal);
+    }
+
+    /// A metacopy file over nothing: the upper directory is not one
+    /// overlayfs made over its parents (the marker is `trusted.`: root).
+    #[test]
+    fn a_metacopy_file_without_data_below_is_a_failed_precondition() {
+        if !rustix::process::geteuid().is_root() {
+            println!("skipped: setting trusted.overlay.metacopy needs root");
+            return;
+        }
+        let dir = tempfile::tempdir().unwrap();
+        let upper = dir.path().join("upper");
+        std::fs::create_dir(&upper).unwrap();
+        std::fs::write(upper.join("f"), b"").unwrap();
+        rustix::fs::setxattr(
+            upper.join("f"),
+            "trusted.overlay.metacopy",
+            b"",
+            rustix::fs::XattrFlags::empty(),
+        )
+        .unwrap();
+        let e = read(&upper, &dir.path().join("store")).unwrap_err();
+        match &e {
+            crate::Error::Layer(LayerError::MetacopyWithoutData { path }) => assert_eq!(path, &upper.join("f")),
+            other => panic!("{other:?}"),
+        }
+        assert_eq!(code(&e), Code::FailedPrecondition);
+    }
 }
