@@ -108,15 +108,31 @@ impl Armed {
         let serving = placeholder::hold_serving(store).map_err(|e| format!("{}: {e}", store.path().display()))?;
         let mut marked = HashMap::new();
         let maker = placeholder::Maker::new(store).map_err(|e| e.to_string())?;
-        for (d, size) in objects(tree)? {
-            if store.has_object(&d) {
+        let objects = objects(tree)?;
+        // Those the store lacks or has as placeholders, from listings of
+        // its fan-out directories rather than a lookup each.
+        let todo = tilefs_store::presence::absent(store, objects.keys().copied());
+        for (d, size) in todo.into_iter().map(|d| (d, objects[&d])) {
+            // Marked before it is named: nothing can reach it unmarked.
+            let mut made_as = None;
+            let made = maker
+                .create_armed(&d, size, |fd| {
+                    group.mark_inode(fd, MASK)?;
+                    let st = rfs::fstat(fd)?;
+                    made_as = Some((st.st_dev, st.st_ino));
+                    Ok(())
+                })
+                .map_err(|e| e.to_string())?;
+            if let (true, Some(key)) = (made, made_as) {
+                marked.insert(key, (d, size));
                 continue;
             }
-            maker.create(&d, size).map_err(|e| e.to_string())?;
+            // The store has it: another mount's placeholder (marked in this
+            // group too), or an object stored meanwhile.
             let rel = Store::object_rel(&d);
             let stat = || rfs::statat(store.dir_fd(), &rel, AtFlags::SYMLINK_NOFOLLOW).ok();
             let Some(st) = stat().filter(placeholder::is_placeholder) else {
-                continue; // fetched meanwhile
+                continue; // stored meanwhile
             };
             let path = CString::new(rel.as_str()).expect("no NUL in an object path");
             group

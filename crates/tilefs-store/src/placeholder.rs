@@ -16,9 +16,8 @@
 //! and swept once it is filled or gone; the mode decides where the two
 //! disagree (a crash between them).
 
-use crate::layout::{temp_name, TMP_DIR};
 use crate::{Store, StoreError};
-use rustix::fd::{AsFd, OwnedFd};
+use rustix::fd::{AsFd, BorrowedFd, OwnedFd};
 use rustix::fs::{self as rfs, AtFlags, Mode, OFlags};
 use std::collections::HashSet;
 use std::io;
@@ -47,7 +46,6 @@ pub fn create(store: &Store, digest: &[u8; 32], size: u64) -> Result<bool, Store
 pub struct Maker<'a> {
     store: &'a Store,
     index: OwnedFd,
-    tmp: OwnedFd,
     fanouts: Vec<std::sync::OnceLock<OwnedFd>>,
 }
 
@@ -57,7 +55,6 @@ impl<'a> Maker<'a> {
         Ok(Maker {
             store,
             index: store.open_subdir(PLACEHOLDER_DIR)?,
-            tmp: store.open_subdir(TMP_DIR)?,
             fanouts: (0..256).map(|_| std::sync::OnceLock::new()).collect(),
         })
     }
@@ -74,6 +71,19 @@ impl<'a> Maker<'a> {
 
     /// [`create`].
     pub fn create(&self, digest: &[u8; 32], size: u64) -> Result<bool, StoreError> {
+        self.create_armed(digest, size, |_| Ok(()))
+    }
+
+    /// [`create`], with `arm` called on the new placeholder before it gets
+    /// its object name (a fanotify group marks it then: no mount reaches
+    /// it unmarked, and the mark costs no path walk). The placeholder is
+    /// not made if `arm` fails.
+    pub fn create_armed(
+        &self,
+        digest: &[u8; 32],
+        size: u64,
+        arm: impl FnOnce(BorrowedFd<'_>) -> io::Result<()>,
+    ) -> Result<bool, StoreError> {
         let rel = Store::object_rel(digest);
         let fan = self.fanout(digest)?;
         if rfs::statat(fan, &rel[3..], AtFlags::SYMLINK_NOFOLLOW).is_ok() {
@@ -81,23 +91,34 @@ impl<'a> Maker<'a> {
         }
         let path = self.store.join(&rel);
         let failed = |e: rustix::io::Errno| StoreError::io(&path, "cannot create a placeholder", e.into());
-        let (tmp, index) = (&self.tmp, &self.index);
-        let name = temp_name("placeholder-");
-        let fd = rfs::openat(
-            tmp,
-            name.as_str(),
-            OFlags::WRONLY | OFlags::CREATE | OFlags::EXCL | OFlags::CLOEXEC,
-            Mode::empty(),
-        )
+        let (index, name) = (&self.index, hex::encode(digest));
+        // Made as its index entry (listed first: a placeholder is never
+        // at its object path unlisted), then given its object name: two
+        // changes of directories, not a temporary name's five.
+        let create = || {
+            rfs::openat(
+                index,
+                name.as_str(),
+                OFlags::WRONLY | OFlags::CREATE | OFlags::EXCL | OFlags::CLOEXEC,
+                Mode::empty(),
+            )
+        };
+        let fd = match create() {
+            Err(rustix::io::Errno::EXIST) if is_at(self.store, digest) => return Ok(false),
+            // A stale entry (its placeholder filled or gone): replaced.
+            Err(rustix::io::Errno::EXIST) => {
+                let _ = rfs::unlinkat(index, name.as_str(), AtFlags::empty());
+                create()
+            }
+            fd => fd,
+        }
         .map_err(failed)?;
-        // Listed first (a placeholder is never there unlisted; a stale
-        // entry of an earlier one is replaced), then given its object name.
         let made = rfs::ftruncate(&fd, size)
             .and_then(|()| rfs::fchmod(&fd, Mode::from_raw_mode(MODE)))
-            .and_then(|()| rfs::linkat(tmp, name.as_str(), tmp, format!("{name}.i"), AtFlags::empty()))
-            .and_then(|()| rfs::renameat(tmp, format!("{name}.i"), index, hex::encode(digest)))
-            .and_then(|()| rfs::linkat(tmp, name.as_str(), fan, &rel[3..], AtFlags::empty()));
-        let _ = rfs::unlinkat(tmp, name.as_str(), AtFlags::empty());
+            .and_then(|()| {
+                arm(fd.as_fd()).map_err(|e| rustix::io::Errno::from_io_error(&e).unwrap_or(rustix::io::Errno::IO))
+            })
+            .and_then(|()| rfs::linkat(index, name.as_str(), fan, &rel[3..], AtFlags::empty()));
         match made {
             Ok(()) => Ok(true),
             // Stored meanwhile (an object, or another's placeholder).
@@ -489,5 +510,38 @@ mod tests {
         assert!(create(&store, &d3, 5).unwrap());
         std::fs::remove_file(store.object_path(&d3)).unwrap();
         assert_eq!(sweep(&store, false), 1);
+    }
+
+    #[test]
+    fn a_placeholder_is_its_index_entry_and_replaces_a_stale_one() {
+        let tmp = tempfile::tempdir().unwrap();
+        let store = Store::create(&tmp.path().join("store")).unwrap();
+        let d = tilefs_image::verity::digest_bytes(b"stale");
+        let entry = store.join(PLACEHOLDER_DIR).join(hex::encode(d));
+        // Left by a crash between a placeholder's listing and its naming.
+        std::fs::create_dir_all(entry.parent().unwrap()).unwrap();
+        std::fs::write(&entry, b"").unwrap();
+        let mut armed = None;
+        let maker = Maker::new(&store).unwrap();
+        let made = maker
+            .create_armed(&d, 5, |fd| {
+                // Armed before its object name exists.
+                assert!(rfs::stat(store.object_path(&d)).is_err());
+                armed = Some(rfs::fstat(fd)?.st_ino);
+                Ok(())
+            })
+            .unwrap();
+        assert!(made);
+        let (at, listed) = (rfs::stat(store.object_path(&d)).unwrap(), rfs::stat(&entry).unwrap());
+        assert_eq!((at.st_ino, at.st_size, at.st_mode & 0o7777), (listed.st_ino, 5, MODE));
+        assert_eq!(armed, Some(at.st_ino));
+        assert_eq!(list(&store), HashSet::from([d]));
+        // An arm that fails leaves nothing.
+        let d2 = tilefs_image::verity::digest_bytes(b"refused");
+        let refused = maker.create_armed(&d2, 5, |_| Err(io::Error::from_raw_os_error(libc::EPERM)));
+        assert!(refused.is_err());
+        assert!(rfs::stat(store.object_path(&d2)).is_err());
+        assert_eq!(list(&store), HashSet::from([d]));
+        assert_eq!(std::fs::read_dir(store.join(PLACEHOLDER_DIR)).unwrap().count(), 1);
     }
 }
