@@ -99,26 +99,7 @@ fn blob_gets_since(r: &Registry, n: usize) -> usize {
 /// The processes (pid, parent) whose command line names `store`: the
 /// mount's holder and filler.
 fn servers_of(store: &Path) -> Vec<(u32, u32)> {
-    let needle = store.to_string_lossy().into_owned();
-    let mut out = Vec::new();
-    for e in fs::read_dir("/proc").unwrap().flatten() {
-        let Ok(pid) = e.file_name().to_string_lossy().parse::<u32>() else {
-            continue;
-        };
-        let cmd = fs::read(e.path().join("cmdline")).unwrap_or_default();
-        if !String::from_utf8_lossy(&cmd).contains(&needle) || pid == std::process::id() {
-            continue;
-        }
-        let stat = fs::read_to_string(e.path().join("stat")).unwrap_or_default();
-        let ppid = stat
-            .rsplit(')')
-            .next()
-            .and_then(|r| r.split_whitespace().nth(1)?.parse().ok());
-        if let Some(ppid) = ppid {
-            out.push((pid, ppid));
-        }
-    }
-    out
+    common::filler::processes_naming(&[store.as_os_str().as_encoded_bytes()])
 }
 
 fn wait_until(what: &str, mut done: impl FnMut() -> bool) {
@@ -497,51 +478,9 @@ fn kill_9_of_the_filler_fails_closed_and_another_takes_over() {
     let log = area.path("filler.log");
     let (_m, _) = mount(&lazy, &tag, &mnt, &log, &[]);
     wait_until("the filler runs", || servers_of(&lazy).len() == 2);
-    let servers = servers_of(&lazy);
-    let holder = servers
-        .iter()
-        .find(|(_, ppid)| !servers.iter().any(|(p, _)| p == ppid))
-        .unwrap()
-        .0;
-    let filler = servers.iter().find(|(_, ppid)| *ppid == holder).unwrap().0;
-
+    let (holder, filler) = common::filler::holder_and_filler(&servers_of(&lazy));
     let files: Vec<PathBuf> = (0..24).map(|i| PathBuf::from(format!("d{}/f{i:03}", i % 5))).collect();
-    let (mut right, mut eio) = (0, 0);
-    std::thread::scope(|s| {
-        let readers: Vec<_> = files
-            .chunks(3)
-            .map(|chunk| {
-                let (mnt, src) = (&mnt, &src);
-                s.spawn(move || {
-                    chunk
-                        .iter()
-                        .map(|f| match fs::read(mnt.join(f)) {
-                            Ok(got) => {
-                                // Never a wrong byte.
-                                assert!(got == fs::read(src.join(f)).unwrap(), "{}: wrong bytes", f.display());
-                                true
-                            }
-                            Err(e) => {
-                                assert_eq!(e.raw_os_error(), Some(libc::EIO), "{}: {e}", f.display());
-                                false
-                            }
-                        })
-                        .collect::<Vec<_>>()
-                })
-            })
-            .collect();
-        std::thread::sleep(Duration::from_millis(150));
-        let _ = Command::new("kill").args(["-9", &filler.to_string()]).status();
-        for r in readers {
-            for ok in r.join().unwrap() {
-                if ok {
-                    right += 1
-                } else {
-                    eio += 1
-                }
-            }
-        }
-    });
+    let (right, eio) = common::filler::reads_across_a_kill(&mnt, &src, &files, filler);
     eprintln!("during the kill: {right} files read right, {eio} failed with EIO");
     assert!(eio > 0, "the kill came after every read ({right} read)");
     // Another filler took over: everything reads now.

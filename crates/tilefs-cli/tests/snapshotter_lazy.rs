@@ -581,26 +581,8 @@ fn cannot_fill() -> Option<String> {
 /// The processes (pid, parent) of kernel lazy mounts of `store`: their
 /// holders and fillers.
 fn fillers_of(store: &Path) -> Vec<(u32, u32)> {
-    let needle = format!("--store\0{}\0", store.display());
-    let mut out = Vec::new();
-    for e in fs::read_dir("/proc").unwrap().flatten() {
-        let Ok(pid) = e.file_name().to_string_lossy().parse::<u32>() else {
-            continue;
-        };
-        let cmd = String::from_utf8_lossy(&fs::read(e.path().join("cmdline")).unwrap_or_default()).into_owned();
-        if !(cmd.contains("--erofs-alone") && cmd.contains(&needle)) {
-            continue;
-        }
-        let stat = fs::read_to_string(e.path().join("stat")).unwrap_or_default();
-        if let Some(ppid) = stat
-            .rsplit(')')
-            .next()
-            .and_then(|r| r.split_whitespace().nth(1)?.parse().ok())
-        {
-            out.push((pid, ppid));
-        }
-    }
-    out
+    let store = format!("--store\0{}\0", store.display());
+    common::filler::processes_naming(&[b"--erofs-alone", store.as_bytes()])
 }
 
 fn wait_until(what: &str, mut done: impl FnMut() -> bool) {
@@ -673,49 +655,10 @@ fn kernel_filled_lazy_containers_outlive_a_restart_and_fail_closed() {
     let again = snap.mounts("k8s.io/9/ctr");
     assert_eq!(again.2, mounts[0].options, "{}", snap.log());
 
-    let servers = fillers_of(&store);
-    let holder = servers
-        .iter()
-        .find(|(_, ppid)| !servers.iter().any(|(p, _)| p == ppid))
-        .unwrap()
-        .0;
-    let filler = servers.iter().find(|(_, ppid)| *ppid == holder).unwrap().0;
+    let (holder, filler) = common::filler::holder_and_filler(&fillers_of(&store));
     let rest = &files[4..];
     slow.store(true, std::sync::atomic::Ordering::Relaxed);
-    let (mut right, mut eio) = (0, 0);
-    std::thread::scope(|s| {
-        let readers: Vec<_> = rest
-            .chunks(3)
-            .map(|chunk| {
-                let (root, img) = (&root, &img);
-                s.spawn(move || {
-                    chunk
-                        .iter()
-                        .map(|f| match fs::read(root.0.join(f)) {
-                            Ok(got) => {
-                                assert!(got == fs::read(img.rootfs.join(f)).unwrap(), "{f}: wrong bytes");
-                                true
-                            }
-                            Err(e) => {
-                                assert_eq!(e.raw_os_error(), Some(libc::EIO), "{f}: {e}");
-                                false
-                            }
-                        })
-                        .collect::<Vec<_>>()
-                })
-            })
-            .collect();
-        std::thread::sleep(Duration::from_millis(150));
-        let _ = Command::new("kill").args(["-9", &filler.to_string()]).status();
-        for r in readers {
-            for read in r.join().unwrap() {
-                match read {
-                    true => right += 1,
-                    false => eio += 1,
-                }
-            }
-        }
-    });
+    let (right, eio) = common::filler::reads_across_a_kill(&root.0, &img.rootfs, rest, filler);
     eprintln!("during the kill: {right} files read right, {eio} failed with EIO");
     assert!(eio > 0, "the kill came after every read ({right} read)");
     slow.store(false, std::sync::atomic::Ordering::Relaxed);

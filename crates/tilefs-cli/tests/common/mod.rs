@@ -4,6 +4,7 @@
 
 #![allow(dead_code)]
 
+pub mod filler;
 pub mod oci;
 pub mod registry;
 pub mod seekable;
