@@ -876,12 +876,9 @@ fn pulls_again_read_only_what_is_new_and_repair_what_is_missing() {
     );
 }
 
-#[test]
-fn registry_credentials_come_from_the_auth_files() {
-    let area = Area::new();
-    let layout = area.path("layout");
-    write_compat(&layout, "gz", Comp::Gzip);
-    let registry = Registry::start_with_password(&area, "alice", "s3cret", &area.path("auth-alice-s3cret.json"));
+/// Copies the layout's `gz` image to `private/app:v1` of `registry` as
+/// alice; returns its reference and what a pull of the layout prints.
+fn copy_to_private(area: &Area, layout: &Path, registry: &Registry) -> (String, String) {
     let remote = format!("docker://{}/private/app:v1", registry.addr);
     skopeo(&[
         "copy",
@@ -892,7 +889,19 @@ fn registry_credentials_come_from_the_auth_files() {
         &format!("oci:{}:gz", layout.display()),
         &remote,
     ]);
-    let want = pull(&area.path("ref"), &format!("oci:{}:gz", layout.display()), &[]);
+    (
+        remote,
+        pull(&area.path("ref"), &format!("oci:{}:gz", layout.display()), &[]),
+    )
+}
+
+#[test]
+fn registry_credentials_come_from_the_auth_files() {
+    let area = Area::new();
+    let layout = area.path("layout");
+    write_compat(&layout, "gz", Comp::Gzip);
+    let registry = Registry::start_with_password(&area, "alice", "s3cret", &area.path("auth-alice-s3cret.json"));
+    let (remote, want) = copy_to_private(&area, &layout, &registry);
     let store = area.path("store");
     let auth_file = |user_pass: &str| {
         let p = area.path(&format!("auth-{}.json", user_pass.replace(':', "-")));
@@ -944,17 +953,7 @@ fn an_identity_token_is_exchanged_at_the_token_server() {
     write_compat(&layout, "gz", Comp::Gzip);
     let tokens = TokenServer::start(&area, "alice", "s3cret", "refresh-of-alice");
     let registry = Registry::start_with(&area, &tokens.auth());
-    let remote = format!("docker://{}/private/app:v1", registry.addr);
-    skopeo(&[
-        "copy",
-        "-q",
-        "--dest-tls-verify=false",
-        "--dest-creds",
-        "alice:s3cret",
-        &format!("oci:{}:gz", layout.display()),
-        &remote,
-    ]);
-    let want = pull(&area.path("ref"), &format!("oci:{}:gz", layout.display()), &[]);
+    let (remote, want) = copy_to_private(&area, &layout, &registry);
     let store = area.path("store");
     let auth_file = |token: &str| {
         let p = area.path(&format!("auth-{token}.json"));
